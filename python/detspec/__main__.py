@@ -1,0 +1,5 @@
+import sys
+
+from detspec.cli import main
+
+sys.exit(main())

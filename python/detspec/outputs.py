@@ -1,0 +1,80 @@
+"""Outputs shaped like vLLM's ``RequestOutput`` / ``CompletionOutput``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Logprob:
+    """Log-probability of one token, with its rank in the model's distribution."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    fingerprint: str
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+def _logprobs_to_py(
+    raw: list[tuple[int, float, int, list[tuple[int, float]]]],
+    num: int | None,
+    decode: Any,
+) -> list[dict[int, Logprob]] | None:
+    if num is None:
+        return None
+    out = []
+    for token, lp, rank, top in raw:
+        d: dict[int, Logprob] = {token: Logprob(lp, rank, decode(token))}
+        for r, (t, tlp) in enumerate(top, start=1):
+            if t not in d:
+                d[t] = Logprob(tlp, r, decode(t))
+        out.append(d)
+    return out
+
+
+def request_output_from_dict(d: dict[str, Any], num_logprobs: int | None, decode: Any) -> RequestOutput:
+    outs = [
+        CompletionOutput(
+            index=c["index"],
+            text=c["text"],
+            token_ids=list(c["token_ids"]),
+            cumulative_logprob=c["cumulative_logprob"],
+            logprobs=_logprobs_to_py(c["logprobs"], num_logprobs, decode),
+            finish_reason=c["finish_reason"],
+            stop_reason=c["stop_reason"],
+        )
+        for c in d["outputs"]
+    ]
+    return RequestOutput(
+        request_id=d["request_id"],
+        prompt=d["prompt"],
+        prompt_token_ids=list(d["prompt_token_ids"]),
+        outputs=outs,
+        finished=d["finished"],
+        fingerprint=d["fingerprint"],
+    )

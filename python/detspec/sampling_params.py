@@ -1,0 +1,70 @@
+"""Sampling parameters, with vLLM's names and defaults plus ``deterministic``."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from detspec import _core
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request. Validated on construction (by the Rust core, so Python and
+    Rust accept exactly the same values); invalid values raise ``InvalidRequestError``.
+
+    ``deterministic=True`` (alias ``is_deterministic``) asks for bitwise-reproducible output.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    deterministic: bool = False
+    is_deterministic: dataclasses.InitVar[bool | None] = None
+    _extra: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self, is_deterministic: bool | None) -> None:
+        if is_deterministic is not None:
+            self.deterministic = bool(is_deterministic)
+        _core.validate_sampling_params(self.to_dict())
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields the Rust core reads."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "_extra"}
+        if isinstance(d["stop"], str):
+            d["stop"] = [d["stop"]]
+        d["stop"] = list(d["stop"] or [])
+        d["stop_token_ids"] = list(d["stop_token_ids"] or [])
+        return d
+
+    def clone(self) -> SamplingParams:
+        return dataclasses.replace(self)
+
+
+def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(n)]
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        from detspec.errors import InvalidRequestError
+
+        raise InvalidRequestError(
+            f"invalid parameter `sampling_params`: got {len(params)} for {n} prompts"
+        )
+    return params

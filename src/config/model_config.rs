@@ -1,0 +1,438 @@
+//! Hugging Face `config.json` for the Llama family (Llama, Mistral, Qwen2, Qwen3).
+//!
+//! Both the classic `rope_theta`/`rope_scaling` keys and the newer `rope_parameters` form are
+//! accepted, because checkpoints saved by different `transformers` versions use either.
+
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+
+use crate::error::{DetspecError, Result};
+
+/// Architectures detspec implements; all share one decoder with small switches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Architecture {
+    Llama,
+    Mistral,
+    Qwen2,
+    Qwen3,
+}
+
+impl Architecture {
+    const SUPPORTED: [(&'static str, Architecture); 4] = [
+        ("LlamaForCausalLM", Architecture::Llama),
+        ("MistralForCausalLM", Architecture::Mistral),
+        ("Qwen2ForCausalLM", Architecture::Qwen2),
+        ("Qwen3ForCausalLM", Architecture::Qwen3),
+    ];
+
+    fn supported_list() -> String {
+        Self::SUPPORTED.map(|(n, _)| n).join(", ")
+    }
+}
+
+/// How rotary frequencies are derived from the base frequencies.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RopeScaling {
+    None,
+    /// Positions divided by `factor` (HF "linear").
+    Linear { factor: f64 },
+    /// Llama-3's frequency-dependent scaling (HF "llama3").
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_max_position_embeddings: f64,
+    },
+}
+
+/// Rotary embedding configuration.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RopeConfig {
+    pub theta: f64,
+    pub scaling: RopeScaling,
+}
+
+/// The decoder's hyper-parameters, normalised across architectures.
+#[derive(Debug, Clone)]
+pub struct ModelConfig {
+    pub architecture: Architecture,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    pub head_dim: usize,
+    pub vocab_size: usize,
+    pub rms_norm_eps: f64,
+    pub rope: RopeConfig,
+    pub max_position_embeddings: usize,
+    pub tie_word_embeddings: bool,
+    /// Bias on the q/k/v projections (always on for Qwen2; `attention_bias` elsewhere).
+    pub qkv_bias: bool,
+    /// Bias on the output projection (Llama's `attention_bias` covers o_proj too).
+    pub o_bias: bool,
+    /// Bias on the MLP projections (Llama's `mlp_bias`).
+    pub mlp_bias: bool,
+    /// Per-head RMSNorm on q and k before rope (Qwen3).
+    pub qk_norm: bool,
+    /// Sliding-window attention span, when the checkpoint enables it.
+    pub sliding_window: Option<usize>,
+    /// `eos_token_id` from config.json (generation_config.json is read by the tokenizer module).
+    pub eos_token_ids: Vec<u32>,
+    pub bos_token_id: Option<u32>,
+    /// Where this config came from, for error messages.
+    pub path: PathBuf,
+}
+
+struct Fields<'a> {
+    obj: &'a serde_json::Map<String, Value>,
+    path: &'a Path,
+}
+
+impl Fields<'_> {
+    fn err(&self, field: &str, message: impl Into<String>) -> DetspecError {
+        DetspecError::InvalidConfig {
+            path: self.path.to_path_buf(),
+            field: field.to_string(),
+            message: message.into(),
+        }
+    }
+
+    fn opt_usize(&self, field: &str) -> Result<Option<usize>> {
+        match self.obj.get(field) {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => v
+                .as_u64()
+                .map(|x| Some(x as usize))
+                .ok_or_else(|| self.err(field, format!("expected a non-negative integer, got {v}"))),
+        }
+    }
+
+    fn usize(&self, field: &str) -> Result<usize> {
+        self.opt_usize(field)?
+            .ok_or_else(|| self.err(field, "missing"))
+    }
+
+    fn positive(&self, field: &str) -> Result<usize> {
+        let v = self.usize(field)?;
+        if v == 0 {
+            return Err(self.err(field, "must be > 0"));
+        }
+        Ok(v)
+    }
+
+    fn opt_f64(&self, field: &str) -> Result<Option<f64>> {
+        match self.obj.get(field) {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => v
+                .as_f64()
+                .map(Some)
+                .ok_or_else(|| self.err(field, format!("expected a number, got {v}"))),
+        }
+    }
+
+    fn opt_bool(&self, field: &str) -> Result<Option<bool>> {
+        match self.obj.get(field) {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => v
+                .as_bool()
+                .map(Some)
+                .ok_or_else(|| self.err(field, format!("expected a boolean, got {v}"))),
+        }
+    }
+
+    fn token_ids(&self, field: &str) -> Result<Vec<u32>> {
+        let bad = || self.err(field, "expected an integer or a list of integers");
+        match self.obj.get(field) {
+            None | Some(Value::Null) => Ok(vec![]),
+            Some(Value::Array(xs)) => xs
+                .iter()
+                .map(|x| x.as_u64().map(|x| x as u32).ok_or_else(bad))
+                .collect(),
+            Some(v) => v.as_u64().map(|x| vec![x as u32]).ok_or_else(bad),
+        }
+    }
+}
+
+impl ModelConfig {
+    /// Reads `config.json` from a model directory.
+    pub fn from_model_dir(dir: &Path) -> Result<Self> {
+        let path = dir.join("config.json");
+        let text = std::fs::read_to_string(&path).map_err(|e| DetspecError::io(&path, e))?;
+        Self::from_json_str(&text, &path)
+    }
+
+    /// Parses config JSON; `path` is only used in error messages.
+    pub fn from_json_str(text: &str, path: &Path) -> Result<Self> {
+        let value: Value = serde_json::from_str(text)
+            .map_err(|e| DetspecError::file(path, format!("not valid JSON: {e}")))?;
+        let obj = value
+            .as_object()
+            .ok_or_else(|| DetspecError::file(path, "expected a JSON object"))?;
+        let f = Fields { obj, path };
+
+        let architecture = Self::parse_architecture(&f)?;
+        let hidden_size = f.positive("hidden_size")?;
+        let num_attention_heads = f.positive("num_attention_heads")?;
+        let num_key_value_heads = f
+            .opt_usize("num_key_value_heads")?
+            .unwrap_or(num_attention_heads);
+        if num_key_value_heads == 0 || num_attention_heads % num_key_value_heads != 0 {
+            return Err(f.err(
+                "num_key_value_heads",
+                format!("{num_key_value_heads} does not divide num_attention_heads={num_attention_heads}"),
+            ));
+        }
+        let head_dim = match f.opt_usize("head_dim")? {
+            Some(d) if d > 0 => d,
+            Some(_) => return Err(f.err("head_dim", "must be > 0")),
+            None => {
+                if hidden_size % num_attention_heads != 0 {
+                    return Err(f.err(
+                        "hidden_size",
+                        "not divisible by num_attention_heads and no head_dim given",
+                    ));
+                }
+                hidden_size / num_attention_heads
+            }
+        };
+        if head_dim % 2 != 0 {
+            return Err(f.err("head_dim", format!("rotary embeddings need an even head_dim, got {head_dim}")));
+        }
+        let rms_norm_eps = f.opt_f64("rms_norm_eps")?.unwrap_or(1e-6);
+        if rms_norm_eps.is_nan() || rms_norm_eps <= 0.0 {
+            return Err(f.err("rms_norm_eps", "must be > 0"));
+        }
+        let max_position_embeddings = f.opt_usize("max_position_embeddings")?.unwrap_or(4096);
+        if max_position_embeddings == 0 {
+            return Err(f.err("max_position_embeddings", "must be > 0"));
+        }
+        let attention_bias = f.opt_bool("attention_bias")?.unwrap_or(false);
+        let (qkv_bias, o_bias) = match architecture {
+            Architecture::Qwen2 => (true, false),
+            Architecture::Qwen3 => (attention_bias, attention_bias),
+            _ => (attention_bias, attention_bias),
+        };
+        let sliding_window = match architecture {
+            Architecture::Mistral => f.opt_usize("sliding_window")?,
+            Architecture::Qwen2 | Architecture::Qwen3 => {
+                if f.opt_bool("use_sliding_window")?.unwrap_or(false) {
+                    f.opt_usize("sliding_window")?
+                } else {
+                    None
+                }
+            }
+            Architecture::Llama => None,
+        };
+        Ok(Self {
+            architecture,
+            hidden_size,
+            intermediate_size: f.positive("intermediate_size")?,
+            num_hidden_layers: f.positive("num_hidden_layers")?,
+            num_attention_heads,
+            num_key_value_heads,
+            head_dim,
+            vocab_size: f.positive("vocab_size")?,
+            rms_norm_eps,
+            rope: Self::parse_rope(&f)?,
+            max_position_embeddings,
+            tie_word_embeddings: f.opt_bool("tie_word_embeddings")?.unwrap_or(false),
+            qkv_bias,
+            o_bias,
+            mlp_bias: f.opt_bool("mlp_bias")?.unwrap_or(false),
+            qk_norm: architecture == Architecture::Qwen3,
+            sliding_window,
+            eos_token_ids: f.token_ids("eos_token_id")?,
+            bos_token_id: f.token_ids("bos_token_id")?.first().copied(),
+            path: path.to_path_buf(),
+        })
+    }
+
+    fn parse_architecture(f: &Fields) -> Result<Architecture> {
+        let name = match f.obj.get("architectures") {
+            Some(Value::Array(xs)) if !xs.is_empty() => xs[0]
+                .as_str()
+                .ok_or_else(|| f.err("architectures", "expected a list of strings"))?
+                .to_string(),
+            _ => {
+                // Fall back to model_type, which every HF config has.
+                let mt = f.obj.get("model_type").and_then(Value::as_str).unwrap_or("");
+                match mt {
+                    "llama" => "LlamaForCausalLM",
+                    "mistral" => "MistralForCausalLM",
+                    "qwen2" => "Qwen2ForCausalLM",
+                    "qwen3" => "Qwen3ForCausalLM",
+                    _ => return Err(f.err("architectures", "missing (and no known model_type)")),
+                }
+                .to_string()
+            }
+        };
+        Architecture::SUPPORTED
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, a)| *a)
+            .ok_or_else(|| DetspecError::UnsupportedArchitecture {
+                path: f.path.to_path_buf(),
+                architecture: name,
+                supported: Architecture::supported_list(),
+            })
+    }
+
+    /// Reads rope settings from `rope_parameters` (newer transformers) or from the classic
+    /// `rope_theta` + `rope_scaling` keys.
+    fn parse_rope(f: &Fields) -> Result<RopeConfig> {
+        let (params, params_field) = match f.obj.get("rope_parameters") {
+            Some(Value::Object(p)) => (Some(p), "rope_parameters"),
+            Some(Value::Null) | None => match f.obj.get("rope_scaling") {
+                Some(Value::Object(p)) => (Some(p), "rope_scaling"),
+                Some(Value::Null) | None => (None, "rope_scaling"),
+                Some(_) => return Err(f.err("rope_scaling", "expected an object or null")),
+            },
+            Some(_) => return Err(f.err("rope_parameters", "expected an object")),
+        };
+        let num = |key: &str| -> Result<Option<f64>> {
+            match params.and_then(|p| p.get(key)) {
+                None | Some(Value::Null) => Ok(None),
+                Some(v) => v.as_f64().map(Some).ok_or_else(|| {
+                    f.err(&format!("{params_field}.{key}"), format!("expected a number, got {v}"))
+                }),
+            }
+        };
+        let theta = match num("rope_theta")? {
+            Some(t) => t,
+            None => f.opt_f64("rope_theta")?.unwrap_or(10_000.0),
+        };
+        if theta.is_nan() || theta <= 0.0 {
+            return Err(f.err("rope_theta", "must be > 0"));
+        }
+        let rope_type = params
+            .and_then(|p| p.get("rope_type").or_else(|| p.get("type")))
+            .and_then(Value::as_str)
+            .unwrap_or("default");
+        let need = |key: &str| -> Result<f64> {
+            num(key)?.ok_or_else(|| f.err(&format!("{params_field}.{key}"), "missing"))
+        };
+        let scaling = match rope_type {
+            "default" => RopeScaling::None,
+            "linear" => RopeScaling::Linear {
+                factor: need("factor")?,
+            },
+            "llama3" => RopeScaling::Llama3 {
+                factor: need("factor")?,
+                low_freq_factor: need("low_freq_factor")?,
+                high_freq_factor: need("high_freq_factor")?,
+                original_max_position_embeddings: need("original_max_position_embeddings")?,
+            },
+            other => {
+                return Err(f.err(
+                    &format!("{params_field}.rope_type"),
+                    format!("unsupported rope type `{other}` (supported: default, linear, llama3)"),
+                ))
+            }
+        };
+        Ok(RopeConfig { theta, scaling })
+    }
+
+    /// Rotary inverse frequencies (length head_dim/2), computed in f32 the way transformers
+    /// does so logits match it closely.
+    pub fn rope_inv_freq(&self) -> Vec<f32> {
+        let dim = self.head_dim;
+        let base = self.rope.theta as f32;
+        let inv: Vec<f32> = (0..dim / 2)
+            .map(|i| 1.0 / base.powf((2 * i) as f32 / dim as f32))
+            .collect();
+        match self.rope.scaling {
+            RopeScaling::None => inv,
+            RopeScaling::Linear { factor } => inv.iter().map(|x| x / factor as f32).collect(),
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings: old_ctx,
+            } => {
+                let (factor, lff, hff, old_ctx) = (
+                    factor as f32,
+                    low_freq_factor as f32,
+                    high_freq_factor as f32,
+                    old_ctx as f32,
+                );
+                let low_freq_wavelen = old_ctx / lff;
+                let high_freq_wavelen = old_ctx / hff;
+                inv.iter()
+                    .map(|&f| {
+                        let wavelen = 2.0 * std::f32::consts::PI / f;
+                        if wavelen < high_freq_wavelen {
+                            f
+                        } else if wavelen > low_freq_wavelen {
+                            f / factor
+                        } else {
+                            let smooth = (old_ctx / wavelen - lff) / (hff - lff);
+                            (1.0 - smooth) * f / factor + smooth * f
+                        }
+                    })
+                    .collect()
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(json: &str) -> Result<ModelConfig> {
+        ModelConfig::from_json_str(json, Path::new("/m/config.json"))
+    }
+
+    const BASE: &str = r#""hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "vocab_size": 100"#;
+
+    #[test]
+    fn classic_and_new_rope_keys_agree() {
+        let classic = parse(&format!(
+            r#"{{"architectures": ["LlamaForCausalLM"], {BASE}, "rope_theta": 500000.0,
+            "rope_scaling": {{"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}}}"#
+        ))
+        .unwrap();
+        let new = parse(&format!(
+            r#"{{"architectures": ["LlamaForCausalLM"], {BASE}, "rope_parameters": {{"rope_type": "llama3",
+            "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64}}}}"#
+        ))
+        .unwrap();
+        assert_eq!(classic.rope, new.rope);
+        assert_eq!(classic.num_key_value_heads, 4);
+        assert_eq!(classic.head_dim, 16);
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let e = parse(r#"{"architectures": ["GPT2LMHeadModel"]}"#).unwrap_err();
+        assert!(e.to_string().contains("GPT2LMHeadModel"), "{e}");
+        let e = parse(r#"{"architectures": ["LlamaForCausalLM"], "hidden_size": 64}"#).unwrap_err();
+        assert!(e.to_string().contains("intermediate_size"), "{e}");
+        let e = parse(&format!(
+            r#"{{"architectures": ["LlamaForCausalLM"], {BASE}, "num_key_value_heads": 3}}"#
+        ))
+        .unwrap_err();
+        assert!(e.to_string().contains("num_key_value_heads"), "{e}");
+        let e = parse(&format!(
+            r#"{{"architectures": ["LlamaForCausalLM"], {BASE}, "rope_scaling": {{"rope_type": "yarn", "factor": 2.0}}}}"#
+        ))
+        .unwrap_err();
+        assert!(e.to_string().contains("rope_scaling.rope_type"), "{e}");
+        let e = parse("[1,2]").unwrap_err();
+        assert!(e.to_string().contains("/m/config.json"), "{e}");
+    }
+
+    #[test]
+    fn qwen2_always_has_qkv_bias() {
+        let c = parse(&format!(r#"{{"architectures": ["Qwen2ForCausalLM"], {BASE}}}"#)).unwrap();
+        assert!(c.qkv_bias && !c.o_bias && !c.qk_norm);
+        let c = parse(&format!(r#"{{"architectures": ["Qwen3ForCausalLM"], {BASE}, "head_dim": 32}}"#)).unwrap();
+        assert!(c.qk_norm && !c.qkv_bias);
+        assert_eq!(c.head_dim, 32);
+    }
+}

@@ -1,0 +1,145 @@
+//! Memory-mapped safetensors checkpoints, single-file or sharded.
+//!
+//! Every failure names the file or the tensor, because a broken checkpoint is the most common
+//! way a user meets detspec's errors.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor};
+use memmap2::Mmap;
+use safetensors::{Dtype as StDtype, SafeTensors};
+
+use crate::error::{DetspecError, Result};
+
+/// An opened checkpoint: mmaps of each shard and an index of tensor name → shard.
+pub struct Checkpoint {
+    shards: Vec<(PathBuf, Mmap)>,
+    index: HashMap<String, usize>,
+    /// The file users would look at to find a tensor (index json or the single file).
+    manifest: PathBuf,
+}
+
+impl Checkpoint {
+    /// Opens `model.safetensors` or the shards listed in `model.safetensors.index.json`.
+    pub fn open(dir: &Path) -> Result<Self> {
+        let index_path = dir.join("model.safetensors.index.json");
+        let single = dir.join("model.safetensors");
+        let (files, manifest) = if index_path.exists() {
+            (Self::shard_files(&index_path, dir)?, index_path)
+        } else if single.exists() {
+            (vec![single.clone()], single)
+        } else {
+            return Err(DetspecError::io(
+                &single,
+                std::io::Error::new(
+                    std::io::ErrorKind::NotFound,
+                    "neither model.safetensors nor model.safetensors.index.json found",
+                ),
+            ));
+        };
+        let mut shards = Vec::with_capacity(files.len());
+        let mut index = HashMap::new();
+        for (i, path) in files.into_iter().enumerate() {
+            let file = File::open(&path).map_err(|e| DetspecError::io(&path, e))?;
+            // SAFETY: the mapping is read-only; a checkpoint modified while we load it is the
+            // user's to avoid, as with every mmap-based loader.
+            let mmap = unsafe { Mmap::map(&file) }.map_err(|e| DetspecError::io(&path, e))?;
+            let st = SafeTensors::deserialize(&mmap)
+                .map_err(|e| DetspecError::file(&path, format!("not a valid safetensors file: {e}")))?;
+            for name in st.names() {
+                index.insert(name.to_string(), i);
+            }
+            drop(st);
+            shards.push((path, mmap));
+        }
+        Ok(Self {
+            shards,
+            index,
+            manifest,
+        })
+    }
+
+    fn shard_files(index_path: &Path, dir: &Path) -> Result<Vec<PathBuf>> {
+        let text = std::fs::read_to_string(index_path).map_err(|e| DetspecError::io(index_path, e))?;
+        let v: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| DetspecError::file(index_path, format!("not valid JSON: {e}")))?;
+        let map = v
+            .get("weight_map")
+            .and_then(|m| m.as_object())
+            .ok_or_else(|| DetspecError::file(index_path, "missing `weight_map` object"))?;
+        let mut files: Vec<PathBuf> = Vec::new();
+        for (name, f) in map {
+            let f = f
+                .as_str()
+                .ok_or_else(|| DetspecError::file(index_path, format!("weight_map entry `{name}` is not a string")))?;
+            if f.contains("..") || Path::new(f).is_absolute() {
+                return Err(DetspecError::file(index_path, format!("shard path `{f}` leaves the model directory")));
+            }
+            let p = dir.join(f);
+            if !files.contains(&p) {
+                files.push(p);
+            }
+        }
+        files.sort();
+        Ok(files)
+    }
+
+    /// Whether the checkpoint holds `name`.
+    pub fn contains(&self, name: &str) -> bool {
+        self.index.contains_key(name)
+    }
+
+    /// Loads `name` as `dtype` on `device`, checking its shape. f16/bf16/f32 are accepted.
+    pub fn load(&self, name: &str, shape: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
+        let &shard = self.index.get(name).ok_or_else(|| DetspecError::MissingTensor {
+            name: name.to_string(),
+            path: self.manifest.clone(),
+        })?;
+        let (path, mmap) = &self.shards[shard];
+        let bad = |message: String| DetspecError::BadTensor {
+            name: name.to_string(),
+            path: path.clone(),
+            message,
+        };
+        let st = SafeTensors::deserialize(mmap)
+            .map_err(|e| DetspecError::file(path, format!("not a valid safetensors file: {e}")))?;
+        let view = st
+            .tensor(name)
+            .map_err(|e| bad(format!("cannot read: {e}")))?;
+        if view.shape() != shape {
+            return Err(bad(format!("expected shape {shape:?}, found {:?}", view.shape())));
+        }
+        let src_dtype = match view.dtype() {
+            StDtype::F32 => DType::F32,
+            StDtype::F16 => DType::F16,
+            StDtype::BF16 => DType::BF16,
+            other => return Err(bad(format!("expected a float tensor (f32, f16, bf16), found {other:?}"))),
+        };
+        let tensor = Tensor::from_raw_buffer(view.data(), src_dtype, shape, &Device::Cpu)
+            .map_err(|e| bad(format!("cannot convert: {e}")))?;
+        Ok(tensor.to_dtype(dtype)?.to_device(device)?)
+    }
+
+    /// A short stable description of the checkpoint's bytes, for the output fingerprint.
+    pub fn content_hash(&self) -> u64 {
+        // FNV-1a over each shard's safetensors header and length; the header holds every
+        // tensor's name, dtype, shape and offsets, and hashing all weight bytes would cost a
+        // full read of the checkpoint.
+        let mut h: u64 = 0xcbf29ce484222325;
+        for (_, m) in &self.shards {
+            let header_len = m
+                .get(..8)
+                .and_then(|b| b.try_into().ok())
+                .map(u64::from_le_bytes)
+                .unwrap_or(0) as usize;
+            let end = (8 + header_len).min(m.len());
+            for &b in m[..end].iter().chain(&(m.len() as u64).to_le_bytes()) {
+                h ^= b as u64;
+                h = h.wrapping_mul(0x100000001b3);
+            }
+        }
+        h
+    }
+}

@@ -1,0 +1,27 @@
+//! Kernels as candle ops. Each has a CPU implementation in Rust; the CUDA issue adds
+//! `cuda_fwd` bodies that launch kernels from `cuda/`, so the model code never forks by device.
+//!
+//! Every CPU kernel here reduces in a fixed sequential order per output row, so a row's result
+//! depends only on that row's inputs: not on its index in the batch, its neighbours, or the
+//! number of threads (rayon only splits *independent* rows).
+
+mod cache_write;
+mod paged_attention;
+mod rms_norm;
+mod rope;
+
+pub use cache_write::write_kv;
+pub use paged_attention::{paged_attention, AttentionMetadata};
+pub use rms_norm::rms_norm;
+pub use rope::apply_rope;
+
+use candle_core::{bail, CpuStorage, Layout};
+
+/// The contiguous f32 data a layout addresses, or an error naming the operand.
+fn contiguous_f32<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> candle_core::Result<&'a [f32]> {
+    let data = s.as_slice::<f32>()?;
+    match l.contiguous_offsets() {
+        Some((a, b)) => Ok(&data[a..b]),
+        None => bail!("{what}: expected a contiguous f32 tensor"),
+    }
+}

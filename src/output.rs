@@ -1,0 +1,71 @@
+//! What a client receives; shaped like vLLM's `RequestOutput`/`CompletionOutput`.
+
+use std::fmt;
+
+/// Why a sequence stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// EOS, a stop token id or a stop string.
+    Stop,
+    /// `max_tokens` or the context length.
+    Length,
+    /// Aborted by the client or by engine shutdown.
+    Abort,
+}
+
+impl fmt::Display for FinishReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Abort => "abort",
+        })
+    }
+}
+
+/// What caused a `Stop` finish, as vLLM's `stop_reason`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StopReason {
+    /// EOS or a stop token id.
+    Token(u32),
+    /// A stop string (not included in the text).
+    Text(String),
+}
+
+/// Log-probabilities at one generated position.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprobs {
+    /// The chosen token and its log-probability under the model (raw logits).
+    pub token: u32,
+    pub logprob: f32,
+    /// 1-based rank of the chosen token by log-probability.
+    pub rank: u32,
+    /// The `logprobs` most likely tokens, highest first.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// One completion of a request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CompletionOutput {
+    pub index: usize,
+    pub token_ids: Vec<u32>,
+    pub text: String,
+    /// Per generated token; always filled (cheap), exposed to Python only when asked for.
+    pub logprobs: Vec<TokenLogprobs>,
+    pub cumulative_logprob: f64,
+    pub finish_reason: Option<FinishReason>,
+    pub stop_reason: Option<StopReason>,
+}
+
+/// The state of one request: a snapshot while streaming, the final result once `finished`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RequestOutput {
+    pub request_id: String,
+    pub prompt: Option<String>,
+    pub prompt_token_ids: Vec<u32>,
+    pub outputs: Vec<CompletionOutput>,
+    pub finished: bool,
+    /// Identifies the model, numeric configuration and kernels that produced this output; two
+    /// outputs are comparable bit for bit only when their fingerprints are equal.
+    pub fingerprint: String,
+}

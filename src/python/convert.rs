@@ -1,0 +1,159 @@
+//! Conversions between Python objects and detspec types, and errors to exceptions.
+
+use pyo3::exceptions::PyRuntimeError;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyType};
+
+use crate::error::DetspecError;
+use crate::output::{RequestOutput, StopReason};
+use crate::request::Prompt;
+use crate::sampling::SamplingParams;
+
+/// The Python exception class for an error: load problems, bad requests, or engine failures.
+fn class_name(e: &DetspecError) -> &'static str {
+    use DetspecError::*;
+    match e {
+        Io { .. } | InvalidFile { .. } | InvalidConfig { .. } | UnsupportedArchitecture { .. } | MissingTensor { .. } | BadTensor { .. } => {
+            "ModelLoadError"
+        }
+        InvalidParameter { .. } | InvalidRequest { .. } | Tokenizer(_) => "InvalidRequestError",
+        OutOfPages { .. } | EngineStopped | Candle(_) => "DetspecError",
+    }
+}
+
+fn raise(py: Python<'_>, class: &str, msg: String) -> PyErr {
+    // The classes live in Python (detspec/errors.py) so they can also subclass ValueError etc.
+    let cls = py
+        .import("detspec.errors")
+        .and_then(|m| m.getattr(class))
+        .and_then(|c| c.cast_into::<PyType>().map_err(PyErr::from));
+    match cls {
+        Ok(c) => PyErr::from_type(c, msg),
+        Err(_) => PyRuntimeError::new_err(msg),
+    }
+}
+
+pub fn to_pyerr(py: Python<'_>, e: DetspecError) -> PyErr {
+    raise(py, class_name(&e), e.to_string())
+}
+
+pub fn internal_error(py: Python<'_>, msg: &str) -> PyErr {
+    raise(py, "DetspecError", format!("internal error (please report): {msg}"))
+}
+
+pub fn prompt_from_py(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Prompt> {
+    if let Ok(s) = obj.extract::<String>() {
+        return Ok(Prompt::Text(s));
+    }
+    obj.extract::<Vec<i64>>()
+        .ok()
+        .and_then(|ids| ids.into_iter().map(|t| u32::try_from(t).ok()).collect::<Option<Vec<u32>>>())
+        .map(Prompt::Tokens)
+        .ok_or_else(|| {
+            to_pyerr(
+                py,
+                DetspecError::InvalidRequest {
+                    request_id: None,
+                    message: "prompt must be a string or a list of non-negative token ids".into(),
+                },
+            )
+        })
+}
+
+fn get<'py, T: FromPyObjectOwned<'py>>(py: Python<'py>, d: &Bound<'py, PyDict>, key: &str) -> PyResult<Option<T>> {
+    match d.get_item(key)? {
+        None => Ok(None),
+        Some(v) if v.is_none() => Ok(None),
+        Some(v) => v.extract::<T>().map(Some).map_err(|_| {
+            let ty = v.get_type().name().map(|n| n.to_string()).unwrap_or_default();
+            to_pyerr(py, DetspecError::param(key, format!("wrong type `{ty}`")))
+        }),
+    }
+}
+
+/// Builds SamplingParams from a dict with vLLM's field names; unknown keys are an error.
+pub fn params_from_dict(py: Python<'_>, d: &Bound<'_, PyDict>) -> PyResult<SamplingParams> {
+    const KNOWN: &[&str] = &[
+        "n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop",
+        "stop_token_ids", "ignore_eos", "logprobs", "presence_penalty", "frequency_penalty",
+        "repetition_penalty", "deterministic",
+    ];
+    for k in d.keys() {
+        let k: String = k.extract()?;
+        if !KNOWN.contains(&k.as_str()) {
+            return Err(to_pyerr(py, DetspecError::param(&k, "unknown sampling parameter")));
+        }
+    }
+    let mut p = SamplingParams::default();
+    macro_rules! field {
+        ($name:ident) => {
+            if let Some(v) = get(py, d, stringify!($name))? {
+                p.$name = v;
+            }
+        };
+    }
+    field!(n);
+    field!(temperature);
+    field!(top_p);
+    field!(top_k);
+    field!(min_p);
+    field!(min_tokens);
+    field!(stop_token_ids);
+    field!(ignore_eos);
+    field!(presence_penalty);
+    field!(frequency_penalty);
+    field!(repetition_penalty);
+    field!(deterministic);
+    if let Some(v) = get::<i64>(py, d, "max_tokens")? {
+        p.max_tokens = usize::try_from(v).unwrap_or(0);
+    }
+    if let Some(v) = get::<i64>(py, d, "seed")? {
+        // Negative seeds are fine in vLLM; reinterpret their bits.
+        p.seed = Some(v as u64);
+    }
+    if let Some(v) = get::<i64>(py, d, "logprobs")? {
+        p.logprobs = Some(usize::try_from(v).map_err(|_| to_pyerr(py, DetspecError::param("logprobs", format!("must be >= 0, got {v}"))))?);
+    }
+    if let Some(item) = d.get_item("stop")? {
+        if let Ok(s) = item.extract::<String>() {
+            p.stop = vec![s];
+        } else if !item.is_none() {
+            p.stop = item
+                .extract()
+                .map_err(|_| to_pyerr(py, DetspecError::param("stop", "must be a string or a list of strings")))?;
+        }
+    }
+    Ok(p)
+}
+
+pub fn output_to_py<'py>(py: Python<'py>, o: &RequestOutput) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("request_id", &o.request_id)?;
+    d.set_item("prompt", &o.prompt)?;
+    d.set_item("prompt_token_ids", &o.prompt_token_ids)?;
+    d.set_item("finished", o.finished)?;
+    d.set_item("fingerprint", &o.fingerprint)?;
+    let mut outs = Vec::with_capacity(o.outputs.len());
+    for c in &o.outputs {
+        let cd = PyDict::new(py);
+        cd.set_item("index", c.index)?;
+        cd.set_item("token_ids", &c.token_ids)?;
+        cd.set_item("text", &c.text)?;
+        cd.set_item("cumulative_logprob", c.cumulative_logprob)?;
+        cd.set_item("finish_reason", c.finish_reason.map(|f| f.to_string()))?;
+        match &c.stop_reason {
+            Some(StopReason::Token(t)) => cd.set_item("stop_reason", *t)?,
+            Some(StopReason::Text(s)) => cd.set_item("stop_reason", s)?,
+            None => cd.set_item("stop_reason", py.None())?,
+        }
+        let lps: Vec<(u32, f32, u32, Vec<(u32, f32)>)> = c
+            .logprobs
+            .iter()
+            .map(|l| (l.token, l.logprob, l.rank, l.top.clone()))
+            .collect();
+        cd.set_item("logprobs", lps)?;
+        outs.push(cd);
+    }
+    d.set_item("outputs", outs)?;
+    Ok(d)
+}

@@ -1,0 +1,47 @@
+//! What a client submits.
+
+use crate::sampling::SamplingParams;
+
+/// A prompt as text (tokenized by the model's tokenizer) or as token ids.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Prompt {
+    Text(String),
+    Tokens(Vec<u32>),
+}
+
+impl From<&str> for Prompt {
+    fn from(s: &str) -> Self {
+        Prompt::Text(s.to_string())
+    }
+}
+
+impl From<String> for Prompt {
+    fn from(s: String) -> Self {
+        Prompt::Text(s)
+    }
+}
+
+impl From<Vec<u32>> for Prompt {
+    fn from(t: Vec<u32>) -> Self {
+        Prompt::Tokens(t)
+    }
+}
+
+/// One generation request.
+#[derive(Debug, Clone)]
+pub struct Request {
+    /// Caller-chosen id, echoed in outputs and used to abort.
+    pub request_id: String,
+    pub prompt: Prompt,
+    pub params: SamplingParams,
+}
+
+impl Request {
+    pub fn new(request_id: impl Into<String>, prompt: impl Into<Prompt>, params: SamplingParams) -> Self {
+        Self {
+            request_id: request_id.into(),
+            prompt: prompt.into(),
+            params,
+        }
+    }
+}

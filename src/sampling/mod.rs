@@ -1,0 +1,15 @@
+//! Sampling: per-request parameters, logits processors and a deterministic sampler.
+//!
+//! Everything here is a pure function of its inputs (logits, parameters, seed, absolute position,
+//! token history) with sequential, fixed-order arithmetic, so the fast path and the DVR verifier
+//! (DESIGN.md §2 step 4, §3) pick the same token from the same logits regardless of batching or
+//! thread count.
+
+pub mod params;
+pub mod processors;
+pub mod rng;
+pub mod sampler;
+
+pub use params::{SamplingParams, GREEDY_TEMPERATURE_EPS, MAX_LOGPROBS};
+pub use rng::{gumbel, request_seed_from_entropy, uniform, GUMBEL_MAX};
+pub use sampler::{sample, SampleInput, SampledToken};

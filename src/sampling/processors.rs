@@ -1,0 +1,383 @@
+//! Logits processors: penalties, bans, temperature and the top-k / top-p / min-p filters.
+//!
+//! Each processor rewrites one row of logits in place; a filtered-out token becomes `-inf`.
+//! [`process_logits`] applies them in the order the sampler needs (DESIGN.md §2 step 4):
+//! repetition penalty → frequency/presence penalties → banned ids → temperature → top-k → top-p →
+//! min-p.
+//!
+//! Determinism: the same row must give the same bits whether it is sampled on the fast path or
+//! by the verifier, on any thread count. So every reduction here is a plain sequential loop in a
+//! fixed order (no rayon, no SIMD-reassociated sums), and every sort uses a *total* order
+//! (`f32::total_cmp`, ties broken by token id), which makes the kept set unique even when
+//! several tokens share a logit and independent of the sorting algorithm's stability.
+//!
+//! Token ids at or beyond the row length are ignored here; [`crate::sampling::sample`] rejects
+//! them with an error before calling these.
+
+use std::cmp::Ordering;
+
+use super::params::SamplingParams;
+
+/// Total order "more likely first": larger logit first, equal logits by lower token id.
+#[inline]
+pub(crate) fn rank_desc(logits: &[f32], a: u32, b: u32) -> Ordering {
+    logits[b as usize]
+        .total_cmp(&logits[a as usize])
+        .then(a.cmp(&b))
+}
+
+/// Sorted, de-duplicated copy of the ids that are inside the row.
+fn distinct_in_range(ids: impl Iterator<Item = u32>, len: usize) -> Vec<u32> {
+    let mut v: Vec<u32> = ids.filter(|&t| (t as usize) < len).collect();
+    v.sort_unstable();
+    v.dedup();
+    v
+}
+
+/// HF / CTRL repetition penalty: every distinct token seen in the prompt or the output has its
+/// logit divided by `penalty` if positive, multiplied by it otherwise, so `penalty > 1`
+/// always makes a seen token less likely. Each token is penalised once however often it occurs.
+pub fn apply_repetition_penalty(
+    logits: &mut [f32],
+    prompt_tokens: &[u32],
+    output_tokens: &[u32],
+    penalty: f32,
+) {
+    if penalty == 1.0 {
+        return;
+    }
+    let seen = distinct_in_range(
+        prompt_tokens.iter().chain(output_tokens).copied(),
+        logits.len(),
+    );
+    for t in seen {
+        let l = &mut logits[t as usize];
+        *l = if *l > 0.0 { *l / penalty } else { *l * penalty };
+    }
+}
+
+/// OpenAI / vLLM frequency and presence penalties over the generated tokens only:
+/// `logit -= frequency_penalty * count + presence_penalty * (count > 0)`.
+pub fn apply_frequency_presence_penalties(
+    logits: &mut [f32],
+    output_tokens: &[u32],
+    frequency_penalty: f32,
+    presence_penalty: f32,
+) {
+    if frequency_penalty == 0.0 && presence_penalty == 0.0 {
+        return;
+    }
+    let mut sorted: Vec<u32> = output_tokens
+        .iter()
+        .copied()
+        .filter(|&t| (t as usize) < logits.len())
+        .collect();
+    sorted.sort_unstable();
+    for run in sorted.chunk_by(|a, b| a == b) {
+        let count = run.len() as f32;
+        logits[run[0] as usize] -= frequency_penalty * count + presence_penalty;
+    }
+}
+
+/// Sets the given tokens to `-inf` (e.g. EOS while fewer than `min_tokens` were generated; the
+/// engine decides which ids, because it knows the tokenizer's EOS set and the output length).
+pub fn ban_tokens(logits: &mut [f32], ids: &[u32]) {
+    for &t in ids {
+        if let Some(l) = logits.get_mut(t as usize) {
+            *l = f32::NEG_INFINITY;
+        }
+    }
+}
+
+/// Divides every logit by `temperature` (callers skip this for greedy requests, where the
+/// temperature may be 0).
+pub fn apply_temperature(logits: &mut [f32], temperature: f32) {
+    if temperature == 1.0 {
+        return;
+    }
+    for l in logits.iter_mut() {
+        *l /= temperature;
+    }
+}
+
+/// Keeps exactly the `k` most likely tokens (ties by lower id); `k <= 0` disables the filter.
+pub fn apply_top_k(logits: &mut [f32], k: i32) {
+    if k <= 0 || k as usize >= logits.len() {
+        return;
+    }
+    let k = k as usize;
+    let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
+    // With a total order the k smallest elements form a unique set, so the unstable selection
+    // is still deterministic.
+    idx.select_nth_unstable_by(k - 1, |&a, &b| rank_desc(logits, a, b));
+    for &t in &idx[k..] {
+        logits[t as usize] = f32::NEG_INFINITY;
+    }
+}
+
+/// Nucleus filter: keeps the smallest prefix of tokens, most likely first (ties by lower id),
+/// whose cumulative probability reaches `top_p`; always keeps at least one token. `top_p >= 1`
+/// disables it.
+///
+/// Probabilities are computed in `f64` over the tokens still alive (so after top-k this is the
+/// renormalised distribution, as in vLLM and HF). The total is the last prefix sum of the same
+/// sequential loop, so the comparison `prefix >= top_p * total` is guaranteed to succeed by the
+/// last token without a separate normalisation step.
+pub fn apply_top_p(logits: &mut [f32], top_p: f32) {
+    if top_p >= 1.0 {
+        return;
+    }
+    let mut idx: Vec<u32> = (0..logits.len() as u32)
+        .filter(|&t| logits[t as usize] > f32::NEG_INFINITY)
+        .collect();
+    if idx.is_empty() {
+        return;
+    }
+    idx.sort_unstable_by(|&a, &b| rank_desc(logits, a, b));
+    let max = f64::from(logits[idx[0] as usize]);
+    let weights: Vec<f64> = idx
+        .iter()
+        .map(|&t| (f64::from(logits[t as usize]) - max).exp())
+        .collect();
+    let total: f64 = weights.iter().fold(0.0, |acc, &w| acc + w);
+    let threshold = f64::from(top_p) * total;
+    let mut prefix = 0.0f64;
+    let mut keep = idx.len();
+    for (i, &w) in weights.iter().enumerate() {
+        prefix += w;
+        if prefix >= threshold {
+            keep = i + 1;
+            break;
+        }
+    }
+    for &t in &idx[keep..] {
+        logits[t as usize] = f32::NEG_INFINITY;
+    }
+}
+
+/// Min-p filter: drops tokens whose probability is below `min_p` times the largest probability.
+/// `min_p <= 0` disables it.
+///
+/// `p_i / p_max = exp(l_i - l_max)` whatever the normalisation, so this needs only the maximum
+/// (and is unaffected by what earlier filters removed); the most likely token always survives.
+pub fn apply_min_p(logits: &mut [f32], min_p: f32) {
+    if min_p <= 0.0 {
+        return;
+    }
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    if max == f32::NEG_INFINITY {
+        return;
+    }
+    let (max, min_p) = (f64::from(max), f64::from(min_p));
+    for l in logits.iter_mut() {
+        if *l > f32::NEG_INFINITY && (f64::from(*l) - max).exp() < min_p {
+            *l = f32::NEG_INFINITY;
+        }
+    }
+}
+
+/// Applies every processor in the sampler's order.
+///
+/// For greedy requests only the penalties and bans run: temperature would divide by ~0, and the
+/// filters always keep the argmax, so skipping them cannot change the greedy choice.
+pub fn process_logits(
+    logits: &mut [f32],
+    params: &SamplingParams,
+    prompt_tokens: &[u32],
+    output_tokens: &[u32],
+    banned_tokens: &[u32],
+) {
+    apply_repetition_penalty(
+        logits,
+        prompt_tokens,
+        output_tokens,
+        params.repetition_penalty,
+    );
+    apply_frequency_presence_penalties(
+        logits,
+        output_tokens,
+        params.frequency_penalty,
+        params.presence_penalty,
+    );
+    ban_tokens(logits, banned_tokens);
+    if params.is_greedy() {
+        return;
+    }
+    apply_temperature(logits, params.temperature);
+    apply_top_k(logits, params.top_k);
+    apply_top_p(logits, params.top_p);
+    apply_min_p(logits, params.min_p);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const NEG: f32 = f32::NEG_INFINITY;
+
+    fn kept(logits: &[f32]) -> Vec<usize> {
+        (0..logits.len()).filter(|&i| logits[i] > NEG).collect()
+    }
+
+    #[test]
+    fn repetition_then_frequency_presence_numbers() {
+        let mut l = vec![2.0f32, -2.0, 1.0, 0.5, 3.0];
+        // Token 1 occurs in both prompt and output but is penalised once.
+        apply_repetition_penalty(&mut l, &[0, 1], &[1, 2, 2], 2.0);
+        assert_eq!(l, vec![1.0, -4.0, 0.5, 0.5, 3.0]);
+        apply_frequency_presence_penalties(&mut l, &[1, 2, 2], 0.5, 0.25);
+        // token 1: -4 - 0.5*1 - 0.25; token 2: 0.5 - 0.5*2 - 0.25.
+        assert_eq!(l, vec![1.0, -4.75, -0.75, 0.5, 3.0]);
+    }
+
+    #[test]
+    fn repetition_penalty_below_one_boosts_and_zero_stays_zero() {
+        let mut l = vec![2.0f32, -2.0, 0.0];
+        apply_repetition_penalty(&mut l, &[0, 1, 2], &[], 0.5);
+        assert_eq!(l, vec![4.0, -1.0, 0.0]);
+    }
+
+    #[test]
+    fn presence_only_and_negative_penalties() {
+        let mut l = vec![0.0f32; 4];
+        apply_frequency_presence_penalties(&mut l, &[3, 3, 3, 0], 0.0, 1.5);
+        assert_eq!(l, vec![-1.5, 0.0, 0.0, -1.5]);
+        let mut l = vec![0.0f32; 4];
+        apply_frequency_presence_penalties(&mut l, &[3, 3, 3, 0], -1.0, 0.0);
+        assert_eq!(l, vec![1.0, 0.0, 0.0, 3.0]);
+    }
+
+    #[test]
+    fn penalties_ignore_out_of_range_ids() {
+        let mut l = vec![1.0f32, 1.0];
+        apply_repetition_penalty(&mut l, &[5], &[7], 2.0);
+        apply_frequency_presence_penalties(&mut l, &[9], 1.0, 1.0);
+        ban_tokens(&mut l, &[2]);
+        assert_eq!(l, vec![1.0, 1.0]);
+    }
+
+    #[test]
+    fn ban_and_temperature() {
+        let mut l = vec![1.0f32, 2.0, -3.0];
+        ban_tokens(&mut l, &[1]);
+        assert_eq!(l, vec![1.0, NEG, -3.0]);
+        apply_temperature(&mut l, 0.5);
+        assert_eq!(l, vec![2.0, NEG, -6.0]);
+    }
+
+    #[test]
+    fn top_k_keeps_k_with_ties_by_id() {
+        let mut l = vec![0.5f32, 3.0, 1.0, 3.0, 1.0, -1.0];
+        apply_top_k(&mut l, 3);
+        assert_eq!(kept(&l), vec![1, 2, 3]);
+        let mut l = vec![1.0f32, 2.0];
+        apply_top_k(&mut l, 0);
+        apply_top_k(&mut l, -1);
+        apply_top_k(&mut l, 5);
+        assert_eq!(kept(&l), vec![0, 1]);
+    }
+
+    #[test]
+    fn top_p_keeps_expected_set() {
+        // Probabilities 0.1, 0.5, 0.15, 0.25 (indices deliberately not in rank order).
+        let base: Vec<f32> = [0.1f64, 0.5, 0.15, 0.25]
+            .iter()
+            .map(|p| p.ln() as f32)
+            .collect();
+        for (p, want) in [
+            (0.3f32, vec![1]),
+            (0.7, vec![1, 3]),
+            (0.8, vec![1, 2, 3]),
+            (0.95, vec![0, 1, 2, 3]),
+            (1.0, vec![0, 1, 2, 3]),
+        ] {
+            let mut l = base.clone();
+            apply_top_p(&mut l, p);
+            assert_eq!(kept(&l), want, "top_p {p}");
+        }
+        // Kept logits are untouched.
+        let mut l = base.clone();
+        apply_top_p(&mut l, 0.7);
+        assert_eq!(l[1].to_bits(), base[1].to_bits());
+    }
+
+    #[test]
+    fn top_p_ties_by_id_and_at_least_one() {
+        let mut l = vec![1.0f32; 4];
+        apply_top_p(&mut l, 0.5);
+        assert_eq!(kept(&l), vec![0, 1]);
+        let mut l = vec![0.0f32, 10.0, 0.0];
+        apply_top_p(&mut l, 1e-9);
+        assert_eq!(kept(&l), vec![1]);
+        let mut l = vec![NEG, NEG];
+        apply_top_p(&mut l, 0.5);
+        assert_eq!(kept(&l), Vec::<usize>::new());
+    }
+
+    #[test]
+    fn top_p_after_top_k_renormalises() {
+        // Probabilities 0.4, 0.3, 0.2, 0.1. After top-k=2 the renormalised masses are 4/7, 3/7;
+        // top_p=0.5 then keeps only the first, top_p=0.6 keeps both.
+        let base: Vec<f32> = [0.4f64, 0.3, 0.2, 0.1]
+            .iter()
+            .map(|p| p.ln() as f32)
+            .collect();
+        let mut l = base.clone();
+        apply_top_k(&mut l, 2);
+        apply_top_p(&mut l, 0.5);
+        assert_eq!(kept(&l), vec![0]);
+        let mut l = base.clone();
+        apply_top_k(&mut l, 2);
+        apply_top_p(&mut l, 0.6);
+        assert_eq!(kept(&l), vec![0, 1]);
+    }
+
+    #[test]
+    fn min_p_keeps_expected_set() {
+        // Relative probabilities 1, 0.5, 0.1, 0.05.
+        let base: Vec<f32> = [0.05f64, 1.0, 0.1, 0.5]
+            .iter()
+            .map(|p| p.ln() as f32)
+            .collect();
+        for (p, want) in [
+            (0.0f32, vec![0, 1, 2, 3]),
+            (0.08, vec![1, 2, 3]),
+            (0.2, vec![1, 3]),
+            (0.6, vec![1]),
+            (1.0, vec![1]),
+        ] {
+            let mut l = base.clone();
+            apply_min_p(&mut l, p);
+            assert_eq!(kept(&l), want, "min_p {p}");
+        }
+    }
+
+    #[test]
+    fn process_logits_greedy_skips_temperature_and_filters() {
+        let p = SamplingParams {
+            temperature: 0.0,
+            top_k: 1,
+            repetition_penalty: 2.0,
+            ..Default::default()
+        };
+        let mut l = vec![4.0f32, 3.0, 1.0];
+        process_logits(&mut l, &p, &[0], &[], &[2]);
+        assert_eq!(l, vec![2.0, 3.0, NEG]);
+    }
+
+    #[test]
+    fn process_logits_full_pipeline() {
+        let p = SamplingParams {
+            temperature: 0.5,
+            top_k: 3,
+            top_p: 0.9,
+            frequency_penalty: 1.0,
+            ..Default::default()
+        };
+        let mut l = vec![1.0f32, 2.0, 0.0, 1.5, -1.0];
+        process_logits(&mut l, &p, &[], &[1], &[4]);
+        // Penalty: token 1 -> 1.0. Temperature: [2, 2, 0, 3, -inf]. Top-3: ids 3, 0, 1.
+        // Top-p over e^3, e^2, e^2 (0.576, 0.212, 0.212): 0.9 needs all three.
+        assert_eq!(l, vec![2.0, 2.0, NEG, 3.0, NEG]);
+    }
+}

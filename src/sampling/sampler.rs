@@ -1,0 +1,565 @@
+//! Turning one row of logits into a token (plus its logprobs).
+//!
+//! [`sample`] is a pure function of its input: the same logits, parameters, seed, position and
+//! token history always give the same token and the same logprob bits. The fast path and the
+//! DVR verifier (DESIGN.md §3) both call it, so a verified token differs from the speculative one
+//! only if the *logits* differ.
+//!
+//! Random sampling uses the Gumbel-max trick with counter-based noise ([`super::rng`]): the token
+//! is `argmax_i (l_i + g(seed, position, i))` over the processed (temperature-scaled, filtered)
+//! logits `l_i`. This draws exactly from `softmax(l)`, needs no cumulative sum over the vocabulary
+//! (whose rounding would depend on summation order), and ties the noise of each token to its own
+//! id rather than to a shared stream.
+
+use super::params::SamplingParams;
+use super::processors::{process_logits, rank_desc};
+use super::rng::{gumbel, GUMBEL_MAX};
+use crate::{DetspecError, Result};
+
+/// Everything [`sample`] needs for one row.
+#[derive(Debug, Clone, Copy)]
+pub struct SampleInput<'a> {
+    /// Raw logits of one row; the length is the vocabulary size.
+    pub logits: &'a [f32],
+    /// The request's sampling parameters (assumed validated).
+    pub params: &'a SamplingParams,
+    /// Resolved seed: `params.seed`, or an entropy seed the engine chose once for the request.
+    pub seed: u64,
+    /// Absolute position of the token being sampled (prompt length + output index). Keying the
+    /// noise by absolute position is what makes replays after rollback draw the same noise.
+    pub position: u64,
+    /// Prompt token ids (for the repetition penalty).
+    pub prompt_tokens: &'a [u32],
+    /// Tokens generated so far (for all penalties).
+    pub output_tokens: &'a [u32],
+    /// Ids that must not be sampled, e.g. EOS while the output is shorter than `min_tokens`.
+    pub banned_tokens: &'a [u32],
+}
+
+/// The chosen token and its logprobs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SampledToken {
+    /// The sampled token id.
+    pub token: u32,
+    /// `log_softmax(raw logits)[token]`.
+    pub logprob: f32,
+    /// The `params.logprobs` most likely tokens under the raw logits with their logprobs, most
+    /// likely first, ties by lower id.
+    pub top_logprobs: Vec<(u32, f32)>,
+}
+
+/// Samples one token from a row of logits.
+///
+/// Pipeline: penalties → banned ids → (unless greedy) temperature → top-k → top-p → min-p →
+/// Gumbel-max; greedy requests take the argmax of the penalised logits (ties → lowest id).
+///
+/// Logprobs follow vLLM v1's default ("raw"): they are the log-softmax of the logits *before*
+/// penalties, temperature and filtering, computed with a sequential f64 log-sum-exp and rounded to
+/// f32 once at the end.
+///
+/// # Errors
+/// [`DetspecError::InvalidParameter`] when the row is empty, contains NaN or `+inf` (or overflows
+/// to `+inf` after penalties/temperature), a token id is out of the vocabulary, or every token
+/// has been filtered out or banned.
+pub fn sample(input: &SampleInput) -> Result<SampledToken> {
+    let logits = input.logits;
+    let vocab = logits.len();
+    if vocab == 0 {
+        return Err(DetspecError::param("logits", "row is empty"));
+    }
+    // `+inf` is rejected too: it would make the log-sum-exp NaN. `-inf` is a legitimate mask.
+    if let Some(i) = logits
+        .iter()
+        .position(|l| l.is_nan() || *l == f32::INFINITY)
+    {
+        return Err(DetspecError::param(
+            "logits",
+            format!(
+                "value at index {i} is {} (NaN and +inf are not allowed)",
+                logits[i]
+            ),
+        ));
+    }
+    check_ids("prompt_tokens", input.prompt_tokens, vocab)?;
+    check_ids("output_tokens", input.output_tokens, vocab)?;
+    check_ids("banned_tokens", input.banned_tokens, vocab)?;
+
+    let params = input.params;
+    let mut processed = logits.to_vec();
+    process_logits(
+        &mut processed,
+        params,
+        input.prompt_tokens,
+        input.output_tokens,
+        input.banned_tokens,
+    );
+    if let Some(i) = processed
+        .iter()
+        .position(|l| l.is_nan() || *l == f32::INFINITY)
+    {
+        return Err(DetspecError::param(
+            "logits",
+            format!(
+                "value at index {i} became {} after penalties/temperature (raw logit {})",
+                processed[i], logits[i]
+            ),
+        ));
+    }
+
+    let token = if params.is_greedy() {
+        argmax(&processed)
+    } else {
+        gumbel_argmax(&processed, input.seed, input.position)
+    }
+    .ok_or_else(|| {
+        DetspecError::param(
+            "logits",
+            "every token was filtered out or banned; nothing left to sample",
+        )
+    })?;
+
+    // The chosen token has a finite processed logit, hence a finite raw logit, so the
+    // log-sum-exp below is finite.
+    let lse = log_sum_exp(logits);
+    let logprob_of = |t: u32| (f64::from(logits[t as usize]) - lse) as f32;
+    let top_logprobs = top_n(logits, params.logprobs.unwrap_or(0))
+        .into_iter()
+        .map(|t| (t, logprob_of(t)))
+        .collect();
+    Ok(SampledToken {
+        token,
+        logprob: logprob_of(token),
+        top_logprobs,
+    })
+}
+
+/// Errors if any id is outside the vocabulary, naming the list it came from.
+fn check_ids(name: &str, ids: &[u32], vocab: usize) -> Result<()> {
+    match ids.iter().find(|&&t| t as usize >= vocab) {
+        Some(t) => Err(DetspecError::param(
+            name,
+            format!("token id {t} is out of range for a vocabulary of {vocab}"),
+        )),
+        None => Ok(()),
+    }
+}
+
+/// Index of the largest finite logit, lowest id on ties; `None` if all are `-inf`.
+fn argmax(logits: &[f32]) -> Option<u32> {
+    let mut best: Option<(u32, f32)> = None;
+    for (i, &l) in logits.iter().enumerate() {
+        if l > f32::NEG_INFINITY && best.is_none_or(|(_, b)| l > b) {
+            best = Some((i as u32, l));
+        }
+    }
+    best.map(|(i, _)| i)
+}
+
+/// Gumbel-max over the finite logits, lowest id on ties; `None` if all are `-inf`.
+///
+/// Tokens whose logit plus the largest possible Gumbel value cannot beat the current best are
+/// skipped without drawing noise. Rounding is monotone, so `l + g <= l + GUMBEL_MAX <= best` for
+/// every skipped token and a later id never wins a tie: the result is identical to evaluating
+/// every token, only faster when the logits are spread out.
+fn gumbel_argmax(logits: &[f32], seed: u64, position: u64) -> Option<u32> {
+    let mut best: Option<(u32, f64)> = None;
+    for (i, &l) in logits.iter().enumerate() {
+        if l == f32::NEG_INFINITY {
+            continue;
+        }
+        let l = f64::from(l);
+        if let Some((_, b)) = best {
+            if l + GUMBEL_MAX <= b {
+                continue;
+            }
+        }
+        let score = l + gumbel(seed, position, i as u64);
+        if best.is_none_or(|(_, b)| score > b) {
+            best = Some((i as u32, score));
+        }
+    }
+    best.map(|(i, _)| i)
+}
+
+/// Sequential, max-shifted log-sum-exp in f64 (index order, so the bits never depend on threads).
+fn log_sum_exp(logits: &[f32]) -> f64 {
+    let max = logits
+        .iter()
+        .fold(f64::NEG_INFINITY, |m, &l| m.max(f64::from(l)));
+    let sum = logits
+        .iter()
+        .fold(0.0f64, |acc, &l| acc + (f64::from(l) - max).exp());
+    max + sum.ln()
+}
+
+/// The `n` most likely token ids (logit descending, ties by lower id), most likely first.
+///
+/// A single pass with a small sorted buffer: `n <= 20`, so this is O(vocab) with no allocation
+/// proportional to the vocabulary.
+fn top_n(logits: &[f32], n: usize) -> Vec<u32> {
+    let n = n.min(logits.len());
+    let mut top: Vec<u32> = Vec::with_capacity(n + 1);
+    if n == 0 {
+        return top;
+    }
+    for t in 0..logits.len() as u32 {
+        if top.len() == n && rank_desc(logits, t, top[n - 1]).is_gt() {
+            continue;
+        }
+        let at = top.partition_point(|&u| rank_desc(logits, u, t).is_lt());
+        top.insert(at, t);
+        top.truncate(n);
+    }
+    top
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LOGITS8: [f32; 8] = [1.0, 0.5, 2.0, -1.0, 0.0, 1.5, -0.5, 0.3];
+
+    fn params(temperature: f32) -> SamplingParams {
+        SamplingParams {
+            temperature,
+            ..Default::default()
+        }
+    }
+
+    fn input<'a>(logits: &'a [f32], p: &'a SamplingParams, seed: u64, pos: u64) -> SampleInput<'a> {
+        SampleInput {
+            logits,
+            params: p,
+            seed,
+            position: pos,
+            prompt_tokens: &[],
+            output_tokens: &[],
+            banned_tokens: &[],
+        }
+    }
+
+    fn softmax(l: &[f32], t: f64) -> Vec<f64> {
+        let m = l
+            .iter()
+            .fold(f64::NEG_INFINITY, |m, &x| m.max(x as f64 / t));
+        let e: Vec<f64> = l.iter().map(|&x| (x as f64 / t - m).exp()).collect();
+        let s: f64 = e.iter().sum();
+        e.iter().map(|x| x / s).collect()
+    }
+
+    fn counts(logits: &[f32], p: &SamplingParams, seed: u64, n: u64) -> Vec<u64> {
+        let mut c = vec![0u64; logits.len()];
+        for pos in 0..n {
+            c[sample(&input(logits, p, seed, pos)).unwrap().token as usize] += 1;
+        }
+        c
+    }
+
+    fn chi_square(counts: &[u64], probs: &[f64]) -> f64 {
+        let n: u64 = counts.iter().sum();
+        counts
+            .iter()
+            .zip(probs)
+            .map(|(&c, &p)| {
+                let e = p * n as f64;
+                (c as f64 - e).powi(2) / e
+            })
+            .sum()
+    }
+
+    fn param_name(r: Result<SampledToken>) -> String {
+        match r {
+            Err(DetspecError::InvalidParameter { name, .. }) => name,
+            other => panic!("expected InvalidParameter, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn greedy_picks_argmax_lowest_id_on_ties() {
+        let p = params(0.0);
+        assert_eq!(sample(&input(&LOGITS8, &p, 0, 0)).unwrap().token, 2);
+        let tied = [1.0f32, 3.0, 0.0, 3.0];
+        for pos in 0..10 {
+            assert_eq!(sample(&input(&tied, &p, pos, pos)).unwrap().token, 1);
+        }
+    }
+
+    #[test]
+    fn greedy_sees_penalties_and_bans() {
+        let p = SamplingParams {
+            temperature: 0.0,
+            repetition_penalty: 2.0,
+            ..Default::default()
+        };
+        // Token 2 (2.0) is halved to 1.0, so token 5 (1.5) wins.
+        let mut inp = input(&LOGITS8, &p, 0, 0);
+        inp.output_tokens = &[2];
+        assert_eq!(sample(&inp).unwrap().token, 5);
+        inp.output_tokens = &[];
+        inp.banned_tokens = &[2, 5];
+        assert_eq!(sample(&inp).unwrap().token, 0);
+    }
+
+    #[test]
+    fn same_seed_and_position_same_token_different_seeds_differ() {
+        let logits = vec![0.0f32; 64];
+        let p = params(1.0);
+        let mut differ = 0;
+        for pos in 0..200 {
+            let a = sample(&input(&logits, &p, 1, pos)).unwrap().token;
+            assert_eq!(a, sample(&input(&logits, &p, 1, pos)).unwrap().token);
+            let b = sample(&input(&logits, &p, 2, pos)).unwrap().token;
+            differ += usize::from(a != b);
+        }
+        // Independent uniform draws over 64 tokens agree with probability 1/64.
+        assert!(differ > 180, "only {differ} of 200 differ");
+        // Different positions of the same seed also vary.
+        let distinct: std::collections::HashSet<u32> = (0..200)
+            .map(|pos| sample(&input(&logits, &p, 1, pos)).unwrap().token)
+            .collect();
+        assert!(distinct.len() > 40);
+    }
+
+    /// 0.999 quantile of chi-square with 7 degrees of freedom.
+    const CHI2_7_999: f64 = 24.322;
+    /// 0.999 quantile of chi-square with 1 degree of freedom.
+    const CHI2_1_999: f64 = 10.828;
+
+    #[test]
+    fn chi_square_temperature_1() {
+        let p = params(1.0);
+        let c = counts(&LOGITS8, &p, 12345, 20_000);
+        let stat = chi_square(&c, &softmax(&LOGITS8, 1.0));
+        assert!(stat < CHI2_7_999, "chi2 {stat}, counts {c:?}");
+    }
+
+    #[test]
+    fn chi_square_temperature_half() {
+        let p = params(0.5);
+        let c = counts(&LOGITS8, &p, 987, 20_000);
+        let stat = chi_square(&c, &softmax(&LOGITS8, 0.5));
+        assert!(stat < CHI2_7_999, "chi2 {stat}, counts {c:?}");
+    }
+
+    #[test]
+    fn top_k_2_yields_only_top_two_in_renormalised_proportion() {
+        let p = SamplingParams {
+            top_k: 2,
+            ..Default::default()
+        };
+        let c = counts(&LOGITS8, &p, 5, 20_000);
+        for (i, &n) in c.iter().enumerate() {
+            if i != 2 && i != 5 {
+                assert_eq!(n, 0, "token {i} sampled under top_k=2");
+            }
+        }
+        let renorm = softmax(&[LOGITS8[2], LOGITS8[5]], 1.0);
+        let stat = chi_square(&[c[2], c[5]], &renorm);
+        assert!(stat < CHI2_1_999, "chi2 {stat}, counts {c:?}");
+    }
+
+    #[test]
+    fn top_p_and_min_p_only_sample_kept_sets() {
+        // Probabilities 0.1, 0.5, 0.15, 0.25.
+        let logits: Vec<f32> = [0.1f64, 0.5, 0.15, 0.25]
+            .iter()
+            .map(|p| p.ln() as f32)
+            .collect();
+        let top_p = SamplingParams {
+            top_p: 0.7,
+            ..Default::default()
+        };
+        let c = counts(&logits, &top_p, 11, 5_000);
+        assert_eq!((c[0], c[2]), (0, 0), "{c:?}");
+        let stat = chi_square(&[c[1], c[3]], &[2.0 / 3.0, 1.0 / 3.0]);
+        assert!(stat < CHI2_1_999, "chi2 {stat}, counts {c:?}");
+
+        let min_p = SamplingParams {
+            min_p: 0.25,
+            ..Default::default()
+        };
+        let c = counts(&logits, &min_p, 11, 5_000);
+        assert_eq!(c[0], 0, "{c:?}");
+        assert!(c[1] > 0 && c[2] > 0 && c[3] > 0, "{c:?}");
+    }
+
+    #[test]
+    fn logprobs_match_f64_reference_and_are_raw() {
+        let logits: Vec<f32> = (0..100)
+            .map(|i| ((i * 37) % 23) as f32 * 0.37 - 3.0)
+            .collect();
+        let lse = {
+            let m = logits.iter().cloned().fold(f32::MIN, f32::max) as f64;
+            m + logits
+                .iter()
+                .map(|&l| (l as f64 - m).exp())
+                .sum::<f64>()
+                .ln()
+        };
+        let reference: Vec<f32> = logits.iter().map(|&l| (l as f64 - lse) as f32).collect();
+        // Penalties, temperature and filters must not change the reported logprobs.
+        let p = SamplingParams {
+            temperature: 0.7,
+            top_k: 10,
+            repetition_penalty: 1.3,
+            frequency_penalty: 0.5,
+            logprobs: Some(5),
+            ..Default::default()
+        };
+        let mut inp = input(&logits, &p, 3, 9);
+        inp.prompt_tokens = &[1, 2, 3];
+        inp.output_tokens = &[4, 4];
+        let out = sample(&inp).unwrap();
+        assert!((out.logprob - reference[out.token as usize]).abs() < 1e-6);
+        assert_eq!(out.top_logprobs.len(), 5);
+        let mut order: Vec<u32> = (0..100).collect();
+        order.sort_by(|&a, &b| {
+            logits[b as usize]
+                .partial_cmp(&logits[a as usize])
+                .unwrap()
+                .then(a.cmp(&b))
+        });
+        for (k, &(t, lp)) in out.top_logprobs.iter().enumerate() {
+            assert_eq!(t, order[k]);
+            assert!((lp - reference[t as usize]).abs() < 1e-6);
+        }
+        let total: f64 = reference.iter().map(|&l| (l as f64).exp()).sum();
+        assert!((total - 1.0).abs() < 1e-5);
+    }
+
+    #[test]
+    fn top_logprobs_ties_by_id_and_capped_by_vocab() {
+        let logits = [0.0f32, 1.0, 1.0, 0.5, 1.0];
+        let p = SamplingParams {
+            temperature: 0.0,
+            logprobs: Some(4),
+            ..Default::default()
+        };
+        let out = sample(&input(&logits, &p, 0, 0)).unwrap();
+        let ids: Vec<u32> = out.top_logprobs.iter().map(|x| x.0).collect();
+        assert_eq!(ids, vec![1, 2, 4, 3]);
+        assert_eq!(out.token, 1);
+        let p = SamplingParams {
+            logprobs: Some(20),
+            ..p
+        };
+        assert_eq!(
+            sample(&input(&logits, &p, 0, 0))
+                .unwrap()
+                .top_logprobs
+                .len(),
+            5
+        );
+        let p = SamplingParams {
+            logprobs: None,
+            ..p
+        };
+        assert!(sample(&input(&logits, &p, 0, 0))
+            .unwrap()
+            .top_logprobs
+            .is_empty());
+    }
+
+    #[test]
+    fn bitwise_reproducible() {
+        let logits: Vec<f32> = (0..5000)
+            .map(|i| ((i as f32) * 0.618).sin() * 8.0)
+            .collect();
+        let p = SamplingParams {
+            temperature: 0.8,
+            top_p: 0.95,
+            min_p: 0.01,
+            presence_penalty: 0.3,
+            repetition_penalty: 1.1,
+            logprobs: Some(20),
+            ..Default::default()
+        };
+        for pos in 100..140 {
+            let mut inp = input(&logits, &p, 77, pos);
+            inp.prompt_tokens = &[5, 6, 7];
+            inp.output_tokens = &[10, 11, 10];
+            let a = sample(&inp).unwrap();
+            let b = sample(&inp).unwrap();
+            assert_eq!(a.token, b.token);
+            assert_eq!(a.logprob.to_bits(), b.logprob.to_bits());
+            let bits = |s: &SampledToken| -> Vec<(u32, u32)> {
+                s.top_logprobs
+                    .iter()
+                    .map(|&(t, l)| (t, l.to_bits()))
+                    .collect()
+            };
+            assert_eq!(bits(&a), bits(&b));
+        }
+    }
+
+    #[test]
+    fn gumbel_pruning_matches_exhaustive_argmax() {
+        let logits: Vec<f32> = (0..3000)
+            .map(|i| ((i * 7919) % 101) as f32 * 0.9 - 40.0)
+            .collect();
+        let p = params(1.0);
+        for pos in 0..50 {
+            let exhaustive = (0..logits.len())
+                .map(|i| (i, logits[i] as f64 + gumbel(4, pos, i as u64)))
+                .fold(
+                    (0usize, f64::NEG_INFINITY),
+                    |b, x| if x.1 > b.1 { x } else { b },
+                )
+                .0 as u32;
+            assert_eq!(
+                sample(&input(&logits, &p, 4, pos)).unwrap().token,
+                exhaustive
+            );
+        }
+    }
+
+    #[test]
+    fn errors_not_panics() {
+        let p = params(1.0);
+        assert_eq!(param_name(sample(&input(&[], &p, 0, 0))), "logits");
+        assert_eq!(
+            param_name(sample(&input(&[0.0, f32::NAN], &p, 0, 0))),
+            "logits"
+        );
+        assert_eq!(
+            param_name(sample(&input(&[0.0, f32::INFINITY], &p, 0, 0))),
+            "logits"
+        );
+        let all_masked = [f32::NEG_INFINITY; 3];
+        assert_eq!(param_name(sample(&input(&all_masked, &p, 0, 0))), "logits");
+        let mut inp = input(&[0.0, 1.0], &p, 0, 0);
+        inp.banned_tokens = &[0, 1];
+        assert_eq!(param_name(sample(&inp)), "logits");
+        inp.banned_tokens = &[2];
+        assert_eq!(param_name(sample(&inp)), "banned_tokens");
+        inp.banned_tokens = &[];
+        inp.prompt_tokens = &[9];
+        assert_eq!(param_name(sample(&inp)), "prompt_tokens");
+        inp.prompt_tokens = &[];
+        inp.output_tokens = &[2];
+        assert_eq!(param_name(sample(&inp)), "output_tokens");
+        // Overflow to +inf through a tiny repetition penalty is an error, not a NaN.
+        let p = SamplingParams {
+            repetition_penalty: 1e-38,
+            ..Default::default()
+        };
+        let mut inp = input(&[1e3, 0.0], &p, 0, 0);
+        inp.prompt_tokens = &[0];
+        assert_eq!(param_name(sample(&inp)), "logits");
+    }
+
+    #[test]
+    fn neg_inf_raw_logits_are_a_valid_mask() {
+        let logits = [f32::NEG_INFINITY, 0.0, f32::NEG_INFINITY, 0.0];
+        let p = SamplingParams {
+            logprobs: Some(4),
+            ..Default::default()
+        };
+        for pos in 0..50 {
+            let out = sample(&input(&logits, &p, 1, pos)).unwrap();
+            assert!(out.token == 1 || out.token == 3);
+            assert!((out.logprob - (0.5f32).ln()).abs() < 1e-7);
+            assert_eq!(out.top_logprobs[3], (2, f32::NEG_INFINITY));
+        }
+    }
+}

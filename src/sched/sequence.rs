@@ -1,0 +1,54 @@
+//! The scheduler's view of one request.
+
+use crate::kv::BlockTable;
+use crate::output::{FinishReason, StopReason, TokenLogprobs};
+use crate::sampling::SamplingParams;
+
+/// Engine-internal sequence id (unique per engine, in arrival order).
+pub type SequenceId = u64;
+
+/// Token state, KV reservation and sampling settings of one request.
+#[derive(Debug)]
+pub struct Sequence {
+    pub id: SequenceId,
+    pub request_id: String,
+    pub prompt_text: Option<String>,
+    pub prompt: Vec<u32>,
+    pub output: Vec<u32>,
+    pub logprobs: Vec<TokenLogprobs>,
+    pub params: SamplingParams,
+    /// Resolved sampling seed (the request's, or one drawn from entropy).
+    pub seed: u64,
+    /// Tokens whose K/V is in the cache.
+    pub num_computed: usize,
+    pub block_table: BlockTable,
+    pub finish: Option<FinishReason>,
+    pub stop_reason: Option<StopReason>,
+    /// Longest this sequence may grow (prompt + output), from max_tokens and max_model_len.
+    pub max_len: usize,
+}
+
+impl Sequence {
+    /// Prompt plus output tokens.
+    pub fn len(&self) -> usize {
+        self.prompt.len() + self.output.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Token at absolute position `pos`.
+    pub fn token(&self, pos: usize) -> Option<u32> {
+        if pos < self.prompt.len() {
+            self.prompt.get(pos).copied()
+        } else {
+            self.output.get(pos - self.prompt.len()).copied()
+        }
+    }
+
+    /// KV the sequence needs at its longest; admission uses it to avoid mid-run exhaustion.
+    pub fn max_len_hint(&self) -> usize {
+        self.max_len
+    }
+}

@@ -1,0 +1,522 @@
+"""Shared fixtures for the detspec Python tests.
+
+Everything is built offline, once per session, under ``tmp_path_factory``:
+
+* a tiny byte-level BPE tokenizer trained with ``tokenizers`` on an embedded corpus
+  (``tokenizer.json`` + ``tokenizer_config.json`` with bos/eos and a ChatML template);
+* tiny random float32 models built with ``transformers`` (one per architecture and
+  config variant, see ``MODEL_SPECS``), each saved with ``save_pretrained`` together
+  with the tokenizer files;
+* HF reference helpers (``hf_logits``, ``hf_greedy``) that run the in-memory HF model
+  eagerly in float32 without any KV cache, so EOS never ends a reference early.
+
+Test modules reach the models through fixtures (``model_zoo``, ``arch_case``,
+``llm_factory``, ``copy_model_dir``); the helpers below are plain functions so a
+throwaway script can import this file and exercise them without detspec built.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import gc
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+transformers.logging.set_verbosity_error()
+transformers.logging.disable_progress_bar()
+# The HF reference models are tiny: one thread is fastest and does not fight detspec's
+# worker threads (several torch threads spin and crawl on a busy 2-core machine).
+torch.set_num_threads(1)
+
+# --------------------------------------------------------------------------- constants
+
+VOCAB_SIZE = 512  # model vocab; the tokenizer has ~400 entries (padded like real models)
+TOKENIZER_VOCAB = 400
+MAX_POSITION_EMBEDDINGS = 256
+BOS_ID = 0  # "<s>"  (special tokens are the first ids of the trained vocab)
+EOS_ID = 1  # "</s>"
+PROMPT_LENGTHS = (1, 7, 23, 61)
+NEW_TOKENS = 32
+PROMPT_SEED = 20240607
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+CORPUS = """\
+The old lighthouse stood at the end of a narrow spit of rock, and every evening the \
+keeper climbed the spiral stairs to light the lamp. Ships passing in the night would see \
+the beam sweep across the water, and the sailors knew that they were close to home. The \
+keeper kept a small notebook in which he wrote the weather, the number of ships, and the \
+names of the birds that rested on the railing.
+
+In the village below, the bakers started work long before sunrise. They mixed flour, \
+water, salt and yeast in large wooden bowls, and the smell of fresh bread drifted down \
+the streets. Children on their way to school would stop at the window and count the \
+loaves cooling on the racks. On market days the square filled with stalls selling fish, \
+cheese, apples, honey, wool and painted pottery.
+
+A computer program is a list of instructions that a machine follows one step at a time. \
+Programs read input, compute results and write output. A good program is easy to read, \
+easy to test and easy to change. When a test fails, the programmer reads the message, \
+finds the line at fault and fixes the bug. Small, fast tests that run every time the \
+code changes are the best way to keep a large program correct.
+
+The river wound through the valley between green hills and tall pine forests. In spring \
+the water rose with melting snow, and in summer it slowed to a gentle stream where \
+families came to swim and fish. Herons waited patiently in the shallows, and at dusk the \
+frogs began their evening chorus. Travellers who followed the river path reached the sea \
+after three days of walking.
+
+Once upon a time, in a small village by the sea, there lived a girl who wanted to build \
+a boat. She gathered wood from the beach, borrowed tools from her uncle and worked every \
+afternoon after her lessons. The neighbours laughed at first, but when the boat was \
+finished and floated on the morning tide, the whole village came down to the harbour to \
+cheer. The quick brown fox jumps over the lazy dog. Hello, world! How are you today?
+"""
+
+TEXT_PROMPTS = (
+    "Hello",
+    "The quick brown fox",
+    "Once upon a time, in a small village by the sea,",
+)
+
+# name -> how to build it. "reuse" shares the HF model (and reference) of another entry.
+MODEL_SPECS: dict[str, dict] = {
+    "llama": {
+        "arch": "llama",
+        "seed": 17,
+        "rope": {"rope_type": "default", "rope_theta": 10000.0},
+    },
+    "llama3_scaled": {
+        "arch": "llama",
+        "seed": 5,
+        "rope": {
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    },
+    "llama_tied": {
+        "arch": "llama",
+        "seed": 11,
+        "tie": True,
+        "rope": {"rope_type": "default", "rope_theta": 10000.0},
+    },
+    "mistral": {
+        "arch": "mistral",
+        "seed": 7,
+        "rope": {"rope_type": "default", "rope_theta": 1000000.0},
+    },
+    "qwen2": {
+        "arch": "qwen2",
+        "seed": 19,
+        "rope": {"rope_type": "default", "rope_theta": 1000000.0},
+    },
+    "qwen2_sharded": {"reuse": "qwen2", "max_shard_size": "100KB"},
+    "qwen3": {
+        "arch": "qwen3",
+        "seed": 8,
+        "head_dim": 32,
+        "rope": {"rope_type": "default", "rope_theta": 1000000.0},
+    },
+    # Llama-3 rope scaling written with the classic keys: top-level "rope_theta" and
+    # "rope_scaling" (as in Meta's Llama-3.1 config.json); config.json is rewritten by
+    # hand after saving because transformers 5 only writes "rope_parameters".
+    "legacy_rope": {
+        "arch": "llama",
+        "seed": 11,
+        "legacy_rope": True,
+        "rope": {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    },
+    # Weights stored as bf16; detspec computes in f32 on CPU after upcasting, so the
+    # reference is the bf16-rounded model evaluated in f32.
+    "llama_bf16": {
+        "arch": "llama",
+        "seed": 12,
+        "store_dtype": "bfloat16",
+        "rope": {"rope_type": "default", "rope_theta": 10000.0},
+    },
+}
+ARCH_NAMES = tuple(MODEL_SPECS)
+
+_CONFIG_CLASSES = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+}
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+
+def build_tokenizer(out_dir: Path) -> Path:
+    """Train the tiny byte-level BPE tokenizer and write tokenizer.json/_config.json."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB,
+        special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    paragraphs = [p for p in CORPUS.split("\n\n") if p.strip()]
+    tok.train_from_iterator(paragraphs, trainer=trainer)
+    assert tok.token_to_id("<s>") == BOS_ID and tok.token_to_id("</s>") == EOS_ID
+    assert tok.get_vocab_size() <= VOCAB_SIZE
+    tok.save(str(out_dir / "tokenizer.json"))
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": MAX_POSITION_EMBEDDINGS,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+    return out_dir
+
+
+# --------------------------------------------------------------------------- models
+
+
+def _randomise_(model: torch.nn.Module, seed: int) -> None:
+    """Make norm weights and biases non-trivial so that loading bugs show."""
+    gen = torch.Generator().manual_seed(seed + 1000)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):  # input/post-attn/final norm, q_norm, k_norm
+                param.copy_(0.5 + torch.rand(param.shape, generator=gen))
+            elif name.endswith(".bias"):
+                param.copy_(0.5 * torch.randn(param.shape, generator=gen))
+
+
+def build_hf_model(spec: dict) -> torch.nn.Module:
+    config_cls, model_cls = _CONFIG_CLASSES[spec["arch"]]
+    kwargs = {
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": MAX_POSITION_EMBEDDINGS,
+        "initializer_range": 0.15,
+        "rms_norm_eps": 1e-5,
+        "bos_token_id": BOS_ID,
+        "eos_token_id": EOS_ID,
+        "tie_word_embeddings": spec.get("tie", False),
+        "rope_parameters": dict(spec["rope"]),
+    }
+    if spec["arch"] == "mistral":
+        kwargs["sliding_window"] = None
+    if spec["arch"] in ("qwen2", "qwen3"):
+        kwargs["use_sliding_window"] = False
+        kwargs["rms_norm_eps"] = 1e-6
+    if "head_dim" in spec:
+        kwargs["head_dim"] = spec["head_dim"]
+    config = config_cls(**kwargs)
+    torch.manual_seed(spec["seed"])
+    model = model_cls._from_config(config, attn_implementation="eager", dtype=torch.float32)
+    _randomise_(model, spec["seed"])
+    model.eval()
+    return model
+
+
+def _rewrite_config_legacy_rope(model_dir: Path) -> None:
+    path = model_dir / "config.json"
+    config = json.loads(path.read_text())
+    rope = dict(config.pop("rope_parameters"))
+    config["rope_theta"] = rope.pop("rope_theta")
+    config["rope_scaling"] = rope if rope.get("rope_type", "default") != "default" else None
+    path.write_text(json.dumps(config, indent=2))
+
+
+def save_model_dir(model: torch.nn.Module, spec: dict, out_dir: Path, tokenizer_dir: Path):
+    """Save `model` as an HF model dir; returns the float32 reference model."""
+    out_dir = Path(out_dir)
+    store_dtype = spec.get("store_dtype")
+    if store_dtype is not None:
+        dtype = getattr(torch, store_dtype)
+        with torch.no_grad():  # the reference keeps the rounded weights, computed in f32
+            for param in model.parameters():
+                param.copy_(param.to(dtype).to(torch.float32))
+        # convert a copy: .to() would also round buffers such as rope's inv_freq
+        copy.deepcopy(model).to(dtype).save_pretrained(out_dir, safe_serialization=True)
+    else:
+        model.save_pretrained(
+            out_dir,
+            safe_serialization=True,
+            max_shard_size=spec.get("max_shard_size", "50GB"),
+        )
+    if spec.get("legacy_rope"):
+        _rewrite_config_legacy_rope(out_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(tokenizer_dir) / name, out_dir / name)
+    return model
+
+
+@dataclasses.dataclass
+class GreedyRef:
+    """HF greedy continuation and the logits it was chosen from."""
+
+    tokens: list[int]
+    step_logits: np.ndarray  # [n, vocab] float32: logits that produced tokens[i]
+
+    @property
+    def margins(self) -> np.ndarray:
+        top2 = np.sort(self.step_logits, axis=-1)[:, -2:]
+        return top2[:, 1] - top2[:, 0]
+
+    @property
+    def chosen_logprobs(self) -> np.ndarray:
+        lp = log_softmax(self.step_logits)
+        return lp[np.arange(len(self.tokens)), self.tokens]
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, dtype=np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+
+
+def hf_logits(model: torch.nn.Module, ids) -> np.ndarray:
+    """Per-position logits [len, vocab] (float32) of one sequence, no KV cache."""
+    with torch.inference_mode():
+        out = model(torch.tensor([list(ids)], dtype=torch.long), use_cache=False)
+    return out.logits[0].float().numpy()
+
+
+def hf_greedy(model: torch.nn.Module, prompt_ids, n: int, process=None, stop_ids=()):
+    """Greedy continuation by repeated full forwards + argmax (never stops on EOS).
+
+    process: optional fn(prompt_ids, generated_ids, logits_row) -> processed row (float
+    numpy), applied before the argmax (penalties, min_tokens masking); the recorded
+    step_logits are the processed rows. stop_ids: stop after emitting one of these
+    (the stop token is included in the result, as vLLM does).
+    """
+    prompt_ids = [int(t) for t in prompt_ids]
+    tokens, rows = [], []
+    for _ in range(n):
+        row = hf_logits(model, prompt_ids + tokens)[-1]
+        if process is not None:
+            row = np.asarray(process(prompt_ids, list(tokens), row.copy()), dtype=np.float32)
+        tok = int(np.argmax(row))
+        tokens.append(tok)
+        rows.append(row)
+        if tok in stop_ids:
+            break
+    return GreedyRef(tokens=tokens, step_logits=np.stack(rows).astype(np.float32))
+
+
+def top2_margin(row: np.ndarray) -> float:
+    finite = np.sort(row[np.isfinite(row)])
+    return float(finite[-1] - finite[-2])
+
+
+def greedy_mismatch_message(prompt, got, ref: GreedyRef, label: str = "") -> str | None:
+    """None if `got` equals the reference, else a message with position and HF margin."""
+    got = [int(t) for t in got]
+    if got == ref.tokens:
+        return None
+    pos = next(
+        (i for i, (a, b) in enumerate(zip(got, ref.tokens, strict=False)) if a != b),
+        min(len(got), len(ref.tokens)),
+    )
+    head = (
+        f"{label}: greedy output differs from HF (prompt len {len(prompt)}, "
+        f"detspec {len(got)} tokens, HF {len(ref.tokens)} tokens); "
+    )
+    if pos >= len(got) or pos >= len(ref.tokens):
+        return head + f"length mismatch after {pos} equal tokens"
+    row = ref.step_logits[pos]
+    order = np.argsort(row)[::-1]
+    got_tok = got[pos]
+    got_rank = int(np.nonzero(order == got_tok)[0][0]) + 1 if 0 <= got_tok < row.size else -1
+    return head + (
+        f"first mismatch at generated index {pos} (absolute position {len(prompt) + pos}): "
+        f"detspec={got_tok} (HF rank {got_rank}, HF logit gap to top "
+        f"{float(row[order[0]] - row[got_tok]) if got_rank > 0 else float('nan'):.3g}), "
+        f"HF={ref.tokens[pos]}; HF top-2 margin there = {top2_margin(row):.4g} "
+        f"(max|logit| {float(np.abs(row[np.isfinite(row)]).max()):.4g}); "
+        f"detspec {got[pos : pos + 8]} vs HF {ref.tokens[pos : pos + 8]}"
+    )
+
+
+def fixed_token_prompts(lengths=PROMPT_LENGTHS, seed=PROMPT_SEED) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    # ids 2.. avoid the special tokens; ids >= tokenizer vocab are valid model ids too
+    return [[int(t) for t in rng.integers(2, VOCAB_SIZE, size=n)] for n in lengths]
+
+
+class ModelCase:
+    """One saved model dir plus its in-memory HF reference model (with cached refs)."""
+
+    def __init__(self, name: str, path: Path, model: torch.nn.Module, spec: dict):
+        self.name = name
+        self.path = Path(path)
+        self.model = model
+        self.spec = spec
+        self._greedy: dict = {}
+
+    def __repr__(self) -> str:
+        return f"ModelCase({self.name!r}, {str(self.path)!r})"
+
+    @property
+    def config(self) -> dict:
+        return json.loads((self.path / "config.json").read_text())
+
+    def greedy(self, prompt_ids, n: int = NEW_TOKENS) -> GreedyRef:
+        """HF greedy reference of n tokens (cached; shorter ones are prefixes)."""
+        key = tuple(int(t) for t in prompt_ids)
+        have = self._greedy.get(key)
+        if have is None or len(have.tokens) < n:
+            have = hf_greedy(self.model, key, max(n, NEW_TOKENS))
+            self._greedy[key] = have
+        return GreedyRef(tokens=have.tokens[:n], step_logits=have.step_logits[:n])
+
+    def logits(self, ids) -> np.ndarray:
+        """HF per-position logits [len, vocab] of one sequence."""
+        return hf_logits(self.model, ids)
+
+    def reference_greedy(self, prompt_ids, n: int, process=None, stop_ids=()) -> GreedyRef:
+        """Uncached HF greedy with a logits processor and/or stop ids (see hf_greedy)."""
+        return hf_greedy(self.model, prompt_ids, n, process=process, stop_ids=stop_ids)
+
+    def greedy_mismatch(self, prompt_ids, got, ref: GreedyRef, label: str = "") -> str | None:
+        return greedy_mismatch_message(prompt_ids, got, ref, f"[{self.name}] {label}")
+
+    def assert_greedy_matches(self, prompt_ids, got, n: int = NEW_TOKENS, label: str = ""):
+        """Assert detspec's greedy tokens `got` equal the n-token HF reference."""
+        ref = self.greedy(prompt_ids, n)
+        msg = greedy_mismatch_message(prompt_ids, got, ref, f"[{self.name}] {label}")
+        if msg is not None:
+            pytest.fail(msg)
+
+
+class ModelZoo:
+    """Builds model dirs lazily (once per session) under a tmp root."""
+
+    def __init__(self, root: Path, tokenizer_dir: Path):
+        self.root = Path(root)
+        self.tokenizer_dir = Path(tokenizer_dir)
+        self._cases: dict[str, ModelCase] = {}
+        self._models: dict[str, torch.nn.Module] = {}
+
+    def get(self, name: str) -> ModelCase:
+        if name not in self._cases:
+            spec = MODEL_SPECS[name]
+            if "reuse" in spec:
+                base = self.get(spec["reuse"])
+                full_spec = {**base.spec, **spec}
+                model = base.model
+            else:
+                full_spec = spec
+                model = build_hf_model(spec)
+            out_dir = self.root / name
+            ref_model = save_model_dir(model, full_spec, out_dir, self.tokenizer_dir)
+            self._cases[name] = ModelCase(name, out_dir, ref_model, full_spec)
+        return self._cases[name]
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    return build_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer(tokenizer_dir) -> Tokenizer:
+    """The reference tokenizer (the `tokenizers` library on the same tokenizer.json)."""
+    return Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+
+
+@pytest.fixture(scope="session")
+def model_zoo(tmp_path_factory, tokenizer_dir) -> ModelZoo:
+    return ModelZoo(tmp_path_factory.mktemp("models"), tokenizer_dir)
+
+
+@pytest.fixture(scope="session", params=ARCH_NAMES)
+def arch_case(request, model_zoo) -> ModelCase:
+    """Every architecture / config variant in turn."""
+    return model_zoo.get(request.param)
+
+
+@pytest.fixture(scope="session")
+def llama_case(model_zoo) -> ModelCase:
+    return model_zoo.get("llama")
+
+
+@pytest.fixture(scope="session")
+def token_prompts() -> list[list[int]]:
+    """Token-id prompts of lengths 1, 7, 23, 61 (fixed numpy seed)."""
+    return fixed_token_prompts()
+
+
+@pytest.fixture(scope="session")
+def llm_factory(model_zoo):
+    """llm_factory(name, **llm_kwargs) -> detspec.LLM, cached per (name, kwargs)."""
+    import detspec
+
+    cache: dict = {}
+
+    def get(name: str, **kwargs):
+        key = (name, tuple(sorted(kwargs.items())))
+        if key not in cache:
+            case = model_zoo.get(name)
+            cache[key] = detspec.LLM(str(case.path), device="cpu", **kwargs)
+        return cache[key]
+
+    yield get
+    cache.clear()
+    gc.collect()
+
+
+@pytest.fixture
+def copy_model_dir(model_zoo, tmp_path):
+    """copy_model_dir(name) -> a private copy of that model dir, safe to corrupt."""
+    counter = iter(range(1000))
+
+    def copy(name: str) -> Path:
+        dst = tmp_path / f"{name}-copy{next(counter)}"
+        shutil.copytree(model_zoo.get(name).path, dst)
+        return dst
+
+    return copy
+
+
+def pytest_report_header(config):
+    return (
+        f"detspec tests: torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"torch threads {torch.get_num_threads()}, cpus {os.cpu_count()}"
+    )
