@@ -145,8 +145,8 @@ impl Engine {
         })
     }
 
-    /// Checks a request and turns it into a sequence (tokenizing a text prompt).
-    fn make_sequence(&mut self, req: Request) -> Result<Sequence> {
+    /// Checks a request and turns it into its `n` sequences (tokenizing a text prompt).
+    fn make_sequences(&mut self, req: Request) -> Result<Vec<Sequence>> {
         let rid = req.request_id.clone();
         let invalid = |message: String| DetspecError::InvalidRequest {
             request_id: Some(rid.clone()),
@@ -175,24 +175,29 @@ impl Engine {
             )));
         }
         let max_len = (prompt.len() + req.params.max_tokens).min(self.max_model_len);
-        let id = self.next_seq_id;
-        self.next_seq_id += 1;
-        let seed = req.params.seed.unwrap_or_else(sampling::request_seed_from_entropy);
-        Ok(Sequence {
-            id,
-            request_id: req.request_id,
-            prompt_text,
-            prompt,
-            output: Vec::new(),
-            logprobs: Vec::new(),
-            params: req.params,
-            seed,
-            num_computed: 0,
-            block_table: BlockTable::new(),
-            finish: None,
-            stop_reason: None,
-            max_len,
-        })
+        let base_seed = req.params.seed.unwrap_or_else(sampling::request_seed_from_entropy);
+        let mut seqs = Vec::with_capacity(req.params.n);
+        for index in 0..req.params.n {
+            let id = self.next_seq_id;
+            self.next_seq_id += 1;
+            seqs.push(Sequence {
+                id,
+                request_id: req.request_id.clone(),
+                completion_index: index,
+                prompt_text: prompt_text.clone(),
+                prompt: prompt.clone(),
+                output: Vec::new(),
+                logprobs: Vec::new(),
+                params: req.params.clone(),
+                seed: completion_seed(base_seed, index),
+                num_computed: 0,
+                block_table: BlockTable::new(),
+                finish: None,
+                stop_reason: None,
+                max_len,
+            });
+        }
+        Ok(seqs)
     }
 
     /// Generates every request together (a static batch) and returns the outputs in request order.
@@ -203,14 +208,14 @@ impl Engine {
             max_num_batched_tokens: self.cfg.max_num_batched_tokens,
             page_size: self.cfg.page_size,
         });
-        let mut order = Vec::with_capacity(requests.len());
         let mut texts: HashMap<SequenceId, TextState> = HashMap::new();
-        let mut seqs = Vec::with_capacity(requests.len());
+        let mut groups = Vec::with_capacity(requests.len());
         for req in requests {
-            seqs.push(self.make_sequence(req)?);
+            groups.push(self.make_sequences(req)?);
         }
-        for seq in seqs {
-            order.push(seq.id);
+        // Sequence ids of each request's completions, in request order.
+        let order: Vec<Vec<SequenceId>> = groups.iter().map(|g| g.iter().map(|s| s.id).collect()).collect();
+        for seq in groups.into_iter().flatten() {
             if self.tokenizer.is_some() {
                 texts.insert(
                     seq.id,
@@ -223,7 +228,7 @@ impl Engine {
             }
             sched.add(seq);
         }
-        let mut done: HashMap<SequenceId, RequestOutput> = HashMap::new();
+        let mut done: HashMap<SequenceId, (Sequence, String)> = HashMap::new();
         let result = self.run_to_completion(&mut sched, &mut texts, &mut done);
         if let Err(e) = result {
             // Release everything this batch holds so the engine stays usable.
@@ -232,14 +237,20 @@ impl Engine {
             }
             return Err(e);
         }
-        Ok(order.into_iter().filter_map(|id| done.remove(&id)).collect())
+        Ok(order
+            .into_iter()
+            .map(|ids| {
+                let seqs: Vec<_> = ids.iter().filter_map(|id| done.remove(id)).collect();
+                self.final_output(seqs)
+            })
+            .collect())
     }
 
     fn run_to_completion(
         &mut self,
         sched: &mut Scheduler,
         texts: &mut HashMap<SequenceId, TextState>,
-        done: &mut HashMap<SequenceId, RequestOutput>,
+        done: &mut HashMap<SequenceId, (Sequence, String)>,
     ) -> Result<()> {
         while sched.has_work() {
             let plan = sched.plan(self.alloc.as_ref())?;
@@ -253,30 +264,37 @@ impl Engine {
             self.step(sched, &plan, texts)?;
             for seq in sched.take_finished(self.alloc.as_ref()) {
                 let text = texts.remove(&seq.id).map(|t| t.text).unwrap_or_default();
-                done.insert(seq.id, self.final_output(seq, text));
+                done.insert(seq.id, (seq, text));
             }
         }
         Ok(())
     }
 
-    fn final_output(&self, seq: Sequence, text: String) -> RequestOutput {
-        let cumulative_logprob = seq.logprobs.iter().map(|l| l.logprob as f64).sum();
-        RequestOutput {
-            request_id: seq.request_id,
-            prompt: seq.prompt_text,
-            prompt_token_ids: seq.prompt,
-            outputs: vec![CompletionOutput {
-                index: 0,
+    /// Assembles one request's output from its finished completions.
+    fn final_output(&self, seqs: Vec<(Sequence, String)>) -> RequestOutput {
+        let mut out = RequestOutput {
+            request_id: String::new(),
+            prompt: None,
+            prompt_token_ids: Vec::new(),
+            outputs: Vec::with_capacity(seqs.len()),
+            finished: true,
+            fingerprint: self.fingerprint.clone(),
+        };
+        for (seq, text) in seqs {
+            out.request_id = seq.request_id;
+            out.prompt = seq.prompt_text;
+            out.prompt_token_ids = seq.prompt;
+            out.outputs.push(CompletionOutput {
+                index: seq.completion_index,
+                cumulative_logprob: seq.logprobs.iter().map(|l| l.logprob as f64).sum(),
                 token_ids: seq.output,
                 text,
                 logprobs: seq.logprobs,
-                cumulative_logprob,
                 finish_reason: seq.finish,
                 stop_reason: seq.stop_reason,
-            }],
-            finished: true,
-            fingerprint: self.fingerprint.clone(),
+            });
         }
+        out
     }
 
     /// Builds the flat batch for a plan.
@@ -334,7 +352,11 @@ impl Engine {
                     request_id: None,
                     message: format!("sampled sequence {id} is not running"),
                 })?;
-                let banned: &[u32] = if seq.output.len() < seq.params.min_tokens { eos } else { &[] };
+                let banned = if seq.output.len() < seq.params.min_tokens {
+                    min_tokens_banned(&seq.params, eos)
+                } else {
+                    Vec::new()
+                };
                 let s = sampling::sample(&SampleInput {
                     logits: row,
                     params: &seq.params,
@@ -342,7 +364,7 @@ impl Engine {
                     position: seq.len() as u64,
                     prompt_tokens: &seq.prompt,
                     output_tokens: &seq.output,
-                    banned_tokens: banned,
+                    banned_tokens: &banned,
                 })?;
                 let rank = 1 + row.iter().filter(|&&x| x > row[s.token as usize]).count() as u32;
                 Ok(TokenLogprobs {
@@ -433,6 +455,28 @@ impl Engine {
         }
         result
     }
+}
+
+/// Seed of completion `index` of a request: the request's seed for the first, distinct
+/// well-mixed seeds for the others, so `n > 1` samples differ but stay reproducible.
+fn completion_seed(seed: u64, index: usize) -> u64 {
+    if index == 0 {
+        return seed;
+    }
+    let mut z = seed ^ (index as u64).wrapping_mul(0x9e3779b97f4a7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58476d1ce4e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d049bb133111eb);
+    z ^ (z >> 31)
+}
+
+/// Tokens that may not be sampled before `min_tokens`: EOS (unless ignored) and stop token ids,
+/// as in vLLM.
+fn min_tokens_banned(p: &crate::sampling::SamplingParams, eos: &[u32]) -> Vec<u32> {
+    let mut banned = p.stop_token_ids.clone();
+    if !p.ignore_eos {
+        banned.extend_from_slice(eos);
+    }
+    banned
 }
 
 /// EOS, stop token ids, max_tokens and context length, in vLLM's order of precedence.

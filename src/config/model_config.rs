@@ -412,7 +412,7 @@ mod tests {
         let e = parse(r#"{"architectures": ["GPT2LMHeadModel"]}"#).unwrap_err();
         assert!(e.to_string().contains("GPT2LMHeadModel"), "{e}");
         let e = parse(r#"{"architectures": ["LlamaForCausalLM"], "hidden_size": 64}"#).unwrap_err();
-        assert!(e.to_string().contains("intermediate_size"), "{e}");
+        assert!(e.to_string().contains("num_attention_heads"), "{e}");
         let e = parse(&format!(
             r#"{{"architectures": ["LlamaForCausalLM"], {BASE}, "num_key_value_heads": 3}}"#
         ))

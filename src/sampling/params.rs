@@ -83,10 +83,10 @@ impl SamplingParams {
     /// Called at request intake so that bad values fail loudly instead of producing NaN logits
     /// (or silently different semantics) deep inside an engine step.
     pub fn validate(&self) -> Result<()> {
-        if self.n != 1 {
+        if self.n == 0 || self.n > 256 {
             return Err(DetspecError::param(
                 "n",
-                format!("only n = 1 is supported for now, got {}", self.n),
+                format!("must be in 1..=256, got {}", self.n),
             ));
         }
         if !self.temperature.is_finite() || self.temperature < 0.0 {
@@ -209,7 +209,7 @@ mod tests {
         let cases: Vec<(SamplingParams, &str)> = vec![
             (
                 SamplingParams {
-                    n: 2,
+                    n: 0,
                     ..base.clone()
                 },
                 "n",
@@ -352,10 +352,10 @@ mod tests {
             "invalid parameter `temperature`: must be >= 0 and finite, got -1"
         );
         let p = SamplingParams {
-            n: 3,
+            n: 0,
             ..Default::default()
         };
-        assert!(p.validate().unwrap_err().to_string().contains("only n = 1"));
+        assert!(p.validate().unwrap_err().to_string().contains("1..=256"));
     }
 
     #[test]

@@ -12,6 +12,8 @@ pub type SequenceId = u64;
 pub struct Sequence {
     pub id: SequenceId,
     pub request_id: String,
+    /// Which of the request's `n` completions this sequence is.
+    pub completion_index: usize,
     pub prompt_text: Option<String>,
     pub prompt: Vec<u32>,
     pub output: Vec<u32>,

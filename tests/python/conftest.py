@@ -360,12 +360,17 @@ def greedy_mismatch_message(prompt, got, ref: GreedyRef, label: str = "") -> str
     row = ref.step_logits[pos]
     order = np.argsort(row)[::-1]
     got_tok = got[pos]
-    got_rank = int(np.nonzero(order == got_tok)[0][0]) + 1 if 0 <= got_tok < row.size else -1
+    if not 0 <= got_tok < row.size:
+        about = "out of vocab"
+    elif not np.isfinite(row[got_tok]):
+        about = "a token the reference masks out (-inf after its logits processing)"
+    else:
+        rank = int(np.nonzero(order == got_tok)[0][0]) + 1
+        about = f"HF rank {rank}, {float(row[order[0]] - row[got_tok]):.3g} below the top"
     return head + (
         f"first mismatch at generated index {pos} (absolute position {len(prompt) + pos}): "
-        f"detspec={got_tok} (HF rank {got_rank}, HF logit gap to top "
-        f"{float(row[order[0]] - row[got_tok]) if got_rank > 0 else float('nan'):.3g}), "
-        f"HF={ref.tokens[pos]}; HF top-2 margin there = {top2_margin(row):.4g} "
+        f"detspec={got_tok} ({about}), HF={ref.tokens[pos]}; "
+        f"HF top-2 margin there = {top2_margin(row):.4g} "
         f"(max|logit| {float(np.abs(row[np.isfinite(row)]).max()):.4g}); "
         f"detspec {got[pos : pos + 8]} vs HF {ref.tokens[pos : pos + 8]}"
     )

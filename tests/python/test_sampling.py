@@ -97,7 +97,6 @@ def test_sampling_params_defaults():
 
 def test_sampling_params_keeps_values():
     sp = SamplingParams(
-        n=2,
         temperature=0.7,
         top_p=0.9,
         top_k=40,
@@ -114,14 +113,7 @@ def test_sampling_params_keeps_values():
         repetition_penalty=1.2,
         deterministic=True,
     )
-    assert (sp.n, sp.top_k, sp.seed, sp.max_tokens, sp.min_tokens, sp.logprobs) == (
-        2,
-        40,
-        5,
-        7,
-        2,
-        3,
-    )
+    assert (sp.top_k, sp.seed, sp.max_tokens, sp.min_tokens, sp.logprobs) == (40, 5, 7, 2, 3)
     assert sp.temperature == pytest.approx(0.7) and sp.top_p == pytest.approx(0.9)
     assert sp.min_p == pytest.approx(0.1) and sp.repetition_penalty == pytest.approx(1.2)
     assert list(sp.stop) == ["\n"] and list(sp.stop_token_ids) == [3, 4]

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Installs everything the test suite needs on a fresh machine and runs all tests:
+# Rust unit + integration tests, then the Python suite against the freshly built wheel.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+command -v cargo >/dev/null || { echo "cargo not found: install Rust (rustup) first" >&2; exit 1; }
+python3 -m pip install -q --upgrade "maturin>=1.7,<2"
+python3 -m pip install -q "numpy>=1.26" "tqdm>=4.60" "pytest>=8" "pytest-asyncio>=0.23" \
+    "hypothesis>=6" "torch>=2.2" "transformers>=4.45" "tokenizers>=0.20" "safetensors>=0.4"
+
+# The extension in release (the Python tests run real models), then the Rust tests in the same
+# profile so the dependency builds are shared.
+rm -rf dist
+maturin build --release -o dist
+python3 -m pip install -q --force-reinstall --no-deps dist/detspec-*.whl
+cargo test --release
+
+set +e
+python3 -m pytest -q tests/python
+rc=$?
+set -e
+if [ "$rc" -eq 5 ]; then
+    echo "pytest collected no tests: failing" >&2
+    exit 1
+fi
+exit "$rc"

@@ -1,0 +1,203 @@
+//! Kernel tests: each op against a straightforward reference, and bitwise checks of the
+//! invariance properties the determinism contract relies on (row position, neighbours,
+//! thread count).
+
+use std::sync::Arc;
+
+use candle_core::{Device, Tensor};
+use detspec::ops::{apply_rope, paged_attention, rms_norm, write_kv, AttentionMetadata};
+
+fn randn(seed: u64, n: usize) -> Vec<f32> {
+    // Small LCG: fixed, platform-independent test data.
+    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+fn bits(t: &Tensor) -> Vec<u32> {
+    t.flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()
+        .into_iter()
+        .map(f32::to_bits)
+        .collect()
+}
+
+fn in_pool<T: Send>(threads: usize, f: impl FnOnce() -> T + Send) -> T {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .unwrap()
+        .install(f)
+}
+
+const PAGE: usize = 4;
+const KVH: usize = 2;
+const H: usize = 4;
+const D: usize = 8;
+
+/// A cache of `pages` pages holding random K/V, plus two sequences' block tables
+/// (deliberately non-contiguous pages).
+fn cache(pages: usize) -> (Tensor, Tensor) {
+    let dev = Device::Cpu;
+    let n = pages * PAGE * KVH * D;
+    let k = Tensor::from_vec(randn(1, n), (pages, PAGE, KVH, D), &dev).unwrap();
+    let v = Tensor::from_vec(randn(2, n), (pages, PAGE, KVH, D), &dev).unwrap();
+    (k, v)
+}
+
+/// Dense causal attention for one query row over positions 0..=pos of a block table.
+fn reference_row(q: &[f32], k: &[f32], v: &[f32], bt: &[u32], pos: usize, head: usize) -> Vec<f32> {
+    let kvh = head / (H / KVH);
+    let off = |j: usize| ((bt[j / PAGE] as usize * PAGE + j % PAGE) * KVH + kvh) * D;
+    let scale = 1.0 / (D as f64).sqrt();
+    let scores: Vec<f64> = (0..=pos)
+        .map(|j| (0..D).map(|i| q[i] as f64 * k[off(j) + i] as f64).sum::<f64>() * scale)
+        .collect();
+    let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+    let w: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
+    let z: f64 = w.iter().sum();
+    (0..D)
+        .map(|i| ((0..=pos).map(|j| w[j] * v[off(j) + i] as f64).sum::<f64>() / z) as f32)
+        .collect()
+}
+
+fn meta(rows: &[(u32, u32)], tables: Vec<Vec<u32>>) -> Arc<AttentionMetadata> {
+    Arc::new(AttentionMetadata {
+        positions: rows.iter().map(|r| r.1).collect(),
+        row_seq: rows.iter().map(|r| r.0).collect(),
+        block_tables: tables,
+        sliding_window: None,
+    })
+}
+
+#[test]
+fn paged_attention_matches_dense_reference() {
+    let (k, v) = cache(8);
+    let tables = vec![vec![5, 0, 7], vec![2, 6]];
+    // seq 0: a prefill chunk at positions 3..=9; seq 1: one decode row at position 6.
+    let rows: Vec<(u32, u32)> = (3..10).map(|p| (0, p)).chain([(1, 6)]).collect();
+    let q = Tensor::from_vec(randn(3, rows.len() * H * D), (rows.len(), H, D), &Device::Cpu).unwrap();
+    let out = paged_attention(&q, &k, &v, meta(&rows, tables.clone()), 1.0 / (D as f32).sqrt()).unwrap();
+    let (qv, kv, vv, ov) = (
+        q.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+        k.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+        v.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+        out.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+    );
+    for (r, &(seq, pos)) in rows.iter().enumerate() {
+        for h in 0..H {
+            let base = (r * H + h) * D;
+            let want = reference_row(&qv[base..base + D], &kv, &vv, &tables[seq as usize], pos as usize, h);
+            for i in 0..D {
+                assert!((ov[base + i] - want[i]).abs() < 1e-5, "row {r} head {h}: {} vs {}", ov[base + i], want[i]);
+            }
+        }
+    }
+}
+
+#[test]
+fn paged_attention_row_is_invariant_to_batch_position_neighbours_and_threads() {
+    let (k, v) = cache(8);
+    let tables = vec![vec![5, 0, 7], vec![2, 6], vec![1, 3, 4]];
+    let target_q = randn(10, H * D);
+    let solo = {
+        let q = Tensor::from_vec(target_q.clone(), (1, H, D), &Device::Cpu).unwrap();
+        bits(&paged_attention(&q, &k, &v, meta(&[(0, 9)], vec![tables[0].clone()]), 0.3).unwrap())
+    };
+    for (threads, before, seed) in [(1, 0, 11), (2, 3, 12), (2, 5, 13), (1, 2, 14)] {
+        // `before` random neighbour rows, then the target, then two more.
+        let mut rows = Vec::new();
+        let mut qdata = Vec::new();
+        let neighbours = randn(seed, (before + 2) * H * D);
+        for i in 0..before {
+            rows.push((1 + (i % 2) as u32, (i % 7) as u32));
+            qdata.extend_from_slice(&neighbours[i * H * D..(i + 1) * H * D]);
+        }
+        rows.push((0, 9));
+        qdata.extend_from_slice(&target_q);
+        for i in before..before + 2 {
+            rows.push((2, 11));
+            qdata.extend_from_slice(&neighbours[i * H * D..(i + 1) * H * D]);
+        }
+        let q = Tensor::from_vec(qdata, (rows.len(), H, D), &Device::Cpu).unwrap();
+        let out = in_pool(threads, || paged_attention(&q, &k, &v, meta(&rows, tables.clone()), 0.3).unwrap());
+        let row = out.narrow(0, before, 1).unwrap();
+        assert_eq!(bits(&row), solo, "threads={threads} before={before}");
+    }
+}
+
+#[test]
+fn paged_attention_rejects_bad_metadata() {
+    let (k, v) = cache(4);
+    let q = Tensor::zeros((1, H, D), candle_core::DType::F32, &Device::Cpu).unwrap();
+    // Position 9 needs 3 pages; the table has 1.
+    assert!(paged_attention(&q, &k, &v, meta(&[(0, 9)], vec![vec![0]]), 1.0).is_err());
+    // Page id out of range.
+    assert!(paged_attention(&q, &k, &v, meta(&[(0, 1)], vec![vec![99]]), 1.0).is_err());
+    // Unknown sequence.
+    assert!(paged_attention(&q, &k, &v, meta(&[(3, 1)], vec![vec![0]]), 1.0).is_err());
+}
+
+#[test]
+fn sliding_window_limits_keys() {
+    let (k, v) = cache(8);
+    let tables = vec![vec![5, 0, 7]];
+    let q = Tensor::from_vec(randn(3, H * D), (1, H, D), &Device::Cpu).unwrap();
+    let full = paged_attention(&q, &k, &v, meta(&[(0, 9)], tables.clone()), 0.3).unwrap();
+    let mut m = (*meta(&[(0, 9)], tables.clone())).clone();
+    m.sliding_window = Some(10);
+    let same = paged_attention(&q, &k, &v, Arc::new(m.clone()), 0.3).unwrap();
+    assert_eq!(bits(&full), bits(&same), "a window covering everything changes nothing");
+    m.sliding_window = Some(3);
+    let windowed = paged_attention(&q, &k, &v, Arc::new(m), 0.3).unwrap();
+    assert_ne!(bits(&full), bits(&windowed));
+}
+
+#[test]
+fn cache_write_places_rows_at_slots() {
+    let dev = Device::Cpu;
+    let cache = Tensor::zeros((3, PAGE, KVH, D), candle_core::DType::F32, &dev).unwrap();
+    let src = Tensor::from_vec(randn(4, 2 * KVH * D), (2, KVH, D), &dev).unwrap();
+    write_kv(&cache, &src, Arc::new(vec![9, 2])).unwrap();
+    let flat = cache.reshape((3 * PAGE, KVH * D)).unwrap();
+    let s = src.reshape((2, KVH * D)).unwrap();
+    assert_eq!(bits(&flat.get(9).unwrap()), bits(&s.get(0).unwrap()));
+    assert_eq!(bits(&flat.get(2).unwrap()), bits(&s.get(1).unwrap()));
+    assert!(write_kv(&cache, &src, Arc::new(vec![12, 0])).is_err(), "slot out of range");
+}
+
+#[test]
+fn rms_norm_and_rope_are_row_local_and_thread_invariant() {
+    let dev = Device::Cpu;
+    let x = Tensor::from_vec(randn(5, 6 * H * D), (6, H, D), &dev).unwrap();
+    let w = Tensor::from_vec(randn(6, D), D, &dev).unwrap();
+    let cos = Tensor::from_vec(randn(7, 6 * D / 2), (6, D / 2), &dev).unwrap();
+    let sin = Tensor::from_vec(randn(8, 6 * D / 2), (6, D / 2), &dev).unwrap();
+    let full_norm = in_pool(2, || rms_norm(&x, &w, 1e-5).unwrap());
+    let full_rope = in_pool(2, || apply_rope(&x, &cos, &sin).unwrap());
+    for r in 0..6 {
+        let xr = x.narrow(0, r, 1).unwrap();
+        let solo_norm = in_pool(1, || rms_norm(&xr, &w, 1e-5).unwrap());
+        assert_eq!(bits(&solo_norm), bits(&full_norm.narrow(0, r, 1).unwrap()));
+        let solo_rope = apply_rope(&xr, &cos.narrow(0, r, 1).unwrap(), &sin.narrow(0, r, 1).unwrap()).unwrap();
+        assert_eq!(bits(&solo_rope), bits(&full_rope.narrow(0, r, 1).unwrap()));
+    }
+    // Reference values.
+    let xv = x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let wv = w.to_vec1::<f32>().unwrap();
+    let nv = full_norm.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    for row in 0..6 * H {
+        let xs = &xv[row * D..(row + 1) * D];
+        let ms = xs.iter().map(|a| (a * a) as f64).sum::<f64>() / D as f64;
+        for i in 0..D {
+            let want = wv[i] as f64 * xs[i] as f64 / (ms + 1e-5).sqrt();
+            assert!((nv[row * D + i] as f64 - want).abs() < 1e-5);
+        }
+    }
+}
