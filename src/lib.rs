@@ -4,10 +4,15 @@
 //! ```no_run
 //! use detspec::{Engine, EngineConfig, Request, SamplingParams};
 //!
-//! let mut engine = Engine::from_model_dir("path/to/hf-model", EngineConfig::default())?;
+//! let engine = Engine::from_model_dir("path/to/hf-model", EngineConfig::default())?;
 //! let params = SamplingParams { max_tokens: 32, temperature: 0.0, ..Default::default() };
-//! let outs = engine.generate(vec![Request::new("r1", "Hello", params)])?;
+//! // Blocking, all at once:
+//! let outs = engine.generate(vec![Request::new("r1", "Hello", params.clone())])?;
 //! println!("{}", outs[0].outputs[0].text);
+//! // Streaming: cumulative snapshots as tokens are committed.
+//! for snapshot in engine.add_request(Request::new("r2", "Hello", params))? {
+//!     println!("{}", snapshot?.outputs[0].text);
+//! }
 //! # Ok::<(), detspec::DetspecError>(())
 //! ```
 
@@ -28,8 +33,8 @@ pub mod tokenizer;
 mod python;
 
 pub use config::{EngineConfig, ModelConfig};
-pub use engine::Engine;
+pub use engine::{Engine, RequestStream};
 pub use error::{DetspecError, Result};
-pub use output::{CompletionOutput, FinishReason, RequestOutput, StopReason, TokenLogprobs};
+pub use output::{CompletionOutput, FinishReason, RequestMetrics, RequestOutput, StopReason, TokenLogprobs};
 pub use request::{Prompt, Request};
 pub use sampling::SamplingParams;

@@ -68,4 +68,18 @@ pub struct RequestOutput {
     /// Identifies the model, numeric configuration and kernels that produced this output; two
     /// outputs are comparable bit for bit only when their fingerprints are equal.
     pub fingerprint: String,
+    pub metrics: RequestMetrics,
+}
+
+/// Timing and counts of one request (times in seconds since the Unix epoch, as vLLM).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RequestMetrics {
+    pub arrival_time: f64,
+    pub first_scheduled_time: Option<f64>,
+    pub first_token_time: Option<f64>,
+    pub finished_time: Option<f64>,
+    pub num_prompt_tokens: usize,
+    pub num_output_tokens: usize,
+    /// Times the request was preempted (its KV freed and later recomputed).
+    pub num_preemptions: usize,
 }

@@ -44,7 +44,7 @@ fn prompts() -> Vec<Vec<u32>> {
 
 #[test]
 fn greedy_batch_generates_and_frees_pages() {
-    let mut e = engine();
+    let e = engine();
     let reqs = prompts()
         .into_iter()
         .enumerate()
@@ -60,14 +60,14 @@ fn greedy_batch_generates_and_frees_pages() {
         assert_eq!(c.finish_reason, Some(FinishReason::Length));
         assert!(c.logprobs.iter().all(|l| l.logprob <= 0.0 && l.rank == 1), "greedy picks rank 1");
     }
-    let (free, total) = e.kv_pages();
+    let (free, total) = e.kv_pages().unwrap();
     assert_eq!(free, total);
 }
 
 #[test]
 fn same_inputs_same_bits_and_seeds_matter() {
     let run = |seed: u64| {
-        let mut e = engine();
+        let e = engine();
         let p = SamplingParams { temperature: 0.8, top_p: 0.95, seed: Some(seed), max_tokens: 24, ignore_eos: true, ..Default::default() };
         let reqs = prompts().into_iter().enumerate().map(|(i, pr)| Request::new(i.to_string(), pr, p.clone())).collect();
         e.generate(reqs)
@@ -85,7 +85,7 @@ fn same_inputs_same_bits_and_seeds_matter() {
 
 #[test]
 fn n_completions_differ_under_sampling_and_agree_under_greedy() {
-    let mut e = engine();
+    let e = engine();
     let sampled = SamplingParams { n: 3, temperature: 1.0, seed: Some(9), max_tokens: 16, ignore_eos: true, ..Default::default() };
     let out = e.generate(vec![Request::new("a", vec![1, 2, 3], sampled)]).unwrap();
     let toks: Vec<_> = out[0].outputs.iter().map(|c| c.token_ids.clone()).collect();
@@ -97,7 +97,7 @@ fn n_completions_differ_under_sampling_and_agree_under_greedy() {
 
 #[test]
 fn text_prompts_stop_strings_and_stop_tokens() {
-    let mut e = engine();
+    let e = engine();
     let out = e.generate(vec![Request::new("t", "Hello world", greedy(12))]).unwrap();
     let c = &out[0].outputs[0];
     assert_eq!(out[0].prompt.as_deref(), Some("Hello world"));
@@ -126,7 +126,7 @@ fn text_prompts_stop_strings_and_stop_tokens() {
 
 #[test]
 fn bad_requests_are_rejected_and_engine_keeps_serving() {
-    let mut e = engine();
+    let e = engine();
     let cases: Vec<(Request, &str)> = vec![
         (Request::new("a", Vec::<u32>::new(), greedy(4)), "prompt is empty"),
         (Request::new("b", vec![1, 100_000], greedy(4)), "100000"),
@@ -141,15 +141,15 @@ fn bad_requests_are_rejected_and_engine_keeps_serving() {
     }
     let out = e.generate(vec![Request::new("ok", vec![1, 2], greedy(4))]).unwrap();
     assert_eq!(out[0].outputs[0].token_ids.len(), 4);
-    let (free, total) = e.kv_pages();
+    let (free, total) = e.kv_pages().unwrap();
     assert_eq!(free, total);
 }
 
 #[test]
 fn prompt_logits_match_the_generation_path() {
-    let mut e = engine();
+    let e = engine();
     let p: Vec<u32> = (10..30).collect();
-    let logits = e.prompt_logits(&[p.clone(), vec![4, 5]]).unwrap();
+    let logits = e.prompt_logits(vec![p.clone(), vec![4, 5]]).unwrap();
     assert_eq!(logits[0].len(), 20);
     assert_eq!(logits[1].len(), 2);
     let last = &logits[0][19];

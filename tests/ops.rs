@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use candle_core::{Device, Tensor};
-use detspec::ops::{apply_rope, paged_attention, rms_norm, write_kv, AttentionMetadata};
+use detspec::ops::{apply_rope, paged_attention, rms_norm, write_kv, AttentionMetadata, AttentionSchedule};
 
 fn randn(seed: u64, n: usize) -> Vec<f32> {
     // Small LCG: fixed, platform-independent test data.
@@ -73,6 +73,7 @@ fn meta(rows: &[(u32, u32)], tables: Vec<Vec<u32>>) -> Arc<AttentionMetadata> {
         row_seq: rows.iter().map(|r| r.0).collect(),
         block_tables: tables,
         sliding_window: None,
+        schedule: AttentionSchedule::Fixed,
     })
 }
 
@@ -200,4 +201,28 @@ fn rms_norm_and_rope_are_row_local_and_thread_invariant() {
             assert!((nv[row * D + i] as f64 - want).abs() < 1e-5);
         }
     }
+}
+
+#[test]
+fn split_kv_matches_fixed_closely_but_not_bitwise() {
+    let (k, v) = cache(16);
+    let tables = vec![(0..16).rev().collect::<Vec<u32>>()];
+    let q = Tensor::from_vec(randn(21, H * D), (1, H, D), &Device::Cpu).unwrap();
+    let fixed = paged_attention(&q, &k, &v, meta(&[(0, 61)], tables.clone()), 0.3).unwrap();
+    let mut differs = false;
+    for splits in [2, 3, 5, 8] {
+        let mut m = (*meta(&[(0, 61)], tables.clone())).clone();
+        m.schedule = AttentionSchedule::SplitKv { splits };
+        let split = paged_attention(&q, &k, &v, Arc::new(m), 0.3).unwrap();
+        let diff = (&split - &fixed).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+        assert!(diff < 1e-5, "splits={splits}: max diff {diff}");
+        differs |= bits(&split) != bits(&fixed);
+    }
+    // The fast path's schedule changes rounding: this is the batch variance DVR must catch.
+    assert!(differs, "split-KV should round differently from the fixed schedule");
+    // The heuristic depends on the batch: one sequence splits, many do not.
+    assert_ne!(
+        AttentionSchedule::split_kv_for_batch(1, H),
+        AttentionSchedule::split_kv_for_batch(64, H)
+    );
 }

@@ -57,8 +57,81 @@ def _normalise_prompts(prompts: PromptType | Sequence[PromptType]) -> list[str |
     return out
 
 
-class LLM:
-    """Loads a Hugging Face model directory and generates from it.
+def _engine_kwargs(
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    num_kv_pages: int | None,
+    kv_cache_bytes: int | None,
+    page_size: int,
+    max_model_len: int | None,
+    max_prefill_chunk: int | None,
+) -> dict[str, Any]:
+    return {
+        "page_size": page_size,
+        "num_kv_pages": num_kv_pages,
+        "kv_cache_bytes": kv_cache_bytes,
+        "max_num_seqs": max_num_seqs,
+        "max_num_batched_tokens": max_num_batched_tokens,
+        "max_model_len": max_model_len,
+        "max_prefill_chunk": max_prefill_chunk,
+    }
+
+
+def _make_engine(model: str | os.PathLike[str] | None, device: str, **kwargs: Any) -> tuple[str, Any]:
+    if device != "cpu":
+        raise InvalidRequestError(
+            f"invalid parameter `device`: {device!r} is not available in this build "
+            "(supported: 'cpu')"
+        )
+    if model is None:
+        from detspec.default_model import default_model_dir
+
+        model = default_model_dir()
+    path = os.fspath(model)
+    return path, _core.Engine(path, **kwargs)
+
+
+class _EngineClient:
+    """What LLM and AsyncLLM share: the engine, its tokenizer, output conversion."""
+
+    _engine: Any
+
+    def _init_client(self) -> None:
+        self.tokenizer = Tokenizer(self._engine) if self._engine.has_tokenizer() else None
+        self._next_id = 0
+
+    def _new_request_id(self) -> str:
+        rid = str(self._next_id)
+        self._next_id += 1
+        return rid
+
+    def get_tokenizer(self) -> Tokenizer | None:
+        return self.tokenizer
+
+    @property
+    def fingerprint(self) -> str:
+        """Identifies model weights, dtype, device kind and kernel version."""
+        return self._engine.fingerprint()
+
+    def kv_pages(self) -> tuple[int, int]:
+        """``(free, total)`` KV-cache pages."""
+        return self._engine.kv_pages()
+
+    def _decode_token(self, token: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode([token], skip_special_tokens=False)
+
+    def _to_output(self, d: dict[str, Any], params: SamplingParams) -> RequestOutput:
+        return request_output_from_dict(d, params.logprobs, self._decode_token)
+
+    def shutdown(self) -> None:
+        """Stops the engine thread; unfinished requests end with finish_reason "abort"."""
+        self._engine.shutdown()
+
+
+class LLM(_EngineClient):
+    """Loads a Hugging Face model directory and generates from it (offline, blocking).
 
     ``model=None`` uses the built-in tiny demo model (built on first use, no download).
     """
@@ -74,69 +147,89 @@ class LLM:
         kv_cache_bytes: int | None = None,
         page_size: int = 16,
         max_model_len: int | None = None,
+        max_prefill_chunk: int | None = None,
     ) -> None:
-        if device != "cpu":
-            raise InvalidRequestError(
-                f"invalid parameter `device`: {device!r} is not available in this build "
-                "(supported: 'cpu')"
-            )
-        if model is None:
-            from detspec.default_model import default_model_dir
-
-            model = default_model_dir()
-        self.model = os.fspath(model)
-        self._engine = _core.Engine(
-            self.model,
-            page_size=page_size,
-            num_kv_pages=num_kv_pages,
-            kv_cache_bytes=kv_cache_bytes,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
+        self.model, self._engine = _make_engine(
+            model,
+            device,
+            **_engine_kwargs(
+                max_num_seqs,
+                max_num_batched_tokens,
+                num_kv_pages,
+                kv_cache_bytes,
+                page_size,
+                max_model_len,
+                max_prefill_chunk,
+            ),
         )
-        self._next_id = 0
-        self.tokenizer = Tokenizer(self._engine) if self._engine.has_tokenizer() else None
-
-    def get_tokenizer(self) -> Tokenizer | None:
-        return self.tokenizer
-
-    @property
-    def fingerprint(self) -> str:
-        return self._engine.fingerprint()
+        self._init_client()
 
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = False,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generates a completion for every prompt; all prompts run together in one batch.
-
-        Outputs are returned in prompt order.
-        """
-        del use_tqdm  # progress reporting arrives with the continuous-batching engine
+        """Generates a completion for every prompt with continuous batching; returns outputs
+        in prompt order. If any request fails, the others are aborted and the error raised."""
         plist = _normalise_prompts(prompts)
         params = _as_params_list(sampling_params, len(plist))
-        reqs = []
-        for p, sp in zip(plist, params, strict=True):
-            reqs.append((str(self._next_id), p, sp.to_dict()))
-            self._next_id += 1
-        raw = self._engine.generate(reqs)
-        decode = self._decode_token
-        return [
-            request_output_from_dict(d, sp.logprobs, decode)
-            for d, sp in zip(raw, params, strict=True)
-        ]
-
-    def _decode_token(self, token: int) -> str | None:
-        if self.tokenizer is None:
-            return None
-        return self.tokenizer.decode([token], skip_special_tokens=False)
+        queue = _core.OutputQueue()
+        ids: list[str] = []
+        results: dict[str, dict[str, Any]] = {}
+        try:
+            for p, sp in zip(plist, params, strict=True):
+                rid = self._new_request_id()
+                self._engine.add_request(queue, rid, p, sp.to_dict())
+                ids.append(rid)
+            with _progress(len(ids), use_tqdm) as bar:
+                while len(results) < len(ids):
+                    for rid, d, exc in queue.next_outputs(None):
+                        if exc is not None:
+                            raise exc
+                        if d is not None and d["finished"]:
+                            results[rid] = d
+                            bar.done(d)
+        except BaseException:
+            for rid in ids:
+                if rid not in results:
+                    self._engine.abort(rid)
+            raise
+        return [self._to_output(results[rid], sp) for rid, sp in zip(ids, params, strict=True)]
 
     def compute_logits(self, prompts: Sequence[Sequence[int]]) -> list[np.ndarray]:
         """Per-position logits ``[len_i, vocab]`` of each token-id prompt, all in one batch."""
         return self._engine.prompt_logits([[int(t) for t in p] for p in prompts])
 
-    def kv_pages(self) -> tuple[int, int]:
-        """``(free, total)`` KV-cache pages."""
-        return self._engine.kv_pages()
+
+class _progress:
+    """vLLM-style progress bar: processed prompts and input/output token throughput."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self._bar = None
+        if enabled:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)
+        self._in = 0
+        self._out = 0
+
+    def __enter__(self) -> _progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+    def done(self, d: dict[str, Any]) -> None:
+        if self._bar is None:
+            return
+        self._in += len(d["prompt_token_ids"])
+        self._out += sum(len(c["token_ids"]) for c in d["outputs"])
+        elapsed = self._bar.format_dict.get("elapsed") or 1e-9
+        self._bar.set_postfix_str(
+            f"est. speed input: {self._in / elapsed:.2f} toks/s, "
+            f"output: {self._out / elapsed:.2f} toks/s",
+            refresh=False,
+        )
+        self._bar.update(1)

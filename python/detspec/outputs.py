@@ -77,4 +77,5 @@ def request_output_from_dict(d: dict[str, Any], num_logprobs: int | None, decode
         outputs=outs,
         finished=d["finished"],
         fingerprint=d["fingerprint"],
+        metrics=dict(d.get("metrics") or {}),
     )

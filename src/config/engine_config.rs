@@ -17,6 +17,8 @@ pub struct EngineConfig {
     pub max_num_batched_tokens: usize,
     /// Longest prompt + output; `None` uses the model's `max_position_embeddings`.
     pub max_model_len: Option<usize>,
+    /// Largest prefill chunk of one sequence per step; `None` = the whole token budget.
+    pub max_prefill_chunk: Option<usize>,
 }
 
 impl Default for EngineConfig {
@@ -28,6 +30,7 @@ impl Default for EngineConfig {
             max_num_seqs: 256,
             max_num_batched_tokens: 8192,
             max_model_len: None,
+            max_prefill_chunk: None,
         }
     }
 }
@@ -49,6 +52,9 @@ impl EngineConfig {
         }
         if self.max_num_batched_tokens == 0 {
             return Err(DetspecError::param("max_num_batched_tokens", "must be > 0"));
+        }
+        if self.max_prefill_chunk == Some(0) {
+            return Err(DetspecError::param("max_prefill_chunk", "must be > 0"));
         }
         if self.max_model_len == Some(0) {
             return Err(DetspecError::param("max_model_len", "must be > 0"));

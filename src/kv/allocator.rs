@@ -1,28 +1,279 @@
 //! Page allocation with reference counts.
 //!
-//! [`PageAllocator`] is the interface the rest of the engine uses; the lock-free implementation
-//! of the KV-cache issue drops in behind it. [`SimpleAllocator`] is a mutex-protected reference
-//! implementation that always hands out the lowest free id, so page ids are reproducible for the
-//! same sequence of calls.
+//! [`PageAllocator`] is the interface the rest of the engine uses. Two implementations:
+//!
+//! * [`AtomicAllocator`]: the production allocator. Lock-free: an atomic bitmap of used pages plus
+//!   one atomic reference count per page. `allocate`, `share` and `release` may be called from any
+//!   thread and never block each other.
+//! * [`SimpleAllocator`]: a `Mutex`-protected reference implementation with the same observable
+//!   behaviour in single-threaded use. Tests compare against it and benchmarks use it as the
+//!   baseline.
+//!
+//! Both always hand out the **lowest free id**, so page ids are reproducible for the same sequence
+//! of calls (a prompt lands in the same pages on every run, which keeps traces and KV dumps
+//! comparable across runs).
+//!
+//! Misuse (sharing or releasing a page that is not allocated, an id outside the pool) never
+//! corrupts the allocator: the `try_*` methods report it as a [`PageError`], and the infallible
+//! `share`/`release` wrappers ignore it after a `debug_assert!` so that the bug is loud in debug
+//! builds and harmless in release builds.
 
 use std::collections::BTreeSet;
 use std::sync::Mutex;
 
+use self::sync::{fence, spin_hint, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+
 /// Physical page index into the KV pool.
 pub type PageId = u32;
+
+/// Why a `share` or `release` was refused. Always a caller bug, never a resource condition.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum PageError {
+    /// The page id is not inside the pool.
+    #[error("page {page} out of range (pool of {total} pages)")]
+    OutOfRange { page: PageId, total: usize },
+    /// The page is free: it has no reference to share or drop.
+    #[error("page {page} is not allocated")]
+    NotAllocated { page: PageId },
+    /// Sharing would overflow the 32-bit reference count.
+    #[error("page {page}: reference count overflow")]
+    RefOverflow { page: PageId },
+}
 
 /// Reference-counted page allocation, callable from any thread.
 pub trait PageAllocator: Send + Sync {
     /// Takes a free page (ref count 1), or `None` when the pool is exhausted.
     fn allocate(&self) -> Option<PageId>;
-    /// Adds a reference to a page that is already allocated.
-    fn share(&self, page: PageId);
-    /// Drops a reference; returns `true` when this freed the page.
-    fn release(&self, page: PageId) -> bool;
-    /// Pages currently free.
+
+    /// Adds a reference to an allocated page.
+    fn try_share(&self, page: PageId) -> Result<(), PageError>;
+
+    /// Drops a reference. `Ok(true)` when this dropped the last one and freed the page.
+    fn try_release(&self, page: PageId) -> Result<bool, PageError>;
+
+    /// Current reference count (0 for a free page or an id outside the pool). Only a snapshot
+    /// when other threads hold the page too.
+    fn ref_count(&self, page: PageId) -> u32;
+
+    /// Pages that `allocate` can hand out right now.
     fn num_free(&self) -> usize;
+
     /// Pages in the pool.
     fn num_total(&self) -> usize;
+
+    /// Adds a reference to an allocated page. Misuse is a bug: it asserts in debug builds and is
+    /// ignored (state untouched) in release builds; use [`PageAllocator::try_share`] to observe it.
+    fn share(&self, page: PageId) {
+        let r = self.try_share(page);
+        debug_assert!(r.is_ok(), "share: {r:?}");
+    }
+
+    /// Drops a reference; returns `true` when this freed the page. Misuse asserts in debug builds
+    /// and returns `false` (state untouched) in release builds.
+    fn release(&self, page: PageId) -> bool {
+        let r = self.try_release(page);
+        debug_assert!(r.is_ok(), "release: {r:?}");
+        r.unwrap_or(false)
+    }
+}
+
+/// Atomics used by [`AtomicAllocator`]: `std`'s normally, `loom`'s when the crate is built with
+/// `--cfg loom` so that `tests/kv_loom.rs` can explore every interleaving of the core.
+mod sync {
+    #[cfg(loom)]
+    pub use loom::sync::atomic::{fence, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+    #[cfg(not(loom))]
+    pub use std::sync::atomic::{fence, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+
+    /// Called when a retry loop found nothing; loom needs an explicit yield to make progress.
+    #[inline]
+    pub fn spin_hint() {
+        #[cfg(loom)]
+        loom::thread::yield_now();
+        #[cfg(not(loom))]
+        std::hint::spin_loop();
+    }
+}
+
+/// Lock-free allocator: atomic bitmap + atomic reference counts.
+///
+/// # Structure
+///
+/// * `used`: one bit per page, **1 = allocated**. Bits past `total` in the last word are set at
+///   construction so they are never handed out.
+/// * `refs`: one `AtomicU32` per page; 0 exactly when the page is free (or in the middle of being
+///   allocated / freed, see below).
+/// * `available`: how many pages `allocate` may still take. A caller first *reserves* one unit
+///   here (a CAS that never goes below 0), then claims a bit. A release clears its bit *before*
+///   giving the unit back, so every reservation is backed by a clear bit: the claim loop always
+///   finds one (it may have to rescan when another reserver took the bit it saw, but then that
+///   reserver made progress, so the structure is lock-free). Reserving first also makes an empty
+///   pool answer `None` in O(1) instead of scanning the bitmap.
+///
+/// # Lowest free id
+///
+/// The claim scans words from 0 and takes the lowest zero bit with `fetch_or`. In single-threaded
+/// use this is exactly "lowest free id", the same policy as [`SimpleAllocator`], so the same call
+/// sequence yields the same page ids. Under concurrency each call still gets *a* free page, and
+/// ids depend on the interleaving (nothing can do better).
+///
+/// # Memory orderings
+///
+/// Pages guard KV memory that is written outside the allocator (tensor writes), so a page's reuse
+/// must happen-after everything its previous holders did with it, exactly like `Arc` drop:
+///
+/// * `try_release` decrements with `Release`; the thread that takes the count 1 → 0 then issues an
+///   `Acquire` fence, so all holders' writes happen-before the freeing thread's next step (the
+///   same reasoning as `Arc::drop`). It clears the bit with `Release` and returns the
+///   reservation unit with `Release`.
+/// * `allocate` reserves with `Acquire` (pairs with the releaser's unit return, so the cleared bit
+///   is already visible and the scan finds it without spinning) and claims the bit with `Acquire`
+///   (pairs with the freeing `fetch_and`; RMWs on one word form a release sequence, so this holds
+///   even if other claims touched the word in between). Hence the previous holders' KV writes
+///   happen-before the new owner's.
+/// * The new owner stores ref count 1 with `Relaxed`: nobody else can legitimately touch a page
+///   before the owner publishes its id, and that publication (a channel, a lock, a join) carries
+///   the happens-before edge.
+/// * `try_share` increments with `Relaxed`, like `Arc::clone`: the caller already holds a
+///   reference, so the page cannot be freed concurrently and no data is published by sharing.
+///   It is a CAS loop instead of `fetch_add` only so that sharing a free page (count 0) is
+///   refused instead of resurrecting it.
+/// * Plain loads (`ref_count`, `num_free`, the scan's pre-check of a word) are `Relaxed`: they are
+///   hints or snapshots, and every decision is confirmed by an RMW with the orderings above.
+#[derive(Debug)]
+pub struct AtomicAllocator {
+    used: Box<[AtomicU64]>,
+    refs: Box<[AtomicU32]>,
+    available: AtomicUsize,
+    total: usize,
+}
+
+impl AtomicAllocator {
+    /// A pool of `num_pages` free pages. Ids are `0..num_pages`; at most `u32::MAX` pages.
+    pub fn new(num_pages: usize) -> Self {
+        let num_pages = num_pages.min(PageId::MAX as usize);
+        let words = num_pages.div_ceil(64);
+        let used = (0..words)
+            .map(|w| {
+                // Bits past the end of the pool are permanently "used".
+                let valid = (num_pages - w * 64).min(64);
+                let mask = if valid == 64 { 0 } else { !0u64 << valid };
+                AtomicU64::new(mask)
+            })
+            .collect();
+        let refs = (0..num_pages).map(|_| AtomicU32::new(0)).collect();
+        Self {
+            used,
+            refs,
+            available: AtomicUsize::new(num_pages),
+            total: num_pages,
+        }
+    }
+
+    /// Takes one unit of `available`, or returns `false` if it is zero.
+    fn reserve_one(&self) -> bool {
+        self.available
+            .fetch_update(Ordering::Acquire, Ordering::Relaxed, |n| n.checked_sub(1))
+            .is_ok()
+    }
+
+    /// Claims the lowest clear bit. Only called with a reservation in hand, which guarantees a
+    /// clear bit exists that no other reserver will take, so this terminates.
+    fn claim_lowest(&self) -> PageId {
+        loop {
+            for (w, word) in self.used.iter().enumerate() {
+                let mut cur = word.load(Ordering::Relaxed);
+                while cur != u64::MAX {
+                    let bit = (!cur).trailing_zeros();
+                    let mask = 1u64 << bit;
+                    let prev = word.fetch_or(mask, Ordering::Acquire);
+                    if prev & mask == 0 {
+                        return (w * 64) as PageId + bit;
+                    }
+                    // Someone else took that bit; look again at this word's current value.
+                    cur = prev | mask;
+                }
+            }
+            // Every bit we saw was taken under us; a release will (or just did) clear one for
+            // our reservation.
+            spin_hint();
+        }
+    }
+
+    /// `try_release`, returning the count left after the decrement (0 = freed).
+    pub fn release_count(&self, page: PageId) -> Result<u32, PageError> {
+        let r = self.slot(page)?;
+        let prev = r
+            .fetch_update(Ordering::Release, Ordering::Relaxed, |c| c.checked_sub(1))
+            .map_err(|_| PageError::NotAllocated { page })?;
+        if prev == 1 {
+            // Synchronise with every other holder's `Release` decrement before the page becomes
+            // reusable (see the type docs).
+            fence(Ordering::Acquire);
+            let (w, mask) = word_bit(page);
+            let before = self.used[w].fetch_and(!mask, Ordering::Release);
+            debug_assert!(before & mask != 0, "page {page} had refs but a clear bit");
+            self.available.fetch_add(1, Ordering::Release);
+        }
+        Ok(prev - 1)
+    }
+
+    fn slot(&self, page: PageId) -> Result<&AtomicU32, PageError> {
+        self.refs.get(page as usize).ok_or(PageError::OutOfRange {
+            page,
+            total: self.total,
+        })
+    }
+}
+
+/// Word index and bit mask of a page in the bitmap.
+#[inline]
+fn word_bit(page: PageId) -> (usize, u64) {
+    ((page / 64) as usize, 1u64 << (page % 64))
+}
+
+impl PageAllocator for AtomicAllocator {
+    fn allocate(&self) -> Option<PageId> {
+        if !self.reserve_one() {
+            return None;
+        }
+        let page = self.claim_lowest();
+        // Publication of the id by the caller orders this store for other threads.
+        self.refs[page as usize].store(1, Ordering::Relaxed);
+        Some(page)
+    }
+
+    fn try_share(&self, page: PageId) -> Result<(), PageError> {
+        let r = self.slot(page)?;
+        r.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |c| match c {
+            0 | u32::MAX => None,
+            c => Some(c + 1),
+        })
+        .map(|_| ())
+        .map_err(|c| {
+            if c == 0 {
+                PageError::NotAllocated { page }
+            } else {
+                PageError::RefOverflow { page }
+            }
+        })
+    }
+
+    fn try_release(&self, page: PageId) -> Result<bool, PageError> {
+        self.release_count(page).map(|left| left == 0)
+    }
+
+    fn ref_count(&self, page: PageId) -> u32 {
+        self.slot(page).map_or(0, |r| r.load(Ordering::Relaxed))
+    }
+
+    fn num_free(&self) -> usize {
+        self.available.load(Ordering::Relaxed)
+    }
+
+    fn num_total(&self) -> usize {
+        self.total
+    }
 }
 
 #[derive(Debug)]
@@ -31,7 +282,8 @@ struct SimpleState {
     refs: Vec<u32>,
 }
 
-/// Mutex-based allocator: lowest free id first.
+/// Mutex-based allocator: lowest free id first. The reference implementation and benchmark
+/// baseline for [`AtomicAllocator`].
 #[derive(Debug)]
 pub struct SimpleAllocator {
     state: Mutex<SimpleState>,
@@ -40,6 +292,7 @@ pub struct SimpleAllocator {
 
 impl SimpleAllocator {
     pub fn new(num_pages: usize) -> Self {
+        let num_pages = num_pages.min(PageId::MAX as usize);
         Self {
             state: Mutex::new(SimpleState {
                 free: (0..num_pages as PageId).collect(),
@@ -51,7 +304,7 @@ impl SimpleAllocator {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, SimpleState> {
         // A panic while holding this lock cannot leave the state half-updated (every update is
-        // a single field write), so a poisoned lock is safe to reuse.
+        // checked before any field is written), so a poisoned lock is safe to reuse.
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
@@ -64,23 +317,44 @@ impl PageAllocator for SimpleAllocator {
         Some(page)
     }
 
-    fn share(&self, page: PageId) {
+    fn try_share(&self, page: PageId) -> Result<(), PageError> {
+        let total = self.total;
         let mut s = self.lock();
-        debug_assert!(s.refs[page as usize] > 0, "share of free page {page}");
-        s.refs[page as usize] += 1;
+        let r = s
+            .refs
+            .get_mut(page as usize)
+            .ok_or(PageError::OutOfRange { page, total })?;
+        match *r {
+            0 => Err(PageError::NotAllocated { page }),
+            u32::MAX => Err(PageError::RefOverflow { page }),
+            _ => {
+                *r += 1;
+                Ok(())
+            }
+        }
     }
 
-    fn release(&self, page: PageId) -> bool {
+    fn try_release(&self, page: PageId) -> Result<bool, PageError> {
+        let total = self.total;
         let mut s = self.lock();
-        let r = &mut s.refs[page as usize];
-        debug_assert!(*r > 0, "release of free page {page}");
-        *r = r.saturating_sub(1);
+        let r = s
+            .refs
+            .get_mut(page as usize)
+            .ok_or(PageError::OutOfRange { page, total })?;
+        if *r == 0 {
+            return Err(PageError::NotAllocated { page });
+        }
+        *r -= 1;
         if *r == 0 {
             s.free.insert(page);
-            true
+            Ok(true)
         } else {
-            false
+            Ok(false)
         }
+    }
+
+    fn ref_count(&self, page: PageId) -> u32 {
+        self.lock().refs.get(page as usize).copied().unwrap_or(0)
     }
 
     fn num_free(&self) -> usize {
@@ -92,22 +366,108 @@ impl PageAllocator for SimpleAllocator {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
 
-    #[test]
-    fn lowest_id_first_and_refcounts() {
-        let a = SimpleAllocator::new(4);
+    fn lowest_id_first_and_refcounts(a: &dyn PageAllocator) {
         assert_eq!(a.allocate(), Some(0));
         assert_eq!(a.allocate(), Some(1));
         a.share(0);
+        assert_eq!(a.ref_count(0), 2);
         assert!(!a.release(0));
         assert!(a.release(0));
+        assert_eq!(a.ref_count(0), 0);
         assert_eq!(a.allocate(), Some(0));
         assert_eq!(a.allocate(), Some(2));
         assert_eq!(a.allocate(), Some(3));
         assert_eq!(a.allocate(), None);
         assert_eq!(a.num_free(), 0);
+    }
+
+    #[test]
+    fn simple_lowest_id_first() {
+        lowest_id_first_and_refcounts(&SimpleAllocator::new(4));
+    }
+
+    #[test]
+    fn atomic_lowest_id_first() {
+        lowest_id_first_and_refcounts(&AtomicAllocator::new(4));
+    }
+
+    fn misuse_is_refused(a: &dyn PageAllocator) {
+        let n = a.num_total() as PageId;
+        assert_eq!(a.try_share(0), Err(PageError::NotAllocated { page: 0 }));
+        assert_eq!(a.try_release(0), Err(PageError::NotAllocated { page: 0 }));
+        assert!(matches!(a.try_release(n), Err(PageError::OutOfRange { .. })));
+        assert!(matches!(a.try_share(n + 5), Err(PageError::OutOfRange { .. })));
+        assert_eq!(a.ref_count(n), 0);
+        // Nothing was corrupted.
+        assert_eq!(a.num_free(), n as usize);
+        let p = a.allocate().unwrap();
+        assert_eq!(a.try_release(p), Ok(true));
+        assert_eq!(a.try_release(p), Err(PageError::NotAllocated { page: p }));
+        assert_eq!(a.num_free(), n as usize);
+    }
+
+    #[test]
+    fn misuse_atomic() {
+        misuse_is_refused(&AtomicAllocator::new(5));
+    }
+
+    #[test]
+    fn misuse_simple() {
+        misuse_is_refused(&SimpleAllocator::new(5));
+    }
+
+    /// The infallible wrappers must not panic on misuse in release builds.
+    #[cfg(not(debug_assertions))]
+    #[test]
+    fn misuse_wrappers_are_harmless_in_release() {
+        let a = AtomicAllocator::new(3);
+        a.share(1);
+        assert!(!a.release(1));
+        assert!(!a.release(99));
+        assert_eq!(a.num_free(), 3);
+        assert_eq!(a.allocate(), Some(0));
+    }
+
+    #[test]
+    fn pool_not_multiple_of_64() {
+        for n in [1usize, 63, 64, 65, 130] {
+            let a = AtomicAllocator::new(n);
+            let got: Vec<PageId> = std::iter::from_fn(|| a.allocate()).collect();
+            assert_eq!(got, (0..n as PageId).collect::<Vec<_>>(), "n={n}");
+            assert_eq!(a.num_free(), 0);
+            for p in got.iter().rev() {
+                assert!(a.release(*p));
+            }
+            assert_eq!(a.num_free(), n);
+        }
+        let empty = AtomicAllocator::new(0);
+        assert_eq!(empty.allocate(), None);
+    }
+
+    #[test]
+    fn same_calls_same_ids_as_simple() {
+        let a = AtomicAllocator::new(200);
+        let s = SimpleAllocator::new(200);
+        let mut held: Vec<PageId> = Vec::new();
+        // A fixed pseudo-random walk of allocate / release.
+        let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
+        for _ in 0..5000 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            if x % 3 != 0 || held.is_empty() {
+                let (pa, ps) = (a.allocate(), s.allocate());
+                assert_eq!(pa, ps);
+                held.extend(pa);
+            } else {
+                let p = held.swap_remove((x >> 8) as usize % held.len());
+                assert_eq!(a.release(p), s.release(p));
+            }
+            assert_eq!(a.num_free(), s.num_free());
+        }
     }
 }

@@ -4,6 +4,9 @@
 use candle_core::{DType, Device, Tensor};
 
 use crate::error::{DetspecError, Result};
+use crate::ops::copy_pages;
+
+use super::PageId;
 
 /// KV storage for every layer.
 #[derive(Debug)]
@@ -18,6 +21,28 @@ impl KvPool {
     /// Bytes one page takes across all layers (K and V).
     pub fn bytes_per_page(num_layers: usize, page_size: usize, kv_heads: usize, head_dim: usize, dtype: DType) -> usize {
         2 * num_layers * page_size * kv_heads * head_dim * dtype.size_in_bytes()
+    }
+
+    /// Pool size in pages from the user's settings: `num_kv_pages` when given, otherwise as many
+    /// pages of `bytes_per_page` as fit in the `kv_cache_bytes` budget. A budget smaller than one
+    /// page is an error rather than a silent 1-page pool, since nothing useful runs in it.
+    pub fn num_pages_for(num_kv_pages: Option<usize>, kv_cache_bytes: usize, bytes_per_page: usize) -> Result<usize> {
+        match num_kv_pages {
+            Some(0) => Err(DetspecError::param("num_kv_pages", "must be > 0")),
+            Some(n) if n > PageId::MAX as usize => Err(DetspecError::param(
+                "num_kv_pages",
+                format!("{n} exceeds the maximum of {} pages", PageId::MAX),
+            )),
+            Some(n) => Ok(n),
+            None if bytes_per_page == 0 => Err(DetspecError::param("kv_cache_bytes", "page size in bytes is 0")),
+            None => match kv_cache_bytes / bytes_per_page {
+                0 => Err(DetspecError::param(
+                    "kv_cache_bytes",
+                    format!("{kv_cache_bytes} bytes is less than one KV page ({bytes_per_page} bytes)"),
+                )),
+                n => Ok(n.min(PageId::MAX as usize)),
+            },
+        }
     }
 
     pub fn new(
@@ -54,5 +79,18 @@ impl KvPool {
 
     pub fn num_pages(&self) -> usize {
         self.num_pages
+    }
+
+    /// Copies page `src` onto page `dst` in every layer's K and V: the data half of
+    /// copy-on-write for the pairs returned by [`super::BlockTable::prepare_append`].
+    pub fn copy_pages(&self, pairs: &[(PageId, PageId)]) -> Result<()> {
+        if pairs.is_empty() {
+            return Ok(());
+        }
+        for (k, v) in &self.layers {
+            copy_pages(k, pairs)?;
+            copy_pages(v, pairs)?;
+        }
+        Ok(())
     }
 }

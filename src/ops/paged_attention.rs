@@ -1,10 +1,14 @@
 //! Causal attention of a flat varlen batch against the paged KV cache.
 //!
-//! Each (query row, head) pair is computed by one task that walks that row's keys page by page
-//! in increasing position order, with an online (blockwise) softmax. The order of every
-//! reduction is therefore fixed by the row's own position, which makes this kernel
-//! batch-invariant, position-invariant and thread-count-invariant. The fast path's split-KV
-//! variant (a batch-dependent schedule) is added by the scheduler issue.
+//! Two schedules:
+//! - [`AttentionSchedule::Fixed`] (the verify schedule): each (query row, head) pair is one task
+//!   that walks the row's keys page by page in increasing position order with an online
+//!   (blockwise) softmax. Every reduction order is fixed by the row's own position, so the
+//!   kernel is batch-invariant, position-invariant and thread-count-invariant.
+//! - [`AttentionSchedule::SplitKv`] (the fast path, flash-decoding style): each row's key range
+//!   is cut into `splits` page-aligned chunks computed in parallel and merged afterwards. The
+//!   engine picks `splits` from the batch size to keep all threads busy when few sequences
+//!   decode, which makes results depend on the batch: fast, and batch-variant on purpose.
 
 use std::sync::Arc;
 
@@ -24,6 +28,32 @@ pub struct AttentionMetadata {
     pub block_tables: Vec<Vec<u32>>,
     /// Attend only to the last `w` positions (Mistral-style sliding window).
     pub sliding_window: Option<usize>,
+    pub schedule: AttentionSchedule,
+}
+
+/// How each row's key range is reduced.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum AttentionSchedule {
+    /// One sequential pass per (row, head): invariant to batch, position and threads.
+    #[default]
+    Fixed,
+    /// Split each row's keys into this many page-aligned chunks (≥ 2) and merge.
+    SplitKv { splits: usize },
+}
+
+impl AttentionSchedule {
+    /// The fast path's heuristic: enough (row, head, split) tasks to occupy every thread a few
+    /// times over. Depends on how many sequences are in the batch, hence batch-variant.
+    pub fn split_kv_for_batch(num_seqs: usize, num_heads: usize) -> Self {
+        let target_tasks = 4 * rayon::current_num_threads().max(1);
+        let tasks = (num_seqs * num_heads).max(1);
+        let splits = target_tasks.div_ceil(tasks).clamp(1, 16);
+        if splits <= 1 {
+            AttentionSchedule::Fixed
+        } else {
+            AttentionSchedule::SplitKv { splits }
+        }
+    }
 }
 
 struct PagedAttention {
@@ -90,86 +120,147 @@ impl CustomOp3 for PagedAttention {
         let group = heads / kv_heads;
         let meta = &self.meta;
         let scale = self.scale;
-        let mut out = vec![0f32; q.len()];
-        out.par_chunks_mut(dim).enumerate().for_each(|(idx, o)| {
-            let (row, head) = (idx / heads, idx % heads);
-            let kvh = head / group;
-            let qv = &q[idx * dim..(idx + 1) * dim];
-            let pos = meta.positions[row] as usize;
+        let offset_of = |row: usize, kvh: usize, j: usize| {
             let bt = &meta.block_tables[meta.row_seq[row] as usize];
+            let slot = bt[j / page_size] as usize * page_size + j % page_size;
+            (slot * kv_heads + kvh) * dim
+        };
+        let key_range = |row: usize| {
+            let pos = meta.positions[row] as usize;
             let start = meta.sliding_window.map_or(0, |w| (pos + 1).saturating_sub(w));
-            attend_one(
-                qv,
-                o,
-                |j| {
-                    let slot = bt[j / page_size] as usize * page_size + j % page_size;
-                    (slot * kv_heads + kvh) * dim
-                },
-                k_cache,
-                v_cache,
-                start..pos + 1,
-                page_size,
-                scale,
-            );
-        });
+            start..pos + 1
+        };
+        let mut out = vec![0f32; q.len()];
+        match meta.schedule {
+            AttentionSchedule::Fixed => {
+                out.par_chunks_mut(dim).enumerate().for_each(|(idx, o)| {
+                    let (row, head) = (idx / heads, idx % heads);
+                    let kvh = head / group;
+                    let mut part = Partial::new(o);
+                    part.attend(&q[idx * dim..(idx + 1) * dim], |j| offset_of(row, kvh, j), k_cache, v_cache, key_range(row), page_size, scale);
+                    part.normalise();
+                });
+            }
+            AttentionSchedule::SplitKv { splits } => {
+                // Partial (max, denominator, accumulator) per (row, head, split), then an
+                // in-order merge per (row, head).
+                let mut accs = vec![0f32; q.len() * splits];
+                let mut stats = vec![(f32::NEG_INFINITY, 0f32); rows * heads * splits];
+                accs.par_chunks_mut(dim)
+                    .zip(stats.par_iter_mut())
+                    .enumerate()
+                    .for_each(|(t, (acc, st))| {
+                        let (idx, split) = (t / splits, t % splits);
+                        let (row, head) = (idx / heads, idx % heads);
+                        let kvh = head / group;
+                        let range = key_range(row);
+                        let pages = (range.end - range.start).div_ceil(page_size);
+                        let chunk = pages.div_ceil(splits) * page_size;
+                        let lo = (range.start + split * chunk).min(range.end);
+                        let hi = (lo + chunk).min(range.end);
+                        let mut part = Partial::new(acc);
+                        part.attend(&q[idx * dim..(idx + 1) * dim], |j| offset_of(row, kvh, j), k_cache, v_cache, lo..hi, page_size, scale);
+                        *st = (part.max, part.denom);
+                    });
+                out.par_chunks_mut(dim).enumerate().for_each(|(idx, o)| {
+                    let parts = &stats[idx * splits..(idx + 1) * splits];
+                    let m = parts.iter().fold(f32::NEG_INFINITY, |a, p| a.max(p.0));
+                    let mut denom = 0f32;
+                    for (s, &(pm, pd)) in parts.iter().enumerate() {
+                        if pd == 0.0 {
+                            continue;
+                        }
+                        let w = (pm - m).exp();
+                        denom += pd * w;
+                        let acc = &accs[(idx * splits + s) * dim..(idx * splits + s + 1) * dim];
+                        for (o, &a) in o.iter_mut().zip(acc) {
+                            *o += a * w;
+                        }
+                    }
+                    if denom > 0.0 {
+                        let inv = 1.0 / denom;
+                        o.iter_mut().for_each(|x| *x *= inv);
+                    }
+                });
+            }
+        }
         Ok((CpuStorage::F32(out), ql.shape().clone()))
     }
 }
 
-/// One query vector against keys `range`, blockwise online softmax in page-sized blocks aligned
-/// to absolute positions (so the blocking, too, depends only on the row's own positions).
-#[allow(clippy::too_many_arguments)]
-fn attend_one(
-    q: &[f32],
-    out: &mut [f32],
-    offset_of: impl Fn(usize) -> usize,
-    k_cache: &[f32],
-    v_cache: &[f32],
-    range: std::ops::Range<usize>,
-    block: usize,
-    scale: f32,
-) {
-    let dim = q.len();
-    let mut running_max = f32::NEG_INFINITY;
-    let mut denom = 0f32;
-    out.fill(0.0);
-    let mut scores = vec![0f32; block];
-    let mut j = range.start;
-    while j < range.end {
-        let block_end = ((j / block + 1) * block).min(range.end);
-        let n = block_end - j;
-        let mut block_max = f32::NEG_INFINITY;
-        for (i, s) in scores[..n].iter_mut().enumerate() {
-            let off = offset_of(j + i);
-            let k = &k_cache[off..off + dim];
-            let mut dot = 0f32;
-            for (a, b) in q.iter().zip(k) {
-                dot += a * b;
-            }
-            *s = dot * scale;
-            block_max = block_max.max(*s);
+/// Running online-softmax state of one query over some keys; `acc` is unnormalised until
+/// [`Partial::normalise`].
+struct Partial<'a> {
+    acc: &'a mut [f32],
+    max: f32,
+    denom: f32,
+}
+
+impl<'a> Partial<'a> {
+    fn new(acc: &'a mut [f32]) -> Self {
+        acc.fill(0.0);
+        Self {
+            acc,
+            max: f32::NEG_INFINITY,
+            denom: 0.0,
         }
-        let new_max = running_max.max(block_max);
-        let correction = (running_max - new_max).exp();
-        denom *= correction;
-        for o in out.iter_mut() {
-            *o *= correction;
-        }
-        for (i, &s) in scores[..n].iter().enumerate() {
-            let p = (s - new_max).exp();
-            denom += p;
-            let off = offset_of(j + i);
-            for (o, &v) in out.iter_mut().zip(&v_cache[off..off + dim]) {
-                *o += p * v;
-            }
-        }
-        running_max = new_max;
-        j = block_end;
     }
-    if denom > 0.0 {
-        let inv = 1.0 / denom;
-        for o in out.iter_mut() {
-            *o *= inv;
+
+    /// Folds in keys `range`, in blocks aligned to absolute positions (so the blocking, too,
+    /// depends only on the range).
+    #[allow(clippy::too_many_arguments)]
+    fn attend(
+        &mut self,
+        q: &[f32],
+        offset_of: impl Fn(usize) -> usize,
+        k_cache: &[f32],
+        v_cache: &[f32],
+        range: std::ops::Range<usize>,
+        block: usize,
+        scale: f32,
+    ) {
+        let dim = q.len();
+        let mut scores = [0f32; 64];
+        let block = block.min(scores.len());
+        let mut j = range.start;
+        while j < range.end {
+            let block_end = ((j / block + 1) * block).min(range.end);
+            let n = block_end - j;
+            let mut block_max = f32::NEG_INFINITY;
+            for (i, s) in scores[..n].iter_mut().enumerate() {
+                let off = offset_of(j + i);
+                let mut dot = 0f32;
+                for (a, b) in q.iter().zip(&k_cache[off..off + dim]) {
+                    dot += a * b;
+                }
+                *s = dot * scale;
+                block_max = block_max.max(*s);
+            }
+            let new_max = self.max.max(block_max);
+            let correction = (self.max - new_max).exp();
+            self.denom *= correction;
+            for o in self.acc.iter_mut() {
+                *o *= correction;
+            }
+            for (i, &s) in scores[..n].iter().enumerate() {
+                let p = (s - new_max).exp();
+                self.denom += p;
+                let off = offset_of(j + i);
+                for (o, &v) in self.acc.iter_mut().zip(&v_cache[off..off + dim]) {
+                    *o += p * v;
+                }
+            }
+            self.max = new_max;
+            j = block_end;
+        }
+    }
+
+    fn normalise(self) {
+        if self.denom > 0.0 {
+            let inv = 1.0 / self.denom;
+            for o in self.acc.iter_mut() {
+                *o *= inv;
+            }
         }
     }
 }

@@ -133,6 +133,15 @@ pub fn output_to_py<'py>(py: Python<'py>, o: &RequestOutput) -> PyResult<Bound<'
     d.set_item("prompt_token_ids", &o.prompt_token_ids)?;
     d.set_item("finished", o.finished)?;
     d.set_item("fingerprint", &o.fingerprint)?;
+    let m = PyDict::new(py);
+    m.set_item("arrival_time", o.metrics.arrival_time)?;
+    m.set_item("first_scheduled_time", o.metrics.first_scheduled_time)?;
+    m.set_item("first_token_time", o.metrics.first_token_time)?;
+    m.set_item("finished_time", o.metrics.finished_time)?;
+    m.set_item("num_prompt_tokens", o.metrics.num_prompt_tokens)?;
+    m.set_item("num_output_tokens", o.metrics.num_output_tokens)?;
+    m.set_item("num_preemptions", o.metrics.num_preemptions)?;
+    d.set_item("metrics", m)?;
     let mut outs = Vec::with_capacity(o.outputs.len());
     for c in &o.outputs {
         let cd = PyDict::new(py);

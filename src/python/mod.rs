@@ -5,16 +5,20 @@
 
 mod convert;
 
+use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::PathBuf;
 use std::sync::Mutex;
+use std::time::Duration;
+
+use crossbeam::channel::{unbounded, Receiver, Sender};
 
 use numpy::{PyArray1, PyArrayMethods};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList};
+use pyo3::types::PyDict;
 
 use crate::config::EngineConfig;
-use crate::engine::Engine;
+use crate::engine::{Engine, OutputAccumulator, StreamEvent};
 use crate::error::DetspecError;
 use crate::request::Request;
 
@@ -37,25 +41,96 @@ fn run_detached<T: Send>(py: Python<'_>, f: impl FnOnce() -> Result<T, DetspecEr
     }
 }
 
-/// The Rust engine behind `detspec.LLM`.
+/// A stream of outputs from any number of requests (one per `LLM.generate` call, one per
+/// `AsyncLLM`). The engine thread pushes events; `next_outputs` blocks without the GIL.
+#[pyclass(name = "OutputQueue", module = "detspec._core")]
+struct PyOutputQueue {
+    tx: Sender<StreamEvent>,
+    rx: Receiver<StreamEvent>,
+    accs: Mutex<HashMap<String, OutputAccumulator>>,
+}
+
+#[pymethods]
+impl PyOutputQueue {
+    #[new]
+    fn new() -> Self {
+        let (tx, rx) = unbounded();
+        Self {
+            tx,
+            rx,
+            accs: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Waits up to `timeout` seconds (forever if None) for events, then returns one
+    /// `(request_id, output_dict | None, exception | None)` per request that changed.
+    /// Finished and failed requests are forgotten after being returned.
+    #[pyo3(signature = (timeout=None))]
+    fn next_outputs<'py>(&self, py: Python<'py>, timeout: Option<f64>) -> PyResult<Vec<(String, Option<Bound<'py, PyDict>>, Option<Py<PyAny>>)>> {
+        let rx = self.rx.clone();
+        let events: Vec<StreamEvent> = py.detach(move || {
+            let first = match timeout {
+                Some(t) => rx.recv_timeout(Duration::from_secs_f64(t.max(0.0))).ok(),
+                None => rx.recv().ok(),
+            };
+            first.into_iter().chain(std::iter::from_fn(|| rx.try_recv().ok())).collect()
+        });
+        let mut accs = self.accs.lock().unwrap_or_else(|e| e.into_inner());
+        let mut changed: Vec<String> = Vec::new();
+        let mut failed: HashMap<String, DetspecError> = HashMap::new();
+        for ev in events {
+            let id = ev.request_id().to_string();
+            let accepted = matches!(ev, StreamEvent::Accepted { .. });
+            let Some(acc) = accs.get_mut(&id) else { continue };
+            if let Err(e) = acc.apply(ev) {
+                failed.insert(id.clone(), e);
+            } else if accepted {
+                continue;
+            }
+            if !changed.contains(&id) {
+                changed.push(id);
+            }
+        }
+        let mut out = Vec::with_capacity(changed.len());
+        for id in changed {
+            if let Some(err) = failed.remove(&id) {
+                accs.remove(&id);
+                out.push((id, None, Some(to_pyerr(py, err).into_value(py).into_any())));
+                continue;
+            }
+            let Some(acc) = accs.get(&id) else { continue };
+            let d = output_to_py(py, acc.output())?;
+            if acc.finished() {
+                accs.remove(&id);
+            }
+            out.push((id, Some(d), None));
+        }
+        Ok(out)
+    }
+
+    /// Requests submitted through this queue that have not finished.
+    fn num_unfinished(&self) -> usize {
+        self.accs.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+}
+
+/// The Rust engine behind `detspec.LLM` and `detspec.AsyncLLM`.
 #[pyclass(name = "Engine", module = "detspec._core")]
 struct PyEngine {
-    inner: Mutex<Engine>,
+    inner: Engine,
 }
 
 impl PyEngine {
-    fn with<T: Send>(&self, py: Python<'_>, f: impl FnOnce(&mut Engine) -> Result<T, DetspecError> + Send) -> PyResult<T> {
-        run_detached(py, || {
-            let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-            f(&mut g)
-        })
+    fn call<T: Send>(&self, py: Python<'_>, f: impl FnOnce(&Engine) -> Result<T, DetspecError> + Send) -> PyResult<T> {
+        let e = &self.inner;
+        run_detached(py, || f(e))
     }
 }
 
 #[pymethods]
 impl PyEngine {
     #[new]
-    #[pyo3(signature = (model_dir, *, page_size=16, num_kv_pages=None, kv_cache_bytes=None, max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=None))]
+    #[pyo3(signature = (model_dir, *, page_size=16, num_kv_pages=None, kv_cache_bytes=None, max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=None, max_prefill_chunk=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -66,6 +141,7 @@ impl PyEngine {
         max_num_seqs: usize,
         max_num_batched_tokens: usize,
         max_model_len: Option<usize>,
+        max_prefill_chunk: Option<usize>,
     ) -> PyResult<Self> {
         let mut cfg = EngineConfig {
             page_size,
@@ -73,36 +149,54 @@ impl PyEngine {
             max_num_seqs,
             max_num_batched_tokens,
             max_model_len,
+            max_prefill_chunk,
             ..Default::default()
         };
         if let Some(b) = kv_cache_bytes {
             cfg.kv_cache_bytes = b;
         }
-        let engine = run_detached(py, move || Engine::from_model_dir(&model_dir, cfg))?;
-        Ok(Self {
-            inner: Mutex::new(engine),
-        })
+        let inner = run_detached(py, move || Engine::from_model_dir(&model_dir, cfg))?;
+        Ok(Self { inner })
     }
 
-    /// Generates `requests`, a list of `(request_id, prompt, params_dict)`; returns output dicts.
-    fn generate<'py>(&self, py: Python<'py>, requests: &Bound<'py, PyList>) -> PyResult<Vec<Bound<'py, PyDict>>> {
-        let mut reqs = Vec::with_capacity(requests.len());
-        for item in requests.iter() {
-            let (rid, prompt, params): (String, Bound<'py, PyAny>, Bound<'py, PyDict>) = item.extract()?;
-            reqs.push(Request {
-                request_id: rid,
-                prompt: prompt_from_py(py, &prompt)?,
-                params: params_from_dict(py, &params)?,
-            });
+    /// Submits a request whose outputs arrive on `queue`.
+    fn add_request(&self, py: Python<'_>, queue: &PyOutputQueue, request_id: String, prompt: &Bound<'_, PyAny>, params: &Bound<'_, PyDict>) -> PyResult<()> {
+        let request = Request {
+            request_id: request_id.clone(),
+            prompt: prompt_from_py(py, prompt)?,
+            params: params_from_dict(py, params)?,
+        };
+        {
+            let mut accs = queue.accs.lock().unwrap_or_else(|e| e.into_inner());
+            if accs.contains_key(&request_id) {
+                return Err(to_pyerr(py, DetspecError::InvalidRequest {
+                    request_id: Some(request_id),
+                    message: "a request with this id is already running".into(),
+                }));
+            }
+            accs.insert(request_id.clone(), OutputAccumulator::new(&request_id));
         }
-        let outs = self.with(py, move |e| e.generate(reqs))?;
-        outs.iter().map(|o| output_to_py(py, o)).collect()
+        let tx = queue.tx.clone();
+        self.call(py, move |e| e.add_request_with_sender(request, tx))
+    }
+
+    /// Aborts a request (its output finishes with reason "abort"); unknown ids are ignored.
+    fn abort(&self, py: Python<'_>, request_id: String) -> PyResult<()> {
+        self.call(py, move |e| e.abort(&request_id))
+    }
+
+    /// Stops the engine thread; in-flight requests finish with reason "abort".
+    fn shutdown(&self, py: Python<'_>) -> PyResult<()> {
+        self.call(py, |e| {
+            e.shutdown();
+            Ok(())
+        })
     }
 
     /// Per-position logits of each prompt, all prompts in one flat forward.
     fn prompt_logits<'py>(&self, py: Python<'py>, prompts: Vec<Vec<u32>>) -> PyResult<Vec<Bound<'py, PyAny>>> {
-        let vocab = self.with(py, |e| Ok(e.model_config().vocab_size))?;
-        let logits = self.with(py, move |e| e.prompt_logits(&prompts))?;
+        let vocab = self.inner.info().config.vocab_size;
+        let logits = self.call(py, move |e| e.prompt_logits(prompts))?;
         logits
             .into_iter()
             .map(|rows| {
@@ -114,36 +208,36 @@ impl PyEngine {
     }
 
     fn encode(&self, py: Python<'_>, text: String, add_special_tokens: bool) -> PyResult<Vec<u32>> {
-        self.with(py, move |e| tokenizer_of(e)?.encode(&text, add_special_tokens))
+        self.call(py, move |e| tokenizer_of(e)?.encode(&text, add_special_tokens))
     }
 
     fn decode(&self, py: Python<'_>, ids: Vec<u32>, skip_special_tokens: bool) -> PyResult<String> {
-        self.with(py, move |e| tokenizer_of(e)?.decode(&ids, skip_special_tokens))
+        self.call(py, move |e| tokenizer_of(e)?.decode(&ids, skip_special_tokens))
     }
 
-    fn has_tokenizer(&self, py: Python<'_>) -> PyResult<bool> {
-        self.with(py, |e| Ok(e.tokenizer().is_some()))
+    fn has_tokenizer(&self) -> bool {
+        self.inner.tokenizer().is_some()
     }
 
-    fn vocab_size(&self, py: Python<'_>) -> PyResult<usize> {
-        self.with(py, |e| Ok(e.model_config().vocab_size))
+    fn vocab_size(&self) -> usize {
+        self.inner.info().config.vocab_size
     }
 
-    fn max_model_len(&self, py: Python<'_>) -> PyResult<usize> {
-        self.with(py, |e| Ok(e.max_model_len()))
+    fn max_model_len(&self) -> usize {
+        self.inner.info().max_model_len
     }
 
-    fn eos_token_ids(&self, py: Python<'_>) -> PyResult<Vec<u32>> {
-        self.with(py, |e| Ok(e.eos_token_ids().to_vec()))
+    fn eos_token_ids(&self) -> Vec<u32> {
+        self.inner.info().eos_token_ids.clone()
     }
 
-    fn fingerprint(&self, py: Python<'_>) -> PyResult<String> {
-        self.with(py, |e| Ok(e.fingerprint().to_string()))
+    fn fingerprint(&self) -> String {
+        self.inner.fingerprint().to_string()
     }
 
     /// `(free, total)` KV pages.
     fn kv_pages(&self, py: Python<'_>) -> PyResult<(usize, usize)> {
-        self.with(py, |e| Ok(e.kv_pages()))
+        self.call(py, |e| e.kv_pages())
     }
 }
 
@@ -180,6 +274,7 @@ fn write_demo_model(py: Python<'_>, dir: PathBuf, kind: &str, seed: u64) -> PyRe
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyEngine>()?;
+    m.add_class::<PyOutputQueue>()?;
     m.add_function(wrap_pyfunction!(validate_sampling_params, m)?)?;
     m.add_function(wrap_pyfunction!(write_demo_model, m)?)?;
     m.add("KERNEL_VERSION", crate::engine::KERNEL_VERSION)?;

@@ -1,13 +1,20 @@
-//! Scheduling: which tokens of which sequences run in the next forward pass.
+//! Continuous-batching scheduler: which tokens of which sequences run in the next forward pass.
 //!
-//! The scheduler owns sequence state and KV reservations but never touches tensors: it hands
-//! the engine a [`StepPlan`] and is told what was sampled.
+//! vLLM-v1-like: each step has a token budget (`max_num_batched_tokens`) and a sequence cap
+//! (`max_num_seqs`). Running sequences go first (decodes, or the next chunk of a chunked
+//! prefill), then waiting prompts are admitted in arrival order. When the KV pool runs dry the
+//! newest running sequence is preempted: its pages are freed and it is requeued at the front of
+//! the waiting queue, to be recomputed (prompt + tokens so far) when it is admitted again.
+//!
+//! The scheduler owns sequence state and KV reservations but never touches tensors.
 
 mod sequence;
 
 pub use sequence::{Sequence, SequenceId};
 
-use crate::error::Result;
+use std::collections::VecDeque;
+
+use crate::error::DetspecError;
 use crate::kv::PageAllocator;
 
 /// One sequence's share of a step: rows `start..start + len` of its tokens.
@@ -23,9 +30,13 @@ pub struct PlanEntry {
 }
 
 /// The work of one engine step.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Default)]
 pub struct StepPlan {
     pub entries: Vec<PlanEntry>,
+    /// Sequences preempted while planning (already requeued).
+    pub preempted: Vec<SequenceId>,
+    /// Sequences that can never run (they do not fit in the whole pool), removed.
+    pub failed: Vec<(Sequence, DetspecError)>,
 }
 
 impl StepPlan {
@@ -44,17 +55,18 @@ pub struct SchedulerLimits {
     pub max_num_seqs: usize,
     pub max_num_batched_tokens: usize,
     pub page_size: usize,
+    /// Largest prefill chunk of one sequence in one step.
+    pub max_prefill_chunk: usize,
 }
 
-/// A first-come-first-served scheduler: running sequences decode first, then waiting prompts
-/// are prefilled (in chunks) while the token budget and the KV pool allow.
+/// The continuous-batching scheduler.
 #[derive(Debug)]
 pub struct Scheduler {
     limits: SchedulerLimits,
-    /// Sequences admitted (holding pages), in admission order.
+    /// Sequences holding pages, in admission order (newest last).
     running: Vec<Sequence>,
-    /// Sequences not yet admitted, in arrival order.
-    waiting: std::collections::VecDeque<Sequence>,
+    /// Sequences waiting for admission, in arrival order (preempted ones at the front).
+    waiting: VecDeque<Sequence>,
 }
 
 impl Scheduler {
@@ -62,7 +74,7 @@ impl Scheduler {
         Self {
             limits,
             running: Vec::new(),
-            waiting: Default::default(),
+            waiting: VecDeque::new(),
         }
     }
 
@@ -74,6 +86,14 @@ impl Scheduler {
         !self.running.is_empty() || !self.waiting.is_empty()
     }
 
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
     pub fn get(&self, id: SequenceId) -> Option<&Sequence> {
         self.running.iter().find(|s| s.id == id)
     }
@@ -82,19 +102,62 @@ impl Scheduler {
         self.running.iter_mut().find(|s| s.id == id)
     }
 
-    /// Builds the next step. Admits waiting sequences only when their whole prompt plus one
-    /// token fits in the pool, so the static batch never runs out of pages mid-way.
-    pub fn plan(&mut self, alloc: &dyn PageAllocator) -> Result<StepPlan> {
+    /// Iterates over every sequence, running and waiting.
+    pub fn iter(&self) -> impl Iterator<Item = &Sequence> {
+        self.running.iter().chain(self.waiting.iter())
+    }
+
+    /// Frees `seq`'s pages and requeues it for recomputation.
+    fn preempt(&mut self, idx: usize, alloc: &dyn PageAllocator, plan: &mut StepPlan) {
+        let mut seq = self.running.remove(idx);
+        seq.block_table.free(alloc);
+        seq.num_computed = 0;
+        seq.num_preemptions += 1;
+        tracing::debug!(request_id = %seq.request_id, "preempted (KV pool exhausted)");
+        plan.preempted.push(seq.id);
+        self.waiting.push_front(seq);
+    }
+
+    /// Builds the next step.
+    pub fn plan(&mut self, alloc: &dyn PageAllocator) -> StepPlan {
         let l = self.limits;
         let mut plan = StepPlan::default();
         let mut budget = l.max_num_batched_tokens;
-        for seq in self.running.iter_mut() {
-            if budget == 0 {
-                break;
-            }
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let seq = &self.running[i];
             let remaining = seq.len() - seq.num_computed;
-            let len = remaining.min(budget);
-            seq.block_table.reserve(seq.num_computed + len, l.page_size, alloc)?;
+            let len = remaining.min(budget).min(l.max_prefill_chunk);
+            let target = seq.num_computed + len;
+            let mut scheduled = false;
+            loop {
+                if self.running[i].block_table.reserve(target, l.page_size, alloc).is_ok() {
+                    scheduled = true;
+                    break;
+                }
+                let newest = self.running.len() - 1;
+                if newest == i {
+                    if i == 0 {
+                        // Alone and still does not fit: it never will.
+                        let mut seq = self.running.remove(0);
+                        seq.block_table.free(alloc);
+                        let err = DetspecError::OutOfPages {
+                            needed: seq.block_table.pages_needed(target, l.page_size),
+                            free: alloc.num_free(),
+                            total: alloc.num_total(),
+                        };
+                        plan.failed.push((seq, err));
+                    } else {
+                        self.preempt(i, alloc, &mut plan);
+                    }
+                    break;
+                }
+                self.preempt(newest, alloc, &mut plan);
+            }
+            if !scheduled {
+                continue; // `running[i]` was removed; the next sequence now sits at `i`.
+            }
+            let seq = &self.running[i];
             plan.entries.push(PlanEntry {
                 seq: seq.id,
                 start: seq.num_computed,
@@ -102,33 +165,38 @@ impl Scheduler {
                 sample: len == remaining,
             });
             budget -= len;
+            i += 1;
         }
-        // Pages the running sequences will still take as they grow to their longest.
-        let mut promised: usize = self
-            .running
-            .iter()
-            .map(|s| s.block_table.pages_needed(s.max_len_hint(), l.page_size))
-            .sum();
-        while budget > 0 && self.running.len() < l.max_num_seqs {
+        // Admit waiting sequences, unless this step already had to preempt.
+        while budget > 0 && plan.preempted.is_empty() && self.running.len() < l.max_num_seqs {
             let Some(seq) = self.waiting.front_mut() else { break };
-            let needed = seq.block_table.pages_needed(seq.max_len_hint(), l.page_size);
-            if needed + promised > alloc.num_free() && !self.running.is_empty() {
+            let remaining = seq.len() - seq.num_computed;
+            let len = remaining.min(budget).min(l.max_prefill_chunk);
+            if seq.block_table.reserve(seq.num_computed + len, l.page_size, alloc).is_err() {
+                if self.running.is_empty() {
+                    if let Some(seq) = self.waiting.pop_front() {
+                        let err = DetspecError::OutOfPages {
+                            needed: seq.block_table.pages_needed(len, l.page_size),
+                            free: alloc.num_free(),
+                            total: alloc.num_total(),
+                        };
+                        plan.failed.push((seq, err));
+                    }
+                    continue;
+                }
                 break;
             }
-            let len = seq.len().min(budget);
-            seq.block_table.reserve(len, l.page_size, alloc)?;
-            promised += seq.block_table.pages_needed(seq.max_len_hint(), l.page_size);
             let Some(seq) = self.waiting.pop_front() else { break };
             plan.entries.push(PlanEntry {
                 seq: seq.id,
-                start: 0,
+                start: seq.num_computed,
                 len,
-                sample: len == seq.len(),
+                sample: len == remaining,
             });
             budget -= len;
             self.running.push(seq);
         }
-        Ok(plan)
+        plan
     }
 
     /// Marks the planned rows computed (their KV is now in the cache).
@@ -153,13 +221,31 @@ impl Scheduler {
             })
             .collect()
     }
-}
 
-impl Scheduler {
-    /// Removes every sequence (running and waiting), e.g. after a failed step.
-    pub fn take_all(&mut self) -> Vec<Sequence> {
-        let mut all = std::mem::take(&mut self.running);
-        all.extend(self.waiting.drain(..));
-        all
+    /// Removes the sequences `pred` selects (running or waiting), releasing their pages.
+    pub fn remove_where(&mut self, alloc: &dyn PageAllocator, mut pred: impl FnMut(&Sequence) -> bool) -> Vec<Sequence> {
+        let mut out = Vec::new();
+        let mut keep = Vec::with_capacity(self.running.len());
+        for s in std::mem::take(&mut self.running) {
+            if pred(&s) {
+                out.push(s);
+            } else {
+                keep.push(s);
+            }
+        }
+        self.running = keep;
+        let mut keep = VecDeque::with_capacity(self.waiting.len());
+        for s in std::mem::take(&mut self.waiting) {
+            if pred(&s) {
+                out.push(s);
+            } else {
+                keep.push_back(s);
+            }
+        }
+        self.waiting = keep;
+        for s in &mut out {
+            s.block_table.free(alloc);
+        }
+        out
     }
 }

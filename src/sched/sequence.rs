@@ -1,4 +1,4 @@
-//! The scheduler's view of one request.
+//! The scheduler's view of one request's completion.
 
 use crate::kv::BlockTable;
 use crate::output::{FinishReason, StopReason, TokenLogprobs};
@@ -7,14 +7,13 @@ use crate::sampling::SamplingParams;
 /// Engine-internal sequence id (unique per engine, in arrival order).
 pub type SequenceId = u64;
 
-/// Token state, KV reservation and sampling settings of one request.
+/// Token state, KV reservation and sampling settings of one completion of a request.
 #[derive(Debug)]
 pub struct Sequence {
     pub id: SequenceId,
     pub request_id: String,
     /// Which of the request's `n` completions this sequence is.
     pub completion_index: usize,
-    pub prompt_text: Option<String>,
     pub prompt: Vec<u32>,
     pub output: Vec<u32>,
     pub logprobs: Vec<TokenLogprobs>,
@@ -28,6 +27,7 @@ pub struct Sequence {
     pub stop_reason: Option<StopReason>,
     /// Longest this sequence may grow (prompt + output), from max_tokens and max_model_len.
     pub max_len: usize,
+    pub num_preemptions: usize,
 }
 
 impl Sequence {
@@ -47,10 +47,5 @@ impl Sequence {
         } else {
             self.output.get(pos - self.prompt.len()).copied()
         }
-    }
-
-    /// KV the sequence needs at its longest; admission uses it to avoid mid-run exhaustion.
-    pub fn max_len_hint(&self) -> usize {
-        self.max_len
     }
 }

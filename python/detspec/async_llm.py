@@ -1,0 +1,130 @@
+"""``AsyncLLM``: streaming generation for asyncio servers, shaped like vLLM's."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+from detspec import _core
+from detspec.llm import PromptType, _EngineClient, _engine_kwargs, _make_engine, _normalise_prompts
+from detspec.outputs import RequestOutput
+from detspec.sampling_params import SamplingParams
+
+_DONE = object()
+
+
+class AsyncLLM(_EngineClient):
+    """Continuous-batching engine with an asyncio streaming API.
+
+    ``async for out in engine.generate(prompt, params, request_id="r1")`` yields cumulative
+    ``RequestOutput`` snapshots as tokens are committed; the last has ``finished=True``.
+    Cancelling the consuming task (or breaking out of the loop) aborts the request.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str] | None = None,
+        *,
+        device: str = "cpu",
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 8192,
+        num_kv_pages: int | None = None,
+        kv_cache_bytes: int | None = None,
+        page_size: int = 16,
+        max_model_len: int | None = None,
+        max_prefill_chunk: int | None = None,
+    ) -> None:
+        self.model, self._engine = _make_engine(
+            model,
+            device,
+            **_engine_kwargs(
+                max_num_seqs,
+                max_num_batched_tokens,
+                num_kv_pages,
+                kv_cache_bytes,
+                page_size,
+                max_model_len,
+                max_prefill_chunk,
+            ),
+        )
+        self._init_client()
+        self._queue = _core.OutputQueue()
+        # request id -> (event loop, asyncio.Queue) of its consumer
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        self._dispatcher: threading.Thread | None = None
+
+    def _ensure_dispatcher(self) -> None:
+        with self._lock:
+            if self._dispatcher is None:
+                self._dispatcher = threading.Thread(
+                    target=self._dispatch, name="detspec-async-dispatch", daemon=True
+                )
+                self._dispatcher.start()
+
+    def _dispatch(self) -> None:
+        """Moves outputs from the engine to each request's asyncio queue. Blocks in Rust
+        (without the GIL) while nothing happens; wakes once a second to notice shutdown."""
+        while not self._closed:
+            for rid, d, exc in self._queue.next_outputs(1.0):
+                with self._lock:
+                    target = self._streams.get(rid)
+                if target is None:
+                    continue
+                loop, q = target
+                item: Any = exc if exc is not None else d
+                try:
+                    loop.call_soon_threadsafe(q.put_nowait, item)
+                except RuntimeError:  # the consumer's loop is closed
+                    pass
+
+    async def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Streams cumulative outputs of one request."""
+        if self._closed:
+            from detspec.errors import DetspecError
+
+            raise DetspecError("engine is shut down")
+        (p,) = _normalise_prompts([prompt])
+        params = sampling_params or SamplingParams()
+        rid = request_id if request_id is not None else self._new_request_id()
+        q: asyncio.Queue[Any] = asyncio.Queue()
+        with self._lock:
+            self._streams[rid] = (asyncio.get_running_loop(), q)
+        self._ensure_dispatcher()
+        finished = False
+        try:
+            self._engine.add_request(self._queue, rid, p, params.to_dict())
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                out = self._to_output(item, params)
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            with self._lock:
+                self._streams.pop(rid, None)
+            if not finished:
+                self._engine.abort(rid)
+
+    async def abort(self, request_id: str) -> None:
+        """Aborts a request; its stream ends with finish_reason "abort"."""
+        self._engine.abort(request_id)
+
+    def shutdown(self) -> None:
+        self._closed = True
+        super().shutdown()
+        if self._dispatcher is not None:
+            self._dispatcher.join(timeout=5)

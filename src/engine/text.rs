@@ -1,0 +1,63 @@
+//! Per-sequence text: incremental detokenisation and stop strings, streaming-safe.
+
+use crate::error::Result;
+use crate::tokenizer::{IncrementalDetokenizer, StopChecker, Tokenizer};
+
+/// Detokenizer, accumulated text and stop-string state of one sequence.
+pub(crate) struct TextState {
+    detok: IncrementalDetokenizer,
+    stop: StopChecker,
+    /// All text decoded so far (cut at a stop string once one matched).
+    text: String,
+    /// Bytes of `text` already streamed to the client.
+    emitted: usize,
+}
+
+/// What one token did to the text.
+pub(crate) struct TextUpdate {
+    /// Text that may now be streamed (never a prefix of a possible stop string).
+    pub delta: String,
+    /// The stop string that matched, if any.
+    pub stop: Option<String>,
+}
+
+impl TextState {
+    pub fn new(prompt: &[u32], stops: &[String]) -> Self {
+        Self {
+            detok: IncrementalDetokenizer::new(prompt, true),
+            stop: StopChecker::new(stops.iter().cloned()),
+            text: String::new(),
+            emitted: 0,
+        }
+    }
+
+    /// Feeds one generated token.
+    pub fn push(&mut self, tok: &Tokenizer, token: u32) -> Result<TextUpdate> {
+        let delta = self.detok.push(tok, token)?;
+        self.text.push_str(&delta);
+        let mut stop = None;
+        if let Some(m) = self.stop.check(&self.text, delta.len()) {
+            self.text.truncate(m.truncate_at);
+            stop = Some(m.stop);
+        }
+        let safe = if stop.is_some() { self.text.len() } else { self.stop.emittable_len(&self.text) };
+        Ok(TextUpdate {
+            delta: self.take_until(safe),
+            stop,
+        })
+    }
+
+    /// Flushes everything held back (the sequence finished without a stop string).
+    pub fn finish(&mut self, tok: &Tokenizer) -> Result<String> {
+        let tail = self.detok.finish(tok)?;
+        self.text.push_str(&tail);
+        Ok(self.take_until(self.text.len()))
+    }
+
+    fn take_until(&mut self, end: usize) -> String {
+        let end = end.max(self.emitted).min(self.text.len());
+        let out = self.text.get(self.emitted..end).unwrap_or_default().to_string();
+        self.emitted = end;
+        out
+    }
+}

@@ -1,0 +1,490 @@
+//! Prefix cache: full KV pages keyed by the tokens they (and everything before them) hold, so a
+//! new prompt that starts like an earlier one reuses its pages instead of recomputing them.
+//!
+//! # Keys
+//!
+//! Page `i` of a sequence is keyed by `chain_hash(key(i - 1), tokens of page i)`, the root being
+//! a constant derived from the page size. Because the key covers the whole prefix, equal keys mean
+//! equal KV (the model is deterministic on a given path). The hash is FNV-1a with its standard
+//! fixed offset basis and prime, followed by a fixed 64-bit finaliser, so keys are the same in
+//! every process and on every run: a randomly seeded hasher (`RandomState`) would make hits
+//! depend on the process, which breaks reproducibility of page ids and of hit statistics.
+//!
+//! A hit is never trusted on the hash alone: each entry stores its page's tokens and the id of
+//! the entry it was chained from, and lookups compare both. A 64-bit collision, or an orphan whose
+//! parent was evicted and whose key was reused, is therefore a miss, never wrong KV.
+//!
+//! # Ownership
+//!
+//! The cache holds one reference on every cached page, so the page survives the sequence that
+//! computed it. A cached page whose only holder is the cache (ref count 1) is *evictable* and sits
+//! in an LRU ordered by last use, deepest page first on ties (a chain's tail goes before its
+//! head, so no live entry is left without its parent). Eviction drops the cache's reference,
+//! which frees the page.
+//!
+//! The cache learns that a page became evictable through [`PrefixCache::on_sole_holder`], which
+//! [`super::KvManager`] calls from its `release`. The manager tells which pages are cached
+//! without taking the cache's lock through the flags this cache keeps ([`PrefixCache::is_cached`]).
+//!
+//! This is the rare path (once per prompt and once per finished page), so it is a plain
+//! single-threaded structure; the manager keeps it behind one `Mutex`.
+
+use std::collections::{BTreeSet, HashMap};
+use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::atomic::{fence, AtomicBool, Ordering};
+use std::sync::Arc;
+
+use super::{PageAllocator, PageId};
+
+const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+const FNV_PRIME: u64 = 0x0000_0100_0000_01b3;
+
+/// FNV-1a, 64 bit, fixed parameters. Used for chain keys and for the entry map.
+#[derive(Debug, Clone, Copy)]
+pub struct FnvHasher(u64);
+
+impl Default for FnvHasher {
+    fn default() -> Self {
+        Self(FNV_OFFSET)
+    }
+}
+
+impl Hasher for FnvHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0 ^ b as u64).wrapping_mul(FNV_PRIME);
+        }
+    }
+}
+
+/// Final avalanche (the `fmix64` step of MurmurHash3): FNV-1a alone mixes the last bytes of its
+/// input weakly into the high bits, which the hash map uses.
+fn fmix64(mut k: u64) -> u64 {
+    k ^= k >> 33;
+    k = k.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    k ^= k >> 33;
+    k = k.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+    k ^ (k >> 33)
+}
+
+/// Key of the (empty) prefix before page 0. Includes the page size so that caches with different
+/// page sizes can never agree on a key.
+pub fn root_hash(page_size: usize) -> u64 {
+    let mut h = FnvHasher::default();
+    h.write(b"detspec-prefix-v1");
+    h.write(&(page_size as u64).to_le_bytes());
+    fmix64(h.finish())
+}
+
+/// Key of a page holding `tokens` that follows the prefix keyed `parent`.
+pub fn chain_hash(parent: u64, tokens: &[u32]) -> u64 {
+    let mut h = FnvHasher::default();
+    h.write(&parent.to_le_bytes());
+    for t in tokens {
+        h.write(&t.to_le_bytes());
+    }
+    fmix64(h.finish())
+}
+
+type FixedState = BuildHasherDefault<FnvHasher>;
+
+/// LRU order: oldest `last_used` first, then deepest first, then page id (for uniqueness).
+type LruKey = (u64, u32, PageId);
+
+#[derive(Debug)]
+struct Entry {
+    /// Unique for the cache's lifetime; 0 is the root.
+    id: u64,
+    parent_id: u64,
+    /// Key of the parent entry (meaningless for depth 0).
+    parent_key: u64,
+    page: PageId,
+    tokens: Box<[u32]>,
+    depth: u32,
+    last_used: u64,
+    in_lru: bool,
+}
+
+impl Entry {
+    fn lru_key(&self) -> LruKey {
+        (self.last_used, u32::MAX - self.depth, self.page)
+    }
+}
+
+/// Counters of a [`PrefixCache`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PrefixStats {
+    /// Pages held by the cache (in use by sequences or not).
+    pub cached_pages: usize,
+    /// Cached pages only the cache holds: freed by eviction on demand.
+    pub evictable_pages: usize,
+    /// `lookup` calls while enabled.
+    pub lookups: u64,
+    /// Prompt tokens passed to `lookup` while enabled.
+    pub query_tokens: u64,
+    /// Of those, tokens found in the cache.
+    pub hit_tokens: u64,
+}
+
+/// Full KV pages keyed by chain hash, with an LRU of evictable ones. See the module docs.
+#[derive(Debug)]
+pub struct PrefixCache {
+    enabled: bool,
+    entries: HashMap<u64, Entry, FixedState>,
+    /// Key of the entry caching each page.
+    by_page: Vec<Option<u64>>,
+    /// Same information as `by_page`, readable without `&self` access (see module docs).
+    cached: Arc<[AtomicBool]>,
+    lru: BTreeSet<LruKey>,
+    tick: u64,
+    next_id: u64,
+    lookups: u64,
+    query_tokens: u64,
+    hit_tokens: u64,
+}
+
+impl PrefixCache {
+    /// An empty, enabled cache for a pool of `num_pages` pages.
+    pub fn new(num_pages: usize) -> Self {
+        Self {
+            enabled: true,
+            entries: HashMap::default(),
+            by_page: vec![None; num_pages],
+            cached: (0..num_pages).map(|_| AtomicBool::new(false)).collect(),
+            lru: BTreeSet::new(),
+            tick: 0,
+            next_id: 1,
+            lookups: 0,
+            query_tokens: 0,
+            hit_tokens: 0,
+        }
+    }
+
+    /// Turns lookups and inserts on or off. Turning it off keeps the cached pages (they are still
+    /// evictable and will be reclaimed lazily); use [`PrefixCache::clear`] to drop them now.
+    pub fn set_enabled(&mut self, enabled: bool) {
+        self.enabled = enabled;
+    }
+
+    pub fn is_enabled(&self) -> bool {
+        self.enabled
+    }
+
+    /// Whether `page` is cached. Lock-free view for [`super::KvManager`].
+    pub fn is_cached(&self, page: PageId) -> bool {
+        self.cached
+            .get(page as usize)
+            .is_some_and(|f| f.load(Ordering::Relaxed))
+    }
+
+    /// The flags behind [`PrefixCache::is_cached`], shared with the manager.
+    pub(crate) fn cached_flags(&self) -> Arc<[AtomicBool]> {
+        Arc::clone(&self.cached)
+    }
+
+    /// Cached pages, ascending.
+    pub fn cached_pages(&self) -> Vec<PageId> {
+        let mut v: Vec<PageId> = self.entries.values().map(|e| e.page).collect();
+        v.sort_unstable();
+        v
+    }
+
+    /// Evictable pages in eviction order (next victim first).
+    pub fn evictable_pages(&self) -> Vec<PageId> {
+        self.lru.iter().map(|k| k.2).collect()
+    }
+
+    pub fn stats(&self) -> PrefixStats {
+        PrefixStats {
+            cached_pages: self.entries.len(),
+            evictable_pages: self.lru.len(),
+            lookups: self.lookups,
+            query_tokens: self.query_tokens,
+            hit_tokens: self.hit_tokens,
+        }
+    }
+
+    /// Longest run of cached full pages that `tokens` starts with. Takes one reference on each
+    /// returned page for the caller (build the sequence's table with
+    /// [`super::BlockTable::from_shared_pages`]). Empty when disabled.
+    ///
+    /// The caller usually passes the prompt minus its last token, so at least one token is left
+    /// to compute (its logits are needed to sample).
+    pub fn lookup(
+        &mut self,
+        tokens: &[u32],
+        page_size: usize,
+        alloc: &dyn PageAllocator,
+    ) -> Vec<PageId> {
+        if !self.enabled || page_size == 0 {
+            return Vec::new();
+        }
+        self.tick += 1;
+        self.lookups += 1;
+        self.query_tokens += tokens.len() as u64;
+        let mut pages = Vec::new();
+        let mut key = root_hash(page_size);
+        let mut parent_id = 0;
+        for chunk in tokens.chunks_exact(page_size) {
+            key = chain_hash(key, chunk);
+            let Some(e) = self.entries.get_mut(&key) else {
+                break;
+            };
+            if e.parent_id != parent_id || *e.tokens != *chunk {
+                break;
+            }
+            if alloc.try_share(e.page).is_err() {
+                // The cache's own reference is missing: some holder released one reference
+                // too many. Treat as a miss rather than hand out a page that may be reused.
+                debug_assert!(false, "cached page {} is not allocated", e.page);
+                break;
+            }
+            if e.in_lru {
+                self.lru.remove(&e.lru_key());
+                e.in_lru = false;
+            }
+            e.last_used = self.tick;
+            parent_id = e.id;
+            pages.push(e.page);
+        }
+        self.hit_tokens += (pages.len() * page_size) as u64;
+        pages
+    }
+
+    /// Registers the full pages of a sequence whose KV for `tokens` lives in `pages` (its block
+    /// table, in logical order; partial last page and pages past `tokens` are ignored). Pages
+    /// whose prefix is already cached are skipped (the cached copy stays canonical); new ones gain
+    /// a reference held by the cache. Returns how many pages were newly cached.
+    ///
+    /// Only pass tokens whose KV is final (after verification): a cached page is read-only, and
+    /// the caller's next write into it must go through copy-on-write
+    /// ([`super::BlockTable::prepare_append`]), which the cache's reference triggers.
+    pub fn insert(
+        &mut self,
+        tokens: &[u32],
+        pages: &[PageId],
+        page_size: usize,
+        alloc: &dyn PageAllocator,
+    ) -> usize {
+        if !self.enabled || page_size == 0 {
+            return 0;
+        }
+        self.tick += 1;
+        let tick = self.tick;
+        let mut added = 0;
+        let mut key = root_hash(page_size);
+        let mut parent_key = 0;
+        let mut parent_id = 0;
+        for (depth, (chunk, &page)) in tokens.chunks_exact(page_size).zip(pages).enumerate() {
+            key = chain_hash(key, chunk);
+            let existing = self.entries.get(&key).map(|e| {
+                let same = e.parent_id == parent_id && *e.tokens == *chunk;
+                let orphan = e.depth > 0
+                    && self.entries.get(&e.parent_key).map(|p| p.id) != Some(e.parent_id);
+                (same, orphan)
+            });
+            match existing {
+                Some((true, _)) => {
+                    // Already cached (this page or an identical one): refresh and go deeper.
+                    if let Some(e) = self.entries.get_mut(&key) {
+                        if e.in_lru {
+                            self.lru.remove(&e.lru_key());
+                            e.last_used = tick;
+                            self.lru.insert(e.lru_key());
+                        } else {
+                            e.last_used = tick;
+                        }
+                        parent_id = e.id;
+                    }
+                    parent_key = key;
+                    continue;
+                }
+                // The key is taken by another chain. An orphan (its parent was evicted) can never
+                // be hit again: drop it and reuse the key. Otherwise it is a genuine 64-bit
+                // collision: stop caching this sequence here.
+                Some((false, true)) => {
+                    self.remove_entry(key, alloc);
+                }
+                Some((false, false)) => break,
+                None => {}
+            }
+            if self.by_page.get(page as usize) != Some(&None) {
+                // Out of range, or this page is already cached under another key (its contents
+                // changed under the cache, which copy-on-write should have prevented): skip.
+                break;
+            }
+            if alloc.try_share(page).is_err() {
+                break; // The caller does not hold this page.
+            }
+            let id = self.next_id;
+            self.next_id += 1;
+            self.entries.insert(
+                key,
+                Entry {
+                    id,
+                    parent_id,
+                    parent_key,
+                    page,
+                    tokens: chunk.into(),
+                    depth: depth as u32,
+                    last_used: tick,
+                    in_lru: false,
+                },
+            );
+            self.by_page[page as usize] = Some(key);
+            // Pairs with the fence in `KvManager::try_release`: either that release sees the flag
+            // and reports the page, or we see its decrement here.
+            self.cached[page as usize].store(true, Ordering::Relaxed);
+            fence(Ordering::SeqCst);
+            self.on_sole_holder(page, alloc);
+            added += 1;
+            parent_key = key;
+            parent_id = id;
+        }
+        added
+    }
+
+    /// Notification that `page`'s reference count may have dropped to 1; if it is cached and only
+    /// the cache holds it, it becomes evictable. Idempotent, and harmless for uncached pages.
+    pub fn on_sole_holder(&mut self, page: PageId, alloc: &dyn PageAllocator) {
+        let Some(Some(key)) = self.by_page.get(page as usize) else {
+            return;
+        };
+        let Some(e) = self.entries.get_mut(key) else {
+            return;
+        };
+        if !e.in_lru && alloc.ref_count(page) == 1 {
+            e.in_lru = true;
+            self.lru.insert(e.lru_key());
+        }
+    }
+
+    /// Frees up to `n` evictable pages, least recently used first. Returns how many were freed.
+    pub fn evict(&mut self, n: usize, alloc: &dyn PageAllocator) -> usize {
+        let mut freed = 0;
+        while freed < n {
+            let Some(lru_key) = self.lru.pop_first() else {
+                break;
+            };
+            let page = lru_key.2;
+            let Some(Some(key)) = self.by_page.get(page as usize).copied() else {
+                continue;
+            };
+            if let Some(e) = self.entries.get_mut(&key) {
+                e.in_lru = false;
+            }
+            // Only the cache can hand out new references to a page that only it holds, and we
+            // hold `&mut self`, so this check cannot be invalidated before the release below.
+            if alloc.ref_count(page) != 1 {
+                continue;
+            }
+            if self.remove_entry(key, alloc) {
+                freed += 1;
+            }
+        }
+        freed
+    }
+
+    /// Drops every entry and the cache's references. Pages still used by sequences stay allocated
+    /// (just no longer cached). Returns how many pages this freed.
+    pub fn clear(&mut self, alloc: &dyn PageAllocator) -> usize {
+        let keys: Vec<u64> = self.entries.keys().copied().collect();
+        keys.into_iter()
+            .filter(|&k| self.remove_entry(k, alloc))
+            .count()
+    }
+
+    /// Removes an entry and drops the cache's reference; `true` when that freed the page.
+    fn remove_entry(&mut self, key: u64, alloc: &dyn PageAllocator) -> bool {
+        let Some(e) = self.entries.remove(&key) else {
+            return false;
+        };
+        if e.in_lru {
+            self.lru.remove(&e.lru_key());
+        }
+        let p = e.page as usize;
+        if let Some(slot) = self.by_page.get_mut(p) {
+            *slot = None;
+        }
+        if let Some(f) = self.cached.get(p) {
+            f.store(false, Ordering::Relaxed);
+        }
+        alloc.release(e.page)
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use crate::kv::AtomicAllocator;
+
+    #[test]
+    fn hash_is_fixed() {
+        // Golden values: these must never change between runs, processes or platforms.
+        assert_eq!(root_hash(16), root_hash(16));
+        assert_ne!(root_hash(16), root_hash(8));
+        let a = chain_hash(root_hash(4), &[1, 2, 3, 4]);
+        assert_eq!(a, chain_hash(root_hash(4), &[1, 2, 3, 4]));
+        assert_ne!(a, chain_hash(root_hash(4), &[1, 2, 4, 3]));
+        let mut h = FnvHasher::default();
+        h.write(b"a");
+        assert_eq!(h.finish(), 0xaf63_dc4c_8601_ec8c); // FNV-1a 64 test vector
+    }
+
+    #[test]
+    fn insert_lookup_evict() {
+        let a = AtomicAllocator::new(8);
+        let mut c = PrefixCache::new(8);
+        let toks: Vec<u32> = (0..10).collect();
+        let pages: Vec<PageId> = (0..3).map(|_| a.allocate().unwrap()).collect();
+        // 10 tokens, page size 4: two full pages.
+        assert_eq!(c.insert(&toks, &pages, 4, &a), 2);
+        assert_eq!((a.ref_count(0), a.ref_count(1), a.ref_count(2)), (2, 2, 1));
+        assert_eq!(c.stats().evictable_pages, 0);
+        // The sequence ends.
+        for &p in &pages {
+            a.release(p);
+            c.on_sole_holder(p, &a);
+        }
+        assert_eq!(c.evictable_pages(), vec![1, 0]); // tail first
+        // A prompt sharing 6 tokens hits one page.
+        let hit = c.lookup(&[0, 1, 2, 3, 4, 5, 9, 9], 4, &a);
+        assert_eq!(hit, vec![0]);
+        assert_eq!(a.ref_count(0), 2);
+        assert_eq!(c.evictable_pages(), vec![1]);
+        let s = c.stats();
+        assert_eq!((s.query_tokens, s.hit_tokens, s.cached_pages), (8, 4, 2));
+        assert_eq!(c.evict(5, &a), 1);
+        assert_eq!(c.cached_pages(), vec![0]);
+        a.release(0);
+        c.on_sole_holder(0, &a);
+        assert_eq!(c.evict(5, &a), 1);
+        assert_eq!(a.num_free(), 8);
+    }
+
+    #[test]
+    fn different_prefix_same_page_tokens_is_a_miss() {
+        let a = AtomicAllocator::new(8);
+        let mut c = PrefixCache::new(8);
+        let p: Vec<PageId> = (0..2).map(|_| a.allocate().unwrap()).collect();
+        c.insert(&[1, 1, 2, 2], &p, 2, &a);
+        // Second page's tokens match but the first page's do not.
+        assert!(c.lookup(&[9, 9, 2, 2], 2, &a).is_empty());
+        assert_eq!(c.lookup(&[1, 1, 2, 2], 2, &a), p);
+    }
+
+    #[test]
+    fn disabled_cache_does_nothing() {
+        let a = AtomicAllocator::new(4);
+        let mut c = PrefixCache::new(4);
+        c.set_enabled(false);
+        let p = a.allocate().unwrap();
+        assert_eq!(c.insert(&[1, 2], &[p], 2, &a), 0);
+        assert!(c.lookup(&[1, 2], 2, &a).is_empty());
+        assert_eq!(c.stats(), PrefixStats::default());
+    }
+}

@@ -1,0 +1,114 @@
+//! Property tests of the scheduler's invariants, driven without a model: random arrivals,
+//! aborts and output lengths against a small KV pool.
+
+use detspec::kv::{BlockTable, PageAllocator, SimpleAllocator};
+use detspec::sched::{Scheduler, SchedulerLimits, Sequence};
+use detspec::SamplingParams;
+use proptest::prelude::*;
+
+fn seq(id: u64, prompt_len: usize, max_tokens: usize) -> Sequence {
+    Sequence {
+        id,
+        request_id: format!("r{id}"),
+        completion_index: 0,
+        prompt: (0..prompt_len as u32).collect(),
+        output: Vec::new(),
+        logprobs: Vec::new(),
+        params: SamplingParams { max_tokens, ..Default::default() },
+        seed: 0,
+        num_computed: 0,
+        block_table: BlockTable::new(),
+        finish: None,
+        stop_reason: None,
+        max_len: prompt_len + max_tokens,
+        num_preemptions: 0,
+    }
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Arrive { prompt_len: usize, max_tokens: usize },
+    Abort(u64),
+    Step,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        3 => (1usize..60, 1usize..30).prop_map(|(p, m)| Op::Arrive { prompt_len: p, max_tokens: m }),
+        1 => (0u64..40).prop_map(Op::Abort),
+        6 => Just(Op::Step),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 200, ..ProptestConfig::default() })]
+
+    #[test]
+    fn plans_respect_limits_and_everything_completes(
+        ops in proptest::collection::vec(op(), 1..120),
+        pages in 8usize..40,
+        max_num_seqs in 1usize..6,
+        budget in 8usize..80,
+        chunk in 4usize..64,
+    ) {
+        let page_size = 4;
+        let alloc = SimpleAllocator::new(pages);
+        let limits = SchedulerLimits { max_num_seqs, max_num_batched_tokens: budget, page_size, max_prefill_chunk: chunk };
+        let mut s = Scheduler::new(limits);
+        let mut next = 0u64;
+        let mut finished = 0usize;
+        let mut failed = 0usize;
+        let mut aborted = 0usize;
+        let run_step = |s: &mut Scheduler, finished: &mut usize, failed: &mut usize| {
+            let plan = s.plan(&alloc);
+            *failed += plan.failed.len();
+            prop_assert!(plan.num_tokens() <= budget);
+            prop_assert!(s.num_running() <= max_num_seqs);
+            let mut seen = std::collections::HashSet::new();
+            for e in &plan.entries {
+                prop_assert!(seen.insert(e.seq), "sequence planned twice");
+                prop_assert!(e.len >= 1 && e.len <= chunk);
+                let q = s.get(e.seq).expect("planned sequences are running");
+                prop_assert_eq!(e.start, q.num_computed);
+                prop_assert!(q.block_table.capacity(page_size) >= e.start + e.len, "pages reserved");
+                prop_assert_eq!(e.sample, e.start + e.len == q.len());
+            }
+            // Pages held by running sequences plus free pages account for the whole pool.
+            let held: usize = s.iter().map(|q| q.block_table.pages().len()).sum();
+            prop_assert_eq!(held + alloc.num_free(), pages);
+            s.mark_computed(&plan);
+            for e in plan.entries.iter().filter(|e| e.sample) {
+                let q = s.get_mut(e.seq).unwrap();
+                q.output.push(1);
+                if q.output.len() >= q.params.max_tokens || q.len() >= q.max_len {
+                    q.finish = Some(detspec::FinishReason::Length);
+                }
+            }
+            *finished += s.take_finished(&alloc).len();
+            Ok(())
+        };
+        for op in ops {
+            match op {
+                Op::Arrive { prompt_len, max_tokens } => {
+                    // The engine rejects prompts that can never fit; mirror that.
+                    if (prompt_len + 1).div_ceil(page_size) <= pages {
+                        s.add(seq(next, prompt_len, max_tokens));
+                        next += 1;
+                    }
+                }
+                Op::Abort(id) => {
+                    aborted += s.remove_where(&alloc, |q| q.id == id).len();
+                }
+                Op::Step => run_step(&mut s, &mut finished, &mut failed)?,
+            }
+        }
+        let mut guard = 0;
+        while s.has_work() {
+            run_step(&mut s, &mut finished, &mut failed)?;
+            guard += 1;
+            prop_assert!(guard < 20_000, "scheduler made no progress");
+        }
+        prop_assert_eq!(finished + failed + aborted, next as usize);
+        prop_assert_eq!(alloc.num_free(), pages, "every page returned");
+    }
+}
