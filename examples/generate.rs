@@ -63,7 +63,11 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     for out in engine.generate(requests)? {
         let c = &out.outputs[0];
         println!("{:?} -> {:?}", out.prompt.unwrap_or_default(), c.text);
-        println!("  {} tokens, finish: {:?}", c.token_ids.len(), c.finish_reason);
+        println!(
+            "  {} tokens, finish: {:?}",
+            c.token_ids.len(),
+            c.finish_reason
+        );
     }
     println!("fingerprint: {}", engine.fingerprint());
     Ok(())

@@ -7,7 +7,10 @@ use std::path::Path;
 use safetensors::tensor::{Dtype, TensorView};
 use tokenizers::models::bpe::{BpeTrainerBuilder, BPE};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
-use tokenizers::{AddedToken, DecoderWrapper, NormalizerWrapper, PostProcessorWrapper, PreTokenizerWrapper, TokenizerImpl};
+use tokenizers::{
+    AddedToken, DecoderWrapper, NormalizerWrapper, PostProcessorWrapper, PreTokenizerWrapper,
+    TokenizerImpl,
+};
 
 use crate::error::{DetspecError, Result};
 
@@ -79,21 +82,32 @@ audits all need outputs that can be reproduced later.";
 
 /// Trains the byte-level BPE tokenizer of the demo models and returns its `tokenizer.json`.
 pub fn demo_tokenizer_json(vocab_size: usize) -> Result<String> {
-    let err = |e: tokenizers::Error| DetspecError::Tokenizer(format!("training the demo tokenizer: {e}"));
+    let err =
+        |e: tokenizers::Error| DetspecError::Tokenizer(format!("training the demo tokenizer: {e}"));
     let mut trainer = BpeTrainerBuilder::new()
         .vocab_size(vocab_size)
         .min_frequency(1)
         .show_progress(false)
         .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
-        .special_tokens(vec![AddedToken::from("<s>", true), AddedToken::from("</s>", true)])
+        .special_tokens(vec![
+            AddedToken::from("<s>", true),
+            AddedToken::from("</s>", true),
+        ])
         .build();
-    let mut tk: TokenizerImpl<BPE, NormalizerWrapper, PreTokenizerWrapper, PostProcessorWrapper, DecoderWrapper> =
-        TokenizerImpl::new(BPE::default());
+    let mut tk: TokenizerImpl<
+        BPE,
+        NormalizerWrapper,
+        PreTokenizerWrapper,
+        PostProcessorWrapper,
+        DecoderWrapper,
+    > = TokenizerImpl::new(BPE::default());
     tk.with_pre_tokenizer(Some(ByteLevel::new(false, true, true)));
     tk.with_decoder(Some(ByteLevel::default()));
     let lines: Vec<String> = CORPUS.split(". ").map(str::to_string).collect();
     tk.train(&mut trainer, lines.into_iter()).map_err(err)?;
-    tokenizers::Tokenizer::from(tk).to_string(false).map_err(err)
+    tokenizers::Tokenizer::from(tk)
+        .to_string(false)
+        .map_err(err)
 }
 
 /// SplitMix64 stream turned into standard normals (Box–Muller); seeded, platform-independent.
@@ -122,11 +136,18 @@ pub fn write_demo_model(dir: &Path, spec: &DemoModelSpec) -> Result<()> {
     let tokenizer = demo_tokenizer_json(spec.tokenizer_vocab_size)?;
     let tok = tokenizers::Tokenizer::from_bytes(tokenizer.as_bytes())
         .map_err(|e| DetspecError::Tokenizer(format!("reloading the demo tokenizer: {e}")))?;
-    let (bos, eos) = (tok.token_to_id("<s>").unwrap_or(0), tok.token_to_id("</s>").unwrap_or(1));
+    let (bos, eos) = (
+        tok.token_to_id("<s>").unwrap_or(0),
+        tok.token_to_id("</s>").unwrap_or(1),
+    );
     if tok.get_vocab_size(true) > spec.vocab_size {
         return Err(DetspecError::param(
             "vocab_size",
-            format!("{} is smaller than the tokenizer's {}", spec.vocab_size, tok.get_vocab_size(true)),
+            format!(
+                "{} is smaller than the tokenizer's {}",
+                spec.vocab_size,
+                tok.get_vocab_size(true)
+            ),
         ));
     }
     let head_dim = spec.hidden_size / spec.num_heads;
@@ -177,7 +198,8 @@ fn demo_weights(spec: &DemoModelSpec) -> Result<Vec<u8>> {
     let (h, i, v) = (spec.hidden_size, spec.intermediate_size, spec.vocab_size);
     let hd = h / spec.num_heads;
     let kv = spec.num_kv_heads * hd;
-    let mut shapes: Vec<(String, Vec<usize>, bool)> = vec![("model.embed_tokens.weight".into(), vec![v, h], false)];
+    let mut shapes: Vec<(String, Vec<usize>, bool)> =
+        vec![("model.embed_tokens.weight".into(), vec![v, h], false)];
     for l in 0..spec.num_layers {
         let p = format!("model.layers.{l}");
         shapes.extend([
@@ -186,7 +208,11 @@ fn demo_weights(spec: &DemoModelSpec) -> Result<Vec<u8>> {
             (format!("{p}.self_attn.k_proj.weight"), vec![kv, h], false),
             (format!("{p}.self_attn.v_proj.weight"), vec![kv, h], false),
             (format!("{p}.self_attn.o_proj.weight"), vec![h, h], false),
-            (format!("{p}.post_attention_layernorm.weight"), vec![h], true),
+            (
+                format!("{p}.post_attention_layernorm.weight"),
+                vec![h],
+                true,
+            ),
             (format!("{p}.mlp.gate_proj.weight"), vec![i, h], false),
             (format!("{p}.mlp.up_proj.weight"), vec![i, h], false),
             (format!("{p}.mlp.down_proj.weight"), vec![h, i], false),
@@ -218,5 +244,6 @@ fn demo_weights(spec: &DemoModelSpec) -> Result<Vec<u8>> {
                 .map_err(|e| DetspecError::param("demo_model", format!("tensor {name}: {e}")))
         })
         .collect::<Result<Vec<_>>>()?;
-    safetensors::serialize(views, None).map_err(|e| DetspecError::param("demo_model", format!("serialize: {e}")))
+    safetensors::serialize(views, None)
+        .map_err(|e| DetspecError::param("demo_model", format!("serialize: {e}")))
 }

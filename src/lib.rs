@@ -35,6 +35,8 @@ mod python;
 pub use config::{EngineConfig, ModelConfig};
 pub use engine::{Engine, RequestStream};
 pub use error::{DetspecError, Result};
-pub use output::{CompletionOutput, FinishReason, RequestMetrics, RequestOutput, StopReason, TokenLogprobs};
+pub use output::{
+    CompletionOutput, FinishReason, RequestMetrics, RequestOutput, StopReason, TokenLogprobs,
+};
 pub use request::{Prompt, Request};
 pub use sampling::SamplingParams;

@@ -82,4 +82,8 @@ pub struct RequestMetrics {
     pub num_output_tokens: usize,
     /// Times the request was preempted (its KV freed and later recomputed).
     pub num_preemptions: usize,
+    /// Decode–verify–rollback: verify passes, rollbacks and tokens discarded by rollbacks.
+    pub num_verify_passes: usize,
+    pub num_rollbacks: usize,
+    pub num_rolled_back_tokens: usize,
 }

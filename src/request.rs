@@ -37,7 +37,11 @@ pub struct Request {
 }
 
 impl Request {
-    pub fn new(request_id: impl Into<String>, prompt: impl Into<Prompt>, params: SamplingParams) -> Self {
+    pub fn new(
+        request_id: impl Into<String>,
+        prompt: impl Into<Prompt>,
+        params: SamplingParams,
+    ) -> Self {
         Self {
             request_id: request_id.into(),
             prompt: prompt.into(),

@@ -31,15 +31,32 @@ fn model_dir() -> &'static Path {
 }
 
 fn engine() -> Engine {
-    Engine::from_model_dir(model_dir(), EngineConfig { num_kv_pages: Some(256), ..Default::default() }).unwrap()
+    Engine::from_model_dir(
+        model_dir(),
+        EngineConfig {
+            num_kv_pages: Some(256),
+            ..Default::default()
+        },
+    )
+    .unwrap()
 }
 
 fn greedy(max_tokens: usize) -> SamplingParams {
-    SamplingParams { temperature: 0.0, max_tokens, ignore_eos: true, ..Default::default() }
+    SamplingParams {
+        temperature: 0.0,
+        max_tokens,
+        ignore_eos: true,
+        ..Default::default()
+    }
 }
 
 fn prompts() -> Vec<Vec<u32>> {
-    vec![vec![5], (1..20).collect(), (30..77).collect(), vec![100, 3, 250, 7]]
+    vec![
+        vec![5],
+        (1..20).collect(),
+        (30..77).collect(),
+        vec![100, 3, 250, 7],
+    ]
 }
 
 #[test]
@@ -58,7 +75,10 @@ fn greedy_batch_generates_and_frees_pages() {
         assert_eq!(c.token_ids.len(), 20);
         assert_eq!(c.logprobs.len(), 20);
         assert_eq!(c.finish_reason, Some(FinishReason::Length));
-        assert!(c.logprobs.iter().all(|l| l.logprob <= 0.0 && l.rank == 1), "greedy picks rank 1");
+        assert!(
+            c.logprobs.iter().all(|l| l.logprob <= 0.0 && l.rank == 1),
+            "greedy picks rank 1"
+        );
     }
     let (free, total) = e.kv_pages().unwrap();
     assert_eq!(free, total);
@@ -68,14 +88,31 @@ fn greedy_batch_generates_and_frees_pages() {
 fn same_inputs_same_bits_and_seeds_matter() {
     let run = |seed: u64| {
         let e = engine();
-        let p = SamplingParams { temperature: 0.8, top_p: 0.95, seed: Some(seed), max_tokens: 24, ignore_eos: true, ..Default::default() };
-        let reqs = prompts().into_iter().enumerate().map(|(i, pr)| Request::new(i.to_string(), pr, p.clone())).collect();
+        let p = SamplingParams {
+            temperature: 0.8,
+            top_p: 0.95,
+            seed: Some(seed),
+            max_tokens: 24,
+            ignore_eos: true,
+            ..Default::default()
+        };
+        let reqs = prompts()
+            .into_iter()
+            .enumerate()
+            .map(|(i, pr)| Request::new(i.to_string(), pr, p.clone()))
+            .collect();
         e.generate(reqs)
             .unwrap()
             .into_iter()
             .map(|o| {
                 let c = &o.outputs[0];
-                (c.token_ids.clone(), c.logprobs.iter().map(|l| l.logprob.to_bits()).collect::<Vec<_>>())
+                (
+                    c.token_ids.clone(),
+                    c.logprobs
+                        .iter()
+                        .map(|l| l.logprob.to_bits())
+                        .collect::<Vec<_>>(),
+                )
             })
             .collect::<Vec<_>>()
     };
@@ -86,19 +123,36 @@ fn same_inputs_same_bits_and_seeds_matter() {
 #[test]
 fn n_completions_differ_under_sampling_and_agree_under_greedy() {
     let e = engine();
-    let sampled = SamplingParams { n: 3, temperature: 1.0, seed: Some(9), max_tokens: 16, ignore_eos: true, ..Default::default() };
-    let out = e.generate(vec![Request::new("a", vec![1, 2, 3], sampled)]).unwrap();
+    let sampled = SamplingParams {
+        n: 3,
+        temperature: 1.0,
+        seed: Some(9),
+        max_tokens: 16,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let out = e
+        .generate(vec![Request::new("a", vec![1, 2, 3], sampled)])
+        .unwrap();
     let toks: Vec<_> = out[0].outputs.iter().map(|c| c.token_ids.clone()).collect();
     assert_eq!(toks.len(), 3);
     assert!(toks[0] != toks[1] || toks[1] != toks[2]);
-    let out = e.generate(vec![Request::new("b", vec![1, 2, 3], SamplingParams { n: 2, ..greedy(8) })]).unwrap();
+    let out = e
+        .generate(vec![Request::new(
+            "b",
+            vec![1, 2, 3],
+            SamplingParams { n: 2, ..greedy(8) },
+        )])
+        .unwrap();
     assert_eq!(out[0].outputs[0].token_ids, out[0].outputs[1].token_ids);
 }
 
 #[test]
 fn text_prompts_stop_strings_and_stop_tokens() {
     let e = engine();
-    let out = e.generate(vec![Request::new("t", "Hello world", greedy(12))]).unwrap();
+    let out = e
+        .generate(vec![Request::new("t", "Hello world", greedy(12))])
+        .unwrap();
     let c = &out[0].outputs[0];
     assert_eq!(out[0].prompt.as_deref(), Some("Hello world"));
     let tok = e.tokenizer().unwrap();
@@ -106,8 +160,13 @@ fn text_prompts_stop_strings_and_stop_tokens() {
     // Stop on the 4th greedy token's id.
     let stop_id = c.token_ids[3];
     let first = c.token_ids.iter().position(|&t| t == stop_id).unwrap();
-    let p = SamplingParams { stop_token_ids: vec![stop_id], ..greedy(12) };
-    let out = e.generate(vec![Request::new("s", "Hello world", p)]).unwrap();
+    let p = SamplingParams {
+        stop_token_ids: vec![stop_id],
+        ..greedy(12)
+    };
+    let out = e
+        .generate(vec![Request::new("s", "Hello world", p)])
+        .unwrap();
     assert_eq!(out[0].outputs[0].token_ids, c.token_ids[..=first].to_vec());
     assert_eq!(out[0].outputs[0].finish_reason, Some(FinishReason::Stop));
     // A stop string taken from the middle of the text cuts the text before it.
@@ -115,8 +174,13 @@ fn text_prompts_stop_strings_and_stop_tokens() {
     let chars: Vec<char> = text.chars().collect();
     if chars.len() > 6 {
         let stop: String = chars[3..6].iter().collect();
-        let p = SamplingParams { stop: vec![stop.clone()], ..greedy(12) };
-        let out = e.generate(vec![Request::new("ss", "Hello world", p)]).unwrap();
+        let p = SamplingParams {
+            stop: vec![stop.clone()],
+            ..greedy(12)
+        };
+        let out = e
+            .generate(vec![Request::new("ss", "Hello world", p)])
+            .unwrap();
         let got = &out[0].outputs[0];
         assert_eq!(got.finish_reason, Some(FinishReason::Stop));
         assert!(!got.text.contains(&stop));
@@ -128,18 +192,53 @@ fn text_prompts_stop_strings_and_stop_tokens() {
 fn bad_requests_are_rejected_and_engine_keeps_serving() {
     let e = engine();
     let cases: Vec<(Request, &str)> = vec![
-        (Request::new("a", Vec::<u32>::new(), greedy(4)), "prompt is empty"),
+        (
+            Request::new("a", Vec::<u32>::new(), greedy(4)),
+            "prompt is empty",
+        ),
         (Request::new("b", vec![1, 100_000], greedy(4)), "100000"),
         (Request::new("c", vec![1; 300], greedy(4)), "max_model_len"),
-        (Request::new("d", vec![1], SamplingParams { temperature: -1.0, ..greedy(4) }), "temperature"),
-        (Request::new("e", vec![1], SamplingParams { top_p: 0.0, ..greedy(4) }), "top_p"),
-        (Request::new("f", vec![1], SamplingParams { max_tokens: 0, ..greedy(4) }), "max_tokens"),
+        (
+            Request::new(
+                "d",
+                vec![1],
+                SamplingParams {
+                    temperature: -1.0,
+                    ..greedy(4)
+                },
+            ),
+            "temperature",
+        ),
+        (
+            Request::new(
+                "e",
+                vec![1],
+                SamplingParams {
+                    top_p: 0.0,
+                    ..greedy(4)
+                },
+            ),
+            "top_p",
+        ),
+        (
+            Request::new(
+                "f",
+                vec![1],
+                SamplingParams {
+                    max_tokens: 0,
+                    ..greedy(4)
+                },
+            ),
+            "max_tokens",
+        ),
     ];
     for (req, needle) in cases {
         let err = e.generate(vec![req]).unwrap_err().to_string();
         assert!(err.contains(needle), "{err:?} should mention {needle:?}");
     }
-    let out = e.generate(vec![Request::new("ok", vec![1, 2], greedy(4))]).unwrap();
+    let out = e
+        .generate(vec![Request::new("ok", vec![1, 2], greedy(4))])
+        .unwrap();
     assert_eq!(out[0].outputs[0].token_ids.len(), 4);
     let (free, total) = e.kv_pages().unwrap();
     assert_eq!(free, total);
@@ -153,13 +252,16 @@ fn prompt_logits_match_the_generation_path() {
     assert_eq!(logits[0].len(), 20);
     assert_eq!(logits[1].len(), 2);
     let last = &logits[0][19];
-    let argmax = (0..last.len()).max_by(|&a, &b| last[a].total_cmp(&last[b]).then(b.cmp(&a))).unwrap();
+    let argmax = (0..last.len())
+        .max_by(|&a, &b| last[a].total_cmp(&last[b]).then(b.cmp(&a)))
+        .unwrap();
     let out = e.generate(vec![Request::new("g", p, greedy(1))]).unwrap();
     assert_eq!(out[0].outputs[0].token_ids[0], argmax as u32);
 }
 
 fn copy_dir(src: &Path, name: &str) -> PathBuf {
-    let dst = std::env::temp_dir().join(format!("detspec-engine-test-{}-{name}", std::process::id()));
+    let dst =
+        std::env::temp_dir().join(format!("detspec-engine-test-{}-{name}", std::process::id()));
     std::fs::create_dir_all(&dst).unwrap();
     for f in std::fs::read_dir(src).unwrap() {
         let f = f.unwrap();
@@ -169,7 +271,13 @@ fn copy_dir(src: &Path, name: &str) -> PathBuf {
 }
 
 fn load_err(dir: &Path) -> String {
-    match Engine::from_model_dir(dir, EngineConfig { num_kv_pages: Some(8), ..Default::default() }) {
+    match Engine::from_model_dir(
+        dir,
+        EngineConfig {
+            num_kv_pages: Some(8),
+            ..Default::default()
+        },
+    ) {
         Ok(_) => panic!("loading {} should fail", dir.display()),
         Err(e) => e.to_string(),
     }
@@ -189,15 +297,29 @@ fn load_errors_name_the_culprit() {
 
     let dir = copy_dir(model_dir(), "arch");
     let cfg = std::fs::read_to_string(dir.join("config.json")).unwrap();
-    std::fs::write(dir.join("config.json"), cfg.replace("LlamaForCausalLM", "GPT2LMHeadModel")).unwrap();
+    std::fs::write(
+        dir.join("config.json"),
+        cfg.replace("LlamaForCausalLM", "GPT2LMHeadModel"),
+    )
+    .unwrap();
     let err = load_err(&dir);
-    assert!(err.contains("GPT2LMHeadModel") && err.contains("config.json"), "{err}");
+    assert!(
+        err.contains("GPT2LMHeadModel") && err.contains("config.json"),
+        "{err}"
+    );
 
     let dir = copy_dir(model_dir(), "shape");
     let cfg = std::fs::read_to_string(dir.join("config.json")).unwrap();
-    std::fs::write(dir.join("config.json"), cfg.replace("\"intermediate_size\": 128", "\"intermediate_size\": 96")).unwrap();
+    std::fs::write(
+        dir.join("config.json"),
+        cfg.replace("\"intermediate_size\": 128", "\"intermediate_size\": 96"),
+    )
+    .unwrap();
     let err = load_err(&dir);
-    assert!(err.contains("mlp.gate_proj.weight") && err.contains("shape"), "{err}");
+    assert!(
+        err.contains("mlp.gate_proj.weight") && err.contains("shape"),
+        "{err}"
+    );
 
     let dir = copy_dir(model_dir(), "noconfig");
     std::fs::remove_file(dir.join("config.json")).unwrap();

@@ -83,7 +83,11 @@ fn fork_then_write_copies_partial_page_and_leaves_parent_intact() {
 
     // Parent: every row it owns is bitwise unchanged, and its page 1 slot 2 was not touched.
     for (p, want) in parent_before.iter().enumerate() {
-        assert_eq!(&at(&cache, parent.slot(p, PS).unwrap()), want, "parent row {p}");
+        assert_eq!(
+            &at(&cache, parent.slot(p, PS).unwrap()),
+            want,
+            "parent row {p}"
+        );
     }
     let parent_slot6 = parent.pages()[1] as usize * PS + 2;
     assert_eq!(at(&cache, parent_slot6 as u32), at(&zeros(), 0));
@@ -97,7 +101,11 @@ fn fork_then_write_copies_partial_page_and_leaves_parent_intact() {
     }
     // Child: copied rows equal the parent's bitwise; its new row is the new data.
     for (p, want) in parent_before.iter().enumerate() {
-        assert_eq!(&at(&cache, child.slot(p, PS).unwrap()), want, "child row {p}");
+        assert_eq!(
+            &at(&cache, child.slot(p, PS).unwrap()),
+            want,
+            "child row {p}"
+        );
     }
     assert_eq!(at(&cache, child.slot(6, PS).unwrap()), bits(&row(1000)));
     // Full page 0 is still shared, page 1 is not.
@@ -145,9 +153,7 @@ fn rollback_into_a_cached_page_copies_it() {
     let tokens: Vec<u32> = (0..8).collect();
     assert_eq!(m.insert_prefix(&tokens, a.pages()), 2);
     let cached_page = a.pages()[1];
-    let cached_bits: Vec<Vec<u32>> = (4..8)
-        .map(|p| at(&cache, a.slot(p, PS).unwrap()))
-        .collect();
+    let cached_bits: Vec<Vec<u32>> = (4..8).map(|p| at(&cache, a.slot(p, PS).unwrap())).collect();
 
     a.truncate(6, PS, &m);
     let pair = a.prepare_append(7, PS, &m).unwrap().expect("copy");
@@ -181,7 +187,10 @@ fn copy_pages_bounds_and_order() {
     copy_pages(&cache, &[(2, 3), (3, 4), (5, 5)]).unwrap();
     let page = |t: &Tensor, i: usize| bits(&t.get(i).unwrap());
     let orig = Tensor::from_vec(
-        before.iter().map(|&b| f32::from_bits(b)).collect::<Vec<_>>(),
+        before
+            .iter()
+            .map(|&b| f32::from_bits(b))
+            .collect::<Vec<_>>(),
         (PAGES, PS, KVH, HD),
         &Device::Cpu,
     )
@@ -206,7 +215,11 @@ fn copy_pages_other_dtypes() {
             .to_dtype(dtype)
             .unwrap();
         copy_pages(&cache, &[(0, 3)]).unwrap();
-        let v = cache.to_dtype(DType::U32).unwrap().to_vec2::<u32>().unwrap();
+        let v = cache
+            .to_dtype(DType::U32)
+            .unwrap()
+            .to_vec2::<u32>()
+            .unwrap();
         assert_eq!(v[3], v[0], "{dtype:?}");
         assert_eq!(v[1], (6..12).collect::<Vec<u32>>());
     }

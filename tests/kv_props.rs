@@ -17,10 +17,19 @@
 #![cfg(not(loom))]
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use detspec::kv::{BlockTable, KvManager, PageAllocator, PageId};
 use detspec::DetspecError;
 use proptest::prelude::*;
+use proptest::test_runner::{Config, TestRunner};
+
+/// How often the interesting paths ran across all cases (to show the test is not vacuous).
+static COW_COPIES: AtomicUsize = AtomicUsize::new(0);
+static LAZY_EVICTIONS: AtomicUsize = AtomicUsize::new(0);
+static PREFIX_HITS: AtomicUsize = AtomicUsize::new(0);
+static OUT_OF_PAGES: AtomicUsize = AtomicUsize::new(0);
+static FORKS: AtomicUsize = AtomicUsize::new(0);
 
 const NUM_PAGES: usize = 24;
 const PS: usize = 4;
@@ -30,22 +39,51 @@ const MAX_SEQS: usize = 6;
 fn base(i: u8) -> Vec<u32> {
     let common: Vec<u32> = (0..8).map(|t| 100 + t).collect();
     match i % 3 {
-        0 => common.iter().copied().chain((0..16).map(|t| 200 + t)).collect(),
-        1 => common.iter().copied().chain((0..16).map(|t| 300 + t)).collect(),
+        0 => common
+            .iter()
+            .copied()
+            .chain((0..16).map(|t| 200 + t))
+            .collect(),
+        1 => common
+            .iter()
+            .copied()
+            .chain((0..16).map(|t| 300 + t))
+            .collect(),
         _ => (0..24).map(|t| 400 + t).collect(),
     }
 }
 
 #[derive(Debug, Clone)]
 enum Op {
-    New { base: u8, len: usize, use_prefix: bool },
-    Append { seq: usize, toks: Vec<u32> },
-    Reserve { seq: usize, extra: usize },
-    Truncate { seq: usize, keep_pct: usize },
-    Fork { seq: usize },
-    Free { seq: usize },
-    Insert { seq: usize },
-    Evict { n: usize },
+    New {
+        base: u8,
+        len: usize,
+        use_prefix: bool,
+    },
+    Append {
+        seq: usize,
+        toks: Vec<u32>,
+    },
+    Reserve {
+        seq: usize,
+        extra: usize,
+    },
+    Truncate {
+        seq: usize,
+        keep_pct: usize,
+    },
+    Fork {
+        seq: usize,
+    },
+    Free {
+        seq: usize,
+    },
+    Insert {
+        seq: usize,
+    },
+    Evict {
+        n: usize,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -104,7 +142,10 @@ impl Model {
 
     fn remove_holder(&mut self, p: PageId, h: Holder) {
         let v = &mut self.holders[p as usize];
-        let i = v.iter().position(|&x| x == h).expect("model: holder not found");
+        let i = v
+            .iter()
+            .position(|&x| x == h)
+            .expect("model: holder not found");
         v.remove(i);
     }
 
@@ -220,12 +261,14 @@ fn append(m: &KvManager, model: &mut Model, s: &mut Seq, new: &[u32]) -> bool {
     match s.table.prepare_append(start + new.len(), PS, m) {
         Err(DetspecError::OutOfPages { .. }) => {
             assert_eq!(s.table, before, "failed prepare_append changed the table");
+            OUT_OF_PAGES.fetch_add(1, Ordering::Relaxed);
             model.reconcile_evictions(m);
             return false;
         }
         Err(e) => panic!("unexpected error {e}"),
         Ok(cow) => {
             let evicted = model.reconcile_evictions(m);
+            LAZY_EVICTIONS.fetch_add(evicted, Ordering::Relaxed);
             let mut fresh = Vec::new();
             for (i, &p) in s.table.pages().iter().enumerate() {
                 match before.pages().get(i) {
@@ -249,6 +292,7 @@ fn append(m: &KvManager, model: &mut Model, s: &mut Seq, new: &[u32]) -> bool {
                 let (src, dst) = cow.expect("shared partial page written without a copy");
                 assert_eq!((src, dst), (before.pages()[first], s.table.pages()[first]));
                 model.content[dst as usize] = model.content[src as usize].clone();
+                COW_COPIES.fetch_add(1, Ordering::Relaxed);
             } else {
                 assert_eq!(cow, None);
             }
@@ -336,9 +380,12 @@ fn run(ops: &[Op]) -> Trace {
                     let q = &tokens[..len.saturating_sub(1)];
                     let hit = m.lookup_prefix(q);
                     assert_eq!(hit, model.lookup(q), "prefix lookup");
+                    PREFIX_HITS.fetch_add(usize::from(!hit.is_empty()), Ordering::Relaxed);
                     for (i, &p) in hit.iter().enumerate() {
-                        let want: Vec<Option<u32>> =
-                            tokens[i * PS..(i + 1) * PS].iter().map(|&t| Some(t)).collect();
+                        let want: Vec<Option<u32>> = tokens[i * PS..(i + 1) * PS]
+                            .iter()
+                            .map(|&t| Some(t))
+                            .collect();
                         assert_eq!(model.content[p as usize], want, "cached page {p} contents");
                         model.holders[p as usize].push(Holder::Seq(id));
                     }
@@ -408,6 +455,7 @@ fn run(ops: &[Op]) -> Trace {
                 let id = next_id;
                 next_id += 1;
                 let table = seqs[i].table.fork(&m);
+                FORKS.fetch_add(1, Ordering::Relaxed);
                 for &p in table.pages() {
                     model.holders[p as usize].push(Holder::Seq(id));
                 }
@@ -463,14 +511,32 @@ fn run(ops: &[Op]) -> Trace {
     trace
 }
 
-proptest! {
-    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
-
-    #[test]
-    fn kv_manager_matches_ownership_model(ops in prop::collection::vec(op(), 1..80)) {
+#[test]
+fn kv_manager_matches_ownership_model() {
+    let mut runner = TestRunner::new(Config {
+        cases: 512,
+        failure_persistence: None,
+        ..Config::default()
+    });
+    let result = runner.run(&prop::collection::vec(op(), 1..80), |ops| {
         let a = run(&ops);
         let b = run(&ops);
         prop_assert_eq!(a, b, "same operations, different page ids");
+        Ok(())
+    });
+    if let Err(e) = result {
+        panic!("{e}");
+    }
+    let counts = [
+        ("copy-on-write copies", COW_COPIES.load(Ordering::Relaxed)),
+        ("lazy evictions", LAZY_EVICTIONS.load(Ordering::Relaxed)),
+        ("prefix hits", PREFIX_HITS.load(Ordering::Relaxed)),
+        ("out of pages", OUT_OF_PAGES.load(Ordering::Relaxed)),
+        ("forks", FORKS.load(Ordering::Relaxed)),
+    ];
+    eprintln!("coverage over 512 cases x 2 runs: {counts:?}");
+    for (what, n) in counts {
+        assert!(n > 0, "no {what} happened: the test is not exercising it");
     }
 }
 
@@ -478,21 +544,50 @@ proptest! {
 #[test]
 fn scripted_scenario() {
     let ops = vec![
-        Op::New { base: 0, len: 24, use_prefix: false },
+        Op::New {
+            base: 0,
+            len: 24,
+            use_prefix: false,
+        },
         Op::Insert { seq: 0 },
         Op::Free { seq: 0 },
-        Op::New { base: 1, len: 24, use_prefix: true },
+        Op::New {
+            base: 1,
+            len: 24,
+            use_prefix: true,
+        },
         Op::Insert { seq: 0 },
-        Op::New { base: 2, len: 24, use_prefix: true },
+        Op::New {
+            base: 2,
+            len: 24,
+            use_prefix: true,
+        },
         Op::Free { seq: 0 },
-        Op::New { base: 0, len: 24, use_prefix: true },
+        Op::New {
+            base: 0,
+            len: 24,
+            use_prefix: true,
+        },
         Op::Fork { seq: 1 },
-        Op::Append { seq: 2, toks: vec![1, 2, 3] },
-        Op::Truncate { seq: 1, keep_pct: 50 },
-        Op::Append { seq: 1, toks: vec![2, 2] },
+        Op::Append {
+            seq: 2,
+            toks: vec![1, 2, 3],
+        },
+        Op::Truncate {
+            seq: 1,
+            keep_pct: 50,
+        },
+        Op::Append {
+            seq: 1,
+            toks: vec![2, 2],
+        },
         Op::Evict { n: 3 },
         Op::Insert { seq: 1 },
-        Op::New { base: 0, len: 24, use_prefix: true },
+        Op::New {
+            base: 0,
+            len: 24,
+            use_prefix: true,
+        },
     ];
     assert_eq!(run(&ops), run(&ops));
 }

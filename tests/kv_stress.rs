@@ -82,7 +82,13 @@ fn stress(a: &dyn PageAllocator) {
                 let mut mine: Vec<PageId> = Vec::new();
                 start.wait();
                 for _ in 0..OPS_PER_THREAD {
-                    match next(&mut rng) % 8 {
+                    // Keep each thread's holdings bounded so the pool keeps cycling.
+                    let r = if mine.len() > 12 {
+                        7
+                    } else {
+                        next(&mut rng) % 8
+                    };
+                    match r {
                         0..=2 => {
                             if let Some(p) = a.allocate() {
                                 t.on_alloc(p);
@@ -133,7 +139,10 @@ fn stress(a: &dyn PageAllocator) {
     }
     let (allocs, frees) = (t.allocs.into_inner(), t.frees.into_inner());
     assert_eq!(allocs, frees);
-    assert!(allocs > 1000, "too few allocations ({allocs}) to mean anything");
+    assert!(
+        allocs > OPS_PER_THREAD,
+        "too few allocations ({allocs}) to mean anything"
+    );
     eprintln!(
         "{THREADS} threads x {OPS_PER_THREAD} ops, {allocs} allocations: {:.1} ms",
         elapsed.as_secs_f64() * 1e3

@@ -5,14 +5,20 @@
 use std::sync::Arc;
 
 use candle_core::{Device, Tensor};
-use detspec::ops::{apply_rope, paged_attention, rms_norm, write_kv, AttentionMetadata, AttentionSchedule};
+use detspec::ops::{
+    apply_rope, paged_attention, rms_norm, write_kv, AttentionMetadata, AttentionSchedule,
+};
 
 fn randn(seed: u64, n: usize) -> Vec<f32> {
     // Small LCG: fixed, platform-independent test data.
-    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    let mut s = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
     (0..n)
         .map(|_| {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
         })
         .collect()
@@ -57,7 +63,12 @@ fn reference_row(q: &[f32], k: &[f32], v: &[f32], bt: &[u32], pos: usize, head: 
     let off = |j: usize| ((bt[j / PAGE] as usize * PAGE + j % PAGE) * KVH + kvh) * D;
     let scale = 1.0 / (D as f64).sqrt();
     let scores: Vec<f64> = (0..=pos)
-        .map(|j| (0..D).map(|i| q[i] as f64 * k[off(j) + i] as f64).sum::<f64>() * scale)
+        .map(|j| {
+            (0..D)
+                .map(|i| q[i] as f64 * k[off(j) + i] as f64)
+                .sum::<f64>()
+                * scale
+        })
         .collect();
     let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
     let w: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
@@ -83,8 +94,20 @@ fn paged_attention_matches_dense_reference() {
     let tables = vec![vec![5, 0, 7], vec![2, 6]];
     // seq 0: a prefill chunk at positions 3..=9; seq 1: one decode row at position 6.
     let rows: Vec<(u32, u32)> = (3..10).map(|p| (0, p)).chain([(1, 6)]).collect();
-    let q = Tensor::from_vec(randn(3, rows.len() * H * D), (rows.len(), H, D), &Device::Cpu).unwrap();
-    let out = paged_attention(&q, &k, &v, meta(&rows, tables.clone()), 1.0 / (D as f32).sqrt()).unwrap();
+    let q = Tensor::from_vec(
+        randn(3, rows.len() * H * D),
+        (rows.len(), H, D),
+        &Device::Cpu,
+    )
+    .unwrap();
+    let out = paged_attention(
+        &q,
+        &k,
+        &v,
+        meta(&rows, tables.clone()),
+        1.0 / (D as f32).sqrt(),
+    )
+    .unwrap();
     let (qv, kv, vv, ov) = (
         q.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
         k.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
@@ -94,9 +117,21 @@ fn paged_attention_matches_dense_reference() {
     for (r, &(seq, pos)) in rows.iter().enumerate() {
         for h in 0..H {
             let base = (r * H + h) * D;
-            let want = reference_row(&qv[base..base + D], &kv, &vv, &tables[seq as usize], pos as usize, h);
+            let want = reference_row(
+                &qv[base..base + D],
+                &kv,
+                &vv,
+                &tables[seq as usize],
+                pos as usize,
+                h,
+            );
             for i in 0..D {
-                assert!((ov[base + i] - want[i]).abs() < 1e-5, "row {r} head {h}: {} vs {}", ov[base + i], want[i]);
+                assert!(
+                    (ov[base + i] - want[i]).abs() < 1e-5,
+                    "row {r} head {h}: {} vs {}",
+                    ov[base + i],
+                    want[i]
+                );
             }
         }
     }
@@ -127,7 +162,9 @@ fn paged_attention_row_is_invariant_to_batch_position_neighbours_and_threads() {
             qdata.extend_from_slice(&neighbours[i * H * D..(i + 1) * H * D]);
         }
         let q = Tensor::from_vec(qdata, (rows.len(), H, D), &Device::Cpu).unwrap();
-        let out = in_pool(threads, || paged_attention(&q, &k, &v, meta(&rows, tables.clone()), 0.3).unwrap());
+        let out = in_pool(threads, || {
+            paged_attention(&q, &k, &v, meta(&rows, tables.clone()), 0.3).unwrap()
+        });
         let row = out.narrow(0, before, 1).unwrap();
         assert_eq!(bits(&row), solo, "threads={threads} before={before}");
     }
@@ -154,7 +191,11 @@ fn sliding_window_limits_keys() {
     let mut m = (*meta(&[(0, 9)], tables.clone())).clone();
     m.sliding_window = Some(10);
     let same = paged_attention(&q, &k, &v, Arc::new(m.clone()), 0.3).unwrap();
-    assert_eq!(bits(&full), bits(&same), "a window covering everything changes nothing");
+    assert_eq!(
+        bits(&full),
+        bits(&same),
+        "a window covering everything changes nothing"
+    );
     m.sliding_window = Some(3);
     let windowed = paged_attention(&q, &k, &v, Arc::new(m), 0.3).unwrap();
     assert_ne!(bits(&full), bits(&windowed));
@@ -170,7 +211,10 @@ fn cache_write_places_rows_at_slots() {
     let s = src.reshape((2, KVH * D)).unwrap();
     assert_eq!(bits(&flat.get(9).unwrap()), bits(&s.get(0).unwrap()));
     assert_eq!(bits(&flat.get(2).unwrap()), bits(&s.get(1).unwrap()));
-    assert!(write_kv(&cache, &src, Arc::new(vec![12, 0])).is_err(), "slot out of range");
+    assert!(
+        write_kv(&cache, &src, Arc::new(vec![12, 0])).is_err(),
+        "slot out of range"
+    );
 }
 
 #[test]
@@ -186,7 +230,12 @@ fn rms_norm_and_rope_are_row_local_and_thread_invariant() {
         let xr = x.narrow(0, r, 1).unwrap();
         let solo_norm = in_pool(1, || rms_norm(&xr, &w, 1e-5).unwrap());
         assert_eq!(bits(&solo_norm), bits(&full_norm.narrow(0, r, 1).unwrap()));
-        let solo_rope = apply_rope(&xr, &cos.narrow(0, r, 1).unwrap(), &sin.narrow(0, r, 1).unwrap()).unwrap();
+        let solo_rope = apply_rope(
+            &xr,
+            &cos.narrow(0, r, 1).unwrap(),
+            &sin.narrow(0, r, 1).unwrap(),
+        )
+        .unwrap();
         assert_eq!(bits(&solo_rope), bits(&full_rope.narrow(0, r, 1).unwrap()));
     }
     // Reference values.
@@ -214,12 +263,22 @@ fn split_kv_matches_fixed_closely_but_not_bitwise() {
         let mut m = (*meta(&[(0, 61)], tables.clone())).clone();
         m.schedule = AttentionSchedule::SplitKv { splits };
         let split = paged_attention(&q, &k, &v, Arc::new(m), 0.3).unwrap();
-        let diff = (&split - &fixed).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+        let diff = (&split - &fixed)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
         assert!(diff < 1e-5, "splits={splits}: max diff {diff}");
         differs |= bits(&split) != bits(&fixed);
     }
     // The fast path's schedule changes rounding: this is the batch variance DVR must catch.
-    assert!(differs, "split-KV should round differently from the fixed schedule");
+    assert!(
+        differs,
+        "split-KV should round differently from the fixed schedule"
+    );
     // The heuristic depends on the batch: one sequence splits, many do not.
     assert_ne!(
         AttentionSchedule::split_kv_for_batch(1, H),

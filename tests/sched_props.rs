@@ -6,7 +6,7 @@ use detspec::sched::{Scheduler, SchedulerLimits, Sequence};
 use detspec::SamplingParams;
 use proptest::prelude::*;
 
-fn seq(id: u64, prompt_len: usize, max_tokens: usize) -> Sequence {
+fn seq(id: u64, prompt_len: usize, max_tokens: usize, deterministic: bool) -> Sequence {
     Sequence {
         id,
         request_id: format!("r{id}"),
@@ -14,7 +14,10 @@ fn seq(id: u64, prompt_len: usize, max_tokens: usize) -> Sequence {
         prompt: (0..prompt_len as u32).collect(),
         output: Vec::new(),
         logprobs: Vec::new(),
-        params: SamplingParams { max_tokens, ..Default::default() },
+        params: SamplingParams {
+            max_tokens,
+            ..Default::default()
+        },
         seed: 0,
         num_computed: 0,
         block_table: BlockTable::new(),
@@ -22,12 +25,19 @@ fn seq(id: u64, prompt_len: usize, max_tokens: usize) -> Sequence {
         stop_reason: None,
         max_len: prompt_len + max_tokens,
         num_preemptions: 0,
+        deterministic,
+        verified: 0,
+        emitted: 0,
+        dvr: Default::default(),
     }
 }
 
 #[derive(Debug, Clone)]
 enum Op {
-    Arrive { prompt_len: usize, max_tokens: usize },
+    Arrive {
+        prompt_len: usize,
+        max_tokens: usize,
+    },
     Abort(u64),
     Step,
 }
@@ -53,7 +63,7 @@ proptest! {
     ) {
         let page_size = 4;
         let alloc = SimpleAllocator::new(pages);
-        let limits = SchedulerLimits { max_num_seqs, max_num_batched_tokens: budget, page_size, max_prefill_chunk: chunk };
+        let limits = SchedulerLimits { max_num_seqs, max_num_batched_tokens: budget, page_size, max_prefill_chunk: chunk, isolate_deterministic_prefill: true };
         let mut s = Scheduler::new(limits);
         let mut next = 0u64;
         let mut finished = 0usize;
@@ -65,9 +75,13 @@ proptest! {
             prop_assert!(plan.num_tokens() <= budget);
             prop_assert!(s.num_running() <= max_num_seqs);
             let mut seen = std::collections::HashSet::new();
-            for e in &plan.entries {
+            if let Some(iso) = &plan.isolated {
+                let q = s.get(iso.seq).expect("isolated sequence is running");
+                prop_assert!(q.deterministic && iso.start == 0 && iso.len == q.prompt.len(), "isolated = whole prompt");
+            }
+            for e in plan.entries.iter().chain(&plan.isolated) {
                 prop_assert!(seen.insert(e.seq), "sequence planned twice");
-                prop_assert!(e.len >= 1 && e.len <= chunk);
+                prop_assert!(e.len >= 1 && (e.len <= chunk || Some(e) == plan.isolated.as_ref()));
                 let q = s.get(e.seq).expect("planned sequences are running");
                 prop_assert_eq!(e.start, q.num_computed);
                 prop_assert!(q.block_table.capacity(page_size) >= e.start + e.len, "pages reserved");
@@ -77,9 +91,10 @@ proptest! {
             let held: usize = s.iter().map(|q| q.block_table.pages().len()).sum();
             prop_assert_eq!(held + alloc.num_free(), pages);
             s.mark_computed(&plan);
-            for e in plan.entries.iter().filter(|e| e.sample) {
+            for e in plan.entries.iter().chain(&plan.isolated).filter(|e| e.sample) {
                 let q = s.get_mut(e.seq).unwrap();
                 q.output.push(1);
+                q.verified = q.output.len();
                 if q.output.len() >= q.params.max_tokens || q.len() >= q.max_len {
                     q.finish = Some(detspec::FinishReason::Length);
                 }
@@ -92,7 +107,7 @@ proptest! {
                 Op::Arrive { prompt_len, max_tokens } => {
                     // The engine rejects prompts that can never fit; mirror that.
                     if (prompt_len + 1).div_ceil(page_size) <= pages {
-                        s.add(seq(next, prompt_len, max_tokens));
+                        s.add(seq(next, prompt_len, max_tokens, prompt_len % 3 == 0));
                         next += 1;
                     }
                 }

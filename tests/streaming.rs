@@ -11,7 +11,8 @@ use detspec::{Engine, EngineConfig, FinishReason, Request, RequestOutput, Sampli
 fn model_dir() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
-        let dir = std::env::temp_dir().join(format!("detspec-streaming-test-{}", std::process::id()));
+        let dir =
+            std::env::temp_dir().join(format!("detspec-streaming-test-{}", std::process::id()));
         let spec = DemoModelSpec {
             hidden_size: 64,
             num_layers: 2,
@@ -54,9 +55,17 @@ fn assert_greedy_agrees(batched: &RequestOutput, solo: &RequestOutput) {
     for (i, (x, y)) in b.token_ids.iter().zip(&s.token_ids).enumerate() {
         if x != y {
             let lp = &s.logprobs[i];
-            let margin = lp.top.first().map(|t| t.1).unwrap_or(0.0) - lp.top.get(1).map(|t| t.1).unwrap_or(f32::NEG_INFINITY);
-            assert!(margin < 1e-3, "request {}: token {i} differs ({x} vs {y}) with a top-2 margin of {margin}", batched.request_id);
-            eprintln!("note: request {} flipped a near-tie at token {i} (margin {margin:e})", batched.request_id);
+            let margin = lp.top.first().map(|t| t.1).unwrap_or(0.0)
+                - lp.top.get(1).map(|t| t.1).unwrap_or(f32::NEG_INFINITY);
+            assert!(
+                margin < 1e-3,
+                "request {}: token {i} differs ({x} vs {y}) with a top-2 margin of {margin}",
+                batched.request_id
+            );
+            eprintln!(
+                "note: request {} flipped a near-tie at token {i} (margin {margin:e})",
+                batched.request_id
+            );
             return;
         }
     }
@@ -65,8 +74,16 @@ fn assert_greedy_agrees(batched: &RequestOutput, solo: &RequestOutput) {
 
 #[test]
 fn sixty_four_concurrent_ragged_requests_complete() {
-    let e = engine(EngineConfig { num_kv_pages: Some(2048), max_num_batched_tokens: 512, ..Default::default() });
-    let solo_engine = engine(EngineConfig { num_kv_pages: Some(256), max_num_seqs: 1, ..Default::default() });
+    let e = engine(EngineConfig {
+        num_kv_pages: Some(2048),
+        max_num_batched_tokens: 512,
+        ..Default::default()
+    });
+    let solo_engine = engine(EngineConfig {
+        num_kv_pages: Some(256),
+        max_num_seqs: 1,
+        ..Default::default()
+    });
     let mut reqs = Vec::new();
     for i in 0..64u64 {
         let len = 1 + (i as usize * 37) % 300;
@@ -88,10 +105,18 @@ fn sixty_four_concurrent_ragged_requests_complete() {
             .map(|chunk| {
                 let e = e.clone();
                 let chunk = chunk.to_vec();
-                s.spawn(move || chunk.into_iter().map(|r| e.add_request(r).unwrap()).collect::<Vec<_>>())
+                s.spawn(move || {
+                    chunk
+                        .into_iter()
+                        .map(|r| e.add_request(r).unwrap())
+                        .collect::<Vec<_>>()
+                })
             })
             .collect();
-        handles.into_iter().flat_map(|h| h.join().unwrap()).collect()
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().unwrap())
+            .collect()
     });
     let outs: Vec<RequestOutput> = streams.into_iter().map(|s| s.wait().unwrap()).collect();
     for (o, r) in outs.iter().zip(&reqs) {
@@ -110,16 +135,32 @@ fn sixty_four_concurrent_ragged_requests_complete() {
 fn small_pool_preempts_and_recomputes_correctly() {
     let reqs: Vec<Request> = (0..8u64)
         .map(|i| {
-            let params = SamplingParams { temperature: 0.0, max_tokens: 40, ignore_eos: true, logprobs: Some(2), ..Default::default() };
+            let params = SamplingParams {
+                temperature: 0.0,
+                max_tokens: 40,
+                ignore_eos: true,
+                logprobs: Some(2),
+                ..Default::default()
+            };
             Request::new(format!("p{i}"), prompt(100 + i, 40), params)
         })
         .collect();
-    let big = engine(EngineConfig { num_kv_pages: Some(512), ..Default::default() });
-    let small = engine(EngineConfig { num_kv_pages: Some(12), page_size: 16, ..Default::default() });
+    let big = engine(EngineConfig {
+        num_kv_pages: Some(512),
+        ..Default::default()
+    });
+    let small = engine(EngineConfig {
+        num_kv_pages: Some(12),
+        page_size: 16,
+        ..Default::default()
+    });
     let want = big.generate(reqs.clone()).unwrap();
     let got = small.generate(reqs).unwrap();
     let preemptions: usize = got.iter().map(|o| o.metrics.num_preemptions).sum();
-    assert!(preemptions > 0, "a 12-page pool must preempt 8 × 80-token sequences");
+    assert!(
+        preemptions > 0,
+        "a 12-page pool must preempt 8 × 80-token sequences"
+    );
     for (g, w) in got.iter().zip(&want) {
         assert_greedy_agrees(g, w);
     }
@@ -129,12 +170,25 @@ fn small_pool_preempts_and_recomputes_correctly() {
 
 #[test]
 fn streaming_delivers_each_token_once_in_order_and_abort_frees_pages() {
-    let e = engine(EngineConfig { num_kv_pages: Some(256), ..Default::default() });
-    let params = SamplingParams { temperature: 0.0, max_tokens: 30, ignore_eos: true, ..Default::default() };
-    let full = e.generate(vec![Request::new("full", prompt(1, 10), params.clone())]).unwrap();
+    let e = engine(EngineConfig {
+        num_kv_pages: Some(256),
+        ..Default::default()
+    });
+    let params = SamplingParams {
+        temperature: 0.0,
+        max_tokens: 30,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let full = e
+        .generate(vec![Request::new("full", prompt(1, 10), params.clone())])
+        .unwrap();
     let mut seen = Vec::new();
     let mut snapshots = 0;
-    for snap in e.add_request(Request::new("s", prompt(1, 10), params.clone())).unwrap() {
+    for snap in e
+        .add_request(Request::new("s", prompt(1, 10), params.clone()))
+        .unwrap()
+    {
         let snap = snap.unwrap();
         let toks = &snap.outputs[0].token_ids;
         assert!(toks.starts_with(&seen), "snapshots are cumulative");
@@ -145,8 +199,13 @@ fn streaming_delivers_each_token_once_in_order_and_abort_frees_pages() {
     assert_eq!(seen, full[0].outputs[0].token_ids);
     assert!(snapshots > 1);
 
-    let long = SamplingParams { max_tokens: 400, ..params };
-    let mut stream = e.add_request(Request::new("a", prompt(2, 10), long)).unwrap();
+    let long = SamplingParams {
+        max_tokens: 400,
+        ..params
+    };
+    let mut stream = e
+        .add_request(Request::new("a", prompt(2, 10), long))
+        .unwrap();
     let first = stream.next().unwrap().unwrap();
     assert!(!first.finished);
     e.abort("a").unwrap();
@@ -159,17 +218,37 @@ fn streaming_delivers_each_token_once_in_order_and_abort_frees_pages() {
 
 #[test]
 fn bad_request_fails_alone_and_shutdown_aborts_in_flight() {
-    let e = engine(EngineConfig { num_kv_pages: Some(256), ..Default::default() });
-    let ok = SamplingParams { temperature: 0.0, max_tokens: 1000, ignore_eos: true, ..Default::default() };
-    let good = e.add_request(Request::new("good", prompt(3, 5), ok.clone())).unwrap();
-    let bad = e.add_request(Request::new("bad", vec![1, 99_999], ok.clone())).unwrap();
+    let e = engine(EngineConfig {
+        num_kv_pages: Some(256),
+        ..Default::default()
+    });
+    let ok = SamplingParams {
+        temperature: 0.0,
+        max_tokens: 1000,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let good = e
+        .add_request(Request::new("good", prompt(3, 5), ok.clone()))
+        .unwrap();
+    let bad = e
+        .add_request(Request::new("bad", vec![1, 99_999], ok.clone()))
+        .unwrap();
     let err = bad.wait().unwrap_err().to_string();
     assert!(err.contains("99999"), "{err}");
-    let dup = e.add_request(Request::new("good", prompt(3, 5), ok)).unwrap();
-    assert!(dup.wait().unwrap_err().to_string().contains("already running"));
+    let dup = e
+        .add_request(Request::new("good", prompt(3, 5), ok))
+        .unwrap();
+    assert!(dup
+        .wait()
+        .unwrap_err()
+        .to_string()
+        .contains("already running"));
     std::thread::sleep(Duration::from_millis(20));
     e.shutdown();
     let last = good.wait().unwrap();
     assert_eq!(last.outputs[0].finish_reason, Some(FinishReason::Abort));
-    assert!(e.add_request(Request::new("late", vec![1], SamplingParams::default())).is_err());
+    assert!(e
+        .add_request(Request::new("late", vec![1], SamplingParams::default()))
+        .is_err());
 }

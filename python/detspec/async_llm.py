@@ -36,6 +36,10 @@ class AsyncLLM(_EngineClient):
         page_size: int = 16,
         max_model_len: int | None = None,
         max_prefill_chunk: int | None = None,
+        determinism: str = "dvr",
+        verify_window: int = 64,
+        verify_group: int = 8,
+        fault_injection: float = 0.0,
     ) -> None:
         self.model, self._engine = _make_engine(
             model,
@@ -48,6 +52,10 @@ class AsyncLLM(_EngineClient):
                 page_size,
                 max_model_len,
                 max_prefill_chunk,
+                determinism,
+                verify_window,
+                verify_group,
+                fault_injection,
             ),
         )
         self._init_client()

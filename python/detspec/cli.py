@@ -14,7 +14,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="detspec", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="generate completions for prompts")
-    g.add_argument("--model", default=None, help="HF model directory (default: built-in tiny model)")
+    g.add_argument(
+        "--model", default=None, help="HF model directory (default: built-in tiny model)"
+    )
     g.add_argument("--prompt", action="append", help="prompt text (repeatable)")
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0)
@@ -40,8 +42,10 @@ def main(argv: list[str] | None = None) -> int:
         c = o.outputs[0]
         print(f"prompt: {o.prompt!r}")
         print(f"  output: {c.text!r}")
-        print(f"  tokens: {len(c.token_ids)}  finish: {c.finish_reason}  "
-              f"cumulative logprob: {c.cumulative_logprob:.4f}")
+        print(
+            f"  tokens: {len(c.token_ids)}  finish: {c.finish_reason}  "
+            f"cumulative logprob: {c.cumulative_logprob:.4f}"
+        )
     print(f"fingerprint: {llm.fingerprint}")
     return 0
 

@@ -65,8 +65,16 @@ def _engine_kwargs(
     page_size: int,
     max_model_len: int | None,
     max_prefill_chunk: int | None,
+    determinism: str = "dvr",
+    verify_window: int = 64,
+    verify_group: int = 8,
+    fault_injection: float = 0.0,
 ) -> dict[str, Any]:
     return {
+        "determinism": determinism,
+        "verify_window": verify_window,
+        "verify_group": verify_group,
+        "fault_injection": fault_injection,
         "page_size": page_size,
         "num_kv_pages": num_kv_pages,
         "kv_cache_bytes": kv_cache_bytes,
@@ -77,7 +85,9 @@ def _engine_kwargs(
     }
 
 
-def _make_engine(model: str | os.PathLike[str] | None, device: str, **kwargs: Any) -> tuple[str, Any]:
+def _make_engine(
+    model: str | os.PathLike[str] | None, device: str, **kwargs: Any
+) -> tuple[str, Any]:
     if device != "cpu":
         raise InvalidRequestError(
             f"invalid parameter `device`: {device!r} is not available in this build "
@@ -117,6 +127,11 @@ class _EngineClient:
         """``(free, total)`` KV-cache pages."""
         return self._engine.kv_pages()
 
+    def stats(self) -> dict[str, int]:
+        """Engine-wide counters: verify passes, rollbacks, rolled-back tokens, padded verify
+        rows, preemptions."""
+        return self._engine.stats()
+
     def _decode_token(self, token: int) -> str | None:
         if self.tokenizer is None:
             return None
@@ -148,6 +163,10 @@ class LLM(_EngineClient):
         page_size: int = 16,
         max_model_len: int | None = None,
         max_prefill_chunk: int | None = None,
+        determinism: str = "dvr",
+        verify_window: int = 64,
+        verify_group: int = 8,
+        fault_injection: float = 0.0,
     ) -> None:
         self.model, self._engine = _make_engine(
             model,
@@ -160,6 +179,10 @@ class LLM(_EngineClient):
                 page_size,
                 max_model_len,
                 max_prefill_chunk,
+                determinism,
+                verify_window,
+                verify_group,
+                fault_injection,
             ),
         )
         self._init_client()

@@ -57,7 +57,9 @@ def _logprobs_to_py(
     return out
 
 
-def request_output_from_dict(d: dict[str, Any], num_logprobs: int | None, decode: Any) -> RequestOutput:
+def request_output_from_dict(
+    d: dict[str, Any], num_logprobs: int | None, decode: Any
+) -> RequestOutput:
     outs = [
         CompletionOutput(
             index=c["index"],

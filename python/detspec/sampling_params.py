@@ -55,7 +55,9 @@ class SamplingParams:
         return dataclasses.replace(self)
 
 
-def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+def _as_params_list(
+    params: SamplingParams | Sequence[SamplingParams] | None, n: int
+) -> list[SamplingParams]:
     if params is None:
         return [SamplingParams() for _ in range(n)]
     if isinstance(params, SamplingParams):

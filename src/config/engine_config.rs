@@ -2,6 +2,40 @@
 
 use crate::error::{DetspecError, Result};
 
+/// How the engine treats `deterministic=True` requests (DESIGN.md §3).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum DeterminismMode {
+    /// Fast path for everyone; decode–verify–rollback for deterministic requests.
+    #[default]
+    Dvr,
+    /// Every request on invariant kernels, no verification (baseline).
+    BatchInvariant,
+    /// Fast path only; deterministic requests are rejected.
+    Off,
+}
+
+impl DeterminismMode {
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "dvr" => Ok(Self::Dvr),
+            "batch_invariant" => Ok(Self::BatchInvariant),
+            "off" => Ok(Self::Off),
+            other => Err(DetspecError::param(
+                "determinism",
+                format!("unknown mode `{other}` (dvr, batch_invariant, off)"),
+            )),
+        }
+    }
+
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Self::Dvr => "dvr",
+            Self::BatchInvariant => "batch_invariant",
+            Self::Off => "off",
+        }
+    }
+}
+
 /// Settings for an [`crate::Engine`]. Defaults follow DESIGN.md.
 #[derive(Debug, Clone, PartialEq)]
 pub struct EngineConfig {
@@ -19,6 +53,16 @@ pub struct EngineConfig {
     pub max_model_len: Option<usize>,
     /// Largest prefill chunk of one sequence per step; `None` = the whole token budget.
     pub max_prefill_chunk: Option<usize>,
+    pub determinism: DeterminismMode,
+    /// W: input rows per request in a verify pass (the last committed token plus up to W−1
+    /// speculative ones), so a pass commits at most W tokens per request.
+    pub verify_window: usize,
+    /// B: requests per verify pass (topped up with dummies), so every pass has B×W rows.
+    pub verify_group: usize,
+    /// Share of verify windows forced to mismatch (tests and benchmarks of the rollback path).
+    pub fault_injection: f64,
+    /// Worker threads for the engine's kernels; `None` uses rayon's global pool.
+    pub num_threads: Option<usize>,
 }
 
 impl Default for EngineConfig {
@@ -31,6 +75,11 @@ impl Default for EngineConfig {
             max_num_batched_tokens: 8192,
             max_model_len: None,
             max_prefill_chunk: None,
+            determinism: DeterminismMode::Dvr,
+            verify_window: 64,
+            verify_group: 8,
+            fault_injection: 0.0,
+            num_threads: None,
         }
     }
 }
@@ -39,7 +88,10 @@ impl EngineConfig {
     /// Rejects settings the engine cannot run with, naming the parameter.
     pub fn validate(&self) -> Result<()> {
         if self.page_size == 0 || self.page_size > 1024 {
-            return Err(DetspecError::param("page_size", format!("must be in 1..=1024, got {}", self.page_size)));
+            return Err(DetspecError::param(
+                "page_size",
+                format!("must be in 1..=1024, got {}", self.page_size),
+            ));
         }
         if self.num_kv_pages == Some(0) {
             return Err(DetspecError::param("num_kv_pages", "must be > 0"));
@@ -52,6 +104,24 @@ impl EngineConfig {
         }
         if self.max_num_batched_tokens == 0 {
             return Err(DetspecError::param("max_num_batched_tokens", "must be > 0"));
+        }
+        if self.verify_window < 2 || self.verify_window > 1024 {
+            return Err(DetspecError::param(
+                "verify_window",
+                format!("must be in 2..=1024, got {}", self.verify_window),
+            ));
+        }
+        if self.verify_group == 0 || self.verify_group > 256 {
+            return Err(DetspecError::param(
+                "verify_group",
+                format!("must be in 1..=256, got {}", self.verify_group),
+            ));
+        }
+        if !(0.0..=1.0).contains(&self.fault_injection) {
+            return Err(DetspecError::param(
+                "fault_injection",
+                format!("must be in [0, 1], got {}", self.fault_injection),
+            ));
         }
         if self.max_prefill_chunk == Some(0) {
             return Err(DetspecError::param("max_prefill_chunk", "must be > 0"));

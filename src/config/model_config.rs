@@ -36,7 +36,9 @@ impl Architecture {
 pub enum RopeScaling {
     None,
     /// Positions divided by `factor` (HF "linear").
-    Linear { factor: f64 },
+    Linear {
+        factor: f64,
+    },
     /// Llama-3's frequency-dependent scaling (HF "llama3").
     Llama3 {
         factor: f64,
@@ -102,10 +104,9 @@ impl Fields<'_> {
     fn opt_usize(&self, field: &str) -> Result<Option<usize>> {
         match self.obj.get(field) {
             None | Some(Value::Null) => Ok(None),
-            Some(v) => v
-                .as_u64()
-                .map(|x| Some(x as usize))
-                .ok_or_else(|| self.err(field, format!("expected a non-negative integer, got {v}"))),
+            Some(v) => v.as_u64().map(|x| Some(x as usize)).ok_or_else(|| {
+                self.err(field, format!("expected a non-negative integer, got {v}"))
+            }),
         }
     }
 
@@ -198,7 +199,10 @@ impl ModelConfig {
             }
         };
         if head_dim % 2 != 0 {
-            return Err(f.err("head_dim", format!("rotary embeddings need an even head_dim, got {head_dim}")));
+            return Err(f.err(
+                "head_dim",
+                format!("rotary embeddings need an even head_dim, got {head_dim}"),
+            ));
         }
         let rms_norm_eps = f.opt_f64("rms_norm_eps")?.unwrap_or(1e-6);
         if rms_norm_eps.is_nan() || rms_norm_eps <= 0.0 {
@@ -257,7 +261,11 @@ impl ModelConfig {
                 .to_string(),
             _ => {
                 // Fall back to model_type, which every HF config has.
-                let mt = f.obj.get("model_type").and_then(Value::as_str).unwrap_or("");
+                let mt = f
+                    .obj
+                    .get("model_type")
+                    .and_then(Value::as_str)
+                    .unwrap_or("");
                 match mt {
                     "llama" => "LlamaForCausalLM",
                     "mistral" => "MistralForCausalLM",
@@ -295,7 +303,10 @@ impl ModelConfig {
             match params.and_then(|p| p.get(key)) {
                 None | Some(Value::Null) => Ok(None),
                 Some(v) => v.as_f64().map(Some).ok_or_else(|| {
-                    f.err(&format!("{params_field}.{key}"), format!("expected a number, got {v}"))
+                    f.err(
+                        &format!("{params_field}.{key}"),
+                        format!("expected a number, got {v}"),
+                    )
                 }),
             }
         };
@@ -429,9 +440,15 @@ mod tests {
 
     #[test]
     fn qwen2_always_has_qkv_bias() {
-        let c = parse(&format!(r#"{{"architectures": ["Qwen2ForCausalLM"], {BASE}}}"#)).unwrap();
+        let c = parse(&format!(
+            r#"{{"architectures": ["Qwen2ForCausalLM"], {BASE}}}"#
+        ))
+        .unwrap();
         assert!(c.qkv_bias && !c.o_bias && !c.qk_norm);
-        let c = parse(&format!(r#"{{"architectures": ["Qwen3ForCausalLM"], {BASE}, "head_dim": 32}}"#)).unwrap();
+        let c = parse(&format!(
+            r#"{{"architectures": ["Qwen3ForCausalLM"], {BASE}, "head_dim": 32}}"#
+        ))
+        .unwrap();
         assert!(c.qk_norm && !c.qkv_bias);
         assert_eq!(c.head_dim, 32);
     }

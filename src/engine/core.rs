@@ -12,7 +12,7 @@ use std::sync::Arc;
 use candle_core::{DType, Device};
 use rayon::prelude::*;
 
-use crate::config::{EngineConfig, ModelConfig};
+use crate::config::{DeterminismMode, EngineConfig, ModelConfig};
 use crate::error::{DetspecError, Result};
 use crate::kv::{BlockTable, KvPool, PageAllocator, SimpleAllocator};
 use crate::model::{ForwardBatch, Model};
@@ -20,7 +20,7 @@ use crate::ops::{AttentionMetadata, AttentionSchedule};
 use crate::output::{FinishReason, RequestMetrics, StopReason, TokenLogprobs};
 use crate::request::{Prompt, Request};
 use crate::sampling::{self, SampleInput, SamplingParams};
-use crate::sched::{Scheduler, SchedulerLimits, Sequence, SequenceId, StepPlan};
+use crate::sched::{PlanEntry, Scheduler, SchedulerLimits, Sequence, SequenceId, StepPlan};
 use crate::tokenizer::{eos_token_ids, Tokenizer};
 
 use super::stream::{now, StreamEvent};
@@ -46,6 +46,17 @@ struct SeqExtra {
     first_token_time: Option<f64>,
 }
 
+/// Engine-wide decode–verify–rollback counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EngineStats {
+    pub verify_passes: usize,
+    pub rollbacks: usize,
+    pub rolled_back_tokens: usize,
+    /// Verify-pass rows that carried no real token (window and group padding).
+    pub padded_rows: usize,
+    pub preemptions: usize,
+}
+
 /// Model + KV + scheduler; runs one step at a time.
 pub struct EngineCore {
     model: Model,
@@ -57,6 +68,10 @@ pub struct EngineCore {
     sched: Scheduler,
     extra: HashMap<SequenceId, SeqExtra>,
     next_seq_id: SequenceId,
+    /// Reserved page that verify-pass padding rows write to (never freed).
+    trash_page: u32,
+    stats: EngineStats,
+    fault_counter: u64,
 }
 
 impl EngineCore {
@@ -73,7 +88,10 @@ impl EngineCore {
         let tokenizer = if dir.join("tokenizer.json").exists() {
             Some(Arc::new(Tokenizer::from_model_dir(dir)?))
         } else {
-            tracing::warn!("{} has no tokenizer.json: only token-id prompts will work", dir.display());
+            tracing::warn!(
+                "{} has no tokenizer.json: only token-id prompts will work",
+                dir.display()
+            );
             None
         };
         let mut eos = eos_token_ids(dir, tokenizer.as_deref())?;
@@ -86,7 +104,10 @@ impl EngineCore {
             Some(n) if n > model_cfg.max_position_embeddings => {
                 return Err(DetspecError::param(
                     "max_model_len",
-                    format!("{n} exceeds the model's max_position_embeddings ({})", model_cfg.max_position_embeddings),
+                    format!(
+                        "{n} exceeds the model's max_position_embeddings ({})",
+                        model_cfg.max_position_embeddings
+                    ),
                 ))
             }
             Some(n) => n,
@@ -94,20 +115,44 @@ impl EngineCore {
         };
         let model = Model::load(dir, model_cfg, device)?;
         let mc = model.config().clone();
-        let per_page = KvPool::bytes_per_page(mc.num_hidden_layers, cfg.page_size, mc.num_key_value_heads, mc.head_dim, DType::F32);
-        let num_pages = cfg.num_kv_pages.unwrap_or((cfg.kv_cache_bytes / per_page).max(1));
-        let kv = KvPool::new(mc.num_hidden_layers, num_pages, cfg.page_size, mc.num_key_value_heads, mc.head_dim, DType::F32, device)?;
+        let per_page = KvPool::bytes_per_page(
+            mc.num_hidden_layers,
+            cfg.page_size,
+            mc.num_key_value_heads,
+            mc.head_dim,
+            DType::F32,
+        );
+        let num_pages = cfg
+            .num_kv_pages
+            .unwrap_or((cfg.kv_cache_bytes / per_page).max(1));
+        let kv = KvPool::new(
+            mc.num_hidden_layers,
+            num_pages,
+            cfg.page_size,
+            mc.num_key_value_heads,
+            mc.head_dim,
+            DType::F32,
+            device,
+        )?;
         let fingerprint = format!(
-            "detspec-{:016x}-f32-{}-k{}",
+            "detspec-{:016x}-f32-{}-k{}-{}-w{}-b{}",
             model.weights_hash(),
             if device.is_cpu() { "cpu" } else { "cuda" },
-            KERNEL_VERSION
+            KERNEL_VERSION,
+            cfg.determinism.as_str(),
+            cfg.verify_window,
+            cfg.verify_group,
         );
+        let alloc: Arc<dyn PageAllocator> = Arc::new(SimpleAllocator::new(num_pages));
+        let trash_page = alloc.allocate().ok_or_else(|| {
+            DetspecError::param("num_kv_pages", "the pool needs at least 2 pages")
+        })?;
         let sched = Scheduler::new(SchedulerLimits {
             max_num_seqs: cfg.max_num_seqs,
             max_num_batched_tokens: cfg.max_num_batched_tokens,
             page_size: cfg.page_size,
             max_prefill_chunk: cfg.max_prefill_chunk.unwrap_or(cfg.max_num_batched_tokens),
+            isolate_deterministic_prefill: cfg.determinism == DeterminismMode::Dvr,
         });
         tracing::info!(model = %dir.display(), num_pages, page_size = cfg.page_size, "engine loaded");
         Ok(Self {
@@ -121,11 +166,14 @@ impl EngineCore {
             model,
             tokenizer,
             kv,
-            alloc: Arc::new(SimpleAllocator::new(num_pages)),
+            alloc,
             cfg,
             sched,
             extra: HashMap::new(),
             next_seq_id: 0,
+            trash_page,
+            stats: EngineStats::default(),
+            fault_counter: 0,
         })
     }
 
@@ -137,9 +185,17 @@ impl EngineCore {
         self.tokenizer.as_ref()
     }
 
-    /// Free and total KV pages.
+    /// Free and total KV pages (the reserved verify page counts as free: it is always there).
     pub fn kv_pages(&self) -> (usize, usize) {
-        (self.alloc.num_free(), self.alloc.num_total())
+        (self.alloc.num_free() + 1, self.alloc.num_total())
+    }
+
+    pub fn stats(&self) -> EngineStats {
+        self.stats
+    }
+
+    pub fn num_threads(&self) -> Option<usize> {
+        self.cfg.num_threads
     }
 
     pub fn has_work(&self) -> bool {
@@ -162,6 +218,14 @@ impl EngineCore {
             return Err(invalid("a request with this id is already running".into()));
         }
         req.params.validate()?;
+        if req.params.deterministic && self.cfg.determinism == DeterminismMode::Off {
+            return Err(DetspecError::param(
+                "deterministic",
+                "this engine runs with determinism=\"off\"; start it with \"dvr\" or \"batch_invariant\"",
+            ));
+        }
+        let deterministic =
+            req.params.deterministic && self.cfg.determinism == DeterminismMode::Dvr;
         let (prompt_text, prompt) = match req.prompt {
             Prompt::Text(t) => {
                 let tok = self.tokenizer.as_ref().ok_or_else(|| {
@@ -180,7 +244,9 @@ impl EngineCore {
         }
         let vocab = self.info.config.vocab_size;
         if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
-            return Err(invalid(format!("prompt contains token id {bad}, outside the vocabulary (size {vocab})")));
+            return Err(invalid(format!(
+                "prompt contains token id {bad}, outside the vocabulary (size {vocab})"
+            )));
         }
         let max_model_len = self.info.max_model_len;
         if prompt.len() >= max_model_len {
@@ -190,21 +256,27 @@ impl EngineCore {
             )));
         }
         let pages_needed = (prompt.len() + 1).div_ceil(self.cfg.page_size);
-        if pages_needed > self.alloc.num_total() {
+        if pages_needed > self.alloc.num_total() - 1 {
             return Err(invalid(format!(
                 "prompt needs {pages_needed} KV pages but the pool has only {} (raise num_kv_pages)",
                 self.alloc.num_total()
             )));
         }
         let max_len = (prompt.len() + req.params.max_tokens).min(max_model_len);
-        let base_seed = req.params.seed.unwrap_or_else(sampling::request_seed_from_entropy);
+        let base_seed = req
+            .params
+            .seed
+            .unwrap_or_else(sampling::request_seed_from_entropy);
         for index in 0..req.params.n {
             let id = self.next_seq_id;
             self.next_seq_id += 1;
             self.extra.insert(
                 id,
                 SeqExtra {
-                    text: self.tokenizer.as_ref().map(|_| TextState::new(&prompt, &req.params.stop)),
+                    text: self
+                        .tokenizer
+                        .as_ref()
+                        .map(|_| TextState::new(&prompt, &req.params.stop)),
                     first_scheduled_time: None,
                     first_token_time: None,
                 },
@@ -224,6 +296,10 @@ impl EngineCore {
                 stop_reason: None,
                 max_len,
                 num_preemptions: 0,
+                deterministic,
+                verified: 0,
+                emitted: 0,
+                dvr: Default::default(),
             });
         }
         Ok(StreamEvent::Accepted {
@@ -238,7 +314,9 @@ impl EngineCore {
 
     /// Aborts every sequence of `request_id`; returns the final events (reason `abort`).
     pub fn abort(&mut self, request_id: &str) -> Vec<StreamEvent> {
-        let removed = self.sched.remove_where(self.alloc.as_ref(), |s| s.request_id == request_id);
+        let removed = self
+            .sched
+            .remove_where(self.alloc.as_ref(), |s| s.request_id == request_id);
         removed
             .into_iter()
             .map(|mut s| {
@@ -260,12 +338,25 @@ impl EngineCore {
     }
 
     /// A `Tokens` event with `seq`'s tokens from output index `from`.
-    fn event(seq: &Sequence, from: usize, text_delta: String, extra: Option<&SeqExtra>) -> StreamEvent {
+    fn event(
+        seq: &Sequence,
+        from: usize,
+        text_delta: String,
+        extra: Option<&SeqExtra>,
+    ) -> StreamEvent {
         StreamEvent::Tokens {
             request_id: seq.request_id.clone(),
             index: seq.completion_index,
-            token_ids: seq.output.get(from..).unwrap_or_default().to_vec(),
-            logprobs: seq.logprobs.get(from..).unwrap_or_default().to_vec(),
+            token_ids: seq
+                .output
+                .get(from..seq.emitted)
+                .unwrap_or_default()
+                .to_vec(),
+            logprobs: seq
+                .logprobs
+                .get(from..seq.emitted)
+                .unwrap_or_default()
+                .to_vec(),
             text_delta,
             finish_reason: seq.finish,
             stop_reason: seq.stop_reason.clone(),
@@ -274,6 +365,9 @@ impl EngineCore {
                 first_token_time: extra.and_then(|e| e.first_token_time),
                 finished_time: seq.finish.map(|_| now()),
                 num_preemptions: seq.num_preemptions,
+                num_verify_passes: seq.dvr.verify_passes,
+                num_rollbacks: seq.dvr.rollbacks,
+                num_rolled_back_tokens: seq.dvr.rolled_back_tokens,
                 ..Default::default()
             },
         }
@@ -293,8 +387,9 @@ impl EngineCore {
         if plan.is_empty() {
             return events;
         }
+        self.stats.preemptions += plan.preempted.len();
         let t = now();
-        for e in &plan.entries {
+        for e in plan.entries.iter().chain(&plan.isolated) {
             if let Some(x) = self.extra.get_mut(&e.seq) {
                 x.first_scheduled_time.get_or_insert(t);
             }
@@ -304,9 +399,17 @@ impl EngineCore {
             Err(err) => {
                 // A failed forward concerns exactly the sequences in this step.
                 tracing::error!("step failed: {err}");
-                let ids: Vec<SequenceId> = plan.entries.iter().map(|e| e.seq).collect();
+                let ids: Vec<SequenceId> = plan
+                    .entries
+                    .iter()
+                    .chain(&plan.isolated)
+                    .map(|e| e.seq)
+                    .collect();
                 let msg = err.to_string();
-                for s in self.sched.remove_where(self.alloc.as_ref(), |s| ids.contains(&s.id)) {
+                for s in self
+                    .sched
+                    .remove_where(self.alloc.as_ref(), |s| ids.contains(&s.id))
+                {
                     self.extra.remove(&s.id);
                     events.push(StreamEvent::Failed {
                         request_id: s.request_id,
@@ -322,63 +425,78 @@ impl EngineCore {
     }
 
     fn run_plan(&mut self, plan: &StepPlan) -> Result<Vec<StreamEvent>> {
-        let (batch, sampled) = self.build_batch(plan)?;
-        let logits = self.model.forward(&batch, &self.kv)?;
-        self.sched.mark_computed(plan);
-        if sampled.is_empty() {
-            return Ok(Vec::new());
+        let invariant = self.cfg.determinism == DeterminismMode::BatchInvariant;
+        let mut sampled: Vec<(SequenceId, Vec<f32>)> = Vec::new();
+        if !plan.entries.is_empty() {
+            let (mut batch, ids) = self.build_batch(&plan.entries)?;
+            if invariant {
+                batch.attention.schedule = AttentionSchedule::Fixed;
+                batch.invariant_gemm = true;
+            }
+            let logits = self.model.forward(&batch, &self.kv)?;
+            if !ids.is_empty() {
+                sampled.extend(ids.into_iter().zip(logits.to_vec2::<f32>()?));
+            }
         }
-        let logits = logits.to_vec2::<f32>()?;
-        let eos = &self.info.eos_token_ids;
+        if let Some(iso) = &plan.isolated {
+            // Alone, unchunked, fixed attention schedule: a pure function of the prompt.
+            let (mut batch, ids) = self.build_batch(std::slice::from_ref(iso))?;
+            batch.attention.schedule = AttentionSchedule::Fixed;
+            batch.invariant_gemm = invariant;
+            let logits = self.model.forward(&batch, &self.kv)?;
+            if !ids.is_empty() {
+                sampled.extend(ids.into_iter().zip(logits.to_vec2::<f32>()?));
+            }
+        }
+        self.sched.mark_computed(plan);
+        let eos = self.info.eos_token_ids.clone();
         let sched = &self.sched;
         // Each row's sample depends only on its own logits and (seed, position).
         let samples: Vec<Result<TokenLogprobs>> = sampled
             .par_iter()
-            .zip(logits.par_iter())
             .map(|(id, row)| {
                 let seq = sched.get(*id).ok_or_else(|| DetspecError::InvalidRequest {
                     request_id: None,
                     message: format!("sampled sequence {id} is not running"),
                 })?;
-                sample_row(seq, row, eos)
+                sample_row(seq, &seq.output, row, &eos)
             })
             .collect();
         let t = now();
-        let mut events = Vec::new();
-        for (id, lp) in sampled.into_iter().zip(samples) {
+        let mut touched: Vec<SequenceId> = Vec::with_capacity(sampled.len());
+        for ((id, _), lp) in sampled.iter().zip(samples) {
             let lp = lp?;
-            let Some(seq) = self.sched.get_mut(id) else { continue };
-            let from = seq.output.len();
-            let token = lp.token;
-            seq.output.push(token);
+            let Some(seq) = self.sched.get_mut(*id) else {
+                continue;
+            };
+            seq.output.push(lp.token);
             seq.logprobs.push(lp);
-            let extra = self.extra.get_mut(&id);
-            let mut delta = String::new();
-            let mut finish = None;
-            if let Some(x) = extra {
+            // A deterministic request's first token comes from its isolated prefill and is
+            // committed at once; later ones are speculative until verified.
+            if !seq.deterministic || seq.output.len() == 1 {
+                seq.verified = seq.output.len();
+            }
+            if seq.finish.is_none() {
+                if let Some((reason, stop)) = token_finish(seq, seq.output.len() - 1, &eos) {
+                    seq.finish = Some(reason);
+                    seq.stop_reason = stop;
+                }
+            }
+            if let Some(x) = self.extra.get_mut(id) {
                 x.first_token_time.get_or_insert(t);
-                if let (Some(tok), Some(ts)) = (self.tokenizer.as_deref(), x.text.as_mut()) {
-                    let up = ts.push(tok, token)?;
-                    delta = up.delta;
-                    if let Some(stop) = up.stop {
-                        finish = Some((FinishReason::Stop, Some(StopReason::Text(stop))));
-                    }
-                }
-                if finish.is_none() {
-                    finish = check_token_finish(seq, token, eos);
-                    if finish.is_some() {
-                        if let (Some(tok), Some(ts)) = (self.tokenizer.as_deref(), x.text.as_mut()) {
-                            delta.push_str(&ts.finish(tok)?);
-                        }
-                    }
-                }
             }
-            if let Some((reason, stop)) = finish {
-                seq.finish = Some(reason);
-                seq.stop_reason = stop;
+            touched.push(*id);
+        }
+        if self.cfg.determinism == DeterminismMode::Dvr {
+            touched.extend(self.verify_ready()?);
+        }
+        touched.sort_unstable();
+        touched.dedup();
+        let mut events = Vec::with_capacity(touched.len());
+        for id in touched {
+            if let Some(ev) = self.emit(id, &eos)? {
+                events.push(ev);
             }
-            let seq: &Sequence = seq;
-            events.push(Self::event(seq, from, delta, self.extra.get(&id)));
         }
         for s in self.sched.take_finished(self.alloc.as_ref()) {
             self.extra.remove(&s.id);
@@ -386,25 +504,257 @@ impl EngineCore {
         Ok(events)
     }
 
+    /// Whether a deterministic sequence should be verified now: a full window of speculative
+    /// tokens, or it finished on the speculative path.
+    fn is_ready(&self, seq: &Sequence) -> bool {
+        self.can_verify(seq)
+            && (seq.num_speculative() + 1 >= self.cfg.verify_window || seq.finish.is_some())
+    }
+
+    /// A deterministic sequence with speculative tokens whose committed prefix has KV.
+    fn can_verify(&self, seq: &Sequence) -> bool {
+        seq.deterministic
+            && seq.num_speculative() > 0
+            && seq.num_computed + 1 >= seq.prompt.len() + seq.verified
+    }
+
+    /// Runs verify passes until no deterministic sequence is ready; returns the sequences
+    /// whose committed state changed.
+    fn verify_ready(&mut self) -> Result<Vec<SequenceId>> {
+        let mut touched = Vec::new();
+        loop {
+            let ready: Vec<SequenceId> = self
+                .sched
+                .running()
+                .iter()
+                .filter(|s| self.is_ready(s))
+                .map(|s| s.id)
+                .collect();
+            if ready.is_empty() {
+                return Ok(touched);
+            }
+            for group in ready.chunks(self.cfg.verify_group) {
+                let mut members = group.to_vec();
+                // Top up with not-yet-ready deterministic sequences that have speculative
+                // tokens: they get verified early, for free.
+                for s in self.sched.running() {
+                    if members.len() >= self.cfg.verify_group {
+                        break;
+                    }
+                    if self.can_verify(s) && !members.contains(&s.id) && !ready.contains(&s.id) {
+                        members.push(s.id);
+                    }
+                }
+                self.verify_group(&members)?;
+                touched.extend(members);
+            }
+        }
+    }
+
+    /// One verify pass over up to B sequences: B × W rows, fixed attention schedule, every real
+    /// request padded to W rows and the group padded with dummy rows on the reserved page.
+    fn verify_group(&mut self, members: &[SequenceId]) -> Result<()> {
+        let (w, b, ps) = (
+            self.cfg.verify_window,
+            self.cfg.verify_group,
+            self.cfg.page_size,
+        );
+        let trash_slot = self.trash_page * ps as u32;
+        let mut batch = ForwardBatch::default();
+        batch.attention.sliding_window = self.info.config.sliding_window;
+        batch.attention.schedule = AttentionSchedule::Fixed;
+        // Sequence index `b` of the batch is the dummy sequence owning the reserved page.
+        let mut tables: Vec<Vec<u32>> = Vec::with_capacity(b + 1);
+        let mut windows: Vec<(SequenceId, usize)> = Vec::with_capacity(members.len());
+        for (si, &id) in members.iter().enumerate() {
+            let Some(seq) = self.sched.get_mut(id) else {
+                continue;
+            };
+            let (l, v) = (seq.prompt.len(), seq.verified);
+            let mut n = seq.num_speculative().min(w - 1);
+            // The verifier writes KV at positions l+v-1 ..= l+v-1+n.
+            if seq
+                .block_table
+                .reserve(l + v + n, ps, self.alloc.as_ref())
+                .is_err()
+            {
+                n = n.min(seq.block_table.capacity(ps).saturating_sub(l + v));
+            }
+            for j in 0..=n {
+                let pos = l + v - 1 + j;
+                let slot =
+                    seq.block_table
+                        .slot(pos, ps)
+                        .ok_or_else(|| DetspecError::InvalidRequest {
+                            request_id: Some(seq.request_id.clone()),
+                            message: format!("verify: position {pos} has no KV slot"),
+                        })?;
+                batch.logit_rows.push(batch.tokens.len() as u32);
+                batch.tokens.push(seq.output[v - 1 + j]);
+                batch.slots.push(slot);
+                batch.attention.positions.push(pos as u32);
+                batch.attention.row_seq.push(si as u32);
+            }
+            for _ in n + 1..w {
+                push_pad_row(&mut batch, trash_slot, b as u32);
+            }
+            tables.push(seq.block_table.pages().to_vec());
+            windows.push((id, n));
+        }
+        for _ in windows.len()..b {
+            tables.push(Vec::new());
+            for _ in 0..w {
+                push_pad_row(&mut batch, trash_slot, b as u32);
+            }
+        }
+        tables.push(vec![self.trash_page]);
+        batch.attention.block_tables = tables;
+        self.stats.verify_passes += 1;
+        self.stats.padded_rows += b * w - batch.logit_rows.len();
+        let logits = self.model.forward(&batch, &self.kv)?.to_vec2::<f32>()?;
+        let eos = self.info.eos_token_ids.clone();
+        let mut rows = logits.into_iter();
+        for (id, n) in windows {
+            let rows: Vec<Vec<f32>> = rows.by_ref().take(n + 1).collect();
+            // Exactly `fault_injection` of all windows, spread evenly: window k is hit when
+            // floor(k·share) steps up.
+            let inject = self.cfg.fault_injection > 0.0 && {
+                let share = self.cfg.fault_injection;
+                self.fault_counter += 1;
+                let k = self.fault_counter as f64;
+                (k * share).floor() > ((k - 1.0) * share).floor()
+            };
+            let fault_counter = self.fault_counter;
+            let Some(seq) = self.sched.get_mut(id) else {
+                continue;
+            };
+            let v = seq.verified;
+            // The verifier's predictions, sampled exactly as the fast path sampled: same
+            // seed, same absolute position, same output context.
+            let mut preds = Vec::with_capacity(n + 1);
+            for (j, row) in rows.iter().enumerate() {
+                preds.push(sample_row(seq, &seq.output[..v + j], row, &eos)?);
+            }
+            let spec = &seq.output[v..];
+            let mut m = (0..=n).find(|&j| spec.get(j).is_some_and(|&u| u != preds[j].token));
+            if inject && m.is_none() && n > 0 {
+                // Forced rollback: pretend the window diverged at a pseudo-random index.
+                m = Some((sampling::uniform(0xfa17, fault_counter, id) * n as f64) as usize);
+            }
+            seq.dvr.verify_passes += 1;
+            let commit = match m {
+                Some(m) => {
+                    let dropped = seq.output.len() - (v + m + 1);
+                    seq.dvr.rollbacks += 1;
+                    seq.dvr.rolled_back_tokens += dropped;
+                    self.stats.rollbacks += 1;
+                    self.stats.rolled_back_tokens += dropped;
+                    m + 1
+                }
+                None => n + 1,
+            };
+            // Committed tokens carry the verifier's token and logprobs.
+            seq.output.truncate(v);
+            seq.logprobs.truncate(v);
+            for p in preds.into_iter().take(commit) {
+                seq.output.push(p.token);
+                seq.logprobs.push(p);
+            }
+            seq.verified = seq.output.len();
+            seq.finish = None;
+            seq.stop_reason = None;
+            // KV is valid up to the last committed token's predecessor; it is the next input.
+            seq.num_computed = seq.prompt.len() + seq.verified - 1;
+            seq.block_table
+                .truncate(seq.num_computed, ps, self.alloc.as_ref());
+        }
+        Ok(())
+    }
+
+    /// Emits a sequence's newly committed tokens: text, stop strings and finish checks run on
+    /// committed tokens only, in order.
+    fn emit(&mut self, id: SequenceId, eos: &[u32]) -> Result<Option<StreamEvent>> {
+        let Some(seq) = self.sched.get_mut(id) else {
+            return Ok(None);
+        };
+        let from = seq.emitted;
+        let tok = self.tokenizer.as_deref();
+        let mut extra = self.extra.get_mut(&id);
+        let mut delta = String::new();
+        let mut finish: Option<(FinishReason, Option<StopReason>)> = None;
+        let mut idx = from;
+        while idx < seq.verified {
+            let token = seq.output[idx];
+            if let (Some(tok), Some(ts)) = (tok, extra.as_mut().and_then(|x| x.text.as_mut())) {
+                let up = ts.push(tok, token)?;
+                delta.push_str(&up.delta);
+                if let Some(stop) = up.stop {
+                    finish = Some((FinishReason::Stop, Some(StopReason::Text(stop))));
+                }
+            }
+            if finish.is_none() {
+                finish = token_finish(seq, idx, eos);
+            }
+            idx += 1;
+            if finish.is_some() {
+                break;
+            }
+        }
+        if let Some((reason, stop)) = finish {
+            // Finished on a committed token: anything after it (speculative) is discarded.
+            seq.output.truncate(idx);
+            seq.logprobs.truncate(idx);
+            seq.verified = idx;
+            seq.finish = Some(reason);
+            seq.stop_reason = stop.clone();
+            if !matches!(stop, Some(StopReason::Text(_))) {
+                if let (Some(tok), Some(ts)) = (tok, extra.as_mut().and_then(|x| x.text.as_mut())) {
+                    delta.push_str(&ts.finish(tok)?);
+                }
+            }
+        } else if seq.deterministic && seq.verified == seq.output.len() {
+            // Every token is committed and none finishes: a finish seen on a discarded
+            // speculative path is undone.
+            seq.finish = None;
+            seq.stop_reason = None;
+        }
+        seq.emitted = idx.max(seq.emitted);
+        if idx == from && seq.finish.is_none() {
+            return Ok(None);
+        }
+        if idx == from && seq.finish.is_some() && seq.verified < seq.output.len() {
+            return Ok(None);
+        }
+        let seq: &Sequence = seq;
+        Ok(Some(Self::event(seq, from, delta, self.extra.get(&id))))
+    }
+
     /// Builds the flat batch for a plan; returns it with the ids of the sampled sequences.
-    fn build_batch(&self, plan: &StepPlan) -> Result<(ForwardBatch, Vec<SequenceId>)> {
+    fn build_batch(&self, entries: &[PlanEntry]) -> Result<(ForwardBatch, Vec<SequenceId>)> {
         let ps = self.cfg.page_size;
         let mut batch = ForwardBatch {
             attention: AttentionMetadata {
                 sliding_window: self.info.config.sliding_window,
-                schedule: AttentionSchedule::split_kv_for_batch(plan.entries.len(), self.info.config.num_attention_heads),
+                schedule: AttentionSchedule::split_kv_for_batch(
+                    entries.len(),
+                    self.info.config.num_attention_heads,
+                ),
                 ..Default::default()
             },
             ..Default::default()
         };
         let mut sampled = Vec::new();
-        for (si, e) in plan.entries.iter().enumerate() {
-            let seq = self.sched.get(e.seq).ok_or_else(|| DetspecError::InvalidRequest {
-                request_id: None,
-                message: format!("planned sequence {} is not running", e.seq),
-            })?;
+        for (si, e) in entries.iter().enumerate() {
+            let seq = self
+                .sched
+                .get(e.seq)
+                .ok_or_else(|| DetspecError::InvalidRequest {
+                    request_id: None,
+                    message: format!("planned sequence {} is not running", e.seq),
+                })?;
             for pos in e.start..e.start + e.len {
-                let (Some(tok), Some(slot)) = (seq.token(pos), seq.block_table.slot(pos, ps)) else {
+                let (Some(tok), Some(slot)) = (seq.token(pos), seq.block_table.slot(pos, ps))
+                else {
                     return Err(DetspecError::InvalidRequest {
                         request_id: Some(seq.request_id.clone()),
                         message: format!("position {pos} has no token or no KV slot"),
@@ -415,7 +765,10 @@ impl EngineCore {
                 batch.attention.positions.push(pos as u32);
                 batch.attention.row_seq.push(si as u32);
             }
-            batch.attention.block_tables.push(seq.block_table.pages().to_vec());
+            batch
+                .attention
+                .block_tables
+                .push(seq.block_table.pages().to_vec());
             if e.sample {
                 batch.logit_rows.push((batch.tokens.len() - 1) as u32);
                 sampled.push(e.seq);
@@ -443,7 +796,10 @@ impl EngineCore {
                 if p.is_empty() || p.len() > max_len {
                     return Err(DetspecError::InvalidRequest {
                         request_id: None,
-                        message: format!("prompt {si} has {} tokens (allowed 1..={max_len})", p.len()),
+                        message: format!(
+                            "prompt {si} has {} tokens (allowed 1..={max_len})",
+                            p.len()
+                        ),
                     });
                 }
                 if let Some(&bad) = p.iter().find(|&&t| t as usize >= vocab) {
@@ -458,9 +814,9 @@ impl EngineCore {
                 reserved?;
                 let bt = &tables[si];
                 for (pos, &t) in p.iter().enumerate() {
-                    let slot = bt
-                        .slot(pos, ps)
-                        .ok_or_else(|| DetspecError::param("page_size", "slot missing after reserve"))?;
+                    let slot = bt.slot(pos, ps).ok_or_else(|| {
+                        DetspecError::param("page_size", "slot missing after reserve")
+                    })?;
                     batch.logit_rows.push(batch.tokens.len() as u32);
                     batch.tokens.push(t);
                     batch.slots.push(slot);
@@ -471,7 +827,10 @@ impl EngineCore {
             }
             let logits = self.model.forward(&batch, &self.kv)?.to_vec2::<f32>()?;
             let mut rows = logits.into_iter();
-            Ok(prompts.iter().map(|p| rows.by_ref().take(p.len()).collect()).collect())
+            Ok(prompts
+                .iter()
+                .map(|p| rows.by_ref().take(p.len()).collect())
+                .collect())
         })();
         for mut bt in tables {
             bt.free(self.alloc.as_ref());
@@ -480,9 +839,10 @@ impl EngineCore {
     }
 }
 
-/// Samples one row for `seq` and ranks the chosen token.
-fn sample_row(seq: &Sequence, row: &[f32], eos: &[u32]) -> Result<TokenLogprobs> {
-    let banned = if seq.output.len() < seq.params.min_tokens {
+/// Samples the token that follows `output` (a prefix of `seq`'s output) from `row`, and ranks
+/// it. The fast path and the verifier both call this, so equal logits give equal tokens.
+fn sample_row(seq: &Sequence, output: &[u32], row: &[f32], eos: &[u32]) -> Result<TokenLogprobs> {
+    let banned = if output.len() < seq.params.min_tokens {
         min_tokens_banned(&seq.params, eos)
     } else {
         Vec::new()
@@ -491,12 +851,15 @@ fn sample_row(seq: &Sequence, row: &[f32], eos: &[u32]) -> Result<TokenLogprobs>
         logits: row,
         params: &seq.params,
         seed: seq.seed,
-        position: seq.len() as u64,
+        position: (seq.prompt.len() + output.len()) as u64,
         prompt_tokens: &seq.prompt,
-        output_tokens: &seq.output,
+        output_tokens: output,
         banned_tokens: &banned,
     })?;
-    let chosen = row.get(s.token as usize).copied().unwrap_or(f32::NEG_INFINITY);
+    let chosen = row
+        .get(s.token as usize)
+        .copied()
+        .unwrap_or(f32::NEG_INFINITY);
     let rank = 1 + row.iter().filter(|&&x| x > chosen).count() as u32;
     Ok(TokenLogprobs {
         token: s.token,
@@ -528,18 +891,33 @@ fn min_tokens_banned(p: &SamplingParams, eos: &[u32]) -> Vec<u32> {
     banned
 }
 
-/// EOS, stop token ids, max_tokens and context length, in vLLM's order of precedence.
-fn check_token_finish(seq: &Sequence, token: u32, eos: &[u32]) -> Option<(FinishReason, Option<StopReason>)> {
+/// Whether output token `idx` ends the sequence: EOS, stop token ids, max_tokens and context
+/// length, in vLLM's order of precedence.
+fn token_finish(
+    seq: &Sequence,
+    idx: usize,
+    eos: &[u32],
+) -> Option<(FinishReason, Option<StopReason>)> {
     let p = &seq.params;
-    let past_min = seq.output.len() >= p.min_tokens;
+    let token = *seq.output.get(idx)?;
+    let count = idx + 1;
+    let past_min = count >= p.min_tokens;
     if past_min && !p.ignore_eos && eos.contains(&token) {
         return Some((FinishReason::Stop, Some(StopReason::Token(token))));
     }
     if past_min && p.stop_token_ids.contains(&token) {
         return Some((FinishReason::Stop, Some(StopReason::Token(token))));
     }
-    if seq.output.len() >= p.max_tokens || seq.len() >= seq.max_len {
+    if count >= p.max_tokens || seq.prompt.len() + count >= seq.max_len {
         return Some((FinishReason::Length, None));
     }
     None
+}
+
+/// A verify-pass padding row: writes to and reads from the reserved page only.
+fn push_pad_row(batch: &mut ForwardBatch, trash_slot: u32, dummy_seq: u32) {
+    batch.tokens.push(0);
+    batch.slots.push(trash_slot);
+    batch.attention.positions.push(0);
+    batch.attention.row_seq.push(dummy_seq);
 }

@@ -10,7 +10,7 @@ mod core;
 mod stream;
 mod text;
 
-pub use self::core::{EngineCore, ModelInfo, KERNEL_VERSION};
+pub use self::core::{EngineCore, EngineStats, ModelInfo, KERNEL_VERSION};
 pub use stream::{OutputAccumulator, RequestStream, StreamEvent};
 
 use std::path::Path;
@@ -37,6 +37,7 @@ enum Command {
     Abort(String),
     PromptLogits(Vec<Vec<u32>>, Reply<Vec<Vec<Vec<f32>>>>),
     KvPages(Sender<(usize, usize)>),
+    Stats(Sender<EngineStats>),
     Shutdown,
 }
 
@@ -79,9 +80,22 @@ impl Engine {
         let (tx, rx) = unbounded();
         let info = core.info().clone();
         let tokenizer = core.tokenizer().cloned();
+        let pool = match core.num_threads() {
+            Some(n) => Some(
+                rayon::ThreadPoolBuilder::new()
+                    .num_threads(n)
+                    .thread_name(|i| format!("detspec-worker-{i}"))
+                    .build()
+                    .map_err(|e| DetspecError::param("num_threads", e.to_string()))?,
+            ),
+            None => None,
+        };
         let thread = std::thread::Builder::new()
             .name("detspec-engine".into())
-            .spawn(move || engine_loop(core, rx))
+            .spawn(move || match pool {
+                Some(pool) => pool.install(|| engine_loop(core, rx)),
+                None => engine_loop(core, rx),
+            })
             .map_err(|e| DetspecError::io("detspec-engine thread", e))?;
         Ok(Self {
             shared: Arc::new(Shared {
@@ -106,11 +120,18 @@ impl Engine {
     }
 
     fn send(&self, cmd: Command) -> Result<()> {
-        self.shared.commands.send(cmd).map_err(|_| DetspecError::EngineStopped)
+        self.shared
+            .commands
+            .send(cmd)
+            .map_err(|_| DetspecError::EngineStopped)
     }
 
     /// Submits a request whose events go to `events` (which may be shared by many requests).
-    pub fn add_request_with_sender(&self, request: Request, events: Sender<StreamEvent>) -> Result<()> {
+    pub fn add_request_with_sender(
+        &self,
+        request: Request,
+        events: Sender<StreamEvent>,
+    ) -> Result<()> {
         self.send(Command::Add {
             request,
             events,
@@ -167,6 +188,13 @@ impl Engine {
         self.shared.shutdown();
     }
 
+    /// Engine-wide decode–verify–rollback and preemption counters.
+    pub fn stats(&self) -> Result<EngineStats> {
+        let (tx, rx) = unbounded();
+        self.send(Command::Stats(tx))?;
+        rx.recv().map_err(|_| DetspecError::EngineStopped)
+    }
+
     /// `(free, total)` KV pages.
     pub fn kv_pages(&self) -> Result<(usize, usize)> {
         let (tx, rx) = unbounded();
@@ -189,7 +217,10 @@ fn engine_loop(mut core: EngineCore, commands: Receiver<Command>) {
             }
         };
         let mut shutdown = false;
-        for cmd in first.into_iter().chain(std::iter::from_fn(|| commands.try_recv().ok())) {
+        for cmd in first
+            .into_iter()
+            .chain(std::iter::from_fn(|| commands.try_recv().ok()))
+        {
             match cmd {
                 Command::Add {
                     request,
@@ -208,7 +239,10 @@ fn engine_loop(mut core: EngineCore, commands: Receiver<Command>) {
                         }
                         Err(error) => {
                             tracing::debug!(request_id = %id, "rejected: {error}");
-                            let _ = events.send(StreamEvent::Failed { request_id: id, error });
+                            let _ = events.send(StreamEvent::Failed {
+                                request_id: id,
+                                error,
+                            });
                         }
                     }
                 }
@@ -222,6 +256,9 @@ fn engine_loop(mut core: EngineCore, commands: Receiver<Command>) {
                 }
                 Command::KvPages(reply) => {
                     let _ = reply.send(core.kv_pages());
+                }
+                Command::Stats(reply) => {
+                    let _ = reply.send(core.stats());
                 }
                 Command::Shutdown => shutdown = true,
             }
@@ -252,7 +289,9 @@ fn route(routes: &mut Routes, ev: StreamEvent) {
         StreamEvent::Tokens { finish_reason, .. } => usize::from(finish_reason.is_some()),
         StreamEvent::Accepted { .. } => 0,
     };
-    let Some((tx, remaining)) = routes.get_mut(&id) else { return };
+    let Some((tx, remaining)) = routes.get_mut(&id) else {
+        return;
+    };
     let _ = tx.send(ev);
     *remaining = remaining.saturating_sub(ends_one);
     if *remaining == 0 {

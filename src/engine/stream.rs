@@ -6,7 +6,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use crossbeam::channel::{Receiver, RecvTimeoutError};
 
 use crate::error::{DetspecError, Result};
-use crate::output::{CompletionOutput, FinishReason, RequestMetrics, RequestOutput, StopReason, TokenLogprobs};
+use crate::output::{
+    CompletionOutput, FinishReason, RequestMetrics, RequestOutput, StopReason, TokenLogprobs,
+};
 
 /// Seconds since the Unix epoch, as vLLM reports times.
 pub(crate) fn now() -> f64 {
@@ -40,7 +42,10 @@ pub enum StreamEvent {
         metrics: RequestMetrics,
     },
     /// The request failed; no more events follow for it.
-    Failed { request_id: String, error: DetspecError },
+    Failed {
+        request_id: String,
+        error: DetspecError,
+    },
 }
 
 impl StreamEvent {
@@ -115,9 +120,11 @@ impl OutputAccumulator {
                 metrics,
                 ..
             } => {
-                let c = self.output.outputs.get_mut(index).ok_or_else(|| DetspecError::InvalidRequest {
-                    request_id: Some(self.output.request_id.clone()),
-                    message: format!("event for completion {index} of {}", self.n),
+                let c = self.output.outputs.get_mut(index).ok_or_else(|| {
+                    DetspecError::InvalidRequest {
+                        request_id: Some(self.output.request_id.clone()),
+                        message: format!("event for completion {index} of {}", self.n),
+                    }
                 })?;
                 c.token_ids.extend(token_ids);
                 c.cumulative_logprob += logprobs.iter().map(|l| l.logprob as f64).sum::<f64>();
@@ -130,7 +137,15 @@ impl OutputAccumulator {
                 m.first_scheduled_time = m.first_scheduled_time.or(metrics.first_scheduled_time);
                 m.first_token_time = m.first_token_time.or(metrics.first_token_time);
                 m.num_preemptions = m.num_preemptions.max(metrics.num_preemptions);
-                self.output.finished = self.output.outputs.iter().all(|c| c.finish_reason.is_some());
+                m.num_verify_passes = m.num_verify_passes.max(metrics.num_verify_passes);
+                m.num_rollbacks = m.num_rollbacks.max(metrics.num_rollbacks);
+                m.num_rolled_back_tokens =
+                    m.num_rolled_back_tokens.max(metrics.num_rolled_back_tokens);
+                self.output.finished = self
+                    .output
+                    .outputs
+                    .iter()
+                    .all(|c| c.finish_reason.is_some());
                 if self.output.finished {
                     m.finished_time = metrics.finished_time.or(Some(now()));
                 }

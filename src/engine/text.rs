@@ -40,7 +40,11 @@ impl TextState {
             self.text.truncate(m.truncate_at);
             stop = Some(m.stop);
         }
-        let safe = if stop.is_some() { self.text.len() } else { self.stop.emittable_len(&self.text) };
+        let safe = if stop.is_some() {
+            self.text.len()
+        } else {
+            self.stop.emittable_len(&self.text)
+        };
         Ok(TextUpdate {
             delta: self.take_until(safe),
             stop,
@@ -56,7 +60,11 @@ impl TextState {
 
     fn take_until(&mut self, end: usize) -> String {
         let end = end.max(self.emitted).min(self.text.len());
-        let out = self.text.get(self.emitted..end).unwrap_or_default().to_string();
+        let out = self
+            .text
+            .get(self.emitted..end)
+            .unwrap_or_default()
+            .to_string();
         self.emitted = end;
         out
     }

@@ -399,8 +399,14 @@ mod tests {
         let n = a.num_total() as PageId;
         assert_eq!(a.try_share(0), Err(PageError::NotAllocated { page: 0 }));
         assert_eq!(a.try_release(0), Err(PageError::NotAllocated { page: 0 }));
-        assert!(matches!(a.try_release(n), Err(PageError::OutOfRange { .. })));
-        assert!(matches!(a.try_share(n + 5), Err(PageError::OutOfRange { .. })));
+        assert!(matches!(
+            a.try_release(n),
+            Err(PageError::OutOfRange { .. })
+        ));
+        assert!(matches!(
+            a.try_share(n + 5),
+            Err(PageError::OutOfRange { .. })
+        ));
         assert_eq!(a.ref_count(n), 0);
         // Nothing was corrupted.
         assert_eq!(a.num_free(), n as usize);

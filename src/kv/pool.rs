@@ -19,14 +19,24 @@ pub struct KvPool {
 
 impl KvPool {
     /// Bytes one page takes across all layers (K and V).
-    pub fn bytes_per_page(num_layers: usize, page_size: usize, kv_heads: usize, head_dim: usize, dtype: DType) -> usize {
+    pub fn bytes_per_page(
+        num_layers: usize,
+        page_size: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        dtype: DType,
+    ) -> usize {
         2 * num_layers * page_size * kv_heads * head_dim * dtype.size_in_bytes()
     }
 
     /// Pool size in pages from the user's settings: `num_kv_pages` when given, otherwise as many
     /// pages of `bytes_per_page` as fit in the `kv_cache_bytes` budget. A budget smaller than one
     /// page is an error rather than a silent 1-page pool, since nothing useful runs in it.
-    pub fn num_pages_for(num_kv_pages: Option<usize>, kv_cache_bytes: usize, bytes_per_page: usize) -> Result<usize> {
+    pub fn num_pages_for(
+        num_kv_pages: Option<usize>,
+        kv_cache_bytes: usize,
+        bytes_per_page: usize,
+    ) -> Result<usize> {
         match num_kv_pages {
             Some(0) => Err(DetspecError::param("num_kv_pages", "must be > 0")),
             Some(n) if n > PageId::MAX as usize => Err(DetspecError::param(
@@ -34,11 +44,16 @@ impl KvPool {
                 format!("{n} exceeds the maximum of {} pages", PageId::MAX),
             )),
             Some(n) => Ok(n),
-            None if bytes_per_page == 0 => Err(DetspecError::param("kv_cache_bytes", "page size in bytes is 0")),
+            None if bytes_per_page == 0 => Err(DetspecError::param(
+                "kv_cache_bytes",
+                "page size in bytes is 0",
+            )),
             None => match kv_cache_bytes / bytes_per_page {
                 0 => Err(DetspecError::param(
                     "kv_cache_bytes",
-                    format!("{kv_cache_bytes} bytes is less than one KV page ({bytes_per_page} bytes)"),
+                    format!(
+                        "{kv_cache_bytes} bytes is less than one KV page ({bytes_per_page} bytes)"
+                    ),
                 )),
                 n => Ok(n.min(PageId::MAX as usize)),
             },
@@ -59,7 +74,12 @@ impl KvPool {
         }
         let shape = (num_pages, page_size, kv_heads, head_dim);
         let layers = (0..num_layers)
-            .map(|_| Ok((Tensor::zeros(shape, dtype, device)?, Tensor::zeros(shape, dtype, device)?)))
+            .map(|_| {
+                Ok((
+                    Tensor::zeros(shape, dtype, device)?,
+                    Tensor::zeros(shape, dtype, device)?,
+                ))
+            })
             .collect::<Result<Vec<_>>>()?;
         Ok(Self {
             layers,

@@ -451,7 +451,7 @@ mod tests {
             c.on_sole_holder(p, &a);
         }
         assert_eq!(c.evictable_pages(), vec![1, 0]); // tail first
-        // A prompt sharing 6 tokens hits one page.
+                                                     // A prompt sharing 6 tokens hits one page.
         let hit = c.lookup(&[0, 1, 2, 3, 4, 5, 9, 9], 4, &a);
         assert_eq!(hit, vec![0]);
         assert_eq!(a.ref_count(0), 2);

@@ -7,7 +7,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use candle_core::{DType, Device, Module, Tensor};
+use candle_core::{DType, Device, Tensor};
 
 use crate::config::ModelConfig;
 use crate::error::{DetspecError, Result};
@@ -27,7 +27,13 @@ pub struct ForwardBatch {
     pub attention: AttentionMetadata,
     /// Rows whose logits are wanted, in output order.
     pub logit_rows: Vec<u32>,
+    /// Run every GEMM on fixed-size row blocks so a row's result never depends on how many
+    /// rows the batch has (the `batch_invariant` mode).
+    pub invariant_gemm: bool,
 }
+
+/// Rows per GEMM call in invariant mode: every matmul runs with exactly this M.
+pub const INVARIANT_GEMM_ROWS: usize = 16;
 
 /// `x @ w^T (+ b)`.
 #[derive(Debug, Clone)]
@@ -39,8 +45,20 @@ struct Linear {
 impl Linear {
     /// Stores the weight transposed and contiguous once, so every forward's GEMM reads a
     /// row-major `[in, out]` right-hand side.
-    fn load(ck: &Checkpoint, prefix: &str, in_dim: usize, out_dim: usize, bias: bool, dev: &Device) -> Result<Self> {
-        let w = ck.load(&format!("{prefix}.weight"), &[out_dim, in_dim], DType::F32, dev)?;
+    fn load(
+        ck: &Checkpoint,
+        prefix: &str,
+        in_dim: usize,
+        out_dim: usize,
+        bias: bool,
+        dev: &Device,
+    ) -> Result<Self> {
+        let w = ck.load(
+            &format!("{prefix}.weight"),
+            &[out_dim, in_dim],
+            DType::F32,
+            dev,
+        )?;
         let bias = if bias {
             Some(ck.load(&format!("{prefix}.bias"), &[out_dim], DType::F32, dev)?)
         } else {
@@ -53,14 +71,37 @@ impl Linear {
     }
 }
 
-impl Module for Linear {
-    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let y = x.matmul(&self.weight_t)?;
+impl Linear {
+    fn apply(&self, x: &Tensor, invariant: bool) -> candle_core::Result<Tensor> {
+        let y = if invariant {
+            invariant_matmul(x, &self.weight_t)?
+        } else {
+            x.matmul(&self.weight_t)?
+        };
         match &self.bias {
             Some(b) => y.broadcast_add(b),
             None => Ok(y),
         }
     }
+}
+
+/// `x @ w` computed on zero-padded blocks of exactly [`INVARIANT_GEMM_ROWS`] rows, so the
+/// GEMM kernel (and its reduction order) is the same whatever the number of rows. candle's CPU
+/// matmul picks a different algorithm by M (gemv for M = 1, blocked GEMM otherwise), which is
+/// the batch variance this removes.
+fn invariant_matmul(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
+    let (m, _) = x.dims2()?;
+    let r = INVARIANT_GEMM_ROWS;
+    let padded = m.div_ceil(r) * r;
+    let x = if padded == m {
+        x.clone()
+    } else {
+        x.pad_with_zeros(0, 0, padded - m)?
+    };
+    let blocks = (0..padded / r)
+        .map(|i| x.narrow(0, i * r, r)?.contiguous()?.matmul(w))
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    Tensor::cat(&blocks, 0)?.narrow(0, 0, m)
 }
 
 #[derive(Debug)]
@@ -98,10 +139,19 @@ impl Model {
     /// Loads the weights of a Hugging Face model directory whose config is `cfg`.
     pub fn load(dir: &Path, cfg: ModelConfig, device: &Device) -> Result<Self> {
         let ck = Checkpoint::open(dir)?;
-        let (h, kvh, d) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
+        let (h, kvh, d) = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        );
         let dev = device;
         let vec = |name: &str, n: usize| ck.load(name, &[n], DType::F32, dev);
-        let embed = ck.load("model.embed_tokens.weight", &[cfg.vocab_size, cfg.hidden_size], DType::F32, dev)?;
+        let embed = ck.load(
+            "model.embed_tokens.weight",
+            &[cfg.vocab_size, cfg.hidden_size],
+            DType::F32,
+            dev,
+        )?;
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for i in 0..cfg.num_hidden_layers {
             let p = format!("model.layers.{i}");
@@ -109,10 +159,38 @@ impl Model {
             let is = cfg.intermediate_size;
             layers.push(Layer {
                 input_norm: vec(&format!("{p}.input_layernorm.weight"), hs)?,
-                q: Linear::load(&ck, &format!("{p}.self_attn.q_proj"), hs, h * d, cfg.qkv_bias, dev)?,
-                k: Linear::load(&ck, &format!("{p}.self_attn.k_proj"), hs, kvh * d, cfg.qkv_bias, dev)?,
-                v: Linear::load(&ck, &format!("{p}.self_attn.v_proj"), hs, kvh * d, cfg.qkv_bias, dev)?,
-                o: Linear::load(&ck, &format!("{p}.self_attn.o_proj"), h * d, hs, cfg.o_bias, dev)?,
+                q: Linear::load(
+                    &ck,
+                    &format!("{p}.self_attn.q_proj"),
+                    hs,
+                    h * d,
+                    cfg.qkv_bias,
+                    dev,
+                )?,
+                k: Linear::load(
+                    &ck,
+                    &format!("{p}.self_attn.k_proj"),
+                    hs,
+                    kvh * d,
+                    cfg.qkv_bias,
+                    dev,
+                )?,
+                v: Linear::load(
+                    &ck,
+                    &format!("{p}.self_attn.v_proj"),
+                    hs,
+                    kvh * d,
+                    cfg.qkv_bias,
+                    dev,
+                )?,
+                o: Linear::load(
+                    &ck,
+                    &format!("{p}.self_attn.o_proj"),
+                    h * d,
+                    hs,
+                    cfg.o_bias,
+                    dev,
+                )?,
                 q_norm: cfg
                     .qk_norm
                     .then(|| vec(&format!("{p}.self_attn.q_norm.weight"), d))
@@ -122,16 +200,35 @@ impl Model {
                     .then(|| vec(&format!("{p}.self_attn.k_norm.weight"), d))
                     .transpose()?,
                 post_norm: vec(&format!("{p}.post_attention_layernorm.weight"), hs)?,
-                gate: Linear::load(&ck, &format!("{p}.mlp.gate_proj"), hs, is, cfg.mlp_bias, dev)?,
+                gate: Linear::load(
+                    &ck,
+                    &format!("{p}.mlp.gate_proj"),
+                    hs,
+                    is,
+                    cfg.mlp_bias,
+                    dev,
+                )?,
                 up: Linear::load(&ck, &format!("{p}.mlp.up_proj"), hs, is, cfg.mlp_bias, dev)?,
-                down: Linear::load(&ck, &format!("{p}.mlp.down_proj"), is, hs, cfg.mlp_bias, dev)?,
+                down: Linear::load(
+                    &ck,
+                    &format!("{p}.mlp.down_proj"),
+                    is,
+                    hs,
+                    cfg.mlp_bias,
+                    dev,
+                )?,
             });
         }
         let norm = vec("model.norm.weight", cfg.hidden_size)?;
         let lm_head = if cfg.tie_word_embeddings {
             embed.clone()
         } else {
-            ck.load("lm_head.weight", &[cfg.vocab_size, cfg.hidden_size], DType::F32, dev)?
+            ck.load(
+                "lm_head.weight",
+                &[cfg.vocab_size, cfg.hidden_size],
+                DType::F32,
+                dev,
+            )?
         };
         let (cos, sin) = rope_tables(&cfg, dev)?;
         Ok(Self {
@@ -189,7 +286,11 @@ impl Model {
             });
         }
         let dev = &self.device;
-        let (h, kvh, d) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
+        let (h, kvh, d) = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        );
         let ids = Tensor::from_slice(&batch.tokens, n, dev)?;
         let pos = Tensor::from_slice(&batch.attention.positions, n, dev)?;
         let cos = self.cos.index_select(&pos, 0)?;
@@ -199,15 +300,16 @@ impl Model {
         let scale = 1.0 / (d as f32).sqrt();
         let eps = cfg.rms_norm_eps;
 
+        let inv = batch.invariant_gemm;
         let mut x = self.embed.index_select(&ids, 0)?;
         for (li, layer) in self.layers.iter().enumerate() {
             let (k_cache, v_cache) = kv.layer(li).ok_or_else(|| {
                 DetspecError::param("num_layers", format!("KV pool has no layer {li}"))
             })?;
             let hn = ops::rms_norm(&x, &layer.input_norm, eps)?;
-            let mut q = layer.q.forward(&hn)?.reshape((n, h, d))?;
-            let mut k = layer.k.forward(&hn)?.reshape((n, kvh, d))?;
-            let v = layer.v.forward(&hn)?.reshape((n, kvh, d))?;
+            let mut q = layer.q.apply(&hn, inv)?.reshape((n, h, d))?;
+            let mut k = layer.k.apply(&hn, inv)?.reshape((n, kvh, d))?;
+            let v = layer.v.apply(&hn, inv)?.reshape((n, kvh, d))?;
             if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
                 q = ops::rms_norm(&q, qn, eps)?;
                 k = ops::rms_norm(&k, kn, eps)?;
@@ -217,15 +319,20 @@ impl Model {
             ops::write_kv(k_cache, &k, slots.clone())?;
             ops::write_kv(v_cache, &v, slots.clone())?;
             let attn = ops::paged_attention(&q, k_cache, v_cache, meta.clone(), scale)?;
-            x = (x + layer.o.forward(&attn.reshape((n, h * d))?)?)?;
+            x = (x + layer.o.apply(&attn.reshape((n, h * d))?, inv)?)?;
             let hn = ops::rms_norm(&x, &layer.post_norm, eps)?;
-            let act = (candle_nn::ops::silu(&layer.gate.forward(&hn)?)? * layer.up.forward(&hn)?)?;
-            x = (x + layer.down.forward(&act)?)?;
+            let act = (candle_nn::ops::silu(&layer.gate.apply(&hn, inv)?)?
+                * layer.up.apply(&hn, inv)?)?;
+            x = (x + layer.down.apply(&act, inv)?)?;
         }
         let rows = Tensor::from_slice(&batch.logit_rows, batch.logit_rows.len(), dev)?;
         let x = x.index_select(&rows, 0)?;
         let x = ops::rms_norm(&x, &self.norm, eps)?;
-        Ok(x.matmul(&self.lm_head_t)?)
+        Ok(if inv {
+            invariant_matmul(&x, &self.lm_head_t)?
+        } else {
+            x.matmul(&self.lm_head_t)?
+        })
     }
 }
 
@@ -249,4 +356,3 @@ fn rope_tables(cfg: &ModelConfig, dev: &Device) -> Result<(Tensor, Tensor)> {
         Tensor::from_vec(sin, (n, half), dev)?,
     ))
 }
-

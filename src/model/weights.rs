@@ -46,8 +46,9 @@ impl Checkpoint {
             // SAFETY: the mapping is read-only; a checkpoint modified while we load it is the
             // user's to avoid, as with every mmap-based loader.
             let mmap = unsafe { Mmap::map(&file) }.map_err(|e| DetspecError::io(&path, e))?;
-            let st = SafeTensors::deserialize(&mmap)
-                .map_err(|e| DetspecError::file(&path, format!("not a valid safetensors file: {e}")))?;
+            let st = SafeTensors::deserialize(&mmap).map_err(|e| {
+                DetspecError::file(&path, format!("not a valid safetensors file: {e}"))
+            })?;
             for name in st.names() {
                 index.insert(name.to_string(), i);
             }
@@ -62,7 +63,8 @@ impl Checkpoint {
     }
 
     fn shard_files(index_path: &Path, dir: &Path) -> Result<Vec<PathBuf>> {
-        let text = std::fs::read_to_string(index_path).map_err(|e| DetspecError::io(index_path, e))?;
+        let text =
+            std::fs::read_to_string(index_path).map_err(|e| DetspecError::io(index_path, e))?;
         let v: serde_json::Value = serde_json::from_str(&text)
             .map_err(|e| DetspecError::file(index_path, format!("not valid JSON: {e}")))?;
         let map = v
@@ -71,11 +73,17 @@ impl Checkpoint {
             .ok_or_else(|| DetspecError::file(index_path, "missing `weight_map` object"))?;
         let mut files: Vec<PathBuf> = Vec::new();
         for (name, f) in map {
-            let f = f
-                .as_str()
-                .ok_or_else(|| DetspecError::file(index_path, format!("weight_map entry `{name}` is not a string")))?;
+            let f = f.as_str().ok_or_else(|| {
+                DetspecError::file(
+                    index_path,
+                    format!("weight_map entry `{name}` is not a string"),
+                )
+            })?;
             if f.contains("..") || Path::new(f).is_absolute() {
-                return Err(DetspecError::file(index_path, format!("shard path `{f}` leaves the model directory")));
+                return Err(DetspecError::file(
+                    index_path,
+                    format!("shard path `{f}` leaves the model directory"),
+                ));
             }
             let p = dir.join(f);
             if !files.contains(&p) {
@@ -92,11 +100,20 @@ impl Checkpoint {
     }
 
     /// Loads `name` as `dtype` on `device`, checking its shape. f16/bf16/f32 are accepted.
-    pub fn load(&self, name: &str, shape: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
-        let &shard = self.index.get(name).ok_or_else(|| DetspecError::MissingTensor {
-            name: name.to_string(),
-            path: self.manifest.clone(),
-        })?;
+    pub fn load(
+        &self,
+        name: &str,
+        shape: &[usize],
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Tensor> {
+        let &shard = self
+            .index
+            .get(name)
+            .ok_or_else(|| DetspecError::MissingTensor {
+                name: name.to_string(),
+                path: self.manifest.clone(),
+            })?;
         let (path, mmap) = &self.shards[shard];
         let bad = |message: String| DetspecError::BadTensor {
             name: name.to_string(),
@@ -109,13 +126,20 @@ impl Checkpoint {
             .tensor(name)
             .map_err(|e| bad(format!("cannot read: {e}")))?;
         if view.shape() != shape {
-            return Err(bad(format!("expected shape {shape:?}, found {:?}", view.shape())));
+            return Err(bad(format!(
+                "expected shape {shape:?}, found {:?}",
+                view.shape()
+            )));
         }
         let src_dtype = match view.dtype() {
             StDtype::F32 => DType::F32,
             StDtype::F16 => DType::F16,
             StDtype::BF16 => DType::BF16,
-            other => return Err(bad(format!("expected a float tensor (f32, f16, bf16), found {other:?}"))),
+            other => {
+                return Err(bad(format!(
+                    "expected a float tensor (f32, f16, bf16), found {other:?}"
+                )))
+            }
         };
         let tensor = Tensor::from_raw_buffer(view.data(), src_dtype, shape, &Device::Cpu)
             .map_err(|e| bad(format!("cannot convert: {e}")))?;

@@ -26,7 +26,9 @@ impl InplaceOp2 for CacheWrite {
         let src = contiguous_f32(src, sl, "cache_write source")?;
         let (num_slots, row) = match cl.dims() {
             [p, s, h, d] => (p * s, h * d),
-            dims => bail!("cache_write: cache must be [pages, page_size, kv_heads, head_dim], got {dims:?}"),
+            dims => bail!(
+                "cache_write: cache must be [pages, page_size, kv_heads, head_dim], got {dims:?}"
+            ),
         };
         if src.len() != self.slots.len() * row {
             bail!(

@@ -51,7 +51,10 @@ impl InplaceOp1 for PageCopy {
         macro_rules! go {
             ($v:expr) => {{
                 if $v.len() < end {
-                    bail!("copy_pages: storage of {} elements for a layout ending at {end}", $v.len());
+                    bail!(
+                        "copy_pages: storage of {} elements for a layout ending at {end}",
+                        $v.len()
+                    );
                 }
                 copy_rows($v, start, page, pairs)
             }};

@@ -67,15 +67,24 @@ impl PagedAttention {
     fn check(&self, rows: usize, page_size: usize, num_pages: usize) -> candle_core::Result<()> {
         let m = &self.meta;
         if m.positions.len() != rows || m.row_seq.len() != rows {
-            bail!("paged_attention: metadata for {} rows, query has {rows}", m.positions.len());
+            bail!(
+                "paged_attention: metadata for {} rows, query has {rows}",
+                m.positions.len()
+            );
         }
         for (&pos, &seq) in m.positions.iter().zip(&m.row_seq) {
             let Some(bt) = m.block_tables.get(seq as usize) else {
-                bail!("paged_attention: row refers to sequence {seq}, only {} given", m.block_tables.len());
+                bail!(
+                    "paged_attention: row refers to sequence {seq}, only {} given",
+                    m.block_tables.len()
+                );
             };
             let needed = pos as usize / page_size + 1;
             if bt.len() < needed {
-                bail!("paged_attention: position {pos} needs {needed} pages, block table has {}", bt.len());
+                bail!(
+                    "paged_attention: position {pos} needs {needed} pages, block table has {}",
+                    bt.len()
+                );
             }
             if let Some(&p) = bt[..needed].iter().find(|&&p| p as usize >= num_pages) {
                 bail!("paged_attention: page {p} out of range ({num_pages} pages)");
@@ -111,7 +120,11 @@ impl CustomOp3 for PagedAttention {
             dims => bail!("paged_attention: k_cache must be [pages, page_size, kv_heads, {dim}], got {dims:?}"),
         };
         if vl.dims() != kl.dims() {
-            bail!("paged_attention: v_cache {:?} differs from k_cache {:?}", vl.dims(), kl.dims());
+            bail!(
+                "paged_attention: v_cache {:?} differs from k_cache {:?}",
+                vl.dims(),
+                kl.dims()
+            );
         }
         if kv_heads == 0 || heads % kv_heads != 0 {
             bail!("paged_attention: {heads} query heads not a multiple of {kv_heads} kv heads");
@@ -127,7 +140,9 @@ impl CustomOp3 for PagedAttention {
         };
         let key_range = |row: usize| {
             let pos = meta.positions[row] as usize;
-            let start = meta.sliding_window.map_or(0, |w| (pos + 1).saturating_sub(w));
+            let start = meta
+                .sliding_window
+                .map_or(0, |w| (pos + 1).saturating_sub(w));
             start..pos + 1
         };
         let mut out = vec![0f32; q.len()];
@@ -137,7 +152,15 @@ impl CustomOp3 for PagedAttention {
                     let (row, head) = (idx / heads, idx % heads);
                     let kvh = head / group;
                     let mut part = Partial::new(o);
-                    part.attend(&q[idx * dim..(idx + 1) * dim], |j| offset_of(row, kvh, j), k_cache, v_cache, key_range(row), page_size, scale);
+                    part.attend(
+                        &q[idx * dim..(idx + 1) * dim],
+                        |j| offset_of(row, kvh, j),
+                        k_cache,
+                        v_cache,
+                        key_range(row),
+                        page_size,
+                        scale,
+                    );
                     part.normalise();
                 });
             }
@@ -159,7 +182,15 @@ impl CustomOp3 for PagedAttention {
                         let lo = (range.start + split * chunk).min(range.end);
                         let hi = (lo + chunk).min(range.end);
                         let mut part = Partial::new(acc);
-                        part.attend(&q[idx * dim..(idx + 1) * dim], |j| offset_of(row, kvh, j), k_cache, v_cache, lo..hi, page_size, scale);
+                        part.attend(
+                            &q[idx * dim..(idx + 1) * dim],
+                            |j| offset_of(row, kvh, j),
+                            k_cache,
+                            v_cache,
+                            lo..hi,
+                            page_size,
+                            scale,
+                        );
                         *st = (part.max, part.denom);
                     });
                 out.par_chunks_mut(dim).enumerate().for_each(|(idx, o)| {

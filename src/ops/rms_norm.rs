@@ -25,7 +25,10 @@ impl CustomOp2 for RmsNorm {
         let w = contiguous_f32(ws, wl, "rms_norm weight")?;
         let dim = w.len();
         if dim == 0 || xl.dims().last() != Some(&dim) {
-            bail!("rms_norm: weight of {dim} elements does not match input {:?}", xl.dims());
+            bail!(
+                "rms_norm: weight of {dim} elements does not match input {:?}",
+                xl.dims()
+            );
         }
         let mut out = vec![0f32; x.len()];
         let eps = self.eps;

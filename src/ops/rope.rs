@@ -30,7 +30,11 @@ impl CustomOp3 for Rope {
         };
         let half = d / 2;
         if d % 2 != 0 || cl.dims() != [t, half] || sl.dims() != [t, half] {
-            bail!("rope: cos/sin must be [{t}, {half}], got {:?} / {:?}", cl.dims(), sl.dims());
+            bail!(
+                "rope: cos/sin must be [{t}, {half}], got {:?} / {:?}",
+                cl.dims(),
+                sl.dims()
+            );
         }
         let mut out = vec![0f32; x.len()];
         out.par_chunks_mut(h * d)

@@ -13,9 +13,12 @@ use crate::sampling::SamplingParams;
 fn class_name(e: &DetspecError) -> &'static str {
     use DetspecError::*;
     match e {
-        Io { .. } | InvalidFile { .. } | InvalidConfig { .. } | UnsupportedArchitecture { .. } | MissingTensor { .. } | BadTensor { .. } => {
-            "ModelLoadError"
-        }
+        Io { .. }
+        | InvalidFile { .. }
+        | InvalidConfig { .. }
+        | UnsupportedArchitecture { .. }
+        | MissingTensor { .. }
+        | BadTensor { .. } => "ModelLoadError",
         InvalidParameter { .. } | InvalidRequest { .. } | Tokenizer(_) => "InvalidRequestError",
         OutOfPages { .. } | EngineStopped | Candle(_) => "DetspecError",
     }
@@ -38,7 +41,11 @@ pub fn to_pyerr(py: Python<'_>, e: DetspecError) -> PyErr {
 }
 
 pub fn internal_error(py: Python<'_>, msg: &str) -> PyErr {
-    raise(py, "DetspecError", format!("internal error (please report): {msg}"))
+    raise(
+        py,
+        "DetspecError",
+        format!("internal error (please report): {msg}"),
+    )
 }
 
 pub fn prompt_from_py(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Prompt> {
@@ -47,7 +54,11 @@ pub fn prompt_from_py(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Prompt
     }
     obj.extract::<Vec<i64>>()
         .ok()
-        .and_then(|ids| ids.into_iter().map(|t| u32::try_from(t).ok()).collect::<Option<Vec<u32>>>())
+        .and_then(|ids| {
+            ids.into_iter()
+                .map(|t| u32::try_from(t).ok())
+                .collect::<Option<Vec<u32>>>()
+        })
         .map(Prompt::Tokens)
         .ok_or_else(|| {
             to_pyerr(
@@ -60,12 +71,20 @@ pub fn prompt_from_py(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Prompt
         })
 }
 
-fn get<'py, T: FromPyObjectOwned<'py>>(py: Python<'py>, d: &Bound<'py, PyDict>, key: &str) -> PyResult<Option<T>> {
+fn get<'py, T: FromPyObjectOwned<'py>>(
+    py: Python<'py>,
+    d: &Bound<'py, PyDict>,
+    key: &str,
+) -> PyResult<Option<T>> {
     match d.get_item(key)? {
         None => Ok(None),
         Some(v) if v.is_none() => Ok(None),
         Some(v) => v.extract::<T>().map(Some).map_err(|_| {
-            let ty = v.get_type().name().map(|n| n.to_string()).unwrap_or_default();
+            let ty = v
+                .get_type()
+                .name()
+                .map(|n| n.to_string())
+                .unwrap_or_default();
             to_pyerr(py, DetspecError::param(key, format!("wrong type `{ty}`")))
         }),
     }
@@ -74,14 +93,30 @@ fn get<'py, T: FromPyObjectOwned<'py>>(py: Python<'py>, d: &Bound<'py, PyDict>, 
 /// Builds SamplingParams from a dict with vLLM's field names; unknown keys are an error.
 pub fn params_from_dict(py: Python<'_>, d: &Bound<'_, PyDict>) -> PyResult<SamplingParams> {
     const KNOWN: &[&str] = &[
-        "n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop",
-        "stop_token_ids", "ignore_eos", "logprobs", "presence_penalty", "frequency_penalty",
-        "repetition_penalty", "deterministic",
+        "n",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "max_tokens",
+        "min_tokens",
+        "stop",
+        "stop_token_ids",
+        "ignore_eos",
+        "logprobs",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "deterministic",
     ];
     for k in d.keys() {
         let k: String = k.extract()?;
         if !KNOWN.contains(&k.as_str()) {
-            return Err(to_pyerr(py, DetspecError::param(&k, "unknown sampling parameter")));
+            return Err(to_pyerr(
+                py,
+                DetspecError::param(&k, "unknown sampling parameter"),
+            ));
         }
     }
     let mut p = SamplingParams::default();
@@ -112,15 +147,23 @@ pub fn params_from_dict(py: Python<'_>, d: &Bound<'_, PyDict>) -> PyResult<Sampl
         p.seed = Some(v as u64);
     }
     if let Some(v) = get::<i64>(py, d, "logprobs")? {
-        p.logprobs = Some(usize::try_from(v).map_err(|_| to_pyerr(py, DetspecError::param("logprobs", format!("must be >= 0, got {v}"))))?);
+        p.logprobs = Some(usize::try_from(v).map_err(|_| {
+            to_pyerr(
+                py,
+                DetspecError::param("logprobs", format!("must be >= 0, got {v}")),
+            )
+        })?);
     }
     if let Some(item) = d.get_item("stop")? {
         if let Ok(s) = item.extract::<String>() {
             p.stop = vec![s];
         } else if !item.is_none() {
-            p.stop = item
-                .extract()
-                .map_err(|_| to_pyerr(py, DetspecError::param("stop", "must be a string or a list of strings")))?;
+            p.stop = item.extract().map_err(|_| {
+                to_pyerr(
+                    py,
+                    DetspecError::param("stop", "must be a string or a list of strings"),
+                )
+            })?;
         }
     }
     Ok(p)
@@ -141,6 +184,9 @@ pub fn output_to_py<'py>(py: Python<'py>, o: &RequestOutput) -> PyResult<Bound<'
     m.set_item("num_prompt_tokens", o.metrics.num_prompt_tokens)?;
     m.set_item("num_output_tokens", o.metrics.num_output_tokens)?;
     m.set_item("num_preemptions", o.metrics.num_preemptions)?;
+    m.set_item("num_verify_passes", o.metrics.num_verify_passes)?;
+    m.set_item("num_rollbacks", o.metrics.num_rollbacks)?;
+    m.set_item("num_rolled_back_tokens", o.metrics.num_rolled_back_tokens)?;
     d.set_item("metrics", m)?;
     let mut outs = Vec::with_capacity(o.outputs.len());
     for c in &o.outputs {

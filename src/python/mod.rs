@@ -17,7 +17,7 @@ use numpy::{PyArray1, PyArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::config::EngineConfig;
+use crate::config::{DeterminismMode, EngineConfig};
 use crate::engine::{Engine, OutputAccumulator, StreamEvent};
 use crate::error::DetspecError;
 use crate::request::Request;
@@ -25,7 +25,10 @@ use crate::request::Request;
 use convert::{output_to_py, params_from_dict, prompt_from_py, to_pyerr};
 
 /// Runs `f` without the GIL, turning errors and panics into Python exceptions.
-fn run_detached<T: Send>(py: Python<'_>, f: impl FnOnce() -> Result<T, DetspecError> + Send) -> PyResult<T> {
+fn run_detached<T: Send>(
+    py: Python<'_>,
+    f: impl FnOnce() -> Result<T, DetspecError> + Send,
+) -> PyResult<T> {
     let r = py.detach(|| catch_unwind(AssertUnwindSafe(f)));
     match r {
         Ok(Ok(v)) => Ok(v),
@@ -66,14 +69,21 @@ impl PyOutputQueue {
     /// `(request_id, output_dict | None, exception | None)` per request that changed.
     /// Finished and failed requests are forgotten after being returned.
     #[pyo3(signature = (timeout=None))]
-    fn next_outputs<'py>(&self, py: Python<'py>, timeout: Option<f64>) -> PyResult<Vec<(String, Option<Bound<'py, PyDict>>, Option<Py<PyAny>>)>> {
+    fn next_outputs<'py>(
+        &self,
+        py: Python<'py>,
+        timeout: Option<f64>,
+    ) -> PyResult<Vec<(String, Option<Bound<'py, PyDict>>, Option<Py<PyAny>>)>> {
         let rx = self.rx.clone();
         let events: Vec<StreamEvent> = py.detach(move || {
             let first = match timeout {
                 Some(t) => rx.recv_timeout(Duration::from_secs_f64(t.max(0.0))).ok(),
                 None => rx.recv().ok(),
             };
-            first.into_iter().chain(std::iter::from_fn(|| rx.try_recv().ok())).collect()
+            first
+                .into_iter()
+                .chain(std::iter::from_fn(|| rx.try_recv().ok()))
+                .collect()
         });
         let mut accs = self.accs.lock().unwrap_or_else(|e| e.into_inner());
         let mut changed: Vec<String> = Vec::new();
@@ -81,7 +91,9 @@ impl PyOutputQueue {
         for ev in events {
             let id = ev.request_id().to_string();
             let accepted = matches!(ev, StreamEvent::Accepted { .. });
-            let Some(acc) = accs.get_mut(&id) else { continue };
+            let Some(acc) = accs.get_mut(&id) else {
+                continue;
+            };
             if let Err(e) = acc.apply(ev) {
                 failed.insert(id.clone(), e);
             } else if accepted {
@@ -121,7 +133,11 @@ struct PyEngine {
 }
 
 impl PyEngine {
-    fn call<T: Send>(&self, py: Python<'_>, f: impl FnOnce(&Engine) -> Result<T, DetspecError> + Send) -> PyResult<T> {
+    fn call<T: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&Engine) -> Result<T, DetspecError> + Send,
+    ) -> PyResult<T> {
         let e = &self.inner;
         run_detached(py, || f(e))
     }
@@ -130,7 +146,7 @@ impl PyEngine {
 #[pymethods]
 impl PyEngine {
     #[new]
-    #[pyo3(signature = (model_dir, *, page_size=16, num_kv_pages=None, kv_cache_bytes=None, max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=None, max_prefill_chunk=None))]
+    #[pyo3(signature = (model_dir, *, page_size=16, num_kv_pages=None, kv_cache_bytes=None, max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=None, max_prefill_chunk=None, determinism="dvr", verify_window=64, verify_group=8, fault_injection=0.0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -142,7 +158,12 @@ impl PyEngine {
         max_num_batched_tokens: usize,
         max_model_len: Option<usize>,
         max_prefill_chunk: Option<usize>,
+        determinism: &str,
+        verify_window: usize,
+        verify_group: usize,
+        fault_injection: f64,
     ) -> PyResult<Self> {
+        let determinism = DeterminismMode::parse(determinism).map_err(|e| to_pyerr(py, e))?;
         let mut cfg = EngineConfig {
             page_size,
             num_kv_pages,
@@ -150,6 +171,10 @@ impl PyEngine {
             max_num_batched_tokens,
             max_model_len,
             max_prefill_chunk,
+            determinism,
+            verify_window,
+            verify_group,
+            fault_injection,
             ..Default::default()
         };
         if let Some(b) = kv_cache_bytes {
@@ -160,7 +185,14 @@ impl PyEngine {
     }
 
     /// Submits a request whose outputs arrive on `queue`.
-    fn add_request(&self, py: Python<'_>, queue: &PyOutputQueue, request_id: String, prompt: &Bound<'_, PyAny>, params: &Bound<'_, PyDict>) -> PyResult<()> {
+    fn add_request(
+        &self,
+        py: Python<'_>,
+        queue: &PyOutputQueue,
+        request_id: String,
+        prompt: &Bound<'_, PyAny>,
+        params: &Bound<'_, PyDict>,
+    ) -> PyResult<()> {
         let request = Request {
             request_id: request_id.clone(),
             prompt: prompt_from_py(py, prompt)?,
@@ -169,10 +201,13 @@ impl PyEngine {
         {
             let mut accs = queue.accs.lock().unwrap_or_else(|e| e.into_inner());
             if accs.contains_key(&request_id) {
-                return Err(to_pyerr(py, DetspecError::InvalidRequest {
-                    request_id: Some(request_id),
-                    message: "a request with this id is already running".into(),
-                }));
+                return Err(to_pyerr(
+                    py,
+                    DetspecError::InvalidRequest {
+                        request_id: Some(request_id),
+                        message: "a request with this id is already running".into(),
+                    },
+                ));
             }
             accs.insert(request_id.clone(), OutputAccumulator::new(&request_id));
         }
@@ -194,7 +229,11 @@ impl PyEngine {
     }
 
     /// Per-position logits of each prompt, all prompts in one flat forward.
-    fn prompt_logits<'py>(&self, py: Python<'py>, prompts: Vec<Vec<u32>>) -> PyResult<Vec<Bound<'py, PyAny>>> {
+    fn prompt_logits<'py>(
+        &self,
+        py: Python<'py>,
+        prompts: Vec<Vec<u32>>,
+    ) -> PyResult<Vec<Bound<'py, PyAny>>> {
         let vocab = self.inner.info().config.vocab_size;
         let logits = self.call(py, move |e| e.prompt_logits(prompts))?;
         logits
@@ -208,11 +247,15 @@ impl PyEngine {
     }
 
     fn encode(&self, py: Python<'_>, text: String, add_special_tokens: bool) -> PyResult<Vec<u32>> {
-        self.call(py, move |e| tokenizer_of(e)?.encode(&text, add_special_tokens))
+        self.call(py, move |e| {
+            tokenizer_of(e)?.encode(&text, add_special_tokens)
+        })
     }
 
     fn decode(&self, py: Python<'_>, ids: Vec<u32>, skip_special_tokens: bool) -> PyResult<String> {
-        self.call(py, move |e| tokenizer_of(e)?.decode(&ids, skip_special_tokens))
+        self.call(py, move |e| {
+            tokenizer_of(e)?.decode(&ids, skip_special_tokens)
+        })
     }
 
     fn has_tokenizer(&self) -> bool {
@@ -239,6 +282,19 @@ impl PyEngine {
     fn kv_pages(&self, py: Python<'_>) -> PyResult<(usize, usize)> {
         self.call(py, |e| e.kv_pages())
     }
+
+    /// Engine-wide counters: verify passes, rollbacks, rolled-back tokens, padded rows,
+    /// preemptions.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.call(py, |e| e.stats())?;
+        let d = PyDict::new(py);
+        d.set_item("num_verify_passes", s.verify_passes)?;
+        d.set_item("num_rollbacks", s.rollbacks)?;
+        d.set_item("num_rolled_back_tokens", s.rolled_back_tokens)?;
+        d.set_item("num_padded_rows", s.padded_rows)?;
+        d.set_item("num_preemptions", s.preemptions)?;
+        Ok(d)
+    }
 }
 
 fn tokenizer_of(e: &Engine) -> Result<&crate::tokenizer::Tokenizer, DetspecError> {
@@ -263,7 +319,10 @@ fn write_demo_model(py: Python<'_>, dir: PathBuf, kind: &str, seed: u64) -> PyRe
         other => {
             return Err(to_pyerr(
                 py,
-                DetspecError::param("kind", format!("unknown demo model `{other}` (tiny, bench)")),
+                DetspecError::param(
+                    "kind",
+                    format!("unknown demo model `{other}` (tiny, bench)"),
+                ),
             ))
         }
     };

@@ -10,7 +10,7 @@
 
 mod sequence;
 
-pub use sequence::{Sequence, SequenceId};
+pub use sequence::{DvrStats, Sequence, SequenceId};
 
 use std::collections::VecDeque;
 
@@ -33,6 +33,9 @@ pub struct PlanEntry {
 #[derive(Debug, Default)]
 pub struct StepPlan {
     pub entries: Vec<PlanEntry>,
+    /// A deterministic request's prompt, prefilled alone and unchunked in its own forward pass
+    /// so its KV and first token depend on nothing but the prompt (DESIGN.md §3).
+    pub isolated: Option<PlanEntry>,
     /// Sequences preempted while planning (already requeued).
     pub preempted: Vec<SequenceId>,
     /// Sequences that can never run (they do not fit in the whole pool), removed.
@@ -40,12 +43,13 @@ pub struct StepPlan {
 }
 
 impl StepPlan {
+    /// Tokens in the shared (fast-path) batch.
     pub fn num_tokens(&self) -> usize {
         self.entries.iter().map(|e| e.len).sum()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.entries.is_empty()
+        self.entries.is_empty() && self.isolated.is_none()
     }
 }
 
@@ -57,6 +61,8 @@ pub struct SchedulerLimits {
     pub page_size: usize,
     /// Largest prefill chunk of one sequence in one step.
     pub max_prefill_chunk: usize,
+    /// Prefill deterministic requests alone (DVR mode).
+    pub isolate_deterministic_prefill: bool,
 }
 
 /// The continuous-batching scheduler.
@@ -112,6 +118,15 @@ impl Scheduler {
         let mut seq = self.running.remove(idx);
         seq.block_table.free(alloc);
         seq.num_computed = 0;
+        if seq.deterministic {
+            // Speculative tokens are dropped; committed ones stay (they were emitted) and are
+            // re-verified after the prompt's isolated re-prefill, which rebuilds the exact KV.
+            seq.output.truncate(seq.verified);
+            seq.logprobs.truncate(seq.verified);
+            seq.verified = seq.verified.min(1);
+            seq.finish = None;
+            seq.stop_reason = None;
+        }
         seq.num_preemptions += 1;
         tracing::debug!(request_id = %seq.request_id, "preempted (KV pool exhausted)");
         plan.preempted.push(seq.id);
@@ -131,7 +146,11 @@ impl Scheduler {
             let target = seq.num_computed + len;
             let mut scheduled = false;
             loop {
-                if self.running[i].block_table.reserve(target, l.page_size, alloc).is_ok() {
+                if self.running[i]
+                    .block_table
+                    .reserve(target, l.page_size, alloc)
+                    .is_ok()
+                {
                     scheduled = true;
                     break;
                 }
@@ -169,10 +188,47 @@ impl Scheduler {
         }
         // Admit waiting sequences, unless this step already had to preempt.
         while budget > 0 && plan.preempted.is_empty() && self.running.len() < l.max_num_seqs {
-            let Some(seq) = self.waiting.front_mut() else { break };
+            let Some(seq) = self.waiting.front_mut() else {
+                break;
+            };
+            if l.isolate_deterministic_prefill && seq.deterministic && seq.num_computed == 0 {
+                if plan.isolated.is_some() {
+                    break; // one isolated prefill per step; keep arrival order
+                }
+                let len = seq.prompt.len();
+                if seq.block_table.reserve(len, l.page_size, alloc).is_err() {
+                    if self.running.is_empty() {
+                        if let Some(seq) = self.waiting.pop_front() {
+                            let err = DetspecError::OutOfPages {
+                                needed: seq.block_table.pages_needed(len, l.page_size),
+                                free: alloc.num_free(),
+                                total: alloc.num_total(),
+                            };
+                            plan.failed.push((seq, err));
+                        }
+                        continue;
+                    }
+                    break;
+                }
+                let Some(seq) = self.waiting.pop_front() else {
+                    break;
+                };
+                plan.isolated = Some(PlanEntry {
+                    seq: seq.id,
+                    start: 0,
+                    len,
+                    sample: len == seq.len(),
+                });
+                self.running.push(seq);
+                continue;
+            }
             let remaining = seq.len() - seq.num_computed;
             let len = remaining.min(budget).min(l.max_prefill_chunk);
-            if seq.block_table.reserve(seq.num_computed + len, l.page_size, alloc).is_err() {
+            if seq
+                .block_table
+                .reserve(seq.num_computed + len, l.page_size, alloc)
+                .is_err()
+            {
                 if self.running.is_empty() {
                     if let Some(seq) = self.waiting.pop_front() {
                         let err = DetspecError::OutOfPages {
@@ -186,7 +242,9 @@ impl Scheduler {
                 }
                 break;
             }
-            let Some(seq) = self.waiting.pop_front() else { break };
+            let Some(seq) = self.waiting.pop_front() else {
+                break;
+            };
             plan.entries.push(PlanEntry {
                 seq: seq.id,
                 start: seq.num_computed,
@@ -201,18 +259,23 @@ impl Scheduler {
 
     /// Marks the planned rows computed (their KV is now in the cache).
     pub fn mark_computed(&mut self, plan: &StepPlan) {
-        for e in &plan.entries {
+        for e in plan.entries.iter().chain(&plan.isolated) {
             if let Some(seq) = self.get_mut(e.seq) {
                 seq.num_computed = e.start + e.len;
             }
         }
     }
 
-    /// Removes finished sequences, releasing their pages.
+    /// The running sequences, in admission order.
+    pub fn running(&self) -> &[Sequence] {
+        &self.running
+    }
+
+    /// Removes finished sequences (all of whose tokens are committed), releasing their pages.
     pub fn take_finished(&mut self, alloc: &dyn PageAllocator) -> Vec<Sequence> {
         let (done, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut self.running)
             .into_iter()
-            .partition(|s| s.finish.is_some());
+            .partition(|s| s.finish.is_some() && s.verified == s.output.len());
         self.running = keep;
         done.into_iter()
             .map(|mut s| {
@@ -223,7 +286,11 @@ impl Scheduler {
     }
 
     /// Removes the sequences `pred` selects (running or waiting), releasing their pages.
-    pub fn remove_where(&mut self, alloc: &dyn PageAllocator, mut pred: impl FnMut(&Sequence) -> bool) -> Vec<Sequence> {
+    pub fn remove_where(
+        &mut self,
+        alloc: &dyn PageAllocator,
+        mut pred: impl FnMut(&Sequence) -> bool,
+    ) -> Vec<Sequence> {
         let mut out = Vec::new();
         let mut keep = Vec::with_capacity(self.running.len());
         for s in std::mem::take(&mut self.running) {

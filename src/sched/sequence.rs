@@ -28,6 +28,22 @@ pub struct Sequence {
     /// Longest this sequence may grow (prompt + output), from max_tokens and max_model_len.
     pub max_len: usize,
     pub num_preemptions: usize,
+    /// Verified by DVR: only committed tokens are emitted, KV is rolled back on mismatch.
+    pub deterministic: bool,
+    /// Output tokens committed (for non-deterministic sequences: all of them). Tokens at
+    /// index ≥ `verified` are speculative.
+    pub verified: usize,
+    /// Output tokens already sent to the client (never decreases, also across preemption).
+    pub emitted: usize,
+    pub dvr: DvrStats,
+}
+
+/// Decode–verify–rollback counters of one sequence.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DvrStats {
+    pub verify_passes: usize,
+    pub rollbacks: usize,
+    pub rolled_back_tokens: usize,
 }
 
 impl Sequence {
@@ -38,6 +54,11 @@ impl Sequence {
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// Speculative (not yet verified) output tokens.
+    pub fn num_speculative(&self) -> usize {
+        self.output.len() - self.verified
     }
 
     /// Token at absolute position `pos`.
