@@ -9,11 +9,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from detspec import _core
-from detspec.llm import PromptType, _EngineClient, _engine_kwargs, _make_engine, _normalise_prompts
+from detspec.llm import PromptType, _engine_kwargs, _EngineClient, _make_engine, _normalise_prompts
 from detspec.outputs import RequestOutput
 from detspec.sampling_params import SamplingParams
-
-_DONE = object()
 
 
 class AsyncLLM(_EngineClient):
