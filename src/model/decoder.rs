@@ -12,7 +12,7 @@ use candle_core::{DType, Device, Tensor};
 use crate::config::ModelConfig;
 use crate::error::{DetspecError, Result};
 use crate::kv::KvPool;
-use crate::ops::{self, AttentionMetadata};
+use crate::ops::{self, invariant_matmul, AttentionMetadata};
 
 use super::Checkpoint;
 
@@ -31,9 +31,6 @@ pub struct ForwardBatch {
     /// rows the batch has (the `batch_invariant` mode).
     pub invariant_gemm: bool,
 }
-
-/// Rows per GEMM call in invariant mode: every matmul runs with exactly this M.
-pub const INVARIANT_GEMM_ROWS: usize = 16;
 
 /// `x @ w^T (+ b)`.
 #[derive(Debug, Clone)]
@@ -83,25 +80,6 @@ impl Linear {
             None => Ok(y),
         }
     }
-}
-
-/// `x @ w` computed on zero-padded blocks of exactly [`INVARIANT_GEMM_ROWS`] rows, so the
-/// GEMM kernel (and its reduction order) is the same whatever the number of rows. candle's CPU
-/// matmul picks a different algorithm by M (gemv for M = 1, blocked GEMM otherwise), which is
-/// the batch variance this removes.
-fn invariant_matmul(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
-    let (m, _) = x.dims2()?;
-    let r = INVARIANT_GEMM_ROWS;
-    let padded = m.div_ceil(r) * r;
-    let x = if padded == m {
-        x.clone()
-    } else {
-        x.pad_with_zeros(0, 0, padded - m)?
-    };
-    let blocks = (0..padded / r)
-        .map(|i| x.narrow(0, i * r, r)?.contiguous()?.matmul(w))
-        .collect::<candle_core::Result<Vec<_>>>()?;
-    Tensor::cat(&blocks, 0)?.narrow(0, 0, m)
 }
 
 #[derive(Debug)]

@@ -6,12 +6,14 @@
 //! number of threads (rayon only splits *independent* rows).
 
 mod cache_write;
+mod matmul;
 mod page_copy;
 mod paged_attention;
 mod rms_norm;
 mod rope;
 
 pub use cache_write::write_kv;
+pub use matmul::{invariant_matmul, INVARIANT_GEMM_ROWS};
 pub use page_copy::copy_pages;
 pub use paged_attention::{paged_attention, AttentionMetadata, AttentionSchedule};
 pub use rms_norm::rms_norm;
