@@ -225,7 +225,6 @@ fn forced_rollbacks_change_nothing_but_the_counters() {
 }
 
 #[test]
-#[ignore = "known bug: after a deterministic request is preempted, logprob bits can differ from the solo run (token ids match); see the closing note of issue 5"]
 fn preemption_and_recompute_leave_a_deterministic_request_unchanged() {
     let t = target(0.8);
     let want = solo(DeterminismMode::Dvr, &t);

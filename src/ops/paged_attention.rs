@@ -17,6 +17,10 @@ use rayon::prelude::*;
 
 use super::contiguous_f32;
 
+/// Keys per online-softmax block, aligned to absolute positions. A constant (not the page size)
+/// so the reduction order, and hence the bits, do not depend on how the KV cache is paged.
+pub const SOFTMAX_BLOCK: usize = 16;
+
 /// Where each query row's keys live.
 #[derive(Debug, Clone, Default)]
 pub struct AttentionMetadata {
@@ -158,7 +162,7 @@ impl CustomOp3 for PagedAttention {
                         k_cache,
                         v_cache,
                         key_range(row),
-                        page_size,
+                        SOFTMAX_BLOCK,
                         scale,
                     );
                     part.normalise();
@@ -177,8 +181,8 @@ impl CustomOp3 for PagedAttention {
                         let (row, head) = (idx / heads, idx % heads);
                         let kvh = head / group;
                         let range = key_range(row);
-                        let pages = (range.end - range.start).div_ceil(page_size);
-                        let chunk = pages.div_ceil(splits) * page_size;
+                        let blocks = (range.end - range.start).div_ceil(SOFTMAX_BLOCK);
+                        let chunk = blocks.div_ceil(splits) * SOFTMAX_BLOCK;
                         let lo = (range.start + split * chunk).min(range.end);
                         let hi = (lo + chunk).min(range.end);
                         let mut part = Partial::new(acc);
@@ -188,7 +192,7 @@ impl CustomOp3 for PagedAttention {
                             k_cache,
                             v_cache,
                             lo..hi,
-                            page_size,
+                            SOFTMAX_BLOCK,
                             scale,
                         );
                         *st = (part.max, part.denom);
@@ -251,7 +255,7 @@ impl<'a> Partial<'a> {
         scale: f32,
     ) {
         let dim = q.len();
-        let mut scores = [0f32; 64];
+        let mut scores = [0f32; SOFTMAX_BLOCK];
         let block = block.min(scores.len());
         let mut j = range.start;
         while j < range.end {
