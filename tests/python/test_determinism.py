@@ -1,0 +1,142 @@
+"""Decode–verify–rollback through the Python API: a deterministic request's token ids and
+logprobs are bitwise identical alone and inside random batches with random arrivals; the same
+workload with determinism="off" shows differences (negative control)."""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+
+import numpy as np
+import pytest
+
+import detspec
+from detspec import AsyncLLM, InvalidRequestError, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def flat_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The tiny demo model: random weights, so next-token distributions are flat and the
+    fast path's batch variance shows up in logprobs."""
+    d = tmp_path_factory.mktemp("dvr-model")
+    detspec._core.write_demo_model(str(d), "tiny", 5)
+    return str(d)
+
+
+def fingerprint_bits(out: detspec.RequestOutput) -> tuple[list[int], list[bytes]]:
+    c = out.outputs[0]
+    lps = [struct.pack("<f", lp[t].logprob) for t, lp in zip(c.token_ids, c.logprobs, strict=True)]
+    return list(c.token_ids), lps
+
+
+def target_params(temperature: float) -> SamplingParams:
+    return SamplingParams(
+        temperature=temperature,
+        seed=1234,
+        max_tokens=24,
+        ignore_eos=True,
+        logprobs=0,
+        deterministic=True,
+    )
+
+
+TARGET_PROMPT = [int(x) for x in np.random.default_rng(0).integers(3, 900, size=17)]
+
+
+def haystack(rng: np.random.Generator, det_neighbours: bool):
+    n = int(rng.integers(1, 17))
+    prompts, params = [], []
+    for _ in range(n):
+        prompts.append([int(x) for x in rng.integers(3, 900, size=int(rng.integers(1, 90)))])
+        params.append(
+            SamplingParams(
+                temperature=float(rng.choice([0.0, 1.0])),
+                seed=int(rng.integers(0, 2**31)),
+                max_tokens=int(rng.integers(1, 40)),
+                ignore_eos=True,
+                deterministic=det_neighbours and bool(rng.integers(0, 2)),
+            )
+        )
+    pos = int(rng.integers(0, n + 1))
+    return prompts, params, pos
+
+
+def run_in_haystack(llm: detspec.LLM, target: SamplingParams, seed: int, det: bool):
+    prompts, params, pos = haystack(np.random.default_rng(seed), det)
+    prompts.insert(pos, TARGET_PROMPT)
+    params.insert(pos, target)
+    return fingerprint_bits(llm.generate(prompts, params, use_tqdm=False)[pos])
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_needle_in_haystack_bitwise(flat_model: str, temperature: float) -> None:
+    target = target_params(temperature)
+    llm = detspec.LLM(flat_model, verify_window=8, verify_group=4, num_kv_pages=1024)
+    solo = fingerprint_bits(llm.generate([TARGET_PROMPT], target, use_tqdm=False)[0])
+    for seed in range(8):
+        got = run_in_haystack(llm, target, seed, det=True)
+        assert got[0] == solo[0], f"token ids differ in haystack {seed}"
+        assert got[1] == solo[1], f"logprob bits differ in haystack {seed}"
+    assert llm.stats()["num_verify_passes"] > 0
+
+
+def test_negative_control_off_mode_shows_batch_variance(flat_model: str) -> None:
+    plain = target_params(0.8)
+    plain.deterministic = False
+    llm = detspec.LLM(flat_model, determinism="off", num_kv_pages=1024)
+    solo = fingerprint_bits(llm.generate([TARGET_PROMPT], plain, use_tqdm=False)[0])
+    differing = sum(run_in_haystack(llm, plain, seed, det=False) != solo for seed in range(8))
+    assert differing > 0, "the fast path looked batch-invariant: the needle test would be blind"
+    with pytest.raises(InvalidRequestError, match="deterministic"):
+        llm.generate([TARGET_PROMPT], target_params(0.0), use_tqdm=False)
+
+
+def test_forced_rollbacks_and_modes(flat_model: str) -> None:
+    target = target_params(0.8)
+    base = detspec.LLM(flat_model, verify_window=2, verify_group=2, num_kv_pages=512)
+    want = fingerprint_bits(base.generate([TARGET_PROMPT], target, use_tqdm=False)[0])
+    for share in (0.1, 0.5, 1.0):
+        llm = detspec.LLM(
+            flat_model, verify_window=2, verify_group=2, num_kv_pages=512, fault_injection=share
+        )
+        out = llm.generate([TARGET_PROMPT], target, use_tqdm=False)[0]
+        assert fingerprint_bits(out) == want, f"fault_injection={share}"
+        assert out.metrics["num_rollbacks"] > 0
+    assert "-dvr-w2-b2" in base.fingerprint
+    inv = detspec.LLM(flat_model, determinism="batch_invariant", num_kv_pages=512)
+    assert "batch_invariant" in inv.fingerprint
+    a = fingerprint_bits(inv.generate([TARGET_PROMPT], target, use_tqdm=False)[0])
+    b = run_in_haystack(inv, target, 3, det=True)
+    assert a == b, "batch_invariant mode must be reproducible inside a batch"
+    with pytest.raises(InvalidRequestError, match="determinism"):
+        detspec.LLM(flat_model, determinism="sometimes")
+
+
+async def test_requests_joining_mid_decode(flat_model: str) -> None:
+    target = target_params(0.8)
+    engine = AsyncLLM(flat_model, verify_window=8, verify_group=4, num_kv_pages=1024)
+    try:
+
+        async def run(prompt, params, rid):
+            last = None
+            async for out in engine.generate(prompt, params, request_id=rid):
+                last = out
+            return last
+
+        solo = fingerprint_bits(await run(TARGET_PROMPT, target, "solo"))
+        rng = np.random.default_rng(11)
+        tasks = []
+        for i in range(12):
+            prompt = [int(x) for x in rng.integers(3, 900, size=int(rng.integers(1, 60)))]
+            sp = SamplingParams(
+                temperature=1.0, seed=i, max_tokens=30, ignore_eos=True, deterministic=i % 2 == 0
+            )
+            tasks.append(asyncio.create_task(run(prompt, sp, f"bg{i}")))
+            if i == 6:
+                tasks.append(asyncio.create_task(run(TARGET_PROMPT, target, "needle")))
+            await asyncio.sleep(0.002)
+        results = await asyncio.gather(*tasks)
+        needle = next(r for r in results if r.request_id == "needle")
+        assert fingerprint_bits(needle) == solo
+    finally:
+        engine.shutdown()
