@@ -54,7 +54,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     if prompts.is_empty() {
         prompts.push("The quick brown fox".into());
     }
-    let mut engine = Engine::from_model_dir(&dir, EngineConfig::default())?;
+    let engine = Engine::from_model_dir(&dir, EngineConfig::default())?;
     let requests = prompts
         .iter()
         .enumerate()

@@ -169,6 +169,9 @@ pub fn params_from_dict(py: Python<'_>, d: &Bound<'_, PyDict>) -> PyResult<Sampl
     Ok(p)
 }
 
+/// `(token, logprob, rank, top)` as Python receives it.
+type LogprobTuple = (u32, f32, u32, Vec<(u32, f32)>);
+
 pub fn output_to_py<'py>(py: Python<'py>, o: &RequestOutput) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     d.set_item("request_id", &o.request_id)?;
@@ -201,7 +204,7 @@ pub fn output_to_py<'py>(py: Python<'py>, o: &RequestOutput) -> PyResult<Bound<'
             Some(StopReason::Text(s)) => cd.set_item("stop_reason", s)?,
             None => cd.set_item("stop_reason", py.None())?,
         }
-        let lps: Vec<(u32, f32, u32, Vec<(u32, f32)>)> = c
+        let lps: Vec<LogprobTuple> = c
             .logprobs
             .iter()
             .map(|l| (l.token, l.logprob, l.rank, l.top.clone()))

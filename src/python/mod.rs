@@ -44,6 +44,9 @@ fn run_detached<T: Send>(
     }
 }
 
+/// `(request_id, output dict, exception)` as returned by `OutputQueue.next_outputs`.
+type QueueItem<'py> = (String, Option<Bound<'py, PyDict>>, Option<Py<PyAny>>);
+
 /// A stream of outputs from any number of requests (one per `LLM.generate` call, one per
 /// `AsyncLLM`). The engine thread pushes events; `next_outputs` blocks without the GIL.
 #[pyclass(name = "OutputQueue", module = "detspec._core")]
@@ -73,7 +76,7 @@ impl PyOutputQueue {
         &self,
         py: Python<'py>,
         timeout: Option<f64>,
-    ) -> PyResult<Vec<(String, Option<Bound<'py, PyDict>>, Option<Py<PyAny>>)>> {
+    ) -> PyResult<Vec<QueueItem<'py>>> {
         let rx = self.rx.clone();
         let events: Vec<StreamEvent> = py.detach(move || {
             let first = match timeout {
