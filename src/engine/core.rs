@@ -719,10 +719,8 @@ impl EngineCore {
             seq.stop_reason = None;
         }
         seq.emitted = idx.max(seq.emitted);
-        if idx == from && seq.finish.is_none() {
-            return Ok(None);
-        }
-        if idx == from && seq.finish.is_some() && seq.verified < seq.output.len() {
+        let finished = seq.finish.is_some() && seq.verified == seq.output.len();
+        if idx == from && !finished {
             return Ok(None);
         }
         let seq: &Sequence = seq;
