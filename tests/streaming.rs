@@ -252,3 +252,54 @@ fn bad_request_fails_alone_and_shutdown_aborts_in_flight() {
         .add_request(Request::new("late", vec![1], SamplingParams::default()))
         .is_err());
 }
+
+#[test]
+fn prefix_cache_reuses_pages_and_keeps_outputs() {
+    let shared = prompt(500, 96);
+    let mut long = shared.clone();
+    long.extend(prompt(501, 20));
+    let params = SamplingParams {
+        temperature: 0.0,
+        max_tokens: 16,
+        ignore_eos: true,
+        logprobs: Some(2),
+        ..Default::default()
+    };
+    let reqs = |tag: &str| {
+        vec![Request::new(
+            format!("{tag}-b"),
+            long.clone(),
+            params.clone(),
+        )]
+    };
+    let cached = engine(EngineConfig {
+        num_kv_pages: Some(256),
+        ..Default::default()
+    });
+    let plain = engine(EngineConfig {
+        num_kv_pages: Some(256),
+        enable_prefix_caching: false,
+        ..Default::default()
+    });
+    cached
+        .generate(vec![Request::new("warm", shared.clone(), params.clone())])
+        .unwrap();
+    let before = cached.kv_stats().unwrap();
+    let got = cached.generate(reqs("c")).unwrap();
+    let after = cached.kv_stats().unwrap();
+    assert!(
+        after.prefix_hits > before.prefix_hits,
+        "the shared 96-token prefix should hit: {after:?}"
+    );
+    assert!(after.cached_pages >= 96 / 16);
+    let want = plain.generate(reqs("p")).unwrap();
+    assert_greedy_agrees(&got[0], &want[0]);
+    assert_eq!(plain.kv_stats().unwrap().prefix_hits, 0);
+    // Everything not held by a request is free or evictable.
+    let s = cached.kv_stats().unwrap();
+    assert_eq!(
+        s.free_pages + s.evictable_pages + s.pinned_pages,
+        s.total_pages,
+        "{s:?}"
+    );
+}

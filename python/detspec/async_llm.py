@@ -38,6 +38,8 @@ class AsyncLLM(_EngineClient):
         verify_window: int = 64,
         verify_group: int = 8,
         fault_injection: float = 0.0,
+        enable_prefix_caching: bool = True,
+        num_threads: int | None = None,
     ) -> None:
         self.model, self._engine = _make_engine(
             model,
@@ -54,6 +56,8 @@ class AsyncLLM(_EngineClient):
                 verify_window,
                 verify_group,
                 fault_injection,
+                enable_prefix_caching,
+                num_threads,
             ),
         )
         self._init_client()

@@ -69,8 +69,12 @@ def _engine_kwargs(
     verify_window: int = 64,
     verify_group: int = 8,
     fault_injection: float = 0.0,
+    enable_prefix_caching: bool = True,
+    num_threads: int | None = None,
 ) -> dict[str, Any]:
     return {
+        "enable_prefix_caching": enable_prefix_caching,
+        "num_threads": num_threads,
         "determinism": determinism,
         "verify_window": verify_window,
         "verify_group": verify_group,
@@ -127,6 +131,11 @@ class _EngineClient:
         """``(free, total)`` KV-cache pages."""
         return self._engine.kv_pages()
 
+    def kv_stats(self) -> dict[str, float]:
+        """KV pool and prefix cache: total/free/used/cached/evictable pages, prefix queries,
+        hits and hit rate."""
+        return self._engine.kv_stats()
+
     def stats(self) -> dict[str, int]:
         """Engine-wide counters: verify passes, rollbacks, rolled-back tokens, padded verify
         rows, preemptions."""
@@ -167,6 +176,8 @@ class LLM(_EngineClient):
         verify_window: int = 64,
         verify_group: int = 8,
         fault_injection: float = 0.0,
+        enable_prefix_caching: bool = True,
+        num_threads: int | None = None,
     ) -> None:
         self.model, self._engine = _make_engine(
             model,
@@ -183,6 +194,8 @@ class LLM(_EngineClient):
                 verify_window,
                 verify_group,
                 fault_injection,
+                enable_prefix_caching,
+                num_threads,
             ),
         )
         self._init_client()

@@ -63,6 +63,9 @@ pub struct EngineConfig {
     pub fault_injection: f64,
     /// Worker threads for the engine's kernels; `None` uses rayon's global pool.
     pub num_threads: Option<usize>,
+    /// Reuse KV pages of earlier prompts with the same prefix (never for deterministic
+    /// requests, whose prefill must run alone).
+    pub enable_prefix_caching: bool,
 }
 
 impl Default for EngineConfig {
@@ -80,6 +83,7 @@ impl Default for EngineConfig {
             verify_group: 8,
             fault_injection: 0.0,
             num_threads: None,
+            enable_prefix_caching: true,
         }
     }
 }

@@ -14,7 +14,7 @@ use rayon::prelude::*;
 
 use crate::config::{DeterminismMode, EngineConfig, ModelConfig};
 use crate::error::{DetspecError, Result};
-use crate::kv::{BlockTable, KvPool, PageAllocator, SimpleAllocator};
+use crate::kv::{BlockTable, KvManager, KvPool, KvStats, PageAllocator};
 use crate::model::{ForwardBatch, Model};
 use crate::ops::{AttentionMetadata, AttentionSchedule};
 use crate::output::{FinishReason, RequestMetrics, StopReason, TokenLogprobs};
@@ -62,7 +62,7 @@ pub struct EngineCore {
     model: Model,
     tokenizer: Option<Arc<Tokenizer>>,
     kv: KvPool,
-    alloc: Arc<dyn PageAllocator>,
+    alloc: Arc<KvManager>,
     cfg: EngineConfig,
     info: Arc<ModelInfo>,
     sched: Scheduler,
@@ -143,10 +143,18 @@ impl EngineCore {
             cfg.verify_window,
             cfg.verify_group,
         );
-        let alloc: Arc<dyn PageAllocator> = Arc::new(SimpleAllocator::new(num_pages));
-        let trash_page = alloc.allocate().ok_or_else(|| {
-            DetspecError::param("num_kv_pages", "the pool needs at least 2 pages")
-        })?;
+        let alloc = Arc::new(KvManager::new(
+            num_pages,
+            cfg.page_size,
+            cfg.enable_prefix_caching,
+        )?);
+        let trash_page = alloc
+            .reserve_pinned(1)
+            .ok()
+            .and_then(|p| p.first().copied())
+            .ok_or_else(|| {
+                DetspecError::param("num_kv_pages", "the pool needs at least 2 pages")
+            })?;
         let sched = Scheduler::new(SchedulerLimits {
             max_num_seqs: cfg.max_num_seqs,
             max_num_batched_tokens: cfg.max_num_batched_tokens,
@@ -192,6 +200,11 @@ impl EngineCore {
 
     pub fn stats(&self) -> EngineStats {
         self.stats
+    }
+
+    /// Page pool and prefix-cache statistics.
+    pub fn kv_stats(&self) -> KvStats {
+        self.alloc.stats()
     }
 
     pub fn num_threads(&self) -> Option<usize> {
@@ -375,7 +388,10 @@ impl EngineCore {
 
     /// Runs one step and returns the events it produced.
     pub fn step(&mut self) -> Vec<StreamEvent> {
-        let mut plan = self.sched.plan(self.alloc.as_ref());
+        let kv = self.alloc.clone();
+        let mut plan = self
+            .sched
+            .plan(self.alloc.as_ref(), &|tokens| kv.lookup_prefix(tokens));
         let mut events = Vec::new();
         for (seq, err) in plan.failed.drain(..) {
             self.extra.remove(&seq.id);
@@ -449,6 +465,7 @@ impl EngineCore {
             }
         }
         self.sched.mark_computed(plan);
+        self.cache_prompt_pages(plan);
         let eos = self.info.eos_token_ids.clone();
         let sched = &self.sched;
         // Each row's sample depends only on its own logits and (seed, position).
@@ -502,6 +519,28 @@ impl EngineCore {
             self.extra.remove(&s.id);
         }
         Ok(events)
+    }
+
+    /// Registers the full prompt pages of sequences whose prefill completed this step in the
+    /// prefix cache. Prompt KV is never rewritten (verification and rollback only touch
+    /// positions past the prompt), so sharing it is safe.
+    fn cache_prompt_pages(&self, plan: &StepPlan) {
+        if !self.cfg.enable_prefix_caching {
+            return;
+        }
+        let ps = self.cfg.page_size;
+        for e in plan.entries.iter().chain(&plan.isolated) {
+            let Some(seq) = self.sched.get(e.seq) else {
+                continue;
+            };
+            let l = seq.prompt.len();
+            if e.start < l && e.start + e.len >= l {
+                let full = l / ps;
+                if let Some(pages) = seq.block_table.pages().get(..full) {
+                    self.alloc.insert_prefix(&seq.prompt[..full * ps], pages);
+                }
+            }
+        }
     }
 
     /// Whether a deterministic sequence should be verified now: a full window of speculative

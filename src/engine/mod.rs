@@ -22,6 +22,7 @@ use crossbeam::channel::{unbounded, Receiver, Sender};
 
 use crate::config::EngineConfig;
 use crate::error::{DetspecError, Result};
+use crate::kv::KvStats;
 use crate::output::RequestOutput;
 use crate::request::Request;
 use crate::tokenizer::Tokenizer;
@@ -38,6 +39,7 @@ enum Command {
     PromptLogits(Vec<Vec<u32>>, Reply<Vec<Vec<Vec<f32>>>>),
     KvPages(Sender<(usize, usize)>),
     Stats(Sender<EngineStats>),
+    KvStats(Sender<KvStats>),
     Shutdown,
 }
 
@@ -195,6 +197,13 @@ impl Engine {
         rx.recv().map_err(|_| DetspecError::EngineStopped)
     }
 
+    /// KV page pool and prefix-cache statistics.
+    pub fn kv_stats(&self) -> Result<KvStats> {
+        let (tx, rx) = unbounded();
+        self.send(Command::KvStats(tx))?;
+        rx.recv().map_err(|_| DetspecError::EngineStopped)
+    }
+
     /// `(free, total)` KV pages.
     pub fn kv_pages(&self) -> Result<(usize, usize)> {
         let (tx, rx) = unbounded();
@@ -259,6 +268,9 @@ fn engine_loop(mut core: EngineCore, commands: Receiver<Command>) {
                 }
                 Command::Stats(reply) => {
                     let _ = reply.send(core.stats());
+                }
+                Command::KvStats(reply) => {
+                    let _ = reply.send(core.kv_stats());
                 }
                 Command::Shutdown => shutdown = true,
             }

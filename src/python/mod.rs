@@ -149,7 +149,7 @@ impl PyEngine {
 #[pymethods]
 impl PyEngine {
     #[new]
-    #[pyo3(signature = (model_dir, *, page_size=16, num_kv_pages=None, kv_cache_bytes=None, max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=None, max_prefill_chunk=None, determinism="dvr", verify_window=64, verify_group=8, fault_injection=0.0))]
+    #[pyo3(signature = (model_dir, *, page_size=16, num_kv_pages=None, kv_cache_bytes=None, max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=None, max_prefill_chunk=None, determinism="dvr", verify_window=64, verify_group=8, fault_injection=0.0, enable_prefix_caching=true, num_threads=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -165,6 +165,8 @@ impl PyEngine {
         verify_window: usize,
         verify_group: usize,
         fault_injection: f64,
+        enable_prefix_caching: bool,
+        num_threads: Option<usize>,
     ) -> PyResult<Self> {
         let determinism = DeterminismMode::parse(determinism).map_err(|e| to_pyerr(py, e))?;
         let mut cfg = EngineConfig {
@@ -178,6 +180,8 @@ impl PyEngine {
             verify_window,
             verify_group,
             fault_injection,
+            enable_prefix_caching,
+            num_threads,
             ..Default::default()
         };
         if let Some(b) = kv_cache_bytes {
@@ -284,6 +288,23 @@ impl PyEngine {
     /// `(free, total)` KV pages.
     fn kv_pages(&self, py: Python<'_>) -> PyResult<(usize, usize)> {
         self.call(py, |e| e.kv_pages())
+    }
+
+    /// KV page pool and prefix-cache statistics.
+    fn kv_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.call(py, |e| e.kv_stats())?;
+        let d = PyDict::new(py);
+        d.set_item("total_pages", s.total_pages)?;
+        d.set_item("free_pages", s.free_pages)?;
+        d.set_item("used_pages", s.used_pages)?;
+        d.set_item("cached_pages", s.cached_pages)?;
+        d.set_item("evictable_pages", s.evictable_pages)?;
+        d.set_item("pinned_pages", s.pinned_pages)?;
+        d.set_item("page_size", s.page_size)?;
+        d.set_item("prefix_queries", s.prefix_queries)?;
+        d.set_item("prefix_hits", s.prefix_hits)?;
+        d.set_item("hit_rate", s.hit_rate)?;
+        Ok(d)
     }
 
     /// Engine-wide counters: verify passes, rollbacks, rolled-back tokens, padded rows,

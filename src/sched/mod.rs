@@ -15,7 +15,7 @@ pub use sequence::{DvrStats, Sequence, SequenceId};
 use std::collections::VecDeque;
 
 use crate::error::DetspecError;
-use crate::kv::PageAllocator;
+use crate::kv::{BlockTable, PageAllocator, PageId};
 
 /// One sequence's share of a step: rows `start..start + len` of its tokens.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -133,8 +133,13 @@ impl Scheduler {
         self.waiting.push_front(seq);
     }
 
-    /// Builds the next step.
-    pub fn plan(&mut self, alloc: &dyn PageAllocator) -> StepPlan {
+    /// Builds the next step. `lookup_prefix` returns cached pages (with a reference taken)
+    /// holding the longest cached prefix of a token list.
+    pub fn plan(
+        &mut self,
+        alloc: &dyn PageAllocator,
+        lookup_prefix: &dyn Fn(&[u32]) -> Vec<PageId>,
+    ) -> StepPlan {
         let l = self.limits;
         let mut plan = StepPlan::default();
         let mut budget = l.max_num_batched_tokens;
@@ -222,6 +227,16 @@ impl Scheduler {
                 self.running.push(seq);
                 continue;
             }
+            if seq.num_computed == 0 && seq.block_table.pages().is_empty() && !seq.deterministic {
+                // Reuse cached pages of the prompt, keeping at least one token to compute so
+                // the last row yields logits.
+                let all: Vec<u32> = seq.prompt.iter().chain(&seq.output).copied().collect();
+                let pages = lookup_prefix(&all[..all.len() - 1]);
+                if !pages.is_empty() {
+                    seq.num_computed = pages.len() * l.page_size;
+                    seq.block_table = BlockTable::from_shared_pages(pages, l.page_size);
+                }
+            }
             let remaining = seq.len() - seq.num_computed;
             let len = remaining.min(budget).min(l.max_prefill_chunk);
             if seq
@@ -229,6 +244,9 @@ impl Scheduler {
                 .reserve(seq.num_computed + len, l.page_size, alloc)
                 .is_err()
             {
+                // Not admitted after all: give back any cached pages it was handed.
+                seq.block_table.free(alloc);
+                seq.num_computed = 0;
                 if self.running.is_empty() {
                     if let Some(seq) = self.waiting.pop_front() {
                         let err = DetspecError::OutOfPages {
