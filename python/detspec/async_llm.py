@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from detspec import _core
+from detspec.errors import InvalidRequestError
 from detspec.llm import PromptType, _engine_kwargs, _EngineClient, _make_engine, _normalise_prompts
 from detspec.outputs import RequestOutput
 from detspec.sampling_params import SamplingParams
@@ -78,9 +79,14 @@ class AsyncLLM(_EngineClient):
 
     def _dispatch(self) -> None:
         """Moves outputs from the engine to each request's asyncio queue. Blocks in Rust
-        (without the GIL) while nothing happens; wakes once a second to notice shutdown."""
-        while not self._closed:
-            for rid, d, exc in self._queue.next_outputs(1.0):
+        (without the GIL) while nothing happens; wakes once a second to notice shutdown, and
+        after shutdown drains what is left (the abort outputs) before exiting."""
+        while True:
+            closed = self._closed
+            outs = self._queue.next_outputs(0.05 if closed else 1.0)
+            if closed and not outs:
+                return
+            for rid, d, exc in outs:
                 with self._lock:
                     target = self._streams.get(rid)
                 if target is None:
@@ -108,6 +114,12 @@ class AsyncLLM(_EngineClient):
         rid = request_id if request_id is not None else self._new_request_id()
         q: asyncio.Queue[Any] = asyncio.Queue()
         with self._lock:
+            if rid in self._streams:
+                # Checked before anything is registered, so the running request with this id
+                # is neither detached from its consumer nor aborted.
+                raise InvalidRequestError(
+                    f"invalid request `{rid}`: a request with this id is already running"
+                )
             self._streams[rid] = (asyncio.get_running_loop(), q)
         self._ensure_dispatcher()
         finished = False
@@ -134,7 +146,8 @@ class AsyncLLM(_EngineClient):
         self._engine.abort(request_id)
 
     def shutdown(self) -> None:
+        """Stops the engine; in-flight streams end with finish_reason "abort"."""
+        super().shutdown()  # joins the engine thread: every abort output is queued by now
         self._closed = True
-        super().shutdown()
         if self._dispatcher is not None:
             self._dispatcher.join(timeout=5)
