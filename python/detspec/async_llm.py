@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from detspec import _core
-from detspec.errors import InvalidRequestError
+from detspec.errors import DetspecError, InvalidRequestError
 from detspec.llm import PromptType, _engine_kwargs, _EngineClient, _make_engine, _normalise_prompts
 from detspec.outputs import RequestOutput
 from detspec.sampling_params import SamplingParams
@@ -106,8 +106,6 @@ class AsyncLLM(_EngineClient):
     ) -> AsyncIterator[RequestOutput]:
         """Streams cumulative outputs of one request."""
         if self._closed:
-            from detspec.errors import DetspecError
-
             raise DetspecError("engine is shut down")
         (p,) = _normalise_prompts([prompt])
         params = sampling_params or SamplingParams()
@@ -139,7 +137,10 @@ class AsyncLLM(_EngineClient):
             with self._lock:
                 self._streams.pop(rid, None)
             if not finished:
-                self._engine.abort(rid)
+                try:
+                    self._engine.abort(rid)
+                except DetspecError:  # already shut down: nothing left to abort
+                    pass
 
     async def abort(self, request_id: str) -> None:
         """Aborts a request; its stream ends with finish_reason "abort"."""

@@ -725,7 +725,7 @@ impl EngineCore {
         while idx < seq.verified {
             let token = seq.output[idx];
             if let (Some(tok), Some(ts)) = (tok, extra.as_mut().and_then(|x| x.text.as_mut())) {
-                let up = ts.push(tok, token)?;
+                let up = ts.push(tok, token, idx + 1 >= seq.params.min_tokens)?;
                 delta.push_str(&up.delta);
                 if let Some(stop) = up.stop {
                     finish = Some((FinishReason::Stop, Some(StopReason::Text(stop))));

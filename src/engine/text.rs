@@ -31,12 +31,13 @@ impl TextState {
         }
     }
 
-    /// Feeds one generated token.
-    pub fn push(&mut self, tok: &Tokenizer, token: u32) -> Result<TextUpdate> {
+    /// Feeds one generated token; stop strings are only matched when `check_stop` (vLLM does
+    /// not stop on them before `min_tokens`).
+    pub fn push(&mut self, tok: &Tokenizer, token: u32, check_stop: bool) -> Result<TextUpdate> {
         let delta = self.detok.push(tok, token)?;
         self.text.push_str(&delta);
         let mut stop = None;
-        if let Some(m) = self.stop.check(&self.text, delta.len()) {
+        if let Some(m) = self.stop.check(&self.text, delta.len()).filter(|_| check_stop) {
             self.text.truncate(m.truncate_at);
             stop = Some(m.stop);
         }

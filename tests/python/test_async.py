@@ -82,10 +82,15 @@ async def test_32_concurrent_streams_every_token_once_in_order(engine, llm_facto
     max_tokens = [int(n) for n in np.random.default_rng(32).integers(4, 33, size=32)]
     params = [greedy(n) for n in max_tokens]
     streams = await asyncio.gather(
-        *(collect(engine, p, sp, f"stream-{i}") for i, (p, sp) in enumerate(zip(prompts, params)))
+        *(
+            collect(engine, p, sp, f"stream-{i}")
+            for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
+        )
     )
     reference = llm_factory("llama").generate(prompts, params, use_tqdm=False)
 
+    # outputs really stream: most requests arrive in several snapshots
+    assert sum(len(snaps) for snaps in streams) > 2 * len(streams)
     notes = []
     for i, (snaps, ref, n) in enumerate(zip(streams, reference, max_tokens, strict=True)):
         assert snaps, f"stream {i} yielded nothing"
@@ -278,28 +283,66 @@ def test_idle_llm_uses_no_cpu(llm_factory, token_prompts):
 
 
 async def test_shutdown_aborts_in_flight_streams(model_dir):
-    engine = AsyncLLM(model_dir)
-    prompts = ragged_prompts(3, seed=41, max_len=20)
-    firsts = [asyncio.Event() for _ in prompts]
+    """shutdown() ends every in-flight stream with finish_reason "abort". Repeated with
+    different timings: the stream ends must not depend on where the engine is in a step."""
+    for trial in range(8):
+        engine = AsyncLLM(model_dir)
+        prompts = ragged_prompts(6, seed=41 + trial, max_len=20)
+        firsts = [asyncio.Event() for _ in prompts]
 
-    async def consume(i):
+        async def consume(i, engine=engine, prompts=prompts, firsts=firsts):
+            outs = []
+            async for out in engine.generate(prompts[i], greedy(240), request_id=f"sd-{i}"):
+                outs.append(out)
+                firsts[i].set()
+            return outs
+
+        tasks = [asyncio.create_task(consume(i)) for i in range(len(prompts))]
+        await asyncio.wait_for(asyncio.gather(*(f.wait() for f in firsts)), TIMEOUT)
+        await asyncio.sleep(0.002 * trial)
+        engine.shutdown()
+        done, pending = await asyncio.wait(tasks, timeout=5.0)
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        assert not pending, (
+            f"trial {trial}: {len(pending)} of {len(tasks)} streams never ended after shutdown()"
+        )
+        for t in done:
+            outs = t.result()
+            assert outs[-1].finished
+            assert outs[-1].outputs[0].finish_reason == "abort"
+            assert len(outs[-1].outputs[0].token_ids) < 240
+        with pytest.raises(DetspecError):
+            async for _ in engine.generate(prompts[0], greedy(2), request_id="after"):
+                pass
+
+
+async def test_duplicate_request_id_fails_only_the_duplicate(engine):
+    """A second stream with the id of a running request is rejected; the first stream is
+    not disturbed (it keeps its outputs and completes)."""
+    started = asyncio.Event()
+
+    async def first():
         outs = []
-        async for out in engine.generate(prompts[i], greedy(240), request_id=f"sd-{i}"):
+        async for out in engine.generate([3, 4, 5], greedy(120), request_id="dup"):
             outs.append(out)
-            firsts[i].set()
+            started.set()
         return outs
 
-    tasks = [asyncio.create_task(asyncio.wait_for(consume(i), TIMEOUT)) for i in range(3)]
-    await asyncio.wait_for(asyncio.gather(*(f.wait() for f in firsts)), TIMEOUT)
-    engine.shutdown()
-    results = await asyncio.gather(*tasks)
-    for outs in results:
-        assert outs[-1].finished
-        assert outs[-1].outputs[0].finish_reason == "abort"
-        assert len(outs[-1].outputs[0].token_ids) < 240
-    with pytest.raises(DetspecError):
-        async for _ in engine.generate(prompts[0], greedy(2), request_id="after"):
+    task = asyncio.create_task(first())
+    await asyncio.wait_for(started.wait(), TIMEOUT)
+    with pytest.raises(InvalidRequestError, match="already running"):
+        async for _ in engine.generate([6, 7], greedy(4), request_id="dup"):
             pass
+    done, _ = await asyncio.wait([task], timeout=5.0)
+    if not done:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert done, "the first stream with the id never finished"
+    outs = task.result()
+    assert outs[-1].outputs[0].finish_reason == "length"
+    assert len(outs[-1].outputs[0].token_ids) == 120
 
 
 def test_llm_shutdown_then_generate_fails(model_dir):
