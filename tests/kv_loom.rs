@@ -169,3 +169,43 @@ fn concurrent_double_release_is_refused() {
         assert_eq!(a.num_free(), 2);
     });
 }
+
+/// The orderings themselves: page contents (modelled by loom `UnsafeCell`s, which loom checks for
+/// unsynchronised access) written by one holder and read by a sharer must be safely reusable by
+/// the next owner, with no synchronisation other than the allocator's own atomics. Weakening the
+/// `Release` decrement, the `Acquire` fence or the `Acquire` claim makes loom report a race here.
+#[test]
+fn page_contents_are_handed_over_without_races() {
+    use loom::cell::UnsafeCell;
+    model(|| {
+        let a = Arc::new(AtomicAllocator::new(1));
+        let kv: Arc<Vec<UnsafeCell<u64>>> = Arc::new(vec![UnsafeCell::new(0)]);
+        let p = a.allocate().unwrap();
+        // SAFETY (of the test's own accesses): loom checks every access below for races.
+        kv[p as usize].with_mut(|v| unsafe { *v = 1 });
+        a.share(p);
+        let reader = {
+            let (a, kv) = (a.clone(), kv.clone());
+            thread::spawn(move || {
+                let seen = kv[p as usize].with(|v| unsafe { *v });
+                assert_eq!(seen, 1);
+                a.release(p);
+            })
+        };
+        let next_owner = {
+            let (a, kv) = (a.clone(), kv.clone());
+            thread::spawn(move || {
+                if let Some(q) = a.allocate() {
+                    kv[q as usize].with_mut(|v| unsafe { *v = 2 });
+                    a.release(q);
+                }
+            })
+        };
+        let seen = kv[p as usize].with(|v| unsafe { *v });
+        assert!(seen == 1);
+        a.release(p);
+        reader.join().unwrap();
+        next_owner.join().unwrap();
+        assert_eq!(a.num_free(), 1);
+    });
+}

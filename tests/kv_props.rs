@@ -329,8 +329,8 @@ fn check(m: &KvManager, model: &Model, seqs: &[Seq]) {
             );
         }
     }
-    for p in 0..NUM_PAGES {
-        let mut want: Vec<Holder> = model.holders[p].clone();
+    for (p, (held_by_seqs, holders)) in seq_holders.iter_mut().zip(&model.holders).enumerate() {
+        let mut want: Vec<Holder> = holders.clone();
         assert_eq!(
             m.ref_count(p as PageId) as usize,
             want.len(),
@@ -338,12 +338,9 @@ fn check(m: &KvManager, model: &Model, seqs: &[Seq]) {
         );
         want.retain(|&h| h != Holder::Cache);
         want.sort();
-        seq_holders[p].sort();
-        assert_eq!(seq_holders[p], want, "owners of page {p}");
-        assert_eq!(
-            m.is_cached(p as PageId),
-            model.holders[p].contains(&Holder::Cache)
-        );
+        held_by_seqs.sort();
+        assert_eq!(*held_by_seqs, want, "owners of page {p}");
+        assert_eq!(m.is_cached(p as PageId), holders.contains(&Holder::Cache));
     }
     let st = m.stats();
     let free = model.num_free();

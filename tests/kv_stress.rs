@@ -19,7 +19,7 @@ use crossbeam::channel;
 use detspec::kv::{AtomicAllocator, KvManager, PageAllocator, PageId, SimpleAllocator};
 
 const THREADS: usize = 4;
-const OPS_PER_THREAD: usize = 50_000;
+const OPS_PER_THREAD: usize = 200_000;
 const PAGES: usize = 96;
 
 struct Tracker {
@@ -69,7 +69,7 @@ fn next(x: &mut u64) -> u64 {
     x.wrapping_mul(0x2545_F491_4F6C_DD1D)
 }
 
-fn stress(a: &dyn PageAllocator) {
+fn stress(a: &dyn PageAllocator, min_allocs: usize) {
     let t = Tracker::new(a.num_total());
     let (tx, rx) = channel::bounded::<PageId>(64);
     let start = Barrier::new(THREADS);
@@ -140,7 +140,7 @@ fn stress(a: &dyn PageAllocator) {
     let (allocs, frees) = (t.allocs.into_inner(), t.frees.into_inner());
     assert_eq!(allocs, frees);
     assert!(
-        allocs > OPS_PER_THREAD,
+        allocs >= min_allocs,
         "too few allocations ({allocs}) to mean anything"
     );
     eprintln!(
@@ -151,28 +151,28 @@ fn stress(a: &dyn PageAllocator) {
 
 #[test]
 fn stress_atomic_allocator() {
-    stress(&AtomicAllocator::new(PAGES));
+    stress(&AtomicAllocator::new(PAGES), OPS_PER_THREAD);
 }
 
 #[test]
 fn stress_atomic_allocator_small_pool() {
     // Mostly exhausted: exercises the reservation / rescan paths.
-    stress(&AtomicAllocator::new(5));
+    stress(&AtomicAllocator::new(5), 2_000);
 }
 
 #[test]
 fn stress_atomic_allocator_multi_word() {
-    stress(&AtomicAllocator::new(1000));
+    stress(&AtomicAllocator::new(1000), OPS_PER_THREAD);
 }
 
 #[test]
 fn stress_simple_allocator() {
-    stress(&SimpleAllocator::new(PAGES));
+    stress(&SimpleAllocator::new(PAGES), OPS_PER_THREAD);
 }
 
 #[test]
 fn stress_kv_manager() {
     let m = KvManager::new(PAGES, 16, true).expect("manager");
-    stress(&m);
+    stress(&m, OPS_PER_THREAD);
     assert_eq!(m.stats().free_pages, PAGES);
 }

@@ -21,7 +21,7 @@
 use std::collections::BTreeSet;
 use std::sync::Mutex;
 
-use self::sync::{fence, spin_hint, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use self::sync::{fence, AtomicU32, AtomicU64, Ordering};
 
 /// Physical page index into the KV pool.
 pub type PageId = u32;
@@ -81,18 +81,9 @@ pub trait PageAllocator: Send + Sync {
 /// `--cfg loom` so that `tests/kv_loom.rs` can explore every interleaving of the core.
 mod sync {
     #[cfg(loom)]
-    pub use loom::sync::atomic::{fence, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+    pub use loom::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
     #[cfg(not(loom))]
-    pub use std::sync::atomic::{fence, AtomicU32, AtomicU64, AtomicUsize, Ordering};
-
-    /// Called when a retry loop found nothing; loom needs an explicit yield to make progress.
-    #[inline]
-    pub fn spin_hint() {
-        #[cfg(loom)]
-        loom::thread::yield_now();
-        #[cfg(not(loom))]
-        std::hint::spin_loop();
-    }
+    pub use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 }
 
 /// Lock-free allocator: atomic bitmap + atomic reference counts.
@@ -103,48 +94,50 @@ mod sync {
 ///   construction so they are never handed out.
 /// * `refs`: one `AtomicU32` per page; 0 exactly when the page is free (or in the middle of being
 ///   allocated / freed, see below).
-/// * `available`: how many pages `allocate` may still take. A caller first *reserves* one unit
-///   here (a CAS that never goes below 0), then claims a bit. A release clears its bit *before*
-///   giving the unit back, so every reservation is backed by a clear bit: the claim loop always
-///   finds one (it may have to rescan when another reserver took the bit it saw, but then that
-///   reserver made progress, so the structure is lock-free). Reserving first also makes an empty
-///   pool answer `None` in O(1) instead of scanning the bitmap.
+///
+/// An `allocate` + `release` pair costs three atomic read-modify-writes (claim bit, decrement,
+/// clear bit) and no shared counter: an earlier version also kept an atomic free-page counter
+/// (reserve a unit, then claim a bit) and was ~2x slower single-threaded and worse under
+/// contention, because every operation on any page then hit one global cache line. Without it,
+/// [`PageAllocator::num_free`] counts zero bits (O(pages / 64) relaxed loads), which is fine for
+/// its callers (admission decisions, stats), and an empty pool is detected by one scan.
 ///
 /// # Lowest free id
 ///
 /// The claim scans words from 0 and takes the lowest zero bit with `fetch_or`. In single-threaded
 /// use this is exactly "lowest free id", the same policy as [`SimpleAllocator`], so the same call
 /// sequence yields the same page ids. Under concurrency each call still gets *a* free page, and
-/// ids depend on the interleaving (nothing can do better).
+/// ids depend on the interleaving (nothing can do better). A call may return `None` while a
+/// release in an already-scanned word is completing concurrently; that is indistinguishable from
+/// the release landing just after the call.
 ///
 /// # Memory orderings
 ///
 /// Pages guard KV memory that is written outside the allocator (tensor writes), so a page's reuse
 /// must happen-after everything its previous holders did with it, exactly like `Arc` drop:
 ///
-/// * `try_release` decrements with `Release`; the thread that takes the count 1 → 0 then issues an
-///   `Acquire` fence, so all holders' writes happen-before the freeing thread's next step (the
-///   same reasoning as `Arc::drop`). It clears the bit with `Release` and returns the
-///   reservation unit with `Release`.
-/// * `allocate` reserves with `Acquire` (pairs with the releaser's unit return, so the cleared bit
-///   is already visible and the scan finds it without spinning) and claims the bit with `Acquire`
-///   (pairs with the freeing `fetch_and`; RMWs on one word form a release sequence, so this holds
-///   even if other claims touched the word in between). Hence the previous holders' KV writes
-///   happen-before the new owner's.
+/// * `try_release` decrements with `Release`; the thread that takes the count 1 -> 0 then issues
+///   an `Acquire` fence, so every holder's accesses happen-before the freeing thread's next step
+///   (the same reasoning as `Arc::drop`). It then clears the bit with `Release`.
+/// * `allocate` claims the bit with `Acquire`, pairing with that `Release` clear (RMWs on one word
+///   form a release sequence, so this holds even when other claims or clears touched the word in
+///   between). Hence all previous holders' KV accesses happen-before the new owner's.
+///   `tests/kv_loom.rs` checks exactly this with loom `UnsafeCell`s standing in for KV memory,
+///   and fails if the decrement is weakened to `Relaxed`.
 /// * The new owner stores ref count 1 with `Relaxed`: nobody else can legitimately touch a page
 ///   before the owner publishes its id, and that publication (a channel, a lock, a join) carries
 ///   the happens-before edge.
 /// * `try_share` increments with `Relaxed`, like `Arc::clone`: the caller already holds a
 ///   reference, so the page cannot be freed concurrently and no data is published by sharing.
 ///   It is a CAS loop instead of `fetch_add` only so that sharing a free page (count 0) is
-///   refused instead of resurrecting it.
+///   refused instead of resurrecting it; `try_release` is a CAS loop for the same reason (a
+///   double release must not wrap the count).
 /// * Plain loads (`ref_count`, `num_free`, the scan's pre-check of a word) are `Relaxed`: they are
-///   hints or snapshots, and every decision is confirmed by an RMW with the orderings above.
+///   snapshots or hints, and every decision is confirmed by an RMW with the orderings above.
 #[derive(Debug)]
 pub struct AtomicAllocator {
     used: Box<[AtomicU64]>,
     refs: Box<[AtomicU32]>,
-    available: AtomicUsize,
     total: usize,
 }
 
@@ -165,39 +158,26 @@ impl AtomicAllocator {
         Self {
             used,
             refs,
-            available: AtomicUsize::new(num_pages),
             total: num_pages,
         }
     }
 
-    /// Takes one unit of `available`, or returns `false` if it is zero.
-    fn reserve_one(&self) -> bool {
-        self.available
-            .fetch_update(Ordering::Acquire, Ordering::Relaxed, |n| n.checked_sub(1))
-            .is_ok()
-    }
-
-    /// Claims the lowest clear bit. Only called with a reservation in hand, which guarantees a
-    /// clear bit exists that no other reserver will take, so this terminates.
-    fn claim_lowest(&self) -> PageId {
-        loop {
-            for (w, word) in self.used.iter().enumerate() {
-                let mut cur = word.load(Ordering::Relaxed);
-                while cur != u64::MAX {
-                    let bit = (!cur).trailing_zeros();
-                    let mask = 1u64 << bit;
-                    let prev = word.fetch_or(mask, Ordering::Acquire);
-                    if prev & mask == 0 {
-                        return (w * 64) as PageId + bit;
-                    }
-                    // Someone else took that bit; look again at this word's current value.
-                    cur = prev | mask;
+    /// Claims the lowest clear bit, or `None` if every word was full when scanned.
+    fn claim_lowest(&self) -> Option<PageId> {
+        for (w, word) in self.used.iter().enumerate() {
+            let mut cur = word.load(Ordering::Relaxed);
+            while cur != u64::MAX {
+                let bit = (!cur).trailing_zeros();
+                let mask = 1u64 << bit;
+                let prev = word.fetch_or(mask, Ordering::Acquire);
+                if prev & mask == 0 {
+                    return Some((w * 64) as PageId + bit);
                 }
+                // Someone else took that bit; look again at this word's current value.
+                cur = prev | mask;
             }
-            // Every bit we saw was taken under us; a release will (or just did) clear one for
-            // our reservation.
-            spin_hint();
         }
+        None
     }
 
     /// `try_release`, returning the count left after the decrement (0 = freed).
@@ -213,7 +193,6 @@ impl AtomicAllocator {
             let (w, mask) = word_bit(page);
             let before = self.used[w].fetch_and(!mask, Ordering::Release);
             debug_assert!(before & mask != 0, "page {page} had refs but a clear bit");
-            self.available.fetch_add(1, Ordering::Release);
         }
         Ok(prev - 1)
     }
@@ -234,10 +213,7 @@ fn word_bit(page: PageId) -> (usize, u64) {
 
 impl PageAllocator for AtomicAllocator {
     fn allocate(&self) -> Option<PageId> {
-        if !self.reserve_one() {
-            return None;
-        }
-        let page = self.claim_lowest();
+        let page = self.claim_lowest()?;
         // Publication of the id by the caller orders this store for other threads.
         self.refs[page as usize].store(1, Ordering::Relaxed);
         Some(page)
@@ -267,8 +243,12 @@ impl PageAllocator for AtomicAllocator {
         self.slot(page).map_or(0, |r| r.load(Ordering::Relaxed))
     }
 
+    /// Zero bits in the bitmap: exact when no other thread is allocating or releasing.
     fn num_free(&self) -> usize {
-        self.available.load(Ordering::Relaxed)
+        self.used
+            .iter()
+            .map(|w| w.load(Ordering::Relaxed).count_zeros() as usize)
+            .sum()
     }
 
     fn num_total(&self) -> usize {
