@@ -186,8 +186,14 @@ fn text_prompts_stop_strings_and_stop_tokens() {
         assert!(!got.text.contains(&stop));
         assert!(text.starts_with(&got.text));
         // Before min_tokens a stop string does not stop generation (vLLM semantics).
-        let p = SamplingParams { stop: vec![stop], min_tokens: 12, ..greedy(12) };
-        let out = e.generate(vec![Request::new("sm", "Hello world", p)]).unwrap();
+        let p = SamplingParams {
+            stop: vec![stop],
+            min_tokens: 12,
+            ..greedy(12)
+        };
+        let out = e
+            .generate(vec![Request::new("sm", "Hello world", p)])
+            .unwrap();
         assert_eq!(out[0].outputs[0].finish_reason, Some(FinishReason::Length));
         assert_eq!(out[0].outputs[0].token_ids, c.token_ids);
     }

@@ -37,7 +37,11 @@ impl TextState {
         let delta = self.detok.push(tok, token)?;
         self.text.push_str(&delta);
         let mut stop = None;
-        if let Some(m) = self.stop.check(&self.text, delta.len()).filter(|_| check_stop) {
+        if let Some(m) = self
+            .stop
+            .check(&self.text, delta.len())
+            .filter(|_| check_stop)
+        {
             self.text.truncate(m.truncate_at);
             stop = Some(m.stop);
         }
