@@ -4,6 +4,7 @@
 //! panics, so a bug surfaces as a `detspec.DetspecError` rather than a `PanicException`.
 
 mod convert;
+mod logging;
 
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -133,6 +134,15 @@ impl PyOutputQueue {
 #[pyclass(name = "Engine", module = "detspec._core")]
 struct PyEngine {
     inner: Engine,
+}
+
+impl Drop for PyEngine {
+    /// Joins the engine thread without the GIL: the thread may need it to log on its way out.
+    fn drop(&mut self) {
+        let inner = &self.inner;
+        let _ = Python::try_attach(|py| py.detach(|| inner.shutdown()));
+        inner.shutdown();
+    }
 }
 
 impl PyEngine {
@@ -356,6 +366,7 @@ fn write_demo_model(py: Python<'_>, dir: PathBuf, kind: &str, seed: u64) -> PyRe
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    logging::install();
     m.add_class::<PyEngine>()?;
     m.add_class::<PyOutputQueue>()?;
     m.add_function(wrap_pyfunction!(validate_sampling_params, m)?)?;
