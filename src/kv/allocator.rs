@@ -21,7 +21,7 @@
 use std::collections::BTreeSet;
 use std::sync::Mutex;
 
-use self::sync::{fence, AtomicU32, AtomicU64, Ordering};
+use self::sync::{fence, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
 /// Physical page index into the KV pool.
 pub type PageId = u32;
@@ -81,9 +81,9 @@ pub trait PageAllocator: Send + Sync {
 /// `--cfg loom` so that `tests/kv_loom.rs` can explore every interleaving of the core.
 mod sync {
     #[cfg(loom)]
-    pub use loom::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+    pub use loom::sync::atomic::{fence, AtomicU32, AtomicU64, AtomicUsize, Ordering};
     #[cfg(not(loom))]
-    pub use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+    pub use std::sync::atomic::{fence, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 }
 
 /// Lock-free allocator: atomic bitmap + atomic reference counts.
@@ -95,21 +95,40 @@ mod sync {
 /// * `refs`: one `AtomicU32` per page; 0 exactly when the page is free (or in the middle of being
 ///   allocated / freed, see below).
 ///
+/// * `hint`: index of the first bitmap word that may have a clear bit. Every word below it is
+///   full whenever no operation is in flight (see "Hint" below), so a claim starts there instead
+///   of at word 0: with most of a large pool in use, `allocate` is O(1) instead of O(pages / 64).
+///
 /// An `allocate` + `release` pair costs three atomic read-modify-writes (claim bit, decrement,
-/// clear bit) and no shared counter: an earlier version also kept an atomic free-page counter
-/// (reserve a unit, then claim a bit) and was ~2x slower single-threaded and worse under
-/// contention, because every operation on any page then hit one global cache line. Without it,
+/// clear bit) and no shared counter. An earlier version also kept an atomic free-page counter
+/// (reserve a unit, then claim a bit) and was slower single-threaded and worse under contention,
+/// because every operation on any page then hit one global cache line. Without it,
 /// [`PageAllocator::num_free`] counts zero bits (O(pages / 64) relaxed loads), which is fine for
-/// its callers (admission decisions, stats), and an empty pool is detected by one scan.
+/// its callers (admission decisions, stats). The hint is written only when a word fills up or a
+/// full word gets a free bit, so it is a read-mostly line.
 ///
 /// # Lowest free id
 ///
-/// The claim scans words from 0 and takes the lowest zero bit with `fetch_or`. In single-threaded
-/// use this is exactly "lowest free id", the same policy as [`SimpleAllocator`], so the same call
-/// sequence yields the same page ids. Under concurrency each call still gets *a* free page, and
-/// ids depend on the interleaving (nothing can do better). A call may return `None` while a
-/// release in an already-scanned word is completing concurrently; that is indistinguishable from
-/// the release landing just after the call.
+/// The claim scans words from the hint and takes the lowest zero bit with `fetch_or`. In
+/// single-threaded use this is exactly "lowest free id", the same policy as
+/// [`SimpleAllocator`], so the same call sequence yields the same page ids. Under concurrency
+/// each call still gets *a* free page, and ids depend on the interleaving (nothing can do
+/// better). A call may return `None` while a release is completing concurrently; that is
+/// indistinguishable from the release landing just after the call.
+///
+/// # Hint
+///
+/// Invariant at quiescence: every word below `hint` is full. A claim that skipped or filled words
+/// advances it with a CAS from the value it started at; a release into a word below it lowers it
+/// with `fetch_min`. The race to close is "a release frees a bit in word `w` and reads the old
+/// hint (so does not lower it) while a claim advances the hint past `w`". Both sides use `SeqCst`
+/// for exactly these accesses (the release's bit clear and hint load; the claim's hint CAS and a
+/// re-check of the words it skipped), so in the single total order either the claim's re-check
+/// sees the freed bit (and lowers the hint itself) or the release's hint load sees the advanced
+/// hint (and lowers it). On x86 these `SeqCst` accesses compile to the same instructions as
+/// their `Acquire`/`Release` versions. Should the hint ever be stale anyway, a claim that finds
+/// nothing above it scans the words below it and repairs it, so pages are never lost; only the
+/// lowest-id order could differ, and only after concurrent use.
 ///
 /// # Memory orderings
 ///
@@ -118,7 +137,8 @@ mod sync {
 ///
 /// * `try_release` decrements with `Release`; the thread that takes the count 1 -> 0 then issues
 ///   an `Acquire` fence, so every holder's accesses happen-before the freeing thread's next step
-///   (the same reasoning as `Arc::drop`). It then clears the bit with `Release`.
+///   (the same reasoning as `Arc::drop`). It then clears the bit with `SeqCst` (which includes
+///   `Release`; `SeqCst` only for the hint protocol above).
 /// * `allocate` claims the bit with `Acquire`, pairing with that `Release` clear (RMWs on one word
 ///   form a release sequence, so this holds even when other claims or clears touched the word in
 ///   between). Hence all previous holders' KV accesses happen-before the new owner's.
@@ -138,6 +158,7 @@ mod sync {
 pub struct AtomicAllocator {
     used: Box<[AtomicU64]>,
     refs: Box<[AtomicU32]>,
+    hint: AtomicUsize,
     total: usize,
 }
 
@@ -158,20 +179,42 @@ impl AtomicAllocator {
         Self {
             used,
             refs,
+            hint: AtomicUsize::new(0),
             total: num_pages,
         }
     }
 
-    /// Claims the lowest clear bit, or `None` if every word was full when scanned.
+    /// Claims the lowest clear bit at or above the hint, or below it if the hint was stale.
+    #[inline]
     fn claim_lowest(&self) -> Option<PageId> {
-        for (w, word) in self.used.iter().enumerate() {
+        let words = self.used.len();
+        let h = self.hint.load(Ordering::SeqCst).min(words);
+        if let Some((w, bit, full)) = self.claim_in(h, words) {
+            let next = if full { w + 1 } else { w };
+            if next > h {
+                self.advance_hint(h, next);
+            }
+            return Some((w * 64) as PageId + bit);
+        }
+        // Nothing at or above the hint: the pool is full, or the hint is stale (possible only
+        // after concurrent use). Look below it, and repair the hint if that finds a page.
+        let (w, bit, _) = self.claim_in(0, h)?;
+        self.hint.fetch_min(w, Ordering::SeqCst);
+        Some((w * 64) as PageId + bit)
+    }
+
+    /// Claims the lowest clear bit in words `from..to`: `(word, bit, word is now full)`.
+    #[inline]
+    fn claim_in(&self, from: usize, to: usize) -> Option<(usize, u32, bool)> {
+        for w in from..to {
+            let word = &self.used[w];
             let mut cur = word.load(Ordering::Relaxed);
             while cur != u64::MAX {
                 let bit = (!cur).trailing_zeros();
                 let mask = 1u64 << bit;
                 let prev = word.fetch_or(mask, Ordering::Acquire);
                 if prev & mask == 0 {
-                    return Some((w * 64) as PageId + bit);
+                    return Some((w, bit, prev | mask == u64::MAX));
                 }
                 // Someone else took that bit; look again at this word's current value.
                 cur = prev | mask;
@@ -180,7 +223,24 @@ impl AtomicAllocator {
         None
     }
 
+    /// Moves the hint from `from` to `to` (words `from..to` were seen full), then re-checks those
+    /// words: a release into one of them may have read the old hint (see the type docs).
+    #[cold]
+    fn advance_hint(&self, from: usize, to: usize) {
+        if self
+            .hint
+            .compare_exchange(from, to, Ordering::SeqCst, Ordering::Relaxed)
+            .is_err()
+        {
+            return; // Someone else moved it; their value is at least as good.
+        }
+        if let Some(w) = (from..to).find(|&w| self.used[w].load(Ordering::SeqCst) != u64::MAX) {
+            self.hint.fetch_min(w, Ordering::SeqCst);
+        }
+    }
+
     /// `try_release`, returning the count left after the decrement (0 = freed).
+    #[inline]
     pub fn release_count(&self, page: PageId) -> Result<u32, PageError> {
         let r = self.slot(page)?;
         let prev = r
@@ -191,8 +251,11 @@ impl AtomicAllocator {
             // reusable (see the type docs).
             fence(Ordering::Acquire);
             let (w, mask) = word_bit(page);
-            let before = self.used[w].fetch_and(!mask, Ordering::Release);
+            let before = self.used[w].fetch_and(!mask, Ordering::SeqCst);
             debug_assert!(before & mask != 0, "page {page} had refs but a clear bit");
+            if w < self.hint.load(Ordering::SeqCst) {
+                self.hint.fetch_min(w, Ordering::SeqCst);
+            }
         }
         Ok(prev - 1)
     }
@@ -212,6 +275,7 @@ fn word_bit(page: PageId) -> (usize, u64) {
 }
 
 impl PageAllocator for AtomicAllocator {
+    #[inline]
     fn allocate(&self) -> Option<PageId> {
         let page = self.claim_lowest()?;
         // Publication of the id by the caller orders this store for other threads.
@@ -235,6 +299,7 @@ impl PageAllocator for AtomicAllocator {
         })
     }
 
+    #[inline]
     fn try_release(&self, page: PageId) -> Result<bool, PageError> {
         self.release_count(page).map(|left| left == 0)
     }
@@ -436,16 +501,18 @@ mod tests {
 
     #[test]
     fn same_calls_same_ids_as_simple() {
-        let a = AtomicAllocator::new(200);
-        let s = SimpleAllocator::new(200);
+        let a = AtomicAllocator::new(300);
+        let s = SimpleAllocator::new(300);
         let mut held: Vec<PageId> = Vec::new();
         // A fixed pseudo-random walk of allocate / release.
         let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
-        for _ in 0..5000 {
+        for i in 0..20_000 {
             x ^= x << 13;
             x ^= x >> 7;
             x ^= x << 17;
-            if x % 3 != 0 || held.is_empty() {
+            // Phases that fill the pool and phases that drain it, so the hint moves both ways.
+            let fill = (i / 2000) % 2 == 0;
+            if (fill && x % 4 != 0) || (!fill && x % 4 == 0) || held.is_empty() {
                 let (pa, ps) = (a.allocate(), s.allocate());
                 assert_eq!(pa, ps);
                 held.extend(pa);

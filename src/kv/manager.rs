@@ -191,14 +191,10 @@ impl KvManager {
             },
         }
     }
-}
 
-impl PageAllocator for KvManager {
-    /// Lowest free page; when none is free, evicts the LRU evictable cached page and retries.
-    fn allocate(&self) -> Option<PageId> {
-        if let Some(p) = self.alloc.allocate() {
-            return Some(p);
-        }
+    /// Slow path of `allocate`: the bitmap is empty, so reclaim cached pages one at a time.
+    #[cold]
+    fn allocate_evicting(&self) -> Option<PageId> {
         loop {
             // Each round frees one page or gives up, so this ends after at most `cached` rounds
             // even if other threads keep taking the freed pages.
@@ -217,19 +213,35 @@ impl PageAllocator for KvManager {
         }
     }
 
+    /// A release left `page` with one holder: if that holder is the prefix cache, the page is
+    /// now evictable.
+    #[cold]
+    fn maybe_now_evictable(&self, page: PageId) {
+        // Pairs with the fence in `PrefixCache::insert` (store-buffer pattern): either we see the
+        // cached flag here, or the inserter sees our decrement and lists the page itself.
+        fence(Ordering::SeqCst);
+        if self.is_cached(page) {
+            self.with_cache(|c, a| c.on_sole_holder(page, a));
+        }
+    }
+}
+
+impl PageAllocator for KvManager {
+    /// Lowest free page; when none is free, evicts the LRU evictable cached page and retries.
+    #[inline]
+    fn allocate(&self) -> Option<PageId> {
+        self.alloc.allocate().or_else(|| self.allocate_evicting())
+    }
+
     fn try_share(&self, page: PageId) -> Result<(), PageError> {
         self.alloc.try_share(page)
     }
 
+    #[inline]
     fn try_release(&self, page: PageId) -> Result<bool, PageError> {
         let left = self.alloc.release_count(page)?;
         if left == 1 {
-            // Pairs with the fence in `PrefixCache::insert` (store-buffer pattern): either we see
-            // the cached flag here, or the inserter sees our decrement and lists the page itself.
-            fence(Ordering::SeqCst);
-            if self.is_cached(page) {
-                self.with_cache(|c, a| c.on_sole_holder(page, a));
-            }
+            self.maybe_now_evictable(page);
         }
         Ok(left == 0)
     }
