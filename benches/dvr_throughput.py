@@ -18,6 +18,9 @@ vocab 32000; ``--model tiny`` for a smoke run), in one process and side by side:
   = 0.5x and 1.0x the request throughput of the 0 % offline run measured at the start of
   this part). Throughput = output tokens / (last finish - first submission); also mean
   time to first token and end-to-end latency seen by the client.
+* ``--finish-wait N`` adds DVR rows at 50 and 100 % where a deterministic request that
+  finished on the fast path may wait up to N steps for a fuller verify group
+  (``verify_finish_wait``).
 * ``sweep``: DVR at 50 % deterministic traffic, offline, for W in ``--sweep-windows`` x B in
   ``--sweep-groups``, relative to a 0 % run in the same part.
 
@@ -90,6 +93,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         type=float,
         default=0.1,
         help="share of verify windows forced to roll back in the extra 50 %% row (0: no row)",
+    )
+    p.add_argument(
+        "--finish-wait",
+        type=int,
+        default=0,
+        help="also run DVR at 50 %% and 100 %% with verify_finish_wait=N (steps a finished "
+        "deterministic request may wait for a fuller verify group; 0: no such rows)",
     )
     p.add_argument(
         "--baselines",
@@ -379,6 +389,16 @@ def main_configs(args) -> list[Config]:
         rows.append(Config("batch_invariant (100 %)", 100, mode="batch_invariant", **wb))
     if "no_batching" in args.baselines:
         rows.append(Config("no batching (max_num_seqs=1)", 100, mode="off", max_num_seqs=1))
+    if args.finish_wait > 0:
+        for share in (50, 100):
+            rows.append(
+                Config(
+                    f"dvr {share} % + finish wait {args.finish_wait}",
+                    share,
+                    verify_finish_wait=args.finish_wait,
+                    **wb,
+                )
+            )
     if args.fault_injection > 0:
         rows.append(
             Config(

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use detspec::config::DeterminismMode;
 use detspec::demo::{write_demo_model, DemoModelSpec};
+use detspec::engine::{EngineCore, StreamEvent};
 use detspec::{Engine, EngineConfig, Request, RequestOutput, SamplingParams};
 
 fn model_dir() -> &'static Path {
@@ -137,7 +138,13 @@ fn needle(temperature: f32) {
     assert_eq!(want.0.len(), 40);
     let mut configs = 0;
     for threads in [2, 1] {
-        let e = Engine::from_model_dir(model_dir(), cfg(DeterminismMode::Dvr, threads)).unwrap();
+        // At 1 thread, finished requests also wait for fuller verify groups: outputs must not
+        // depend on when a pass runs.
+        let c = EngineConfig {
+            verify_finish_wait: if threads == 1 { 5 } else { 0 },
+            ..cfg(DeterminismMode::Dvr, threads)
+        };
+        let e = Engine::from_model_dir(model_dir(), c).unwrap();
         for seed in 0..11 {
             let got = in_haystack(&e, &t, seed * 31 + threads as u64, true);
             assert_eq!(
@@ -263,4 +270,118 @@ fn preemption_and_recompute_leave_a_deterministic_request_unchanged() {
         e.stats().unwrap().preemptions > 0,
         "the pool was meant to force preemption"
     );
+}
+
+/// Eight deterministic requests (`r{i}`, i % 3 != 2) of different lengths, all shorter than a
+/// window so every pass is finish-triggered, and four non-deterministic ones: every output.
+fn finish_heavy_workload(e: &Engine) -> Vec<Bits> {
+    let mut rng = Rng(5);
+    let mut reqs = Vec::new();
+    for i in 0..12 {
+        let params = SamplingParams {
+            temperature: 0.8,
+            seed: Some(i),
+            max_tokens: 4 + 5 * i as usize,
+            ignore_eos: true,
+            deterministic: i % 3 != 2,
+            ..Default::default()
+        };
+        let len = 5 + rng.below(40) as usize;
+        reqs.push(Request::new(format!("r{i}"), rng.prompt(len), params));
+    }
+    e.generate(reqs).unwrap().iter().map(bits).collect()
+}
+
+#[test]
+fn waiting_for_fuller_verify_groups_cuts_passes_and_changes_no_output() {
+    let run = |wait: usize| {
+        let c = EngineConfig {
+            verify_window: 64,
+            verify_finish_wait: wait,
+            ..cfg(DeterminismMode::Dvr, 2)
+        };
+        let e = Engine::from_model_dir(model_dir(), c).unwrap();
+        let outs = finish_heavy_workload(&e);
+        (outs, e.stats().unwrap())
+    };
+    let (want, eager) = run(0);
+    for wait in [10, 1000] {
+        let (got, stats) = run(wait);
+        // Deterministic ones only (the others see a different batch history).
+        for (i, (g, w)) in got
+            .iter()
+            .zip(&want)
+            .enumerate()
+            .filter(|(i, _)| i % 3 != 2)
+        {
+            assert_eq!(g, w, "request r{i} differs with verify_finish_wait={wait}");
+        }
+        eprintln!(
+            "verify_finish_wait={wait}: {} passes, {} padded rows (0: {}, {})",
+            stats.verify_passes, stats.padded_rows, eager.verify_passes, eager.padded_rows
+        );
+        assert!(
+            stats.verify_passes < eager.verify_passes,
+            "verify_finish_wait={wait}: {} passes, {} without waiting",
+            stats.verify_passes,
+            eager.verify_passes
+        );
+        assert!(stats.padded_rows < eager.padded_rows);
+    }
+}
+
+#[test]
+fn a_finished_request_waiting_for_its_group_completes_when_the_others_go() {
+    // A short deterministic request finishes on the fast path and waits (for ever, by its
+    // setting) for companions while a long deterministic one decodes; aborting the long one
+    // leaves nothing to plan: its verify pass must still run. Driven step by step.
+    let c = EngineConfig {
+        verify_window: 64,
+        verify_finish_wait: usize::MAX,
+        ..cfg(DeterminismMode::Dvr, 2)
+    };
+    let params = |max_tokens| SamplingParams {
+        temperature: 0.0,
+        max_tokens,
+        ignore_eos: true,
+        deterministic: true,
+        ..Default::default()
+    };
+    let short = Request::new("short", Rng(1).prompt(9), params(3));
+    let want = solo(DeterminismMode::Dvr, &short);
+    let mut core = EngineCore::load(model_dir(), c, &candle_core::Device::Cpu).unwrap();
+    core.add_request(short, 0.0).unwrap();
+    core.add_request(Request::new("long", Rng(2).prompt(9), params(400)), 0.0)
+        .unwrap();
+    let mut got: Bits = (Vec::new(), Vec::new());
+    let mut finished = false;
+    let mut collect = |events: Vec<StreamEvent>, finished: &mut bool| {
+        for ev in events {
+            if let StreamEvent::Tokens {
+                request_id,
+                token_ids,
+                logprobs,
+                finish_reason,
+                ..
+            } = ev
+            {
+                if request_id == "short" {
+                    got.0.extend(token_ids);
+                    got.1.extend(logprobs.iter().map(|l| l.logprob.to_bits()));
+                    *finished |= finish_reason.is_some();
+                }
+            }
+        }
+    };
+    // Two isolated prefills, then decodes: the short one finishes by step 4 and then waits
+    // (the long one has far fewer than W speculative tokens by step 12).
+    for _ in 0..12 {
+        collect(core.step(), &mut finished);
+    }
+    assert!(!finished, "the short request did not wait for its group");
+    collect(core.abort("long"), &mut finished);
+    collect(core.step(), &mut finished);
+    assert!(finished, "the short request never completed");
+    assert_eq!(got, want);
+    assert!(!core.has_work());
 }

@@ -68,16 +68,18 @@ def _engine_kwargs(
     determinism: str = "dvr",
     verify_window: int = 64,
     verify_group: int = 8,
+    verify_finish_wait: int = 0,
     fault_injection: float = 0.0,
     enable_prefix_caching: bool = True,
     num_threads: int | None = None,
 ) -> dict[str, Any]:
-    return {
+    kwargs = {
         "enable_prefix_caching": enable_prefix_caching,
         "num_threads": num_threads,
         "determinism": determinism,
         "verify_window": verify_window,
         "verify_group": verify_group,
+        "verify_finish_wait": verify_finish_wait,
         "fault_injection": fault_injection,
         "page_size": page_size,
         "num_kv_pages": num_kv_pages,
@@ -87,6 +89,16 @@ def _engine_kwargs(
         "max_model_len": max_model_len,
         "max_prefill_chunk": max_prefill_chunk,
     }
+    # Counts are unsigned in the engine; say which one is wrong instead of a bare
+    # OverflowError/TypeError from the conversion.
+    for name, value in kwargs.items():
+        if name in ("determinism", "fault_injection", "enable_prefix_caching") or value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise InvalidRequestError(
+                f"invalid parameter `{name}`: must be a non-negative integer, got {value!r}"
+            )
+    return kwargs
 
 
 def _make_engine(
@@ -175,6 +187,7 @@ class LLM(_EngineClient):
         determinism: str = "dvr",
         verify_window: int = 64,
         verify_group: int = 8,
+        verify_finish_wait: int = 0,
         fault_injection: float = 0.0,
         enable_prefix_caching: bool = True,
         num_threads: int | None = None,
@@ -193,6 +206,7 @@ class LLM(_EngineClient):
                 determinism,
                 verify_window,
                 verify_group,
+                verify_finish_wait,
                 fault_injection,
                 enable_prefix_caching,
                 num_threads,

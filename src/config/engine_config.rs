@@ -59,6 +59,11 @@ pub struct EngineConfig {
     pub verify_window: usize,
     /// B: requests per verify pass (topped up with dummies), so every pass has B×W rows.
     pub verify_group: usize,
+    /// Steps a deterministic request that finished on the fast path may wait for more ready
+    /// requests before its verify pass runs (0: verify in the step it finished). Waiting fills
+    /// groups with real rows instead of padding — fewer, fuller passes — at the cost of up to
+    /// this many steps of latency on that request's final tokens. Output never depends on it.
+    pub verify_finish_wait: usize,
     /// Share of verify windows forced to mismatch (tests and benchmarks of the rollback path).
     pub fault_injection: f64,
     /// Worker threads for the engine's kernels; `None` uses rayon's global pool.
@@ -81,6 +86,7 @@ impl Default for EngineConfig {
             determinism: DeterminismMode::Dvr,
             verify_window: 64,
             verify_group: 8,
+            verify_finish_wait: 0,
             fault_injection: 0.0,
             num_threads: None,
             enable_prefix_caching: true,

@@ -44,6 +44,9 @@ struct SeqExtra {
     text: Option<TextState>,
     first_scheduled_time: Option<f64>,
     first_token_time: Option<f64>,
+    /// Step at which a deterministic sequence was first seen finished on the fast path with
+    /// speculative tokens, i.e. began waiting for its verify pass.
+    verify_wait_since: Option<u64>,
 }
 
 /// Engine-wide decode–verify–rollback counters.
@@ -72,6 +75,8 @@ pub struct EngineCore {
     trash_page: u32,
     stats: EngineStats,
     fault_counter: u64,
+    /// Steps run so far (the clock of `verify_finish_wait`).
+    steps: u64,
 }
 
 impl EngineCore {
@@ -182,6 +187,7 @@ impl EngineCore {
             trash_page,
             stats: EngineStats::default(),
             fault_counter: 0,
+            steps: 0,
         })
     }
 
@@ -291,6 +297,7 @@ impl EngineCore {
                         .as_ref()
                         .map(|_| TextState::new(&prompt, &req.params.stop)),
                     first_scheduled_time: None,
+                    verify_wait_since: None,
                     first_token_time: None,
                 },
             );
@@ -401,8 +408,16 @@ impl EngineCore {
             });
         }
         if plan.is_empty() {
+            // Only sequences waiting for their final verify pass (or nothing) are left.
+            if self.cfg.determinism == DeterminismMode::Dvr {
+                match self.verify_and_emit(Vec::new()) {
+                    Ok(mut evs) => events.append(&mut evs),
+                    Err(err) => events.extend(self.fail_step(Vec::new(), &err)),
+                }
+            }
             return events;
         }
+        self.steps += 1;
         self.stats.preemptions += plan.preempted.len();
         let t = now();
         for e in plan.entries.iter().chain(&plan.isolated) {
@@ -413,29 +428,38 @@ impl EngineCore {
         match self.run_plan(&plan) {
             Ok(mut evs) => events.append(&mut evs),
             Err(err) => {
-                // A failed forward concerns exactly the sequences in this step.
-                tracing::error!("step failed: {err}");
-                let ids: Vec<SequenceId> = plan
-                    .entries
-                    .iter()
-                    .chain(&plan.isolated)
-                    .map(|e| e.seq)
-                    .collect();
-                let msg = err.to_string();
-                for s in self
-                    .sched
-                    .remove_where(self.alloc.as_ref(), |s| ids.contains(&s.id))
-                {
-                    self.extra.remove(&s.id);
-                    events.push(StreamEvent::Failed {
-                        request_id: s.request_id,
-                        error: DetspecError::InvalidRequest {
-                            request_id: None,
-                            message: format!("step failed: {msg}"),
-                        },
-                    });
-                }
+                let ids = plan.entries.iter().chain(&plan.isolated).map(|e| e.seq);
+                events.extend(self.fail_step(ids.collect(), &err));
             }
+        }
+        events
+    }
+
+    /// A failed forward concerns exactly the sequences in the step: `ids` and those waiting
+    /// for a verify pass (which may have been part of it). They fail; the rest keep going.
+    fn fail_step(&mut self, mut ids: Vec<SequenceId>, err: &DetspecError) -> Vec<StreamEvent> {
+        tracing::error!("step failed: {err}");
+        ids.extend(
+            self.sched
+                .running()
+                .iter()
+                .filter(|s| s.finish.is_some())
+                .map(|s| s.id),
+        );
+        let msg = err.to_string();
+        let mut events = Vec::new();
+        for s in self
+            .sched
+            .remove_where(self.alloc.as_ref(), |s| ids.contains(&s.id))
+        {
+            self.extra.remove(&s.id);
+            events.push(StreamEvent::Failed {
+                request_id: s.request_id,
+                error: DetspecError::InvalidRequest {
+                    request_id: None,
+                    message: format!("step failed: {msg}"),
+                },
+            });
         }
         events
     }
@@ -504,6 +528,13 @@ impl EngineCore {
             }
             touched.push(*id);
         }
+        self.verify_and_emit(touched)
+    }
+
+    /// Runs due verify passes, emits the committed tokens of `touched` and of every verified
+    /// sequence, and releases finished sequences.
+    fn verify_and_emit(&mut self, mut touched: Vec<SequenceId>) -> Result<Vec<StreamEvent>> {
+        let eos = self.info.eos_token_ids.clone();
         if self.cfg.determinism == DeterminismMode::Dvr {
             touched.extend(self.verify_ready()?);
         }
@@ -543,11 +574,34 @@ impl EngineCore {
         }
     }
 
-    /// Whether a deterministic sequence should be verified now: a full window of speculative
-    /// tokens, or it finished on the speculative path.
-    fn is_ready(&self, seq: &Sequence) -> bool {
-        self.can_verify(seq)
-            && (seq.num_speculative() + 1 >= self.cfg.verify_window || seq.finish.is_some())
+    /// Whether sequences that finished on the fast path get their verify pass now: when they
+    /// may not wait, one has waited `verify_finish_wait` steps, they fill a group, or no
+    /// running deterministic sequence is still decoding (nobody else could join).
+    fn finished_verification_due(&mut self) -> bool {
+        let now = self.steps;
+        let mut finished = 0;
+        let mut decoding = 0;
+        let mut oldest = now;
+        for seq in self.sched.running() {
+            if !seq.deterministic {
+                continue;
+            }
+            let waiting = seq.finish.is_some() && self.can_verify(seq);
+            let Some(x) = self.extra.get_mut(&seq.id) else {
+                continue;
+            };
+            if waiting {
+                finished += 1;
+                oldest = oldest.min(*x.verify_wait_since.get_or_insert(now));
+            } else {
+                x.verify_wait_since = None;
+                decoding += usize::from(seq.finish.is_none());
+            }
+        }
+        finished > 0
+            && (now - oldest >= self.cfg.verify_finish_wait as u64
+                || finished >= self.cfg.verify_group
+                || decoding == 0)
     }
 
     /// A deterministic sequence with speculative tokens whose committed prefix has KV.
@@ -562,13 +616,25 @@ impl EngineCore {
     fn verify_ready(&mut self) -> Result<Vec<SequenceId>> {
         let mut touched = Vec::new();
         loop {
-            let ready: Vec<SequenceId> = self
-                .sched
-                .running()
-                .iter()
-                .filter(|s| self.is_ready(s))
+            // Ready: a full window of speculative tokens, or finished on the speculative path.
+            // Full windows are verified at once; finished sequences when they are due, or
+            // along with a full window (first in line, as they cannot progress otherwise).
+            let finish_due = self.finished_verification_due();
+            let w = self.cfg.verify_window;
+            let running = self.sched.running();
+            let verifiable = || running.iter().filter(|s| self.can_verify(s));
+            let mut ready: Vec<SequenceId> = verifiable()
+                .filter(|s| s.num_speculative() + 1 >= w)
                 .map(|s| s.id)
                 .collect();
+            if ready.is_empty() && !finish_due {
+                return Ok(touched);
+            }
+            ready.extend(
+                verifiable()
+                    .filter(|s| s.finish.is_some() && s.num_speculative() + 1 < w)
+                    .map(|s| s.id),
+            );
             if ready.is_empty() {
                 return Ok(touched);
             }

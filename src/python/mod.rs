@@ -159,7 +159,7 @@ impl PyEngine {
 #[pymethods]
 impl PyEngine {
     #[new]
-    #[pyo3(signature = (model_dir, *, page_size=16, num_kv_pages=None, kv_cache_bytes=None, max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=None, max_prefill_chunk=None, determinism="dvr", verify_window=64, verify_group=8, fault_injection=0.0, enable_prefix_caching=true, num_threads=None))]
+    #[pyo3(signature = (model_dir, *, page_size=16, num_kv_pages=None, kv_cache_bytes=None, max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=None, max_prefill_chunk=None, determinism="dvr", verify_window=64, verify_group=8, verify_finish_wait=0, fault_injection=0.0, enable_prefix_caching=true, num_threads=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -174,6 +174,7 @@ impl PyEngine {
         determinism: &str,
         verify_window: usize,
         verify_group: usize,
+        verify_finish_wait: usize,
         fault_injection: f64,
         enable_prefix_caching: bool,
         num_threads: Option<usize>,
@@ -189,6 +190,7 @@ impl PyEngine {
             determinism,
             verify_window,
             verify_group,
+            verify_finish_wait,
             fault_injection,
             enable_prefix_caching,
             num_threads,

@@ -146,6 +146,12 @@ impl Scheduler {
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
             let seq = &self.running[i];
+            if seq.finish.is_some() {
+                // A deterministic sequence that finished on the fast path and waits for its
+                // verify pass: nothing to compute.
+                i += 1;
+                continue;
+            }
             let remaining = seq.len() - seq.num_computed;
             let len = remaining.min(budget).min(l.max_prefill_chunk);
             let target = seq.num_computed + len;

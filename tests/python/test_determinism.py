@@ -114,7 +114,10 @@ def test_forced_rollbacks_and_modes(flat_model: str) -> None:
 
 async def test_requests_joining_mid_decode(flat_model: str) -> None:
     target = target_params(0.8)
-    engine = AsyncLLM(flat_model, verify_window=8, verify_group=4, num_kv_pages=1024)
+    # Finished deterministic requests may wait up to 6 steps for fuller verify groups.
+    engine = AsyncLLM(
+        flat_model, verify_window=8, verify_group=4, verify_finish_wait=6, num_kv_pages=1024
+    )
     try:
 
         async def run(prompt, params, rid):

@@ -305,3 +305,20 @@ def test_model_dir_accepts_pathlike(model_zoo, token_prompts):
     llm = detspec.LLM(case.path, device="cpu")  # a pathlib.Path, not a str
     out = llm.generate(token_prompts[:1], greedy())[0]
     case.assert_greedy_matches(token_prompts[0], list(out.outputs[0].token_ids), n=8)
+
+
+@pytest.mark.parametrize(
+    "name,value",
+    [
+        ("max_num_seqs", -1),
+        ("page_size", 2.5),
+        ("verify_window", -3),
+        ("verify_group", 0),
+        ("verify_finish_wait", -1),
+        ("num_kv_pages", 0),
+        ("num_threads", True),
+    ],
+)
+def test_invalid_engine_parameters_name_the_parameter(llama_case, name, value):
+    with pytest.raises(InvalidRequestError, match=name):
+        detspec.LLM(llama_case.path, **{name: value})
