@@ -17,11 +17,11 @@ Scenarios (all with the same ``verify_window`` / ``verify_group``, so the same f
                       0.25) forcing rollbacks in a share of the verify windows.
 * ``c-async-shuffled`` ``AsyncLLM``: a random shuffled order, random 0..``--max-delay-ms``
                       pauses between submissions (requests join mid-decode),
-                      ``max_num_seqs=32``.
+                      ``max_num_seqs=32``, ``verify_finish_wait=--finish-wait``.
 * ``d-chunked-preempt`` ``max_num_seqs=4``, ``max_num_batched_tokens=48`` (chunked prefill
                       of the non-deterministic prompts; deterministic prompts are prefilled
                       alone, unchunked, by design) and a small KV pool (``--small-kv-pages``)
-                      forcing preemption and recompute.
+                      forcing preemption and recompute; ``verify_finish_wait`` as in c.
 
 For every deterministic request the token ids, each token's logprob (compared as the bits of
 the float), its rank, the cumulative logprob (bits), the finish reason and the fingerprint
@@ -71,6 +71,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         type=float,
         default=0.25,
         help="forced-mismatch share of verify windows in scenario b (0 to disable)",
+    )
+    p.add_argument(
+        "--finish-wait",
+        type=int,
+        default=8,
+        help="verify_finish_wait of scenarios c and d (steps a finished deterministic request "
+        "may wait for a fuller verify group; not part of the fingerprint)",
     )
     p.add_argument("--max-delay-ms", type=float, default=20.0, help="scenario c pauses")
     p.add_argument(
@@ -328,7 +335,11 @@ def main(argv=None) -> int:
             engine_kwargs(args, fault_injection=args.fault_injection),
         ),
         "c-async-shuffled": lambda: run_async(
-            model_dir, trace, shuffled, delays, engine_kwargs(args, max_num_seqs=32)
+            model_dir,
+            trace,
+            shuffled,
+            delays,
+            engine_kwargs(args, max_num_seqs=32, verify_finish_wait=args.finish_wait),
         ),
         "d-chunked-preempt": lambda: run_offline(
             model_dir,
@@ -340,6 +351,7 @@ def main(argv=None) -> int:
                 max_num_batched_tokens=48,
                 num_kv_pages=small_pages,
                 page_size=page_size,
+                verify_finish_wait=args.finish_wait,
             ),
         ),
     }
