@@ -407,6 +407,13 @@ impl EngineCore {
                 error: err,
             });
         }
+        self.stats.preemptions += plan.preempted.len();
+        for id in &plan.preempted {
+            // Its speculative tokens (and any finish on them) are gone: it no longer waits.
+            if let Some(x) = self.extra.get_mut(id) {
+                x.verify_wait_since = None;
+            }
+        }
         if plan.is_empty() {
             // Only sequences waiting for their final verify pass (or nothing) are left.
             if self.cfg.determinism == DeterminismMode::Dvr {
@@ -418,7 +425,6 @@ impl EngineCore {
             return events;
         }
         self.steps += 1;
-        self.stats.preemptions += plan.preempted.len();
         let t = now();
         for e in plan.entries.iter().chain(&plan.isolated) {
             if let Some(x) = self.extra.get_mut(&e.seq) {
