@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -14,6 +15,7 @@ from detspec.outputs import RequestOutput, request_output_from_dict
 from detspec.sampling_params import SamplingParams, _as_params_list
 
 PromptType = str | list[int] | dict[str, Any]
+ChatMessage = Mapping[str, Any]
 
 
 class Tokenizer:
@@ -27,6 +29,28 @@ class Tokenizer:
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._engine.decode(list(token_ids), skip_special_tokens)
+
+    def apply_chat_template(
+        self,
+        conversation: Sequence[ChatMessage],
+        add_generation_prompt: bool = True,
+        tokenize: bool = False,
+        **kwargs: Any,
+    ) -> str | list[int]:
+        """Renders a conversation with the model's chat template (minijinja, in Rust), as
+        transformers' ``apply_chat_template`` does; extra keyword arguments (``tools``,
+        ``enable_thinking``, ...) become template variables. ``tokenize=True`` returns token
+        ids (encoded without adding special tokens: the template writes them)."""
+        try:
+            messages = json.dumps([dict(m) for m in conversation])
+            extra = json.dumps(kwargs) if kwargs else None
+        except (TypeError, ValueError) as e:
+            raise InvalidRequestError(
+                f"invalid parameter `messages`: each message must be a JSON-serialisable mapping "
+                f"({e})"
+            ) from None
+        text = self._engine.apply_chat_template(messages, add_generation_prompt, extra)
+        return self.encode(text, add_special_tokens=False) if tokenize else text
 
 
 def _normalise_prompts(prompts: PromptType | Sequence[PromptType]) -> list[str | list[int]]:
@@ -246,6 +270,37 @@ class LLM(_EngineClient):
                     self._engine.abort(rid)
             raise
         return [self._to_output(results[rid], sp) for rid, sp in zip(ids, params, strict=True)]
+
+    def chat(
+        self,
+        messages: Sequence[ChatMessage] | Sequence[Sequence[ChatMessage]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Replies to one conversation (a list of ``{"role", "content"}`` messages) or to a
+        batch of them, each rendered with the model's chat template, as vLLM's ``LLM.chat``.
+        Each output's ``prompt`` is the rendered text."""
+        if self.tokenizer is None:
+            raise InvalidRequestError(f"chat needs a tokenizer: {self.model} has no tokenizer.json")
+        if not messages:
+            raise InvalidRequestError("invalid parameter `messages`: no conversation given")
+        single = isinstance(messages[0], Mapping)
+        conversations = [messages] if single else list(messages)
+        texts = [
+            str(
+                self.tokenizer.apply_chat_template(
+                    conv, add_generation_prompt, **(chat_template_kwargs or {})
+                )
+            )
+            for conv in conversations
+        ]
+        prompts = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        outs = self.generate(prompts, sampling_params, use_tqdm)
+        for out, text in zip(outs, texts, strict=True):
+            out.prompt = text
+        return outs
 
     def compute_logits(self, prompts: Sequence[Sequence[int]]) -> list[np.ndarray]:
         """Per-position logits ``[len_i, vocab]`` of each token-id prompt, all in one batch."""

@@ -22,6 +22,7 @@ use crate::config::{DeterminismMode, EngineConfig};
 use crate::engine::{Engine, OutputAccumulator, StreamEvent};
 use crate::error::DetspecError;
 use crate::request::Request;
+use crate::tokenizer::ChatTemplate;
 
 use convert::{output_to_py, params_from_dict, prompt_from_py, to_pyerr};
 
@@ -274,6 +275,38 @@ impl PyEngine {
     fn decode(&self, py: Python<'_>, ids: Vec<u32>, skip_special_tokens: bool) -> PyResult<String> {
         self.call(py, move |e| {
             tokenizer_of(e)?.decode(&ids, skip_special_tokens)
+        })
+    }
+
+    /// Renders a conversation (JSON list of messages) with the model's chat template; `extra`
+    /// (JSON object) adds template variables such as `tools` or `enable_thinking`.
+    #[pyo3(signature = (messages_json, add_generation_prompt=true, extra_json=None))]
+    fn apply_chat_template(
+        &self,
+        py: Python<'_>,
+        messages_json: String,
+        add_generation_prompt: bool,
+        extra_json: Option<String>,
+    ) -> PyResult<String> {
+        self.call(py, move |e| {
+            let template = ChatTemplate::from_tokenizer(tokenizer_of(e)?)?.ok_or_else(|| {
+                DetspecError::InvalidRequest {
+                    request_id: None,
+                    message: format!(
+                        "{} has no chat template (`chat_template` in tokenizer_config.json or \
+                         chat_template.jinja)",
+                        e.info().model_dir.display()
+                    ),
+                }
+            })?;
+            let messages: serde_json::Value = serde_json::from_str(&messages_json)
+                .map_err(|err| DetspecError::param("messages", err.to_string()))?;
+            let extra: serde_json::Map<String, serde_json::Value> = match extra_json {
+                Some(s) => serde_json::from_str(&s)
+                    .map_err(|err| DetspecError::param("chat_template_kwargs", err.to_string()))?,
+                None => serde_json::Map::new(),
+            };
+            template.render_with(&messages, add_generation_prompt, &extra)
         })
     }
 

@@ -1,0 +1,121 @@
+"""Chat templates: detspec's Rust (minijinja) rendering equals transformers' (jinja2) on the
+same model directory, and ``LLM.chat`` generates from exactly that rendering."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from transformers import AutoTokenizer
+
+import detspec
+from detspec import InvalidRequestError, SamplingParams
+
+CONVERSATION = [
+    {"role": "system", "content": "You keep the lighthouse."},
+    {"role": "user", "content": "How many ships passed tonight?"},
+    {"role": "assistant", "content": "Three, and a gull."},
+    {"role": "user", "content": "  Write it in the notebook.  "},
+]
+
+# Exercises what real templates use: bos_token, loop variables, filters, Python string
+# methods, a namespace, raise_exception and extra variables.
+RICH_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% set ns = namespace(n=0) %}"
+    "{% for m in messages %}"
+    "{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unknown role ' + m['role']) }}"
+    "{% endif %}"
+    "{% set ns.n = ns.n + 1 %}"
+    "[{{ loop.index }}{% if loop.first %}*{% endif %}] {{ m['role'] | upper }}: "
+    "{{ m['content'].strip() }}{% if not loop.last %}\n{% endif %}"
+    "{% endfor %}"
+    "{% if tools %}\nTOOLS {{ tools | length }}{% endif %}"
+    "\n({{ ns.n }} messages)"
+    "{% if add_generation_prompt %}\nASSISTANT:{% endif %}"
+)
+
+
+def hf_render(path, conversation, add_generation_prompt=True, **kwargs) -> str:
+    tok = AutoTokenizer.from_pretrained(str(path))
+    return tok.apply_chat_template(
+        conversation, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs
+    )
+
+
+@pytest.fixture(scope="module")
+def llama_llm(llama_case):
+    llm = detspec.LLM(llama_case.path, num_kv_pages=256)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_template_matches_transformers(llama_case, llama_llm, add_generation_prompt):
+    want = hf_render(llama_case.path, CONVERSATION, add_generation_prompt)
+    got = llama_llm.get_tokenizer().apply_chat_template(
+        CONVERSATION, add_generation_prompt=add_generation_prompt
+    )
+    assert got == want
+
+
+def test_rich_template_from_jinja_file_matches_transformers(copy_model_dir):
+    d = copy_model_dir("llama")
+    (d / "chat_template.jinja").write_text(RICH_TEMPLATE)
+    llm = detspec.LLM(d, num_kv_pages=64)
+    try:
+        tok = llm.get_tokenizer()
+        assert tok.apply_chat_template(CONVERSATION) == hf_render(d, CONVERSATION)
+        tools = [{"name": "log", "parameters": {}}]
+        assert tok.apply_chat_template(CONVERSATION, tools=tools) == hf_render(
+            d, CONVERSATION, tools=tools
+        )
+        ids = tok.apply_chat_template(CONVERSATION, tokenize=True)
+        assert (
+            ids
+            == AutoTokenizer.from_pretrained(str(d))(
+                hf_render(d, CONVERSATION), add_special_tokens=False
+            )["input_ids"]
+        )
+        with pytest.raises(InvalidRequestError, match="unknown role robot"):
+            tok.apply_chat_template([{"role": "robot", "content": "beep"}])
+    finally:
+        llm.shutdown()
+
+
+def test_chat_generates_from_the_rendered_prompt(llama_case, llama_llm):
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    other = [{"role": "user", "content": "Light the lamp."}]
+    outs = llama_llm.chat([CONVERSATION, other], sp, use_tqdm=False)
+    hf = AutoTokenizer.from_pretrained(str(llama_case.path))
+    for conv, out in zip([CONVERSATION, other], outs, strict=True):
+        text = hf_render(llama_case.path, conv)
+        ids = hf(text, add_special_tokens=False)["input_ids"]
+        assert out.prompt == text
+        assert out.prompt_token_ids == ids
+        ref = llama_llm.generate([ids], sp, use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+    # One conversation (a list of messages) is one request.
+    (single,) = llama_llm.chat(other, sp, use_tqdm=False)
+    assert single.outputs[0].token_ids == outs[1].outputs[0].token_ids
+
+
+def test_chat_errors_name_the_problem(copy_model_dir, llama_llm):
+    with pytest.raises(InvalidRequestError, match="messages"):
+        llama_llm.chat([], use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="messages"):
+        llama_llm.get_tokenizer().apply_chat_template([{"role": "user", "content": object()}])
+    d = copy_model_dir("llama")
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    del cfg["chat_template"]
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    llm = detspec.LLM(d, num_kv_pages=64)
+    try:
+        with pytest.raises(InvalidRequestError, match="no chat template"):
+            llm.chat([{"role": "user", "content": "hi"}], use_tqdm=False)
+        # The engine still serves plain prompts afterwards.
+        out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)[0]
+        assert len(out.outputs[0].token_ids) == 2
+    finally:
+        llm.shutdown()
