@@ -2,35 +2,20 @@
 //! identical alone and inside any batch ("needle in a haystack"), under forced rollbacks and
 //! preemption, at 1 and 2 threads — and the negative control shows the fast path alone is not.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use std::time::Duration;
 
 use detspec::config::DeterminismMode;
-use detspec::demo::{write_demo_model, DemoModelSpec};
 use detspec::engine::{EngineCore, StreamEvent};
 use detspec::{Engine, EngineConfig, Request, RequestOutput, SamplingParams};
 
 fn model_dir() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let dir = std::env::temp_dir().join(format!("detspec-dvr-test-{}", std::process::id()));
-        let spec = DemoModelSpec {
-            hidden_size: 64,
-            num_layers: 2,
-            num_heads: 4,
-            num_kv_heads: 2,
-            intermediate_size: 128,
-            vocab_size: 512,
-            tokenizer_vocab_size: 400,
-            max_position_embeddings: 512,
-            seed: 3,
-            // Flat next-token distributions: near-ties are common, so batch variance shows.
-            init_std: 0.02,
-        };
-        write_demo_model(&dir, &spec).unwrap();
-        dir
-    })
+    // Flat next-token distributions: near-ties are common, so batch variance shows.
+    DIR.get_or_init(|| common::write_test_model("dvr", 3, 0.02, 512))
 }
 
 fn cfg(mode: DeterminismMode, threads: usize) -> EngineConfig {

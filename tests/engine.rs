@@ -1,33 +1,15 @@
 //! End-to-end tests of the Rust API on a generated demo model.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
-use detspec::demo::{write_demo_model, DemoModelSpec};
 use detspec::{DetspecError, Engine, EngineConfig, FinishReason, Request, SamplingParams};
-
-fn small_spec() -> DemoModelSpec {
-    DemoModelSpec {
-        hidden_size: 64,
-        num_layers: 2,
-        num_heads: 4,
-        num_kv_heads: 2,
-        intermediate_size: 128,
-        vocab_size: 512,
-        tokenizer_vocab_size: 400,
-        max_position_embeddings: 256,
-        seed: 7,
-        init_std: 0.1,
-    }
-}
 
 fn model_dir() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let dir = std::env::temp_dir().join(format!("detspec-engine-test-{}", std::process::id()));
-        write_demo_model(&dir, &small_spec()).unwrap();
-        dir
-    })
+    DIR.get_or_init(|| common::write_test_model("engine", 7, 0.1, 256))
 }
 
 fn engine() -> Engine {

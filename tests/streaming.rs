@@ -1,33 +1,17 @@
 //! The continuous-batching engine: many concurrent requests, preemption under a small KV pool,
 //! streaming, abort, and shutdown.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use detspec::demo::{write_demo_model, DemoModelSpec};
 use detspec::{Engine, EngineConfig, FinishReason, Request, RequestOutput, SamplingParams};
 
 fn model_dir() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let dir =
-            std::env::temp_dir().join(format!("detspec-streaming-test-{}", std::process::id()));
-        let spec = DemoModelSpec {
-            hidden_size: 64,
-            num_layers: 2,
-            num_heads: 4,
-            num_kv_heads: 2,
-            intermediate_size: 128,
-            vocab_size: 512,
-            tokenizer_vocab_size: 400,
-            max_position_embeddings: 512,
-            seed: 11,
-            init_std: 0.15,
-        };
-        write_demo_model(&dir, &spec).unwrap();
-        dir
-    })
+    DIR.get_or_init(|| common::write_test_model("streaming", 11, 0.15, 512))
 }
 
 fn engine(cfg: EngineConfig) -> Engine {

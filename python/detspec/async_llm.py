@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
 from detspec import _core
 from detspec.errors import DetspecError, InvalidRequestError
-from detspec.llm import PromptType, _engine_kwargs, _EngineClient, _make_engine, _normalise_prompts
+from detspec.llm import PromptType, _EngineClient, _normalise_prompts
 from detspec.outputs import RequestOutput
 from detspec.sampling_params import SamplingParams
 
@@ -23,47 +22,7 @@ class AsyncLLM(_EngineClient):
     Cancelling the consuming task (or breaking out of the loop) aborts the request.
     """
 
-    def __init__(
-        self,
-        model: str | os.PathLike[str] | None = None,
-        *,
-        device: str = "cpu",
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 8192,
-        num_kv_pages: int | None = None,
-        kv_cache_bytes: int | None = None,
-        page_size: int = 16,
-        max_model_len: int | None = None,
-        max_prefill_chunk: int | None = None,
-        determinism: str = "dvr",
-        verify_window: int = 64,
-        verify_group: int = 8,
-        verify_finish_wait: int = 0,
-        fault_injection: float = 0.0,
-        enable_prefix_caching: bool = True,
-        num_threads: int | None = None,
-    ) -> None:
-        self.model, self._engine = _make_engine(
-            model,
-            device,
-            **_engine_kwargs(
-                max_num_seqs,
-                max_num_batched_tokens,
-                num_kv_pages,
-                kv_cache_bytes,
-                page_size,
-                max_model_len,
-                max_prefill_chunk,
-                determinism,
-                verify_window,
-                verify_group,
-                verify_finish_wait,
-                fault_injection,
-                enable_prefix_caching,
-                num_threads,
-            ),
-        )
-        self._init_client()
+    def _setup(self) -> None:
         self._queue = _core.OutputQueue()
         # request id -> (event loop, asyncio.Queue) of its consumer
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}

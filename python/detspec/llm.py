@@ -81,74 +81,77 @@ def _normalise_prompts(prompts: PromptType | Sequence[PromptType]) -> list[str |
     return out
 
 
-def _engine_kwargs(
-    max_num_seqs: int,
-    max_num_batched_tokens: int,
-    num_kv_pages: int | None,
-    kv_cache_bytes: int | None,
-    page_size: int,
-    max_model_len: int | None,
-    max_prefill_chunk: int | None,
-    determinism: str = "dvr",
-    verify_window: int = 64,
-    verify_group: int = 8,
-    verify_finish_wait: int = 0,
-    fault_injection: float = 0.0,
-    enable_prefix_caching: bool = True,
-    num_threads: int | None = None,
-) -> dict[str, Any]:
-    kwargs = {
-        "enable_prefix_caching": enable_prefix_caching,
-        "num_threads": num_threads,
-        "determinism": determinism,
-        "verify_window": verify_window,
-        "verify_group": verify_group,
-        "verify_finish_wait": verify_finish_wait,
-        "fault_injection": fault_injection,
-        "page_size": page_size,
-        "num_kv_pages": num_kv_pages,
-        "kv_cache_bytes": kv_cache_bytes,
-        "max_num_seqs": max_num_seqs,
-        "max_num_batched_tokens": max_num_batched_tokens,
-        "max_model_len": max_model_len,
-        "max_prefill_chunk": max_prefill_chunk,
-    }
-    # Counts are unsigned in the engine; say which one is wrong instead of a bare
-    # OverflowError/TypeError from the conversion.
-    for name, value in kwargs.items():
-        if name in ("determinism", "fault_injection", "enable_prefix_caching") or value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise InvalidRequestError(
-                f"invalid parameter `{name}`: must be a non-negative integer, got {value!r}"
-            )
-    return kwargs
-
-
-def _make_engine(
-    model: str | os.PathLike[str] | None, device: str, **kwargs: Any
-) -> tuple[str, Any]:
-    if device != "cpu":
-        raise InvalidRequestError(
-            f"invalid parameter `device`: {device!r} is not available in this build "
-            "(supported: 'cpu')"
-        )
-    if model is None:
-        from detspec.default_model import default_model_dir
-
-        model = default_model_dir()
-    path = os.fspath(model)
-    return path, _core.Engine(path, **kwargs)
+# Engine settings that are counts (unsigned in the engine).
+_COUNT_SETTINGS = (
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "num_kv_pages",
+    "kv_cache_bytes",
+    "page_size",
+    "max_model_len",
+    "max_prefill_chunk",
+    "verify_window",
+    "verify_group",
+    "verify_finish_wait",
+    "num_threads",
+)
 
 
 class _EngineClient:
-    """What LLM and AsyncLLM share: the engine, its tokenizer, output conversion."""
+    """What LLM and AsyncLLM share: the engine (one constructor), its tokenizer, output
+    conversion. ``model=None`` uses the built-in tiny demo model (built on first use, no
+    download)."""
 
     _engine: Any
 
-    def _init_client(self) -> None:
+    def __init__(
+        self,
+        model: str | os.PathLike[str] | None = None,
+        *,
+        device: str = "cpu",
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 8192,
+        num_kv_pages: int | None = None,
+        kv_cache_bytes: int | None = None,
+        page_size: int = 16,
+        max_model_len: int | None = None,
+        max_prefill_chunk: int | None = None,
+        determinism: str = "dvr",
+        verify_window: int = 64,
+        verify_group: int = 8,
+        verify_finish_wait: int = 0,
+        fault_injection: float = 0.0,
+        enable_prefix_caching: bool = True,
+        num_threads: int | None = None,
+    ) -> None:
+        settings = {k: v for k, v in locals().items() if k not in ("self", "model", "device")}
+        # Say which count is wrong instead of a bare OverflowError/TypeError from the
+        # conversion to an unsigned integer.
+        for name in _COUNT_SETTINGS:
+            value = settings[name]
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 0
+            ):
+                raise InvalidRequestError(
+                    f"invalid parameter `{name}`: must be a non-negative integer, got {value!r}"
+                )
+        if device != "cpu":
+            raise InvalidRequestError(
+                f"invalid parameter `device`: {device!r} is not available in this build "
+                "(supported: 'cpu')"
+            )
+        if model is None:
+            from detspec.default_model import default_model_dir
+
+            model = default_model_dir()
+        self.model = os.fspath(model)
+        self._engine = _core.Engine(self.model, **settings)
         self.tokenizer = Tokenizer(self._engine) if self._engine.has_tokenizer() else None
         self._next_id = 0
+        self._setup()
+
+    def _setup(self) -> None:
+        """Per-client state after the engine exists (AsyncLLM's dispatcher)."""
 
     def _new_request_id(self) -> str:
         rid = str(self._next_id)
@@ -195,48 +198,6 @@ class LLM(_EngineClient):
 
     ``model=None`` uses the built-in tiny demo model (built on first use, no download).
     """
-
-    def __init__(
-        self,
-        model: str | os.PathLike[str] | None = None,
-        *,
-        device: str = "cpu",
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 8192,
-        num_kv_pages: int | None = None,
-        kv_cache_bytes: int | None = None,
-        page_size: int = 16,
-        max_model_len: int | None = None,
-        max_prefill_chunk: int | None = None,
-        determinism: str = "dvr",
-        verify_window: int = 64,
-        verify_group: int = 8,
-        verify_finish_wait: int = 0,
-        fault_injection: float = 0.0,
-        enable_prefix_caching: bool = True,
-        num_threads: int | None = None,
-    ) -> None:
-        self.model, self._engine = _make_engine(
-            model,
-            device,
-            **_engine_kwargs(
-                max_num_seqs,
-                max_num_batched_tokens,
-                num_kv_pages,
-                kv_cache_bytes,
-                page_size,
-                max_model_len,
-                max_prefill_chunk,
-                determinism,
-                verify_window,
-                verify_group,
-                verify_finish_wait,
-                fault_injection,
-                enable_prefix_caching,
-                num_threads,
-            ),
-        )
-        self._init_client()
 
     def generate(
         self,

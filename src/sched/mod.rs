@@ -169,14 +169,8 @@ impl Scheduler {
                 if newest == i {
                     if i == 0 {
                         // Alone and still does not fit: it never will.
-                        let mut seq = self.running.remove(0);
-                        seq.block_table.free(alloc);
-                        let err = DetspecError::OutOfPages {
-                            needed: seq.block_table.pages_needed(target, l.page_size),
-                            free: alloc.num_free(),
-                            total: alloc.num_total(),
-                        };
-                        plan.failed.push((seq, err));
+                        let seq = self.running.remove(0);
+                        fail_out_of_pages(&mut plan, seq, target, l.page_size, alloc);
                     } else {
                         self.preempt(i, alloc, &mut plan);
                     }
@@ -210,12 +204,7 @@ impl Scheduler {
                 if seq.block_table.reserve(len, l.page_size, alloc).is_err() {
                     if self.running.is_empty() {
                         if let Some(seq) = self.waiting.pop_front() {
-                            let err = DetspecError::OutOfPages {
-                                needed: seq.block_table.pages_needed(len, l.page_size),
-                                free: alloc.num_free(),
-                                total: alloc.num_total(),
-                            };
-                            plan.failed.push((seq, err));
+                            fail_out_of_pages(&mut plan, seq, len, l.page_size, alloc);
                         }
                         continue;
                     }
@@ -255,12 +244,7 @@ impl Scheduler {
                 seq.num_computed = 0;
                 if self.running.is_empty() {
                     if let Some(seq) = self.waiting.pop_front() {
-                        let err = DetspecError::OutOfPages {
-                            needed: seq.block_table.pages_needed(len, l.page_size),
-                            free: alloc.num_free(),
-                            total: alloc.num_total(),
-                        };
-                        plan.failed.push((seq, err));
+                        fail_out_of_pages(&mut plan, seq, len, l.page_size, alloc);
                     }
                     continue;
                 }
@@ -339,4 +323,21 @@ impl Scheduler {
         }
         out
     }
+}
+
+/// Fails `seq`, which cannot get pages for `tokens` tokens even with nothing else running.
+fn fail_out_of_pages(
+    plan: &mut StepPlan,
+    mut seq: Sequence,
+    tokens: usize,
+    page_size: usize,
+    alloc: &dyn PageAllocator,
+) {
+    seq.block_table.free(alloc);
+    let err = DetspecError::OutOfPages {
+        needed: seq.block_table.pages_needed(tokens, page_size),
+        free: alloc.num_free(),
+        total: alloc.num_total(),
+    };
+    plan.failed.push((seq, err));
 }
