@@ -18,6 +18,7 @@
 
 pub mod config;
 pub mod demo;
+pub mod dvr;
 pub mod engine;
 pub mod error;
 pub mod kv;

@@ -13,13 +13,14 @@ use candle_core::{DType, Device};
 use rayon::prelude::*;
 
 use crate::config::{DeterminismMode, EngineConfig, ModelConfig};
+use crate::dvr::Verifier;
 use crate::error::{DetspecError, Result};
 use crate::kv::{BlockTable, KvManager, KvPool, KvStats, PageAllocator};
 use crate::model::{ForwardBatch, Model};
 use crate::ops::{AttentionMetadata, AttentionSchedule};
 use crate::output::{FinishReason, RequestMetrics, StopReason, TokenLogprobs};
 use crate::request::{Prompt, Request};
-use crate::sampling::{self, SampleInput, SamplingParams};
+use crate::sampling;
 use crate::sched::{PlanEntry, Scheduler, SchedulerLimits, Sequence, SequenceId, StepPlan};
 use crate::tokenizer::{eos_token_ids, Tokenizer};
 
@@ -44,9 +45,6 @@ struct SeqExtra {
     text: Option<TextState>,
     first_scheduled_time: Option<f64>,
     first_token_time: Option<f64>,
-    /// Step at which a deterministic sequence was first seen finished on the fast path with
-    /// speculative tokens, i.e. began waiting for its verify pass.
-    verify_wait_since: Option<u64>,
 }
 
 /// Engine-wide decode–verify–rollback counters.
@@ -71,10 +69,8 @@ pub struct EngineCore {
     sched: Scheduler,
     extra: HashMap<SequenceId, SeqExtra>,
     next_seq_id: SequenceId,
-    /// Reserved page that verify-pass padding rows write to (never freed).
-    trash_page: u32,
-    stats: EngineStats,
-    fault_counter: u64,
+    verifier: Verifier,
+    preemptions: usize,
     /// Steps run so far (the clock of `verify_finish_wait`).
     steps: u64,
 }
@@ -167,6 +163,7 @@ impl EngineCore {
             max_prefill_chunk: cfg.max_prefill_chunk.unwrap_or(cfg.max_num_batched_tokens),
             isolate_deterministic_prefill: cfg.determinism == DeterminismMode::Dvr,
         });
+        let verifier = Verifier::new(&cfg, mc.sliding_window, trash_page);
         tracing::info!(model = %dir.display(), num_pages, page_size = cfg.page_size, "engine loaded");
         Ok(Self {
             info: Arc::new(ModelInfo {
@@ -184,9 +181,8 @@ impl EngineCore {
             sched,
             extra: HashMap::new(),
             next_seq_id: 0,
-            trash_page,
-            stats: EngineStats::default(),
-            fault_counter: 0,
+            verifier,
+            preemptions: 0,
             steps: 0,
         })
     }
@@ -205,7 +201,14 @@ impl EngineCore {
     }
 
     pub fn stats(&self) -> EngineStats {
-        self.stats
+        let v = self.verifier.stats();
+        EngineStats {
+            verify_passes: v.verify_passes,
+            rollbacks: v.rollbacks,
+            rolled_back_tokens: v.rolled_back_tokens,
+            padded_rows: v.padded_rows,
+            preemptions: self.preemptions,
+        }
     }
 
     /// Page pool and prefix-cache statistics.
@@ -297,7 +300,6 @@ impl EngineCore {
                         .as_ref()
                         .map(|_| TextState::new(&prompt, &req.params.stop)),
                     first_scheduled_time: None,
-                    verify_wait_since: None,
                     first_token_time: None,
                 },
             );
@@ -407,13 +409,7 @@ impl EngineCore {
                 error: err,
             });
         }
-        self.stats.preemptions += plan.preempted.len();
-        for id in &plan.preempted {
-            // Its speculative tokens (and any finish on them) are gone: it no longer waits.
-            if let Some(x) = self.extra.get_mut(id) {
-                x.verify_wait_since = None;
-            }
-        }
+        self.preemptions += plan.preempted.len();
         if plan.is_empty() {
             // Only sequences waiting for their final verify pass (or nothing) are left.
             if self.cfg.determinism == DeterminismMode::Dvr {
@@ -506,7 +502,7 @@ impl EngineCore {
                     request_id: None,
                     message: format!("sampled sequence {id} is not running"),
                 })?;
-                sample_row(seq, &seq.output, row, &eos)
+                sampling::sample_next(&seq.params, seq.seed, &seq.prompt, &seq.output, row, &eos)
             })
             .collect();
         let t = now();
@@ -524,7 +520,7 @@ impl EngineCore {
                 seq.verified = seq.output.len();
             }
             if seq.finish.is_none() {
-                if let Some((reason, stop)) = token_finish(seq, seq.output.len() - 1, &eos) {
+                if let Some((reason, stop)) = seq.finish_at(seq.output.len() - 1, &eos) {
                     seq.finish = Some(reason);
                     seq.stop_reason = stop;
                 }
@@ -542,7 +538,17 @@ impl EngineCore {
     fn verify_and_emit(&mut self, mut touched: Vec<SequenceId>) -> Result<Vec<StreamEvent>> {
         let eos = self.info.eos_token_ids.clone();
         if self.cfg.determinism == DeterminismMode::Dvr {
-            touched.extend(self.verify_ready()?);
+            let (model, kv) = (&self.model, &self.kv);
+            let mut forward = |batch: &ForwardBatch| -> Result<Vec<Vec<f32>>> {
+                Ok(model.forward(batch, kv)?.to_vec2::<f32>()?)
+            };
+            touched.extend(self.verifier.run_due(
+                &mut self.sched,
+                self.alloc.as_ref(),
+                self.steps,
+                &eos,
+                &mut forward,
+            )?);
         }
         touched.sort_unstable();
         touched.dedup();
@@ -580,208 +586,6 @@ impl EngineCore {
         }
     }
 
-    /// Whether sequences that finished on the fast path get their verify pass now: when they
-    /// may not wait, one has waited `verify_finish_wait` steps, they fill a group, or no
-    /// running deterministic sequence is still decoding (nobody else could join).
-    fn finished_verification_due(&mut self) -> bool {
-        let now = self.steps;
-        let mut finished = 0;
-        let mut decoding = 0;
-        let mut oldest = now;
-        for seq in self.sched.running() {
-            if !seq.deterministic {
-                continue;
-            }
-            let waiting = seq.finish.is_some() && self.can_verify(seq);
-            let Some(x) = self.extra.get_mut(&seq.id) else {
-                continue;
-            };
-            if waiting {
-                finished += 1;
-                oldest = oldest.min(*x.verify_wait_since.get_or_insert(now));
-            } else {
-                x.verify_wait_since = None;
-                decoding += usize::from(seq.finish.is_none());
-            }
-        }
-        finished > 0
-            && (now - oldest >= self.cfg.verify_finish_wait as u64
-                || finished >= self.cfg.verify_group
-                || decoding == 0)
-    }
-
-    /// A deterministic sequence with speculative tokens whose committed prefix has KV.
-    fn can_verify(&self, seq: &Sequence) -> bool {
-        seq.deterministic
-            && seq.num_speculative() > 0
-            && seq.num_computed + 1 >= seq.prompt.len() + seq.verified
-    }
-
-    /// Runs verify passes until no deterministic sequence is ready; returns the sequences
-    /// whose committed state changed.
-    fn verify_ready(&mut self) -> Result<Vec<SequenceId>> {
-        let mut touched = Vec::new();
-        loop {
-            // Ready: a full window of speculative tokens, or finished on the speculative path.
-            // Full windows are verified at once; finished sequences when they are due, or
-            // along with a full window (first in line, as they cannot progress otherwise).
-            let finish_due = self.finished_verification_due();
-            let w = self.cfg.verify_window;
-            let running = self.sched.running();
-            let verifiable = || running.iter().filter(|s| self.can_verify(s));
-            let mut ready: Vec<SequenceId> = verifiable()
-                .filter(|s| s.num_speculative() + 1 >= w)
-                .map(|s| s.id)
-                .collect();
-            if ready.is_empty() && !finish_due {
-                return Ok(touched);
-            }
-            ready.extend(
-                verifiable()
-                    .filter(|s| s.finish.is_some() && s.num_speculative() + 1 < w)
-                    .map(|s| s.id),
-            );
-            if ready.is_empty() {
-                return Ok(touched);
-            }
-            for group in ready.chunks(self.cfg.verify_group) {
-                let mut members = group.to_vec();
-                // Top up with not-yet-ready deterministic sequences that have speculative
-                // tokens: they get verified early, for free.
-                for s in self.sched.running() {
-                    if members.len() >= self.cfg.verify_group {
-                        break;
-                    }
-                    if self.can_verify(s) && !members.contains(&s.id) && !ready.contains(&s.id) {
-                        members.push(s.id);
-                    }
-                }
-                self.verify_group(&members)?;
-                touched.extend(members);
-            }
-        }
-    }
-
-    /// One verify pass over up to B sequences: B × W rows, fixed attention schedule, every real
-    /// request padded to W rows and the group padded with dummy rows on the reserved page.
-    fn verify_group(&mut self, members: &[SequenceId]) -> Result<()> {
-        let (w, b, ps) = (
-            self.cfg.verify_window,
-            self.cfg.verify_group,
-            self.cfg.page_size,
-        );
-        let trash_slot = self.trash_page * ps as u32;
-        let mut batch = ForwardBatch::default();
-        batch.attention.sliding_window = self.info.config.sliding_window;
-        batch.attention.schedule = AttentionSchedule::Fixed;
-        // Sequence index `b` of the batch is the dummy sequence owning the reserved page.
-        let mut tables: Vec<Vec<u32>> = Vec::with_capacity(b + 1);
-        let mut windows: Vec<(SequenceId, usize)> = Vec::with_capacity(members.len());
-        for (si, &id) in members.iter().enumerate() {
-            let Some(seq) = self.sched.get_mut(id) else {
-                continue;
-            };
-            let (l, v) = (seq.prompt.len(), seq.verified);
-            let mut n = seq.num_speculative().min(w - 1);
-            // The verifier writes KV at positions l+v-1 ..= l+v-1+n.
-            if seq
-                .block_table
-                .reserve(l + v + n, ps, self.alloc.as_ref())
-                .is_err()
-            {
-                n = n.min(seq.block_table.capacity(ps).saturating_sub(l + v));
-            }
-            for j in 0..=n {
-                let pos = l + v - 1 + j;
-                let slot =
-                    seq.block_table
-                        .slot(pos, ps)
-                        .ok_or_else(|| DetspecError::InvalidRequest {
-                            request_id: Some(seq.request_id.clone()),
-                            message: format!("verify: position {pos} has no KV slot"),
-                        })?;
-                batch.logit_rows.push(batch.tokens.len() as u32);
-                batch.tokens.push(seq.output[v - 1 + j]);
-                batch.slots.push(slot);
-                batch.attention.positions.push(pos as u32);
-                batch.attention.row_seq.push(si as u32);
-            }
-            for _ in n + 1..w {
-                push_pad_row(&mut batch, trash_slot, b as u32);
-            }
-            tables.push(seq.block_table.pages().to_vec());
-            windows.push((id, n));
-        }
-        for _ in windows.len()..b {
-            tables.push(Vec::new());
-            for _ in 0..w {
-                push_pad_row(&mut batch, trash_slot, b as u32);
-            }
-        }
-        tables.push(vec![self.trash_page]);
-        batch.attention.block_tables = tables;
-        self.stats.verify_passes += 1;
-        self.stats.padded_rows += b * w - batch.logit_rows.len();
-        let logits = self.model.forward(&batch, &self.kv)?.to_vec2::<f32>()?;
-        let eos = self.info.eos_token_ids.clone();
-        let mut rows = logits.into_iter();
-        for (id, n) in windows {
-            let rows: Vec<Vec<f32>> = rows.by_ref().take(n + 1).collect();
-            // Exactly `fault_injection` of all windows, spread evenly: window k is hit when
-            // floor(k·share) steps up.
-            let inject = self.cfg.fault_injection > 0.0 && {
-                let share = self.cfg.fault_injection;
-                self.fault_counter += 1;
-                let k = self.fault_counter as f64;
-                (k * share).floor() > ((k - 1.0) * share).floor()
-            };
-            let fault_counter = self.fault_counter;
-            let Some(seq) = self.sched.get_mut(id) else {
-                continue;
-            };
-            let v = seq.verified;
-            // The verifier's predictions, sampled exactly as the fast path sampled: same
-            // seed, same absolute position, same output context.
-            let mut preds = Vec::with_capacity(n + 1);
-            for (j, row) in rows.iter().enumerate() {
-                preds.push(sample_row(seq, &seq.output[..v + j], row, &eos)?);
-            }
-            let spec = &seq.output[v..];
-            let mut m = (0..=n).find(|&j| spec.get(j).is_some_and(|&u| u != preds[j].token));
-            if inject && m.is_none() && n > 0 {
-                // Forced rollback: pretend the window diverged at a pseudo-random index.
-                m = Some((sampling::uniform(0xfa17, fault_counter, id) * n as f64) as usize);
-            }
-            seq.dvr.verify_passes += 1;
-            let commit = match m {
-                Some(m) => {
-                    let dropped = seq.output.len() - (v + m + 1);
-                    seq.dvr.rollbacks += 1;
-                    seq.dvr.rolled_back_tokens += dropped;
-                    self.stats.rollbacks += 1;
-                    self.stats.rolled_back_tokens += dropped;
-                    m + 1
-                }
-                None => n + 1,
-            };
-            // Committed tokens carry the verifier's token and logprobs.
-            seq.output.truncate(v);
-            seq.logprobs.truncate(v);
-            for p in preds.into_iter().take(commit) {
-                seq.output.push(p.token);
-                seq.logprobs.push(p);
-            }
-            seq.verified = seq.output.len();
-            seq.finish = None;
-            seq.stop_reason = None;
-            // KV is valid up to the last committed token's predecessor; it is the next input.
-            seq.num_computed = seq.prompt.len() + seq.verified - 1;
-            seq.block_table
-                .truncate(seq.num_computed, ps, self.alloc.as_ref());
-        }
-        Ok(())
-    }
-
     /// Emits a sequence's newly committed tokens: text, stop strings and finish checks run on
     /// committed tokens only, in order.
     fn emit(&mut self, id: SequenceId, eos: &[u32]) -> Result<Option<StreamEvent>> {
@@ -804,7 +608,7 @@ impl EngineCore {
                 }
             }
             if finish.is_none() {
-                finish = token_finish(seq, idx, eos);
+                finish = seq.finish_at(idx, eos);
             }
             idx += 1;
             if finish.is_some() {
@@ -948,36 +752,6 @@ impl EngineCore {
     }
 }
 
-/// Samples the token that follows `output` (a prefix of `seq`'s output) from `row`, and ranks
-/// it. The fast path and the verifier both call this, so equal logits give equal tokens.
-fn sample_row(seq: &Sequence, output: &[u32], row: &[f32], eos: &[u32]) -> Result<TokenLogprobs> {
-    let banned = if output.len() < seq.params.min_tokens {
-        min_tokens_banned(&seq.params, eos)
-    } else {
-        Vec::new()
-    };
-    let s = sampling::sample(&SampleInput {
-        logits: row,
-        params: &seq.params,
-        seed: seq.seed,
-        position: (seq.prompt.len() + output.len()) as u64,
-        prompt_tokens: &seq.prompt,
-        output_tokens: output,
-        banned_tokens: &banned,
-    })?;
-    let chosen = row
-        .get(s.token as usize)
-        .copied()
-        .unwrap_or(f32::NEG_INFINITY);
-    let rank = 1 + row.iter().filter(|&&x| x > chosen).count() as u32;
-    Ok(TokenLogprobs {
-        token: s.token,
-        logprob: s.logprob,
-        rank,
-        top: s.top_logprobs,
-    })
-}
-
 /// Seed of completion `index` of a request: the request's seed for the first, distinct
 /// well-mixed seeds for the others, so `n > 1` samples differ but stay reproducible.
 fn completion_seed(seed: u64, index: usize) -> u64 {
@@ -988,45 +762,4 @@ fn completion_seed(seed: u64, index: usize) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58476d1ce4e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d049bb133111eb);
     z ^ (z >> 31)
-}
-
-/// Tokens that may not be sampled before `min_tokens`: EOS (unless ignored) and stop token ids,
-/// as in vLLM.
-fn min_tokens_banned(p: &SamplingParams, eos: &[u32]) -> Vec<u32> {
-    let mut banned = p.stop_token_ids.clone();
-    if !p.ignore_eos {
-        banned.extend_from_slice(eos);
-    }
-    banned
-}
-
-/// Whether output token `idx` ends the sequence: EOS, stop token ids, max_tokens and context
-/// length, in vLLM's order of precedence.
-fn token_finish(
-    seq: &Sequence,
-    idx: usize,
-    eos: &[u32],
-) -> Option<(FinishReason, Option<StopReason>)> {
-    let p = &seq.params;
-    let token = *seq.output.get(idx)?;
-    let count = idx + 1;
-    let past_min = count >= p.min_tokens;
-    if past_min && !p.ignore_eos && eos.contains(&token) {
-        return Some((FinishReason::Stop, Some(StopReason::Token(token))));
-    }
-    if past_min && p.stop_token_ids.contains(&token) {
-        return Some((FinishReason::Stop, Some(StopReason::Token(token))));
-    }
-    if count >= p.max_tokens || seq.prompt.len() + count >= seq.max_len {
-        return Some((FinishReason::Length, None));
-    }
-    None
-}
-
-/// A verify-pass padding row: writes to and reads from the reserved page only.
-fn push_pad_row(batch: &mut ForwardBatch, trash_slot: u32, dummy_seq: u32) {
-    batch.tokens.push(0);
-    batch.slots.push(trash_slot);
-    batch.attention.positions.push(0);
-    batch.attention.row_seq.push(dummy_seq);
 }

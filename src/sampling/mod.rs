@@ -5,11 +5,13 @@
 //! (DESIGN.md §2 step 4, §3) pick the same token from the same logits regardless of batching or
 //! thread count.
 
+pub mod next_token;
 pub mod params;
 pub mod processors;
 pub mod rng;
 pub mod sampler;
 
+pub use next_token::sample_next;
 pub use params::{SamplingParams, GREEDY_TEMPERATURE_EPS, MAX_LOGPROBS};
 pub use rng::{gumbel, request_seed_from_entropy, uniform, GUMBEL_MAX};
 pub use sampler::{sample, SampleInput, SampledToken};

@@ -10,7 +10,7 @@
 
 mod sequence;
 
-pub use sequence::{DvrStats, Sequence, SequenceId};
+pub use sequence::{DvrState, Sequence, SequenceId};
 
 use std::collections::VecDeque;
 
@@ -126,6 +126,7 @@ impl Scheduler {
             seq.verified = seq.verified.min(1);
             seq.finish = None;
             seq.stop_reason = None;
+            seq.dvr.wait_since = None;
         }
         seq.num_preemptions += 1;
         tracing::debug!(request_id = %seq.request_id, "preempted (KV pool exhausted)");
@@ -277,6 +278,11 @@ impl Scheduler {
     /// The running sequences, in admission order.
     pub fn running(&self) -> &[Sequence] {
         &self.running
+    }
+
+    /// The running sequences, mutably (their DVR state; never their pages).
+    pub fn running_mut(&mut self) -> &mut [Sequence] {
+        &mut self.running
     }
 
     /// Removes finished sequences (all of whose tokens are committed), releasing their pages.

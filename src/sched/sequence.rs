@@ -35,15 +35,18 @@ pub struct Sequence {
     pub verified: usize,
     /// Output tokens already sent to the client (never decreases, also across preemption).
     pub emitted: usize,
-    pub dvr: DvrStats,
+    pub dvr: DvrState,
 }
 
-/// Decode–verify–rollback counters of one sequence.
+/// Decode–verify–rollback counters and state of one sequence (owned by `crate::dvr`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct DvrStats {
+pub struct DvrState {
     pub verify_passes: usize,
     pub rollbacks: usize,
     pub rolled_back_tokens: usize,
+    /// Engine step at which the sequence, finished on the fast path with speculative tokens,
+    /// began waiting for its verify pass (`verify_finish_wait`).
+    pub wait_since: Option<u64>,
 }
 
 impl Sequence {
@@ -68,5 +71,24 @@ impl Sequence {
         } else {
             self.output.get(pos - self.prompt.len()).copied()
         }
+    }
+
+    /// Whether output token `idx` ends the sequence: EOS, stop token ids, max_tokens and
+    /// context length, in vLLM's order of precedence.
+    pub fn finish_at(&self, idx: usize, eos: &[u32]) -> Option<(FinishReason, Option<StopReason>)> {
+        let p = &self.params;
+        let token = *self.output.get(idx)?;
+        let count = idx + 1;
+        let past_min = count >= p.min_tokens;
+        if past_min && !p.ignore_eos && eos.contains(&token) {
+            return Some((FinishReason::Stop, Some(StopReason::Token(token))));
+        }
+        if past_min && p.stop_token_ids.contains(&token) {
+            return Some((FinishReason::Stop, Some(StopReason::Token(token))));
+        }
+        if count >= p.max_tokens || self.prompt.len() + count >= self.max_len {
+            return Some((FinishReason::Length, None));
+        }
+        None
     }
 }

@@ -1,0 +1,162 @@
+//! Decode–verify–rollback (DESIGN.md §3), laid out to be read side by side with that section.
+//!
+//! | DESIGN.md §3            | here                                                         |
+//! |-------------------------|--------------------------------------------------------------|
+//! | Trigger                 | [`trigger::is_verifiable`], [`trigger::ready_sequences`]     |
+//! | finish-wait policy      | [`trigger::finished_verification_due`]                       |
+//! | Grouped, fixed shape    | [`trigger::top_up_group`], [`replay::build_replay_batch`]    |
+//! | Replay                  | [`replay::build_replay_batch`] + the engine's `forward`      |
+//! | Accept / roll back      | [`accept::first_mismatch`], [`accept::commit`]               |
+//! | Stats                   | [`VerifyStats`] (engine-wide), `Sequence::dvr` (per request) |
+//!
+//! Prefill isolation (the first half of §3) is the scheduler's job
+//! (`SchedulerLimits::isolate_deterministic_prefill`); emitting committed tokens is the engine's.
+//! The verifier reaches the model only through the `forward` callback of
+//! [`Verifier::run_due`]: it never owns tensors.
+
+pub mod accept;
+pub mod replay;
+pub mod trigger;
+
+use crate::config::EngineConfig;
+use crate::error::Result;
+use crate::kv::PageAllocator;
+use crate::model::ForwardBatch;
+use crate::sampling;
+use crate::sched::{Scheduler, SequenceId};
+
+use accept::FaultInjector;
+
+/// Engine-wide verification counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct VerifyStats {
+    pub verify_passes: usize,
+    pub rollbacks: usize,
+    pub rolled_back_tokens: usize,
+    /// Verify-pass rows that carried no real token (window and group padding).
+    pub padded_rows: usize,
+}
+
+/// The fixed shape and policy of verify passes.
+#[derive(Debug, Clone, Copy)]
+pub struct VerifyShape {
+    /// W: input rows per request (last committed token + up to W−1 speculative ones).
+    pub window: usize,
+    /// B: requests per pass.
+    pub group: usize,
+    /// Steps a sequence that finished on the fast path may wait for a fuller group.
+    pub finish_wait: usize,
+    pub page_size: usize,
+    pub sliding_window: Option<usize>,
+}
+
+/// Runs verify passes for deterministic sequences and commits or rolls back their tokens.
+#[derive(Debug)]
+pub struct Verifier {
+    shape: VerifyShape,
+    /// Reserved page that padding rows write to and read from (never freed).
+    trash_page: u32,
+    faults: FaultInjector,
+    stats: VerifyStats,
+}
+
+/// Logits of every row of a batch that needs them, one `Vec` per row, in row order.
+pub type ForwardFn<'a> = dyn FnMut(&ForwardBatch) -> Result<Vec<Vec<f32>>> + 'a;
+
+impl Verifier {
+    pub fn new(cfg: &EngineConfig, sliding_window: Option<usize>, trash_page: u32) -> Self {
+        Self {
+            shape: VerifyShape {
+                window: cfg.verify_window,
+                group: cfg.verify_group,
+                finish_wait: cfg.verify_finish_wait,
+                page_size: cfg.page_size,
+                sliding_window,
+            },
+            trash_page,
+            faults: FaultInjector::new(cfg.fault_injection),
+            stats: VerifyStats::default(),
+        }
+    }
+
+    pub fn stats(&self) -> VerifyStats {
+        self.stats
+    }
+
+    /// Runs verify passes until no deterministic sequence is ready (`step` is the engine's step
+    /// clock, for the finish-wait policy); returns the sequences whose committed state changed.
+    pub fn run_due(
+        &mut self,
+        sched: &mut Scheduler,
+        alloc: &dyn PageAllocator,
+        step: u64,
+        eos: &[u32],
+        forward: &mut ForwardFn<'_>,
+    ) -> Result<Vec<SequenceId>> {
+        let mut touched = Vec::new();
+        loop {
+            let finish_due = trigger::finished_verification_due(sched, step, &self.shape);
+            let ready = trigger::ready_sequences(sched.running(), self.shape.window, finish_due);
+            if ready.is_empty() {
+                return Ok(touched);
+            }
+            for group in ready.chunks(self.shape.group) {
+                let members =
+                    trigger::top_up_group(sched.running(), group, &ready, self.shape.group);
+                self.verify_group(sched, alloc, &members, eos, forward)?;
+                touched.extend(members);
+            }
+        }
+    }
+
+    /// One verify pass over up to B sequences (B × W rows, fixed attention schedule), then the
+    /// accept step for each of them.
+    fn verify_group(
+        &mut self,
+        sched: &mut Scheduler,
+        alloc: &dyn PageAllocator,
+        members: &[SequenceId],
+        eos: &[u32],
+        forward: &mut ForwardFn<'_>,
+    ) -> Result<()> {
+        let replay =
+            replay::build_replay_batch(sched, alloc, members, &self.shape, self.trash_page)?;
+        self.stats.verify_passes += 1;
+        self.stats.padded_rows += replay.padded_rows;
+        let logits = forward(&replay.batch)?;
+        let mut rows = logits.into_iter();
+        for window in replay.windows {
+            let rows: Vec<Vec<f32>> = rows.by_ref().take(window.n + 1).collect();
+            let forced = self.faults.next_window();
+            let Some(seq) = sched.get_mut(window.seq) else {
+                continue;
+            };
+            let v = seq.verified;
+            // The verifier's predictions, sampled exactly as the fast path sampled: same seed,
+            // same absolute position, same output context.
+            let mut preds = Vec::with_capacity(window.n + 1);
+            for (j, row) in rows.iter().enumerate() {
+                preds.push(sampling::sample_next(
+                    &seq.params,
+                    seq.seed,
+                    &seq.prompt,
+                    &seq.output[..v + j],
+                    row,
+                    eos,
+                )?);
+            }
+            let mut mismatch = accept::first_mismatch(&seq.output[v..], &preds);
+            if let Some(fault) = forced {
+                if mismatch.is_none() && window.n > 0 {
+                    mismatch = Some(fault.index(window.seq, window.n));
+                }
+            }
+            let rolled_back = accept::commit(seq, preds, mismatch, alloc, self.shape.page_size);
+            if let Some(dropped) = rolled_back {
+                self.stats.rollbacks += 1;
+                self.stats.rolled_back_tokens += dropped;
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,103 @@
+//! The replay batch (DESIGN.md §3 "Grouped, fixed-shape verification" and "Replay").
+//!
+//! For a sequence with committed output index V and speculative tokens u_0…u_{n−1}, the input is
+//! [last committed token, u_0, …, u_{n−1}] at their absolute positions, attending to the committed
+//! prefix; its KV overwrites the fast path's in the same slots. Every request is padded to W rows
+//! and the group to B requests with rows that write to and read from a reserved page, so every
+//! pass has the same B × W shape and runs on the fixed attention schedule.
+
+use crate::error::{DetspecError, Result};
+use crate::kv::PageAllocator;
+use crate::model::ForwardBatch;
+use crate::ops::AttentionSchedule;
+use crate::sched::{Scheduler, SequenceId};
+
+use super::VerifyShape;
+
+/// One sequence's part of a replay batch: `n` speculative tokens (n + 1 logit rows).
+#[derive(Debug, Clone, Copy)]
+pub struct ReplayWindow {
+    pub seq: SequenceId,
+    pub n: usize,
+}
+
+/// A B × W batch ready for the forward pass.
+#[derive(Debug)]
+pub struct ReplayBatch {
+    pub batch: ForwardBatch,
+    /// Real windows, in batch order (their logit rows come first, in this order).
+    pub windows: Vec<ReplayWindow>,
+    /// Rows that carry no real token.
+    pub padded_rows: usize,
+}
+
+/// Builds the replay batch of `members` (at most B), reserving KV for the verifier's writes.
+pub fn build_replay_batch(
+    sched: &mut Scheduler,
+    alloc: &dyn PageAllocator,
+    members: &[SequenceId],
+    shape: &VerifyShape,
+    trash_page: u32,
+) -> Result<ReplayBatch> {
+    let (w, b, ps) = (shape.window, shape.group, shape.page_size);
+    let trash_slot = trash_page * ps as u32;
+    let mut batch = ForwardBatch::default();
+    batch.attention.sliding_window = shape.sliding_window;
+    batch.attention.schedule = AttentionSchedule::Fixed;
+    // Sequence index `b` of the batch is the dummy sequence owning the reserved page.
+    let mut tables: Vec<Vec<u32>> = Vec::with_capacity(b + 1);
+    let mut windows = Vec::with_capacity(members.len());
+    for (si, &id) in members.iter().enumerate() {
+        let Some(seq) = sched.get_mut(id) else {
+            continue;
+        };
+        let (l, v) = (seq.prompt.len(), seq.verified);
+        let mut n = seq.num_speculative().min(w - 1);
+        // The verifier writes KV at positions l+v-1 ..= l+v-1+n.
+        if seq.block_table.reserve(l + v + n, ps, alloc).is_err() {
+            n = n.min(seq.block_table.capacity(ps).saturating_sub(l + v));
+        }
+        for j in 0..=n {
+            let pos = l + v - 1 + j;
+            let slot =
+                seq.block_table
+                    .slot(pos, ps)
+                    .ok_or_else(|| DetspecError::InvalidRequest {
+                        request_id: Some(seq.request_id.clone()),
+                        message: format!("verify: position {pos} has no KV slot"),
+                    })?;
+            batch.logit_rows.push(batch.tokens.len() as u32);
+            batch.tokens.push(seq.output[v - 1 + j]);
+            batch.slots.push(slot);
+            batch.attention.positions.push(pos as u32);
+            batch.attention.row_seq.push(si as u32);
+        }
+        for _ in n + 1..w {
+            push_pad_row(&mut batch, trash_slot, b as u32);
+        }
+        tables.push(seq.block_table.pages().to_vec());
+        windows.push(ReplayWindow { seq: id, n });
+    }
+    for _ in windows.len()..b {
+        tables.push(Vec::new());
+        for _ in 0..w {
+            push_pad_row(&mut batch, trash_slot, b as u32);
+        }
+    }
+    tables.push(vec![trash_page]);
+    batch.attention.block_tables = tables;
+    let padded_rows = b * w - batch.logit_rows.len();
+    Ok(ReplayBatch {
+        batch,
+        windows,
+        padded_rows,
+    })
+}
+
+/// A padding row: writes to and reads from the reserved page only.
+fn push_pad_row(batch: &mut ForwardBatch, trash_slot: u32, dummy_seq: u32) {
+    batch.tokens.push(0);
+    batch.slots.push(trash_slot);
+    batch.attention.positions.push(0);
+    batch.attention.row_seq.push(dummy_seq);
+}

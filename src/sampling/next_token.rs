@@ -1,0 +1,49 @@
+//! The next token of a sequence from one row of logits: the one call the fast path and the DVR
+//! verifier share, so equal logits give equal tokens and logprobs.
+
+use super::params::SamplingParams;
+use super::sampler::{sample, SampleInput};
+use crate::output::TokenLogprobs;
+use crate::Result;
+
+/// Samples the token that follows `output` (the sequence's output so far, or a prefix of it
+/// when the verifier replays) from `row`, and ranks it. `min_tokens` bans EOS (unless ignored)
+/// and the stop token ids, as in vLLM.
+pub fn sample_next(
+    params: &SamplingParams,
+    seed: u64,
+    prompt: &[u32],
+    output: &[u32],
+    row: &[f32],
+    eos: &[u32],
+) -> Result<TokenLogprobs> {
+    let banned = if output.len() < params.min_tokens {
+        let mut banned = params.stop_token_ids.clone();
+        if !params.ignore_eos {
+            banned.extend_from_slice(eos);
+        }
+        banned
+    } else {
+        Vec::new()
+    };
+    let s = sample(&SampleInput {
+        logits: row,
+        params,
+        seed,
+        position: (prompt.len() + output.len()) as u64,
+        prompt_tokens: prompt,
+        output_tokens: output,
+        banned_tokens: &banned,
+    })?;
+    let chosen = row
+        .get(s.token as usize)
+        .copied()
+        .unwrap_or(f32::NEG_INFINITY);
+    let rank = 1 + row.iter().filter(|&&x| x > chosen).count() as u32;
+    Ok(TokenLogprobs {
+        token: s.token,
+        logprob: s.logprob,
+        rank,
+        top: s.top_logprobs,
+    })
+}
