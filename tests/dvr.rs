@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use detspec::config::DeterminismMode;
+use detspec::config::{DeterminismMode, VerifyStrategy};
 use detspec::engine::{EngineCore, StreamEvent};
 use detspec::{Engine, EngineConfig, Request, RequestOutput, SamplingParams};
 
@@ -18,8 +18,18 @@ fn model_dir() -> &'static Path {
     DIR.get_or_init(|| common::write_test_model("dvr", 3, 0.02, 512))
 }
 
+/// The replay strategy's configuration: the tests below that count verify passes, rollbacks
+/// and padding are about replay; the inline strategy has its own tests at the end.
 fn cfg(mode: DeterminismMode, threads: usize) -> EngineConfig {
     EngineConfig {
+        verify_strategy: VerifyStrategy::Replay,
+        ..cfg_inline(mode, threads)
+    }
+}
+
+fn cfg_inline(mode: DeterminismMode, threads: usize) -> EngineConfig {
+    EngineConfig {
+        verify_strategy: VerifyStrategy::Inline,
         num_kv_pages: Some(1024),
         determinism: mode,
         verify_window: 8,
@@ -369,4 +379,123 @@ fn a_finished_request_waiting_for_its_group_completes_when_the_others_go() {
     assert!(finished, "the short request never completed");
     assert_eq!(got, want);
     assert!(!core.has_work());
+}
+
+// ------------------------------------------------------------------- inline strategy (CPU)
+
+/// Bits of `reqs` run together on an engine with `c`.
+fn run_all(c: EngineConfig, reqs: &[Request]) -> Vec<Bits> {
+    let e = Engine::from_model_dir(model_dir(), c).unwrap();
+    e.generate(reqs.to_vec())
+        .unwrap()
+        .iter()
+        .map(bits)
+        .collect()
+}
+
+fn inline_needle(temperature: f32) {
+    let t = target(temperature);
+    let e0 = Engine::from_model_dir(model_dir(), cfg_inline(DeterminismMode::Dvr, 2)).unwrap();
+    let want = bits(&e0.generate(vec![t.clone()]).unwrap()[0]);
+    assert_eq!(want.0.len(), 40);
+    for threads in [2, 1] {
+        let e =
+            Engine::from_model_dir(model_dir(), cfg_inline(DeterminismMode::Dvr, threads)).unwrap();
+        for seed in 0..11 {
+            let got = in_haystack(&e, &t, seed * 37 + threads as u64, true);
+            assert_eq!(got.0, want.0, "token ids (threads={threads}, seed={seed})");
+            assert_eq!(
+                got.1, want.1,
+                "logprob bits (threads={threads}, seed={seed})"
+            );
+        }
+        // Nothing was replayed: every token was committed as it was sampled.
+        assert_eq!(e.stats().unwrap().verify_passes, 0);
+    }
+}
+
+#[test]
+fn inline_needle_in_haystack_greedy_is_bitwise_identical() {
+    inline_needle(0.0);
+}
+
+#[test]
+fn inline_needle_in_haystack_seeded_sampling_is_bitwise_identical() {
+    inline_needle(0.8);
+}
+
+#[test]
+fn inline_outputs_equal_what_the_replay_verifier_commits() {
+    // Every verify-path kernel is batch-invariant on CPU (tests/gemm.rs, tests/ops.rs), so the
+    // replay verifier recomputes exactly the inline rows: both strategies give the same bits
+    // for every deterministic request, at any W and B.
+    let mut rng = Rng(5);
+    let reqs: Vec<Request> = (0..10)
+        .map(|i| {
+            let params = SamplingParams {
+                temperature: if i % 2 == 0 { 0.0 } else { 0.9 },
+                seed: Some(100 + i),
+                max_tokens: 5 + 7 * i as usize,
+                ignore_eos: true,
+                deterministic: i % 3 != 1,
+                ..Default::default()
+            };
+            Request::new(format!("r{i}"), rng.prompt(3 + 11 * i as usize), params)
+        })
+        .collect();
+    let inline = run_all(cfg_inline(DeterminismMode::Dvr, 2), &reqs);
+    for (w, b) in [(8, 4), (3, 2), (64, 8)] {
+        let replay = run_all(
+            EngineConfig {
+                verify_window: w,
+                verify_group: b,
+                ..cfg(DeterminismMode::Dvr, 2)
+            },
+            &reqs,
+        );
+        for (i, r) in reqs.iter().enumerate() {
+            if r.params.deterministic {
+                assert_eq!(inline[i], replay[i], "request {i}, W={w}, B={b}");
+            }
+        }
+    }
+}
+
+#[test]
+fn inline_survives_preemption_and_reports_its_fingerprint() {
+    let t = target(0.8);
+    let e0 = Engine::from_model_dir(model_dir(), cfg_inline(DeterminismMode::Dvr, 2)).unwrap();
+    let want = bits(&e0.generate(vec![t.clone()]).unwrap()[0]);
+    let small = EngineConfig {
+        num_kv_pages: Some(14),
+        page_size: 8,
+        ..cfg_inline(DeterminismMode::Dvr, 2)
+    };
+    let e = Engine::from_model_dir(model_dir(), small).unwrap();
+    let mut rng = Rng(99);
+    let streams: Vec<_> = (0..4)
+        .map(|i| {
+            let p = SamplingParams {
+                max_tokens: 40,
+                ignore_eos: true,
+                ..Default::default()
+            };
+            e.add_request(Request::new(format!("bg{i}"), rng.prompt(20), p))
+                .unwrap()
+        })
+        .collect();
+    let out = e.add_request(t).unwrap().wait().unwrap();
+    for s in streams {
+        s.wait().unwrap();
+    }
+    assert_eq!(bits(&out), want);
+    assert!(
+        e.stats().unwrap().preemptions > 0,
+        "meant to force preemption"
+    );
+    assert!(
+        out.fingerprint.ends_with("-dvr-inline"),
+        "{}",
+        out.fingerprint
+    );
 }

@@ -252,7 +252,7 @@ fn append(m: &KvManager, model: &mut Model, s: &mut Seq, new: &[u32]) -> bool {
     let start = s.table.num_tokens();
     assert_eq!(start, s.tokens.len());
     let first = start / PS;
-    let first_shared = start % PS != 0
+    let first_shared = !start.is_multiple_of(PS)
         && before
             .pages()
             .get(first)

@@ -86,6 +86,7 @@ fn meta(rows: &[(u32, u32)], tables: Vec<Vec<u32>>) -> Arc<AttentionMetadata> {
         block_tables: tables,
         sliding_window: None,
         schedule: AttentionSchedule::Fixed,
+        fixed_seqs: Vec::new(),
     })
 }
 
@@ -284,6 +285,53 @@ fn split_kv_matches_fixed_closely_but_not_bitwise() {
     assert_ne!(
         AttentionSchedule::split_kv_for_batch(1, H),
         AttentionSchedule::split_kv_for_batch(64, H)
+    );
+}
+
+#[test]
+fn fixed_sequences_inside_a_split_kv_batch_get_the_fixed_schedule_bits() {
+    // DVR's inline strategy: deterministic sequences' rows in a fast (split-KV) batch must
+    // equal the fixed schedule bit for bit, whatever the split count, their neighbours and
+    // their row index; the other sequences keep splitting.
+    let (k, v) = cache(16);
+    let tables = vec![
+        (0..8).collect::<Vec<u32>>(),
+        (8..16).rev().collect::<Vec<u32>>(),
+    ];
+    let rows = [(0, 29), (1, 30), (0, 27), (1, 31), (1, 5)];
+    let q = Tensor::from_vec(
+        randn(22, rows.len() * H * D),
+        (rows.len(), H, D),
+        &Device::Cpu,
+    )
+    .unwrap();
+    let fixed = paged_attention(&q, &k, &v, meta(&rows, tables.clone()), 0.3).unwrap();
+    let row_bits = |t: &Tensor, r: usize| bits(&t.narrow(0, r, 1).unwrap());
+    let mut other_differs = false;
+    for splits in [2, 3, 5, 8, 16] {
+        for threads in [1, 2] {
+            let mut m = (*meta(&rows, tables.clone())).clone();
+            m.schedule = AttentionSchedule::SplitKv { splits };
+            m.fixed_seqs = vec![false, true];
+            let out = in_pool(threads, || {
+                paged_attention(&q, &k, &v, Arc::new(m), 0.3).unwrap()
+            });
+            for (r, &(seq, _)) in rows.iter().enumerate() {
+                if seq == 1 {
+                    assert_eq!(
+                        row_bits(&out, r),
+                        row_bits(&fixed, r),
+                        "splits {splits} row {r}"
+                    );
+                } else {
+                    other_differs |= row_bits(&out, r) != row_bits(&fixed, r);
+                }
+            }
+        }
+    }
+    assert!(
+        other_differs,
+        "unflagged sequences should still take the split schedule"
     );
 }
 

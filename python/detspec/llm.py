@@ -119,6 +119,7 @@ class _EngineClient:
         determinism: str = "dvr",
         verify_window: int = 64,
         verify_group: int = 8,
+        verify_strategy: str = "auto",
         verify_finish_wait: int = 0,
         fault_injection: float = 0.0,
         enable_prefix_caching: bool = True,

@@ -36,6 +36,45 @@ impl DeterminismMode {
     }
 }
 
+/// How DVR makes a deterministic request's decode tokens reproducible (DESIGN.md §3).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum VerifyStrategy {
+    /// `Inline` where the backend's fast-path GEMMs are proven batch-invariant (CPU), else
+    /// `Replay`.
+    #[default]
+    Auto,
+    /// Decode on the fast path, replay every window through fixed-shape B × W verify passes,
+    /// commit what matches, roll back the rest.
+    Replay,
+    /// Compute deterministic rows inside the fast batch with the verify-path kernels (fixed
+    /// attention schedule; the GEMMs are batch-invariant on this backend), so every token is
+    /// committed as it is sampled and nothing is replayed. Only valid on a backend whose
+    /// fast-path GEMM is batch- and position-invariant (asserted by `tests/gemm.rs`).
+    Inline,
+}
+
+impl VerifyStrategy {
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "replay" => Ok(Self::Replay),
+            "inline" => Ok(Self::Inline),
+            other => Err(DetspecError::param(
+                "verify_strategy",
+                format!("unknown strategy `{other}` (auto, replay, inline)"),
+            )),
+        }
+    }
+
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Self::Auto => "auto",
+            Self::Replay => "replay",
+            Self::Inline => "inline",
+        }
+    }
+}
+
 /// Settings for an [`crate::Engine`]. Defaults follow DESIGN.md.
 #[derive(Debug, Clone, PartialEq)]
 pub struct EngineConfig {
@@ -59,6 +98,8 @@ pub struct EngineConfig {
     pub verify_window: usize,
     /// B: requests per verify pass (topped up with dummies), so every pass has B×W rows.
     pub verify_group: usize,
+    /// How `dvr` mode verifies deterministic requests.
+    pub verify_strategy: VerifyStrategy,
     /// Steps a deterministic request that finished on the fast path may wait for more ready
     /// requests before its verify pass runs (0: verify in the step it finished). Waiting fills
     /// groups with real rows instead of padding — fewer, fuller passes — at the cost of up to
@@ -86,6 +127,7 @@ impl Default for EngineConfig {
             determinism: DeterminismMode::Dvr,
             verify_window: 64,
             verify_group: 8,
+            verify_strategy: VerifyStrategy::Auto,
             verify_finish_wait: 0,
             fault_injection: 0.0,
             num_threads: None,

@@ -3,5 +3,5 @@
 mod engine_config;
 mod model_config;
 
-pub use engine_config::{DeterminismMode, EngineConfig};
+pub use engine_config::{DeterminismMode, EngineConfig, VerifyStrategy};
 pub use model_config::{Architecture, ModelConfig, RopeConfig, RopeScaling};

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use candle_core::{DType, Device};
 use rayon::prelude::*;
 
-use crate::config::{DeterminismMode, EngineConfig, ModelConfig};
+use crate::config::{DeterminismMode, EngineConfig, ModelConfig, VerifyStrategy};
 use crate::dvr::Verifier;
 use crate::error::{DetspecError, Result};
 use crate::kv::{BlockTable, KvManager, KvPool, KvStats, PageAllocator};
@@ -28,7 +28,8 @@ use super::stream::{now, StreamEvent};
 use super::text::TextState;
 
 /// Bumped whenever a kernel's reduction order changes, so fingerprints tell old outputs apart.
-pub const KERNEL_VERSION: u32 = 1;
+/// 2: the CPU's packed fixed-order GEMM (`ops::gemm`) replaced candle's matmul.
+pub const KERNEL_VERSION: u32 = 2;
 
 /// What the engine knows about a model once loaded; shared read-only with API handles.
 #[derive(Debug, Clone)]
@@ -70,6 +71,9 @@ pub struct EngineCore {
     extra: HashMap<SequenceId, SeqExtra>,
     next_seq_id: SequenceId,
     verifier: Verifier,
+    /// DVR's inline strategy is in force: deterministic rows run in the fast batch on the
+    /// verify-path kernels and are committed as sampled.
+    inline_deterministic: bool,
     preemptions: usize,
     /// Steps run so far (the clock of `verify_finish_wait`).
     steps: u64,
@@ -114,6 +118,18 @@ impl EngineCore {
             Some(n) => n,
             None => model_cfg.max_position_embeddings,
         };
+        let inline_deterministic = cfg.determinism == DeterminismMode::Dvr
+            && match cfg.verify_strategy {
+                VerifyStrategy::Auto => device.is_cpu(),
+                VerifyStrategy::Replay => false,
+                VerifyStrategy::Inline if device.is_cpu() => true,
+                VerifyStrategy::Inline => {
+                    return Err(DetspecError::param(
+                        "verify_strategy",
+                        "\"inline\" needs a backend whose GEMMs are batch-invariant (cpu); use \"replay\"",
+                    ))
+                }
+            };
         let model = Model::load(dir, model_cfg, device)?;
         let mc = model.config().clone();
         let per_page = KvPool::bytes_per_page(
@@ -135,14 +151,23 @@ impl EngineCore {
             DType::F32,
             device,
         )?;
+        // Inline outputs do not depend on W and B; replayed ones are only promised per (W, B).
+        let determinism = if inline_deterministic {
+            "dvr-inline".to_string()
+        } else {
+            format!(
+                "{}-w{}-b{}",
+                cfg.determinism.as_str(),
+                cfg.verify_window,
+                cfg.verify_group
+            )
+        };
         let fingerprint = format!(
-            "detspec-{:016x}-f32-{}-k{}-{}-w{}-b{}",
+            "detspec-{:016x}-f32-{}-k{}-{}",
             model.weights_hash(),
             if device.is_cpu() { "cpu" } else { "cuda" },
             KERNEL_VERSION,
-            cfg.determinism.as_str(),
-            cfg.verify_window,
-            cfg.verify_group,
+            determinism,
         );
         let alloc = Arc::new(KvManager::new(
             num_pages,
@@ -161,7 +186,9 @@ impl EngineCore {
             max_num_batched_tokens: cfg.max_num_batched_tokens,
             page_size: cfg.page_size,
             max_prefill_chunk: cfg.max_prefill_chunk.unwrap_or(cfg.max_num_batched_tokens),
-            isolate_deterministic_prefill: cfg.determinism == DeterminismMode::Dvr,
+            // Inline rows are invariant wherever they sit, so their prefill may be batched.
+            isolate_deterministic_prefill: cfg.determinism == DeterminismMode::Dvr
+                && !inline_deterministic,
         });
         let verifier = Verifier::new(&cfg, mc.sliding_window, trash_page);
         tracing::info!(model = %dir.display(), num_pages, page_size = cfg.page_size, "engine loaded");
@@ -182,6 +209,7 @@ impl EngineCore {
             extra: HashMap::new(),
             next_seq_id: 0,
             verifier,
+            inline_deterministic,
             preemptions: 0,
             steps: 0,
         })
@@ -494,6 +522,7 @@ impl EngineCore {
         self.cache_prompt_pages(plan);
         let eos = self.info.eos_token_ids.clone();
         let sched = &self.sched;
+        let inline = self.inline_deterministic;
         // Each row's sample depends only on its own logits and (seed, position).
         let samples: Vec<Result<TokenLogprobs>> = sampled
             .par_iter()
@@ -515,8 +544,9 @@ impl EngineCore {
             seq.output.push(lp.token);
             seq.logprobs.push(lp);
             // A deterministic request's first token comes from its isolated prefill and is
-            // committed at once; later ones are speculative until verified.
-            if !seq.deterministic || seq.output.len() == 1 {
+            // committed at once; later ones are speculative until verified, unless they were
+            // computed inline on the verify-path kernels.
+            if !seq.deterministic || inline || seq.output.len() == 1 {
                 seq.verified = seq.output.len();
             }
             if seq.finish.is_none() {
@@ -537,7 +567,7 @@ impl EngineCore {
     /// sequence, and releases finished sequences.
     fn verify_and_emit(&mut self, mut touched: Vec<SequenceId>) -> Result<Vec<StreamEvent>> {
         let eos = self.info.eos_token_ids.clone();
-        if self.cfg.determinism == DeterminismMode::Dvr {
+        if self.cfg.determinism == DeterminismMode::Dvr && !self.inline_deterministic {
             let (model, kv) = (&self.model, &self.kv);
             let mut forward = |batch: &ForwardBatch| -> Result<Vec<Vec<f32>>> {
                 Ok(model.forward(batch, kv)?.to_vec2::<f32>()?)
@@ -682,6 +712,9 @@ impl EngineCore {
                 .attention
                 .block_tables
                 .push(seq.block_table.pages().to_vec());
+            if self.inline_deterministic {
+                batch.attention.fixed_seqs.push(seq.deterministic);
+            }
             if e.sample {
                 batch.logit_rows.push((batch.tokens.len() - 1) as u32);
                 sampled.push(e.seq);

@@ -512,7 +512,7 @@ mod tests {
             x ^= x << 17;
             // Phases that fill the pool and phases that drain it, so the hint moves both ways.
             let fill = (i / 2000) % 2 == 0;
-            if (fill && x % 4 != 0) || (!fill && x % 4 == 0) || held.is_empty() {
+            if (fill && !x.is_multiple_of(4)) || (!fill && x.is_multiple_of(4)) || held.is_empty() {
                 let (pa, ps) = (a.allocate(), s.allocate());
                 assert_eq!(pa, ps);
                 held.extend(pa);

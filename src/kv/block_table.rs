@@ -169,7 +169,7 @@ impl BlockTable {
             let old = std::mem::replace(&mut self.pages[i], private);
             // Only the page holding `start` mid-page has valid tokens to keep; pages wholly
             // at or past `start` are about to be overwritten (or lie past the new length).
-            if i == first && start % ps != 0 {
+            if i == first && !start.is_multiple_of(ps) {
                 copy = Some((old, private));
             }
             alloc.release(old);

@@ -12,7 +12,7 @@ use candle_core::{DType, Device, Tensor};
 use crate::config::ModelConfig;
 use crate::error::{DetspecError, Result};
 use crate::kv::KvPool;
-use crate::ops::{self, invariant_matmul, AttentionMetadata};
+use crate::ops::{self, invariant_matmul, matmul_packed, AttentionMetadata, PackedWeight};
 
 use super::Checkpoint;
 
@@ -35,8 +35,40 @@ pub struct ForwardBatch {
 /// `x @ w^T (+ b)`.
 #[derive(Debug, Clone)]
 struct Linear {
-    weight_t: Tensor,
+    weight: LinearWeight,
     bias: Option<Tensor>,
+}
+
+/// A linear layer's weight in the form its device's GEMM wants.
+#[derive(Debug, Clone)]
+enum LinearWeight {
+    /// CPU: packed once for the fixed-order GEMM (`ops::gemm`), invariant to the batch.
+    Packed(Arc<PackedWeight>),
+    /// Other devices: `[in, out]`, transposed and contiguous once at load.
+    Dense(Tensor),
+}
+
+impl LinearWeight {
+    /// From a checkpoint's `[out, in]` matrix.
+    fn new(w: &Tensor) -> Result<Self> {
+        if w.device().is_cpu() {
+            let (out_dim, in_dim) = w.dims2()?;
+            let data = w.flatten_all()?.to_vec1::<f32>()?;
+            Ok(Self::Packed(Arc::new(PackedWeight::from_transposed(
+                &data, out_dim, in_dim,
+            )?)))
+        } else {
+            Ok(Self::Dense(w.t()?.contiguous()?))
+        }
+    }
+
+    fn matmul(&self, x: &Tensor, invariant: bool) -> candle_core::Result<Tensor> {
+        match self {
+            Self::Packed(w) => matmul_packed(x, w),
+            Self::Dense(w) if invariant => invariant_matmul(x, w),
+            Self::Dense(w) => x.matmul(w),
+        }
+    }
 }
 
 impl Linear {
@@ -62,7 +94,7 @@ impl Linear {
             None
         };
         Ok(Self {
-            weight_t: w.t()?.contiguous()?,
+            weight: LinearWeight::new(&w)?,
             bias,
         })
     }
@@ -70,11 +102,7 @@ impl Linear {
 
 impl Linear {
     fn apply(&self, x: &Tensor, invariant: bool) -> candle_core::Result<Tensor> {
-        let y = if invariant {
-            invariant_matmul(x, &self.weight_t)?
-        } else {
-            x.matmul(&self.weight_t)?
-        };
+        let y = self.weight.matmul(x, invariant)?;
         match &self.bias {
             Some(b) => y.broadcast_add(b),
             None => Ok(y),
@@ -104,8 +132,7 @@ pub struct Model {
     embed: Tensor,
     layers: Vec<Layer>,
     norm: Tensor,
-    /// `[hidden, vocab]`, transposed once at load.
-    lm_head_t: Tensor,
+    lm_head: LinearWeight,
     /// `[max_positions, head_dim/2]` tables, indexed by absolute position.
     cos: Tensor,
     sin: Tensor,
@@ -211,7 +238,7 @@ impl Model {
         let (cos, sin) = rope_tables(&cfg, dev)?;
         Ok(Self {
             weights_hash: ck.content_hash(),
-            lm_head_t: lm_head.t()?.contiguous()?,
+            lm_head: LinearWeight::new(&lm_head)?,
             cfg,
             embed,
             layers,
@@ -306,11 +333,7 @@ impl Model {
         let rows = Tensor::from_slice(&batch.logit_rows, batch.logit_rows.len(), dev)?;
         let x = x.index_select(&rows, 0)?;
         let x = ops::rms_norm(&x, &self.norm, eps)?;
-        Ok(if inv {
-            invariant_matmul(&x, &self.lm_head_t)?
-        } else {
-            x.matmul(&self.lm_head_t)?
-        })
+        Ok(self.lm_head.matmul(&x, inv)?)
     }
 }
 

@@ -6,6 +6,7 @@
 //! number of threads (rayon only splits *independent* rows).
 
 mod cache_write;
+mod gemm;
 mod matmul;
 mod page_copy;
 mod paged_attention;
@@ -13,6 +14,7 @@ mod rms_norm;
 mod rope;
 
 pub use cache_write::write_kv;
+pub use gemm::{matmul_packed, packed_matmul, packed_matmul_with, GemmIsa, PackedWeight};
 pub use matmul::{invariant_matmul, INVARIANT_GEMM_ROWS};
 pub use page_copy::copy_pages;
 pub use paged_attention::{paged_attention, AttentionMetadata, AttentionSchedule};

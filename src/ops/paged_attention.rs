@@ -33,6 +33,9 @@ pub struct AttentionMetadata {
     /// Attend only to the last `w` positions (Mistral-style sliding window).
     pub sliding_window: Option<usize>,
     pub schedule: AttentionSchedule,
+    /// Per sequence (index into `block_tables`): its rows take the fixed schedule whatever
+    /// `schedule` says (DVR's inline deterministic rows). Missing entries mean `false`.
+    pub fixed_seqs: Vec<bool>,
 }
 
 /// How each row's key range is reduced.
@@ -171,6 +174,17 @@ impl CustomOp3 for PagedAttention {
             AttentionSchedule::SplitKv { splits } => {
                 // Partial (max, denominator, accumulator) per (row, head, split), then an
                 // in-order merge per (row, head).
+                // A row of a fixed sequence is one split: its partial is exactly the fixed
+                // schedule's accumulator and the merge below multiplies it by exp(0) = 1, so
+                // its bits equal the fixed schedule's (`tests/ops.rs` asserts it).
+                let splits_of = |row: usize| {
+                    let fixed = meta.fixed_seqs.get(meta.row_seq[row] as usize);
+                    if fixed.copied().unwrap_or(false) {
+                        1
+                    } else {
+                        splits
+                    }
+                };
                 let mut accs = vec![0f32; q.len() * splits];
                 let mut stats = vec![(f32::NEG_INFINITY, 0f32); rows * heads * splits];
                 accs.par_chunks_mut(dim)
@@ -180,6 +194,10 @@ impl CustomOp3 for PagedAttention {
                         let (idx, split) = (t / splits, t % splits);
                         let (row, head) = (idx / heads, idx % heads);
                         let kvh = head / group;
+                        let splits = splits_of(row);
+                        if split >= splits {
+                            return; // stays (-inf, 0): skipped by the merge
+                        }
                         let range = key_range(row);
                         let blocks = (range.end - range.start).div_ceil(SOFTMAX_BLOCK);
                         let chunk = blocks.div_ceil(splits) * SOFTMAX_BLOCK;

@@ -18,7 +18,7 @@ use numpy::{PyArray1, PyArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::config::{DeterminismMode, EngineConfig};
+use crate::config::{DeterminismMode, EngineConfig, VerifyStrategy};
 use crate::engine::{Engine, OutputAccumulator, StreamEvent};
 use crate::error::DetspecError;
 use crate::request::Request;
@@ -160,7 +160,7 @@ impl PyEngine {
 #[pymethods]
 impl PyEngine {
     #[new]
-    #[pyo3(signature = (model_dir, *, page_size=16, num_kv_pages=None, kv_cache_bytes=None, max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=None, max_prefill_chunk=None, determinism="dvr", verify_window=64, verify_group=8, verify_finish_wait=0, fault_injection=0.0, enable_prefix_caching=true, num_threads=None))]
+    #[pyo3(signature = (model_dir, *, page_size=16, num_kv_pages=None, kv_cache_bytes=None, max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=None, max_prefill_chunk=None, determinism="dvr", verify_window=64, verify_group=8, verify_strategy="auto", verify_finish_wait=0, fault_injection=0.0, enable_prefix_caching=true, num_threads=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -175,12 +175,15 @@ impl PyEngine {
         determinism: &str,
         verify_window: usize,
         verify_group: usize,
+        verify_strategy: &str,
         verify_finish_wait: usize,
         fault_injection: f64,
         enable_prefix_caching: bool,
         num_threads: Option<usize>,
     ) -> PyResult<Self> {
         let determinism = DeterminismMode::parse(determinism).map_err(|e| to_pyerr(py, e))?;
+        let verify_strategy =
+            VerifyStrategy::parse(verify_strategy).map_err(|e| to_pyerr(py, e))?;
         let mut cfg = EngineConfig {
             page_size,
             num_kv_pages,
@@ -191,6 +194,7 @@ impl PyEngine {
             determinism,
             verify_window,
             verify_group,
+            verify_strategy,
             verify_finish_wait,
             fault_injection,
             enable_prefix_caching,

@@ -68,16 +68,39 @@ def run_in_haystack(llm: detspec.LLM, target: SamplingParams, seed: int, det: bo
     return fingerprint_bits(llm.generate(prompts, params, use_tqdm=False)[pos])
 
 
+@pytest.mark.parametrize("strategy", ["replay", "inline"])
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_needle_in_haystack_bitwise(flat_model: str, temperature: float) -> None:
+def test_needle_in_haystack_bitwise(flat_model: str, temperature: float, strategy: str) -> None:
     target = target_params(temperature)
-    llm = detspec.LLM(flat_model, verify_window=8, verify_group=4, num_kv_pages=1024)
+    llm = detspec.LLM(
+        flat_model,
+        verify_window=8,
+        verify_group=4,
+        verify_strategy=strategy,
+        num_kv_pages=1024,
+    )
     solo = fingerprint_bits(llm.generate([TARGET_PROMPT], target, use_tqdm=False)[0])
     for seed in range(8):
         got = run_in_haystack(llm, target, seed, det=True)
         assert got[0] == solo[0], f"token ids differ in haystack {seed}"
         assert got[1] == solo[1], f"logprob bits differ in haystack {seed}"
-    assert llm.stats()["num_verify_passes"] > 0
+    passes = llm.stats()["num_verify_passes"]
+    # Replay verifies every window; inline commits each token as sampled.
+    assert passes > 0 if strategy == "replay" else passes == 0
+
+
+def test_inline_and_replay_commit_the_same_bits(flat_model: str) -> None:
+    target = target_params(0.8)
+    outs = {}
+    for strategy in ("inline", "replay"):
+        llm = detspec.LLM(flat_model, verify_strategy=strategy, num_kv_pages=1024)
+        outs[strategy] = run_in_haystack(llm, target, 5, det=True)
+        if strategy == "inline":
+            assert llm.fingerprint.endswith("-dvr-inline")
+        llm.shutdown()
+    assert outs["inline"] == outs["replay"]
+    with pytest.raises(InvalidRequestError, match="verify_strategy"):
+        detspec.LLM(flat_model, verify_strategy="sometimes")
 
 
 def test_negative_control_off_mode_shows_batch_variance(flat_model: str) -> None:
@@ -93,11 +116,18 @@ def test_negative_control_off_mode_shows_batch_variance(flat_model: str) -> None
 
 def test_forced_rollbacks_and_modes(flat_model: str) -> None:
     target = target_params(0.8)
-    base = detspec.LLM(flat_model, verify_window=2, verify_group=2, num_kv_pages=512)
+    base = detspec.LLM(
+        flat_model, verify_window=2, verify_group=2, verify_strategy="replay", num_kv_pages=512
+    )
     want = fingerprint_bits(base.generate([TARGET_PROMPT], target, use_tqdm=False)[0])
     for share in (0.1, 0.5, 1.0):
         llm = detspec.LLM(
-            flat_model, verify_window=2, verify_group=2, num_kv_pages=512, fault_injection=share
+            flat_model,
+            verify_window=2,
+            verify_group=2,
+            verify_strategy="replay",
+            num_kv_pages=512,
+            fault_injection=share,
         )
         out = llm.generate([TARGET_PROMPT], target, use_tqdm=False)[0]
         assert fingerprint_bits(out) == want, f"fault_injection={share}"
@@ -112,11 +142,17 @@ def test_forced_rollbacks_and_modes(flat_model: str) -> None:
         detspec.LLM(flat_model, determinism="sometimes")
 
 
-async def test_requests_joining_mid_decode(flat_model: str) -> None:
+@pytest.mark.parametrize("strategy", ["replay", "inline"])
+async def test_requests_joining_mid_decode(flat_model: str, strategy: str) -> None:
     target = target_params(0.8)
     # Finished deterministic requests may wait up to 6 steps for fuller verify groups.
     engine = AsyncLLM(
-        flat_model, verify_window=8, verify_group=4, verify_finish_wait=6, num_kv_pages=1024
+        flat_model,
+        verify_window=8,
+        verify_group=4,
+        verify_finish_wait=6,
+        verify_strategy=strategy,
+        num_kv_pages=1024,
     )
     try:
 

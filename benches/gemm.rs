@@ -1,0 +1,53 @@
+//! The linear layers' GEMM: detspec's packed, fixed-order kernel against candle's CPU matmul,
+//! at the bench model's shapes (DESIGN.md §11) and decode batch sizes 1 / 16 / 64.
+//!
+//! `cargo bench --bench gemm`
+
+use std::sync::Arc;
+
+use candle_core::{Device, Tensor};
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use detspec::ops::{matmul_packed, PackedWeight};
+
+/// (K, N) of the bench model's linear layers: q/o, k/v, gate/up, down, lm_head.
+const SHAPES: &[(usize, usize)] = &[
+    (512, 512),
+    (512, 256),
+    (512, 1408),
+    (1408, 512),
+    (512, 32000),
+];
+
+fn values(n: usize, seed: u32) -> Vec<f32> {
+    (0..n)
+        .map(|i| {
+            let x = (i as u32).wrapping_mul(2654435761).wrapping_add(seed);
+            (x >> 8) as f32 / (1u32 << 24) as f32 - 0.5
+        })
+        .collect()
+}
+
+fn gemm(c: &mut Criterion) {
+    let dev = Device::Cpu;
+    for &(k, n) in SHAPES {
+        let w = values(k * n, 7);
+        let wt = Tensor::from_vec(w.clone(), (k, n), &dev).expect("weight");
+        let packed = Arc::new(PackedWeight::from_row_major(&w, k, n).expect("pack"));
+        let mut g = c.benchmark_group(format!("gemm_k{k}_n{n}"));
+        g.sample_size(20);
+        for m in [1usize, 16, 64] {
+            let x = Tensor::from_vec(values(m * k, 3), (m, k), &dev).expect("input");
+            g.throughput(Throughput::Elements((2 * m * k * n) as u64));
+            g.bench_with_input(BenchmarkId::new("packed", m), &m, |b, _| {
+                b.iter(|| matmul_packed(&x, &packed).expect("packed"))
+            });
+            g.bench_with_input(BenchmarkId::new("candle", m), &m, |b, _| {
+                b.iter(|| x.matmul(&wt).expect("candle"))
+            });
+        }
+        g.finish();
+    }
+}
+
+criterion_group!(benches, gemm);
+criterion_main!(benches);

@@ -1,0 +1,307 @@
+//! The CPU GEMM of every linear layer: `x @ W` with `W` packed once at load.
+//!
+//! Why our own: the model's weights never change between steps, so they are packed once into
+//! column panels that the kernel streams sequentially (no per-call packing), and the reduction
+//! order is fixed by construction, which is what DVR needs:
+//!
+//! every output element `c[i][j]` is `fma(a[i][K-1], w[K-1][j], … fma(a[i][0], w[0][j], 0.0))`,
+//! one fused multiply-add per `k` in increasing order, whatever the number of rows M, the row's
+//! index, its neighbours, the thread count or the instruction set (AVX-512, AVX2+FMA or the
+//! scalar `mul_add` fallback all compute the same correctly rounded FMA chain). Threads split
+//! the *columns* (panels), never the reduction. So the GEMM is batch-invariant,
+//! position-invariant and thread-invariant; `tests/ops.rs` asserts it bitwise over every
+//! (K, N) the model uses and many M.
+//!
+//! Layout: panel `p` holds columns `p*NR .. p*NR+NR` of `W` for every `k`, k-major
+//! (`panel[k*NR + c] = W[k][p*NR + c]`), zero-padded past N. The microkernel keeps an
+//! `R × NR` block of accumulators in registers (R ≤ MR rows) and walks k once.
+
+use std::sync::{Arc, OnceLock};
+
+use candle_core::{bail, CpuStorage, CustomOp1, Layout, Shape, Tensor};
+use rayon::prelude::*;
+
+use super::contiguous_f32;
+
+/// Columns per panel (two AVX-512 vectors, four AVX2 vectors).
+pub const NR: usize = 32;
+/// Rows per microkernel call.
+const MR: usize = 8;
+
+/// A `[K, N]` weight packed into column panels for [`packed_matmul`].
+#[derive(Debug)]
+pub struct PackedWeight {
+    k: usize,
+    n: usize,
+    data: Vec<f32>,
+}
+
+impl PackedWeight {
+    /// Packs a row-major `[k, n]` matrix (`w[kk * n + j]`).
+    pub fn from_row_major(w: &[f32], k: usize, n: usize) -> candle_core::Result<Self> {
+        if w.len() != k * n || k == 0 || n == 0 {
+            bail!("packed weight: {} values for a [{k}, {n}] matrix", w.len());
+        }
+        let panels = n.div_ceil(NR);
+        let mut data = vec![0f32; panels * k * NR];
+        data.par_chunks_mut(k * NR)
+            .enumerate()
+            .for_each(|(p, panel)| {
+                let c0 = p * NR;
+                let width = NR.min(n - c0);
+                for (kk, dst) in panel.chunks_exact_mut(NR).enumerate() {
+                    dst[..width].copy_from_slice(&w[kk * n + c0..kk * n + c0 + width]);
+                }
+            });
+        Ok(Self { k, n, data })
+    }
+
+    /// Packs `W^T` given as the row-major `[n, k]` matrix `wt` (a checkpoint's `[out, in]`).
+    pub fn from_transposed(wt: &[f32], n: usize, k: usize) -> candle_core::Result<Self> {
+        if wt.len() != k * n || k == 0 || n == 0 {
+            bail!("packed weight: {} values for a [{n}, {k}] matrix", wt.len());
+        }
+        let panels = n.div_ceil(NR);
+        let mut data = vec![0f32; panels * k * NR];
+        data.par_chunks_mut(k * NR)
+            .enumerate()
+            .for_each(|(p, panel)| {
+                let c0 = p * NR;
+                for c in 0..NR.min(n - c0) {
+                    let src = &wt[(c0 + c) * k..(c0 + c + 1) * k];
+                    for (kk, &v) in src.iter().enumerate() {
+                        panel[kk * NR + c] = v;
+                    }
+                }
+            });
+        Ok(Self { k, n, data })
+    }
+
+    /// Inner dimension K.
+    pub fn k(&self) -> usize {
+        self.k
+    }
+
+    /// Output columns N.
+    pub fn n(&self) -> usize {
+        self.n
+    }
+
+    fn panel(&self, p: usize) -> &[f32] {
+        &self.data[p * self.k * NR..(p + 1) * self.k * NR]
+    }
+}
+
+/// The instruction set the kernel runs with, detected once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GemmIsa {
+    Avx512,
+    Avx2Fma,
+    Portable,
+}
+
+impl GemmIsa {
+    /// The best instruction set this CPU has.
+    pub fn detect() -> Self {
+        static ISA: OnceLock<GemmIsa> = OnceLock::new();
+        *ISA.get_or_init(|| {
+            #[cfg(target_arch = "x86_64")]
+            {
+                if std::arch::is_x86_feature_detected!("avx512f") {
+                    return GemmIsa::Avx512;
+                }
+                if std::arch::is_x86_feature_detected!("avx2")
+                    && std::arch::is_x86_feature_detected!("fma")
+                {
+                    return GemmIsa::Avx2Fma;
+                }
+            }
+            GemmIsa::Portable
+        })
+    }
+
+    /// Every instruction set this CPU can run (tests compare them bitwise).
+    pub fn available() -> Vec<Self> {
+        let mut all = vec![GemmIsa::Portable];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+            {
+                all.push(GemmIsa::Avx2Fma);
+            }
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                all.push(GemmIsa::Avx512);
+            }
+        }
+        all
+    }
+}
+
+/// `R` rows of A (row stride `lda`, `k` columns) times one packed panel: the R × NR block.
+///
+/// # Safety
+/// `a` must address `R` rows of `k` readable floats at stride `lda`; `panel` holds `k * NR`.
+#[inline(always)]
+unsafe fn microkernel<const R: usize>(
+    a: *const f32,
+    lda: usize,
+    panel: &[f32],
+    k: usize,
+) -> [[f32; NR]; R] {
+    let mut acc = [[0f32; NR]; R];
+    let (bks, _) = panel.as_chunks::<NR>();
+    for (kk, bk) in bks.iter().enumerate().take(k) {
+        for (r, acc_r) in acc.iter_mut().enumerate() {
+            // SAFETY: r < R and kk < k, inside the rows the caller vouches for.
+            let av = unsafe { *a.add(r * lda + kk) };
+            for c in 0..NR {
+                acc_r[c] = av.mul_add(bk[c], acc_r[c]);
+            }
+        }
+    }
+    acc
+}
+
+/// Computes columns of panel `p` for all `m` rows of `a` into `out` (row stride `n`).
+///
+/// # Safety
+/// `out` must address `m × n` writable floats that no other thread writes in this panel's
+/// columns; `a` holds `m × k` floats.
+#[inline(always)]
+unsafe fn panel_rows(a: &[f32], m: usize, w: &PackedWeight, p: usize, out: *mut f32) {
+    let (k, n) = (w.k, w.n);
+    let panel = w.panel(p);
+    let c0 = p * NR;
+    let width = NR.min(n - c0);
+    let mut r0 = 0;
+    while r0 < m {
+        let rows = MR.min(m - r0);
+        let a_ptr = a[r0 * k..].as_ptr();
+        macro_rules! block {
+            ($r:literal) => {{
+                // SAFETY: rows r0..r0+$r of `a` exist (m × k floats).
+                let acc = unsafe { microkernel::<$r>(a_ptr, k, panel, k) };
+                for (r, acc_r) in acc.iter().enumerate() {
+                    // SAFETY: row r0 + r < m, columns c0..c0+width < n; exclusive per panel.
+                    let dst = unsafe {
+                        std::slice::from_raw_parts_mut(out.add((r0 + r) * n + c0), width)
+                    };
+                    dst.copy_from_slice(&acc_r[..width]);
+                }
+            }};
+        }
+        match rows {
+            8 => block!(8),
+            7 => block!(7),
+            6 => block!(6),
+            5 => block!(5),
+            4 => block!(4),
+            3 => block!(3),
+            2 => block!(2),
+            _ => block!(1),
+        }
+        r0 += rows;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn panel_rows_avx512(a: &[f32], m: usize, w: &PackedWeight, p: usize, out: *mut f32) {
+    // SAFETY: forwarded from the caller.
+    unsafe { panel_rows(a, m, w, p, out) }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn panel_rows_avx2(a: &[f32], m: usize, w: &PackedWeight, p: usize, out: *mut f32) {
+    // SAFETY: forwarded from the caller.
+    unsafe { panel_rows(a, m, w, p, out) }
+}
+
+/// The output buffer shared by the panel tasks, each writing only its own columns.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: tasks write disjoint column ranges (one panel each) of the buffer.
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+impl OutPtr {
+    /// Through a method, so closures capture the whole (Sync) wrapper, not the raw field.
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
+/// `a[m, k] @ w` into a new `[m, n]` buffer, with the given instruction set.
+pub fn packed_matmul_with(
+    a: &[f32],
+    m: usize,
+    w: &PackedWeight,
+    isa: GemmIsa,
+) -> candle_core::Result<Vec<f32>> {
+    if a.len() != m * w.k {
+        bail!(
+            "packed matmul: input has {} values, expected [{m}, {}]",
+            a.len(),
+            w.k
+        );
+    }
+    let mut out = vec![0f32; m * w.n];
+    let ptr = OutPtr(out.as_mut_ptr());
+    let panels = w.n.div_ceil(NR);
+    let run = |p: usize| {
+        // SAFETY: `out` is m × n; panel p's columns are written by this task only; the
+        // instruction set was detected on this CPU.
+        unsafe {
+            match isa {
+                #[cfg(target_arch = "x86_64")]
+                GemmIsa::Avx512 => panel_rows_avx512(a, m, w, p, ptr.get()),
+                #[cfg(target_arch = "x86_64")]
+                GemmIsa::Avx2Fma => panel_rows_avx2(a, m, w, p, ptr.get()),
+                _ => panel_rows(a, m, w, p, ptr.get()),
+            }
+        }
+    };
+    // Small products are not worth waking other threads for.
+    if m * w.k * w.n < 1 << 16 {
+        (0..panels).for_each(run);
+    } else {
+        (0..panels).into_par_iter().for_each(run);
+    }
+    Ok(out)
+}
+
+/// `a[m, k] @ w` with the best instruction set of this CPU.
+pub fn packed_matmul(a: &[f32], m: usize, w: &PackedWeight) -> candle_core::Result<Vec<f32>> {
+    packed_matmul_with(a, m, w, GemmIsa::detect())
+}
+
+struct PackedMatmul(Arc<PackedWeight>);
+
+impl CustomOp1 for PackedMatmul {
+    fn name(&self) -> &'static str {
+        "detspec-packed-matmul"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let x = contiguous_f32(s, l, "matmul input")?;
+        let (m, k) = match l.dims() {
+            [m, k] => (*m, *k),
+            dims => bail!("matmul: input must be [rows, {}], got {dims:?}", self.0.k),
+        };
+        if k != self.0.k {
+            bail!(
+                "matmul: input has {k} columns, weight has {} rows",
+                self.0.k
+            );
+        }
+        let out = packed_matmul(x, m, &self.0)?;
+        Ok((CpuStorage::F32(out), Shape::from((m, self.0.n))))
+    }
+}
+
+/// `x[m, k] @ w` as a candle op (CPU).
+pub fn matmul_packed(x: &Tensor, w: &Arc<PackedWeight>) -> candle_core::Result<Tensor> {
+    x.contiguous()?.apply_op1_no_bwd(&PackedMatmul(w.clone()))
+}
