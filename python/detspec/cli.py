@@ -1,4 +1,5 @@
-"""``detspec`` command line: generate from a model directory (or the built-in default model)."""
+"""``detspec`` command line: ``generate`` from a model directory (or the built-in default
+model), ``serve`` an OpenAI-compatible server, ``bench serve`` a running server."""
 
 from __future__ import annotations
 
@@ -23,7 +24,31 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=None)
+
+    # The server and the benchmark import their dependencies only when run.
+    from detspec.server.bench import add_bench_arguments
+    from detspec.server.serve import add_serve_arguments
+
+    s = sub.add_parser("serve", help="run the OpenAI-compatible server (needs detspec[serve])")
+    add_serve_arguments(s)
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench_cmd", required=True)
+    add_bench_arguments(
+        bsub.add_parser("serve", help="load a running server through HTTP, as vllm bench serve")
+    )
     args = ap.parse_args(argv)
+    if args.cmd == "serve":
+        from detspec.server.serve import serve
+
+        return serve(args)
+    if args.cmd == "bench":
+        from detspec.server.bench import bench_serve
+
+        return bench_serve(args)
+    return _generate(args)
+
+
+def _generate(args: argparse.Namespace) -> int:
     prompts = args.prompt or ["Deterministic inference means", "The quick brown fox"]
     try:
         llm = LLM(args.model)

@@ -1,0 +1,225 @@
+"""Request and response models of the OpenAI-compatible server (pydantic).
+
+Requests take OpenAI's fields, vLLM's extras and ``deterministic``. Models are strict: a wrong
+JSON type is a 400 naming the field (no silent coercion of ``"1"`` to ``1``), NaN and infinity
+are rejected, and an unknown field is rejected rather than ignored (it could be one that would
+change the output, which a deterministic request must never silently lose). A few OpenAI/vLLM
+fields the engine cannot honour are accepted only at their neutral value (``logit_bias`` empty,
+``echo`` false, ...) and rejected otherwise, naming the field.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# Token ids are u32 in the engine; the vocabulary bound is checked against the model.
+TokenId = Annotated[int, Field(ge=0, le=2**32 - 1)]
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+# Engine limit on top logprobs (MAX_LOGPROBS in the Rust core, as vLLM's default max_logprobs).
+MAX_LOGPROBS = 20
+
+
+class OpenAIBaseModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingFields(OpenAIBaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = Field(default=None, description="served model name (optional)")
+    n: int = Field(default=1, ge=1, le=256)
+    temperature: float | None = Field(default=None, ge=0.0, le=100.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    seed: Int64 | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM extras
+    top_k: int | None = Field(default=None, ge=-1, le=2**31 - 1)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0)
+    min_tokens: int = Field(default=0, ge=0, le=2**31 - 1)
+    ignore_eos: bool = False
+    stop_token_ids: list[TokenId] | None = None
+    skip_special_tokens: bool = True
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = Field(
+        default=False, description="logprob tokens as 'token_id:N' (distinct even when texts clash)"
+    )
+    # detspec
+    deterministic: bool = Field(
+        default=False,
+        description="bitwise-reproducible output (decode-verify-rollback); needs `seed` "
+        "when temperature > 0",
+    )
+    # Accepted only at their neutral value: the engine cannot honour anything else.
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = Field(default=None, ge=1, le=256)
+    response_format: dict[str, Any] | None = None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    max_tokens: int | None = Field(default=16, ge=1, le=2**31 - 1)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+
+
+class ChatContentPart(OpenAIBaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(OpenAIBaseModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ChatContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=2**31 - 1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=2**31 - 1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+
+class TokenizeCompletionRequest(OpenAIBaseModel):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+
+
+class TokenizeChatRequest(OpenAIBaseModel):
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+# --------------------------------------------------------------------------- responses
+# Responses are built as plain dicts (floats go out exactly as the engine produced them);
+# these models document their shape in the OpenAPI schema.
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class DvrMetrics(BaseModel):
+    """detspec extension, per choice: the decode-verify-rollback work behind it (for ``n > 1``
+    the counts are those of the engine request the choice belongs to, shared by its siblings)."""
+
+    deterministic: bool
+    num_verify_passes: int
+    num_rollbacks: int
+    num_rolled_back_tokens: int
+    num_preemptions: int
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: dict[str, Any] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
+    dvr_metrics: DvrMetrics | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: dict[str, Any]
+    logprobs: dict[str, Any] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    dvr_metrics: DvrMetrics | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[ChatChoice]
+    usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+    root: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str
+    fingerprint: str

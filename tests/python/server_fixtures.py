@@ -1,0 +1,206 @@
+"""Helpers and fixtures for the server tests: a real ``detspec serve`` subprocess on a free
+loopback port, serving the tiny demo model (random weights, built locally).
+
+Test modules import the fixtures they use from here (``from server_fixtures import ...``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+SERVED_NAME = "tiny"
+API_KEY = "sk-test-" + "k" * 24
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServerProcess:
+    """A ``python -m detspec serve`` subprocess; its log goes to a file (shown on failure)."""
+
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None):
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        cmd = [
+            sys.executable,
+            "-m",
+            "detspec",
+            "serve",
+            *args,
+            "--port",
+            str(self.port),
+            "--served-model-name",
+            SERVED_NAME,
+            "--disable-uvicorn-access-log",
+            "--uvicorn-log-level",
+            "warning",
+        ]
+        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        full_env = {**os.environ, **(env or {})}
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env)
+        self._wait_ready()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def _wait_ready(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.base_url + "/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"server did not become ready in {timeout}s:\n{self.log()}")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return int(self.proc.returncode)
+
+    def metrics(self) -> dict[str, float]:
+        """``/metrics`` as {series (with labels): value}."""
+        text = httpx.get(self.base_url + "/metrics", timeout=10).text
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                out[name] = float(value)
+        return out
+
+    def metric(self, name: str) -> float:
+        """The value of an unlabelled-by-reason series (``model_name`` label only)."""
+        for k, v in self.metrics().items():
+            if re.fullmatch(rf"{re.escape(name)}(\{{[^}}]*\}})?", k):
+                return v
+        raise KeyError(name)
+
+    def wait_kv_idle(self, timeout: float = 20.0) -> float:
+        """Waits until no KV page is held by a request; returns the final used count."""
+        deadline = time.monotonic() + timeout
+        used = -1.0
+        while time.monotonic() < deadline:
+            used = self.metric("detspec:kv_cache_used_pages")
+            running = self.metric("detspec:num_requests_running")
+            if used == 0 and running == 0:
+                return used
+            time.sleep(0.1)
+        return used
+
+
+def start_server(tmp_path_factory: pytest.TempPathFactory, name: str, *args: str, **kw):
+    log = tmp_path_factory.mktemp(f"server-{name}") / "server.log"
+    return ServerProcess(list(args), log, **kw)
+
+
+@pytest.fixture(scope="session")
+def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The tiny demo model with seed 5 (flat next-token distributions: batch variance of the
+    fast path shows up in logprobs)."""
+    import detspec
+
+    d = tmp_path_factory.mktemp("serve-model")
+    detspec._core.write_demo_model(str(d), "tiny", 5)
+    return str(d)
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory, demo_model_dir) -> Iterator[ServerProcess]:
+    """A plain server (no key) whose DVR replays: small verify window and group so that
+    verify passes and rollbacks happen in short outputs."""
+    s = start_server(
+        tmp_path_factory,
+        "main",
+        demo_model_dir,
+        "--max-model-len",
+        "256",
+        "--verify-strategy",
+        "replay",
+        "--verify-window",
+        "8",
+        "--verify-group",
+        "4",
+        "--num-kv-pages",
+        "1024",
+    )
+    yield s
+    rc = s.stop()
+    assert rc == 0, f"server exited with {rc}:\n{s.log()}"
+
+
+@pytest.fixture(scope="session")
+def inline_server(tmp_path_factory, demo_model_dir) -> Iterator[ServerProcess]:
+    """A server with the engine's default DVR strategy (inline on CPU)."""
+    s = start_server(
+        tmp_path_factory,
+        "inline",
+        demo_model_dir,
+        "--max-model-len",
+        "256",
+        "--num-kv-pages",
+        "1024",
+    )
+    yield s
+    rc = s.stop()
+    assert rc == 0, f"server exited with {rc}:\n{s.log()}"
+
+
+@pytest.fixture(scope="session")
+def guarded_server(tmp_path_factory, demo_model_dir) -> Iterator[ServerProcess]:
+    """API key, a 64 KiB body limit, one running sequence and no waiting room."""
+    s = start_server(
+        tmp_path_factory,
+        "guarded",
+        demo_model_dir,
+        "--max-model-len",
+        "2048",
+        "--api-key",
+        API_KEY,
+        "--max-request-bytes",
+        str(64 * 1024),
+        "--max-num-seqs",
+        "1",
+        "--max-waiting-requests",
+        "0",
+        "--num-kv-pages",
+        "256",
+    )
+    yield s
+    rc = s.stop()
+    assert rc == 0, f"server exited with {rc}:\n{s.log()}"
+
+
+def sse_events(resp: httpx.Response) -> list[dict | str]:
+    """The ``data:`` payloads of an SSE response (``"[DONE]"`` as a string)."""
+    out: list[dict | str] = []
+    for line in resp.iter_lines():
+        if line.startswith("data: "):
+            data = line[6:]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
