@@ -1,0 +1,86 @@
+"""API fuzzing: schemathesis generates requests (valid and invalid) from the live server's
+OpenAPI schema; none may get a 5xx, and the server keeps serving, with no KV page held,
+afterwards. The number of examples per operation is bounded to keep CI quick."""
+
+# ruff: noqa: F811  (pytest fixtures imported from server_fixtures)
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from schemathesis import GenerationMode
+from server_fixtures import ServerProcess, demo_model_dir, start_server  # noqa: F401
+
+MAX_EXAMPLES = 40
+
+
+@pytest.fixture(scope="module")
+def fuzz_server(tmp_path_factory, demo_model_dir) -> Iterator[ServerProcess]:
+    # A short context bounds the work any generated request can ask for.
+    s = start_server(
+        tmp_path_factory, "fuzz", demo_model_dir, "--max-model-len", "32", "--num-kv-pages", "512"
+    )
+    yield s
+    assert s.stop() == 0, s.log()
+
+
+def _check_operation(
+    op: schemathesis.APIOperation, mode: GenerationMode, base_url: str
+) -> Counter[int]:
+    """Runs up to MAX_EXAMPLES generated requests of one operation; returns the statuses."""
+    statuses: Counter[int] = Counter()
+
+    @settings(
+        max_examples=MAX_EXAMPLES,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+        derandomize=True,
+        database=None,
+    )
+    @given(case=op.as_strategy(generation_mode=mode))
+    def run(case: schemathesis.Case) -> None:
+        response = case.call(base_url=base_url, timeout=60)
+        statuses[response.status_code] += 1
+        assert response.status_code < 500, (
+            f"{case.method} {case.path} -> {response.status_code}: {response.text[:500]}\n"
+            f"body: {case.body!r}"
+        )
+
+    run()
+    return statuses
+
+
+@pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE],
+                         ids=["positive", "negative"])  # fmt: skip
+def test_no_server_errors(fuzz_server, mode) -> None:
+    schema = schemathesis.openapi.from_url(fuzz_server.base_url + "/openapi.json")
+    seen: dict[str, Counter[int]] = {}
+    for result in schema.get_all_operations():
+        op = result.ok()
+        if mode is GenerationMode.NEGATIVE and op.method.upper() == "GET":
+            continue  # nothing to break in a parameterless GET
+        seen[op.label] = _check_operation(op, mode, fuzz_server.base_url)
+        assert sum(seen[op.label].values()) > 0, op.label
+    print(mode, {k: dict(v) for k, v in seen.items()})
+    for want in ("POST /v1/completions", "POST /v1/chat/completions", "POST /tokenize"):
+        assert want in seen, seen
+    if mode is GenerationMode.POSITIVE:
+        # schema-valid requests do reach generation (not all of them are refused)
+        assert seen["POST /v1/completions"][200] > 0, seen
+        assert seen["POST /v1/chat/completions"][200] > 0, seen
+
+
+def test_server_healthy_after_fuzzing(fuzz_server) -> None:
+    assert httpx.get(fuzz_server.base_url + "/health").status_code == 200
+    r = httpx.post(
+        fuzz_server.base_url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 2}
+    )
+    assert r.status_code == 200, r.text
+    assert fuzz_server.wait_kv_idle() == 0
+    errors = {k: v for k, v in fuzz_server.metrics().items() if "request_errors_total" in k}
+    assert not any('status="5' in k for k in errors), errors
