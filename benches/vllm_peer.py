@@ -369,7 +369,7 @@ def summarise(result: dict[str, Any], args: argparse.Namespace) -> None:
 def markdown(result: dict[str, Any]) -> str:
     rows = result["summary"]
     n = len(result["rounds"])
-    rr = " | ".join(f"r{i + 1}" for i in range(n))
+    rr = " / ".join(f"r{i + 1}" for i in range(n))
     lines = [
         f"| engine | batch | output tok/s ({rr}) |",
         "|---|---:|---|",
