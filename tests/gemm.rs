@@ -4,7 +4,7 @@
 //! (so batch-, position- and thread-invariance follow), over random shapes and over every
 //! (K, N) of the bench model and the test models at the M the engine runs.
 
-use detspec::ops::{packed_matmul, packed_matmul_with, GemmIsa, PackedWeight};
+use detspec::ops::{packed_matmul, packed_matmul_with, CpuIsa, PackedWeight};
 use proptest::prelude::*;
 
 fn values(seed: u64, n: usize) -> Vec<f32> {
@@ -38,7 +38,7 @@ fn check(m: usize, k: usize, n: usize, seed: u64, cols: &[usize]) {
     let a = values(seed, m * k);
     let w = values(seed + 1, k * n);
     let packed = PackedWeight::from_row_major(&w, k, n).expect("pack");
-    for isa in GemmIsa::available() {
+    for isa in CpuIsa::available() {
         for threads in [1, 2] {
             let c = in_pool(threads, || packed_matmul_with(&a, m, &packed, isa)).expect("gemm");
             for i in 0..m {

@@ -6,8 +6,8 @@ use std::sync::Arc;
 
 use candle_core::{Device, Tensor};
 use detspec::ops::{
-    apply_rope, invariant_matmul, paged_attention, rms_norm, write_kv, AttentionMetadata,
-    AttentionSchedule,
+    apply_rope, invariant_matmul, paged_attention, paged_attention_with_isa, rms_norm, write_kv,
+    AttentionMetadata, AttentionSchedule, CpuIsa,
 };
 
 fn randn(seed: u64, n: usize) -> Vec<f32> {
@@ -333,6 +333,36 @@ fn fixed_sequences_inside_a_split_kv_batch_get_the_fixed_schedule_bits() {
         other_differs,
         "unflagged sequences should still take the split schedule"
     );
+}
+
+#[test]
+fn paged_attention_gives_the_same_bits_on_every_instruction_set() {
+    let (k, v) = cache(16);
+    let tables = vec![
+        (0..8).collect::<Vec<u32>>(),
+        (8..16).rev().collect::<Vec<u32>>(),
+    ];
+    let rows = [(0, 29), (1, 30), (0, 3), (1, 31)];
+    let q = Tensor::from_vec(
+        randn(23, rows.len() * H * D),
+        (rows.len(), H, D),
+        &Device::Cpu,
+    )
+    .unwrap();
+    for schedule in [
+        AttentionSchedule::Fixed,
+        AttentionSchedule::SplitKv { splits: 3 },
+    ] {
+        let mut m = (*meta(&rows, tables.clone())).clone();
+        m.schedule = schedule;
+        let m = Arc::new(m);
+        let portable =
+            paged_attention_with_isa(&q, &k, &v, m.clone(), 0.3, CpuIsa::Portable).unwrap();
+        for isa in CpuIsa::available() {
+            let got = paged_attention_with_isa(&q, &k, &v, m.clone(), 0.3, isa).unwrap();
+            assert_eq!(bits(&got), bits(&portable), "{schedule:?} on {isa:?}");
+        }
+    }
 }
 
 /// Row `r` of `x @ w`, as bits.

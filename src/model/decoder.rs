@@ -324,11 +324,10 @@ impl Model {
             ops::write_kv(k_cache, &k, slots.clone())?;
             ops::write_kv(v_cache, &v, slots.clone())?;
             let attn = ops::paged_attention(&q, k_cache, v_cache, meta.clone(), scale)?;
-            x = (x + layer.o.apply(&attn.reshape((n, h * d))?, inv)?)?;
+            x = ops::add(&x, &layer.o.apply(&attn.reshape((n, h * d))?, inv)?)?;
             let hn = ops::rms_norm(&x, &layer.post_norm, eps)?;
-            let act = (candle_nn::ops::silu(&layer.gate.apply(&hn, inv)?)?
-                * layer.up.apply(&hn, inv)?)?;
-            x = (x + layer.down.apply(&act, inv)?)?;
+            let act = ops::swiglu(&layer.gate.apply(&hn, inv)?, &layer.up.apply(&hn, inv)?)?;
+            x = ops::add(&x, &layer.down.apply(&act, inv)?)?;
         }
         let rows = Tensor::from_slice(&batch.logit_rows, batch.logit_rows.len(), dev)?;
         let x = x.index_select(&rows, 0)?;

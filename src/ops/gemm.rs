@@ -16,12 +16,12 @@
 //! (`panel[k*NR + c] = W[k][p*NR + c]`), zero-padded past N. The microkernel keeps an
 //! `R × NR` block of accumulators in registers (R ≤ MR rows) and walks k once.
 
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use candle_core::{bail, CpuStorage, CustomOp1, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::contiguous_f32;
+use super::{contiguous_f32, CpuIsa};
 
 /// Columns per panel (two AVX-512 vectors, four AVX2 vectors).
 pub const NR: usize = 32;
@@ -89,52 +89,6 @@ impl PackedWeight {
 
     fn panel(&self, p: usize) -> &[f32] {
         &self.data[p * self.k * NR..(p + 1) * self.k * NR]
-    }
-}
-
-/// The instruction set the kernel runs with, detected once.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum GemmIsa {
-    Avx512,
-    Avx2Fma,
-    Portable,
-}
-
-impl GemmIsa {
-    /// The best instruction set this CPU has.
-    pub fn detect() -> Self {
-        static ISA: OnceLock<GemmIsa> = OnceLock::new();
-        *ISA.get_or_init(|| {
-            #[cfg(target_arch = "x86_64")]
-            {
-                if std::arch::is_x86_feature_detected!("avx512f") {
-                    return GemmIsa::Avx512;
-                }
-                if std::arch::is_x86_feature_detected!("avx2")
-                    && std::arch::is_x86_feature_detected!("fma")
-                {
-                    return GemmIsa::Avx2Fma;
-                }
-            }
-            GemmIsa::Portable
-        })
-    }
-
-    /// Every instruction set this CPU can run (tests compare them bitwise).
-    pub fn available() -> Vec<Self> {
-        let mut all = vec![GemmIsa::Portable];
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("fma")
-            {
-                all.push(GemmIsa::Avx2Fma);
-            }
-            if std::arch::is_x86_feature_detected!("avx512f") {
-                all.push(GemmIsa::Avx512);
-            }
-        }
-        all
     }
 }
 
@@ -238,7 +192,7 @@ pub fn packed_matmul_with(
     a: &[f32],
     m: usize,
     w: &PackedWeight,
-    isa: GemmIsa,
+    isa: CpuIsa,
 ) -> candle_core::Result<Vec<f32>> {
     if a.len() != m * w.k {
         bail!(
@@ -256,9 +210,9 @@ pub fn packed_matmul_with(
         unsafe {
             match isa {
                 #[cfg(target_arch = "x86_64")]
-                GemmIsa::Avx512 => panel_rows_avx512(a, m, w, p, ptr.get()),
+                CpuIsa::Avx512 => panel_rows_avx512(a, m, w, p, ptr.get()),
                 #[cfg(target_arch = "x86_64")]
-                GemmIsa::Avx2Fma => panel_rows_avx2(a, m, w, p, ptr.get()),
+                CpuIsa::Avx2Fma => panel_rows_avx2(a, m, w, p, ptr.get()),
                 _ => panel_rows(a, m, w, p, ptr.get()),
             }
         }
@@ -274,7 +228,7 @@ pub fn packed_matmul_with(
 
 /// `a[m, k] @ w` with the best instruction set of this CPU.
 pub fn packed_matmul(a: &[f32], m: usize, w: &PackedWeight) -> candle_core::Result<Vec<f32>> {
-    packed_matmul_with(a, m, w, GemmIsa::detect())
+    packed_matmul_with(a, m, w, CpuIsa::detect())
 }
 
 struct PackedMatmul(Arc<PackedWeight>);

@@ -6,7 +6,9 @@
 //! number of threads (rayon only splits *independent* rows).
 
 mod cache_write;
+mod elementwise;
 mod gemm;
+mod isa;
 mod matmul;
 mod page_copy;
 mod paged_attention;
@@ -14,10 +16,14 @@ mod rms_norm;
 mod rope;
 
 pub use cache_write::write_kv;
-pub use gemm::{matmul_packed, packed_matmul, packed_matmul_with, GemmIsa, PackedWeight};
+pub use elementwise::{add, swiglu};
+pub use gemm::{matmul_packed, packed_matmul, packed_matmul_with, PackedWeight};
+pub use isa::CpuIsa;
 pub use matmul::{invariant_matmul, INVARIANT_GEMM_ROWS};
 pub use page_copy::copy_pages;
-pub use paged_attention::{paged_attention, AttentionMetadata, AttentionSchedule};
+pub use paged_attention::{
+    paged_attention, paged_attention_with_isa, AttentionMetadata, AttentionSchedule,
+};
 pub use rms_norm::rms_norm;
 pub use rope::apply_rope;
 

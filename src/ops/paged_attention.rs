@@ -15,7 +15,7 @@ use std::sync::Arc;
 use candle_core::{bail, CpuStorage, CustomOp3, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::contiguous_f32;
+use super::{contiguous_f32, CpuIsa};
 
 /// Keys per online-softmax block, aligned to absolute positions. A constant (not the page size)
 /// so the reduction order, and hence the bits, do not depend on how the KV cache is paged.
@@ -66,6 +66,7 @@ impl AttentionSchedule {
 struct PagedAttention {
     meta: Arc<AttentionMetadata>,
     scale: f32,
+    isa: CpuIsa,
 }
 
 impl PagedAttention {
@@ -137,108 +138,218 @@ impl CustomOp3 for PagedAttention {
             bail!("paged_attention: {heads} query heads not a multiple of {kv_heads} kv heads");
         }
         self.check(rows, page_size, num_pages)?;
-        let group = heads / kv_heads;
-        let meta = &self.meta;
-        let scale = self.scale;
-        let offset_of = |row: usize, kvh: usize, j: usize| {
-            let bt = &meta.block_tables[meta.row_seq[row] as usize];
-            let slot = bt[j / page_size] as usize * page_size + j % page_size;
-            (slot * kv_heads + kvh) * dim
+        let args = AttentionArgs {
+            q,
+            k_cache,
+            v_cache,
+            meta: &self.meta,
+            scale: self.scale,
+            rows,
+            heads,
+            kv_heads,
+            dim,
+            page_size,
         };
-        let key_range = |row: usize| {
-            let pos = meta.positions[row] as usize;
-            let start = meta
-                .sliding_window
-                .map_or(0, |w| (pos + 1).saturating_sub(w));
-            start..pos + 1
-        };
-        let mut out = vec![0f32; q.len()];
-        match meta.schedule {
-            AttentionSchedule::Fixed => {
-                out.par_chunks_mut(dim).enumerate().for_each(|(idx, o)| {
-                    let (row, head) = (idx / heads, idx % heads);
-                    let kvh = head / group;
-                    let mut part = Partial::new(o);
-                    part.attend(
-                        &q[idx * dim..(idx + 1) * dim],
-                        |j| offset_of(row, kvh, j),
-                        k_cache,
-                        v_cache,
-                        key_range(row),
-                        SOFTMAX_BLOCK,
-                        scale,
-                    );
-                    part.normalise();
-                });
-            }
-            AttentionSchedule::SplitKv { splits } => {
-                // Partial (max, denominator, accumulator) per (row, head, split), then an
-                // in-order merge per (row, head).
-                // A row of a fixed sequence is one split: its partial is exactly the fixed
-                // schedule's accumulator and the merge below multiplies it by exp(0) = 1, so
-                // its bits equal the fixed schedule's (`tests/ops.rs` asserts it).
-                let splits_of = |row: usize| {
-                    let fixed = meta.fixed_seqs.get(meta.row_seq[row] as usize);
-                    if fixed.copied().unwrap_or(false) {
-                        1
-                    } else {
-                        splits
-                    }
-                };
-                let mut accs = vec![0f32; q.len() * splits];
-                let mut stats = vec![(f32::NEG_INFINITY, 0f32); rows * heads * splits];
-                accs.par_chunks_mut(dim)
-                    .zip(stats.par_iter_mut())
-                    .enumerate()
-                    .for_each(|(t, (acc, st))| {
-                        let (idx, split) = (t / splits, t % splits);
-                        let (row, head) = (idx / heads, idx % heads);
-                        let kvh = head / group;
-                        let splits = splits_of(row);
-                        if split >= splits {
-                            return; // stays (-inf, 0): skipped by the merge
-                        }
-                        let range = key_range(row);
-                        let blocks = (range.end - range.start).div_ceil(SOFTMAX_BLOCK);
-                        let chunk = blocks.div_ceil(splits) * SOFTMAX_BLOCK;
-                        let lo = (range.start + split * chunk).min(range.end);
-                        let hi = (lo + chunk).min(range.end);
-                        let mut part = Partial::new(acc);
-                        part.attend(
-                            &q[idx * dim..(idx + 1) * dim],
-                            |j| offset_of(row, kvh, j),
-                            k_cache,
-                            v_cache,
-                            lo..hi,
-                            SOFTMAX_BLOCK,
-                            scale,
-                        );
-                        *st = (part.max, part.denom);
-                    });
-                out.par_chunks_mut(dim).enumerate().for_each(|(idx, o)| {
-                    let parts = &stats[idx * splits..(idx + 1) * splits];
-                    let m = parts.iter().fold(f32::NEG_INFINITY, |a, p| a.max(p.0));
-                    let mut denom = 0f32;
-                    for (s, &(pm, pd)) in parts.iter().enumerate() {
-                        if pd == 0.0 {
-                            continue;
-                        }
-                        let w = (pm - m).exp();
-                        denom += pd * w;
-                        let acc = &accs[(idx * splits + s) * dim..(idx * splits + s + 1) * dim];
-                        for (o, &a) in o.iter_mut().zip(acc) {
-                            *o += a * w;
-                        }
-                    }
-                    if denom > 0.0 {
-                        let inv = 1.0 / denom;
-                        o.iter_mut().for_each(|x| *x *= inv);
-                    }
-                });
-            }
-        }
+        let out = attention(&args, self.isa);
         Ok((CpuStorage::F32(out), ql.shape().clone()))
     }
+}
+
+/// Inputs of one attention call, checked by [`PagedAttention::check`].
+#[derive(Clone, Copy)]
+struct AttentionArgs<'a> {
+    q: &'a [f32],
+    k_cache: &'a [f32],
+    v_cache: &'a [f32],
+    meta: &'a AttentionMetadata,
+    scale: f32,
+    rows: usize,
+    heads: usize,
+    kv_heads: usize,
+    dim: usize,
+    page_size: usize,
+}
+
+impl AttentionArgs<'_> {
+    /// Offset in the caches of key `j` of `row`'s sequence, KV head `kvh`.
+    #[inline(always)]
+    fn offset_of(&self, row: usize, kvh: usize, j: usize) -> usize {
+        let bt = &self.meta.block_tables[self.meta.row_seq[row] as usize];
+        let slot = bt[j / self.page_size] as usize * self.page_size + j % self.page_size;
+        (slot * self.kv_heads + kvh) * self.dim
+    }
+
+    /// Positions `row` attends to.
+    #[inline(always)]
+    fn key_range(&self, row: usize) -> std::ops::Range<usize> {
+        let pos = self.meta.positions[row] as usize;
+        let start = self
+            .meta
+            .sliding_window
+            .map_or(0, |w| (pos + 1).saturating_sub(w));
+        start..pos + 1
+    }
+
+    /// Folds keys `range` of query `idx` (= row · heads + head) into `acc`.
+    #[inline(always)]
+    fn attend(&self, idx: usize, range: std::ops::Range<usize>, acc: &mut [f32]) -> (f32, f32) {
+        let (row, head) = (idx / self.heads, idx % self.heads);
+        let kvh = head / (self.heads / self.kv_heads);
+        let mut part = Partial::new(acc);
+        part.attend(
+            &self.q[idx * self.dim..(idx + 1) * self.dim],
+            |j| self.offset_of(row, kvh, j),
+            self.k_cache,
+            self.v_cache,
+            range,
+            SOFTMAX_BLOCK,
+            self.scale,
+        );
+        (part.max, part.denom)
+    }
+
+    /// The fixed schedule for query `idx`: all its keys in one pass, normalised.
+    #[inline(always)]
+    fn fixed_task(&self, idx: usize, o: &mut [f32]) {
+        let (_, denom) = self.attend(idx, self.key_range(idx / self.heads), o);
+        normalise(o, denom);
+    }
+
+    /// Split `split` of `splits` of query `idx` (unnormalised); `(max, denom)`.
+    #[inline(always)]
+    fn split_task(&self, idx: usize, split: usize, splits: usize, acc: &mut [f32]) -> (f32, f32) {
+        let range = self.key_range(idx / self.heads);
+        let blocks = (range.end - range.start).div_ceil(SOFTMAX_BLOCK);
+        let chunk = blocks.div_ceil(splits) * SOFTMAX_BLOCK;
+        let lo = (range.start + split * chunk).min(range.end);
+        let hi = (lo + chunk).min(range.end);
+        self.attend(idx, lo..hi, acc)
+    }
+}
+
+/// Scales `o` by `1 / denom` (when anything was attended).
+#[inline(always)]
+fn normalise(o: &mut [f32], denom: f32) {
+    if denom > 0.0 {
+        let inv = 1.0 / denom;
+        o.iter_mut().for_each(|x| *x *= inv);
+    }
+}
+
+// Per-task entry points compiled for each instruction set: the rayon closures below are
+// compiled for baseline x86-64, so the vectorised work must sit behind a function that carries
+// the target features (the arithmetic is the same in every build).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn fixed_task_avx512(a: &AttentionArgs, idx: usize, o: &mut [f32]) {
+    a.fixed_task(idx, o)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn fixed_task_avx2(a: &AttentionArgs, idx: usize, o: &mut [f32]) {
+    a.fixed_task(idx, o)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn split_task_avx512(
+    a: &AttentionArgs,
+    idx: usize,
+    split: usize,
+    splits: usize,
+    acc: &mut [f32],
+) -> (f32, f32) {
+    a.split_task(idx, split, splits, acc)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn split_task_avx2(
+    a: &AttentionArgs,
+    idx: usize,
+    split: usize,
+    splits: usize,
+    acc: &mut [f32],
+) -> (f32, f32) {
+    a.split_task(idx, split, splits, acc)
+}
+
+/// Runs the batch's schedule on the rayon pool with instruction set `isa` (one this CPU has).
+fn attention(a: &AttentionArgs, isa: CpuIsa) -> Vec<f32> {
+    let (dim, heads, meta) = (a.dim, a.heads, a.meta);
+    let fixed = |idx: usize, o: &mut [f32]| {
+        // SAFETY: `isa` is one this CPU has (checked by `paged_attention_with_isa`).
+        unsafe {
+            match isa {
+                #[cfg(target_arch = "x86_64")]
+                CpuIsa::Avx512 => fixed_task_avx512(a, idx, o),
+                #[cfg(target_arch = "x86_64")]
+                CpuIsa::Avx2Fma => fixed_task_avx2(a, idx, o),
+                _ => a.fixed_task(idx, o),
+            }
+        }
+    };
+    let mut out = vec![0f32; a.q.len()];
+    match meta.schedule {
+        AttentionSchedule::Fixed => {
+            out.par_chunks_mut(dim)
+                .enumerate()
+                .for_each(|(idx, o)| fixed(idx, o));
+        }
+        AttentionSchedule::SplitKv { splits } => {
+            // Partial (max, denominator, accumulator) per (row, head, split), then an
+            // in-order merge per (row, head). Rows of fixed sequences (DVR's inline rows)
+            // take the fixed schedule itself.
+            let is_fixed = |idx: usize| {
+                let seq = meta.row_seq[idx / heads] as usize;
+                meta.fixed_seqs.get(seq).copied().unwrap_or(false)
+            };
+            let mut accs = vec![0f32; a.q.len() * splits];
+            let mut stats = vec![(f32::NEG_INFINITY, 0f32); a.rows * heads * splits];
+            accs.par_chunks_mut(dim)
+                .zip(stats.par_iter_mut())
+                .enumerate()
+                .for_each(|(t, (acc, st))| {
+                    let (idx, split) = (t / splits, t % splits);
+                    if is_fixed(idx) {
+                        return;
+                    }
+                    // SAFETY: as above.
+                    *st = unsafe {
+                        match isa {
+                            #[cfg(target_arch = "x86_64")]
+                            CpuIsa::Avx512 => split_task_avx512(a, idx, split, splits, acc),
+                            #[cfg(target_arch = "x86_64")]
+                            CpuIsa::Avx2Fma => split_task_avx2(a, idx, split, splits, acc),
+                            _ => a.split_task(idx, split, splits, acc),
+                        }
+                    };
+                });
+            out.par_chunks_mut(dim).enumerate().for_each(|(idx, o)| {
+                if is_fixed(idx) {
+                    fixed(idx, o);
+                    return;
+                }
+                let parts = &stats[idx * splits..(idx + 1) * splits];
+                let m = parts.iter().fold(f32::NEG_INFINITY, |a, p| a.max(p.0));
+                let mut denom = 0f32;
+                for (s, &(pm, pd)) in parts.iter().enumerate() {
+                    if pd == 0.0 {
+                        continue;
+                    }
+                    let w = (pm - m).exp();
+                    denom += pd * w;
+                    let acc = &accs[(idx * splits + s) * dim..(idx * splits + s + 1) * dim];
+                    for (o, &a) in o.iter_mut().zip(acc) {
+                        *o += a * w;
+                    }
+                }
+                normalise(o, denom);
+            });
+        }
+    }
+    out
 }
 
 /// Running online-softmax state of one query over some keys; `acc` is unnormalised until
@@ -250,6 +361,7 @@ struct Partial<'a> {
 }
 
 impl<'a> Partial<'a> {
+    #[inline(always)]
     fn new(acc: &'a mut [f32]) -> Self {
         acc.fill(0.0);
         Self {
@@ -262,6 +374,7 @@ impl<'a> Partial<'a> {
     /// Folds in keys `range`, in blocks aligned to absolute positions (so the blocking, too,
     /// depends only on the range).
     #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
     fn attend(
         &mut self,
         q: &[f32],
@@ -282,11 +395,7 @@ impl<'a> Partial<'a> {
             let mut block_max = f32::NEG_INFINITY;
             for (i, s) in scores[..n].iter_mut().enumerate() {
                 let off = offset_of(j + i);
-                let mut dot = 0f32;
-                for (a, b) in q.iter().zip(&k_cache[off..off + dim]) {
-                    dot += a * b;
-                }
-                *s = dot * scale;
+                *s = dot(q, &k_cache[off..off + dim]) * scale;
                 block_max = block_max.max(*s);
             }
             let new_max = self.max.max(block_max);
@@ -307,15 +416,35 @@ impl<'a> Partial<'a> {
             j = block_end;
         }
     }
+}
 
-    fn normalise(self) {
-        if self.denom > 0.0 {
-            let inv = 1.0 / self.denom;
-            for o in self.acc.iter_mut() {
-                *o *= inv;
-            }
+/// Lanes of [`dot`]'s fixed-order reduction.
+const DOT_LANES: usize = 16;
+
+/// `a · b` in a fixed order: lane `l` sums the products at indices ≡ l (mod 16) in increasing
+/// order, then the 16 lanes are added pairwise (8, 4, 2, 1 apart). Separate multiply and add
+/// (no FMA contraction), so scalar and SIMD builds give the same bits.
+#[inline(always)]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut lanes = [0f32; DOT_LANES];
+    let (ac, ar) = a.as_chunks::<DOT_LANES>();
+    let (bc, br) = b.as_chunks::<DOT_LANES>();
+    for (x, y) in ac.iter().zip(bc) {
+        for l in 0..DOT_LANES {
+            lanes[l] += x[l] * y[l];
         }
     }
+    for (l, (x, y)) in ar.iter().zip(br).enumerate() {
+        lanes[l] += x * y;
+    }
+    let mut width = DOT_LANES / 2;
+    while width > 0 {
+        for l in 0..width {
+            lanes[l] += lanes[l + width];
+        }
+        width /= 2;
+    }
+    lanes[0]
 }
 
 /// Attention output `[tokens, heads, head_dim]` for queries `q` `[tokens, heads, head_dim]`
@@ -327,6 +456,22 @@ pub fn paged_attention(
     meta: Arc<AttentionMetadata>,
     scale: f32,
 ) -> candle_core::Result<Tensor> {
+    paged_attention_with_isa(q, k_cache, v_cache, meta, scale, CpuIsa::detect())
+}
+
+/// [`paged_attention`] with a given instruction set (one this CPU has: see
+/// [`CpuIsa::available`]); every instruction set gives the same bits.
+pub fn paged_attention_with_isa(
+    q: &Tensor,
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    meta: Arc<AttentionMetadata>,
+    scale: f32,
+    isa: CpuIsa,
+) -> candle_core::Result<Tensor> {
+    if !CpuIsa::available().contains(&isa) {
+        bail!("paged_attention: this CPU cannot run {isa:?}");
+    }
     q.contiguous()?
-        .apply_op3_no_bwd(k_cache, v_cache, &PagedAttention { meta, scale })
+        .apply_op3_no_bwd(k_cache, v_cache, &PagedAttention { meta, scale, isa })
 }

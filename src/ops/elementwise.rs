@@ -1,0 +1,90 @@
+//! Elementwise ops of the decoder (residual add, SwiGLU), on the engine's rayon pool.
+//!
+//! candle's own CPU elementwise kernels run on a separate thread pool whose threads spin on a
+//! barrier while rayon's spin too: on a 2-core machine the two pools fought (12 % of a batch-64
+//! decode step in `BarrierGuard::drop`, docs/performance.md). These are plain per-element maps,
+//! so they are trivially batch-, position- and thread-invariant.
+
+use candle_core::{bail, CpuStorage, CustomOp2, Layout, Shape, Tensor};
+use rayon::prelude::*;
+
+use super::contiguous_f32;
+
+/// Elements per rayon task; smaller maps run on the calling thread.
+const CHUNK: usize = 1 << 14;
+
+fn map2(a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> f32 + Sync) -> Vec<f32> {
+    let mut out = vec![0f32; a.len()];
+    let run = |(o, (a, b)): (&mut [f32], (&[f32], &[f32]))| {
+        for ((o, &x), &y) in o.iter_mut().zip(a).zip(b) {
+            *o = f(x, y);
+        }
+    };
+    if a.len() <= CHUNK {
+        run((&mut out, (a, b)));
+    } else {
+        out.par_chunks_mut(CHUNK)
+            .zip(a.par_chunks(CHUNK).zip(b.par_chunks(CHUNK)))
+            .for_each(run);
+    }
+    out
+}
+
+struct Binary {
+    name: &'static str,
+    f: fn(f32, f32) -> f32,
+}
+
+impl CustomOp2 for Binary {
+    fn name(&self) -> &'static str {
+        self.name
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        if l1.dims() != l2.dims() {
+            bail!(
+                "{}: shapes {:?} and {:?} differ",
+                self.name,
+                l1.dims(),
+                l2.dims()
+            );
+        }
+        let a = contiguous_f32(s1, l1, self.name)?;
+        let b = contiguous_f32(s2, l2, self.name)?;
+        Ok((CpuStorage::F32(map2(a, b, self.f)), l1.shape().clone()))
+    }
+}
+
+/// `a + b` (same shape).
+pub fn add(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
+    if !a.device().is_cpu() {
+        return a + b;
+    }
+    a.contiguous()?.apply_op2_no_bwd(
+        &b.contiguous()?,
+        &Binary {
+            name: "detspec-add",
+            f: |x, y| x + y,
+        },
+    )
+}
+
+/// `silu(gate) * up`, with silu(x) = x / (exp(-x) + 1) as candle-nn computes it.
+pub fn swiglu(gate: &Tensor, up: &Tensor) -> candle_core::Result<Tensor> {
+    if !gate.device().is_cpu() {
+        return candle_nn::ops::silu(gate)? * up;
+    }
+    gate.contiguous()?.apply_op2_no_bwd(
+        &up.contiguous()?,
+        &Binary {
+            name: "detspec-swiglu",
+            f: |g, u| g / ((-g).exp() + 1.0) * u,
+        },
+    )
+}
