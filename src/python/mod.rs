@@ -126,8 +126,9 @@ impl PyOutputQueue {
     }
 
     /// Requests submitted through this queue that have not finished.
-    fn num_unfinished(&self) -> usize {
-        self.accs.lock().unwrap_or_else(|e| e.into_inner()).len()
+    fn num_unfinished(&self, py: Python<'_>) -> usize {
+        // Without the GIL, for the reason given in `PyEngine::add_request`.
+        py.detach(|| self.accs.lock().unwrap_or_else(|e| e.into_inner()).len())
     }
 }
 
@@ -222,18 +223,25 @@ impl PyEngine {
             prompt: prompt_from_py(py, prompt)?,
             params: params_from_dict(py, params)?,
         };
-        {
+        // Take the accumulator lock without the GIL: `next_outputs` holds it while building
+        // Python objects, where the GIL can pass to another thread (a GC callback runs
+        // bytecode). Waiting for the lock with the GIL held would deadlock both threads.
+        let inserted = py.detach(|| {
             let mut accs = queue.accs.lock().unwrap_or_else(|e| e.into_inner());
             if accs.contains_key(&request_id) {
-                return Err(to_pyerr(
-                    py,
-                    DetspecError::InvalidRequest {
-                        request_id: Some(request_id),
-                        message: "a request with this id is already running".into(),
-                    },
-                ));
+                return false;
             }
             accs.insert(request_id.clone(), OutputAccumulator::new(&request_id));
+            true
+        });
+        if !inserted {
+            return Err(to_pyerr(
+                py,
+                DetspecError::InvalidRequest {
+                    request_id: Some(request_id),
+                    message: "a request with this id is already running".into(),
+                },
+            ));
         }
         let tx = queue.tx.clone();
         self.call(py, move |e| e.add_request_with_sender(request, tx))
