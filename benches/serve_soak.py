@@ -211,6 +211,7 @@ def main() -> int:
     ap.add_argument("--disconnect-share", type=float, default=0.2)
     ap.add_argument("--num-kv-pages", type=int, default=96, help="small: forces preemption")
     ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--verify-strategy", choices=("auto", "replay", "inline"), default="auto")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -228,7 +229,8 @@ def main() -> int:
     cmd = [
         sys.executable, "-m", "detspec", "serve", model, "--host", "127.0.0.1",
         "--port", str(port), "--max-model-len", "512", "--num-kv-pages", str(args.num_kv_pages),
-        "--max-num-seqs", str(args.max_num_seqs), "--disable-uvicorn-access-log",
+        "--max-num-seqs", str(args.max_num_seqs), "--verify-strategy", args.verify_strategy,
+        "--disable-uvicorn-access-log",
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     result: dict[str, Any] = {"args": vars(args), "server_log": log.name}
