@@ -67,6 +67,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--verify-window", type=int, default=16)
     p.add_argument("--verify-group", type=int, default=4)
     p.add_argument(
+        "--verify-strategy",
+        choices=["auto", "replay", "inline"],
+        default="auto",
+        help="DVR strategy of every scenario (auto: inline on CPU)",
+    )
+    p.add_argument(
         "--fault-injection",
         type=float,
         default=0.25,
@@ -189,6 +195,7 @@ def engine_kwargs(args: argparse.Namespace, **over) -> dict:
         "determinism": "dvr",
         "verify_window": args.verify_window,
         "verify_group": args.verify_group,
+        "verify_strategy": args.verify_strategy,
     }
     kw.update(over)
     return kw

@@ -86,6 +86,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int_range, default=(32, 64), help="min,max (uniform)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--det-shares", type=int_list, default=[0, 2, 10, 50, 100], help="percent")
+    p.add_argument(
+        "--replay-shares",
+        type=int_list,
+        default=[50, 100],
+        help="percent deterministic of the rows with verify_strategy='replay'",
+    )
     p.add_argument("--verify-window", type=int, default=64, help="W of the offline/poisson rows")
     p.add_argument("--verify-group", type=int, default=8, help="B of the offline/poisson rows")
     p.add_argument(
@@ -385,6 +391,9 @@ def wheel_info() -> dict:
 def main_configs(args) -> list[Config]:
     wb = {"verify_window": args.verify_window, "verify_group": args.verify_group}
     rows = [Config(f"dvr {s} %", s, **wb) for s in args.det_shares]
+    # The default strategy is "inline" on CPU; the replay strategy (the GPU's) side by side.
+    replay = {"verify_strategy": "replay", **wb}
+    rows += [Config(f"dvr replay {s} %", s, **replay) for s in args.replay_shares]
     if "batch_invariant" in args.baselines:
         rows.append(Config("batch_invariant (100 %)", 100, mode="batch_invariant", **wb))
     if "no_batching" in args.baselines:
@@ -393,19 +402,19 @@ def main_configs(args) -> list[Config]:
         for share in (50, 100):
             rows.append(
                 Config(
-                    f"dvr {share} % + finish wait {args.finish_wait}",
+                    f"dvr replay {share} % + finish wait {args.finish_wait}",
                     share,
                     verify_finish_wait=args.finish_wait,
-                    **wb,
+                    **replay,
                 )
             )
     if args.fault_injection > 0:
         rows.append(
             Config(
-                f"dvr 50 % + {args.fault_injection:g} forced rollbacks",
+                f"dvr replay 50 % + {args.fault_injection:g} forced rollbacks",
                 50,
                 fault_injection=args.fault_injection,
-                **wb,
+                **replay,
             )
         )
     return rows

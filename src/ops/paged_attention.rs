@@ -175,7 +175,15 @@ impl AttentionArgs<'_> {
     #[inline(always)]
     fn offset_of(&self, row: usize, kvh: usize, j: usize) -> usize {
         let bt = &self.meta.block_tables[self.meta.row_seq[row] as usize];
-        let slot = bt[j / self.page_size] as usize * self.page_size + j % self.page_size;
+        // Page sizes are powers of two in practice: shift and mask instead of a division per
+        // key (which cost more than the key's dot product).
+        let (page, in_page) = if self.page_size.is_power_of_two() {
+            let shift = self.page_size.trailing_zeros();
+            (j >> shift, j & (self.page_size - 1))
+        } else {
+            (j / self.page_size, j % self.page_size)
+        };
+        let slot = bt[page] as usize * self.page_size + in_page;
         (slot * self.kv_heads + kvh) * self.dim
     }
 
@@ -190,29 +198,42 @@ impl AttentionArgs<'_> {
         start..pos + 1
     }
 
-    /// Folds keys `range` of query `idx` (= row · heads + head) into `acc`.
+    /// Folds keys `range` of the `acc.len() / dim` consecutive queries from `idx` (= row · heads
+    /// + head; all of one KV head) into `acc`; per query `(max, denom)`.
     #[inline(always)]
-    fn attend(&self, idx: usize, range: std::ops::Range<usize>, acc: &mut [f32]) -> (f32, f32) {
+    fn attend(
+        &self,
+        idx: usize,
+        range: std::ops::Range<usize>,
+        acc: &mut [f32],
+    ) -> ([f32; MAX_GROUP], [f32; MAX_GROUP]) {
         let (row, head) = (idx / self.heads, idx % self.heads);
         let kvh = head / (self.heads / self.kv_heads);
-        let mut part = Partial::new(acc);
+        let g = acc.len() / self.dim;
+        let mut part = Partial::new(acc, g);
         part.attend(
-            &self.q[idx * self.dim..(idx + 1) * self.dim],
+            &self.q[idx * self.dim..(idx + g) * self.dim],
             |j| self.offset_of(row, kvh, j),
             self.k_cache,
             self.v_cache,
             range,
-            SOFTMAX_BLOCK,
             self.scale,
         );
         (part.max, part.denom)
     }
 
-    /// The fixed schedule for query `idx`: all its keys in one pass, normalised.
+    /// The fixed schedule for the `o.len() / dim` queries of one KV head from query `idx`: all
+    /// their keys in one pass, normalised. Each query's arithmetic is the same whether it is
+    /// computed alone or with the other heads of its group (they only share the key loads).
     #[inline(always)]
     fn fixed_task(&self, idx: usize, o: &mut [f32]) {
-        let (_, denom) = self.attend(idx, self.key_range(idx / self.heads), o);
-        normalise(o, denom);
+        let range = self.key_range(idx / self.heads);
+        for (c, o) in o.chunks_mut(MAX_GROUP * self.dim).enumerate() {
+            let (_, denom) = self.attend(idx + c * MAX_GROUP, range.clone(), o);
+            for (o, &d) in o.chunks_mut(self.dim).zip(&denom) {
+                normalise(o, d);
+            }
+        }
     }
 
     /// Split `split` of `splits` of query `idx` (unnormalised); `(max, denom)`.
@@ -223,7 +244,8 @@ impl AttentionArgs<'_> {
         let chunk = blocks.div_ceil(splits) * SOFTMAX_BLOCK;
         let lo = (range.start + split * chunk).min(range.end);
         let hi = (lo + chunk).min(range.end);
-        self.attend(idx, lo..hi, acc)
+        let (max, denom) = self.attend(idx, lo..hi, acc);
+        (max[0], denom[0])
     }
 }
 
@@ -293,9 +315,11 @@ fn attention(a: &AttentionArgs, isa: CpuIsa) -> Vec<f32> {
     let mut out = vec![0f32; a.q.len()];
     match meta.schedule {
         AttentionSchedule::Fixed => {
-            out.par_chunks_mut(dim)
+            // One task per (row, KV head): the heads sharing its keys load them once.
+            let group = heads / a.kv_heads;
+            out.par_chunks_mut(group * dim)
                 .enumerate()
-                .for_each(|(idx, o)| fixed(idx, o));
+                .for_each(|(t, o)| fixed(t * group, o));
         }
         AttentionSchedule::SplitKv { splits } => {
             // Partial (max, denominator, accumulator) per (row, head, split), then an
@@ -352,64 +376,84 @@ fn attention(a: &AttentionArgs, isa: CpuIsa) -> Vec<f32> {
     out
 }
 
-/// Running online-softmax state of one query over some keys; `acc` is unnormalised until
-/// [`Partial::normalise`].
+/// Most query heads folded together over one KV head's keys (larger GQA groups are split).
+const MAX_GROUP: usize = 8;
+
+/// Running online-softmax state of up to [`MAX_GROUP`] queries over the same keys; `acc`
+/// (`g × dim`) is unnormalised. Every query's arithmetic is independent of the others'.
 struct Partial<'a> {
     acc: &'a mut [f32],
-    max: f32,
-    denom: f32,
+    g: usize,
+    max: [f32; MAX_GROUP],
+    denom: [f32; MAX_GROUP],
 }
 
 impl<'a> Partial<'a> {
     #[inline(always)]
-    fn new(acc: &'a mut [f32]) -> Self {
+    fn new(acc: &'a mut [f32], g: usize) -> Self {
         acc.fill(0.0);
         Self {
             acc,
-            max: f32::NEG_INFINITY,
-            denom: 0.0,
+            g: g.min(MAX_GROUP),
+            max: [f32::NEG_INFINITY; MAX_GROUP],
+            denom: [0.0; MAX_GROUP],
         }
     }
 
-    /// Folds in keys `range`, in blocks aligned to absolute positions (so the blocking, too,
-    /// depends only on the range).
-    #[allow(clippy::too_many_arguments)]
+    /// Folds in keys `range`, in blocks of [`SOFTMAX_BLOCK`] aligned to absolute positions (so
+    /// the blocking, too, depends only on the range).
     #[inline(always)]
     fn attend(
         &mut self,
-        q: &[f32],
+        qs: &[f32],
         offset_of: impl Fn(usize) -> usize,
         k_cache: &[f32],
         v_cache: &[f32],
         range: std::ops::Range<usize>,
-        block: usize,
         scale: f32,
     ) {
-        let dim = q.len();
-        let mut scores = [0f32; SOFTMAX_BLOCK];
-        let block = block.min(scores.len());
+        let g = self.g;
+        let dim = qs.len() / g.max(1);
+        let block = SOFTMAX_BLOCK;
+        let mut scores = [[0f32; SOFTMAX_BLOCK]; MAX_GROUP];
+        let mut offsets = [0usize; SOFTMAX_BLOCK];
+        let mut probs = [0f32; MAX_GROUP];
         let mut j = range.start;
         while j < range.end {
             let block_end = ((j / block + 1) * block).min(range.end);
             let n = block_end - j;
-            let mut block_max = f32::NEG_INFINITY;
-            for (i, s) in scores[..n].iter_mut().enumerate() {
-                let off = offset_of(j + i);
-                *s = dot(q, &k_cache[off..off + dim]) * scale;
-                block_max = block_max.max(*s);
+            for (i, o) in offsets[..n].iter_mut().enumerate() {
+                *o = offset_of(j + i);
             }
-            let new_max = self.max.max(block_max);
-            let correction = (self.max - new_max).exp();
-            self.denom *= correction;
-            for o in self.acc.iter_mut() {
-                *o *= correction;
+            for (i, &off) in offsets[..n].iter().enumerate() {
+                let k = &k_cache[off..off + dim];
+                for (h, q) in qs.chunks_exact(dim).take(g).enumerate() {
+                    scores[h][i] = dot(q, k) * scale;
+                }
             }
-            for (i, &s) in scores[..n].iter().enumerate() {
-                let p = (s - new_max).exp();
-                self.denom += p;
-                let off = offset_of(j + i);
-                for (o, &v) in self.acc.iter_mut().zip(&v_cache[off..off + dim]) {
-                    *o += p * v;
+            let mut new_max = [f32::NEG_INFINITY; MAX_GROUP];
+            for h in 0..g {
+                let block_max = scores[h][..n]
+                    .iter()
+                    .fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+                new_max[h] = self.max[h].max(block_max);
+                let correction = (self.max[h] - new_max[h]).exp();
+                self.denom[h] *= correction;
+                for o in self.acc[h * dim..(h + 1) * dim].iter_mut() {
+                    *o *= correction;
+                }
+            }
+            for (i, &off) in offsets[..n].iter().enumerate() {
+                let v = &v_cache[off..off + dim];
+                for h in 0..g {
+                    probs[h] = (scores[h][i] - new_max[h]).exp();
+                    self.denom[h] += probs[h];
+                }
+                for (h, acc) in self.acc.chunks_exact_mut(dim).take(g).enumerate() {
+                    let p = probs[h];
+                    for (o, &v) in acc.iter_mut().zip(v) {
+                        *o += p * v;
+                    }
                 }
             }
             self.max = new_max;
