@@ -306,14 +306,15 @@ async def test_async_client_concurrent_and_streaming(server, llm) -> None:
         messages=[{"role": "user", "content": "Hello"}],
         max_tokens=6,
         stream=True,
-        extra_body={"ignore_eos": True},
+        extra_body={"ignore_eos": True, "return_token_ids": True},
     )
-    n = 0
-    finish = None
-    async for chunk in stream:
-        n += 1
-        finish = chunk.choices[0].finish_reason or finish
-    assert n >= 2 and finish == "length"
+    chunks = [chunk async for chunk in stream]
+    # the engine may hand several tokens over in one output, so count tokens, not chunks
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[0].model_extra["prompt_token_ids"], "prompt ids ride on the first chunk"
+    assert all("prompt_token_ids" not in c.model_extra for c in chunks[1:])
+    assert sum(len(c.choices[0].model_extra["token_ids"]) for c in chunks) == 6
+    assert chunks[-1].choices[0].finish_reason == "length"
     await aclient.close()
 
 

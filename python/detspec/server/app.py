@@ -57,6 +57,8 @@ class ServerConfig:
     max_waiting_requests: int | None = None
     max_request_bytes: int = 16 * 1024 * 1024
     max_num_seqs: int = 256
+    # The engine's determinism mode; None: read it from the engine's fingerprint.
+    determinism: str | None = None
 
 
 class ApiError(Exception):
@@ -305,6 +307,7 @@ class OpenAIServer:
         self.max_model_len = int(engine._engine.max_model_len())
         self.vocab_size = int(engine._engine.vocab_size())
         self.fingerprint = engine.fingerprint
+        self.determinism = config.determinism or ("off" if "-off-" in self.fingerprint else "on")
         self.created = int(time.time())
         self.inflight_seqs = 0
         self.draining = False
@@ -359,6 +362,13 @@ class OpenAIServer:
     # ---------------------------------------------------------------- validation
 
     def _common_checks(self, req: P._SamplingFields) -> None:
+        if req.deterministic and self.determinism == "off":
+            raise ApiError(
+                400,
+                "deterministic=true, but this server runs with --determinism off; start it "
+                "with --determinism dvr or batch_invariant",
+                "deterministic",
+            )
         if req.logit_bias:
             raise ApiError(400, "logit_bias is not supported by this engine", "logit_bias")
         if req.best_of is not None and req.best_of != req.n:
@@ -907,6 +917,11 @@ class OpenAIServer:
         states: dict[int, _ChoiceState] = {}
         prompt_tokens = sum(len(j.prompt_ids) for j in jobs)
         completion_tokens: dict[int, int] = {}
+        first_extra: dict[str, Any] = {}
+        if chat and req.return_token_ids:
+            first_extra["prompt_token_ids"] = jobs[0].prompt_ids
+        if chat and jobs[0].prompt_logprobs is not None:
+            first_extra["prompt_logprobs"] = jobs[0].prompt_logprobs
 
         def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> bytes:
             body: dict[str, Any] = {
@@ -919,6 +934,9 @@ class OpenAIServer:
             }
             if include_usage:
                 body["usage"] = usage
+            if first_extra:  # chat: the prompt fields ride on the first chunk
+                body.update(first_extra)
+                first_extra.clear()
             return b"data: " + json.dumps(body).encode() + b"\n\n"
 
         def events(job: _Job, out: RequestOutput) -> list[bytes]:
@@ -988,21 +1006,6 @@ class OpenAIServer:
             return res
 
         try:
-            if chat and (req.return_token_ids or jobs[0].prompt_logprobs is not None):
-                # The chat-level prompt fields go out first, with no choice.
-                extra: dict[str, Any] = {
-                    "id": rid,
-                    "object": obj,
-                    "created": created,
-                    "model": model,
-                    "system_fingerprint": self.fingerprint,
-                    "choices": [],
-                }
-                if req.return_token_ids:
-                    extra["prompt_token_ids"] = jobs[0].prompt_ids
-                if jobs[0].prompt_logprobs is not None:
-                    extra["prompt_logprobs"] = jobs[0].prompt_logprobs
-                yield b"data: " + json.dumps(extra).encode() + b"\n\n"
             if first is not None:
                 for ev in events(*first):
                     yield ev

@@ -135,6 +135,7 @@ def serve(args: argparse.Namespace) -> int:
         max_waiting_requests=args.max_waiting_requests,
         max_request_bytes=args.max_request_bytes,
         max_num_seqs=args.max_num_seqs,
+        determinism=args.determinism,
     )
     app = build_app(engine, config)
     uv_config = uvicorn.Config(
