@@ -126,3 +126,25 @@ def test_bench_serve(server, tmp_path) -> None:
     )  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
     assert json.loads(r.stdout)["completed"] == 6
+
+
+def test_bench_given_lengths_and_inprocess(server, demo_model_dir, tmp_path) -> None:
+    lengths = tmp_path / "lengths.json"
+    lengths.write_text(json.dumps([[8, 3], [4, 5]]))
+    common = ["--num-prompts", "4", "--lengths-file", str(lengths), "--max-concurrency", "2"]
+    http = subprocess.run(
+        [sys.executable, "-m", "detspec", "bench", "serve", "--base-url", server.base_url,
+         *common],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert http.returncode == 0, http.stdout + http.stderr
+    inproc = subprocess.run(
+        [sys.executable, "-m", "detspec", "bench", "serve", "--backend", "inprocess",
+         "--model-dir", demo_model_dir, "--vocab-size", "256", *common],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert inproc.returncode == 0, inproc.stdout + inproc.stderr
+    for out in (json.loads(http.stdout), json.loads(inproc.stdout)):
+        assert out["completed"] == 4
+        assert out["total_input_tokens"] == 8 + 4 + 8 + 4
+        assert out["total_output_tokens"] == 3 + 5 + 3 + 5
