@@ -35,7 +35,7 @@ fn gemm(c: &mut Criterion) {
         let packed = Arc::new(PackedWeight::from_row_major(&w, k, n).expect("pack"));
         let mut g = c.benchmark_group(format!("gemm_k{k}_n{n}"));
         g.sample_size(20);
-        for m in [1usize, 16, 64] {
+        for m in [1usize, 16, 64, 1024] {
             let x = Tensor::from_vec(values(m * k, 3), (m, k), &dev).expect("input");
             g.throughput(Throughput::Elements((2 * m * k * n) as u64));
             g.bench_with_input(BenchmarkId::new("packed", m), &m, |b, _| {

@@ -27,6 +27,8 @@ use super::{contiguous_f32, CpuIsa};
 pub const NR: usize = 32;
 /// Rows per microkernel call.
 const MR: usize = 8;
+/// Rows of A kept hot while all panels pass (64 rows × K ≤ 1408 floats ≈ 360 KB, in L2).
+const ROW_BLOCK: usize = 64;
 
 /// A `[K, N]` weight packed into column panels for [`packed_matmul`].
 #[derive(Debug)]
@@ -204,24 +206,31 @@ pub fn packed_matmul_with(
     let mut out = vec![0f32; m * w.n];
     let ptr = OutPtr(out.as_mut_ptr());
     let panels = w.n.div_ceil(NR);
-    let run = |p: usize| {
-        // SAFETY: `out` is m × n; panel p's columns are written by this task only; the
-        // instruction set was detected on this CPU.
-        unsafe {
-            match isa {
-                #[cfg(target_arch = "x86_64")]
-                CpuIsa::Avx512 => panel_rows_avx512(a, m, w, p, ptr.get()),
-                #[cfg(target_arch = "x86_64")]
-                CpuIsa::Avx2Fma => panel_rows_avx2(a, m, w, p, ptr.get()),
-                _ => panel_rows(a, m, w, p, ptr.get()),
+    // Row blocks of ROW_BLOCK rows: a block of A stays in L2 while every panel streams past
+    // it (without this a prefill of thousands of rows re-read all of A once per panel).
+    for r0 in (0..m).step_by(ROW_BLOCK) {
+        let rows = ROW_BLOCK.min(m - r0);
+        let a_block = &a[r0 * w.k..(r0 + rows) * w.k];
+        let run = |p: usize| {
+            // SAFETY: `out` is m × n and rows r0..r0+rows of panel p are written by this task
+            // only; the instruction set is one this CPU has.
+            unsafe {
+                let out = ptr.get().add(r0 * w.n);
+                match isa {
+                    #[cfg(target_arch = "x86_64")]
+                    CpuIsa::Avx512 => panel_rows_avx512(a_block, rows, w, p, out),
+                    #[cfg(target_arch = "x86_64")]
+                    CpuIsa::Avx2Fma => panel_rows_avx2(a_block, rows, w, p, out),
+                    _ => panel_rows(a_block, rows, w, p, out),
+                }
             }
+        };
+        // Small products are not worth waking other threads for.
+        if rows * w.k * w.n < 1 << 16 {
+            (0..panels).for_each(run);
+        } else {
+            (0..panels).into_par_iter().for_each(run);
         }
-    };
-    // Small products are not worth waking other threads for.
-    if m * w.k * w.n < 1 << 16 {
-        (0..panels).for_each(run);
-    } else {
-        (0..panels).into_par_iter().for_each(run);
     }
     Ok(out)
 }

@@ -418,13 +418,34 @@ impl<'a> Partial<'a> {
         let mut scores = [[0f32; SOFTMAX_BLOCK]; MAX_GROUP];
         let mut offsets = [0usize; SOFTMAX_BLOCK];
         let mut probs = [0f32; MAX_GROUP];
-        let mut j = range.start;
-        while j < range.end {
-            let block_end = ((j / block + 1) * block).min(range.end);
-            let n = block_end - j;
-            for (i, o) in offsets[..n].iter_mut().enumerate() {
+        let mut next = [0usize; SOFTMAX_BLOCK];
+        let block_of = |j: usize, offs: &mut [usize; SOFTMAX_BLOCK]| {
+            let end = ((j / block + 1) * block).min(range.end);
+            for (i, o) in offs[..end - j].iter_mut().enumerate() {
                 *o = offset_of(j + i);
             }
+            end
+        };
+        let mut j = range.start;
+        let mut block_end = if j < range.end {
+            block_of(j, &mut offsets)
+        } else {
+            j
+        };
+        while j < range.end {
+            let n = block_end - j;
+            // The next block usually sits on another (random) page: ask for its keys and values
+            // now, so they arrive while this block is computed.
+            let next_end = if block_end < range.end {
+                let end = block_of(block_end, &mut next);
+                for &off in &next[..end - block_end] {
+                    prefetch(k_cache, off, dim);
+                    prefetch(v_cache, off, dim);
+                }
+                end
+            } else {
+                block_end
+            };
             for (i, &off) in offsets[..n].iter().enumerate() {
                 let k = &k_cache[off..off + dim];
                 for (h, q) in qs.chunks_exact(dim).take(g).enumerate() {
@@ -458,8 +479,31 @@ impl<'a> Partial<'a> {
             }
             self.max = new_max;
             j = block_end;
+            block_end = next_end;
+            offsets = next;
         }
     }
+}
+
+/// Hints the CPU to load `data[off..off + len]` into cache (a no-op elsewhere).
+#[inline(always)]
+fn prefetch(data: &[f32], off: usize, len: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        const LINE: usize = 16; // floats per 64-byte cache line
+        let mut i = off;
+        while i < (off + len).min(data.len()) {
+            // SAFETY: a prefetch never faults; the address is inside `data`.
+            unsafe {
+                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                    data.as_ptr().add(i) as *const i8,
+                )
+            };
+            i += LINE;
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (data, off, len);
 }
 
 /// Lanes of [`dot`]'s fixed-order reduction.
