@@ -401,3 +401,33 @@ def test_metrics_names(server, client) -> None:
     assert server.metric("detspec:verify_passes_total") >= 1
     assert server.metric("detspec:generation_tokens_total") >= 4
     assert all(k.startswith("detspec:") for k in m), "every series carries the prefix"
+
+
+def test_metrics_count_exactly(server, client) -> None:
+    def snap() -> dict[str, float]:
+        m = server.metrics()
+        return {
+            "prompt": server.metric("detspec:prompt_tokens_total"),
+            "gen": server.metric("detspec:generation_tokens_total"),
+            "e2e": server.metric("detspec:e2e_request_latency_seconds_count"),
+            "ttft": server.metric("detspec:time_to_first_token_seconds_count"),
+            "length": m.get(
+                f'detspec:request_success_total{{finished_reason="length",'
+                f'model_name="{SERVED_NAME}"}}',
+                0.0,
+            ),
+            "det": server.metric("detspec:deterministic_requests_total"),
+        }
+
+    before = snap()
+    client.completions.create(
+        model=SERVED_NAME,
+        prompt=[[7, 8, 9, 10, 11], [12, 13]],
+        n=2,
+        max_tokens=4,
+        temperature=0.0,
+        extra_body={"ignore_eos": True, "deterministic": True},
+    )
+    after = snap()
+    delta = {k: after[k] - before[k] for k in before}
+    assert delta == {"prompt": 7, "gen": 16, "e2e": 2, "ttft": 2, "length": 4, "det": 2}, delta
