@@ -3,19 +3,19 @@
 //! HF renders templates with Jinja2 using `trim_blocks=True, lstrip_blocks=True`, a
 //! `raise_exception(msg)` global, a `strftime_now(fmt)` global, a `tojson` filter that behaves
 //! like Python's `json.dumps(..., ensure_ascii=False)`, and templates freely call Python methods
-//! on strings and dicts (`.strip()`, `.startswith()`, `.items()`, ...). minijinja does not have
-//! those methods without `minijinja-contrib`, so an unknown-method callback implements the common
-//! ones here.
+//! on strings and dicts (`.strip()`, `.startswith()`, `.items()`, ...). The Python methods come
+//! from `minijinja-contrib`'s `pycompat` (with keyword arguments bound to positions and a few
+//! string methods it lacks or answers differently from Python kept here, see [`string_method`]);
+//! `strftime_now` formats through `minijinja-contrib`'s `datetimeformat`. The HF-specific
+//! globals and `tojson` (minijinja's own is compact and HTML-escaping) are defined here.
 //!
-//! Known gaps: `{% break %}` / `{% continue %}` need minijinja's `loop_controls` feature, which
-//! this crate does not enable; templates using them fail to compile with a clear error. Map keys
-//! are iterated in sorted order (minijinja without `preserve_order`), so `tojson` of a dict lists
-//! keys sorted rather than in insertion order.
+//! Known gap: maps reach the template through serde_json (without its `preserve_order`), so their
+//! keys are sorted and `tojson` of a dict lists them sorted rather than in insertion order.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use minijinja::value::{Kwargs, Value, ValueKind};
+use minijinja::value::{Kwargs, Value};
 use minijinja::{Environment, Error, ErrorKind, State};
 use serde::{Deserialize, Serialize};
 
@@ -88,7 +88,7 @@ impl ChatTemplate {
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
         env.add_filter("tojson", tojson);
-        env.set_unknown_method_callback(pycompat_method);
+        env.set_unknown_method_callback(py_method);
         // HF templates sometimes strip one leading/trailing newline of the file via `{%-`; the
         // source itself is taken verbatim.
         env.add_template_owned(TEMPLATE_NAME, source.to_string())
@@ -172,83 +172,48 @@ fn raise_exception(message: String) -> std::result::Result<Value, Error> {
     Err(Error::new(ErrorKind::InvalidOperation, message))
 }
 
-/// `strftime_now(format)`: the current UTC time formatted with the common strftime codes
-/// (`%Y %y %m %d %e %H %I %M %S %p %b %B %a %A %j %%`).
-fn strftime_now(format: String) -> std::result::Result<Value, Error> {
-    let secs = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0);
-    strftime(&format, secs).map(Value::from)
+/// `strftime_now(format)`: the current UTC time, formatted with Python's strftime codes.
+fn strftime_now(state: &State, format: &str) -> std::result::Result<Value, Error> {
+    strftime(state, minijinja_contrib::globals::now(), format)
 }
 
-fn strftime(format: &str, unix_secs: u64) -> std::result::Result<String, Error> {
-    const MONTHS: [&str; 12] = [
-        "January",
-        "February",
-        "March",
-        "April",
-        "May",
-        "June",
-        "July",
-        "August",
-        "September",
-        "October",
-        "November",
-        "December",
-    ];
-    const DAYS: [&str; 7] = [
-        "Monday",
-        "Tuesday",
-        "Wednesday",
-        "Thursday",
-        "Friday",
-        "Saturday",
-        "Sunday",
-    ];
-    let days = (unix_secs / 86_400) as i64;
-    let secs_of_day = unix_secs % 86_400;
-    let (hour, minute, second) = (secs_of_day / 3600, secs_of_day / 60 % 60, secs_of_day % 60);
-    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy_mar = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy_mar + 2) / 153;
-    let day = doy_mar - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    let leap = (year % 4 == 0 && year % 100 != 0) || year % 400 == 0;
-    const CUMULATIVE: [i64; 12] = [0, 31, 59, 90, 120, 151, 181, 212, 243, 273, 304, 334];
-    let month_idx = (month - 1) as usize;
-    let yday = CUMULATIVE[month_idx] + day + i64::from(leap && month > 2);
-    let weekday = (days + 3).rem_euclid(7) as usize; // 1970-01-01 was a Thursday.
+/// Formats `time` (anything minijinja-contrib's `datetimeformat` takes: a unix timestamp, an
+/// ISO 8601 string) with a Python strftime `format`, translated to a `time` format description.
+fn strftime(state: &State, time: Value, format: &str) -> std::result::Result<Value, Error> {
+    let kwargs = Kwargs::from_iter([("format", Value::from(time_format(format)?))]);
+    minijinja_contrib::filters::datetimeformat(state, time, kwargs).map(Value::from)
+}
 
-    let mut out = String::new();
-    let mut chars = format.chars();
+/// Python strftime codes as a `time` format description (version 2): the common codes
+/// `%Y %y %m %d %e %H %I %M %S %p %b %B %a %A %j %%`, other text verbatim.
+fn time_format(strftime: &str) -> std::result::Result<String, Error> {
+    let mut out = String::with_capacity(strftime.len() * 4);
+    let mut chars = strftime.chars();
     while let Some(c) = chars.next() {
         if c != '%' {
+            if matches!(c, '[' | ']' | '\\') {
+                out.push('\\');
+            }
             out.push(c);
             continue;
         }
-        match chars.next() {
-            Some('Y') => out.push_str(&year.to_string()),
-            Some('y') => out.push_str(&format!("{:02}", year.rem_euclid(100))),
-            Some('m') => out.push_str(&format!("{month:02}")),
-            Some('d') => out.push_str(&format!("{day:02}")),
-            Some('e') => out.push_str(&format!("{day:>2}")),
-            Some('H') => out.push_str(&format!("{hour:02}")),
-            Some('I') => out.push_str(&format!("{:02}", (hour + 11) % 12 + 1)),
-            Some('M') => out.push_str(&format!("{minute:02}")),
-            Some('S') => out.push_str(&format!("{second:02}")),
-            Some('p') => out.push_str(if hour < 12 { "AM" } else { "PM" }),
-            Some('b') => out.push_str(&MONTHS[month_idx][..3]),
-            Some('B') => out.push_str(MONTHS[month_idx]),
-            Some('a') => out.push_str(&DAYS[weekday][..3]),
-            Some('A') => out.push_str(DAYS[weekday]),
-            Some('j') => out.push_str(&format!("{yday:03}")),
-            Some('%') => out.push('%'),
+        out.push_str(match chars.next() {
+            Some('Y') => "[year]",
+            Some('y') => "[year repr:last_two]",
+            Some('m') => "[month]",
+            Some('d') => "[day]",
+            Some('e') => "[day padding:space]",
+            Some('H') => "[hour]",
+            Some('I') => "[hour repr:12]",
+            Some('M') => "[minute]",
+            Some('S') => "[second]",
+            Some('p') => "[period]",
+            Some('b') => "[month repr:short]",
+            Some('B') => "[month repr:long]",
+            Some('a') => "[weekday repr:short]",
+            Some('A') => "[weekday repr:long]",
+            Some('j') => "[ordinal]",
+            Some('%') => "%",
             other => {
                 return Err(Error::new(
                     ErrorKind::InvalidOperation,
@@ -258,7 +223,7 @@ fn strftime(format: &str, unix_secs: u64) -> std::result::Result<String, Error> 
                     ),
                 ))
             }
-        }
+        });
     }
     Ok(out)
 }
@@ -412,248 +377,172 @@ impl serde_json::ser::Formatter for PyJsonFormatter {
     }
 }
 
-/// Python method emulation for values minijinja has no such method for.
-fn pycompat_method(
+/// Python methods on template values: minijinja-contrib's `pycompat`, after keyword arguments
+/// are bound to positions (pycompat takes positional ones only) and with the string methods it
+/// lacks or answers differently from Python.
+fn py_method(
     state: &State,
     value: &Value,
     method: &str,
     args: &[Value],
 ) -> std::result::Result<Value, Error> {
-    match value.kind() {
-        ValueKind::String => string_method(value.as_str().unwrap_or_default(), method, args),
-        ValueKind::Map => map_method(state, value, method, args),
-        _ => Err(Error::from(ErrorKind::UnknownMethod)),
+    let args = positional(method, args)?;
+    if let Some(s) = value.as_str() {
+        if let Some(v) = string_method(s, method, &args)? {
+            return Ok(v);
+        }
+    }
+    minijinja_contrib::pycompat::unknown_method_callback(state, value, method, &args)
+}
+
+/// Python's parameter names of the methods that take arguments.
+fn parameter_names(method: &str) -> &'static [&'static str] {
+    match method {
+        "strip" | "lstrip" | "rstrip" => &["chars"],
+        "split" | "rsplit" => &["sep", "maxsplit"],
+        "splitlines" => &["keepends"],
+        "replace" => &["old", "new", "count"],
+        "startswith" => &["prefix"],
+        "endswith" => &["suffix"],
+        "get" => &["key", "default"],
+        _ => &[],
     }
 }
 
-/// Binds `args` (positional, then keyword) to `names`; missing ones are `None`.
-fn bind_args(
+/// `args` with trailing keyword arguments moved to their positions (`none` fills a skipped one).
+fn positional(method: &str, args: &[Value]) -> std::result::Result<Vec<Value>, Error> {
+    let Some((last, rest)) = args.split_last().filter(|(last, _)| last.is_kwargs()) else {
+        return Ok(args.to_vec());
+    };
+    let kwargs = Kwargs::try_from(last.clone())?;
+    let mut out = rest.to_vec();
+    for (i, name) in parameter_names(method).iter().enumerate() {
+        let Some(v) = kwargs.get::<Option<Value>>(name)? else {
+            continue;
+        };
+        if i < rest.len() {
+            return Err(Error::new(
+                ErrorKind::TooManyArguments,
+                format!("{method}() got multiple values for argument '{name}'"),
+            ));
+        }
+        out.resize(i, Value::from(()));
+        out.push(v);
+    }
+    kwargs.assert_all_used()?;
+    Ok(out)
+}
+
+fn str_arg<'a>(method: &str, v: Option<&'a Value>) -> std::result::Result<&'a str, Error> {
+    v.and_then(Value::as_str).ok_or_else(|| {
+        Error::new(
+            ErrorKind::InvalidOperation,
+            format!("{method}() expects a string argument"),
+        )
+    })
+}
+
+fn no_args(method: &str, args: &[Value]) -> std::result::Result<(), Error> {
+    if args.is_empty() {
+        Ok(())
+    } else {
+        Err(Error::new(
+            ErrorKind::TooManyArguments,
+            format!("{method}() takes no arguments"),
+        ))
+    }
+}
+
+/// The string methods pycompat does not have (`rsplit`, `removeprefix`, `removesuffix`, `index`,
+/// `rindex`, `isdecimal`, `swapcase`) or answers differently from Python: `find` / `rfind`
+/// return byte offsets there (Python counts characters), and the `is*` predicates are true for
+/// the empty string and `islower` / `isupper` false for `"a b"` (Python: false / true).
+/// `Ok(None)` leaves the method to pycompat.
+fn string_method(
+    s: &str,
     method: &str,
     args: &[Value],
-    names: &[&str],
-) -> std::result::Result<Vec<Option<Value>>, Error> {
-    let (positional, kwargs) = match args.split_last() {
-        Some((last, rest)) if last.is_kwargs() => (rest, Some(Kwargs::try_from(last.clone())?)),
-        _ => (args, None),
-    };
-    if positional.len() > names.len() {
-        return Err(Error::new(
-            ErrorKind::TooManyArguments,
-            format!("{method}() takes at most {} arguments", names.len()),
-        ));
-    }
-    let mut out: Vec<Option<Value>> = vec![None; names.len()];
-    for (slot, v) in out.iter_mut().zip(positional) {
-        *slot = Some(v.clone());
-    }
-    if let Some(kwargs) = kwargs {
-        for (i, name) in names.iter().enumerate() {
-            if let Some(v) = kwargs.get::<Option<Value>>(name)? {
-                if out[i].is_some() {
+) -> std::result::Result<Option<Value>, Error> {
+    let m = method;
+    Ok(Some(match method {
+        "rsplit" => {
+            let sep = args.first().filter(|v| !v.is_none() && !v.is_undefined());
+            let sep = sep.map(|v| str_arg(m, Some(v))).transpose()?;
+            let limit = match args.get(1) {
+                Some(v) if !v.is_none() && !v.is_undefined() => usize::try_from(v.clone()).ok(),
+                _ => None,
+            };
+            if args.len() > 2 {
+                return Err(Error::new(
+                    ErrorKind::TooManyArguments,
+                    "rsplit() takes at most 2 arguments",
+                ));
+            }
+            let parts: Vec<String> = match (sep, limit) {
+                (Some(""), _) => {
                     return Err(Error::new(
                         ErrorKind::InvalidOperation,
-                        format!("{method}() got multiple values for argument {name}"),
-                    ));
+                        "rsplit(): empty separator",
+                    ))
                 }
-                out[i] = Some(v);
-            }
-        }
-        kwargs.assert_all_used()?;
-    }
-    // Python's None means "not given" for all the optional arguments emulated here.
-    Ok(out
-        .into_iter()
-        .map(|v| v.filter(|v| !v.is_none() && !v.is_undefined()))
-        .collect())
-}
-
-fn str_arg(method: &str, v: &Value) -> std::result::Result<String, Error> {
-    v.as_str().map(str::to_string).ok_or_else(|| {
-        Error::new(
-            ErrorKind::InvalidOperation,
-            format!("{method}() expects a string argument, got {}", v.kind()),
-        )
-    })
-}
-
-fn int_arg(method: &str, v: &Value) -> std::result::Result<i64, Error> {
-    v.as_i64().ok_or_else(|| {
-        Error::new(
-            ErrorKind::InvalidOperation,
-            format!("{method}() expects an integer argument, got {}", v.kind()),
-        )
-    })
-}
-
-fn required(method: &str, v: Option<Value>) -> std::result::Result<Value, Error> {
-    v.ok_or_else(|| {
-        Error::new(
-            ErrorKind::MissingArgument,
-            format!("{method}() is missing an argument"),
-        )
-    })
-}
-
-/// Prefixes for `startswith` / `endswith`: a string or a sequence of strings.
-fn affixes(method: &str, v: &Value) -> std::result::Result<Vec<String>, Error> {
-    if let Some(s) = v.as_str() {
-        return Ok(vec![s.to_string()]);
-    }
-    if matches!(v.kind(), ValueKind::Seq) {
-        return v.try_iter()?.map(|x| str_arg(method, &x)).collect();
-    }
-    Err(Error::new(
-        ErrorKind::InvalidOperation,
-        format!("{method}() expects a string or a tuple of strings"),
-    ))
-}
-
-fn strings(parts: impl IntoIterator<Item = impl Into<String>>) -> Value {
-    Value::from(parts.into_iter().map(Into::into).collect::<Vec<String>>())
-}
-
-fn string_method(s: &str, method: &str, args: &[Value]) -> std::result::Result<Value, Error> {
-    let m = method;
-    match method {
-        "strip" | "lstrip" | "rstrip" => {
-            let chars = bind_args(m, args, &["chars"])?.into_iter().next().flatten();
-            let chars = chars.map(|c| str_arg(m, &c)).transpose()?;
-            let pred = |c: char| match &chars {
-                Some(set) => set.contains(c),
-                None => c.is_whitespace(),
+                (Some(sep), None) => s.split(sep).map(str::to_string).collect(),
+                (Some(sep), Some(n)) => {
+                    let mut parts: Vec<String> =
+                        s.rsplitn(n + 1, sep).map(str::to_string).collect();
+                    parts.reverse();
+                    parts
+                }
+                (None, limit) => rsplit_whitespace(s, limit),
             };
-            Ok(Value::from(match method {
-                "strip" => s.trim_matches(pred),
-                "lstrip" => s.trim_start_matches(pred),
-                _ => s.trim_end_matches(pred),
-            }))
-        }
-        "startswith" | "endswith" => {
-            let a = bind_args(m, args, &["prefix"])?;
-            let list = affixes(m, &required(m, a.into_iter().next().flatten())?)?;
-            let hit = list.iter().any(|p| {
-                if method == "startswith" {
-                    s.starts_with(p.as_str())
-                } else {
-                    s.ends_with(p.as_str())
-                }
-            });
-            Ok(Value::from(hit))
-        }
-        "split" | "rsplit" => {
-            let mut a = bind_args(m, args, &["sep", "maxsplit"])?.into_iter();
-            let sep = a.next().flatten().map(|v| str_arg(m, &v)).transpose()?;
-            let maxsplit = a.next().flatten().map(|v| int_arg(m, &v)).transpose()?;
-            let limit = maxsplit.and_then(|n| usize::try_from(n).ok());
-            let rev = method == "rsplit";
-            match sep {
-                Some(sep) if sep.is_empty() => Err(Error::new(
-                    ErrorKind::InvalidOperation,
-                    format!("{m}(): empty separator"),
-                )),
-                Some(sep) => Ok(match (limit, rev) {
-                    (None, _) => strings(s.split(sep.as_str())),
-                    (Some(n), false) => strings(s.splitn(n + 1, sep.as_str())),
-                    (Some(n), true) => {
-                        let mut parts: Vec<&str> = s.rsplitn(n + 1, sep.as_str()).collect();
-                        parts.reverse();
-                        strings(parts)
-                    }
-                }),
-                None => Ok(strings(split_whitespace(s, limit, rev))),
-            }
-        }
-        "splitlines" => {
-            let _ = bind_args(m, args, &["keepends"])?;
-            Ok(strings(s.lines()))
-        }
-        "upper" | "lower" | "title" | "capitalize" | "swapcase" => {
-            bind_args(m, args, &[])?;
-            Ok(Value::from(match method {
-                "upper" => s.to_uppercase(),
-                "lower" => s.to_lowercase(),
-                "title" => title_case(s),
-                "capitalize" => {
-                    let mut chars = s.chars();
-                    match chars.next() {
-                        Some(first) => first
-                            .to_uppercase()
-                            .chain(chars.flat_map(char::to_lowercase))
-                            .collect(),
-                        None => String::new(),
-                    }
-                }
-                _ => s
-                    .chars()
-                    .flat_map(|c| -> Vec<char> {
-                        if c.is_uppercase() {
-                            c.to_lowercase().collect()
-                        } else {
-                            c.to_uppercase().collect()
-                        }
-                    })
-                    .collect(),
-            }))
-        }
-        "replace" => {
-            let mut a = bind_args(m, args, &["old", "new", "count"])?.into_iter();
-            let old = str_arg(m, &required(m, a.next().flatten())?)?;
-            let new = str_arg(m, &required(m, a.next().flatten())?)?;
-            let count = a.next().flatten().map(|v| int_arg(m, &v)).transpose()?;
-            Ok(Value::from(
-                match count.and_then(|n| usize::try_from(n).ok()) {
-                    Some(n) => s.replacen(old.as_str(), &new, n),
-                    None => s.replace(old.as_str(), &new),
-                },
-            ))
+            Value::from(parts)
         }
         "removeprefix" | "removesuffix" => {
-            let a = bind_args(m, args, &["affix"])?;
-            let affix = str_arg(m, &required(m, a.into_iter().next().flatten())?)?;
-            let out = if method == "removeprefix" {
-                s.strip_prefix(affix.as_str())
-            } else {
-                s.strip_suffix(affix.as_str())
-            };
-            Ok(Value::from(out.unwrap_or(s)))
-        }
-        "find" | "rfind" | "index" | "rindex" | "count" => {
-            let a = bind_args(m, args, &["sub"])?;
-            let sub = str_arg(m, &required(m, a.into_iter().next().flatten())?)?;
-            if method == "count" {
-                return Ok(Value::from(s.matches(sub.as_str()).count()));
+            if args.len() != 1 {
+                return Err(Error::new(
+                    ErrorKind::InvalidOperation,
+                    format!("{m}() takes exactly one argument"),
+                ));
             }
-            let found = if method.starts_with('r') {
-                s.rfind(sub.as_str())
+            let affix = str_arg(m, args.first())?;
+            let out = if method == "removeprefix" {
+                s.strip_prefix(affix)
             } else {
-                s.find(sub.as_str())
+                s.strip_suffix(affix)
+            };
+            Value::from(out.unwrap_or(s))
+        }
+        "find" | "rfind" | "index" | "rindex" => {
+            if args.len() != 1 {
+                return Err(Error::new(
+                    ErrorKind::InvalidOperation,
+                    format!("{m}() takes exactly one argument"),
+                ));
+            }
+            let sub = str_arg(m, args.first())?;
+            let found = if method.starts_with('r') {
+                s.rfind(sub)
+            } else {
+                s.find(sub)
             };
             match found {
                 // Python indexes by character, not byte.
-                Some(byte) => Ok(Value::from(s[..byte].chars().count())),
-                None if method.ends_with("find") => Ok(Value::from(-1)),
-                None => Err(Error::new(
-                    ErrorKind::InvalidOperation,
-                    format!("{m}(): substring not found"),
-                )),
+                Some(byte) => Value::from(s[..byte].chars().count()),
+                None if method.ends_with("find") => Value::from(-1),
+                None => {
+                    return Err(Error::new(
+                        ErrorKind::InvalidOperation,
+                        format!("{m}(): substring not found"),
+                    ))
+                }
             }
-        }
-        "join" => {
-            let a = bind_args(m, args, &["iterable"])?;
-            let items = required(m, a.into_iter().next().flatten())?;
-            let parts = items
-                .try_iter()?
-                .map(|v| str_arg(m, &v))
-                .collect::<std::result::Result<Vec<_>, _>>()?;
-            Ok(Value::from(parts.join(s)))
         }
         "isdigit" | "isnumeric" | "isdecimal" | "isalpha" | "isalnum" | "isspace" | "isupper"
         | "islower" => {
-            bind_args(m, args, &[])?;
+            no_args(m, args)?;
             let non_empty = !s.is_empty();
             let all = |f: fn(char) -> bool| non_empty && s.chars().all(f);
-            Ok(Value::from(match method {
-                "isdigit" | "isnumeric" | "isdecimal" => all(|c| c.is_numeric()),
+            Value::from(match method {
+                "isdigit" | "isnumeric" | "isdecimal" => all(char::is_numeric),
                 "isalpha" => all(char::is_alphabetic),
                 "isalnum" => all(char::is_alphanumeric),
                 "isspace" => all(char::is_whitespace),
@@ -661,109 +550,50 @@ fn string_method(s: &str, method: &str, args: &[Value]) -> std::result::Result<V
                     s.chars().any(char::is_uppercase) && !s.chars().any(char::is_lowercase)
                 }
                 _ => s.chars().any(char::is_lowercase) && !s.chars().any(char::is_uppercase),
-            }))
+            })
         }
-        _ => Err(Error::from(ErrorKind::UnknownMethod)),
-    }
+        "swapcase" => {
+            no_args(m, args)?;
+            let swapped: String = s
+                .chars()
+                .flat_map(|c| -> Vec<char> {
+                    if c.is_uppercase() {
+                        c.to_lowercase().collect()
+                    } else {
+                        c.to_uppercase().collect()
+                    }
+                })
+                .collect();
+            Value::from(swapped)
+        }
+        _ => return Ok(None),
+    }))
 }
 
-/// Python's `str.split()` / `str.rsplit()` without a separator.
-fn split_whitespace(s: &str, limit: Option<usize>, rev: bool) -> Vec<String> {
+/// Python's `str.rsplit()` without a separator: runs of whitespace separate, at most `limit`
+/// splits from the right.
+fn rsplit_whitespace(s: &str, limit: Option<usize>) -> Vec<String> {
     let mut parts: Vec<String> = Vec::new();
-    if rev {
-        let mut rest = s.trim_end();
-        loop {
-            if rest.is_empty() {
-                break;
-            }
-            if limit.is_some_and(|n| parts.len() == n) {
-                parts.push(rest.trim_end().to_string());
-                break;
-            }
-            match rest.rfind(char::is_whitespace) {
-                Some(i) => {
-                    let ws_len = rest[i..].chars().next().map_or(1, char::len_utf8);
-                    parts.push(rest[i + ws_len..].to_string());
-                    rest = rest[..i].trim_end();
-                }
-                None => {
-                    parts.push(rest.to_string());
-                    break;
-                }
-            }
+    let mut rest = s.trim_end();
+    while !rest.is_empty() {
+        if limit.is_some_and(|n| parts.len() == n) {
+            parts.push(rest.to_string());
+            break;
         }
-        parts.reverse();
-    } else {
-        let mut rest = s.trim_start();
-        loop {
-            if rest.is_empty() {
-                break;
+        match rest.rfind(char::is_whitespace) {
+            Some(i) => {
+                let ws_len = rest[i..].chars().next().map_or(1, char::len_utf8);
+                parts.push(rest[i + ws_len..].to_string());
+                rest = rest[..i].trim_end();
             }
-            if limit.is_some_and(|n| parts.len() == n) {
+            None => {
                 parts.push(rest.to_string());
                 break;
             }
-            match rest.find(char::is_whitespace) {
-                Some(i) => {
-                    parts.push(rest[..i].to_string());
-                    rest = rest[i..].trim_start();
-                }
-                None => {
-                    parts.push(rest.to_string());
-                    break;
-                }
-            }
         }
     }
+    parts.reverse();
     parts
-}
-
-fn title_case(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    let mut prev_cased = false;
-    for c in s.chars() {
-        if prev_cased {
-            out.extend(c.to_lowercase());
-        } else {
-            out.extend(c.to_uppercase());
-        }
-        prev_cased = c.is_alphabetic();
-    }
-    out
-}
-
-fn map_method(
-    state: &State,
-    value: &Value,
-    method: &str,
-    args: &[Value],
-) -> std::result::Result<Value, Error> {
-    match method {
-        "items" => {
-            bind_args(method, args, &[])?;
-            state.apply_filter("items", std::slice::from_ref(value))
-        }
-        "keys" => {
-            bind_args(method, args, &[])?;
-            Ok(Value::from(value.try_iter()?.collect::<Vec<Value>>()))
-        }
-        "values" => {
-            bind_args(method, args, &[])?;
-            let vals = value
-                .try_iter()?
-                .map(|k| value.get_item(&k))
-                .collect::<std::result::Result<Vec<Value>, Error>>()?;
-            Ok(Value::from(vals))
-        }
-        "get" => {
-            let mut a = bind_args(method, args, &["key", "default"])?.into_iter();
-            let key = required(method, a.next().flatten())?;
-            let default = a.next().flatten().unwrap_or(Value::from(()));
-            let v = value.get_item(&key)?;
-            Ok(if v.is_undefined() { default } else { v })
-        }
-        _ => Err(Error::from(ErrorKind::UnknownMethod)),
-    }
 }
 
 #[cfg(test)]
@@ -922,6 +752,22 @@ You are a helpful assistant.<|im_end|>
             ("{{ ', '.join(['a', 'b']) }}", "a, b"),
             ("{{ '123'.isdigit() }} {{ ''.isdigit() }}", "True False"),
             ("{{ 'pre_x'.removeprefix('pre_') }}", "x"),
+            ("{{ 'x_suf'.removesuffix('_suf') }}", "x"),
+            ("{{ 'aXb'.swapcase() }}", "AxB"),
+            // Keyword arguments, as Python allows them.
+            ("{{ 'xax'.strip(chars='x') }}", "a"),
+            ("{{ 'a-b-c'.rsplit(sep='-', maxsplit=1) }}", r#"["a-b", "c"]"#),
+            ("{{ 'aaa'.replace('a', 'b', count=1) }}", "baa"),
+            // Python's answers where pycompat's differ.
+            ("{{ 'éab'.rfind('b') }} {{ 'éab'.index('a') }}", "2 1"),
+            (
+                "{{ 'a b'.islower() }} {{ 'A B'.isupper() }} {{ ''.isspace() }} {{ 'ab'.isupper() }}",
+                "True True False False",
+            ),
+            // What only pycompat has.
+            ("{{ '{} and {}'.format('x', 'y') }}", "x and y"),
+            ("{{ 'ab'.isascii() }} {{ [1, 2, 1].count(1) }}", "True 2"),
+            ("{{ 'a\\nb'.splitlines() }}", r#"["a", "b"]"#),
         ];
         for (src, expected) in cases {
             let t = ChatTemplate::new(src, None, None).unwrap();
@@ -956,6 +802,23 @@ You are a helpful assistant.<|im_end|>
     }
 
     #[test]
+    fn bad_method_arguments_are_errors() {
+        for src in [
+            "{{ 'a'.strip(chars='x', width=2) }}",
+            "{{ 'a'.strip('x', chars='y') }}",
+            "{{ 'a'.find() }}",
+            "{{ 'a'.index('z') }}",
+            "{{ 'a'.rsplit('') }}",
+            "{{ 'a'.isdigit(1) }}",
+            "{{ 'a'.removeprefix(1) }}",
+        ] {
+            let t = ChatTemplate::new(src, None, None).unwrap();
+            let err = t.render(&[], false).unwrap_err();
+            assert!(matches!(err, DetspecError::Tokenizer(_)), "{src}: {err:?}");
+        }
+    }
+
+    #[test]
     fn undefined_special_tokens_render_empty() {
         let t = ChatTemplate::new("[{{ bos_token }}]{{ messages | length }}", None, None).unwrap();
         assert_eq!(t.render(&msgs(&[("user", "x")]), false).unwrap(), "[]1");
@@ -963,15 +826,26 @@ You are a helpful assistant.<|im_end|>
 
     #[test]
     fn strftime_formats() {
+        let mut env = Environment::new();
+        env.add_function("strftime_at", |state: &State, ts: i64, fmt: &str| {
+            strftime(state, Value::from(ts), fmt)
+        });
+        let at = |ts: i64, fmt: &str| -> std::result::Result<String, Error> {
+            let ctx = minijinja::context! { ts, fmt };
+            env.render_str("{{ strftime_at(ts, fmt) }}", ctx)
+        };
         // 2024-07-23 14:05:09 UTC, a Tuesday, day 205 of a leap year.
         let secs = 1_721_743_509;
-        assert_eq!(strftime("%d %b %Y", secs).unwrap(), "23 Jul 2024");
+        assert_eq!(at(secs, "%d %b %Y").unwrap(), "23 Jul 2024");
         assert_eq!(
-            strftime("%A %B %e %y %H:%M:%S %I%p %j %%", secs).unwrap(),
+            at(secs, "%A %B %e %y %H:%M:%S %I%p %j %%").unwrap(),
             "Tuesday July 23 24 14:05:09 02PM 205 %"
         );
-        assert_eq!(strftime("%Y-%m-%d %a", 0).unwrap(), "1970-01-01 Thu");
-        assert!(strftime("%Q", 0).is_err());
+        assert_eq!(at(0, "%Y-%m-%d %a").unwrap(), "1970-01-01 Thu");
+        // Text that a `time` format description would read as syntax stays verbatim.
+        assert_eq!(at(0, r"[%e] \ %I%p").unwrap(), r"[ 1] \ 12AM");
+        let err = at(0, "%Q").unwrap_err();
+        assert!(describe(&err).contains("%Q"), "{err}");
         let t = ChatTemplate::new("{{ strftime_now('%Y') | length }}", None, None).unwrap();
         assert_eq!(t.render(&[], false).unwrap(), "4");
     }

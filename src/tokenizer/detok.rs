@@ -6,6 +6,19 @@
 //! (already emitted text, used as context) and `ids[read_offset..]` (not yet emitted), decode
 //! the window with and without the new ids and emit the difference, but only once the decoded
 //! text does not end in U+FFFD (an incomplete UTF-8 sequence that later tokens may complete).
+//!
+//! This is the algorithm of tokenizers' `DecodeStream`, and our deltas equal its chunks where
+//! that is defined (tested below), at the same speed (about 1.35 µs a token on the test
+//! tokenizer, both). It is not used directly because it does not cover what the engine needs:
+//! - it borrows the tokenizer, which a sequence's state cannot hold (only the free function
+//!   `step_decode_stream`, documented as internal, avoids that);
+//! - it has no flush: text held back at the end of a sequence (a truncated character) is never
+//!   returned, so the deltas would no longer reassemble `decode(output_ids)`;
+//! - it has no prompt context, and feeding it the prompt first puts prompt text into the output
+//!   when the prompt ends inside a character (token-id prompts): the incomplete character as
+//!   U+FFFD, or with vLLM's last-few-ids context all of that context's text;
+//! - a decoder that rewrites earlier text makes it fail (`InvalidPrefix`) where
+//!   [`suffix_after`] carries on.
 
 use super::Tokenizer;
 use crate::error::Result;
@@ -251,6 +264,42 @@ mod tests {
             let prompt_ids = tok.encode(&prompt, false).unwrap();
             stream(&tok, &prompt_ids, &ids, skip);
         }
+    }
+
+    proptest::proptest! {
+        /// Without prompt context and before `finish`, the deltas are exactly the chunks of
+        /// tokenizers' `DecodeStream` (which holds back the same incomplete text).
+        #[test]
+        fn same_deltas_as_decode_stream(
+            ids in proptest::collection::vec(0u32..340, 0..40),
+            skip in proptest::bool::ANY,
+        ) {
+            let tok = tokenizer();
+            let mut ours = IncrementalDetokenizer::new(&[], skip);
+            let mut theirs = tok.inner().decode_stream(skip);
+            for &id in &ids {
+                let chunk = theirs.step(id).unwrap().unwrap_or_default();
+                proptest::prop_assert_eq!(ours.push(&tok, id).unwrap(), chunk);
+            }
+        }
+    }
+
+    #[test]
+    fn prompt_ending_mid_character_stays_out_of_the_output() {
+        let tok = tokenizer();
+        let mut prompt = tok.encode("ok 😀", false).unwrap();
+        prompt.pop(); // the prompt ends inside the emoji
+        let ids = tok.encode(" fine", false).unwrap();
+        assert_eq!(stream(&tok, &prompt, &ids, false).concat(), " fine");
+        // DecodeStream fed the prompt first puts the prompt's incomplete character (as U+FFFD)
+        // into the output (the reason it is not used, see the module docs; when this fails,
+        // reconsider it).
+        let mut ds = tok.inner().decode_stream(false);
+        for &id in &prompt {
+            ds.step(id).unwrap();
+        }
+        let first = ds.step(ids[0]).unwrap().unwrap_or_default();
+        assert!(first.starts_with('\u{FFFD}'), "{first:?}");
     }
 
     #[test]
