@@ -9,6 +9,7 @@ mod cache_write;
 mod elementwise;
 mod gemm;
 mod isa;
+mod math;
 mod matmul;
 mod page_copy;
 mod paged_attention;
@@ -19,6 +20,7 @@ pub use cache_write::write_kv;
 pub use elementwise::{add, swiglu};
 pub use gemm::{matmul_packed, packed_matmul, packed_matmul_with, PackedWeight};
 pub use isa::CpuIsa;
+pub use math::exp_nonpositive;
 pub use matmul::{invariant_matmul, INVARIANT_GEMM_ROWS};
 pub use page_copy::copy_pages;
 pub use paged_attention::{

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use candle_core::{bail, CpuStorage, CustomOp3, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::{contiguous_f32, CpuIsa};
+use super::{contiguous_f32, exp_nonpositive, CpuIsa};
 
 /// Keys per online-softmax block, aligned to absolute positions. A constant (not the page size)
 /// so the reduction order, and hence the bits, do not depend on how the KV cache is paged.
@@ -362,7 +362,7 @@ fn attention(a: &AttentionArgs, isa: CpuIsa) -> Vec<f32> {
                     if pd == 0.0 {
                         continue;
                     }
-                    let w = (pm - m).exp();
+                    let w = exp_nonpositive(pm - m);
                     denom += pd * w;
                     let acc = &accs[(idx * splits + s) * dim..(idx * splits + s + 1) * dim];
                     for (o, &a) in o.iter_mut().zip(acc) {
@@ -417,7 +417,7 @@ impl<'a> Partial<'a> {
         let block = SOFTMAX_BLOCK;
         let mut scores = [[0f32; SOFTMAX_BLOCK]; MAX_GROUP];
         let mut offsets = [0usize; SOFTMAX_BLOCK];
-        let mut probs = [0f32; MAX_GROUP];
+        let mut probs = [[0f32; SOFTMAX_BLOCK]; MAX_GROUP];
         let mut next = [0usize; SOFTMAX_BLOCK];
         let block_of = |j: usize, offs: &mut [usize; SOFTMAX_BLOCK]| {
             let end = ((j / block + 1) * block).min(range.end);
@@ -458,20 +458,26 @@ impl<'a> Partial<'a> {
                     .iter()
                     .fold(f32::NEG_INFINITY, |m, &s| m.max(s));
                 new_max[h] = self.max[h].max(block_max);
-                let correction = (self.max[h] - new_max[h]).exp();
+                let correction = exp_nonpositive(self.max[h] - new_max[h]);
                 self.denom[h] *= correction;
                 for o in self.acc[h * dim..(h + 1) * dim].iter_mut() {
                     *o *= correction;
                 }
             }
+            // Probabilities of the whole block at once (vectorised), then the denominators in
+            // key order.
+            for h in 0..g {
+                for (p, &s) in probs[h][..n].iter_mut().zip(&scores[h][..n]) {
+                    *p = exp_nonpositive(s - new_max[h]);
+                }
+                for &p in &probs[h][..n] {
+                    self.denom[h] += p;
+                }
+            }
             for (i, &off) in offsets[..n].iter().enumerate() {
                 let v = &v_cache[off..off + dim];
-                for h in 0..g {
-                    probs[h] = (scores[h][i] - new_max[h]).exp();
-                    self.denom[h] += probs[h];
-                }
                 for (h, acc) in self.acc.chunks_exact_mut(dim).take(g).enumerate() {
-                    let p = probs[h];
+                    let p = probs[h][i];
                     for (o, &v) in acc.iter_mut().zip(v) {
                         *o += p * v;
                     }
