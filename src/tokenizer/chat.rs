@@ -454,7 +454,8 @@ fn no_args(method: &str, args: &[Value]) -> std::result::Result<(), Error> {
 }
 
 /// The string methods pycompat does not have (`rsplit`, `removeprefix`, `removesuffix`, `index`,
-/// `rindex`, `isdecimal`, `swapcase`) or answers differently from Python: `find` / `rfind`
+/// `rindex`, `isdecimal`, `swapcase`), `count('')` (endless there), or answers differently from
+/// Python: `find` / `rfind`
 /// return byte offsets there (Python counts characters), and the `is*` predicates are true for
 /// the empty string and `islower` / `isupper` false for `"a b"` (Python: false / true).
 /// `Ok(None)` leaves the method to pycompat.
@@ -510,6 +511,10 @@ fn string_method(
                 s.strip_suffix(affix)
             };
             Value::from(out.unwrap_or(s))
+        }
+        // pycompat's `count('')` never returns (it searches for "" at the same place forever).
+        "count" if args.len() == 1 && args[0].as_str() == Some("") => {
+            Value::from(s.chars().count() + 1)
         }
         "find" | "rfind" | "index" | "rindex" => {
             if args.len() != 1 {
@@ -767,6 +772,7 @@ You are a helpful assistant.<|im_end|>
             // What only pycompat has.
             ("{{ '{} and {}'.format('x', 'y') }}", "x and y"),
             ("{{ 'ab'.isascii() }} {{ [1, 2, 1].count(1) }}", "True 2"),
+            ("{{ 'abc'.count('') }} {{ 'é'.count('') }} {{ 'aaaa'.count('aa') }}", "4 2 2"),
             ("{{ 'a\\nb'.splitlines() }}", r#"["a", "b"]"#),
         ];
         for (src, expected) in cases {
