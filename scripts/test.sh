@@ -13,7 +13,9 @@ python3 -m pip install -q "fastapi>=0.110" "uvicorn>=0.30" "prometheus-client>=0
     "httpx>=0.27" "openai>=1.40" "schemathesis>=4.0"
 
 # The extension in release (the Python tests run real models), then the Rust tests in the same
-# profile so the dependency builds are shared.
+# profile so the dependency builds are shared: `cargo test` recompiles only the dev-dependencies
+# and detspec itself (Cargo.toml's feature-unification entries keep every shared crate's features
+# the same in both builds; without them it rebuilt ~40 dependencies, candle included).
 rm -rf dist
 maturin build --release -o dist
 python3 -m pip install -q --force-reinstall --no-deps dist/detspec-*.whl
