@@ -110,7 +110,7 @@ class _EngineClient:
         *,
         device: str = "cpu",
         max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 8192,
+        max_num_batched_tokens: int = 512,
         num_kv_pages: int | None = None,
         kv_cache_bytes: int | None = None,
         page_size: int = 16,

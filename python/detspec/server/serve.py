@@ -42,7 +42,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--num-kv-pages", type=int, default=None)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--determinism", choices=("dvr", "batch_invariant", "off"), default="dvr")
