@@ -126,11 +126,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{med('itl_p90_ms'):.0f} ms | {med('itl_max_ms'):.0f} ms |"
         )
     if args.out:
-        args.out.write_text(
-            json.dumps(
-                {"args": vars(args) | {"model_dir": str(args.model_dir)}, "runs": runs}, indent=2
-            )
-        )
+        meta = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+        args.out.write_text(json.dumps({"args": meta, "runs": runs}, indent=2))
     return 0
 
 

@@ -41,38 +41,36 @@ pub struct PackedWeight {
 impl PackedWeight {
     /// Packs a row-major `[k, n]` matrix (`w[kk * n + j]`).
     pub fn from_row_major(w: &[f32], k: usize, n: usize) -> candle_core::Result<Self> {
-        if w.len() != k * n || k == 0 || n == 0 {
-            bail!("packed weight: {} values for a [{k}, {n}] matrix", w.len());
-        }
-        let panels = n.div_ceil(NR);
-        let mut data = vec![0f32; panels * k * NR];
-        data.par_chunks_mut(k * NR)
-            .enumerate()
-            .for_each(|(p, panel)| {
-                let c0 = p * NR;
-                let width = NR.min(n - c0);
-                for (kk, dst) in panel.chunks_exact_mut(NR).enumerate() {
-                    dst[..width].copy_from_slice(&w[kk * n + c0..kk * n + c0 + width]);
-                }
-            });
-        Ok(Self { k, n, data })
+        Self::pack(w, k, n, |kk, j| w[kk * n + j])
     }
 
     /// Packs `W^T` given as the row-major `[n, k]` matrix `wt` (a checkpoint's `[out, in]`).
     pub fn from_transposed(wt: &[f32], n: usize, k: usize) -> candle_core::Result<Self> {
-        if wt.len() != k * n || k == 0 || n == 0 {
-            bail!("packed weight: {} values for a [{n}, {k}] matrix", wt.len());
+        Self::pack(wt, k, n, |kk, j| wt[j * k + kk])
+    }
+
+    /// Panels from `w(kk, j)`, the element at row `kk`, column `j` of `W` (`values` holds the
+    /// k × n of them in some order).
+    fn pack(
+        values: &[f32],
+        k: usize,
+        n: usize,
+        w: impl Fn(usize, usize) -> f32 + Sync,
+    ) -> candle_core::Result<Self> {
+        if values.len() != k * n || k == 0 || n == 0 {
+            bail!(
+                "packed weight: {} values for a [{k}, {n}] matrix",
+                values.len()
+            );
         }
-        let panels = n.div_ceil(NR);
-        let mut data = vec![0f32; panels * k * NR];
+        let mut data = vec![0f32; n.div_ceil(NR) * k * NR];
         data.par_chunks_mut(k * NR)
             .enumerate()
             .for_each(|(p, panel)| {
                 let c0 = p * NR;
-                for c in 0..NR.min(n - c0) {
-                    let src = &wt[(c0 + c) * k..(c0 + c + 1) * k];
-                    for (kk, &v) in src.iter().enumerate() {
-                        panel[kk * NR + c] = v;
+                for (kk, dst) in panel.chunks_exact_mut(NR).enumerate() {
+                    for (c, d) in dst[..NR.min(n - c0)].iter_mut().enumerate() {
+                        *d = w(kk, c0 + c);
                     }
                 }
             });
