@@ -150,48 +150,32 @@ class ServerMetrics:
             ["model_name", "status"],
             registry=r,
         )
-        self.ttft = Histogram(
-            "detspec:time_to_first_token_seconds",
-            "Time to first token.",
-            labels,
-            buckets=_TTFT_BUCKETS,
-            registry=r,
-        ).labels(model_name)
-        self.itl = Histogram(
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(model_name)
+
+        self.ttft = histogram(
+            "detspec:time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS
+        )
+        self.itl = histogram(
             "detspec:inter_token_latency_seconds",
             "Time between streamed outputs (per output, divided over its new tokens).",
-            labels,
-            buckets=_ITL_BUCKETS,
-            registry=r,
-        ).labels(model_name)
-        self.e2e = Histogram(
-            "detspec:e2e_request_latency_seconds",
-            "End-to-end request latency.",
-            labels,
-            buckets=_E2E_BUCKETS,
-            registry=r,
-        ).labels(model_name)
-        self.prompt_len = Histogram(
-            "detspec:request_prompt_tokens",
-            "Prompt tokens per request.",
-            labels,
-            buckets=_TOKEN_BUCKETS,
-            registry=r,
-        ).labels(model_name)
-        self.gen_len = Histogram(
-            "detspec:request_generation_tokens",
-            "Generated tokens per request.",
-            labels,
-            buckets=_TOKEN_BUCKETS,
-            registry=r,
-        ).labels(model_name)
-        self.verify_passes_per_request = Histogram(
+            _ITL_BUCKETS,
+        )
+        self.e2e = histogram(
+            "detspec:e2e_request_latency_seconds", "End-to-end request latency.", _E2E_BUCKETS
+        )
+        self.prompt_len = histogram(
+            "detspec:request_prompt_tokens", "Prompt tokens per request.", _TOKEN_BUCKETS
+        )
+        self.gen_len = histogram(
+            "detspec:request_generation_tokens", "Generated tokens per request.", _TOKEN_BUCKETS
+        )
+        self.verify_passes_per_request = histogram(
             "detspec:request_verify_passes",
             "DVR verify passes per deterministic request.",
-            labels,
-            buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128),
-            registry=r,
-        ).labels(model_name)
+            (0, 1, 2, 4, 8, 16, 32, 64, 128),
+        )
         r.register(_EngineCollector(model_name, queue_counts, kv_stats, engine_stats))
 
     def request_finished(self, reason: str | None) -> None:
