@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 use detspec::kv::{AtomicAllocator, BlockTable, KvManager, KvPool, PageAllocator};
-use detspec::ops::{copy_pages, write_kv};
+use detspec::ops::{copy_pages, write_k, write_kv};
 
 const PAGES: usize = 8;
 const PS: usize = 4;
@@ -230,13 +230,20 @@ fn pool_copy_pages_covers_every_layer() {
     let pool = KvPool::new(3, PAGES, PS, KVH, HD, DType::F32, &Device::Cpu).unwrap();
     for l in 0..3 {
         let (k, v) = pool.layer(l).unwrap();
-        write_kv(k, &row(l), Arc::new(vec![1])).unwrap();
+        write_k(k, &row(l), Arc::new(vec![1])).unwrap();
         write_kv(v, &row(10 + l), Arc::new(vec![2])).unwrap();
     }
     pool.copy_pages(&[(0, 5)]).unwrap();
     for l in 0..3 {
         let (k, v) = pool.layer(l).unwrap();
-        assert_eq!(at(k, 5 * PS as u32 + 1), bits(&row(l)));
+        // K is stored transposed per page ([pages, kv_heads, head_dim, page_size]): compare
+        // the whole page, which holds the written key.
+        let page = |p: usize| bits(&k.narrow(0, p, 1).unwrap());
+        assert_eq!(page(5), page(0));
+        assert!(
+            page(5).iter().any(|&b| b != 0),
+            "layer {l}: the key was written"
+        );
         assert_eq!(at(v, 5 * PS as u32 + 2), bits(&row(10 + l)));
     }
     assert!(pool.copy_pages(&[(0, PAGES as u32)]).is_err());

@@ -6,8 +6,8 @@ use std::sync::Arc;
 
 use candle_core::{Device, Tensor};
 use detspec::ops::{
-    apply_rope, invariant_matmul, paged_attention, paged_attention_with_isa, rms_norm, write_kv,
-    AttentionMetadata, AttentionSchedule, CpuIsa,
+    apply_rope, invariant_matmul, paged_attention, paged_attention_with_isa, rms_norm, write_k,
+    write_kv, AttentionMetadata, AttentionSchedule, CpuIsa,
 };
 
 fn randn(seed: u64, n: usize) -> Vec<f32> {
@@ -53,7 +53,8 @@ const D: usize = 8;
 fn cache(pages: usize) -> (Tensor, Tensor) {
     let dev = Device::Cpu;
     let n = pages * PAGE * KVH * D;
-    let k = Tensor::from_vec(randn(1, n), (pages, PAGE, KVH, D), &dev).unwrap();
+    // K is stored transposed per page: [pages, kv_heads, head_dim, page_size].
+    let k = Tensor::from_vec(randn(1, n), (pages, KVH, D, PAGE), &dev).unwrap();
     let v = Tensor::from_vec(randn(2, n), (pages, PAGE, KVH, D), &dev).unwrap();
     (k, v)
 }
@@ -62,11 +63,12 @@ fn cache(pages: usize) -> (Tensor, Tensor) {
 fn reference_row(q: &[f32], k: &[f32], v: &[f32], bt: &[u32], pos: usize, head: usize) -> Vec<f32> {
     let kvh = head / (H / KVH);
     let off = |j: usize| ((bt[j / PAGE] as usize * PAGE + j % PAGE) * KVH + kvh) * D;
+    let k_at = |j: usize, i: usize| ((bt[j / PAGE] as usize * KVH + kvh) * D + i) * PAGE + j % PAGE;
     let scale = 1.0 / (D as f64).sqrt();
     let scores: Vec<f64> = (0..=pos)
         .map(|j| {
             (0..D)
-                .map(|i| q[i] as f64 * k[off(j) + i] as f64)
+                .map(|i| q[i] as f64 * k[k_at(j, i)] as f64)
                 .sum::<f64>()
                 * scale
         })
@@ -215,6 +217,29 @@ fn cache_write_places_rows_at_slots() {
     assert_eq!(bits(&flat.get(2).unwrap()), bits(&s.get(1).unwrap()));
     assert!(
         write_kv(&cache, &src, Arc::new(vec![12, 0])).is_err(),
+        "slot out of range"
+    );
+}
+
+#[test]
+fn key_cache_write_places_keys_transposed_per_page() {
+    let dev = Device::Cpu;
+    let cache = Tensor::zeros((3, KVH, D, PAGE), candle_core::DType::F32, &dev).unwrap();
+    let src = Tensor::from_vec(randn(5, 2 * KVH * D), (2, KVH, D), &dev).unwrap();
+    write_k(&cache, &src, Arc::new(vec![9, 2])).unwrap();
+    // Back to [pages, page_size, kv_heads, head_dim]: slot s is row s.
+    let flat = cache
+        .permute((0, 3, 1, 2))
+        .unwrap()
+        .contiguous()
+        .unwrap()
+        .reshape((3 * PAGE, KVH * D))
+        .unwrap();
+    let s = src.reshape((2, KVH * D)).unwrap();
+    assert_eq!(bits(&flat.get(9).unwrap()), bits(&s.get(0).unwrap()));
+    assert_eq!(bits(&flat.get(2).unwrap()), bits(&s.get(1).unwrap()));
+    assert!(
+        write_k(&cache, &src, Arc::new(vec![12, 0])).is_err(),
         "slot out of range"
     );
 }

@@ -28,7 +28,8 @@ use super::stream::{now, StreamEvent};
 use super::text::TextState;
 
 /// Bumped whenever a kernel's reduction order changes, so fingerprints tell old outputs apart.
-/// 2: the CPU's packed fixed-order GEMM (`ops::gemm`) replaced candle's matmul.
+/// 2: the CPU's packed fixed-order GEMM (`ops::gemm`) replaced candle's matmul; attention
+/// scores over a per-page transposed K cache; polynomial `exp` in attention and log-sum-exp.
 pub const KERNEL_VERSION: u32 = 2;
 
 /// What the engine knows about a model once loaded; shared read-only with API handles.

@@ -1,5 +1,7 @@
-//! The KV page pool: per layer K and V tensors `[num_pages, page_size, kv_heads, head_dim]`,
-//! allocated once when the engine starts.
+//! The KV page pool, allocated once when the engine starts: per layer a K tensor
+//! `[num_pages, kv_heads, head_dim, page_size]` (keys transposed per page, for the attention
+//! kernel's vector loop over a page's keys) and a V tensor `[num_pages, page_size, kv_heads,
+//! head_dim]`. A page is contiguous in both, so page copies do not care.
 
 use candle_core::{DType, Device, Tensor};
 
@@ -72,12 +74,13 @@ impl KvPool {
         if num_pages == 0 {
             return Err(DetspecError::param("num_kv_pages", "must be > 0"));
         }
-        let shape = (num_pages, page_size, kv_heads, head_dim);
+        let k_shape = (num_pages, kv_heads, head_dim, page_size);
+        let v_shape = (num_pages, page_size, kv_heads, head_dim);
         let layers = (0..num_layers)
             .map(|_| {
                 Ok((
-                    Tensor::zeros(shape, dtype, device)?,
-                    Tensor::zeros(shape, dtype, device)?,
+                    Tensor::zeros(k_shape, dtype, device)?,
+                    Tensor::zeros(v_shape, dtype, device)?,
                 ))
             })
             .collect::<Result<Vec<_>>>()?;

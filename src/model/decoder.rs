@@ -321,7 +321,7 @@ impl Model {
             }
             let q = ops::apply_rope(&q, &cos, &sin)?;
             let k = ops::apply_rope(&k, &cos, &sin)?;
-            ops::write_kv(k_cache, &k, slots.clone())?;
+            ops::write_k(k_cache, &k, slots.clone())?;
             ops::write_kv(v_cache, &v, slots.clone())?;
             let attn = ops::paged_attention(&q, k_cache, v_cache, meta.clone(), scale)?;
             x = ops::add(&x, &layer.o.apply(&attn.reshape((n, h * d))?, inv)?)?;

@@ -16,7 +16,7 @@ mod paged_attention;
 mod rms_norm;
 mod rope;
 
-pub use cache_write::write_kv;
+pub use cache_write::{write_k, write_kv};
 pub use elementwise::{add, swiglu};
 pub use gemm::{matmul_packed, packed_matmul, packed_matmul_with, PackedWeight};
 pub use isa::CpuIsa;

@@ -123,15 +123,15 @@ impl CustomOp3 for PagedAttention {
             [t, h, d] => (*t, *h, *d),
             dims => bail!("paged_attention: q must be [tokens, heads, head_dim], got {dims:?}"),
         };
-        let (num_pages, page_size, kv_heads) = match kl.dims() {
+        let (num_pages, page_size, kv_heads) = match vl.dims() {
             [p, s, h, d] if *d == dim => (*p, *s, *h),
-            dims => bail!("paged_attention: k_cache must be [pages, page_size, kv_heads, {dim}], got {dims:?}"),
+            dims => bail!("paged_attention: v_cache must be [pages, page_size, kv_heads, {dim}], got {dims:?}"),
         };
-        if vl.dims() != kl.dims() {
+        if kl.dims() != [num_pages, kv_heads, dim, page_size] {
             bail!(
-                "paged_attention: v_cache {:?} differs from k_cache {:?}",
-                vl.dims(),
-                kl.dims()
+                "paged_attention: k_cache {:?} must be [pages, kv_heads, head_dim, page_size] = {:?}",
+                kl.dims(),
+                [num_pages, kv_heads, dim, page_size]
             );
         }
         if kv_heads == 0 || heads % kv_heads != 0 {
@@ -173,7 +173,7 @@ struct AttentionArgs<'a> {
 impl AttentionArgs<'_> {
     /// Offset in the caches of key `j` of `row`'s sequence, KV head `kvh`.
     #[inline(always)]
-    fn offset_of(&self, row: usize, kvh: usize, j: usize) -> usize {
+    fn offset_of(&self, row: usize, kvh: usize, j: usize) -> KeyOffsets {
         let bt = &self.meta.block_tables[self.meta.row_seq[row] as usize];
         // Page sizes are powers of two in practice: shift and mask instead of a division per
         // key (which cost more than the key's dot product).
@@ -183,8 +183,12 @@ impl AttentionArgs<'_> {
         } else {
             (j / self.page_size, j % self.page_size)
         };
-        let slot = bt[page] as usize * self.page_size + in_page;
-        (slot * self.kv_heads + kvh) * self.dim
+        let page = bt[page] as usize;
+        let slot = page * self.page_size + in_page;
+        KeyOffsets {
+            k: (page * self.kv_heads + kvh) * self.dim * self.page_size + in_page,
+            v: (slot * self.kv_heads + kvh) * self.dim,
+        }
     }
 
     /// Positions `row` attends to.
@@ -216,6 +220,7 @@ impl AttentionArgs<'_> {
             |j| self.offset_of(row, kvh, j),
             self.k_cache,
             self.v_cache,
+            self.page_size,
             range,
             self.scale,
         );
@@ -376,6 +381,14 @@ fn attention(a: &AttentionArgs, isa: CpuIsa) -> Vec<f32> {
     out
 }
 
+/// Where one key lives: `k` is the index of its element 0 in the (transposed) K cache, the
+/// element `d` being `page_size · d` further; `v` the start of its row in the V cache.
+#[derive(Clone, Copy, Default)]
+struct KeyOffsets {
+    k: usize,
+    v: usize,
+}
+
 /// Most query heads folded together over one KV head's keys (larger GQA groups are split).
 const MAX_GROUP: usize = 8;
 
@@ -401,14 +414,19 @@ impl<'a> Partial<'a> {
     }
 
     /// Folds in keys `range`, in blocks of [`SOFTMAX_BLOCK`] aligned to absolute positions (so
-    /// the blocking, too, depends only on the range).
+    /// the blocking, too, depends only on the range). Keys are stored per page transposed
+    /// (`k_cache[page][kv_head][d][slot]`, element `d` of a key `page_size` apart), so the
+    /// scores of a block's keys in one page are `head_dim` vector multiply-adds over the keys;
+    /// each score is the sum over `d` in order of `q[d] · k[d]` (no FMA), however computed.
+    #[allow(clippy::too_many_arguments)]
     #[inline(always)]
     fn attend(
         &mut self,
         qs: &[f32],
-        offset_of: impl Fn(usize) -> usize,
+        offset_of: impl Fn(usize) -> KeyOffsets,
         k_cache: &[f32],
         v_cache: &[f32],
+        page_size: usize,
         range: std::ops::Range<usize>,
         scale: f32,
     ) {
@@ -416,16 +434,16 @@ impl<'a> Partial<'a> {
         let dim = qs.len() / g.max(1);
         let block = SOFTMAX_BLOCK;
         let mut scores = [[0f32; SOFTMAX_BLOCK]; MAX_GROUP];
-        let mut offsets = [0usize; SOFTMAX_BLOCK];
-        let mut probs = [[0f32; SOFTMAX_BLOCK]; MAX_GROUP];
-        let mut next = [0usize; SOFTMAX_BLOCK];
-        let block_of = |j: usize, offs: &mut [usize; SOFTMAX_BLOCK]| {
+        let mut offsets = [KeyOffsets::default(); SOFTMAX_BLOCK];
+        let mut next = [KeyOffsets::default(); SOFTMAX_BLOCK];
+        let block_of = |j: usize, offs: &mut [KeyOffsets; SOFTMAX_BLOCK]| {
             let end = ((j / block + 1) * block).min(range.end);
             for (i, o) in offs[..end - j].iter_mut().enumerate() {
                 *o = offset_of(j + i);
             }
             end
         };
+        let mut probs = [[0f32; SOFTMAX_BLOCK]; MAX_GROUP];
         let mut j = range.start;
         let mut block_end = if j < range.end {
             block_of(j, &mut offsets)
@@ -438,18 +456,60 @@ impl<'a> Partial<'a> {
             // now, so they arrive while this block is computed.
             let next_end = if block_end < range.end {
                 let end = block_of(block_end, &mut next);
-                for &off in &next[..end - block_end] {
-                    prefetch(k_cache, off, dim);
-                    prefetch(v_cache, off, dim);
+                let m = end - block_end;
+                for d in 0..dim {
+                    prefetch(k_cache, next[0].k + d * page_size, m);
+                }
+                for o in &next[..m] {
+                    prefetch(v_cache, o.v, dim);
                 }
                 end
             } else {
                 block_end
             };
-            for (i, &off) in offsets[..n].iter().enumerate() {
-                let k = &k_cache[off..off + dim];
+            for row in scores.iter_mut().take(g) {
+                row[..n].fill(0.0);
+            }
+            let k0 = offsets[0].k;
+            let contiguous = offsets[..n].iter().enumerate().all(|(i, o)| o.k == k0 + i);
+            if n == SOFTMAX_BLOCK && contiguous {
+                // A full block in one page: per head, one register of 16 scores accumulated
+                // over d (the same sum, in the same order, as the loops below).
                 for (h, q) in qs.chunks_exact(dim).take(g).enumerate() {
-                    scores[h][i] = dot(q, k) * scale;
+                    let mut acc = [0f32; SOFTMAX_BLOCK];
+                    for (d, &qd) in q.iter().enumerate() {
+                        let kd = &k_cache[k0 + d * page_size..k0 + d * page_size + SOFTMAX_BLOCK];
+                        for (a, &k) in acc.iter_mut().zip(kd) {
+                            *a += qd * k;
+                        }
+                    }
+                    scores[h] = acc;
+                }
+            } else if contiguous {
+                // One page: element d of the n keys is contiguous.
+                for d in 0..dim {
+                    let kd = &k_cache[k0 + d * page_size..k0 + d * page_size + n];
+                    for (h, q) in qs.chunks_exact(dim).take(g).enumerate() {
+                        let qd = q[d];
+                        for (s, &k) in scores[h][..n].iter_mut().zip(kd) {
+                            *s += qd * k;
+                        }
+                    }
+                }
+            } else {
+                for (i, o) in offsets[..n].iter().enumerate() {
+                    for (h, q) in qs.chunks_exact(dim).take(g).enumerate() {
+                        let mut acc = 0f32;
+                        for (d, &qd) in q.iter().enumerate() {
+                            acc += qd * k_cache[o.k + d * page_size];
+                        }
+                        scores[h][i] = acc;
+                    }
+                }
+            }
+            for row in scores.iter_mut().take(g) {
+                for s in row[..n].iter_mut() {
+                    *s *= scale;
                 }
             }
             let mut new_max = [f32::NEG_INFINITY; MAX_GROUP];
@@ -474,8 +534,8 @@ impl<'a> Partial<'a> {
                     self.denom[h] += p;
                 }
             }
-            for (i, &off) in offsets[..n].iter().enumerate() {
-                let v = &v_cache[off..off + dim];
+            for (i, o) in offsets[..n].iter().enumerate() {
+                let v = &v_cache[o.v..o.v + dim];
                 for (h, acc) in self.acc.chunks_exact_mut(dim).take(g).enumerate() {
                     let p = probs[h][i];
                     for (o, &v) in acc.iter_mut().zip(v) {
@@ -512,37 +572,9 @@ fn prefetch(data: &[f32], off: usize, len: usize) {
     let _ = (data, off, len);
 }
 
-/// Lanes of [`dot`]'s fixed-order reduction.
-const DOT_LANES: usize = 16;
-
-/// `a · b` in a fixed order: lane `l` sums the products at indices ≡ l (mod 16) in increasing
-/// order, then the 16 lanes are added pairwise (8, 4, 2, 1 apart). Separate multiply and add
-/// (no FMA contraction), so scalar and SIMD builds give the same bits.
-#[inline(always)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut lanes = [0f32; DOT_LANES];
-    let (ac, ar) = a.as_chunks::<DOT_LANES>();
-    let (bc, br) = b.as_chunks::<DOT_LANES>();
-    for (x, y) in ac.iter().zip(bc) {
-        for l in 0..DOT_LANES {
-            lanes[l] += x[l] * y[l];
-        }
-    }
-    for (l, (x, y)) in ar.iter().zip(br).enumerate() {
-        lanes[l] += x * y;
-    }
-    let mut width = DOT_LANES / 2;
-    while width > 0 {
-        for l in 0..width {
-            lanes[l] += lanes[l + width];
-        }
-        width /= 2;
-    }
-    lanes[0]
-}
-
 /// Attention output `[tokens, heads, head_dim]` for queries `q` `[tokens, heads, head_dim]`
-/// against the paged `k_cache`/`v_cache` `[pages, page_size, kv_heads, head_dim]`.
+/// against the paged `k_cache` `[pages, kv_heads, head_dim, page_size]` (keys transposed per
+/// page) and `v_cache` `[pages, page_size, kv_heads, head_dim]`.
 pub fn paged_attention(
     q: &Tensor,
     k_cache: &Tensor,
