@@ -467,49 +467,33 @@ impl<'a> Partial<'a> {
             } else {
                 block_end
             };
-            for row in scores.iter_mut().take(g) {
-                row[..n].fill(0.0);
-            }
+            // Each score is the sum over d, in order, of q[d] · k[d], then scaled.
             let k0 = offsets[0].k;
-            let contiguous = offsets[..n].iter().enumerate().all(|(i, o)| o.k == k0 + i);
-            if n == SOFTMAX_BLOCK && contiguous {
-                // A full block in one page: per head, one register of 16 scores accumulated
-                // over d (the same sum, in the same order, as the loops below).
+            if offsets[..n].iter().enumerate().all(|(i, o)| o.k == k0 + i) {
+                // The block's keys share a page: element d of the n keys is contiguous, so
+                // each head's scores accumulate in one vector register.
                 for (h, q) in qs.chunks_exact(dim).take(g).enumerate() {
                     let mut acc = [0f32; SOFTMAX_BLOCK];
                     for (d, &qd) in q.iter().enumerate() {
-                        let kd = &k_cache[k0 + d * page_size..k0 + d * page_size + SOFTMAX_BLOCK];
+                        let kd = &k_cache[k0 + d * page_size..k0 + d * page_size + n];
                         for (a, &k) in acc.iter_mut().zip(kd) {
                             *a += qd * k;
                         }
                     }
-                    scores[h] = acc;
-                }
-            } else if contiguous {
-                // One page: element d of the n keys is contiguous.
-                for d in 0..dim {
-                    let kd = &k_cache[k0 + d * page_size..k0 + d * page_size + n];
-                    for (h, q) in qs.chunks_exact(dim).take(g).enumerate() {
-                        let qd = q[d];
-                        for (s, &k) in scores[h][..n].iter_mut().zip(kd) {
-                            *s += qd * k;
-                        }
+                    for (s, a) in scores[h][..n].iter_mut().zip(acc) {
+                        *s = a * scale;
                     }
                 }
             } else {
+                // Pages smaller than a block: key by key.
                 for (i, o) in offsets[..n].iter().enumerate() {
                     for (h, q) in qs.chunks_exact(dim).take(g).enumerate() {
                         let mut acc = 0f32;
                         for (d, &qd) in q.iter().enumerate() {
                             acc += qd * k_cache[o.k + d * page_size];
                         }
-                        scores[h][i] = acc;
+                        scores[h][i] = acc * scale;
                     }
-                }
-            }
-            for row in scores.iter_mut().take(g) {
-                for s in row[..n].iter_mut() {
-                    *s *= scale;
                 }
             }
             let mut new_max = [f32::NEG_INFINITY; MAX_GROUP];
