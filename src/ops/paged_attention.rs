@@ -471,18 +471,26 @@ impl<'a> Partial<'a> {
             let k0 = offsets[0].k;
             if offsets[..n].iter().enumerate().all(|(i, o)| o.k == k0 + i) {
                 // The block's keys share a page: element d of the n keys is contiguous, so
-                // each head's scores accumulate in one vector register.
-                for (h, q) in qs.chunks_exact(dim).take(g).enumerate() {
-                    let mut acc = [0f32; SOFTMAX_BLOCK];
-                    for (d, &qd) in q.iter().enumerate() {
-                        let kd = &k_cache[k0 + d * page_size..k0 + d * page_size + n];
-                        for (a, &k) in acc.iter_mut().zip(kd) {
-                            *a += qd * k;
+                // each head's scores accumulate in one vector register. A full block is the
+                // common case: passing the constant lets it compile without a remainder loop.
+                let page = |n: usize, scores: &mut [[f32; SOFTMAX_BLOCK]; MAX_GROUP]| {
+                    for (h, q) in qs.chunks_exact(dim).take(g).enumerate() {
+                        let mut acc = [0f32; SOFTMAX_BLOCK];
+                        for (d, &qd) in q.iter().enumerate() {
+                            let kd = &k_cache[k0 + d * page_size..k0 + d * page_size + n];
+                            for (a, &k) in acc.iter_mut().zip(kd) {
+                                *a += qd * k;
+                            }
+                        }
+                        for (s, a) in scores[h][..n].iter_mut().zip(acc) {
+                            *s = a * scale;
                         }
                     }
-                    for (s, a) in scores[h][..n].iter_mut().zip(acc) {
-                        *s = a * scale;
-                    }
+                };
+                if n == SOFTMAX_BLOCK {
+                    page(SOFTMAX_BLOCK, &mut scores);
+                } else {
+                    page(n, &mut scores);
                 }
             } else {
                 // Pages smaller than a block: key by key.
