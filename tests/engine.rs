@@ -241,10 +241,11 @@ fn bad_requests_are_rejected_and_engine_keeps_serving() {
 fn prompt_logits_match_the_generation_path() {
     let e = engine();
     let p: Vec<u32> = (10..30).collect();
+    let vocab = e.info().config.vocab_size;
     let logits = e.prompt_logits(vec![p.clone(), vec![4, 5]]).unwrap();
-    assert_eq!(logits[0].len(), 20);
-    assert_eq!(logits[1].len(), 2);
-    let last = &logits[0][19];
+    assert_eq!(logits[0].len(), 20 * vocab);
+    assert_eq!(logits[1].len(), 2 * vocab);
+    let last = &logits[0][19 * vocab..];
     let argmax = (0..last.len())
         .max_by(|&a, &b| last[a].total_cmp(&last[b]).then(b.cmp(&a)))
         .unwrap();

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from detspec import _core
@@ -12,6 +13,7 @@ from detspec.errors import DetspecError, InvalidRequestError
 from detspec.llm import PromptType, _EngineClient, _normalise_prompts
 from detspec.outputs import RequestOutput
 from detspec.sampling_params import SamplingParams
+from detspec.scoring import AuditReport
 
 
 class AsyncLLM(_EngineClient):
@@ -82,6 +84,7 @@ class AsyncLLM(_EngineClient):
             self._streams[rid] = (asyncio.get_running_loop(), q)
         self._ensure_dispatcher()
         finished = False
+        prompt_logprobs = None
         try:
             self._engine.add_request(self._queue, rid, p, params.to_dict())
             while True:
@@ -91,6 +94,11 @@ class AsyncLLM(_EngineClient):
                     raise item
                 out = self._to_output(item, params)
                 finished = out.finished
+                if params.prompt_logprobs is not None:
+                    if prompt_logprobs is None:
+                        await asyncio.to_thread(self._attach_prompt_logprobs, [out], [params])
+                        prompt_logprobs = out.prompt_logprobs
+                    out.prompt_logprobs = prompt_logprobs
                 yield out
                 if finished:
                     return
@@ -102,6 +110,32 @@ class AsyncLLM(_EngineClient):
                     self._engine.abort(rid)
                 except DetspecError:  # already shut down: nothing left to abort
                     pass
+
+    async def score(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        completions: Sequence[str | Sequence[int]],
+        deterministic: bool = True,
+    ) -> list[list[float]]:
+        """``LLM.score``, awaitable: runs between engine steps while other requests stream."""
+        return await asyncio.to_thread(self._score, prompts, completions, deterministic)
+
+    async def update_weights(self, named_tensors: Any, *, in_flight: str = "finish") -> None:
+        """``LLM.update_weights``, awaitable: with ``in_flight="finish"`` it returns once the
+        requests in flight have finished on the old weights and the new ones are in place."""
+        await asyncio.to_thread(self._update_weights, named_tensors, in_flight)
+
+    async def update_weights_from_disk(
+        self, path: str | os.PathLike[str], *, in_flight: str = "finish"
+    ) -> None:
+        """``LLM.update_weights_from_disk``, awaitable."""
+        await asyncio.to_thread(self._engine.update_weights_from_disk, os.fspath(path), in_flight)
+
+    async def audit(
+        self, output: RequestOutput, sampling_params: SamplingParams | None = None
+    ) -> AuditReport:
+        """``LLM.audit``, awaitable."""
+        return await asyncio.to_thread(self._audit, output, sampling_params)
 
     async def abort(self, request_id: str) -> None:
         """Aborts a request; its stream ends with finish_reason "abort"."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -13,6 +13,10 @@ from detspec import _core
 from detspec.errors import InvalidRequestError
 from detspec.outputs import RequestOutput, request_output_from_dict
 from detspec.sampling_params import SamplingParams, _as_params_list
+from detspec.scoring import AuditReport, compare, params_for_audit, prompt_logprobs_to_py
+
+if TYPE_CHECKING:
+    import torch
 
 PromptType = str | list[int] | dict[str, Any]
 ChatMessage = Mapping[str, Any]
@@ -187,7 +191,98 @@ class _EngineClient:
         return self.tokenizer.decode([token], skip_special_tokens=False)
 
     def _to_output(self, d: dict[str, Any], params: SamplingParams) -> RequestOutput:
-        return request_output_from_dict(d, params.logprobs, self._decode_token)
+        out = request_output_from_dict(d, params.logprobs, self._decode_token)
+        out.sampling_params = params
+        return out
+
+    @property
+    def weight_version(self) -> int:
+        """How many weight updates have been applied since the model was loaded."""
+        return self._engine.weight_version()
+
+    # The work behind the sync (LLM) and async (AsyncLLM) twins below; blocking calls that
+    # release the GIL while the engine thread runs them between steps.
+
+    def _token_ids(self, prompts: PromptType | Sequence[PromptType]) -> list[list[int]]:
+        """Prompts as token ids (text encoded as ``generate`` encodes it)."""
+        out = []
+        for p in _normalise_prompts(prompts):
+            if isinstance(p, str):
+                if self.tokenizer is None:
+                    raise InvalidRequestError(
+                        f"text prompt given but {self.model} has no tokenizer.json; pass token ids"
+                    )
+                p = self.tokenizer.encode(p)
+            out.append(p)
+        return out
+
+    def _completion_ids(self, completions: Sequence[str | Sequence[int]]) -> list[list[int]]:
+        out = []
+        for i, c in enumerate(completions):
+            if isinstance(c, str):
+                if self.tokenizer is None:
+                    raise InvalidRequestError(
+                        f"text completion given but {self.model} has no tokenizer.json"
+                    )
+                out.append(self.tokenizer.encode(c, add_special_tokens=False))
+            elif isinstance(c, Sequence) and all(isinstance(t, int | np.integer) for t in c):
+                out.append([int(t) for t in c])
+            else:
+                raise InvalidRequestError(
+                    f"invalid parameter `completions`: completion {i} must be a string or a "
+                    f"list of token ids, got {type(c).__name__}"
+                )
+        return out
+
+    def _score(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        completions: Sequence[str | Sequence[int]],
+        deterministic: bool,
+    ) -> list[list[float]]:
+        ids = self._token_ids(prompts)
+        comp = self._completion_ids(completions)
+        if len(ids) != len(comp):
+            raise InvalidRequestError(
+                f"invalid parameter `completions`: got {len(comp)} for {len(ids)} prompts"
+            )
+        scored = self._engine.score(list(zip(ids, comp, strict=True)), 0, deterministic)
+        return [[lp for _, lp, _, _ in s] for s in scored]
+
+    def _update_weights(self, named_tensors: Any, in_flight: str) -> None:
+        items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+        self._engine.update_weights(list(items), in_flight)
+
+    def _audit(self, output: RequestOutput, sampling_params: SamplingParams | None) -> AuditReport:
+        if output.fingerprint != self.fingerprint:
+            raise InvalidRequestError(
+                f"invalid parameter `output`: it was generated under fingerprint "
+                f"{output.fingerprint}, this engine's is {self.fingerprint}; an audit can only "
+                "re-run an output on the engine build and weights that produced it"
+            )
+        params = params_for_audit(output, sampling_params)
+        if not params.deterministic:
+            raise InvalidRequestError(
+                "invalid parameter `output`: only deterministic outputs can be audited (a "
+                "non-deterministic one depends on what ran beside it)"
+            )
+        items = [
+            (list(output.prompt_token_ids), params.to_dict(), c.index, list(c.token_ids))
+            for c in output.outputs
+        ]
+        return compare(output, self._engine.audit(items))
+
+    def _attach_prompt_logprobs(
+        self, outs: list[RequestOutput], params: Sequence[SamplingParams]
+    ) -> None:
+        wanted = [
+            (o, sp.prompt_logprobs)
+            for o, sp in zip(outs, params, strict=True)
+            if sp.prompt_logprobs is not None
+        ]
+        for o, k in wanted:
+            (raw,) = self._engine.prompt_logprobs([o.prompt_token_ids], k)
+            o.prompt_logprobs = prompt_logprobs_to_py(raw, self._decode_token)
 
     def shutdown(self) -> None:
         """Stops the engine thread; unfinished requests end with finish_reason "abort"."""
@@ -231,7 +326,9 @@ class LLM(_EngineClient):
                 if rid not in results:
                     self._engine.abort(rid)
             raise
-        return [self._to_output(results[rid], sp) for rid, sp in zip(ids, params, strict=True)]
+        outs = [self._to_output(results[rid], sp) for rid, sp in zip(ids, params, strict=True)]
+        self._attach_prompt_logprobs(outs, params)
+        return outs
 
     def chat(
         self,
@@ -265,8 +362,69 @@ class LLM(_EngineClient):
         return outs
 
     def compute_logits(self, prompts: Sequence[Sequence[int]]) -> list[np.ndarray]:
-        """Per-position logits ``[len_i, vocab]`` of each token-id prompt, all in one batch."""
+        """Per-position logits ``[len_i, vocab]`` of each token-id prompt, as numpy arrays
+        (see ``get_logits`` for torch tensors)."""
         return self._engine.prompt_logits([[int(t) for t in p] for p in prompts])
+
+    def get_logits(self, prompts: PromptType | Sequence[PromptType]) -> list[torch.Tensor]:
+        """Per-position logits of each prompt as a float32 torch tensor ``[len, vocab]``
+        (no copy: the tensor shares the engine's buffer). Computed on the verify-path kernels,
+        so they are the logits a deterministic request computes for the same tokens."""
+        from detspec.torch import to_torch
+
+        return [to_torch(a) for a in self._engine.prompt_logits(self._token_ids(prompts))]
+
+    def encode(
+        self, prompts: PromptType | Sequence[PromptType], output: str = "hidden_states"
+    ) -> list[torch.Tensor]:
+        """The last layer's hidden states (after the final norm: transformers'
+        ``last_hidden_state``) of each prompt, a float32 torch tensor ``[len, hidden]``."""
+        if output != "hidden_states":
+            raise InvalidRequestError(
+                f'invalid parameter `output`: only "hidden_states" is supported, got {output!r}'
+            )
+        from detspec.torch import to_torch
+
+        return [to_torch(a) for a in self._engine.hidden_states(self._token_ids(prompts))]
+
+    def score(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        completions: Sequence[str | Sequence[int]],
+        deterministic: bool = True,
+    ) -> list[list[float]]:
+        """The logprob of each completion token given its prompt (raw logits, as the sampler
+        reports them), one list per (prompt, completion) pair. ``deterministic=True`` computes
+        them on the verify-path kernels: a deterministic request's generated completion scores
+        to exactly the logprobs it was generated with, bit for bit."""
+        return self._score(prompts, completions, deterministic)
+
+    def update_weights(self, named_tensors: Any, *, in_flight: str = "finish") -> None:
+        """Replaces weights by Hugging Face parameter name, e.g.
+        ``llm.update_weights(model.state_dict().items())``; a subset updates only those.
+        Tensors are float32/bfloat16/float16 (converted to the engine's dtype). Every name,
+        shape and dtype is checked first; on any error nothing changes. ``in_flight="finish"``
+        lets running requests finish on the old weights (requests submitted meanwhile wait for
+        the new ones); ``"abort"`` aborts them. The prefix cache is dropped, ``weight_version``
+        bumped, and ``fingerprint`` moves to the new weights (restoring the old weights
+        restores the old fingerprint)."""
+        self._update_weights(named_tensors, in_flight)
+
+    def update_weights_from_disk(
+        self, path: str | os.PathLike[str], *, in_flight: str = "finish"
+    ) -> None:
+        """``update_weights`` from a safetensors checkpoint directory (every parameter of this
+        model it holds)."""
+        self._engine.update_weights_from_disk(os.fspath(path), in_flight)
+
+    def audit(
+        self, output: RequestOutput, sampling_params: SamplingParams | None = None
+    ) -> AuditReport:
+        """Re-runs a stored output (prompt, parameters, seed, token ids) under this engine and
+        reports whether every token id and logprob matches bit for bit, and the first
+        position that differs if not. Refuses an output whose fingerprint is not this
+        engine's. ``sampling_params`` defaults to the ones recorded on the output."""
+        return self._audit(output, sampling_params)
 
 
 class _progress:

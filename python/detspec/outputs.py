@@ -24,6 +24,9 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_logprobs: list[float] | None = None
+    """The logprob of each generated token (raw logits, as ``logprobs``), whether or not
+    ``logprobs`` was requested: what ``LLM.score`` reproduces and ``LLM.audit`` checks."""
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -38,6 +41,11 @@ class RequestOutput:
     finished: bool
     fingerprint: str
     metrics: dict[str, Any] = field(default_factory=dict)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    """With ``SamplingParams.prompt_logprobs``: vLLM's format (``None`` first, then per prompt
+    position ``{token_id: Logprob}`` for the prompt token and the top-k)."""
+    sampling_params: Any = None
+    """The ``SamplingParams`` the request ran with (what ``LLM.audit`` re-runs)."""
 
 
 def _logprobs_to_py(
@@ -69,6 +77,7 @@ def request_output_from_dict(
             logprobs=_logprobs_to_py(c["logprobs"], num_logprobs, decode),
             finish_reason=c["finish_reason"],
             stop_reason=c["stop_reason"],
+            token_logprobs=[lp for _, lp, _, _ in c["logprobs"]],
         )
         for c in d["outputs"]
     ]

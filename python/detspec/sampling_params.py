@@ -34,6 +34,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     deterministic: bool = False
+    prompt_logprobs: int | None = None
+    """Logprobs of the prompt tokens with this many top alternatives (vLLM's format, in
+    ``RequestOutput.prompt_logprobs``), computed on the verify-path kernels."""
     is_deterministic: dataclasses.InitVar[bool | None] = None
     _extra: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
@@ -41,10 +44,25 @@ class SamplingParams:
         if is_deterministic is not None:
             self.deterministic = bool(is_deterministic)
         _core.validate_sampling_params(self.to_dict())
+        if self.prompt_logprobs is not None and (
+            isinstance(self.prompt_logprobs, bool)
+            or not isinstance(self.prompt_logprobs, int)
+            or not 0 <= self.prompt_logprobs <= _core.MAX_LOGPROBS
+        ):
+            from detspec.errors import InvalidRequestError
+
+            raise InvalidRequestError(
+                f"invalid parameter `prompt_logprobs`: must be an integer in "
+                f"0..={_core.MAX_LOGPROBS}, got {self.prompt_logprobs!r}"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         """The fields the Rust core reads."""
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "_extra"}
+        d = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name not in ("_extra", "prompt_logprobs")
+        }
         if isinstance(d["stop"], str):
             d["stop"] = [d["stop"]]
         d["stop"] = list(d["stop"] or [])

@@ -27,6 +27,10 @@ use crate::tokenizer::{eos_token_ids, Tokenizer};
 use super::stream::{now, StreamEvent};
 use super::text::TextState;
 
+mod standalone;
+
+pub use standalone::{AuditInput, ForwardKind};
+
 /// Bumped whenever a kernel's reduction order changes, so fingerprints tell old outputs apart.
 /// 2: the CPU's packed fixed-order GEMM (`ops::gemm`) replaced candle's matmul; attention
 /// scores over a per-page transposed K cache; polynomial `exp` in attention and log-sum-exp.
@@ -40,6 +44,8 @@ pub struct ModelInfo {
     pub eos_token_ids: Vec<u32>,
     pub fingerprint: String,
     pub model_dir: PathBuf,
+    /// How many weight updates the engine has applied since it loaded `model_dir`.
+    pub weight_version: u64,
 }
 
 /// Per-sequence state that is not the scheduler's business.
@@ -58,6 +64,8 @@ pub struct EngineStats {
     /// Verify-pass rows that carried no real token (window and group padding).
     pub padded_rows: usize,
     pub preemptions: usize,
+    /// A weight update is waiting for the requests in flight to finish.
+    pub weight_update_pending: bool,
 }
 
 /// Model + KV + scheduler; runs one step at a time.
@@ -78,6 +86,8 @@ pub struct EngineCore {
     preemptions: usize,
     /// Steps run so far (the clock of `verify_finish_wait`).
     steps: u64,
+    /// The fingerprint after the weights hash: dtype, device, kernels, determinism.
+    fingerprint_tail: String,
 }
 
 impl EngineCore {
@@ -163,13 +173,13 @@ impl EngineCore {
                 cfg.verify_group
             )
         };
-        let fingerprint = format!(
-            "detspec-{:016x}-f32-{}-k{}-{}",
-            model.weights_hash(),
+        let fingerprint_tail = format!(
+            "f32-{}-k{}-{}",
             if device.is_cpu() { "cpu" } else { "cuda" },
             KERNEL_VERSION,
             determinism,
         );
+        let fingerprint = fingerprint_of(model.weights_hash(), &fingerprint_tail);
         let alloc = Arc::new(KvManager::new(
             num_pages,
             cfg.page_size,
@@ -200,7 +210,9 @@ impl EngineCore {
                 eos_token_ids: eos,
                 fingerprint,
                 model_dir: dir.to_path_buf(),
+                weight_version: 0,
             }),
+            fingerprint_tail,
             model,
             tokenizer,
             kv,
@@ -237,12 +249,38 @@ impl EngineCore {
             rolled_back_tokens: v.rolled_back_tokens,
             padded_rows: v.padded_rows,
             preemptions: self.preemptions,
+            weight_update_pending: false,
         }
     }
 
     /// Page pool and prefix-cache statistics.
     pub fn kv_stats(&self) -> KvStats {
         self.alloc.stats()
+    }
+
+    /// Replaces the named parameters (HF names; values in any float dtype) between steps.
+    /// Checks every name, shape and dtype before changing anything. The prefix cache is
+    /// dropped (its KV was computed with the old weights), the weight version bumped, and the
+    /// fingerprint moved to the new weights' content hash, so restoring old weights restores
+    /// the old fingerprint. Call it with no request in flight: running sequences' KV would mix
+    /// both weights.
+    pub fn update_weights(
+        &mut self,
+        updates: Vec<(String, candle_core::Tensor)>,
+    ) -> Result<Arc<ModelInfo>> {
+        if self.has_work() {
+            return Err(DetspecError::param(
+                "named_tensors",
+                "weights can only change with no request in flight",
+            ));
+        }
+        let hash = self.model.set_params(updates)?;
+        self.alloc.clear_prefix_cache();
+        let mut info = (*self.info).clone();
+        info.fingerprint = fingerprint_of(hash, &self.fingerprint_tail);
+        info.weight_version += 1;
+        self.info = Arc::new(info);
+        Ok(self.info.clone())
     }
 
     pub fn num_threads(&self) -> Option<usize> {
@@ -723,72 +761,16 @@ impl EngineCore {
         }
         Ok((batch, sampled))
     }
+}
 
-    /// Per-position logits of each prompt (`[len_i][vocab]`), all prompts in one flat forward.
-    /// Runs outside the scheduler, on pages it takes and returns itself.
-    pub fn prompt_logits(&mut self, prompts: &[Vec<u32>]) -> Result<Vec<Vec<Vec<f32>>>> {
-        let ps = self.cfg.page_size;
-        let mut tables = Vec::with_capacity(prompts.len());
-        let mut batch = ForwardBatch {
-            attention: AttentionMetadata {
-                sliding_window: self.info.config.sliding_window,
-                ..Default::default()
-            },
-            ..Default::default()
-        };
-        let vocab = self.info.config.vocab_size;
-        let max_len = self.info.max_model_len;
-        let result = (|| {
-            for (si, p) in prompts.iter().enumerate() {
-                if p.is_empty() || p.len() > max_len {
-                    return Err(DetspecError::InvalidRequest {
-                        request_id: None,
-                        message: format!(
-                            "prompt {si} has {} tokens (allowed 1..={max_len})",
-                            p.len()
-                        ),
-                    });
-                }
-                if let Some(&bad) = p.iter().find(|&&t| t as usize >= vocab) {
-                    return Err(DetspecError::InvalidRequest {
-                        request_id: None,
-                        message: format!("prompt {si} contains token id {bad}, outside the vocabulary (size {vocab})"),
-                    });
-                }
-                let mut bt = BlockTable::new();
-                let reserved = bt.reserve(p.len(), ps, self.alloc.as_ref());
-                tables.push(bt);
-                reserved?;
-                let bt = &tables[si];
-                for (pos, &t) in p.iter().enumerate() {
-                    let slot = bt.slot(pos, ps).ok_or_else(|| {
-                        DetspecError::param("page_size", "slot missing after reserve")
-                    })?;
-                    batch.logit_rows.push(batch.tokens.len() as u32);
-                    batch.tokens.push(t);
-                    batch.slots.push(slot);
-                    batch.attention.positions.push(pos as u32);
-                    batch.attention.row_seq.push(si as u32);
-                }
-                batch.attention.block_tables.push(bt.pages().to_vec());
-            }
-            let logits = self.model.forward(&batch, &self.kv)?.to_vec2::<f32>()?;
-            let mut rows = logits.into_iter();
-            Ok(prompts
-                .iter()
-                .map(|p| rows.by_ref().take(p.len()).collect())
-                .collect())
-        })();
-        for mut bt in tables {
-            bt.free(self.alloc.as_ref());
-        }
-        result
-    }
+/// `detspec-<weights hash>-<dtype>-<device>-k<kernel version>-<determinism>`.
+fn fingerprint_of(weights_hash: u64, tail: &str) -> String {
+    format!("detspec-{weights_hash:016x}-{tail}")
 }
 
 /// Seed of completion `index` of a request: the request's seed for the first, distinct
 /// well-mixed seeds for the others, so `n > 1` samples differ but stay reproducible.
-fn completion_seed(seed: u64, index: usize) -> u64 {
+pub(crate) fn completion_seed(seed: u64, index: usize) -> u64 {
     if index == 0 {
         return seed;
     }

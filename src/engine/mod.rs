@@ -10,11 +10,11 @@ mod core;
 mod stream;
 mod text;
 
-pub use self::core::{EngineCore, EngineStats, ModelInfo, KERNEL_VERSION};
+pub use self::core::{AuditInput, EngineCore, EngineStats, ForwardKind, ModelInfo, KERNEL_VERSION};
 pub use stream::{OutputAccumulator, RequestStream, StreamEvent};
 
 use std::path::Path;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 use std::thread::JoinHandle;
 
 use candle_core::Device;
@@ -29,6 +29,19 @@ use crate::tokenizer::Tokenizer;
 
 type Reply<T> = Sender<Result<T>>;
 
+/// Work run on the engine thread with the core, between steps (standalone forwards).
+type CoreJob = Box<dyn FnOnce(&mut EngineCore) + Send>;
+
+/// What to do with requests in flight when new weights arrive.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum InFlight {
+    /// They finish on the old weights; requests submitted meanwhile wait for the new ones.
+    #[default]
+    Finish,
+    /// They are aborted (finish reason `abort`) and the update applies at once.
+    Abort,
+}
+
 enum Command {
     Add {
         request: Request,
@@ -36,7 +49,12 @@ enum Command {
         arrival_time: f64,
     },
     Abort(String),
-    PromptLogits(Vec<Vec<u32>>, Reply<Vec<Vec<Vec<f32>>>>),
+    WithCore(CoreJob),
+    UpdateWeights {
+        updates: Vec<(String, candle_core::Tensor)>,
+        in_flight: InFlight,
+        reply: Reply<Arc<ModelInfo>>,
+    },
     KvPages(Sender<(usize, usize)>),
     Stats(Sender<EngineStats>),
     KvStats(Sender<KvStats>),
@@ -67,7 +85,8 @@ impl Drop for Shared {
 #[derive(Clone)]
 pub struct Engine {
     shared: Arc<Shared>,
-    info: Arc<ModelInfo>,
+    /// Replaced by the engine thread when a weight update lands (fingerprint, version).
+    info: Arc<RwLock<Arc<ModelInfo>>>,
     tokenizer: Option<Arc<Tokenizer>>,
 }
 
@@ -80,7 +99,8 @@ impl Engine {
     /// Starts the engine thread around a loaded core.
     pub fn start(core: EngineCore) -> Result<Self> {
         let (tx, rx) = unbounded();
-        let info = core.info().clone();
+        let info = Arc::new(RwLock::new(core.info().clone()));
+        let thread_info = info.clone();
         let tokenizer = core.tokenizer().cloned();
         let pool = match core.num_threads() {
             Some(n) => Some(
@@ -95,8 +115,8 @@ impl Engine {
         let thread = std::thread::Builder::new()
             .name("detspec-engine".into())
             .spawn(move || match pool {
-                Some(pool) => pool.install(|| engine_loop(core, rx)),
-                None => engine_loop(core, rx),
+                Some(pool) => pool.install(|| engine_loop(core, rx, thread_info)),
+                None => engine_loop(core, rx, thread_info),
             })
             .map_err(|e| DetspecError::io("detspec-engine thread", e))?;
         Ok(Self {
@@ -109,16 +129,17 @@ impl Engine {
         })
     }
 
-    pub fn info(&self) -> &ModelInfo {
-        &self.info
+    /// The model's description; its fingerprint and weight version change with updates.
+    pub fn info(&self) -> Arc<ModelInfo> {
+        self.info.read().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     pub fn tokenizer(&self) -> Option<&Tokenizer> {
         self.tokenizer.as_deref()
     }
 
-    pub fn fingerprint(&self) -> &str {
-        &self.info.fingerprint
+    pub fn fingerprint(&self) -> String {
+        self.info().fingerprint.clone()
     }
 
     fn send(&self, cmd: Command) -> Result<()> {
@@ -177,11 +198,70 @@ impl Engine {
         Ok(outs)
     }
 
-    /// Per-position logits of each prompt, computed together in one flat forward pass.
-    pub fn prompt_logits(&self, prompts: Vec<Vec<u32>>) -> Result<Vec<Vec<Vec<f32>>>> {
+    /// Runs `f` on the engine thread with the core, between steps, and returns its result.
+    pub fn with_core<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut EngineCore) -> Result<T> + Send + 'static,
+    ) -> Result<T> {
         let (tx, rx) = unbounded();
-        self.send(Command::PromptLogits(prompts, tx))?;
+        self.send(Command::WithCore(Box::new(move |core| {
+            let _ = tx.send(f(core));
+        })))?;
         rx.recv().map_err(|_| DetspecError::EngineStopped)?
+    }
+
+    /// Per-position logits of each prompt, flattened `[len_i × vocab]`, on the verify-path
+    /// kernels.
+    pub fn prompt_logits(&self, prompts: Vec<Vec<u32>>) -> Result<Vec<Vec<f32>>> {
+        self.with_core(move |c| c.prompt_logits(&prompts))
+    }
+
+    /// Replaces the named parameters (Hugging Face names) and returns the new model info.
+    /// Every name, shape and dtype is checked before anything changes. Requests in flight
+    /// finish on the old weights (`InFlight::Finish`: the update waits for them, and requests
+    /// submitted meanwhile wait for the update) or are aborted (`InFlight::Abort`).
+    pub fn update_weights(
+        &self,
+        updates: Vec<(String, candle_core::Tensor)>,
+        in_flight: InFlight,
+    ) -> Result<Arc<ModelInfo>> {
+        let shapes: Vec<_> = updates
+            .iter()
+            .map(|(n, t)| (n.clone(), t.dims().to_vec(), t.dtype()))
+            .collect();
+        crate::model::check_update(&self.info().config, &shapes)?;
+        let (tx, rx) = unbounded();
+        self.send(Command::UpdateWeights {
+            updates,
+            in_flight,
+            reply: tx,
+        })?;
+        rx.recv().map_err(|_| DetspecError::EngineStopped)?
+    }
+
+    /// Applies every parameter of this model that the safetensors checkpoint in `dir` holds
+    /// (`model.safetensors` or a sharded index) as one update; see [`Engine::update_weights`].
+    pub fn update_weights_from_disk(
+        &self,
+        dir: &Path,
+        in_flight: InFlight,
+    ) -> Result<Arc<ModelInfo>> {
+        let ck = crate::model::Checkpoint::open(dir)?;
+        let device = candle_core::Device::Cpu;
+        let mut updates = Vec::new();
+        for (name, shape) in crate::model::param_shapes(&self.info().config) {
+            if ck.contains(&name) {
+                let t = ck.load(&name, &shape, candle_core::DType::F32, &device)?;
+                updates.push((name, t));
+            }
+        }
+        if updates.is_empty() {
+            return Err(DetspecError::file(
+                dir,
+                "holds none of this model's parameters",
+            ));
+        }
+        self.update_weights(updates, in_flight)
     }
 
     /// Stops the engine thread: in-flight requests end with reason `abort`; later calls fail
@@ -213,11 +293,35 @@ impl Engine {
 }
 
 /// The engine thread: drain commands (blocking when idle), step, route events.
-fn engine_loop(mut core: EngineCore, commands: Receiver<Command>) {
+///
+/// A weight update waits until no request is in flight; while it waits, commands that would
+/// compute with the weights (new requests, standalone forwards, other updates) are held back
+/// and run after it, on the new weights.
+fn engine_loop(
+    mut core: EngineCore,
+    commands: Receiver<Command>,
+    shared_info: Arc<RwLock<Arc<ModelInfo>>>,
+) {
     let mut routes = Routes::default();
+    let mut pending: Option<Command> = None;
+    let mut held: std::collections::VecDeque<Command> = Default::default();
     loop {
+        if pending.is_some() && !core.has_work() {
+            if let Some(Command::UpdateWeights { updates, reply, .. }) = pending.take() {
+                let r = core.update_weights(updates);
+                if let Ok(info) = &r {
+                    *shared_info.write().unwrap_or_else(|e| e.into_inner()) = info.clone();
+                }
+                let _ = reply.send(r);
+            }
+        }
+        let replay_held = if pending.is_none() {
+            std::mem::take(&mut held)
+        } else {
+            Default::default()
+        };
         // Block for a command when idle; otherwise take whatever has arrived and step.
-        let first = if core.has_work() {
+        let first = if core.has_work() || pending.is_some() || !replay_held.is_empty() {
             commands.try_recv().ok()
         } else {
             match commands.recv() {
@@ -226,10 +330,19 @@ fn engine_loop(mut core: EngineCore, commands: Receiver<Command>) {
             }
         };
         let mut shutdown = false;
-        for cmd in first
+        for cmd in replay_held
             .into_iter()
+            .chain(first)
             .chain(std::iter::from_fn(|| commands.try_recv().ok()))
         {
+            let computes = matches!(
+                cmd,
+                Command::Add { .. } | Command::WithCore(_) | Command::UpdateWeights { .. }
+            );
+            if pending.is_some() && computes {
+                held.push_back(cmd);
+                continue;
+            }
             match cmd {
                 Command::Add {
                     request,
@@ -259,15 +372,39 @@ fn engine_loop(mut core: EngineCore, commands: Receiver<Command>) {
                     for ev in core.abort(&id) {
                         route(&mut routes, ev);
                     }
+                    // A request held back by a pending weight update never started.
+                    held.retain(|c| match c {
+                        Command::Add {
+                            request, events, ..
+                        } if request.request_id == id => {
+                            let _ = events.send(StreamEvent::Failed {
+                                request_id: id.clone(),
+                                error: DetspecError::InvalidRequest {
+                                    request_id: Some(id.clone()),
+                                    message: "aborted while waiting for a weight update".into(),
+                                },
+                            });
+                            false
+                        }
+                        _ => true,
+                    });
                 }
-                Command::PromptLogits(prompts, reply) => {
-                    let _ = reply.send(core.prompt_logits(&prompts));
+                Command::WithCore(job) => job(&mut core),
+                cmd @ Command::UpdateWeights { in_flight, .. } => {
+                    if in_flight == InFlight::Abort {
+                        for ev in core.abort_all() {
+                            route(&mut routes, ev);
+                        }
+                    }
+                    pending = Some(cmd);
                 }
                 Command::KvPages(reply) => {
                     let _ = reply.send(core.kv_pages());
                 }
                 Command::Stats(reply) => {
-                    let _ = reply.send(core.stats());
+                    let mut stats = core.stats();
+                    stats.weight_update_pending = pending.is_some();
+                    let _ = reply.send(stats);
                 }
                 Command::KvStats(reply) => {
                     let _ = reply.send(core.kv_stats());
@@ -286,6 +423,19 @@ fn engine_loop(mut core: EngineCore, commands: Receiver<Command>) {
     }
     for ev in core.abort_all() {
         route(&mut routes, ev);
+    }
+    // Dropping `pending` and `held` drops their reply channels (callers see `EngineStopped`);
+    // held requests' streams are told.
+    for cmd in held {
+        if let Command::Add {
+            request, events, ..
+        } = cmd
+        {
+            let _ = events.send(StreamEvent::Failed {
+                request_id: request.request_id,
+                error: DetspecError::EngineStopped,
+            });
+        }
     }
     tracing::debug!("engine thread stopped");
 }

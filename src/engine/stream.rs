@@ -127,7 +127,11 @@ impl OutputAccumulator {
                     }
                 })?;
                 c.token_ids.extend(token_ids);
-                c.cumulative_logprob += logprobs.iter().map(|l| l.logprob as f64).sum::<f64>();
+                // Token by token, so the sum's rounding does not depend on how the tokens were
+                // grouped into events (one per step inline, a window at a time on replay).
+                for l in &logprobs {
+                    c.cumulative_logprob += f64::from(l.logprob);
+                }
                 c.logprobs.extend(logprobs);
                 c.text.push_str(&text_delta);
                 c.finish_reason = finish_reason;

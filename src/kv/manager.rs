@@ -129,6 +129,12 @@ impl KvManager {
         });
     }
 
+    /// Drops every cached prefix (pages still used by sequences stay with them); returns how
+    /// many pages were freed. Needed when the weights change: cached KV would be stale.
+    pub fn clear_prefix_cache(&self) -> usize {
+        self.with_cache(|c, a| c.clear(a))
+    }
+
     pub fn prefix_caching_enabled(&self) -> bool {
         self.with_cache(|c, _| c.is_enabled())
     }

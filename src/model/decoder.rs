@@ -7,13 +7,14 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
 
 use crate::config::ModelConfig;
 use crate::error::{DetspecError, Result};
 use crate::kv::KvPool;
 use crate::ops::{self, invariant_matmul, matmul_packed, AttentionMetadata, PackedWeight};
 
+use super::params::{ParamHashes, WeightLoader};
 use super::Checkpoint;
 
 /// One forward pass's inputs: a flat batch of tokens from one or more sequences.
@@ -34,14 +35,14 @@ pub struct ForwardBatch {
 
 /// `x @ w^T (+ b)`.
 #[derive(Debug, Clone)]
-struct Linear {
-    weight: LinearWeight,
-    bias: Option<Tensor>,
+pub(super) struct Linear {
+    pub(super) weight: LinearWeight,
+    pub(super) bias: Option<Tensor>,
 }
 
 /// A linear layer's weight in the form its device's GEMM wants.
 #[derive(Debug, Clone)]
-enum LinearWeight {
+pub(super) enum LinearWeight {
     /// CPU: packed once for the fixed-order GEMM (`ops::gemm`), invariant to the batch.
     Packed(Arc<PackedWeight>),
     /// Other devices: `[in, out]`, transposed and contiguous once at load.
@@ -50,7 +51,7 @@ enum LinearWeight {
 
 impl LinearWeight {
     /// From a checkpoint's `[out, in]` matrix.
-    fn new(w: &Tensor) -> Result<Self> {
+    pub(super) fn new(w: &Tensor) -> Result<Self> {
         if w.device().is_cpu() {
             let (out_dim, in_dim) = w.dims2()?;
             let data = w.flatten_all()?.to_vec1::<f32>()?;
@@ -75,21 +76,15 @@ impl Linear {
     /// Stores the weight transposed and contiguous once, so every forward's GEMM reads a
     /// row-major `[in, out]` right-hand side.
     fn load(
-        ck: &Checkpoint,
+        ld: &WeightLoader,
         prefix: &str,
         in_dim: usize,
         out_dim: usize,
         bias: bool,
-        dev: &Device,
     ) -> Result<Self> {
-        let w = ck.load(
-            &format!("{prefix}.weight"),
-            &[out_dim, in_dim],
-            DType::F32,
-            dev,
-        )?;
+        let w = ld.load(&format!("{prefix}.weight"), &[out_dim, in_dim])?;
         let bias = if bias {
-            Some(ck.load(&format!("{prefix}.bias"), &[out_dim], DType::F32, dev)?)
+            Some(ld.load(&format!("{prefix}.bias"), &[out_dim])?)
         } else {
             None
         };
@@ -111,133 +106,86 @@ impl Linear {
 }
 
 #[derive(Debug)]
-struct Layer {
-    input_norm: Tensor,
-    q: Linear,
-    k: Linear,
-    v: Linear,
-    o: Linear,
-    q_norm: Option<Tensor>,
-    k_norm: Option<Tensor>,
-    post_norm: Tensor,
-    gate: Linear,
-    up: Linear,
-    down: Linear,
+pub(super) struct Layer {
+    pub(super) input_norm: Tensor,
+    pub(super) q: Linear,
+    pub(super) k: Linear,
+    pub(super) v: Linear,
+    pub(super) o: Linear,
+    pub(super) q_norm: Option<Tensor>,
+    pub(super) k_norm: Option<Tensor>,
+    pub(super) post_norm: Tensor,
+    pub(super) gate: Linear,
+    pub(super) up: Linear,
+    pub(super) down: Linear,
 }
 
 /// A loaded decoder.
 #[derive(Debug)]
 pub struct Model {
-    cfg: ModelConfig,
-    embed: Tensor,
-    layers: Vec<Layer>,
-    norm: Tensor,
-    lm_head: LinearWeight,
+    pub(super) cfg: ModelConfig,
+    pub(super) embed: Tensor,
+    pub(super) layers: Vec<Layer>,
+    pub(super) norm: Tensor,
+    pub(super) lm_head: LinearWeight,
     /// `[max_positions, head_dim/2]` tables, indexed by absolute position.
     cos: Tensor,
     sin: Tensor,
     device: Device,
-    weights_hash: u64,
+    /// Content hash of every parameter's engine-side (f32) values, by HF name: the
+    /// fingerprint follows the weights through updates, and restoring old weights restores it.
+    pub(super) param_hashes: ParamHashes,
 }
 
 impl Model {
     /// Loads the weights of a Hugging Face model directory whose config is `cfg`.
     pub fn load(dir: &Path, cfg: ModelConfig, device: &Device) -> Result<Self> {
         let ck = Checkpoint::open(dir)?;
+        let ld = WeightLoader::new(&ck, device);
         let (h, kvh, d) = (
             cfg.num_attention_heads,
             cfg.num_key_value_heads,
             cfg.head_dim,
         );
-        let dev = device;
-        let vec = |name: &str, n: usize| ck.load(name, &[n], DType::F32, dev);
-        let embed = ck.load(
-            "model.embed_tokens.weight",
-            &[cfg.vocab_size, cfg.hidden_size],
-            DType::F32,
-            dev,
-        )?;
+        let (hs, is) = (cfg.hidden_size, cfg.intermediate_size);
+        let embed = ld.load("model.embed_tokens.weight", &[cfg.vocab_size, hs])?;
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for i in 0..cfg.num_hidden_layers {
             let p = format!("model.layers.{i}");
-            let hs = cfg.hidden_size;
-            let is = cfg.intermediate_size;
+            let attn = |name: &str, i: usize, o: usize, bias: bool| {
+                Linear::load(&ld, &format!("{p}.self_attn.{name}"), i, o, bias)
+            };
+            let mlp = |name: &str, i: usize, o: usize| {
+                Linear::load(&ld, &format!("{p}.mlp.{name}"), i, o, cfg.mlp_bias)
+            };
+            let qk_norm = |name: &str| {
+                cfg.qk_norm
+                    .then(|| ld.load(&format!("{p}.self_attn.{name}.weight"), &[d]))
+                    .transpose()
+            };
             layers.push(Layer {
-                input_norm: vec(&format!("{p}.input_layernorm.weight"), hs)?,
-                q: Linear::load(
-                    &ck,
-                    &format!("{p}.self_attn.q_proj"),
-                    hs,
-                    h * d,
-                    cfg.qkv_bias,
-                    dev,
-                )?,
-                k: Linear::load(
-                    &ck,
-                    &format!("{p}.self_attn.k_proj"),
-                    hs,
-                    kvh * d,
-                    cfg.qkv_bias,
-                    dev,
-                )?,
-                v: Linear::load(
-                    &ck,
-                    &format!("{p}.self_attn.v_proj"),
-                    hs,
-                    kvh * d,
-                    cfg.qkv_bias,
-                    dev,
-                )?,
-                o: Linear::load(
-                    &ck,
-                    &format!("{p}.self_attn.o_proj"),
-                    h * d,
-                    hs,
-                    cfg.o_bias,
-                    dev,
-                )?,
-                q_norm: cfg
-                    .qk_norm
-                    .then(|| vec(&format!("{p}.self_attn.q_norm.weight"), d))
-                    .transpose()?,
-                k_norm: cfg
-                    .qk_norm
-                    .then(|| vec(&format!("{p}.self_attn.k_norm.weight"), d))
-                    .transpose()?,
-                post_norm: vec(&format!("{p}.post_attention_layernorm.weight"), hs)?,
-                gate: Linear::load(
-                    &ck,
-                    &format!("{p}.mlp.gate_proj"),
-                    hs,
-                    is,
-                    cfg.mlp_bias,
-                    dev,
-                )?,
-                up: Linear::load(&ck, &format!("{p}.mlp.up_proj"), hs, is, cfg.mlp_bias, dev)?,
-                down: Linear::load(
-                    &ck,
-                    &format!("{p}.mlp.down_proj"),
-                    is,
-                    hs,
-                    cfg.mlp_bias,
-                    dev,
-                )?,
+                input_norm: ld.load(&format!("{p}.input_layernorm.weight"), &[hs])?,
+                q: attn("q_proj", hs, h * d, cfg.qkv_bias)?,
+                k: attn("k_proj", hs, kvh * d, cfg.qkv_bias)?,
+                v: attn("v_proj", hs, kvh * d, cfg.qkv_bias)?,
+                o: attn("o_proj", h * d, hs, cfg.o_bias)?,
+                q_norm: qk_norm("q_norm")?,
+                k_norm: qk_norm("k_norm")?,
+                post_norm: ld.load(&format!("{p}.post_attention_layernorm.weight"), &[hs])?,
+                gate: mlp("gate_proj", hs, is)?,
+                up: mlp("up_proj", hs, is)?,
+                down: mlp("down_proj", is, hs)?,
             });
         }
-        let norm = vec("model.norm.weight", cfg.hidden_size)?;
+        let norm = ld.load("model.norm.weight", &[hs])?;
         let lm_head = if cfg.tie_word_embeddings {
             embed.clone()
         } else {
-            ck.load(
-                "lm_head.weight",
-                &[cfg.vocab_size, cfg.hidden_size],
-                DType::F32,
-                dev,
-            )?
+            ld.load("lm_head.weight", &[cfg.vocab_size, hs])?
         };
-        let (cos, sin) = rope_tables(&cfg, dev)?;
+        let (cos, sin) = rope_tables(&cfg, device)?;
         Ok(Self {
-            weights_hash: ck.content_hash(),
+            param_hashes: ld.into_hashes(),
             lm_head: LinearWeight::new(&lm_head)?,
             cfg,
             embed,
@@ -257,13 +205,21 @@ impl Model {
         &self.device
     }
 
-    /// Hash of the checkpoint's headers (names, shapes, dtypes, offsets) and sizes.
+    /// Hash of every parameter's values as the engine holds them (f32), by name.
     pub fn weights_hash(&self) -> u64 {
-        self.weights_hash
+        self.param_hashes.combined()
     }
 
     /// Runs the batch, writing its K/V into `kv`, and returns logits `[logit_rows, vocab]`.
     pub fn forward(&self, batch: &ForwardBatch, kv: &KvPool) -> Result<Tensor> {
+        let x = self.final_hidden(batch, kv)?;
+        Ok(self.lm_head.matmul(&x, batch.invariant_gemm)?)
+    }
+
+    /// Runs the batch, writing its K/V into `kv`, and returns the last layer's hidden states
+    /// after the final norm (what the LM head reads; transformers' `last_hidden_state`),
+    /// `[logit_rows, hidden]`.
+    pub fn final_hidden(&self, batch: &ForwardBatch, kv: &KvPool) -> Result<Tensor> {
         let n = batch.tokens.len();
         if n == 0 || batch.slots.len() != n || batch.attention.positions.len() != n {
             return Err(DetspecError::InvalidRequest {
@@ -331,8 +287,7 @@ impl Model {
         }
         let rows = Tensor::from_slice(&batch.logit_rows, batch.logit_rows.len(), dev)?;
         let x = x.index_select(&rows, 0)?;
-        let x = ops::rms_norm(&x, &self.norm, eps)?;
-        Ok(self.lm_head.matmul(&x, inv)?)
+        Ok(ops::rms_norm(&x, &self.norm, eps)?)
     }
 }
 

@@ -1,7 +1,9 @@
-//! Weight loading and the decoder forward pass.
+//! Weight loading, the decoder forward pass, and parameters by name (weight updates).
 
 mod decoder;
+mod params;
 mod weights;
 
 pub use decoder::{ForwardBatch, Model};
+pub use params::{check_update, param_shapes, tensor_hash};
 pub use weights::Checkpoint;

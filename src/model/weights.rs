@@ -145,25 +145,4 @@ impl Checkpoint {
             .map_err(|e| bad(format!("cannot convert: {e}")))?;
         Ok(tensor.to_dtype(dtype)?.to_device(device)?)
     }
-
-    /// A short stable description of the checkpoint's bytes, for the output fingerprint.
-    pub fn content_hash(&self) -> u64 {
-        // FNV-1a over each shard's safetensors header and length; the header holds every
-        // tensor's name, dtype, shape and offsets, and hashing all weight bytes would cost a
-        // full read of the checkpoint.
-        let mut h: u64 = 0xcbf29ce484222325;
-        for (_, m) in &self.shards {
-            let header_len = m
-                .get(..8)
-                .and_then(|b| b.try_into().ok())
-                .map(u64::from_le_bytes)
-                .unwrap_or(0) as usize;
-            let end = (8 + header_len).min(m.len());
-            for &b in m[..end].iter().chain(&(m.len() as u64).to_le_bytes()) {
-                h ^= b as u64;
-                h = h.wrapping_mul(0x100000001b3);
-            }
-        }
-        h
-    }
 }

@@ -5,7 +5,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyType};
 
 use crate::error::DetspecError;
-use crate::output::{RequestOutput, StopReason};
+use crate::output::{RequestOutput, StopReason, TokenLogprobs};
 use crate::request::Prompt;
 use crate::sampling::SamplingParams;
 
@@ -170,7 +170,13 @@ pub fn params_from_dict(py: Python<'_>, d: &Bound<'_, PyDict>) -> PyResult<Sampl
 }
 
 /// `(token, logprob, rank, top)` as Python receives it.
-type LogprobTuple = (u32, f32, u32, Vec<(u32, f32)>);
+pub type LogprobTuple = (u32, f32, u32, Vec<(u32, f32)>);
+
+pub fn logprob_tuples(lps: &[TokenLogprobs]) -> Vec<LogprobTuple> {
+    lps.iter()
+        .map(|l| (l.token, l.logprob, l.rank, l.top.clone()))
+        .collect()
+}
 
 pub fn output_to_py<'py>(py: Python<'py>, o: &RequestOutput) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
@@ -204,12 +210,7 @@ pub fn output_to_py<'py>(py: Python<'py>, o: &RequestOutput) -> PyResult<Bound<'
             Some(StopReason::Text(s)) => cd.set_item("stop_reason", s)?,
             None => cd.set_item("stop_reason", py.None())?,
         }
-        let lps: Vec<LogprobTuple> = c
-            .logprobs
-            .iter()
-            .map(|l| (l.token, l.logprob, l.rank, l.top.clone()))
-            .collect();
-        cd.set_item("logprobs", lps)?;
+        cd.set_item("logprobs", logprob_tuples(&c.logprobs))?;
         outs.push(cd);
     }
     d.set_item("outputs", outs)?;

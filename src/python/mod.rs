@@ -19,12 +19,14 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::config::{DeterminismMode, EngineConfig, VerifyStrategy};
-use crate::engine::{Engine, OutputAccumulator, StreamEvent};
+use crate::engine::{AuditInput, Engine, InFlight, OutputAccumulator, StreamEvent};
 use crate::error::DetspecError;
 use crate::request::Request;
 use crate::tokenizer::ChatTemplate;
 
-use convert::{output_to_py, params_from_dict, prompt_from_py, to_pyerr};
+use convert::{
+    logprob_tuples, output_to_py, params_from_dict, prompt_from_py, to_pyerr, LogprobTuple,
+};
 
 /// Runs `f` without the GIL, turning errors and panics into Python exceptions.
 fn run_detached<T: Send>(
@@ -260,22 +262,112 @@ impl PyEngine {
         })
     }
 
-    /// Per-position logits of each prompt, all prompts in one flat forward.
+    /// Per-position logits of each prompt as `[len, vocab]` arrays, on the verify-path
+    /// kernels (the bits a deterministic request computes for the same tokens).
     fn prompt_logits<'py>(
         &self,
         py: Python<'py>,
         prompts: Vec<Vec<u32>>,
     ) -> PyResult<Vec<Bound<'py, PyAny>>> {
         let vocab = self.inner.info().config.vocab_size;
-        let logits = self.call(py, move |e| e.prompt_logits(prompts))?;
-        logits
+        let rows = self.call(py, move |e| e.prompt_logits(prompts))?;
+        rows_to_arrays(py, rows, vocab)
+    }
+
+    /// Last-layer hidden states (after the final norm) of each prompt, `[len, hidden]`.
+    fn hidden_states<'py>(
+        &self,
+        py: Python<'py>,
+        prompts: Vec<Vec<u32>>,
+    ) -> PyResult<Vec<Bound<'py, PyAny>>> {
+        let hidden = self.inner.info().config.hidden_size;
+        let rows = self.call(py, move |e| e.with_core(move |c| c.hidden_states(&prompts)))?;
+        rows_to_arrays(py, rows, hidden)
+    }
+
+    /// Per completion token `(token, logprob, rank, top)` given its prompt; `deterministic`
+    /// runs the verify-path kernels.
+    fn score(
+        &self,
+        py: Python<'_>,
+        pairs: Vec<(Vec<u32>, Vec<u32>)>,
+        top_n: usize,
+        deterministic: bool,
+    ) -> PyResult<Vec<Vec<LogprobTuple>>> {
+        let scored = self.call(py, move |e| {
+            e.with_core(move |c| c.score(&pairs, top_n, deterministic))
+        })?;
+        Ok(scored.iter().map(|s| logprob_tuples(s)).collect())
+    }
+
+    /// vLLM's prompt logprobs: `(token, logprob, rank, top)` for prompt positions 1...
+    fn prompt_logprobs(
+        &self,
+        py: Python<'_>,
+        prompts: Vec<Vec<u32>>,
+        top_n: usize,
+    ) -> PyResult<Vec<Vec<LogprobTuple>>> {
+        let scored = self.call(py, move |e| {
+            e.with_core(move |c| c.prompt_logprobs(&prompts, top_n))
+        })?;
+        Ok(scored.iter().map(|s| logprob_tuples(s)).collect())
+    }
+
+    /// Re-runs stored outputs `(prompt, params dict, completion index, token ids)` with their
+    /// tokens fed back; returns what the sampler draws at each position.
+    fn audit(
+        &self,
+        py: Python<'_>,
+        items: Vec<StoredOutput<'_>>,
+    ) -> PyResult<Vec<Vec<LogprobTuple>>> {
+        let inputs = items
             .into_iter()
-            .map(|rows| {
-                let n = rows.len();
-                let flat: Vec<f32> = rows.into_iter().flatten().collect();
-                Ok(PyArray1::from_vec(py, flat).reshape([n, vocab])?.into_any())
+            .map(|(prompt, params, completion_index, token_ids)| {
+                Ok(AuditInput {
+                    prompt,
+                    params: params_from_dict(py, &params)?,
+                    completion_index,
+                    token_ids,
+                })
             })
-            .collect()
+            .collect::<PyResult<Vec<_>>>()?;
+        let redrawn = self.call(py, move |e| e.with_core(move |c| c.audit(&inputs)))?;
+        Ok(redrawn.iter().map(|s| logprob_tuples(s)).collect())
+    }
+
+    /// Replaces named parameters; returns `(fingerprint, weight_version)`.
+    #[pyo3(signature = (named_tensors, in_flight="finish"))]
+    fn update_weights(
+        &self,
+        py: Python<'_>,
+        named_tensors: Vec<(String, Bound<'_, PyAny>)>,
+        in_flight: &str,
+    ) -> PyResult<(String, u64)> {
+        let in_flight = parse_in_flight(py, in_flight)?;
+        let mut updates = Vec::with_capacity(named_tensors.len());
+        for (name, t) in named_tensors {
+            updates.push((name.clone(), tensor_from_py(py, &name, &t)?));
+        }
+        let info = self.call(py, move |e| e.update_weights(updates, in_flight))?;
+        Ok((info.fingerprint.clone(), info.weight_version))
+    }
+
+    /// Loads every parameter a safetensors checkpoint directory holds and applies them as
+    /// one update; returns `(fingerprint, weight_version)`.
+    #[pyo3(signature = (path, in_flight="finish"))]
+    fn update_weights_from_disk(
+        &self,
+        py: Python<'_>,
+        path: PathBuf,
+        in_flight: &str,
+    ) -> PyResult<(String, u64)> {
+        let in_flight = parse_in_flight(py, in_flight)?;
+        let info = self.call(py, move |e| e.update_weights_from_disk(&path, in_flight))?;
+        Ok((info.fingerprint.clone(), info.weight_version))
+    }
+
+    fn weight_version(&self) -> u64 {
+        self.inner.info().weight_version
     }
 
     fn encode(&self, py: Python<'_>, text: String, add_special_tokens: bool) -> PyResult<Vec<u32>> {
@@ -374,7 +466,39 @@ impl PyEngine {
         d.set_item("num_rolled_back_tokens", s.rolled_back_tokens)?;
         d.set_item("num_padded_rows", s.padded_rows)?;
         d.set_item("num_preemptions", s.preemptions)?;
+        d.set_item("weight_update_pending", s.weight_update_pending)?;
         Ok(d)
+    }
+}
+
+/// A stored output to audit: `(prompt ids, params dict, completion index, token ids)`.
+type StoredOutput<'py> = (Vec<u32>, Bound<'py, PyDict>, usize, Vec<u32>);
+
+/// Flat rows `[n × width]` per sequence as `[n, width]` numpy arrays (no copy).
+fn rows_to_arrays<'py>(
+    py: Python<'py>,
+    rows: Vec<Vec<f32>>,
+    width: usize,
+) -> PyResult<Vec<Bound<'py, PyAny>>> {
+    rows.into_iter()
+        .map(|flat| {
+            let n = flat.len() / width.max(1);
+            Ok(PyArray1::from_vec(py, flat).reshape([n, width])?.into_any())
+        })
+        .collect()
+}
+
+fn parse_in_flight(py: Python<'_>, s: &str) -> PyResult<InFlight> {
+    match s {
+        "finish" => Ok(InFlight::Finish),
+        "abort" => Ok(InFlight::Abort),
+        other => Err(to_pyerr(
+            py,
+            DetspecError::param(
+                "in_flight",
+                format!("must be \"finish\" or \"abort\", got {other:?}"),
+            ),
+        )),
     }
 }
 
@@ -419,5 +543,29 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(validate_sampling_params, m)?)?;
     m.add_function(wrap_pyfunction!(write_demo_model, m)?)?;
     m.add("KERNEL_VERSION", crate::engine::KERNEL_VERSION)?;
+    m.add("MAX_LOGPROBS", crate::sampling::MAX_LOGPROBS)?;
     Ok(())
+}
+
+/// TEMPORARY until the DLPack importer lands: f32 numpy arrays or torch tensors via numpy.
+fn tensor_from_py(
+    py: Python<'_>,
+    name: &str,
+    obj: &Bound<'_, PyAny>,
+) -> PyResult<candle_core::Tensor> {
+    let obj = if obj.hasattr("detach")? {
+        obj.call_method0("detach")?.call_method0("numpy")?
+    } else {
+        obj.clone()
+    };
+    let arr: numpy::PyReadonlyArrayDyn<'_, f32> = obj.extract().map_err(|_| {
+        to_pyerr(
+            py,
+            DetspecError::param("named_tensors", format!("`{name}` is not a float32 array")),
+        )
+    })?;
+    let shape = numpy::PyUntypedArrayMethods::shape(&*arr).to_vec();
+    let data = arr.as_slice()?.to_vec();
+    candle_core::Tensor::from_vec(data, shape, &candle_core::Device::Cpu)
+        .map_err(|e| to_pyerr(py, e.into()))
 }

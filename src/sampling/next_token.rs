@@ -2,7 +2,7 @@
 //! verifier share, so equal logits give equal tokens and logprobs.
 
 use super::params::SamplingParams;
-use super::sampler::{sample, SampleInput};
+use super::sampler::{rank_of, sample, SampleInput};
 use crate::output::TokenLogprobs;
 use crate::Result;
 
@@ -35,15 +35,10 @@ pub fn sample_next(
         output_tokens: output,
         banned_tokens: &banned,
     })?;
-    let chosen = row
-        .get(s.token as usize)
-        .copied()
-        .unwrap_or(f32::NEG_INFINITY);
-    let rank = 1 + row.iter().filter(|&&x| x > chosen).count() as u32;
     Ok(TokenLogprobs {
         token: s.token,
         logprob: s.logprob,
-        rank,
+        rank: rank_of(row, s.token),
         top: s.top_logprobs,
     })
 }

@@ -15,6 +15,7 @@ use super::params::SamplingParams;
 use super::processors::{process_logits, rank_desc};
 use super::rng::{gumbel, GUMBEL_MAX};
 use crate::ops::{exp_nonpositive, CpuIsa};
+use crate::output::TokenLogprobs;
 use crate::{DetspecError, Result};
 
 /// Everything [`sample`] needs for one row.
@@ -132,6 +133,53 @@ pub fn sample(input: &SampleInput) -> Result<SampledToken> {
         logprob: logprob_of(token),
         top_logprobs,
     })
+}
+
+/// The numbers the sampler reports for `token` in `logits` when it is given rather than
+/// sampled (scoring, prompt logprobs, audits): `log_softmax(raw logits)[token]` by the same
+/// log-sum-exp as [`sample`], so a token scored from the same logits has the same logprob bits
+/// as when it was sampled; its 1-based rank; and the `top_n` most likely tokens.
+///
+/// # Errors
+/// [`DetspecError::InvalidParameter`] when the row is empty or holds NaN/`+inf`, or `token` is
+/// outside the vocabulary.
+pub fn score_token(logits: &[f32], token: u32, top_n_count: usize) -> Result<TokenLogprobs> {
+    if logits.is_empty() {
+        return Err(DetspecError::param("logits", "row is empty"));
+    }
+    if let Some(i) = logits
+        .iter()
+        .position(|l| l.is_nan() || *l == f32::INFINITY)
+    {
+        return Err(DetspecError::param(
+            "logits",
+            format!(
+                "value at index {i} is {} (NaN and +inf are not allowed)",
+                logits[i]
+            ),
+        ));
+    }
+    check_ids("token_ids", &[token], logits.len())?;
+    let lse = log_sum_exp(logits);
+    let logprob_of = |t: u32| (f64::from(logits[t as usize]) - lse) as f32;
+    Ok(TokenLogprobs {
+        token,
+        logprob: logprob_of(token),
+        rank: rank_of(logits, token),
+        top: top_n(logits, top_n_count)
+            .into_iter()
+            .map(|t| (t, logprob_of(t)))
+            .collect(),
+    })
+}
+
+/// 1-based rank of `token` by raw logit (1 + how many tokens have a larger logit).
+pub fn rank_of(logits: &[f32], token: u32) -> u32 {
+    let chosen = logits
+        .get(token as usize)
+        .copied()
+        .unwrap_or(f32::NEG_INFINITY);
+    1 + logits.iter().filter(|&&x| x > chosen).count() as u32
 }
 
 /// Errors if any id is outside the vocabulary, naming the list it came from.

@@ -1,0 +1,279 @@
+//! Forward passes over given token sequences, outside the scheduler: logits, hidden states,
+//! scores of completions, prompt logprobs and audits of stored outputs.
+//!
+//! They run between engine steps on KV pages they take and return themselves. With
+//! `fixed = true` they use the verify-path kernels (fixed attention schedule; the CPU's packed
+//! GEMM is invariant to the row count), so every row is a function of its own sequence alone:
+//! the numbers equal, bit for bit, those a deterministic request computes for the same tokens
+//! however it was batched, chunked or rolled back.
+
+use std::ops::Range;
+
+use crate::error::{DetspecError, Result};
+use crate::kv::BlockTable;
+use crate::model::ForwardBatch;
+use crate::ops::{AttentionMetadata, AttentionSchedule};
+use crate::output::TokenLogprobs;
+use crate::sampling::{self, SamplingParams};
+
+use super::{completion_seed, EngineCore};
+
+/// What a standalone forward returns for each wanted row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ForwardKind {
+    /// `[vocab]` logits.
+    Logits,
+    /// The last layer's hidden state after the final norm, `[hidden]`.
+    Hidden,
+}
+
+/// A stored output to re-run: its prompt, parameters, completion index and token ids.
+#[derive(Debug, Clone)]
+pub struct AuditInput {
+    pub prompt: Vec<u32>,
+    pub params: SamplingParams,
+    pub completion_index: usize,
+    pub token_ids: Vec<u32>,
+}
+
+impl EngineCore {
+    /// Runs each sequence and returns, per sequence, the rows of `wanted[i]` flattened
+    /// (`rows × width`, width = vocab or hidden). Sequences run in groups of at most
+    /// `max_num_batched_tokens` tokens (one sequence at least).
+    pub fn forward_sequences(
+        &mut self,
+        seqs: &[Vec<u32>],
+        wanted: &[Range<usize>],
+        kind: ForwardKind,
+        fixed: bool,
+    ) -> Result<Vec<Vec<f32>>> {
+        let max_len = self.info.max_model_len;
+        let vocab = self.info.config.vocab_size;
+        for (si, p) in seqs.iter().enumerate() {
+            if p.is_empty() || p.len() > max_len {
+                return Err(invalid(format!(
+                    "sequence {si} has {} tokens (allowed 1..={max_len})",
+                    p.len()
+                )));
+            }
+            if let Some(&bad) = p.iter().find(|&&t| t as usize >= vocab) {
+                return Err(invalid(format!(
+                    "sequence {si} contains token id {bad}, outside the vocabulary (size {vocab})"
+                )));
+            }
+        }
+        let budget = self.cfg.max_num_batched_tokens.max(1);
+        let mut out = Vec::with_capacity(seqs.len());
+        let mut start = 0;
+        while start < seqs.len() {
+            let mut end = start + 1;
+            let mut tokens = seqs[start].len();
+            while end < seqs.len() && tokens + seqs[end].len() <= budget {
+                tokens += seqs[end].len();
+                end += 1;
+            }
+            out.extend(self.forward_group(&seqs[start..end], &wanted[start..end], kind, fixed)?);
+            start = end;
+        }
+        Ok(out)
+    }
+
+    fn forward_group(
+        &mut self,
+        seqs: &[Vec<u32>],
+        wanted: &[Range<usize>],
+        kind: ForwardKind,
+        fixed: bool,
+    ) -> Result<Vec<Vec<f32>>> {
+        let ps = self.cfg.page_size;
+        let schedule = if fixed {
+            AttentionSchedule::Fixed
+        } else {
+            AttentionSchedule::split_kv_for_batch(seqs.len(), self.info.config.num_attention_heads)
+        };
+        let mut batch = ForwardBatch {
+            attention: AttentionMetadata {
+                sliding_window: self.info.config.sliding_window,
+                schedule,
+                ..Default::default()
+            },
+            invariant_gemm: fixed,
+            ..Default::default()
+        };
+        let mut tables: Vec<BlockTable> = Vec::with_capacity(seqs.len());
+        let result = (|| {
+            for (si, (p, rows)) in seqs.iter().zip(wanted).enumerate() {
+                let mut bt = BlockTable::new();
+                let reserved = bt.reserve(p.len(), ps, self.alloc.as_ref());
+                tables.push(bt);
+                reserved?;
+                let bt = &tables[si];
+                for (pos, &t) in p.iter().enumerate() {
+                    let slot = bt.slot(pos, ps).ok_or_else(|| {
+                        DetspecError::param("page_size", "slot missing after reserve")
+                    })?;
+                    if rows.contains(&pos) {
+                        batch.logit_rows.push(batch.tokens.len() as u32);
+                    }
+                    batch.tokens.push(t);
+                    batch.slots.push(slot);
+                    batch.attention.positions.push(pos as u32);
+                    batch.attention.row_seq.push(si as u32);
+                }
+                batch.attention.block_tables.push(bt.pages().to_vec());
+            }
+            if batch.logit_rows.is_empty() {
+                return Ok(vec![Vec::new(); seqs.len()]);
+            }
+            let t = match kind {
+                ForwardKind::Logits => self.model.forward(&batch, &self.kv)?,
+                ForwardKind::Hidden => self.model.final_hidden(&batch, &self.kv)?,
+            };
+            let width = t.dim(1)?;
+            let flat = t.flatten_all()?.to_vec1::<f32>()?;
+            let mut rest = flat.as_slice();
+            let mut out = Vec::with_capacity(seqs.len());
+            for (p, rows) in seqs.iter().zip(wanted) {
+                let n = rows.end.min(p.len()).saturating_sub(rows.start) * width;
+                let (mine, tail) = rest.split_at(n.min(rest.len()));
+                out.push(mine.to_vec());
+                rest = tail;
+            }
+            Ok(out)
+        })();
+        for mut bt in tables {
+            bt.free(self.alloc.as_ref());
+        }
+        result
+    }
+
+    /// Per-position logits of each prompt, flattened `[len_i × vocab]`, on the verify-path
+    /// kernels.
+    pub fn prompt_logits(&mut self, prompts: &[Vec<u32>]) -> Result<Vec<Vec<f32>>> {
+        let wanted: Vec<Range<usize>> = prompts.iter().map(|p| 0..p.len()).collect();
+        self.forward_sequences(prompts, &wanted, ForwardKind::Logits, true)
+    }
+
+    /// Last-layer hidden states (after the final norm) of each prompt, `[len_i × hidden]`.
+    pub fn hidden_states(&mut self, prompts: &[Vec<u32>]) -> Result<Vec<Vec<f32>>> {
+        let wanted: Vec<Range<usize>> = prompts.iter().map(|p| 0..p.len()).collect();
+        self.forward_sequences(prompts, &wanted, ForwardKind::Hidden, true)
+    }
+
+    /// Logits of the rows that predict each completion's tokens (the row at position p
+    /// predicts the token at p + 1, so the last completion token is predicted, never fed),
+    /// flattened `[len(completion) × vocab]`.
+    fn completion_logits(
+        &mut self,
+        pairs: &[(Vec<u32>, Vec<u32>)],
+        fixed: bool,
+    ) -> Result<Vec<Vec<f32>>> {
+        let mut seqs = Vec::with_capacity(pairs.len());
+        let mut wanted = Vec::with_capacity(pairs.len());
+        for (i, (prompt, completion)) in pairs.iter().enumerate() {
+            if prompt.is_empty() {
+                return Err(invalid(format!("prompt {i} is empty")));
+            }
+            let fed = completion.len().saturating_sub(1);
+            seqs.push([prompt.as_slice(), &completion[..fed]].concat());
+            wanted.push(prompt.len() - 1..prompt.len() - 1 + completion.len());
+        }
+        self.forward_sequences(&seqs, &wanted, ForwardKind::Logits, fixed)
+    }
+
+    /// The logprob of every token of each completion given its prompt (the sampler's raw
+    /// logprobs), with rank and the `top_n` most likely tokens. `fixed`: on the verify-path
+    /// kernels, equal to what a deterministic request generating these tokens reported.
+    pub fn score(
+        &mut self,
+        pairs: &[(Vec<u32>, Vec<u32>)],
+        top_n: usize,
+        fixed: bool,
+    ) -> Result<Vec<Vec<TokenLogprobs>>> {
+        let rows = self.completion_logits(pairs, fixed)?;
+        let vocab = self.info.config.vocab_size;
+        pairs
+            .iter()
+            .zip(rows)
+            .map(|((_, completion), flat)| {
+                completion
+                    .iter()
+                    .zip(flat.chunks_exact(vocab))
+                    .map(|(&t, row)| sampling::score_token(row, t, top_n))
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// vLLM's prompt logprobs: for positions 1.. of each prompt, the logprob of the prompt's
+    /// token there with its rank and the `top_n` most likely tokens (position 0 has none).
+    pub fn prompt_logprobs(
+        &mut self,
+        prompts: &[Vec<u32>],
+        top_n: usize,
+    ) -> Result<Vec<Vec<TokenLogprobs>>> {
+        let pairs: Vec<(Vec<u32>, Vec<u32>)> = prompts
+            .iter()
+            .map(|p| {
+                (
+                    p[..1.min(p.len())].to_vec(),
+                    p.get(1..).unwrap_or_default().to_vec(),
+                )
+            })
+            .collect();
+        self.score(&pairs, top_n, true)
+    }
+
+    /// Re-runs stored outputs on the verify-path kernels with their tokens fed back (teacher
+    /// forcing): at each position the sampler draws again from the recomputed logits with the
+    /// request's seed and the stored tokens before it. Returns what it drew and reported per
+    /// position, for the caller to compare with the stored output.
+    pub fn audit(&mut self, items: &[AuditInput]) -> Result<Vec<Vec<TokenLogprobs>>> {
+        let mut seeds = Vec::with_capacity(items.len());
+        for (i, it) in items.iter().enumerate() {
+            it.params.validate()?;
+            let seed = match it.params.seed {
+                Some(s) => s,
+                None if it.params.is_greedy() => 0,
+                None => {
+                    return Err(DetspecError::param(
+                        "seed",
+                        format!(
+                            "output {i} was sampled with temperature > 0 and no seed: the \
+                             engine chose one at random, so it cannot be re-run"
+                        ),
+                    ))
+                }
+            };
+            seeds.push(completion_seed(seed, it.completion_index));
+        }
+        let pairs: Vec<(Vec<u32>, Vec<u32>)> = items
+            .iter()
+            .map(|it| (it.prompt.clone(), it.token_ids.clone()))
+            .collect();
+        let rows = self.completion_logits(&pairs, true)?;
+        let vocab = self.info.config.vocab_size;
+        let eos = self.info.eos_token_ids.clone();
+        items
+            .iter()
+            .zip(seeds)
+            .zip(rows)
+            .map(|((it, seed), flat)| {
+                flat.chunks_exact(vocab)
+                    .enumerate()
+                    .map(|(j, row)| {
+                        let before = it.token_ids.get(..j).unwrap_or_default();
+                        sampling::sample_next(&it.params, seed, &it.prompt, before, row, &eos)
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+}
+
+fn invalid(message: String) -> DetspecError {
+    DetspecError::InvalidRequest {
+        request_id: None,
+        message,
+    }
+}

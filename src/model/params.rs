@@ -1,0 +1,234 @@
+//! A decoder's parameters by their Hugging Face names: the names and shapes a checkpoint of a
+//! given config holds, content hashes for the fingerprint, and replacing parameters in place
+//! (weight updates from a trainer).
+
+use std::cell::RefCell;
+use std::collections::BTreeMap;
+
+use candle_core::{DType, Device, Tensor};
+use xxhash_rust::xxh3::{xxh3_64, Xxh3};
+
+use crate::config::ModelConfig;
+use crate::error::{DetspecError, Result};
+
+use super::decoder::{LinearWeight, Model};
+use super::Checkpoint;
+
+/// Every parameter name a checkpoint of `cfg` holds, with its shape, in name order.
+/// `lm_head.weight` is listed for tied models too (torch's `state_dict()` yields it); it then
+/// names the embedding matrix.
+pub fn param_shapes(cfg: &ModelConfig) -> BTreeMap<String, Vec<usize>> {
+    let (h, kvh, d) = (
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+    );
+    let (hs, is, vocab) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
+    let mut m = BTreeMap::new();
+    m.insert("model.embed_tokens.weight".into(), vec![vocab, hs]);
+    m.insert("model.norm.weight".into(), vec![hs]);
+    m.insert("lm_head.weight".into(), vec![vocab, hs]);
+    for i in 0..cfg.num_hidden_layers {
+        let p = format!("model.layers.{i}");
+        let mut linear = |name: String, i: usize, o: usize, bias: bool| {
+            if bias {
+                m.insert(format!("{name}.bias"), vec![o]);
+            }
+            m.insert(format!("{name}.weight"), vec![o, i]);
+        };
+        linear(format!("{p}.self_attn.q_proj"), hs, h * d, cfg.qkv_bias);
+        linear(format!("{p}.self_attn.k_proj"), hs, kvh * d, cfg.qkv_bias);
+        linear(format!("{p}.self_attn.v_proj"), hs, kvh * d, cfg.qkv_bias);
+        linear(format!("{p}.self_attn.o_proj"), h * d, hs, cfg.o_bias);
+        linear(format!("{p}.mlp.gate_proj"), hs, is, cfg.mlp_bias);
+        linear(format!("{p}.mlp.up_proj"), hs, is, cfg.mlp_bias);
+        linear(format!("{p}.mlp.down_proj"), is, hs, cfg.mlp_bias);
+        m.insert(format!("{p}.input_layernorm.weight"), vec![hs]);
+        m.insert(format!("{p}.post_attention_layernorm.weight"), vec![hs]);
+        if cfg.qk_norm {
+            m.insert(format!("{p}.self_attn.q_norm.weight"), vec![d]);
+            m.insert(format!("{p}.self_attn.k_norm.weight"), vec![d]);
+        }
+    }
+    m
+}
+
+/// xxh3 of a tensor's values in the engine's dtype (f32), as little-endian bytes.
+pub fn tensor_hash(t: &Tensor) -> Result<u64> {
+    let values = t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+    Ok(xxh3_64(bytemuck::cast_slice(&values)))
+}
+
+/// Content hash of each parameter, by HF name (the tied LM head is the embedding's entry).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ParamHashes(BTreeMap<String, u64>);
+
+impl ParamHashes {
+    /// One hash of all parameters: names and hashes in name order.
+    pub fn combined(&self) -> u64 {
+        let mut h = Xxh3::new();
+        for (name, v) in &self.0 {
+            h.update(name.as_bytes());
+            h.update(&[0]);
+            h.update(&v.to_le_bytes());
+        }
+        h.digest()
+    }
+}
+
+/// Loads parameters from a checkpoint in the engine's dtype, hashing each as it goes.
+pub(super) struct WeightLoader<'a> {
+    ck: &'a Checkpoint,
+    device: &'a Device,
+    hashes: RefCell<ParamHashes>,
+}
+
+impl<'a> WeightLoader<'a> {
+    pub(super) fn new(ck: &'a Checkpoint, device: &'a Device) -> Self {
+        Self {
+            ck,
+            device,
+            hashes: RefCell::default(),
+        }
+    }
+
+    pub(super) fn load(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        let t = self.ck.load(name, shape, DType::F32, self.device)?;
+        let h = tensor_hash(&t)?;
+        self.hashes.borrow_mut().0.insert(name.to_string(), h);
+        Ok(t)
+    }
+
+    pub(super) fn into_hashes(self) -> ParamHashes {
+        self.hashes.into_inner()
+    }
+}
+
+/// Where a named parameter lives in the model.
+enum Slot<'a> {
+    Vector(&'a mut Tensor),
+    Bias(&'a mut Option<Tensor>),
+    Linear(&'a mut LinearWeight),
+    Embedding,
+}
+
+impl Model {
+    /// Checks that every `(name, shape, dtype)` names a parameter of this model with its shape
+    /// and a float dtype, before anything is changed. The error names the first bad tensor.
+    pub fn check_update(&self, updates: &[(String, Vec<usize>, DType)]) -> Result<()> {
+        check_update(&self.cfg, updates)
+    }
+
+    /// Replaces the named parameters (already checked with [`check_update`]); values are
+    /// converted to the engine's dtype. Returns the new combined weights hash.
+    pub fn set_params(&mut self, updates: Vec<(String, Tensor)>) -> Result<u64> {
+        let shapes: Vec<(String, Vec<usize>, DType)> = updates
+            .iter()
+            .map(|(n, t)| (n.clone(), t.dims().to_vec(), t.dtype()))
+            .collect();
+        check_update(&self.cfg, &shapes)?;
+        let tied = self.cfg.tie_word_embeddings;
+        let sets_embedding = updates
+            .iter()
+            .any(|(n, _)| n == "model.embed_tokens.weight");
+        for (name, t) in updates {
+            // A tied model's `lm_head.weight` is the embedding: torch's state_dict yields both
+            // names for one tensor, so when both come the embedding's entry is applied.
+            if tied && name == "lm_head.weight" && sets_embedding {
+                continue;
+            }
+            let t = t.to_dtype(DType::F32)?.to_device(&self.device().clone())?;
+            let hash_name = if tied && name == "lm_head.weight" {
+                "model.embed_tokens.weight".to_string()
+            } else {
+                name.clone()
+            };
+            match self.slot(&hash_name).ok_or_else(|| unknown(&name))? {
+                Slot::Vector(v) => *v = t.clone(),
+                Slot::Bias(b) => *b = Some(t.clone()),
+                Slot::Linear(w) => *w = LinearWeight::new(&t)?,
+                Slot::Embedding => {
+                    if tied {
+                        self.lm_head = LinearWeight::new(&t)?;
+                    }
+                    self.embed = t.clone();
+                }
+            }
+            self.param_hashes.0.insert(hash_name, tensor_hash(&t)?);
+        }
+        Ok(self.param_hashes.combined())
+    }
+
+    fn slot(&mut self, name: &str) -> Option<Slot<'_>> {
+        match name {
+            "model.embed_tokens.weight" => return Some(Slot::Embedding),
+            "model.norm.weight" => return Some(Slot::Vector(&mut self.norm)),
+            "lm_head.weight" => return Some(Slot::Linear(&mut self.lm_head)),
+            _ => {}
+        }
+        let rest = name.strip_prefix("model.layers.")?;
+        let (index, field) = rest.split_once('.')?;
+        let layer = self.layers.get_mut(index.parse::<usize>().ok()?)?;
+        let (module, kind) = field.rsplit_once('.')?;
+        if module == "input_layernorm" && kind == "weight" {
+            return Some(Slot::Vector(&mut layer.input_norm));
+        }
+        if module == "post_attention_layernorm" && kind == "weight" {
+            return Some(Slot::Vector(&mut layer.post_norm));
+        }
+        let linear = match module {
+            "self_attn.q_proj" => &mut layer.q,
+            "self_attn.k_proj" => &mut layer.k,
+            "self_attn.v_proj" => &mut layer.v,
+            "self_attn.o_proj" => &mut layer.o,
+            "mlp.gate_proj" => &mut layer.gate,
+            "mlp.up_proj" => &mut layer.up,
+            "mlp.down_proj" => &mut layer.down,
+            "self_attn.q_norm" => return layer.q_norm.as_mut().map(Slot::Vector),
+            "self_attn.k_norm" => return layer.k_norm.as_mut().map(Slot::Vector),
+            _ => return None,
+        };
+        match kind {
+            "weight" => Some(Slot::Linear(&mut linear.weight)),
+            "bias" => Some(Slot::Bias(&mut linear.bias)),
+            _ => None,
+        }
+    }
+}
+
+fn unknown(name: &str) -> DetspecError {
+    DetspecError::param(
+        "named_tensors",
+        format!("`{name}` is not a parameter of this model"),
+    )
+}
+
+/// [`Model::check_update`] from the config alone, so a caller can check without the model.
+pub fn check_update(cfg: &ModelConfig, updates: &[(String, Vec<usize>, DType)]) -> Result<()> {
+    let shapes = param_shapes(cfg);
+    let mut seen = std::collections::HashSet::new();
+    for (name, shape, dtype) in updates {
+        let want = shapes.get(name).ok_or_else(|| unknown(name))?;
+        if shape != want {
+            return Err(DetspecError::param(
+                "named_tensors",
+                format!("`{name}` has shape {shape:?}; the model's is {want:?}"),
+            ));
+        }
+        if !matches!(dtype, DType::F32 | DType::BF16 | DType::F16) {
+            return Err(DetspecError::param(
+                "named_tensors",
+                format!(
+                    "`{name}` has dtype {dtype:?}; weights must be float32, bfloat16 or float16"
+                ),
+            ));
+        }
+        if !seen.insert(name.as_str()) {
+            return Err(DetspecError::param(
+                "named_tensors",
+                format!("`{name}` is given twice"),
+            ));
+        }
+    }
+    Ok(())
+}
