@@ -320,3 +320,87 @@ fn load_errors_name_the_culprit() {
     assert!(load_err(&dir).contains("config.json"));
     let _: Option<DetspecError> = None;
 }
+
+fn deterministic_bits(e: &Engine) -> Vec<(Vec<u32>, Vec<u32>)> {
+    let params = SamplingParams {
+        temperature: 0.8,
+        seed: Some(3),
+        deterministic: true,
+        ..greedy(12)
+    };
+    let reqs = prompts()
+        .into_iter()
+        .enumerate()
+        .map(|(i, p)| Request::new(i.to_string(), p, params.clone()))
+        .collect();
+    e.generate(reqs)
+        .unwrap()
+        .into_iter()
+        .map(|o| {
+            let c = &o.outputs[0];
+            let bits = c.logprobs.iter().map(|l| l.logprob.to_bits()).collect();
+            (c.token_ids.clone(), bits)
+        })
+        .collect()
+}
+
+#[test]
+fn weight_updates_are_atomic_and_restoring_restores_fingerprint_and_bits() {
+    let e = engine();
+    let (fp0, before) = (e.fingerprint(), deterministic_bits(&e));
+    let ck = detspec::model::Checkpoint::open(model_dir()).unwrap();
+    let name = "model.layers.0.mlp.down_proj.weight";
+    let shape = detspec::model::param_shapes(&e.info().config)[name].clone();
+    let w = ck
+        .load(
+            name,
+            &shape,
+            candle_core::DType::F32,
+            &candle_core::Device::Cpu,
+        )
+        .unwrap();
+    let scaled = (&w * 1.5).unwrap();
+    // A bad entry after a good one: nothing changes, the error names the tensor.
+    let bad =
+        candle_core::Tensor::zeros(3, candle_core::DType::F32, &candle_core::Device::Cpu).unwrap();
+    let err = e
+        .update_weights(
+            vec![
+                (name.into(), scaled.clone()),
+                ("model.norm.weight".into(), bad),
+            ],
+            detspec::engine::InFlight::Finish,
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("model.norm.weight"), "{err}");
+    assert_eq!((e.fingerprint(), e.info().weight_version), (fp0.clone(), 0));
+    assert_eq!(deterministic_bits(&e), before);
+
+    let info = e
+        .update_weights(vec![(name.into(), scaled)], Default::default())
+        .unwrap();
+    assert_ne!(info.fingerprint, fp0);
+    assert_eq!(info.weight_version, 1);
+    assert_ne!(deterministic_bits(&e), before);
+    e.update_weights(vec![(name.into(), w)], Default::default())
+        .unwrap();
+    assert_eq!(e.fingerprint(), fp0);
+    assert_eq!(deterministic_bits(&e), before);
+}
+
+#[test]
+fn scoring_a_deterministic_completion_returns_its_generation_logprobs() {
+    let e = engine();
+    let outs = deterministic_bits(&e);
+    let pairs: Vec<(Vec<u32>, Vec<u32>)> = prompts()
+        .into_iter()
+        .zip(&outs)
+        .map(|(p, (tokens, _))| (p, tokens.clone()))
+        .collect();
+    let scored = e.with_core(move |c| c.score(&pairs, 0, true)).unwrap();
+    for (s, (_, bits)) in scored.iter().zip(&outs) {
+        let got: Vec<u32> = s.iter().map(|l| l.logprob.to_bits()).collect();
+        assert_eq!(&got, bits);
+    }
+}
