@@ -86,8 +86,10 @@ def test_update_of_a_subset_changes_only_those(model_zoo):
     case = model_zoo.get("llama")
     llm = detspec.LLM(str(case.path), num_kv_pages=256)
     fp0, before = llm.fingerprint, outputs_bits(llm)
+    assert llm.kv_stats()["cached_pages"] > 0  # PROMPTS[2]'s first 16 tokens
     w = case.model.state_dict()["model.layers.0.mlp.down_proj.weight"]
     llm.update_weights([("model.layers.0.mlp.down_proj.weight", w * 1.5)])
+    assert llm.kv_stats()["cached_pages"] == 0  # KV of the old weights is gone
     assert llm.fingerprint != fp0 and outputs_bits(llm) != before
     llm.update_weights([("model.layers.0.mlp.down_proj.weight", w)])
     assert llm.fingerprint == fp0 and outputs_bits(llm) == before
