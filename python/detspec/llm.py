@@ -363,8 +363,9 @@ class LLM(_EngineClient):
 
     def compute_logits(self, prompts: Sequence[Sequence[int]]) -> list[np.ndarray]:
         """Per-position logits ``[len_i, vocab]`` of each token-id prompt, as numpy arrays
-        (see ``get_logits`` for torch tensors)."""
-        return self._engine.prompt_logits([[int(t) for t in p] for p in prompts])
+        sharing the engine's buffers (see ``get_logits`` for torch tensors)."""
+        rows = self._engine.prompt_logits([[int(t) for t in p] for p in prompts])
+        return [np.from_dlpack(t) for t in rows]
 
     def get_logits(self, prompts: PromptType | Sequence[PromptType]) -> list[torch.Tensor]:
         """Per-position logits of each prompt as a float32 torch tensor ``[len, vocab]``

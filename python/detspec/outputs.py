@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -31,6 +34,17 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def to_torch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(token_ids, logprobs)``: int64 and float32 tensors of length ``len(token_ids)``;
+        the logprobs are ``token_logprobs`` (the sampled tokens', bit for bit)."""
+        import torch
+
+        lps = self.token_logprobs if self.token_logprobs is not None else []
+        return (
+            torch.tensor(self.token_ids, dtype=torch.int64),
+            torch.tensor(lps, dtype=torch.float32),
+        )
+
 
 @dataclass
 class RequestOutput:
@@ -46,6 +60,10 @@ class RequestOutput:
     position ``{token_id: Logprob}`` for the prompt token and the top-k)."""
     sampling_params: Any = None
     """The ``SamplingParams`` the request ran with (what ``LLM.audit`` re-runs)."""
+
+    def to_torch(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``CompletionOutput.to_torch()`` of each completion, in order."""
+        return [c.to_torch() for c in self.outputs]
 
 
 def _logprobs_to_py(

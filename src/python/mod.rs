@@ -4,6 +4,7 @@
 //! panics, so a bug surfaces as a `detspec.DetspecError` rather than a `PanicException`.
 
 mod convert;
+mod dlpack;
 mod logging;
 
 use std::collections::HashMap;
@@ -14,7 +15,6 @@ use std::time::Duration;
 
 use crossbeam::channel::{unbounded, Receiver, Sender};
 
-use numpy::{PyArray1, PyArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -264,25 +264,25 @@ impl PyEngine {
 
     /// Per-position logits of each prompt as `[len, vocab]` arrays, on the verify-path
     /// kernels (the bits a deterministic request computes for the same tokens).
-    fn prompt_logits<'py>(
+    fn prompt_logits(
         &self,
-        py: Python<'py>,
+        py: Python<'_>,
         prompts: Vec<Vec<u32>>,
-    ) -> PyResult<Vec<Bound<'py, PyAny>>> {
+    ) -> PyResult<Vec<dlpack::PyTensor>> {
         let vocab = self.inner.info().config.vocab_size;
         let rows = self.call(py, move |e| e.prompt_logits(prompts))?;
-        rows_to_arrays(py, rows, vocab)
+        rows_to_tensors(py, rows, vocab)
     }
 
     /// Last-layer hidden states (after the final norm) of each prompt, `[len, hidden]`.
-    fn hidden_states<'py>(
+    fn hidden_states(
         &self,
-        py: Python<'py>,
+        py: Python<'_>,
         prompts: Vec<Vec<u32>>,
-    ) -> PyResult<Vec<Bound<'py, PyAny>>> {
+    ) -> PyResult<Vec<dlpack::PyTensor>> {
         let hidden = self.inner.info().config.hidden_size;
         let rows = self.call(py, move |e| e.with_core(move |c| c.hidden_states(&prompts)))?;
-        rows_to_arrays(py, rows, hidden)
+        rows_to_tensors(py, rows, hidden)
     }
 
     /// Per completion token `(token, logprob, rank, top)` given its prompt; `deterministic`
@@ -346,7 +346,11 @@ impl PyEngine {
         let in_flight = parse_in_flight(py, in_flight)?;
         let mut updates = Vec::with_capacity(named_tensors.len());
         for (name, t) in named_tensors {
-            updates.push((name.clone(), tensor_from_py(py, &name, &t)?));
+            let engine_tensor = dlpack::import(py, &name, &t)?;
+            let t = engine_tensor
+                .to_candle(&name)
+                .map_err(|e| to_pyerr(py, e))?;
+            updates.push((name, t));
         }
         let info = self.call(py, move |e| e.update_weights(updates, in_flight))?;
         Ok((info.fingerprint.clone(), info.weight_version))
@@ -474,16 +478,17 @@ impl PyEngine {
 /// A stored output to audit: `(prompt ids, params dict, completion index, token ids)`.
 type StoredOutput<'py> = (Vec<u32>, Bound<'py, PyDict>, usize, Vec<u32>);
 
-/// Flat rows `[n × width]` per sequence as `[n, width]` numpy arrays (no copy).
-fn rows_to_arrays<'py>(
-    py: Python<'py>,
+/// Flat rows `[n × width]` per sequence as `[n, width]` engine tensors (no copy).
+fn rows_to_tensors(
+    py: Python<'_>,
     rows: Vec<Vec<f32>>,
     width: usize,
-) -> PyResult<Vec<Bound<'py, PyAny>>> {
+) -> PyResult<Vec<dlpack::PyTensor>> {
     rows.into_iter()
         .map(|flat| {
             let n = flat.len() / width.max(1);
-            Ok(PyArray1::from_vec(py, flat).reshape([n, width])?.into_any())
+            dlpack::PyTensor::new(dlpack::Buffer::F32(flat), vec![n, width])
+                .map_err(|e| to_pyerr(py, e))
         })
         .collect()
 }
@@ -540,32 +545,10 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     logging::install();
     m.add_class::<PyEngine>()?;
     m.add_class::<PyOutputQueue>()?;
+    m.add_class::<dlpack::PyTensor>()?;
     m.add_function(wrap_pyfunction!(validate_sampling_params, m)?)?;
     m.add_function(wrap_pyfunction!(write_demo_model, m)?)?;
     m.add("KERNEL_VERSION", crate::engine::KERNEL_VERSION)?;
     m.add("MAX_LOGPROBS", crate::sampling::MAX_LOGPROBS)?;
     Ok(())
-}
-
-/// TEMPORARY until the DLPack importer lands: f32 numpy arrays or torch tensors via numpy.
-fn tensor_from_py(
-    py: Python<'_>,
-    name: &str,
-    obj: &Bound<'_, PyAny>,
-) -> PyResult<candle_core::Tensor> {
-    let obj = if obj.hasattr("detach")? {
-        obj.call_method0("detach")?.call_method0("numpy")?
-    } else {
-        obj.clone()
-    };
-    let arr: numpy::PyReadonlyArrayDyn<'_, f32> = obj.extract().map_err(|_| {
-        to_pyerr(
-            py,
-            DetspecError::param("named_tensors", format!("`{name}` is not a float32 array")),
-        )
-    })?;
-    let shape = numpy::PyUntypedArrayMethods::shape(&*arr).to_vec();
-    let data = arr.as_slice()?.to_vec();
-    candle_core::Tensor::from_vec(data, shape, &candle_core::Device::Cpu)
-        .map_err(|e| to_pyerr(py, e.into()))
 }
