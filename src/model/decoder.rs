@@ -54,10 +54,10 @@ impl LinearWeight {
     pub(super) fn new(w: &Tensor) -> Result<Self> {
         if w.device().is_cpu() {
             let (out_dim, in_dim) = w.dims2()?;
-            let data = w.flatten_all()?.to_vec1::<f32>()?;
-            Ok(Self::Packed(Arc::new(PackedWeight::from_transposed(
-                &data, out_dim, in_dim,
-            )?)))
+            let packed = ops::with_f32_values(w, |data| {
+                PackedWeight::from_transposed(data, out_dim, in_dim)
+            })??;
+            Ok(Self::Packed(Arc::new(packed)))
         } else {
             Ok(Self::Dense(w.t()?.contiguous()?))
         }

@@ -10,6 +10,7 @@ use xxhash_rust::xxh3::{xxh3_64, Xxh3};
 
 use crate::config::ModelConfig;
 use crate::error::{DetspecError, Result};
+use crate::ops::with_f32_values;
 
 use super::decoder::{LinearWeight, Model};
 use super::Checkpoint;
@@ -55,8 +56,7 @@ pub fn param_shapes(cfg: &ModelConfig) -> BTreeMap<String, Vec<usize>> {
 
 /// xxh3 of a tensor's values in the engine's dtype (f32), as little-endian bytes.
 pub fn tensor_hash(t: &Tensor) -> Result<u64> {
-    let values = t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
-    Ok(xxh3_64(bytemuck::cast_slice(&values)))
+    Ok(with_f32_values(t, |v| xxh3_64(bytemuck::cast_slice(v)))?)
 }
 
 /// Content hash of each parameter, by HF name (the tied LM head is the embedding's entry).

@@ -31,6 +31,27 @@ pub use rope::apply_rope;
 
 use candle_core::{bail, CpuStorage, Layout};
 
+/// Runs `f` on an f32 tensor's values in row-major order: in place for a contiguous CPU
+/// tensor, on a copy otherwise (another device, dtype or layout).
+pub fn with_f32_values<R>(
+    t: &candle_core::Tensor,
+    f: impl FnOnce(&[f32]) -> R,
+) -> candle_core::Result<R> {
+    if t.dtype() == candle_core::DType::F32 {
+        let (storage, layout) = t.storage_and_layout();
+        if let (candle_core::Storage::Cpu(cpu), Some((a, b))) =
+            (&*storage, layout.contiguous_offsets())
+        {
+            return Ok(f(&cpu.as_slice::<f32>()?[a..b]));
+        }
+    }
+    let values = t
+        .flatten_all()?
+        .to_dtype(candle_core::DType::F32)?
+        .to_vec1::<f32>()?;
+    Ok(f(&values))
+}
+
 /// The contiguous f32 data a layout addresses, or an error naming the operand.
 fn contiguous_f32<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> candle_core::Result<&'a [f32]> {
     let data = s.as_slice::<f32>()?;

@@ -84,6 +84,7 @@ const USED_LEGACY: &CStr = c"used_dltensor";
 const USED_VERSIONED: &CStr = c"used_dltensor_versioned";
 
 /// An engine buffer of one of the dtypes that cross the boundary.
+#[derive(Clone)]
 pub enum Buffer {
     F32(Vec<f32>),
     BF16(Vec<bf16>),
@@ -162,14 +163,21 @@ impl PyTensor {
         })
     }
 
-    /// The buffer as a candle tensor (a copy; float dtypes only), for weights coming in.
-    pub fn to_candle(&self, name: &str) -> Result<candle_core::Tensor, DetspecError> {
+    /// The buffer as a candle tensor (float dtypes only), for weights coming in: moved
+    /// when this is its only owner (a fresh import), copied otherwise.
+    pub fn into_candle(self, name: &str) -> Result<candle_core::Tensor, DetspecError> {
         let dev = candle_core::Device::Cpu;
-        let shape = self.storage.shape.clone();
-        let t = match &self.storage.buf {
-            Buffer::F32(v) => candle_core::Tensor::from_slice(v, shape, &dev),
-            Buffer::BF16(v) => candle_core::Tensor::from_slice(v, shape, &dev),
-            Buffer::F16(v) => candle_core::Tensor::from_slice(v, shape, &dev),
+        let Storage { buf, shape } = match Arc::try_unwrap(self.storage) {
+            Ok(s) => s,
+            Err(shared) => Storage {
+                buf: shared.buf.clone(),
+                shape: shared.shape.clone(),
+            },
+        };
+        let t = match buf {
+            Buffer::F32(v) => candle_core::Tensor::from_vec(v, shape, &dev),
+            Buffer::BF16(v) => candle_core::Tensor::from_vec(v, shape, &dev),
+            Buffer::F16(v) => candle_core::Tensor::from_vec(v, shape, &dev),
             other => {
                 return Err(DetspecError::param(
                     "named_tensors",
@@ -360,7 +368,7 @@ impl PyTensor {
     /// Copies any DLPack producer's CPU data once into a new engine tensor of the same dtype.
     #[staticmethod]
     fn from_dlpack(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Self> {
-        import(py, "tensor", obj)
+        import(py, "tensor", "tensor", obj)
     }
 
     fn __repr__(&self) -> String {
@@ -372,16 +380,16 @@ impl PyTensor {
     }
 }
 
-/// Copies a DLPack producer's data (`name` is the tensor's name for errors) into an engine
-/// tensor: one copy, the same dtype, strides honoured. Tensors that require grad are
-/// detached first (a view, no copy).
-pub fn import(py: Python<'_>, name: &str, obj: &Bound<'_, PyAny>) -> PyResult<PyTensor> {
-    let bad = |msg: String| {
-        to_pyerr(
-            py,
-            DetspecError::param("named_tensors", format!("`{name}` {msg}")),
-        )
-    };
+/// Copies a DLPack producer's data into an engine tensor: one copy, the same dtype, strides
+/// honoured. Tensors that require grad are detached first (a view, no copy). Errors name the
+/// parameter and the tensor (`name`).
+pub fn import(
+    py: Python<'_>,
+    param: &str,
+    name: &str,
+    obj: &Bound<'_, PyAny>,
+) -> PyResult<PyTensor> {
+    let bad = |msg: String| to_pyerr(py, DetspecError::param(param, format!("`{name}` {msg}")));
     if let Ok(t) = obj.cast::<PyTensor>() {
         let s = &t.get().storage;
         return Ok(PyTensor { storage: s.clone() });

@@ -346,9 +346,9 @@ impl PyEngine {
         let in_flight = parse_in_flight(py, in_flight)?;
         let mut updates = Vec::with_capacity(named_tensors.len());
         for (name, t) in named_tensors {
-            let engine_tensor = dlpack::import(py, &name, &t)?;
+            let engine_tensor = dlpack::import(py, "named_tensors", &name, &t)?;
             let t = engine_tensor
-                .to_candle(&name)
+                .into_candle(&name)
                 .map_err(|e| to_pyerr(py, e))?;
             updates.push((name, t));
         }
