@@ -336,6 +336,13 @@ def test_prompt_logprobs(client, llm) -> None:
         assert entry[str(tok)]["rank"] == int((ref[pos - 1] > ref[pos - 1, tok]).sum()) + 1
         ranks = sorted(v["rank"] for k, v in entry.items() if k != str(tok) or v["rank"] <= 3)
         assert ranks[:3] == [1, 2, 3]
+    # The same numbers as the offline API, exactly (one engine function computes both).
+    (offline,) = llm.generate(
+        [ids], SamplingParams(max_tokens=1, prompt_logprobs=3), use_tqdm=False
+    )
+    for pos in range(1, len(ids)):
+        got = {int(t): v["logprob"] for t, v in pl[pos].items()}
+        assert got == {t: lp.logprob for t, lp in offline.prompt_logprobs[pos].items()}
     chat = client.chat.completions.create(
         model=SERVED_NAME,
         messages=[{"role": "user", "content": "Hi"}],

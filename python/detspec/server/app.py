@@ -23,7 +23,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -504,32 +503,22 @@ class OpenAIServer:
 
     async def _prompt_logprobs(self, ids: list[int], k: int) -> list[dict[str, Any] | None]:
         """vLLM's ``prompt_logprobs``: None for the first token, then per position the
-        prompt token's logprob (and rank) plus the top ``k``, from one forward pass."""
-        (logits,) = await asyncio.to_thread(self.engine._engine.prompt_logits, [ids])
-        x = np.asarray(logits, dtype=np.float32)
-        m = x.max(axis=-1, keepdims=True)
-        lse = np.log(np.exp(x - m).sum(axis=-1, keepdims=True, dtype=np.float32)) + m
-        lp = (x - lse).astype(np.float32)
+        prompt token's logprob (and rank) plus the top ``k``: the engine's numbers, bit for
+        bit those of ``LLM.generate`` and ``LLM.score`` (verify-path kernels)."""
+        (raw,) = await asyncio.to_thread(self.engine._engine.prompt_logprobs, [ids], k)
         out: list[dict[str, Any] | None] = [None]
-        for pos in range(1, len(ids)):
-            row = lp[pos - 1]
-            tok = ids[pos]
-            entry: dict[str, Any] = {}
-            val = row[tok]
-            entry[str(tok)] = {
-                "logprob": _lp(float(val)),
-                "rank": int((row > val).sum()) + 1,
-                "decoded_token": self.decode_token(tok),
+        for tok, lp, rank, top in raw:
+            entry: dict[str, Any] = {
+                str(tok): {
+                    "logprob": _lp(lp),
+                    "rank": rank,
+                    "decoded_token": self.decode_token(tok),
+                }
             }
-            if k > 0:
-                top = np.argsort(-row, kind="stable")[:k]
-                for r, t in enumerate(top.tolist(), start=1):
-                    if str(t) not in entry:
-                        entry[str(t)] = {
-                            "logprob": _lp(float(row[t])),
-                            "rank": r,
-                            "decoded_token": self.decode_token(t),
-                        }
+            for r, (t, tlp) in enumerate(top, start=1):
+                entry.setdefault(
+                    str(t), {"logprob": _lp(tlp), "rank": r, "decoded_token": self.decode_token(t)}
+                )
             out.append(entry)
         return out
 
