@@ -369,3 +369,24 @@ def test_get_logits_and_hidden_states_are_torch_tensors_matching_transformers(mo
     np.testing.assert_allclose(scored, want, atol=1e-6)
     with pytest.raises(InvalidRequestError, match="output"):
         llm.encode(PROMPTS, output="pooled")
+
+
+def test_rl_example_runs_exactly_and_reproducibly(model_zoo):
+    """examples/rl_loop.py: sampler == scorer at every step, and a rerun's digest is equal."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "examples" / "rl_loop.py"
+    model = str(model_zoo.get("llama").path)
+    args = ["--model", model, "--steps", "2", "--group", "2", "--max-tokens", "8"]
+    r = subprocess.run(
+        [sys.executable, str(script), *args, "--check-rerun"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    steps = [line for line in r.stdout.splitlines() if line.startswith("step ")]
+    assert len(steps) == 4 and all("sampler == scorer: True" in s for s in steps)
+    assert "identical" in r.stdout
