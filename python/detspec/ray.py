@@ -201,9 +201,15 @@ def _build(args: DetspecServeArgs) -> serve.Application:
         "health_check_period_s": args.health_check_period_s,
     }
     if args.autoscaling_config is not None:
+        # Ray refuses a fixed replica count next to an autoscaling config ("auto" is fine).
+        if args.num_replicas not in (1, "auto"):
+            raise ValueError(
+                f"invalid parameter `num_replicas`: {args.num_replicas} fixes the replica count, "
+                "which contradicts `autoscaling_config` (leave it out or pass 'auto')"
+            )
         options["autoscaling_config"] = args.autoscaling_config
-        if args.num_replicas != 1:
-            options["num_replicas"] = args.num_replicas
+        if args.num_replicas == "auto":
+            options["num_replicas"] = "auto"
     else:
         options["num_replicas"] = args.num_replicas
     if args.routing == "session":

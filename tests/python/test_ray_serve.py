@@ -196,6 +196,22 @@ def test_builder_takes_serve_run_strings_and_rejects_unknown_options(demo_model_
         build_app(model=demo_model_dir, determinism="sometimes")
 
 
+def test_builder_passes_deployment_options_through(demo_model_dir) -> None:
+    auto = {"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 64}
+    app = build_app(
+        model=demo_model_dir, autoscaling_config=auto, num_cpus=0.5, max_ongoing_requests=99
+    )
+    d = app._bound_deployment
+    assert d.max_ongoing_requests == 99
+    assert d.ray_actor_options["num_cpus"] == 0.5
+    assert d._deployment_config.autoscaling_config.max_replicas == 3
+    with pytest.raises(ValueError, match="num_replicas"):
+        build_app(model=demo_model_dir, autoscaling_config=auto, num_replicas=2)
+    app = build_app(model=demo_model_dir, routing="session")
+    router = app._bound_deployment._deployment_config.request_router_config
+    assert router.request_router_class.endswith("ConsistentHashRouter")
+
+
 # --------------------------------------------------------------------------- agreement
 
 
