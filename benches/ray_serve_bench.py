@@ -4,6 +4,9 @@ generator (streamed completions over real HTTP):
 * per-request overhead: one request at a time (concurrency 1), short outputs, through Ray's
   proxy with one replica against ``detspec serve`` directly; the e2e latency difference is
   what Ray's proxy, router and replica hop cost;
+* paired overhead: the same, but alternating one request to ``detspec serve`` and one through
+  Ray (both up at once), so that whatever else loads the machine loads both sides alike; the
+  median of the per-pair differences is the figure to quote on a shared machine;
 * throughput: many concurrent clients against ``detspec serve``, Ray with one replica (all
   cores) and Ray with two replicas (the cores split between them).
 
@@ -98,22 +101,56 @@ def workloads(url: str, prefix: str, args: argparse.Namespace) -> list[dict[str,
     return out
 
 
-def run_direct(model: str, threads: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+def start_direct(model: str, threads: int) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     cmd = [sys.executable, "-m", "detspec", "serve", model, "--port", str(port)]
     cmd += ["--num-threads", str(threads), "--disable-uvicorn-access-log"]
     cmd += ["--uvicorn-log-level", "warning"]
     proc = subprocess.Popen(cmd)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_ready(url)
-        return workloads(url, f"direct threads={threads}", args)
-    finally:
-        proc.terminate()
-        proc.wait(30)
+    url = f"http://127.0.0.1:{port}"
+    wait_ready(url)
+    return proc, url
 
 
-def run_ray(model: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+def paired_overhead(direct: str, ray_url: str, n: int) -> dict[str, Any]:
+    """Alternates one non-streamed 1-token request to each; e2e seconds per side."""
+    body = {"model": "", "prompt": list(range(3, 19)), "max_tokens": 1, "temperature": 0.0}
+    times: dict[str, list[float]] = {"direct": [], "ray": []}
+    load_before = list(os.getloadavg())
+    with httpx.Client(timeout=60) as c:
+        names = {u: c.get(u + "/v1/models").json()["data"][0]["id"] for u in (direct, ray_url)}
+        for i in range(n + 10):
+            for side, url in (("direct", direct), ("ray", ray_url))[:: 1 if i % 2 else -1]:
+                t = time.perf_counter()
+                r = c.post(url + "/v1/completions", json={**body, "model": names[url]})
+                dt = time.perf_counter() - t
+                assert r.status_code == 200, r.text
+                if i >= 10:  # warm-up
+                    times[side].append(dt)
+    diffs = sorted(r - d for r, d in zip(times["ray"], times["direct"], strict=True))
+    med = {k: sorted(v)[len(v) // 2] * 1000 for k, v in times.items()}
+    out = {
+        "label": "paired overhead c=1 out=1 (non-streamed)",
+        "pairs": n,
+        "p50_direct_ms": med["direct"],
+        "p50_ray_ms": med["ray"],
+        "p50_pair_diff_ms": diffs[len(diffs) // 2] * 1000,
+        "p10_pair_diff_ms": diffs[len(diffs) // 10] * 1000,
+        "p90_pair_diff_ms": diffs[(9 * len(diffs)) // 10] * 1000,
+        "loadavg_before": load_before,
+        "loadavg_after": list(os.getloadavg()),
+    }
+    print(
+        f"paired overhead: p50 direct {med['direct']:.2f} ms, ray {med['ray']:.2f} ms, "
+        f"p50 difference {out['p50_pair_diff_ms']:.2f} ms "
+        f"(p10 {out['p10_pair_diff_ms']:.2f}, p90 {out['p90_pair_diff_ms']:.2f})  "
+        f"load {load_before[0]:.2f}->{out['loadavg_after'][0]:.2f}",
+        flush=True,
+    )
+    return out
+
+
+def run_ray(model: str, direct_url: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     import ray
     from ray import serve
 
@@ -144,6 +181,8 @@ def run_ray(model: str, args: argparse.Namespace) -> list[dict[str, Any]]:
             )
             wait_ready(url)
             results += workloads(url, f"ray replicas={replicas} threads={threads}", args)
+            if replicas == 1:
+                results.append(paired_overhead(direct_url, url, args.overhead_requests))
             serve.delete("detspec")
     finally:
         serve.shutdown()
@@ -168,7 +207,13 @@ def main() -> int:
         if model is None:
             model = os.path.join(tmp, "bench")
             _core.write_demo_model(model, "bench", 0)
-        results = run_direct(model, cores, args) + run_ray(model, args)
+        proc, direct_url = start_direct(model, cores)
+        try:
+            results = workloads(direct_url, f"direct threads={cores}", args)
+            results += run_ray(model, direct_url, args)
+        finally:
+            proc.terminate()
+            proc.wait(30)
     meta = {"cpu_count": cores, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     if args.out:
         with open(args.out, "w") as f:
