@@ -23,11 +23,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
-from ray import serve
-from ray.serve.config import RequestRouterConfig
-from ray.serve.handle import DeploymentHandle
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+try:
+    from pydantic import BaseModel, ConfigDict, Field
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+    from ray.serve.handle import DeploymentHandle
+    from starlette.types import ASGIApp, Message, Receive, Scope, Send
+except ImportError as e:  # say which extra brings it, not just the missing module
+    raise ImportError(
+        f"detspec.ray needs Ray Serve ({e.name} is missing): pip install 'detspec[ray]'"
+    ) from e
 
 from detspec.errors import DetspecError
 
