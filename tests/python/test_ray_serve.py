@@ -286,6 +286,26 @@ def test_check_replicas_reports_a_replica_on_other_weights(ray_http, tmp_path: P
         serve.delete("mixed")
 
 
+def test_session_routing_pins_a_session_to_one_replica(ray_http, demo_model_dir) -> None:
+    """``routing="session"``: requests with one ``x-session-id`` all land on one replica (its
+    prefix cache), while different sessions spread over both."""
+    opts = engine_options(demo_model_dir, name="sticky", num_cpus=0.25, routing="session")
+    serve.run(build_app(**opts), name="sticky", route_prefix="/sticky")
+    try:
+        body = {"model": SERVED, "prompt": TARGET_PROMPT, "max_tokens": 2}
+        by_session: dict[str, set[str]] = {}
+        with httpx.Client(base_url=ray_http + "/sticky", timeout=60) as c:
+            for i in range(64):
+                sid = f"conversation-{i % 16}"
+                r = c.post("/v1/completions", json=body, headers={"x-session-id": sid})
+                assert r.status_code == 200, r.text
+                by_session.setdefault(sid, set()).add(r.headers[REPLICA_HEADER])
+        assert all(len(v) == 1 for v in by_session.values()), by_session
+        assert len(set().union(*by_session.values())) == 2, by_session
+    finally:
+        serve.delete("sticky")
+
+
 # --------------------------------------------------------------------------- replica death
 
 
