@@ -26,7 +26,7 @@ cargo test --release
 set +e
 python3 -m pytest -q tests/python -m "not ray"
 rc=$?
-# The Ray tests start a local Ray cluster (~45 s in all): their own process, so Ray's
+# The Ray tests start a local Ray cluster (1-3 min in all): their own process, so Ray's
 # workers and threads never share one with the other tests.
 python3 -m pytest -q tests/python -m ray
 rc_ray=$?
