@@ -11,6 +11,8 @@ python3 -m pip install -q "numpy>=1.26" "tqdm>=4.60" "pytest>=8" "pytest-asyncio
 # the server extra (detspec[serve]) and what its tests drive it with
 python3 -m pip install -q "fastapi>=0.110" "uvicorn>=0.30" "prometheus-client>=0.20" "pydantic>=2.5" \
     "httpx>=0.27" "openai>=1.40" "schemathesis>=4.0"
+# the Ray extra (detspec[ray]): ~20 s from a warm pip cache, see docs/scaling.md
+python3 -m pip install -q "ray[serve]>=2.60"
 
 # The extension in release (the Python tests run real models), then the Rust tests in the same
 # profile so the dependency builds are shared: `cargo test` recompiles only the dev-dependencies
@@ -22,11 +24,16 @@ python3 -m pip install -q --force-reinstall --no-deps dist/detspec-*.whl
 cargo test --release
 
 set +e
-python3 -m pytest -q tests/python
+python3 -m pytest -q tests/python -m "not ray"
 rc=$?
+# The Ray tests start a local Ray cluster (1-3 min in all): their own process, so Ray's
+# workers and threads never share one with the other tests.
+python3 -m pytest -q tests/python -m ray
+rc_ray=$?
 set -e
-if [ "$rc" -eq 5 ]; then
+if [ "$rc" -eq 5 ] || [ "$rc_ray" -eq 5 ]; then
     echo "pytest collected no tests: failing" >&2
     exit 1
 fi
-exit "$rc"
+if [ "$rc" -ne 0 ]; then exit "$rc"; fi
+exit "$rc_ray"

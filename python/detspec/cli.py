@@ -1,5 +1,6 @@
 """``detspec`` command line: ``generate`` from a model directory (or the built-in default
-model), ``serve`` an OpenAI-compatible server, ``bench serve`` a running server."""
+model), ``serve`` an OpenAI-compatible server, ``bench serve`` a running server, ``demo`` the
+determinism contract on the built-in model."""
 
 from __future__ import annotations
 
@@ -36,7 +37,22 @@ def main(argv: list[str] | None = None) -> int:
     add_bench_arguments(
         bsub.add_parser("serve", help="load a running server through HTTP, as vllm bench serve")
     )
+    from detspec.demo import add_demo_arguments
+
+    add_demo_arguments(
+        sub.add_parser(
+            "demo",
+            help="watch a deterministic request stay bitwise identical under concurrent load "
+            "(and the same request drift with determinism off)",
+            description="One deterministic request alone, then inside rounds of concurrent "
+            "random requests, then the same under determinism='off'; tables of what changed.",
+        )
+    )
     args = ap.parse_args(argv)
+    if args.cmd == "demo":
+        from detspec.demo import run_demo
+
+        return run_demo(args)
     if args.cmd == "serve":
         from detspec.server.serve import serve
 

@@ -1148,6 +1148,7 @@ def build_app(
                     "owned_by": "detspec",
                     "root": engine.model,
                     "max_model_len": server.max_model_len,
+                    "fingerprint": server.fingerprint,
                 }
                 for name in server.model_names
             ],

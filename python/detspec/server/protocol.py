@@ -203,6 +203,9 @@ class ModelCard(BaseModel):
     owned_by: str
     root: str
     max_model_len: int
+    # The engine's determinism fingerprint: replicas that report the same one return the
+    # same bits for a deterministic request (detspec.ray.check_replicas compares them).
+    fingerprint: str
 
 
 class ModelList(BaseModel):
