@@ -14,7 +14,6 @@ Start it with ``serve run detspec.ray:build_app model=DIR num_replicas=2`` or
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import inspect
 import os
 import time
@@ -41,24 +40,6 @@ from detspec.errors import DetspecError
 _SESSION_ROUTER = "ray.serve.experimental.consistent_hash_router.ConsistentHashRouter"
 REPLICA_HEADER = "x-detspec-replica"
 FINGERPRINT_HEADER = "x-detspec-fingerprint"
-# The files of a model directory whose bytes decide a deterministic output.
-_MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
-
-
-def model_digest(model_dir: str) -> str:
-    """SHA-256 over the weights and the config/tokenizer files of ``model_dir``.
-
-    The engine's fingerprint hashes only the safetensors headers (names, dtypes, shapes,
-    offsets), so two checkpoints of one architecture with different values (a fine-tune, an RL
-    step) share it; replicas are compared on this digest as well. It reads every weight byte
-    once, at replica start, next to loading them."""
-    h = hashlib.sha256()
-    names = sorted(n for n in os.listdir(model_dir) if n.endswith(".safetensors"))
-    names += [n for n in _MODEL_FILES if os.path.exists(os.path.join(model_dir, n))]
-    for name in names:
-        with open(os.path.join(model_dir, name), "rb") as f:
-            h.update(name.encode() + b"\0" + hashlib.file_digest(f, "sha256").digest())
-    return h.hexdigest()
 
 
 class DetspecServeArgs(BaseModel):
@@ -76,8 +57,6 @@ class DetspecServeArgs(BaseModel):
     max_ongoing_requests: int = Field(256, ge=1)
     autoscaling_config: dict[str, Any] | None = None
     routing: Literal["default", "session"] = "default"
-    # Hash the model files at replica start so check_replicas sees different weight values.
-    verify_weights: bool = True
     health_check_period_s: float = 10.0
     # server
     served_model_name: str | None = None
@@ -146,7 +125,6 @@ class DetspecDeployment:
         model: str | None,
         engine_kwargs: dict[str, Any],
         server: dict[str, Any],
-        verify_weights: bool = True,
     ) -> None:
         from detspec.async_llm import AsyncLLM
 
@@ -154,7 +132,6 @@ class DetspecDeployment:
         self.server_options = server
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.fingerprint_value = self.engine.fingerprint
-        self.model_digest = model_digest(self.engine.model) if verify_weights else ""
         self._state: Any = None
 
     def __serve_build_asgi_app__(self) -> ASGIApp:
@@ -173,13 +150,9 @@ class DetspecDeployment:
         return app
 
     def describe(self) -> dict[str, str]:
-        """This replica's id, fingerprint and model digest (what :func:`check_replicas`
-        collects)."""
-        return {
-            "replica": self.replica_id,
-            "fingerprint": self.fingerprint_value,
-            "model_digest": self.model_digest,
-        }
+        """This replica's id and fingerprint (what :func:`check_replicas` collects). The
+        fingerprint hashes the weight values, so other weights of the same shapes differ."""
+        return {"replica": self.replica_id, "fingerprint": self.engine.fingerprint}
 
     def check_health(self) -> None:
         """Ray restarts the replica when this raises: the engine is shut down or its engine
@@ -220,7 +193,7 @@ def _build(args: DetspecServeArgs) -> serve.Application:
     if args.routing == "session":
         options["request_router_config"] = RequestRouterConfig(request_router_class=_SESSION_ROUTER)
     deployment = serve.deployment(DetspecDeployment).options(**options)
-    return deployment.bind(args.model, engine_kwargs, server, args.verify_weights)
+    return deployment.bind(args.model, engine_kwargs, server)
 
 
 def build_app(args: DetspecServeArgs | Mapping[str, Any] | None = None, /, **options: Any):
@@ -258,8 +231,7 @@ class ReplicaMismatchError(DetspecError):
 @dataclass
 class ReplicaReport:
     """What each running replica reported: ``fingerprints`` maps a replica id to its engine
-    fingerprint, followed by ``+sha256:<first 16 hex>`` of its model files when the deployment
-    hashes them (``verify_weights``)."""
+    fingerprint."""
 
     fingerprints: dict[str, str]
     expected_replicas: int
@@ -316,8 +288,7 @@ async def check_replicas_async(
         calls = [handle.describe.remote() for _ in range(max(probes, 2 * expected))]
         for d in await asyncio.gather(*calls, return_exceptions=True):
             if isinstance(d, dict):
-                digest = d.get("model_digest")
-                seen[d["replica"]] = d["fingerprint"] + (f"+sha256:{digest[:16]}" if digest else "")
+                seen[d["replica"]] = d["fingerprint"]
         expected = max(expected, _running_replicas(handle))
     report = ReplicaReport(seen, expected, unreached=max(0, expected - len(seen)))
     majority = report.majority
