@@ -29,11 +29,11 @@ BITS_VIEW = {
 
 
 def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Random bit patterns: floats include NaNs (with payloads), infinities and subnormals."""
     g = torch.Generator().manual_seed(seed)
-    if dtype.is_floating_point:
-        return (torch.randn(shape, generator=g) * 100).to(dtype)
-    info = torch.iinfo(dtype)
-    return torch.randint(info.min, info.max, shape, generator=g, dtype=dtype)
+    bits = BITS_VIEW[dtype]
+    info = torch.iinfo(bits)
+    return torch.randint(info.min, info.max, shape, generator=g, dtype=bits).view(dtype)
 
 
 def assert_same_bits(a: torch.Tensor, b: torch.Tensor) -> None:
