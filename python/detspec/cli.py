@@ -45,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
             help="watch a deterministic request stay bitwise identical under concurrent load "
             "(and the same request drift with determinism off)",
             description="One deterministic request alone, then inside rounds of concurrent "
-            "random requests, then the same under determinism='off'; tables of what changed.",
+            "random requests, then the same under determinism='off'; tables of what changed. "
+            "Exit status 1 if a deterministic request ever differed from its solo run.",
         )
     )
     args = ap.parse_args(argv)

@@ -1,33 +1,29 @@
-"""The built-in default model: a tiny random-weight Llama built locally on first use."""
+"""The built-in default model: a small English Llama shipped inside the package.
+
+Used when no model is named (``LLM()``, ``detspec generate``, ``detspec serve``, ``detspec
+demo``), so a first run prints words without downloading anything. It is an ordinary Hugging Face
+directory and loads through the same path as users' models; ``scripts/train_default_model.py``
+trained it on the Python standard library's docstrings and reproduces it (its ``training.json``
+records the losses and the weights' hash). Tests and benchmarks build random models instead
+(``detspec._core.write_demo_model``).
+"""
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
-from detspec import _core
+from detspec.errors import ModelLoadError
 
-_VERSION = "tiny-llama-v1"
-
-
-def cache_dir() -> Path:
-    """Where generated models live: ``$DETSPEC_CACHE`` or ``~/.cache/detspec``."""
-    root = os.environ.get("DETSPEC_CACHE") or os.path.join(Path.home(), ".cache", "detspec")
-    return Path(root)
+NAME = "detspec-tiny-en"
+_DIR = Path(__file__).resolve().parent / "_default_model" / NAME
 
 
 def default_model_dir() -> Path:
-    """Path of the default model, building it (atomically) if it is not there yet."""
-    target = cache_dir() / _VERSION
-    if (target / "model.safetensors").exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
-    _core.write_demo_model(str(tmp), "tiny", 0)
-    try:
-        tmp.rename(target)
-    except OSError:  # another process finished first
-        if not (target / "model.safetensors").exists():
-            raise
-    return target
+    """Directory of the shipped default model."""
+    if not (_DIR / "model.safetensors").is_file():
+        # Only a broken install gets here (e.g. package data left out of a wheel).
+        raise ModelLoadError(
+            f"the built-in default model is missing from this install ({_DIR}); "
+            "reinstall detspec or pass a model directory"
+        )
+    return _DIR
