@@ -66,22 +66,7 @@ pub struct SampledToken {
 pub fn sample(input: &SampleInput) -> Result<SampledToken> {
     let logits = input.logits;
     let vocab = logits.len();
-    if vocab == 0 {
-        return Err(DetspecError::param("logits", "row is empty"));
-    }
-    // `+inf` is rejected too: it would make the log-sum-exp NaN. `-inf` is a legitimate mask.
-    if let Some(i) = logits
-        .iter()
-        .position(|l| l.is_nan() || *l == f32::INFINITY)
-    {
-        return Err(DetspecError::param(
-            "logits",
-            format!(
-                "value at index {i} is {} (NaN and +inf are not allowed)",
-                logits[i]
-            ),
-        ));
-    }
+    check_row(logits)?;
     check_ids("prompt_tokens", input.prompt_tokens, vocab)?;
     check_ids("output_tokens", input.output_tokens, vocab)?;
     check_ids("banned_tokens", input.banned_tokens, vocab)?;
@@ -144,21 +129,7 @@ pub fn sample(input: &SampleInput) -> Result<SampledToken> {
 /// [`DetspecError::InvalidParameter`] when the row is empty or holds NaN/`+inf`, or `token` is
 /// outside the vocabulary.
 pub fn score_token(logits: &[f32], token: u32, top_n_count: usize) -> Result<TokenLogprobs> {
-    if logits.is_empty() {
-        return Err(DetspecError::param("logits", "row is empty"));
-    }
-    if let Some(i) = logits
-        .iter()
-        .position(|l| l.is_nan() || *l == f32::INFINITY)
-    {
-        return Err(DetspecError::param(
-            "logits",
-            format!(
-                "value at index {i} is {} (NaN and +inf are not allowed)",
-                logits[i]
-            ),
-        ));
-    }
+    check_row(logits)?;
     check_ids("token_ids", &[token], logits.len())?;
     let lse = log_sum_exp(logits);
     let logprob_of = |t: u32| (f64::from(logits[t as usize]) - lse) as f32;
@@ -180,6 +151,27 @@ pub fn rank_of(logits: &[f32], token: u32) -> u32 {
         .copied()
         .unwrap_or(f32::NEG_INFINITY);
     1 + logits.iter().filter(|&&x| x > chosen).count() as u32
+}
+
+/// A row must be non-empty and free of NaN and `+inf` (which would make the log-sum-exp NaN);
+/// `-inf` is a legitimate mask.
+fn check_row(logits: &[f32]) -> Result<()> {
+    if logits.is_empty() {
+        return Err(DetspecError::param("logits", "row is empty"));
+    }
+    match logits
+        .iter()
+        .position(|l| l.is_nan() || *l == f32::INFINITY)
+    {
+        Some(i) => Err(DetspecError::param(
+            "logits",
+            format!(
+                "value at index {i} is {} (NaN and +inf are not allowed)",
+                logits[i]
+            ),
+        )),
+        None => Ok(()),
+    }
 }
 
 /// Errors if any id is outside the vocabulary, naming the list it came from.
