@@ -13,8 +13,7 @@ fixed too; wall time is only reported. Whether the result is bitwise equal acros
 depends on torch's CPU kernels (ISA dispatch), so the run records the hash it got. The committed
 weights (sha256 6a7b603a...25c9, torch 2.15 CPU, 2 threads) were reproduced bitwise by a second
 full run on the same machine (654 s of training at load ~7, 238 s once it was quieter),
-tokenizer and
-held-out file included.
+tokenizer and held-out file included.
 
 Usage::
 
