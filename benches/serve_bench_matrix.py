@@ -135,9 +135,11 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     model = args.model
     if model is None:
-        from detspec.default_model import default_model_dir
+        # The random tiny model the docs' numbers were measured on (not the shipped one).
+        import detspec
 
-        model = str(default_model_dir())
+        model = tempfile.mkdtemp(prefix="bench-model-")
+        detspec._core.write_demo_model(model, "tiny", 0)
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     log = tempfile.NamedTemporaryFile(prefix="bench-server-", suffix=".log", delete=False)

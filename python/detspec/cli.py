@@ -17,7 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="generate completions for prompts")
     g.add_argument(
-        "--model", default=None, help="HF model directory (default: built-in tiny model)"
+        "--model", default=None, help="HF model directory (default: the built-in default model)"
     )
     g.add_argument("--prompt", action="append", help="prompt text (repeatable)")
     g.add_argument("--max-tokens", type=int, default=32)

@@ -103,7 +103,7 @@ _COUNT_SETTINGS = (
 
 class _EngineClient:
     """What LLM and AsyncLLM share: the engine (one constructor), its tokenizer, output
-    conversion. ``model=None`` uses the built-in tiny demo model (built on first use, no
+    conversion. ``model=None`` uses the built-in default model (shipped in the package, no
     download)."""
 
     _engine: Any
@@ -292,7 +292,7 @@ class _EngineClient:
 class LLM(_EngineClient):
     """Loads a Hugging Face model directory and generates from it (offline, blocking).
 
-    ``model=None`` uses the built-in tiny demo model (built on first use, no download).
+    ``model=None`` uses the built-in default model (shipped in the package, no download).
     """
 
     def generate(

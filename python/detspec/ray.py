@@ -48,7 +48,7 @@ class DetspecServeArgs(BaseModel):
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
-    model: str | None = Field(None, description="HF model directory (None: the tiny demo model)")
+    model: str | None = Field(None, description="HF model directory (None: the default model)")
     name: str = "detspec"
     num_replicas: int | Literal["auto"] = 1
     num_cpus: float = Field(1.0, ge=0, description="CPUs Ray reserves per replica")

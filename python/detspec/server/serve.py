@@ -25,7 +25,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "model",
         nargs="?",
         default=None,
-        help="HF model directory (default: the built-in tiny model)",
+        help="HF model directory (default: the built-in default model, detspec-tiny-en)",
     )
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000)
