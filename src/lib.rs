@@ -33,6 +33,10 @@ pub mod tokenizer;
 #[cfg(feature = "python")]
 mod python;
 
+#[cfg(feature = "python")]
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 pub use config::{EngineConfig, ModelConfig};
 pub use engine::{Engine, RequestStream};
 pub use error::{DetspecError, Result};
