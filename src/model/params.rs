@@ -128,6 +128,7 @@ impl Model {
             .collect();
         check_update(&self.cfg, &shapes)?;
         let tied = self.cfg.tie_word_embeddings;
+        let device = self.device().clone();
         let sets_embedding = updates
             .iter()
             .any(|(n, _)| n == "model.embed_tokens.weight");
@@ -137,7 +138,7 @@ impl Model {
             if tied && name == "lm_head.weight" && sets_embedding {
                 continue;
             }
-            let t = t.to_dtype(DType::F32)?.to_device(&self.device().clone())?;
+            let t = t.to_dtype(DType::F32)?.to_device(&device)?;
             let hash_name = if tied && name == "lm_head.weight" {
                 "model.embed_tokens.weight".to_string()
             } else {
