@@ -97,10 +97,10 @@ class _ReplicaHeaders:
     """Adds the replica id and fingerprint to every HTTP response (errors included), so a
     client can tell which replica answered and whether two answers are comparable."""
 
-    def __init__(self, app: ASGIApp, replica: str, fingerprint: str) -> None:
+    def __init__(self, app: ASGIApp, replica: str, engine: Any) -> None:
         self.app = app
-        self.extra = [(REPLICA_HEADER.encode(), replica.encode()),
-                      (FINGERPRINT_HEADER.encode(), fingerprint.encode())]  # fmt: skip
+        self.replica = replica.encode()
+        self.engine = engine  # its fingerprint moves with weight updates: read per response
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -109,7 +109,11 @@ class _ReplicaHeaders:
 
         async def send_with_headers(message: Message) -> None:
             if message["type"] == "http.response.start":
-                message["headers"] = [*message.get("headers", []), *self.extra]
+                message["headers"] = [
+                    *message.get("headers", []),
+                    (REPLICA_HEADER.encode(), self.replica),
+                    (FINGERPRINT_HEADER.encode(), self.engine.fingerprint.encode()),
+                ]
             await send(message)
 
         await self.app(scope, receive, send_with_headers)
@@ -131,7 +135,6 @@ class DetspecDeployment:
         self.engine = AsyncLLM(model, **engine_kwargs)
         self.server_options = server
         self.replica_id = serve.get_replica_context().replica_id.unique_id
-        self.fingerprint_value = self.engine.fingerprint
         self._state: Any = None
 
     def __serve_build_asgi_app__(self) -> ASGIApp:
@@ -144,9 +147,7 @@ class DetspecDeployment:
         config = ServerConfig(served_model_names=names, **opts)
         app = build_app(self.engine, config)
         self._state = app.state.server
-        app.add_middleware(
-            _ReplicaHeaders, replica=self.replica_id, fingerprint=self.fingerprint_value
-        )
+        app.add_middleware(_ReplicaHeaders, replica=self.replica_id, engine=self.engine)
         return app
 
     def describe(self) -> dict[str, str]:

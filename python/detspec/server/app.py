@@ -298,6 +298,11 @@ class _ChoiceState:
 class OpenAIServer:
     """Request handling shared by the routes: validation, admission, generation, shaping."""
 
+    @property
+    def fingerprint(self) -> str:
+        """The engine's current fingerprint (it moves when the weights are updated)."""
+        return self.engine.fingerprint
+
     def __init__(self, engine: AsyncLLM, config: ServerConfig) -> None:
         self.engine = engine
         self.config = config
@@ -305,7 +310,6 @@ class OpenAIServer:
         self.tokenizer = engine.get_tokenizer()
         self.max_model_len = int(engine._engine.max_model_len())
         self.vocab_size = int(engine._engine.vocab_size())
-        self.fingerprint = engine.fingerprint
         self.determinism = config.determinism or ("off" if "-off-" in self.fingerprint else "on")
         self.created = int(time.time())
         self.inflight_seqs = 0
