@@ -29,6 +29,9 @@ use crate::tokenizer::Tokenizer;
 
 type Reply<T> = Sender<Result<T>>;
 
+/// Named parameters for a weight update (Hugging Face names).
+type Updates = Vec<(String, candle_core::Tensor)>;
+
 /// Work run on the engine thread with the core, between steps (standalone forwards).
 type CoreJob = Box<dyn FnOnce(&mut EngineCore) + Send>;
 
@@ -51,7 +54,7 @@ enum Command {
     Abort(String),
     WithCore(CoreJob),
     UpdateWeights {
-        updates: Vec<(String, candle_core::Tensor)>,
+        updates: Updates,
         in_flight: InFlight,
         reply: Reply<Arc<ModelInfo>>,
     },
@@ -220,11 +223,7 @@ impl Engine {
     /// Every name, shape and dtype is checked before anything changes. Requests in flight
     /// finish on the old weights (`InFlight::Finish`: the update waits for them, and requests
     /// submitted meanwhile wait for the update) or are aborted (`InFlight::Abort`).
-    pub fn update_weights(
-        &self,
-        updates: Vec<(String, candle_core::Tensor)>,
-        in_flight: InFlight,
-    ) -> Result<Arc<ModelInfo>> {
+    pub fn update_weights(&self, updates: Updates, in_flight: InFlight) -> Result<Arc<ModelInfo>> {
         let shapes: Vec<_> = updates
             .iter()
             .map(|(n, t)| (n.clone(), t.dims().to_vec(), t.dtype()))
@@ -303,11 +302,12 @@ fn engine_loop(
     shared_info: Arc<RwLock<Arc<ModelInfo>>>,
 ) {
     let mut routes = Routes::default();
-    let mut pending: Option<Command> = None;
+    // The weights of an update waiting for the requests in flight, and its caller's reply.
+    let mut pending: Option<(Updates, Reply<Arc<ModelInfo>>)> = None;
     let mut held: std::collections::VecDeque<Command> = Default::default();
     loop {
-        if pending.is_some() && !core.has_work() {
-            if let Some(Command::UpdateWeights { updates, reply, .. }) = pending.take() {
+        if !core.has_work() {
+            if let Some((updates, reply)) = pending.take() {
                 let r = core.update_weights(updates);
                 if let Ok(info) = &r {
                     *shared_info.write().unwrap_or_else(|e| e.into_inner()) = info.clone();
@@ -390,13 +390,17 @@ fn engine_loop(
                     });
                 }
                 Command::WithCore(job) => job(&mut core),
-                cmd @ Command::UpdateWeights { in_flight, .. } => {
+                Command::UpdateWeights {
+                    updates,
+                    in_flight,
+                    reply,
+                } => {
                     if in_flight == InFlight::Abort {
                         for ev in core.abort_all() {
                             route(&mut routes, ev);
                         }
                     }
-                    pending = Some(cmd);
+                    pending = Some((updates, reply));
                 }
                 Command::KvPages(reply) => {
                     let _ = reply.send(core.kv_pages());

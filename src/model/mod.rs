@@ -5,5 +5,5 @@ mod params;
 mod weights;
 
 pub use decoder::{ForwardBatch, Model};
-pub use params::{check_update, param_shapes, tensor_hash};
+pub use params::{check_update, param_shapes};
 pub use weights::Checkpoint;

@@ -113,14 +113,9 @@ enum Slot<'a> {
 }
 
 impl Model {
-    /// Checks that every `(name, shape, dtype)` names a parameter of this model with its shape
-    /// and a float dtype, before anything is changed. The error names the first bad tensor.
-    pub fn check_update(&self, updates: &[(String, Vec<usize>, DType)]) -> Result<()> {
-        check_update(&self.cfg, updates)
-    }
-
-    /// Replaces the named parameters (already checked with [`check_update`]); values are
-    /// converted to the engine's dtype. Returns the new combined weights hash.
+    /// Replaces the named parameters, after checking all of them with [`check_update`] (so
+    /// a bad one changes nothing); values are converted to the engine's dtype. Returns the new
+    /// combined weights hash.
     pub fn set_params(&mut self, updates: Vec<(String, Tensor)>) -> Result<u64> {
         let shapes: Vec<(String, Vec<usize>, DType)> = updates
             .iter()
@@ -204,7 +199,9 @@ fn unknown(name: &str) -> DetspecError {
     )
 }
 
-/// [`Model::check_update`] from the config alone, so a caller can check without the model.
+/// Checks that every `(name, shape, dtype)` names a parameter of a `cfg` model with its shape
+/// and a float dtype; the error names the first bad tensor. Needs only the config, so a caller
+/// can check before handing the update to the engine thread.
 pub fn check_update(cfg: &ModelConfig, updates: &[(String, Vec<usize>, DType)]) -> Result<()> {
     let shapes = param_shapes(cfg);
     let mut seen = std::collections::HashSet::new();
