@@ -275,14 +275,15 @@ class _EngineClient:
     def _attach_prompt_logprobs(
         self, outs: list[RequestOutput], params: Sequence[SamplingParams]
     ) -> None:
-        wanted = [
-            (o, sp.prompt_logprobs)
-            for o, sp in zip(outs, params, strict=True)
-            if sp.prompt_logprobs is not None
-        ]
-        for o, k in wanted:
-            (raw,) = self._engine.prompt_logprobs([o.prompt_token_ids], k)
-            o.prompt_logprobs = prompt_logprobs_to_py(raw, self._decode_token)
+        # One engine call (batched forwards) per distinct k.
+        by_k: dict[int, list[RequestOutput]] = {}
+        for o, sp in zip(outs, params, strict=True):
+            if sp.prompt_logprobs is not None:
+                by_k.setdefault(sp.prompt_logprobs, []).append(o)
+        for k, group in by_k.items():
+            raws = self._engine.prompt_logprobs([o.prompt_token_ids for o in group], k)
+            for o, raw in zip(group, raws, strict=True):
+                o.prompt_logprobs = prompt_logprobs_to_py(raw, self._decode_token)
 
     def shutdown(self) -> None:
         """Stops the engine thread; unfinished requests end with finish_reason "abort"."""

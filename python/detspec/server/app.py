@@ -34,6 +34,7 @@ from detspec.async_llm import AsyncLLM
 from detspec.errors import DetspecError, InvalidRequestError
 from detspec.outputs import RequestOutput
 from detspec.sampling_params import SamplingParams
+from detspec.scoring import prompt_logprobs_to_py
 from detspec.server import protocol as P
 from detspec.server.metrics import CONTENT_TYPE, ServerMetrics
 
@@ -510,21 +511,20 @@ class OpenAIServer:
         prompt token's logprob (and rank) plus the top ``k``: the engine's numbers, bit for
         bit those of ``LLM.generate`` and ``LLM.score`` (verify-path kernels)."""
         (raw,) = await asyncio.to_thread(self.engine._engine.prompt_logprobs, [ids], k)
-        out: list[dict[str, Any] | None] = [None]
-        for tok, lp, rank, top in raw:
-            entry: dict[str, Any] = {
-                str(tok): {
-                    "logprob": _lp(lp),
-                    "rank": rank,
-                    "decoded_token": self.decode_token(tok),
+
+        def as_json(entry: dict[int, Any]) -> dict[str, Any]:  # Logprob objects -> JSON
+            return {
+                str(t): {
+                    "logprob": _lp(x.logprob),
+                    "rank": x.rank,
+                    "decoded_token": x.decoded_token,
                 }
+                for t, x in entry.items()
             }
-            for r, (t, tlp) in enumerate(top, start=1):
-                entry.setdefault(
-                    str(t), {"logprob": _lp(tlp), "rank": r, "decoded_token": self.decode_token(t)}
-                )
-            out.append(entry)
-        return out
+
+        return [
+            None if e is None else as_json(e) for e in prompt_logprobs_to_py(raw, self.decode_token)
+        ]
 
     # ---------------------------------------------------------------- generation
 
