@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,37 +29,14 @@ import time
 from typing import Any
 
 import httpx
+from serve_process import bench_args, free_port, wait_ready
 
 from detspec import _core
-from detspec.server.bench import add_bench_arguments, run_benchmark
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_ready(url: str, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=1.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"{url} did not become ready in {timeout}s")
+from detspec.server.bench import run_benchmark
 
 
 def bench(url: str, label: str, **kw: Any) -> dict[str, Any]:
-    p = argparse.ArgumentParser()
-    add_bench_arguments(p)
-    args = p.parse_args([])
-    args.base_url = url
-    args.label = label
-    for k, v in kw.items():
-        setattr(args, k, v)
+    args = bench_args(base_url=url, label=label, **kw)
     load_before = list(os.getloadavg())
     result = asyncio.run(run_benchmark(args))
     result["loadavg_before"] = load_before

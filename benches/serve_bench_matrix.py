@@ -13,32 +13,15 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import httpx
+from serve_process import bench_args, free_port, wait_ready
 
-from detspec.server.bench import add_bench_arguments, run_benchmark
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def bench_args(**over: object) -> argparse.Namespace:
-    p = argparse.ArgumentParser()
-    add_bench_arguments(p)
-    args = p.parse_args([])
-    for k, v in over.items():
-        setattr(args, k, v)
-    return args
+from detspec.server.bench import run_benchmark
 
 
 def median_rows(results: list[dict]) -> list[dict]:
@@ -150,12 +133,7 @@ def main() -> int:
     )  # fmt: skip
     results = []
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
+        wait_ready(base)
         common = dict(
             base_url=base,
             model_dir=model,

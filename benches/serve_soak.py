@@ -18,7 +18,6 @@ import json
 import os
 import random
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -28,12 +27,7 @@ from collections import Counter
 from typing import Any
 
 import httpx
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from serve_process import free_port, wait_ready
 
 
 def metrics(base: str) -> dict[str, float]:
@@ -235,14 +229,7 @@ def main() -> int:
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     result: dict[str, Any] = {"args": vars(args), "server_log": log.name}
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        else:
-            raise RuntimeError("server did not start")
+        wait_ready(base)
         result["load_before"] = os.getloadavg()
         result.update(asyncio.run(run(args, base)))
         result["load_after"] = os.getloadavg()
