@@ -191,71 +191,83 @@ impl PyTensor {
         Ok(t?)
     }
 
+    /// A leaked managed tensor (versioned or legacy) that owns its [`ExportCtx`]; the
+    /// capsule's destructor or the consumer frees it through its deleter.
     fn export(&self, versioned: bool) -> *mut c_void {
         let (dtype, _) = self.storage.buf.dtype();
-        let shape: Vec<i64> = self.storage.shape.iter().map(|&d| d as i64).collect();
-        let mut strides = vec![1i64; shape.len()];
-        for i in (0..shape.len().saturating_sub(1)).rev() {
-            strides[i] = strides[i + 1] * shape[i + 1].max(1);
-        }
-        let mut ctx = Box::new(ExportCtx {
-            _keep: self.storage.clone(),
-            shape,
-            strides,
-            legacy: None,
-            versioned: None,
-        });
+        let mut shape: Vec<i64> = self.storage.shape.iter().map(|&d| d as i64).collect();
+        let mut strides = row_major_strides(&shape);
+        // The Vecs' heap buffers do not move when the Vecs move into the context below.
         let dl_tensor = DLTensor {
             data: self.storage.buf.as_ptr().cast_mut(),
             device: DLDevice {
                 device_type: CPU,
                 device_id: 0,
             },
-            ndim: ctx.shape.len() as i32,
+            ndim: shape.len() as i32,
             dtype,
-            shape: ctx.shape.as_mut_ptr(),
-            strides: ctx.strides.as_mut_ptr(),
+            shape: shape.as_mut_ptr(),
+            strides: strides.as_mut_ptr(),
             byte_offset: 0,
         };
-        let ctx_ptr: *mut ExportCtx = &mut *ctx;
-        if versioned {
-            ctx.versioned = Some(DLManagedTensorVersioned {
+        let null = std::ptr::null_mut();
+        let managed = if versioned {
+            Managed::Versioned(DLManagedTensorVersioned {
                 version: DLPackVersion { major: 1, minor: 1 },
-                manager_ctx: ctx_ptr.cast(),
+                manager_ctx: null,
                 deleter: Some(delete_versioned),
                 flags: 0,
                 dl_tensor,
-            });
-            let p: *mut DLManagedTensorVersioned = ctx
-                .versioned
-                .as_mut()
-                .map_or(std::ptr::null_mut(), |m| m as *mut DLManagedTensorVersioned);
-            Box::leak(ctx);
-            p.cast()
+            })
         } else {
-            ctx.legacy = Some(DLManagedTensor {
+            Managed::Legacy(DLManagedTensor {
                 dl_tensor,
-                manager_ctx: ctx_ptr.cast(),
+                manager_ctx: null,
                 deleter: Some(delete_legacy),
-            });
-            let p: *mut DLManagedTensor = ctx
-                .legacy
-                .as_mut()
-                .map_or(std::ptr::null_mut(), |m| m as *mut DLManagedTensor);
-            Box::leak(ctx);
-            p.cast()
+            })
+        };
+        let ctx = Box::leak(Box::new(ExportCtx {
+            _keep: self.storage.clone(),
+            _shape: shape,
+            _strides: strides,
+            managed,
+        }));
+        let ctx_ptr: *mut c_void = (ctx as *mut ExportCtx).cast();
+        match &mut ctx.managed {
+            Managed::Versioned(m) => {
+                m.manager_ctx = ctx_ptr;
+                (m as *mut DLManagedTensorVersioned).cast()
+            }
+            Managed::Legacy(m) => {
+                m.manager_ctx = ctx_ptr;
+                (m as *mut DLManagedTensor).cast()
+            }
         }
     }
+}
+
+/// Strides (in elements) of a compact row-major array of `shape`.
+fn row_major_strides(shape: &[i64]) -> Vec<i64> {
+    let mut strides = vec![1i64; shape.len()];
+    for i in (0..shape.len().saturating_sub(1)).rev() {
+        strides[i] = strides[i + 1] * shape[i + 1].max(1);
+    }
+    strides
+}
+
+/// The managed tensor a capsule hands out, in the ABI the consumer asked for.
+enum Managed {
+    Legacy(DLManagedTensor),
+    Versioned(DLManagedTensorVersioned),
 }
 
 /// What a capsule owns: the buffer's keep-alive, the shape/strides arrays the DLTensor
 /// points into, and the managed struct itself (its `manager_ctx` points back here).
 struct ExportCtx {
     _keep: Arc<Storage>,
-    shape: Vec<i64>,
-    strides: Vec<i64>,
-    legacy: Option<DLManagedTensor>,
-    versioned: Option<DLManagedTensorVersioned>,
+    _shape: Vec<i64>,
+    _strides: Vec<i64>,
+    managed: Managed,
 }
 
 unsafe extern "C" fn delete_legacy(m: *mut DLManagedTensor) {
@@ -494,11 +506,7 @@ unsafe fn copy_out(t: &DLTensor) -> Result<PyTensor, String> {
     }
     let dims: Vec<usize> = shape.iter().map(|&d| d as usize).collect();
     let strides: Vec<i64> = if t.strides.is_null() || ndim == 0 {
-        let mut s = vec![1i64; ndim];
-        for i in (0..ndim.saturating_sub(1)).rev() {
-            s[i] = s[i + 1] * shape[i + 1].max(1);
-        }
-        s
+        row_major_strides(&shape)
     } else {
         unsafe { std::slice::from_raw_parts(t.strides, ndim) }.to_vec()
     };
