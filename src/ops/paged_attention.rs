@@ -10,6 +10,7 @@
 //!   engine picks `splits` from the batch size to keep all threads busy when few sequences
 //!   decode, which makes results depend on the batch: fast, and batch-variant on purpose.
 
+use std::ops::Range;
 use std::sync::Arc;
 
 use candle_core::{bail, CpuStorage, CustomOp3, Layout, Shape, Tensor};
@@ -170,30 +171,29 @@ struct AttentionArgs<'a> {
     page_size: usize,
 }
 
-impl AttentionArgs<'_> {
-    /// Offset in the caches of key `j` of `row`'s sequence, KV head `kvh`.
+impl<'a> AttentionArgs<'a> {
+    /// Query heads per KV head.
     #[inline(always)]
-    fn offset_of(&self, row: usize, kvh: usize, j: usize) -> KeyOffsets {
-        let bt = &self.meta.block_tables[self.meta.row_seq[row] as usize];
-        // Page sizes are powers of two in practice: shift and mask instead of a division per
-        // key (which cost more than the key's dot product).
-        let (page, in_page) = if self.page_size.is_power_of_two() {
-            let shift = self.page_size.trailing_zeros();
-            (j >> shift, j & (self.page_size - 1))
-        } else {
-            (j / self.page_size, j % self.page_size)
-        };
-        let page = bt[page] as usize;
-        let slot = page * self.page_size + in_page;
-        KeyOffsets {
-            k: (page * self.kv_heads + kvh) * self.dim * self.page_size + in_page,
-            v: (slot * self.kv_heads + kvh) * self.dim,
-        }
+    fn group(&self) -> usize {
+        self.heads / self.kv_heads
+    }
+
+    /// The block table of `row`'s sequence.
+    #[inline(always)]
+    fn block_table(&self, row: usize) -> &'a [u32] {
+        &self.meta.block_tables[self.meta.row_seq[row] as usize]
+    }
+
+    /// Query `head` of `row`.
+    #[inline(always)]
+    fn query(&self, row: usize, head: usize) -> &'a [f32] {
+        let at = (row * self.heads + head) * self.dim;
+        &self.q[at..at + self.dim]
     }
 
     /// Positions `row` attends to.
     #[inline(always)]
-    fn key_range(&self, row: usize) -> std::ops::Range<usize> {
+    fn key_range(&self, row: usize) -> Range<usize> {
         let pos = self.meta.positions[row] as usize;
         let start = self
             .meta
@@ -202,55 +202,478 @@ impl AttentionArgs<'_> {
         start..pos + 1
     }
 
-    /// Folds keys `range` of the `acc.len() / dim` consecutive queries from `idx` (= row · heads
-    /// + head; all of one KV head) into `acc`; per query `(max, denom)`.
+    /// (page, slot in page) of key `j` in block table `bt`.
     #[inline(always)]
-    fn attend(
-        &self,
-        idx: usize,
-        range: std::ops::Range<usize>,
-        acc: &mut [f32],
-    ) -> ([f32; MAX_GROUP], [f32; MAX_GROUP]) {
-        let (row, head) = (idx / self.heads, idx % self.heads);
-        let kvh = head / (self.heads / self.kv_heads);
-        let g = acc.len() / self.dim;
-        let mut part = Partial::new(acc, g);
-        part.attend(
-            &self.q[idx * self.dim..(idx + g) * self.dim],
-            |j| self.offset_of(row, kvh, j),
-            self.k_cache,
-            self.v_cache,
-            self.page_size,
-            range,
-            self.scale,
-        );
-        (part.max, part.denom)
+    fn page_of(&self, bt: &[u32], j: usize) -> (usize, usize) {
+        // Page sizes are powers of two in practice: shift and mask instead of a division per
+        // key (which cost more than the key's dot product).
+        let (page, in_page) = if self.page_size.is_power_of_two() {
+            let shift = self.page_size.trailing_zeros();
+            (j >> shift, j & (self.page_size - 1))
+        } else {
+            (j / self.page_size, j % self.page_size)
+        };
+        (bt[page] as usize, in_page)
     }
 
-    /// The fixed schedule for the `o.len() / dim` queries of one KV head from query `idx`: all
-    /// their keys in one pass, normalised. Each query's arithmetic is the same whether it is
-    /// computed alone or with the other heads of its group (they only share the key loads).
+    /// Where key `j` of KV head `kvh` starts in the K cache (element `d` is `page_size · d`
+    /// further) and in the V cache.
     #[inline(always)]
-    fn fixed_task(&self, idx: usize, o: &mut [f32]) {
-        let range = self.key_range(idx / self.heads);
-        for (c, o) in o.chunks_mut(MAX_GROUP * self.dim).enumerate() {
-            let (_, denom) = self.attend(idx + c * MAX_GROUP, range.clone(), o);
-            for (o, &d) in o.chunks_mut(self.dim).zip(&denom) {
-                normalise(o, d);
+    fn key_offsets(&self, bt: &[u32], kvh: usize, j: usize) -> (usize, usize) {
+        let (page, in_page) = self.page_of(bt, j);
+        let k = (page * self.kv_heads + kvh) * self.dim * self.page_size + in_page;
+        let v = ((page * self.page_size + in_page) * self.kv_heads + kvh) * self.dim;
+        (k, v)
+    }
+
+    /// The block of keys `j..end` (`end` at most the next multiple of [`SOFTMAX_BLOCK`]): in
+    /// place when its 16 lanes lie in one page (the common case: K is stored transposed per
+    /// page, so element `d` of the keys is contiguous), else gathered into `scratch`.
+    #[inline(always)]
+    fn block<'s>(
+        &self,
+        bt: &[u32],
+        kvh: usize,
+        keys: Range<usize>,
+        scratch: &'s mut Gathered,
+    ) -> Block<'s>
+    where
+        'a: 's,
+    {
+        let n = keys.len();
+        let (k0, v0) = self.key_offsets(bt, kvh, keys.start);
+        let (_, in_page) = self.page_of(bt, keys.start);
+        if in_page + SOFTMAX_BLOCK <= self.page_size {
+            return Block {
+                k: &self.k_cache[k0..],
+                k_stride: self.page_size,
+                v: &self.v_cache[v0..],
+                v_stride: self.kv_heads * self.dim,
+                n,
+            };
+        }
+        let dim = self.dim;
+        scratch.k.resize(dim * SOFTMAX_BLOCK, 0.0);
+        scratch.v.resize(SOFTMAX_BLOCK * dim, 0.0);
+        for (i, j) in keys.enumerate() {
+            let (k, v) = self.key_offsets(bt, kvh, j);
+            for d in 0..dim {
+                scratch.k[d * SOFTMAX_BLOCK + i] = self.k_cache[k + d * self.page_size];
             }
+            scratch.v[i * dim..(i + 1) * dim].copy_from_slice(&self.v_cache[v..v + dim]);
+        }
+        Block {
+            k: &scratch.k,
+            k_stride: SOFTMAX_BLOCK,
+            v: &scratch.v,
+            v_stride: dim,
+            n,
         }
     }
 
-    /// Split `split` of `splits` of query `idx` (unnormalised); `(max, denom)`.
+    /// Asks for the keys and values of block `keys` (usually on another, random page), so they
+    /// arrive while the current block is computed.
     #[inline(always)]
-    fn split_task(&self, idx: usize, split: usize, splits: usize, acc: &mut [f32]) -> (f32, f32) {
-        let range = self.key_range(idx / self.heads);
-        let blocks = (range.end - range.start).div_ceil(SOFTMAX_BLOCK);
+    fn prefetch_block(&self, bt: &[u32], kvh: usize, keys: Range<usize>) {
+        if keys.is_empty() {
+            return;
+        }
+        let (k0, v0) = self.key_offsets(bt, kvh, keys.start);
+        for d in 0..self.dim {
+            prefetch(self.k_cache, k0 + d * self.page_size, keys.len());
+        }
+        let v_stride = self.kv_heads * self.dim;
+        let (_, in_page) = self.page_of(bt, keys.start);
+        let in_this_page = keys.len().min(self.page_size - in_page);
+        for i in 0..in_this_page {
+            prefetch(self.v_cache, v0 + i * v_stride, self.dim);
+        }
+    }
+
+    /// Folds keys `range` of KV head `kvh` into `G` queries' states, block by block (blocks of
+    /// [`SOFTMAX_BLOCK`] aligned to absolute positions, so the blocking depends only on the
+    /// range).
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    fn fold_range<V: Lanes, const G: usize>(
+        &self,
+        bt: &[u32],
+        kvh: usize,
+        qs: &[&[f32]; G],
+        out: &mut [f32],
+        state: &mut [(f32, f32)],
+        range: Range<usize>,
+        scratch: &mut Gathered,
+    ) {
+        let block_end = |j: usize| ((j / SOFTMAX_BLOCK + 1) * SOFTMAX_BLOCK).min(range.end);
+        let mut j = range.start;
+        while j < range.end {
+            let end = block_end(j);
+            self.prefetch_block(bt, kvh, end..block_end(end));
+            let block = self.block(bt, kvh, j..end, scratch);
+            // SAFETY: the caller runs on a CPU with `V`'s instruction set.
+            unsafe { fold_block::<V, G>(qs, out, state, &block, self.dim, self.scale) };
+            j = end;
+        }
+    }
+
+    /// [`Self::fold_range`] for queries `queries` (indices into a tile: query `i` is head
+    /// `kvh · group + i % group` of row `first_row + i / group`), in groups of at most
+    /// [`MAX_QUERIES`]; `out` and `state` hold the tile's queries.
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    fn fold_queries<V: Lanes>(
+        &self,
+        kvh: usize,
+        first_row: usize,
+        queries: Range<usize>,
+        out: &mut [f32],
+        state: &mut [(f32, f32)],
+        range: Range<usize>,
+        scratch: &mut Gathered,
+    ) {
+        let (g, dim) = (self.group(), self.dim);
+        let bt = self.block_table(first_row);
+        let mut q0 = queries.start;
+        while q0 < queries.end {
+            let q1 = (q0 + MAX_QUERIES).min(queries.end);
+            let mut qs: [&[f32]; MAX_QUERIES] = [&[]; MAX_QUERIES];
+            for (i, q) in qs.iter_mut().zip(q0..q1) {
+                *i = self.query(first_row + q / g, kvh * g + q % g);
+            }
+            let out = &mut out[q0 * dim..q1 * dim];
+            let state = &mut state[q0..q1];
+            let range = range.clone();
+            macro_rules! fold_n {
+                ($($n:literal)*) => {
+                    match q1 - q0 {
+                        $($n => {
+                            let qs: &[&[f32]; $n] = qs[..$n].try_into().unwrap_or_else(|_| unreachable!());
+                            self.fold_range::<V, $n>(bt, kvh, qs, out, state, range, scratch)
+                        })*
+                        _ => unreachable!("query groups hold 1..=MAX_QUERIES queries"),
+                    }
+                };
+            }
+            fold_n!(1 2 3 4 5 6 7 8);
+            q0 = q1;
+        }
+    }
+
+    /// The fixed schedule for `rows` (consecutive positions of one sequence) × the query heads
+    /// of KV head `kvh`, normalised into `out` (`[row][head of the group][dim]`). The rows
+    /// share the loads of the key blocks they all attend to in full; every query's arithmetic
+    /// is what it would be alone.
+    #[inline(always)]
+    fn tile_task<V: Lanes>(&self, kvh: usize, rows: Range<usize>, out: &mut [f32]) {
+        let g = self.group();
+        let mut scratch = Gathered::default();
+        let mut state = vec![(f32::NEG_INFINITY, 0f32); rows.len() * g];
+        out.fill(0.0);
+        let first = self.key_range(rows.start);
+        // Without a sliding window every row's keys start at 0, so the first row's complete
+        // blocks are blocks of every later row too.
+        let shared_end = if rows.len() > 1 && self.meta.sliding_window.is_none() {
+            first.start.max(first.end / SOFTMAX_BLOCK * SOFTMAX_BLOCK)
+        } else {
+            first.start
+        };
+        let all = 0..rows.len() * g;
+        self.fold_queries::<V>(
+            kvh,
+            rows.start,
+            all,
+            out,
+            &mut state,
+            first.start..shared_end,
+            &mut scratch,
+        );
+        for (r, row) in rows.clone().enumerate() {
+            let range = self.key_range(row);
+            let from = shared_end.max(range.start);
+            self.fold_queries::<V>(
+                kvh,
+                rows.start,
+                r * g..(r + 1) * g,
+                out,
+                &mut state,
+                from..range.end,
+                &mut scratch,
+            );
+        }
+        for (o, &(_, denom)) in out.chunks_mut(self.dim).zip(&state) {
+            normalise(o, denom);
+        }
+    }
+
+    /// Split `split` of `splits` of query `idx` (= row · heads + head), unnormalised;
+    /// `(max, denom)`. One split is the whole fixed fold.
+    #[inline(always)]
+    fn split_task<V: Lanes>(
+        &self,
+        idx: usize,
+        split: usize,
+        splits: usize,
+        acc: &mut [f32],
+    ) -> (f32, f32) {
+        let (row, head) = (idx / self.heads, idx % self.heads);
+        let range = self.key_range(row);
+        let blocks = range.len().div_ceil(SOFTMAX_BLOCK);
         let chunk = blocks.div_ceil(splits) * SOFTMAX_BLOCK;
         let lo = (range.start + split * chunk).min(range.end);
         let hi = (lo + chunk).min(range.end);
-        let (max, denom) = self.attend(idx, lo..hi, acc);
-        (max[0], denom[0])
+        let mut state = [(f32::NEG_INFINITY, 0f32)];
+        acc.fill(0.0);
+        self.fold_range::<V, 1>(
+            self.block_table(row),
+            head / self.group(),
+            &[self.query(row, head)],
+            acc,
+            &mut state,
+            lo..hi,
+            &mut Gathered::default(),
+        );
+        state[0]
+    }
+}
+
+/// Most queries (query heads of one KV head, over one or more rows) folded together: they share
+/// each block's key and value loads, and their accumulators fit the vector registers.
+const MAX_QUERIES: usize = 8;
+
+/// A block of at most [`SOFTMAX_BLOCK`] keys of one KV head: element `d` of key `i` at
+/// `k[d · k_stride + i]` (all 16 lanes readable), value row `i` at `v[i · v_stride..][..dim]`.
+struct Block<'s> {
+    k: &'s [f32],
+    k_stride: usize,
+    v: &'s [f32],
+    v_stride: usize,
+    n: usize,
+}
+
+/// A block's keys and values copied out of the cache when they do not sit in one page.
+#[derive(Default)]
+struct Gathered {
+    k: Vec<f32>,
+    v: Vec<f32>,
+}
+
+/// Folds one block into `G` queries' unnormalised accumulators `out` (`G × dim`) and states
+/// `(max, denom)`. Per query: scores as in-order sums over `d` of `q[d] · k[d]` (no FMA), then
+/// scaled; the running maximum and rescale; the probabilities added to the denominator key by
+/// key; `p · v` added key by key. The queries only share loads.
+///
+/// # Safety
+/// The CPU has `V`'s instruction set.
+#[inline(always)]
+unsafe fn fold_block<V: Lanes, const G: usize>(
+    qs: &[&[f32]; G],
+    out: &mut [f32],
+    state: &mut [(f32, f32)],
+    b: &Block,
+    dim: usize,
+    scale: f32,
+) {
+    let n = b.n;
+    // SAFETY (every `V` operation below): the caller vouches for the instruction set.
+    let mut scores = [[0f32; SOFTMAX_BLOCK]; G];
+    unsafe {
+        let mut acc = [V::zero(); G];
+        for d in 0..dim {
+            let k = V::load(lanes(b.k, d * b.k_stride));
+            for (acc, q) in acc.iter_mut().zip(qs) {
+                *acc = acc.add(V::splat(q[d]).mul(k));
+            }
+        }
+        for (s, acc) in scores.iter_mut().zip(acc) {
+            acc.mul(V::splat(scale)).store(s);
+        }
+    }
+    let mut probs = [[0f32; SOFTMAX_BLOCK]; G];
+    let mut correction = [0f32; G];
+    for h in 0..G {
+        let s = &mut scores[h];
+        // Lanes past the block's keys hold whatever the page holds there.
+        s[n..].fill(f32::NEG_INFINITY);
+        let (max, denom) = state[h];
+        let new_max = s.iter().fold(max, |m, &x| m.max(x));
+        correction[h] = exp_nonpositive(max - new_max);
+        let mut denom = denom * correction[h];
+        for (p, &s) in probs[h].iter_mut().zip(s.iter()) {
+            *p = exp_nonpositive(s - new_max);
+        }
+        for &p in &probs[h][..n] {
+            denom += p;
+        }
+        state[h] = (new_max, denom);
+    }
+    // The accumulators 16 lanes of `dim` at a time, held in registers across the keys.
+    let whole = dim / SOFTMAX_BLOCK * SOFTMAX_BLOCK;
+    for c in (0..whole).step_by(SOFTMAX_BLOCK) {
+        unsafe {
+            let mut acc = [V::zero(); G];
+            for (h, acc) in acc.iter_mut().enumerate() {
+                *acc = V::load(lanes(out, h * dim + c)).mul(V::splat(correction[h]));
+            }
+            for i in 0..n {
+                let v = V::load(lanes(b.v, i * b.v_stride + c));
+                for (acc, p) in acc.iter_mut().zip(&probs) {
+                    *acc = acc.add(V::splat(p[i]).mul(v));
+                }
+            }
+            for (h, acc) in acc.iter().enumerate() {
+                acc.store(lanes_mut(out, h * dim + c));
+            }
+        }
+    }
+    for d in whole..dim {
+        for (h, p) in probs.iter().enumerate() {
+            let mut a = out[h * dim + d] * correction[h];
+            for (i, &p) in p[..n].iter().enumerate() {
+                a += p * b.v[i * b.v_stride + d];
+            }
+            out[h * dim + d] = a;
+        }
+    }
+}
+
+/// The [`SOFTMAX_BLOCK`] floats of `s` from `at`, as an array (so the loops over them
+/// compile to whole-vector operations).
+#[inline(always)]
+fn lanes(s: &[f32], at: usize) -> &[f32; SOFTMAX_BLOCK] {
+    match s[at..at + SOFTMAX_BLOCK].first_chunk() {
+        Some(lanes) => lanes,
+        None => unreachable!("a slice of SOFTMAX_BLOCK floats"),
+    }
+}
+
+/// [`lanes`], writable.
+#[inline(always)]
+fn lanes_mut(s: &mut [f32], at: usize) -> &mut [f32; SOFTMAX_BLOCK] {
+    match s[at..at + SOFTMAX_BLOCK].first_chunk_mut() {
+        Some(lanes) => lanes,
+        None => unreachable!("a slice of SOFTMAX_BLOCK floats"),
+    }
+}
+
+/// Sixteen f32 lanes and the operations the kernel needs, each rounded on its own (no FMA), so
+/// every implementation gives the same bits.
+///
+/// # Safety
+/// Every method needs the CPU to have the implementation's instruction set.
+trait Lanes: Copy {
+    unsafe fn zero() -> Self;
+    unsafe fn splat(x: f32) -> Self;
+    unsafe fn load(a: &[f32; SOFTMAX_BLOCK]) -> Self;
+    unsafe fn store(self, a: &mut [f32; SOFTMAX_BLOCK]);
+    unsafe fn add(self, b: Self) -> Self;
+    unsafe fn mul(self, b: Self) -> Self;
+}
+
+/// Plain arrays: any CPU.
+#[derive(Clone, Copy)]
+struct Portable([f32; SOFTMAX_BLOCK]);
+
+impl Lanes for Portable {
+    #[inline(always)]
+    unsafe fn zero() -> Self {
+        Portable([0.0; SOFTMAX_BLOCK])
+    }
+    #[inline(always)]
+    unsafe fn splat(x: f32) -> Self {
+        Portable([x; SOFTMAX_BLOCK])
+    }
+    #[inline(always)]
+    unsafe fn load(a: &[f32; SOFTMAX_BLOCK]) -> Self {
+        Portable(*a)
+    }
+    #[inline(always)]
+    unsafe fn store(self, a: &mut [f32; SOFTMAX_BLOCK]) {
+        *a = self.0;
+    }
+    #[inline(always)]
+    unsafe fn add(self, b: Self) -> Self {
+        Portable(std::array::from_fn(|l| self.0[l] + b.0[l]))
+    }
+    #[inline(always)]
+    unsafe fn mul(self, b: Self) -> Self {
+        Portable(std::array::from_fn(|l| self.0[l] * b.0[l]))
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::{Lanes, SOFTMAX_BLOCK};
+    use std::arch::x86_64::*;
+
+    /// One AVX-512 register.
+    #[derive(Clone, Copy)]
+    pub(super) struct Avx512(__m512);
+
+    impl Lanes for Avx512 {
+        #[inline(always)]
+        unsafe fn zero() -> Self {
+            Avx512(unsafe { _mm512_setzero_ps() })
+        }
+        #[inline(always)]
+        unsafe fn splat(x: f32) -> Self {
+            Avx512(unsafe { _mm512_set1_ps(x) })
+        }
+        #[inline(always)]
+        unsafe fn load(a: &[f32; SOFTMAX_BLOCK]) -> Self {
+            Avx512(unsafe { _mm512_loadu_ps(a.as_ptr()) })
+        }
+        #[inline(always)]
+        unsafe fn store(self, a: &mut [f32; SOFTMAX_BLOCK]) {
+            unsafe { _mm512_storeu_ps(a.as_mut_ptr(), self.0) }
+        }
+        #[inline(always)]
+        unsafe fn add(self, b: Self) -> Self {
+            Avx512(unsafe { _mm512_add_ps(self.0, b.0) })
+        }
+        #[inline(always)]
+        unsafe fn mul(self, b: Self) -> Self {
+            Avx512(unsafe { _mm512_mul_ps(self.0, b.0) })
+        }
+    }
+
+    /// Two AVX2 registers.
+    #[derive(Clone, Copy)]
+    pub(super) struct Avx2(__m256, __m256);
+
+    impl Lanes for Avx2 {
+        #[inline(always)]
+        unsafe fn zero() -> Self {
+            unsafe { Avx2(_mm256_setzero_ps(), _mm256_setzero_ps()) }
+        }
+        #[inline(always)]
+        unsafe fn splat(x: f32) -> Self {
+            unsafe { Avx2(_mm256_set1_ps(x), _mm256_set1_ps(x)) }
+        }
+        #[inline(always)]
+        unsafe fn load(a: &[f32; SOFTMAX_BLOCK]) -> Self {
+            unsafe {
+                Avx2(
+                    _mm256_loadu_ps(a.as_ptr()),
+                    _mm256_loadu_ps(a.as_ptr().add(8)),
+                )
+            }
+        }
+        #[inline(always)]
+        unsafe fn store(self, a: &mut [f32; SOFTMAX_BLOCK]) {
+            unsafe {
+                _mm256_storeu_ps(a.as_mut_ptr(), self.0);
+                _mm256_storeu_ps(a.as_mut_ptr().add(8), self.1);
+            }
+        }
+        #[inline(always)]
+        unsafe fn add(self, b: Self) -> Self {
+            unsafe { Avx2(_mm256_add_ps(self.0, b.0), _mm256_add_ps(self.1, b.1)) }
+        }
+        #[inline(always)]
+        unsafe fn mul(self, b: Self) -> Self {
+            unsafe { Avx2(_mm256_mul_ps(self.0, b.0), _mm256_mul_ps(self.1, b.1)) }
+        }
     }
 }
 
@@ -266,65 +689,125 @@ fn normalise(o: &mut [f32], denom: f32) {
 // Per-task entry points compiled for each instruction set: the rayon closures below are
 // compiled for baseline x86-64, so the vectorised work must sit behind a function that carries
 // the target features (the arithmetic is the same in every build).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx2,fma")]
-unsafe fn fixed_task_avx512(a: &AttentionArgs, idx: usize, o: &mut [f32]) {
-    a.fixed_task(idx, o)
+macro_rules! isa_entry_points {
+    ($($features:literal, $lanes:ty => $tile:ident, $split:ident;)*) => {$(
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = $features)]
+        unsafe fn $tile(a: &AttentionArgs, kvh: usize, rows: Range<usize>, out: &mut [f32]) {
+            a.tile_task::<$lanes>(kvh, rows, out)
+        }
+
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = $features)]
+        unsafe fn $split(
+            a: &AttentionArgs,
+            idx: usize,
+            split: usize,
+            splits: usize,
+            acc: &mut [f32],
+        ) -> (f32, f32) {
+            a.split_task::<$lanes>(idx, split, splits, acc)
+        }
+    )*};
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn fixed_task_avx2(a: &AttentionArgs, idx: usize, o: &mut [f32]) {
-    a.fixed_task(idx, o)
+isa_entry_points! {
+    "avx512f,avx2,fma", x86::Avx512 => tile_task_avx512, split_task_avx512;
+    "avx2,fma", x86::Avx2 => tile_task_avx2, split_task_avx2;
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx2,fma")]
-unsafe fn split_task_avx512(
-    a: &AttentionArgs,
-    idx: usize,
-    split: usize,
-    splits: usize,
-    acc: &mut [f32],
-) -> (f32, f32) {
-    a.split_task(idx, split, splits, acc)
-}
+impl AttentionArgs<'_> {
+    /// [`Self::tile_task`] with instruction set `isa` (one this CPU has).
+    fn tile_task_isa(&self, isa: CpuIsa, kvh: usize, rows: Range<usize>, out: &mut [f32]) {
+        // SAFETY: `isa` is one this CPU has (checked by `paged_attention_with_isa`).
+        unsafe {
+            match isa {
+                #[cfg(target_arch = "x86_64")]
+                CpuIsa::Avx512 => tile_task_avx512(self, kvh, rows, out),
+                #[cfg(target_arch = "x86_64")]
+                CpuIsa::Avx2Fma => tile_task_avx2(self, kvh, rows, out),
+                _ => self.tile_task::<Portable>(kvh, rows, out),
+            }
+        }
+    }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn split_task_avx2(
-    a: &AttentionArgs,
-    idx: usize,
-    split: usize,
-    splits: usize,
-    acc: &mut [f32],
-) -> (f32, f32) {
-    a.split_task(idx, split, splits, acc)
+    /// [`Self::split_task`] with instruction set `isa` (one this CPU has).
+    fn split_task_isa(
+        &self,
+        isa: CpuIsa,
+        idx: usize,
+        split: usize,
+        splits: usize,
+        acc: &mut [f32],
+    ) -> (f32, f32) {
+        // SAFETY: as above.
+        unsafe {
+            match isa {
+                #[cfg(target_arch = "x86_64")]
+                CpuIsa::Avx512 => split_task_avx512(self, idx, split, splits, acc),
+                #[cfg(target_arch = "x86_64")]
+                CpuIsa::Avx2Fma => split_task_avx2(self, idx, split, splits, acc),
+                _ => self.split_task::<Portable>(idx, split, splits, acc),
+            }
+        }
+    }
+
+    /// Runs of consecutive rows of one sequence at consecutive positions (a prefill chunk),
+    /// at most enough rows that their heads of one KV head fill [`MAX_QUERIES`].
+    fn tiles(&self) -> Vec<Range<usize>> {
+        let per_tile = (MAX_QUERIES / self.group()).max(1);
+        let (seq, pos) = (&self.meta.row_seq, &self.meta.positions);
+        let mut tiles = Vec::new();
+        let mut start = 0;
+        while start < self.rows {
+            let mut end = start + 1;
+            while end < self.rows
+                && end - start < per_tile
+                && seq[end] == seq[start]
+                && pos[end] == pos[end - 1] + 1
+            {
+                end += 1;
+            }
+            tiles.push(start..end);
+            start = end;
+        }
+        tiles
+    }
 }
 
 /// Runs the batch's schedule on the rayon pool with instruction set `isa` (one this CPU has).
 fn attention(a: &AttentionArgs, isa: CpuIsa) -> Vec<f32> {
     let (dim, heads, meta) = (a.dim, a.heads, a.meta);
-    let fixed = |idx: usize, o: &mut [f32]| {
-        // SAFETY: `isa` is one this CPU has (checked by `paged_attention_with_isa`).
-        unsafe {
-            match isa {
-                #[cfg(target_arch = "x86_64")]
-                CpuIsa::Avx512 => fixed_task_avx512(a, idx, o),
-                #[cfg(target_arch = "x86_64")]
-                CpuIsa::Avx2Fma => fixed_task_avx2(a, idx, o),
-                _ => a.fixed_task(idx, o),
-            }
-        }
-    };
     let mut out = vec![0f32; a.q.len()];
     match meta.schedule {
         AttentionSchedule::Fixed => {
-            // One task per (row, KV head): the heads sharing its keys load them once.
-            let group = heads / a.kv_heads;
-            out.par_chunks_mut(group * dim)
+            // One task per (KV head, tile of rows): the query heads sharing a KV head, and the
+            // rows of a prefill chunk, load each block once. Tasks write `[kv head][row][head of
+            // the group][dim]`, transposed into place afterwards.
+            let g = a.group();
+            let tiles = a.tiles();
+            let mut by_kv_head = vec![0f32; a.q.len()];
+            let mut tasks = Vec::with_capacity(a.kv_heads * tiles.len());
+            let mut rest = by_kv_head.as_mut_slice();
+            for kvh in 0..a.kv_heads {
+                for rows in &tiles {
+                    let (o, tail) = rest.split_at_mut(rows.len() * g * dim);
+                    tasks.push((kvh, rows.clone(), o));
+                    rest = tail;
+                }
+            }
+            tasks
+                .into_par_iter()
+                .for_each(|(kvh, rows, o)| a.tile_task_isa(isa, kvh, rows, o));
+            let per_kv_head = a.rows * g * dim;
+            out.par_chunks_mut(heads * dim)
                 .enumerate()
-                .for_each(|(t, o)| fixed(t * group, o));
+                .for_each(|(row, o)| {
+                    for (kvh, o) in o.chunks_mut(g * dim).enumerate() {
+                        let at = kvh * per_kv_head + row * g * dim;
+                        o.copy_from_slice(&by_kv_head[at..at + g * dim]);
+                    }
+                });
         }
         AttentionSchedule::SplitKv { splits } => {
             // Partial (max, denominator, accumulator) per (row, head, split), then an
@@ -341,23 +824,14 @@ fn attention(a: &AttentionArgs, isa: CpuIsa) -> Vec<f32> {
                 .enumerate()
                 .for_each(|(t, (acc, st))| {
                     let (idx, split) = (t / splits, t % splits);
-                    if is_fixed(idx) {
-                        return;
+                    if !is_fixed(idx) {
+                        *st = a.split_task_isa(isa, idx, split, splits, acc);
                     }
-                    // SAFETY: as above.
-                    *st = unsafe {
-                        match isa {
-                            #[cfg(target_arch = "x86_64")]
-                            CpuIsa::Avx512 => split_task_avx512(a, idx, split, splits, acc),
-                            #[cfg(target_arch = "x86_64")]
-                            CpuIsa::Avx2Fma => split_task_avx2(a, idx, split, splits, acc),
-                            _ => a.split_task(idx, split, splits, acc),
-                        }
-                    };
                 });
             out.par_chunks_mut(dim).enumerate().for_each(|(idx, o)| {
                 if is_fixed(idx) {
-                    fixed(idx, o);
+                    let (_, denom) = a.split_task_isa(isa, idx, 0, 1, o);
+                    normalise(o, denom);
                     return;
                 }
                 let parts = &stats[idx * splits..(idx + 1) * splits];
@@ -379,168 +853,6 @@ fn attention(a: &AttentionArgs, isa: CpuIsa) -> Vec<f32> {
         }
     }
     out
-}
-
-/// Where one key lives: `k` is the index of its element 0 in the (transposed) K cache, the
-/// element `d` being `page_size · d` further; `v` the start of its row in the V cache.
-#[derive(Clone, Copy, Default)]
-struct KeyOffsets {
-    k: usize,
-    v: usize,
-}
-
-/// Most query heads folded together over one KV head's keys (larger GQA groups are split).
-const MAX_GROUP: usize = 8;
-
-/// Running online-softmax state of up to [`MAX_GROUP`] queries over the same keys; `acc`
-/// (`g × dim`) is unnormalised. Every query's arithmetic is independent of the others'.
-struct Partial<'a> {
-    acc: &'a mut [f32],
-    g: usize,
-    max: [f32; MAX_GROUP],
-    denom: [f32; MAX_GROUP],
-}
-
-impl<'a> Partial<'a> {
-    #[inline(always)]
-    fn new(acc: &'a mut [f32], g: usize) -> Self {
-        acc.fill(0.0);
-        Self {
-            acc,
-            g: g.min(MAX_GROUP),
-            max: [f32::NEG_INFINITY; MAX_GROUP],
-            denom: [0.0; MAX_GROUP],
-        }
-    }
-
-    /// Folds in keys `range`, in blocks of [`SOFTMAX_BLOCK`] aligned to absolute positions (so
-    /// the blocking, too, depends only on the range). Keys are stored per page transposed
-    /// (`k_cache[page][kv_head][d][slot]`, element `d` of a key `page_size` apart), so the
-    /// scores of a block's keys in one page are `head_dim` vector multiply-adds over the keys;
-    /// each score is the sum over `d` in order of `q[d] · k[d]` (no FMA), however computed.
-    #[allow(clippy::too_many_arguments)]
-    #[inline(always)]
-    fn attend(
-        &mut self,
-        qs: &[f32],
-        offset_of: impl Fn(usize) -> KeyOffsets,
-        k_cache: &[f32],
-        v_cache: &[f32],
-        page_size: usize,
-        range: std::ops::Range<usize>,
-        scale: f32,
-    ) {
-        let g = self.g;
-        let dim = qs.len() / g.max(1);
-        let block = SOFTMAX_BLOCK;
-        let mut scores = [[0f32; SOFTMAX_BLOCK]; MAX_GROUP];
-        let mut offsets = [KeyOffsets::default(); SOFTMAX_BLOCK];
-        let mut next = [KeyOffsets::default(); SOFTMAX_BLOCK];
-        let block_of = |j: usize, offs: &mut [KeyOffsets; SOFTMAX_BLOCK]| {
-            let end = ((j / block + 1) * block).min(range.end);
-            for (i, o) in offs[..end - j].iter_mut().enumerate() {
-                *o = offset_of(j + i);
-            }
-            end
-        };
-        let mut probs = [[0f32; SOFTMAX_BLOCK]; MAX_GROUP];
-        let mut j = range.start;
-        let mut block_end = if j < range.end {
-            block_of(j, &mut offsets)
-        } else {
-            j
-        };
-        while j < range.end {
-            let n = block_end - j;
-            // The next block usually sits on another (random) page: ask for its keys and values
-            // now, so they arrive while this block is computed.
-            let next_end = if block_end < range.end {
-                let end = block_of(block_end, &mut next);
-                let m = end - block_end;
-                for d in 0..dim {
-                    prefetch(k_cache, next[0].k + d * page_size, m);
-                }
-                for o in &next[..m] {
-                    prefetch(v_cache, o.v, dim);
-                }
-                end
-            } else {
-                block_end
-            };
-            // Each score is the sum over d, in order, of q[d] · k[d], then scaled.
-            let k0 = offsets[0].k;
-            if offsets[..n].iter().enumerate().all(|(i, o)| o.k == k0 + i) {
-                // The block's keys share a page: element d of the n keys is contiguous, so
-                // each head's scores accumulate in one vector register. A full block is the
-                // common case: passing the constant lets it compile without a remainder loop.
-                let page = |n: usize, scores: &mut [[f32; SOFTMAX_BLOCK]; MAX_GROUP]| {
-                    for (h, q) in qs.chunks_exact(dim).take(g).enumerate() {
-                        let mut acc = [0f32; SOFTMAX_BLOCK];
-                        for (d, &qd) in q.iter().enumerate() {
-                            let kd = &k_cache[k0 + d * page_size..k0 + d * page_size + n];
-                            for (a, &k) in acc.iter_mut().zip(kd) {
-                                *a += qd * k;
-                            }
-                        }
-                        for (s, a) in scores[h][..n].iter_mut().zip(acc) {
-                            *s = a * scale;
-                        }
-                    }
-                };
-                if n == SOFTMAX_BLOCK {
-                    page(SOFTMAX_BLOCK, &mut scores);
-                } else {
-                    page(n, &mut scores);
-                }
-            } else {
-                // Pages smaller than a block: key by key.
-                for (i, o) in offsets[..n].iter().enumerate() {
-                    for (h, q) in qs.chunks_exact(dim).take(g).enumerate() {
-                        let mut acc = 0f32;
-                        for (d, &qd) in q.iter().enumerate() {
-                            acc += qd * k_cache[o.k + d * page_size];
-                        }
-                        scores[h][i] = acc * scale;
-                    }
-                }
-            }
-            let mut new_max = [f32::NEG_INFINITY; MAX_GROUP];
-            for h in 0..g {
-                let block_max = scores[h][..n]
-                    .iter()
-                    .fold(f32::NEG_INFINITY, |m, &s| m.max(s));
-                new_max[h] = self.max[h].max(block_max);
-                let correction = exp_nonpositive(self.max[h] - new_max[h]);
-                self.denom[h] *= correction;
-                for o in self.acc[h * dim..(h + 1) * dim].iter_mut() {
-                    *o *= correction;
-                }
-            }
-            // Probabilities of the whole block at once (vectorised), then the denominators in
-            // key order.
-            for h in 0..g {
-                for (p, &s) in probs[h][..n].iter_mut().zip(&scores[h][..n]) {
-                    *p = exp_nonpositive(s - new_max[h]);
-                }
-                for &p in &probs[h][..n] {
-                    self.denom[h] += p;
-                }
-            }
-            for (i, o) in offsets[..n].iter().enumerate() {
-                let v = &v_cache[o.v..o.v + dim];
-                for (h, acc) in self.acc.chunks_exact_mut(dim).take(g).enumerate() {
-                    let p = probs[h][i];
-                    for (o, &v) in acc.iter_mut().zip(v) {
-                        *o += p * v;
-                    }
-                }
-            }
-            self.max = new_max;
-            j = block_end;
-            block_end = next_end;
-            offsets = next;
-        }
-    }
 }
 
 /// Hints the CPU to load `data[off..off + len]` into cache (a no-op elsewhere).
