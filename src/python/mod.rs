@@ -543,6 +543,7 @@ fn write_demo_model(py: Python<'_>, dir: PathBuf, kind: &str, seed: u64) -> PyRe
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     logging::install();
+    crate::keep_freed_memory();
     m.add_class::<PyEngine>()?;
     m.add_class::<PyOutputQueue>()?;
     m.add_class::<dlpack::PyTensor>()?;
