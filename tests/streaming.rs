@@ -187,6 +187,9 @@ fn streaming_delivers_each_token_once_in_order_and_abort_frees_pages() {
         max_tokens: 400,
         ..params
     };
+    let reference = e
+        .generate(vec![Request::new("ref", prompt(2, 10), long.clone())])
+        .unwrap();
     let mut stream = e
         .add_request(Request::new("a", prompt(2, 10), long))
         .unwrap();
@@ -196,6 +199,15 @@ fn streaming_delivers_each_token_once_in_order_and_abort_frees_pages() {
     let last = stream.wait().unwrap();
     assert_eq!(last.outputs[0].finish_reason, Some(FinishReason::Abort));
     assert!(last.outputs[0].token_ids.len() < 400);
+    // The abort adds no tokens: what the stream holds is a prefix of the full generation
+    // (an abort that re-sent the tokens already streamed would repeat them).
+    assert!(reference[0].outputs[0]
+        .token_ids
+        .starts_with(&last.outputs[0].token_ids));
+    assert_eq!(
+        last.outputs[0].logprobs.len(),
+        last.outputs[0].token_ids.len()
+    );
     let (free, total) = e.kv_pages().unwrap();
     assert_eq!(free, total);
 }

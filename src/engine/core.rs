@@ -411,7 +411,8 @@ impl EngineCore {
             .map(|mut s| {
                 s.finish = Some(FinishReason::Abort);
                 let extra = self.extra.remove(&s.id);
-                Self::event(&s, 0, String::new(), extra.as_ref())
+                // Events carry deltas: the abort adds nothing to what was streamed.
+                Self::event(&s, s.emitted, String::new(), extra.as_ref())
             })
             .collect()
     }

@@ -146,7 +146,8 @@ async def test_in_flight_requests_finish_on_old_weights_and_later_ones_use_new(m
     ref_old = detspec.LLM(str(case.path), num_kv_pages=256)
     ref_new = detspec.LLM(str(case.path), num_kv_pages=256)
     ref_new.update_weights(new)
-    long_params = greedy(max_tokens=200)
+    # Deterministic, so its bits do not depend on the neighbours it runs with below.
+    long_params = greedy(max_tokens=200, deterministic=True)
     want_old = ref_old.generate([PROMPTS[2]], long_params, use_tqdm=False)[0].outputs[0]
     want_new = ref_new.generate([PROMPTS[0]], greedy(), use_tqdm=False)[0].outputs[0]
 
@@ -161,6 +162,9 @@ async def test_in_flight_requests_finish_on_old_weights_and_later_ones_use_new(m
         return last
 
     in_flight = asyncio.create_task(run(PROMPTS[2], long_params))
+    # Neighbours in flight too, so the steps are slow enough for the update to arrive while
+    # the request runs (the tiny model decodes 200 tokens in tens of milliseconds).
+    load = [asyncio.create_task(run(p, greedy(max_tokens=200))) for p in PROMPTS[:2] * 8]
     await started.wait()
     update = asyncio.create_task(engine.update_weights(new))
     while not engine.stats()["weight_update_pending"]:
@@ -168,6 +172,7 @@ async def test_in_flight_requests_finish_on_old_weights_and_later_ones_use_new(m
         await asyncio.sleep(0.001)
     later = asyncio.create_task(run(PROMPTS[0], greedy()))
     old_out, _, new_out = await asyncio.gather(in_flight, update, later)
+    await asyncio.gather(*load)
     assert old_out.outputs[0].token_ids == want_old.token_ids
     assert bits(old_out.outputs[0].token_logprobs) == bits(want_old.token_logprobs)
     assert new_out.outputs[0].token_ids == want_new.token_ids
