@@ -137,11 +137,15 @@ unsafe fn panel_rows(a: &[f32], m: usize, w: &PackedWeight, p: usize, out: *mut 
                 // SAFETY: rows r0..r0+$r of `a` exist (m × k floats).
                 let acc = unsafe { microkernel::<$r>(a_ptr, k, panel, k) };
                 for (r, acc_r) in acc.iter().enumerate() {
-                    // SAFETY: row r0 + r < m, columns c0..c0+width < n; exclusive per panel.
-                    let dst = unsafe {
-                        std::slice::from_raw_parts_mut(out.add((r0 + r) * n + c0), width)
+                    // SAFETY: row r0 + r < m, columns c0..c0+width < n; exclusive per panel
+                    // (raw writes: the buffer may be uninitialised).
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            acc_r.as_ptr(),
+                            out.add((r0 + r) * n + c0),
+                            width,
+                        )
                     };
-                    dst.copy_from_slice(&acc_r[..width]);
                 }
             }};
         }
@@ -201,35 +205,40 @@ pub fn packed_matmul_with(
             w.k
         );
     }
-    let mut out = vec![0f32; m * w.n];
+    // Every element is written below, once: no zeroing first.
+    let mut out: Vec<f32> = Vec::with_capacity(m * w.n);
     let ptr = OutPtr(out.as_mut_ptr());
     let panels = w.n.div_ceil(NR);
-    // Row blocks of ROW_BLOCK rows: a block of A stays in L2 while every panel streams past
-    // it (without this a prefill of thousands of rows re-read all of A once per panel).
-    for r0 in (0..m).step_by(ROW_BLOCK) {
+    // Tasks are (row block, panel), row-block-major: a block of ROW_BLOCK rows of A stays in
+    // L2 while the panels stream past it (without this a prefill of thousands of rows re-read
+    // all of A once per panel), and rayon's halving split hands each thread whole runs of one
+    // row block. One parallel region for the whole product.
+    let run = |t: usize| {
+        let (r0, p) = ((t / panels) * ROW_BLOCK, t % panels);
         let rows = ROW_BLOCK.min(m - r0);
         let a_block = &a[r0 * w.k..(r0 + rows) * w.k];
-        let run = |p: usize| {
-            // SAFETY: `out` is m × n and rows r0..r0+rows of panel p are written by this task
-            // only; the instruction set is one this CPU has.
-            unsafe {
-                let out = ptr.get().add(r0 * w.n);
-                match isa {
-                    #[cfg(target_arch = "x86_64")]
-                    CpuIsa::Avx512 => panel_rows_avx512(a_block, rows, w, p, out),
-                    #[cfg(target_arch = "x86_64")]
-                    CpuIsa::Avx2Fma => panel_rows_avx2(a_block, rows, w, p, out),
-                    _ => panel_rows(a_block, rows, w, p, out),
-                }
+        // SAFETY: `out` has room for m × n and rows r0..r0+rows of panel p are written by
+        // this task only; the instruction set is one this CPU has.
+        unsafe {
+            let out = ptr.get().add(r0 * w.n);
+            match isa {
+                #[cfg(target_arch = "x86_64")]
+                CpuIsa::Avx512 => panel_rows_avx512(a_block, rows, w, p, out),
+                #[cfg(target_arch = "x86_64")]
+                CpuIsa::Avx2Fma => panel_rows_avx2(a_block, rows, w, p, out),
+                _ => panel_rows(a_block, rows, w, p, out),
             }
-        };
-        // Small products are not worth waking other threads for.
-        if rows * w.k * w.n < 1 << 16 {
-            (0..panels).for_each(run);
-        } else {
-            (0..panels).into_par_iter().for_each(run);
         }
+    };
+    let tasks = m.div_ceil(ROW_BLOCK) * panels;
+    // Small products are not worth waking other threads for.
+    if m * w.k * w.n < 1 << 16 {
+        (0..tasks).for_each(run);
+    } else {
+        (0..tasks).into_par_iter().for_each(run);
     }
+    // SAFETY: the tasks wrote every row of every panel's columns, i.e. all m × n values.
+    unsafe { out.set_len(m * w.n) };
     Ok(out)
 }
 
