@@ -17,6 +17,7 @@ use crate::dvr::Verifier;
 use crate::error::{DetspecError, Result};
 use crate::kv::{BlockTable, KvManager, KvPool, KvStats, PageAllocator};
 use crate::model::{ForwardBatch, Model};
+use crate::ops;
 use crate::ops::{AttentionMetadata, AttentionSchedule};
 use crate::output::{FinishReason, RequestMetrics, StopReason, TokenLogprobs};
 use crate::request::{Prompt, Request};
@@ -536,47 +537,63 @@ impl EngineCore {
 
     fn run_plan(&mut self, plan: &StepPlan) -> Result<Vec<StreamEvent>> {
         let invariant = self.cfg.determinism == DeterminismMode::BatchInvariant;
-        let mut sampled: Vec<(SequenceId, Vec<f32>)> = Vec::new();
+        // (sequences, their logits `[sequences, vocab]`) of each forward.
+        let mut forwards = Vec::with_capacity(2);
         if !plan.entries.is_empty() {
             let (mut batch, ids) = self.build_batch(&plan.entries)?;
             if invariant {
                 batch.attention.schedule = AttentionSchedule::Fixed;
                 batch.invariant_gemm = true;
             }
-            let logits = self.model.forward(&batch, &self.kv)?;
-            if !ids.is_empty() {
-                sampled.extend(ids.into_iter().zip(logits.to_vec2::<f32>()?));
-            }
+            forwards.push((ids, self.model.forward(&batch, &self.kv)?));
         }
         if let Some(iso) = &plan.isolated {
             // Alone, unchunked, fixed attention schedule: a pure function of the prompt.
             let (mut batch, ids) = self.build_batch(std::slice::from_ref(iso))?;
             batch.attention.schedule = AttentionSchedule::Fixed;
             batch.invariant_gemm = invariant;
-            let logits = self.model.forward(&batch, &self.kv)?;
-            if !ids.is_empty() {
-                sampled.extend(ids.into_iter().zip(logits.to_vec2::<f32>()?));
-            }
+            forwards.push((ids, self.model.forward(&batch, &self.kv)?));
         }
         self.sched.mark_computed(plan);
         self.cache_prompt_pages(plan);
         let eos = self.info.eos_token_ids.clone();
         let sched = &self.sched;
         let inline = self.inline_deterministic;
-        // Each row's sample depends only on its own logits and (seed, position).
-        let samples: Vec<Result<TokenLogprobs>> = sampled
-            .par_iter()
-            .map(|(id, row)| {
-                let seq = sched.get(*id).ok_or_else(|| DetspecError::InvalidRequest {
-                    request_id: None,
-                    message: format!("sampled sequence {id} is not running"),
-                })?;
-                sampling::sample_next(&seq.params, seq.seed, &seq.prompt, &seq.output, row, &eos)
-            })
-            .collect();
+        // Each row's sample depends only on its own logits and (seed, position); rows are read
+        // in place from the logits tensor.
+        let mut sampled: Vec<SequenceId> = Vec::new();
+        let mut samples: Vec<Result<TokenLogprobs>> = Vec::new();
+        for (ids, logits) in &forwards {
+            if ids.is_empty() {
+                continue;
+            }
+            let vocab = logits.dim(1)?;
+            let rows = ops::with_f32_values(logits, |values| {
+                values
+                    .par_chunks(vocab)
+                    .zip(ids.par_iter())
+                    .map(|(row, id)| {
+                        let seq = sched.get(*id).ok_or_else(|| DetspecError::InvalidRequest {
+                            request_id: None,
+                            message: format!("sampled sequence {id} is not running"),
+                        })?;
+                        sampling::sample_next(
+                            &seq.params,
+                            seq.seed,
+                            &seq.prompt,
+                            &seq.output,
+                            row,
+                            &eos,
+                        )
+                    })
+                    .collect::<Vec<_>>()
+            })?;
+            sampled.extend(ids);
+            samples.extend(rows);
+        }
         let t = now();
         let mut touched: Vec<SequenceId> = Vec::with_capacity(sampled.len());
-        for ((id, _), lp) in sampled.iter().zip(samples) {
+        for (id, lp) in sampled.iter().zip(samples) {
             let lp = lp?;
             let Some(seq) = self.sched.get_mut(*id) else {
                 continue;

@@ -30,14 +30,29 @@ fn map2(a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> f32 + Sync) -> Vec<f32> {
     out
 }
 
-struct Binary {
-    name: &'static str,
-    f: fn(f32, f32) -> f32,
+/// The two maps. An enum matched once per call, not a function pointer called per element, so
+/// each map compiles into its own vectorised loop.
+#[derive(Clone, Copy)]
+enum Binary {
+    Add,
+    Swiglu,
+}
+
+impl Binary {
+    fn apply(self, a: &[f32], b: &[f32]) -> Vec<f32> {
+        match self {
+            Binary::Add => map2(a, b, |x, y| x + y),
+            Binary::Swiglu => map2(a, b, |g, u| g / ((-g).exp() + 1.0) * u),
+        }
+    }
 }
 
 impl CustomOp2 for Binary {
     fn name(&self) -> &'static str {
-        self.name
+        match self {
+            Binary::Add => "detspec-add",
+            Binary::Swiglu => "detspec-swiglu",
+        }
     }
 
     fn cpu_fwd(
@@ -47,17 +62,13 @@ impl CustomOp2 for Binary {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let name = self.name();
         if l1.dims() != l2.dims() {
-            bail!(
-                "{}: shapes {:?} and {:?} differ",
-                self.name,
-                l1.dims(),
-                l2.dims()
-            );
+            bail!("{name}: shapes {:?} and {:?} differ", l1.dims(), l2.dims());
         }
-        let a = contiguous_f32(s1, l1, self.name)?;
-        let b = contiguous_f32(s2, l2, self.name)?;
-        Ok((CpuStorage::F32(map2(a, b, self.f)), l1.shape().clone()))
+        let a = contiguous_f32(s1, l1, name)?;
+        let b = contiguous_f32(s2, l2, name)?;
+        Ok((CpuStorage::F32(self.apply(a, b)), l1.shape().clone()))
     }
 }
 
@@ -66,13 +77,8 @@ pub fn add(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
     if !a.device().is_cpu() {
         return a + b;
     }
-    a.contiguous()?.apply_op2_no_bwd(
-        &b.contiguous()?,
-        &Binary {
-            name: "detspec-add",
-            f: |x, y| x + y,
-        },
-    )
+    a.contiguous()?
+        .apply_op2_no_bwd(&b.contiguous()?, &Binary::Add)
 }
 
 /// `silu(gate) * up`, with silu(x) = x / (exp(-x) + 1) as candle-nn computes it.
@@ -80,11 +86,6 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> candle_core::Result<Tensor> {
     if !gate.device().is_cpu() {
         return candle_nn::ops::silu(gate)? * up;
     }
-    gate.contiguous()?.apply_op2_no_bwd(
-        &up.contiguous()?,
-        &Binary {
-            name: "detspec-swiglu",
-            f: |g, u| g / ((-g).exp() + 1.0) * u,
-        },
-    )
+    gate.contiguous()?
+        .apply_op2_no_bwd(&up.contiguous()?, &Binary::Swiglu)
 }
