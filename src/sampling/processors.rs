@@ -176,6 +176,14 @@ pub fn apply_min_p(logits: &mut [f32], min_p: f32) {
     }
 }
 
+/// Whether [`process_logits`] changes a greedy request's logits besides banning tokens (its
+/// penalties; temperature and the filters do not apply to greedy).
+pub fn changes_greedy_logits(params: &SamplingParams) -> bool {
+    params.repetition_penalty != 1.0
+        || params.frequency_penalty != 0.0
+        || params.presence_penalty != 0.0
+}
+
 /// Applies every processor in the sampler's order.
 ///
 /// For greedy requests only the penalties and bans run: temperature would divide by ~0, and the

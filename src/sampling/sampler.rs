@@ -11,8 +11,10 @@
 //! (whose rounding would depend on summation order), and ties the noise of each token to its own
 //! id rather than to a shared stream.
 
+use std::borrow::Cow;
+
 use super::params::SamplingParams;
-use super::processors::{process_logits, rank_desc};
+use super::processors::{changes_greedy_logits, process_logits, rank_desc};
 use super::rng::{gumbel, GUMBEL_MAX};
 use crate::ops::{exp_nonpositive, CpuIsa};
 use crate::output::TokenLogprobs;
@@ -72,26 +74,34 @@ pub fn sample(input: &SampleInput) -> Result<SampledToken> {
     check_ids("banned_tokens", input.banned_tokens, vocab)?;
 
     let params = input.params;
-    let mut processed = logits.to_vec();
-    process_logits(
-        &mut processed,
-        params,
-        input.prompt_tokens,
-        input.output_tokens,
-        input.banned_tokens,
-    );
-    if let Some(i) = processed
-        .iter()
-        .position(|l| l.is_nan() || *l == f32::INFINITY)
-    {
-        return Err(DetspecError::param(
-            "logits",
-            format!(
-                "value at index {i} became {} after penalties/temperature (raw logit {})",
-                processed[i], logits[i]
-            ),
-        ));
-    }
+    // Greedy without penalties or bans leaves the logits as they are (the common case of a
+    // batch): no copy, no second scan.
+    let processed: Cow<[f32]> =
+        if params.is_greedy() && !changes_greedy_logits(params) && input.banned_tokens.is_empty() {
+            Cow::Borrowed(logits)
+        } else {
+            let mut processed = logits.to_vec();
+            process_logits(
+                &mut processed,
+                params,
+                input.prompt_tokens,
+                input.output_tokens,
+                input.banned_tokens,
+            );
+            if let Some(i) = processed
+                .iter()
+                .position(|l| l.is_nan() || *l == f32::INFINITY)
+            {
+                return Err(DetspecError::param(
+                    "logits",
+                    format!(
+                        "value at index {i} became {} after penalties/temperature (raw logit {})",
+                        processed[i], logits[i]
+                    ),
+                ));
+            }
+            Cow::Owned(processed)
+        };
 
     let token = if params.is_greedy() {
         argmax(&processed)
@@ -187,13 +197,13 @@ fn check_ids(name: &str, ids: &[u32], vocab: usize) -> Result<()> {
 
 /// Index of the largest finite logit, lowest id on ties; `None` if all are `-inf`.
 fn argmax(logits: &[f32]) -> Option<u32> {
-    let mut best: Option<(u32, f32)> = None;
-    for (i, &l) in logits.iter().enumerate() {
-        if l > f32::NEG_INFINITY && best.is_none_or(|(_, b)| l > b) {
-            best = Some((i as u32, l));
-        }
+    // The maximum (exact, in vector lanes), then its first occurrence: the lowest id among the
+    // largest logits, as a sequential strict-greater scan would pick.
+    let max = row_max(logits);
+    if max == f32::NEG_INFINITY {
+        return None;
     }
-    best.map(|(i, _)| i)
+    logits.iter().position(|&l| l == max).map(|i| i as u32)
 }
 
 /// Gumbel-max over the finite logits, lowest id on ties; `None` if all are `-inf`.
@@ -227,6 +237,48 @@ fn gumbel_argmax(logits: &[f32], seed: u64, position: u64) -> Option<u32> {
 /// pairwise, and `ln` of the sum in f64. No step depends on threads or the instruction set (no
 /// reassociation, no FMA contraction), so the SIMD builds give the portable build's bits; a
 /// sequential libm `exp` per vocabulary entry cost as much as a third of a batch-64 decode step.
+/// The largest value of a row without NaN (`-inf` for an empty or all-`-inf` row).
+fn row_max(logits: &[f32]) -> f32 {
+    // SAFETY: the instruction set was detected on this CPU.
+    unsafe {
+        match CpuIsa::detect() {
+            #[cfg(target_arch = "x86_64")]
+            CpuIsa::Avx512 => row_max_avx512(logits),
+            #[cfg(target_arch = "x86_64")]
+            CpuIsa::Avx2Fma => row_max_avx2(logits),
+            _ => row_max_portable(logits),
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn row_max_avx512(logits: &[f32]) -> f32 {
+    row_max_portable(logits)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn row_max_avx2(logits: &[f32]) -> f32 {
+    row_max_portable(logits)
+}
+
+/// Maximum in [`LANES`] lanes, then across them (max is exact: any order gives the same value).
+#[inline(always)]
+fn row_max_portable(logits: &[f32]) -> f32 {
+    let mut maxes = [f32::NEG_INFINITY; LANES];
+    let (chunks, rest) = logits.as_chunks::<LANES>();
+    for c in chunks {
+        for l in 0..LANES {
+            maxes[l] = maxes[l].max(c[l]);
+        }
+    }
+    for (l, &x) in rest.iter().enumerate() {
+        maxes[l] = maxes[l].max(x);
+    }
+    maxes.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x))
+}
+
 fn log_sum_exp(logits: &[f32]) -> f64 {
     // SAFETY: the instruction set was detected on this CPU.
     unsafe {
@@ -256,17 +308,8 @@ const LANES: usize = 16;
 
 #[inline(always)]
 fn log_sum_exp_portable(logits: &[f32]) -> f64 {
-    let mut maxes = [f32::NEG_INFINITY; LANES];
+    let max = row_max_portable(logits);
     let (chunks, rest) = logits.as_chunks::<LANES>();
-    for c in chunks {
-        for l in 0..LANES {
-            maxes[l] = maxes[l].max(c[l]);
-        }
-    }
-    for (l, &x) in rest.iter().enumerate() {
-        maxes[l] = maxes[l].max(x);
-    }
-    let max = maxes.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
     let mut sums = [0f32; LANES];
     for c in chunks {
         for l in 0..LANES {
@@ -310,6 +353,40 @@ fn top_n(logits: &[f32], n: usize) -> Vec<u32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn argmax_is_the_first_strictly_greatest_finite_logit() {
+        // The sequential definition it replaced: strictly greater wins, so the lowest id wins
+        // ties; -inf never; ±0 compare equal.
+        let reference = |row: &[f32]| {
+            let mut best: Option<(u32, f32)> = None;
+            for (i, &l) in row.iter().enumerate() {
+                if l > f32::NEG_INFINITY && best.is_none_or(|(_, b)| l > b) {
+                    best = Some((i as u32, l));
+                }
+            }
+            best.map(|(i, _)| i)
+        };
+        let mut s = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = || {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (s >> 33) as u32
+        };
+        let palette = [f32::NEG_INFINITY, -0.0, 0.0, 1.5, -2.0, 3.25, 3.25, 7.0];
+        for case in 0..2000 {
+            let len = 1 + next() as usize % 70;
+            let row: Vec<f32> = (0..len)
+                .map(|_| match case % 3 {
+                    0 => palette[next() as usize % palette.len()],
+                    1 => (next() % 5) as f32 - 2.0,
+                    _ => f32::NEG_INFINITY,
+                })
+                .collect();
+            assert_eq!(argmax(&row), reference(&row), "{row:?}");
+        }
+    }
 
     #[test]
     fn exp_polynomial_is_within_two_ulp_of_f64_exp() {
