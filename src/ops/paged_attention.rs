@@ -796,6 +796,12 @@ fn attention(a: &AttentionArgs, isa: CpuIsa) -> Vec<f32> {
                     rest = tail;
                 }
             }
+            // Run them row-major: a row's KV heads one after another on one thread read
+            // neighbouring memory (the K heads of a page are adjacent, and so are the V heads
+            // of a slot). Criterion, decode at batch 64, alternating on a noisy machine:
+            // 0.79–1.29 ms per layer against 1.23–1.38 KV-head-major (interleaving the KV
+            // heads block by block was slower).
+            tasks.sort_by_key(|(kvh, rows, _)| (rows.start, *kvh));
             tasks
                 .into_par_iter()
                 .for_each(|(kvh, rows, o)| a.tile_task_isa(isa, kvh, rows, o));
