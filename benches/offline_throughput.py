@@ -1,10 +1,14 @@
 """Offline throughput of one configuration, small enough to run under `perf record`.
 
 N random 128-token prompts -> 64 greedy tokens each (``ignore_eos``) on the bench model of
-DESIGN.md §11 (written to ``/tmp/benchmodel`` on first use), after a short warm-up; prints
-output tokens per second. Extra ``key=value`` arguments go to ``LLM`` (integers parsed).
+DESIGN.md §11 (written to ``/tmp/benchmodel`` on first use), after a warm-up of the same size
+(so the timed runs find the allocator and the KV pages already touched, as a server does);
+prints output tokens per second and the process's CPU time per run. ``--runs R`` times R
+batches of fresh prompts; ``--max-tokens 1`` times the prefill alone. Extra ``key=value``
+arguments go to ``LLM`` (integers parsed).
 
     python benches/offline_throughput.py 64
+    python benches/offline_throughput.py 64 --runs 3 --max-tokens 1
     python benches/offline_throughput.py 64 max_num_batched_tokens=8192
     perf record -F 999 -g python benches/offline_throughput.py 64
 """
@@ -24,21 +28,38 @@ def main(argv: list[str]) -> None:
     model = os.environ.get("DETSPEC_BENCH_MODEL", "/tmp/benchmodel")
     if not os.path.exists(os.path.join(model, "config.json")):
         _core.write_demo_model(model, "bench", 0)
-    kw: dict[str, int | str] = {}
-    for a in argv[1:]:
-        k, v = a.split("=", 1)
-        kw[k] = int(v) if v.isdigit() else v
-    llm = LLM(model, **kw)
     n = int(argv[0])
+    runs, max_tokens = 1, 64
+    kw: dict[str, int | str] = {}
+    args = iter(argv[1:])
+    for a in args:
+        if a == "--runs":
+            runs = int(next(args))
+        elif a == "--max-tokens":
+            max_tokens = int(next(args))
+        else:
+            k, v = a.split("=", 1)
+            kw[k] = int(v) if v.isdigit() else v
+    llm = LLM(model, **kw)
     rng = np.random.default_rng(0)
-    prompts = [[int(x) for x in rng.integers(3, 30000, 128)] for _ in range(n)]
-    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
-    llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
-    t = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    dt = time.perf_counter() - t
-    toks = sum(len(o.outputs[0].token_ids) for o in outs)
-    print(f"n={n} {kw} {toks / dt:.1f} tok/s ({dt:.2f}s) load={os.getloadavg()[0]:.2f}")
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+    def batch() -> list[list[int]]:
+        return [[int(x) for x in rng.integers(3, 30000, 128)] for _ in range(n)]
+
+    llm.generate(batch(), SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    for r in range(runs):
+        prompts = batch()
+        c0, t = os.times(), time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        dt, c1 = time.perf_counter() - t, os.times()
+        toks = sum(len(o.outputs[0].token_ids) for o in outs)
+        rate = (n * 128 / dt, "prompt") if max_tokens == 1 else (toks / dt, "output")
+        print(
+            f"run {r} n={n} {kw} {rate[0]:.1f} {rate[1]} tok/s ({dt:.2f}s; "
+            f"user {c1.user - c0.user:.2f}s sys {c1.system - c0.system:.2f}s) "
+            f"load={os.getloadavg()[0]:.2f}"
+        )
 
 
 if __name__ == "__main__":
