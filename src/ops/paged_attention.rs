@@ -1,10 +1,13 @@
 //! Causal attention of a flat varlen batch against the paged KV cache.
 //!
 //! Two schedules:
-//! - [`AttentionSchedule::Fixed`] (the verify schedule): each (query row, head) pair is one task
-//!   that walks the row's keys page by page in increasing position order with an online
-//!   (blockwise) softmax. Every reduction order is fixed by the row's own position, so the
-//!   kernel is batch-invariant, position-invariant and thread-count-invariant.
+//! - [`AttentionSchedule::Fixed`] (the verify schedule): each query (row, head) walks the row's
+//!   keys in increasing position order with an online softmax over 16-key blocks aligned to
+//!   absolute positions. Every reduction order is fixed by the row's own position, so the
+//!   kernel is batch-invariant, position-invariant and thread-count-invariant. Queries that
+//!   read the same keys (the heads of one KV head; consecutive rows of a prefill chunk) are
+//!   computed together so they share the loads, never the arithmetic: `tests/attention_spec.rs`
+//!   checks every query against a scalar write-out of this arithmetic.
 //! - [`AttentionSchedule::SplitKv`] (the fast path, flash-decoding style): each row's key range
 //!   is cut into `splits` page-aligned chunks computed in parallel and merged afterwards. The
 //!   engine picks `splits` from the batch size to keep all threads busy when few sequences
