@@ -5,11 +5,11 @@ DESIGN.md §11 (written to ``/tmp/benchmodel`` on first use), after a warm-up of
 (so the timed runs find the allocator and the KV pages already touched, as a server does);
 prints output tokens per second and the process's CPU time per run. ``--runs R`` times R
 batches of fresh prompts; ``--max-tokens 1`` times the prefill alone. Extra ``key=value``
-arguments go to ``LLM`` (integers parsed).
+arguments go to ``LLM`` (integers and true/false parsed).
 
     python benches/offline_throughput.py 64
     python benches/offline_throughput.py 64 --runs 3 --max-tokens 1
-    python benches/offline_throughput.py 64 max_num_batched_tokens=8192
+    python benches/offline_throughput.py 64 max_num_batched_tokens=8192 enable_prefix_caching=false
     perf record -F 999 -g python benches/offline_throughput.py 64
 """
 
@@ -30,7 +30,7 @@ def main(argv: list[str]) -> None:
         _core.write_demo_model(model, "bench", 0)
     n = int(argv[0])
     runs, max_tokens = 1, 64
-    kw: dict[str, int | str] = {}
+    kw: dict[str, int | str | bool] = {}
     args = iter(argv[1:])
     for a in args:
         if a == "--runs":
@@ -39,7 +39,7 @@ def main(argv: list[str]) -> None:
             max_tokens = int(next(args))
         else:
             k, v = a.split("=", 1)
-            kw[k] = int(v) if v.isdigit() else v
+            kw[k] = int(v) if v.isdigit() else {"true": True, "false": False}.get(v, v)
     llm = LLM(model, **kw)
     rng = np.random.default_rng(0)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
