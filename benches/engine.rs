@@ -1,7 +1,7 @@
 //! The engine's forward passes on the bench model (DESIGN.md §11: hidden 512, 8 layers, 8 heads,
 //! 4 KV heads, intermediate 1408, vocab 32000, f32 on CPU): a decode step at batch 1 / 16 / 64
 //! (128 tokens of context each, fast path: split-KV attention, then greedy sampling of every
-//! row), a 512-token prefill (logits of the last row), and one DVR verify pass of B × W = 8 × 64
+//! row, in parallel on the engine's kind of pool), a 512-token prefill (logits of the last row), and one DVR verify pass of B × W = 8 × 64
 //! rows (fixed attention schedule, logits and sampling of every row).
 //!
 //! `cargo bench --bench engine`
@@ -12,8 +12,9 @@ use detspec::config::ModelConfig;
 use detspec::demo::{write_demo_model, DemoModelSpec};
 use detspec::kv::KvPool;
 use detspec::model::{ForwardBatch, Model};
-use detspec::ops::AttentionSchedule;
+use detspec::ops::{with_f32_values, AttentionSchedule};
 use detspec::sampling::{sample_next, SamplingParams};
+use rayon::prelude::*;
 
 const PAGE: usize = 16;
 const CONTEXT: usize = 128;
@@ -21,6 +22,8 @@ const CONTEXT: usize = 128;
 struct Bench {
     model: Model,
     kv: KvPool,
+    /// The engine's kernels run on its own pool, one thread per core.
+    pool: rayon::ThreadPool,
     _dir: tempfile::TempDir,
 }
 
@@ -42,6 +45,9 @@ fn setup() -> Bench {
     Bench {
         model,
         kv,
+        pool: rayon::ThreadPoolBuilder::new()
+            .build()
+            .expect("thread pool"),
         _dir: dir,
     }
 }
@@ -77,23 +83,26 @@ fn batch(
     b
 }
 
-/// Forward, then a greedy token for every logit row (what a step does besides bookkeeping).
+/// Forward, then a greedy token for every logit row, read in place and sampled in parallel
+/// (what a step does besides bookkeeping). Runs on a worker of `bench.pool`, as the engine's
+/// loop does.
 fn step(bench: &Bench, b: &ForwardBatch) -> usize {
-    let logits = bench
-        .model
-        .forward(b, &bench.kv)
-        .expect("forward")
-        .to_vec2::<f32>()
-        .expect("logits");
-    let params = SamplingParams::default();
-    logits
-        .iter()
-        .map(|row| {
-            sample_next(&params, 0, &[1], &[], row, &[])
-                .expect("sample")
-                .token as usize
+    bench.pool.install(|| {
+        let logits = bench.model.forward(b, &bench.kv).expect("forward");
+        let vocab = logits.dim(1).expect("vocab");
+        let params = SamplingParams::default();
+        with_f32_values(&logits, |values| {
+            values
+                .par_chunks(vocab)
+                .map(|row| {
+                    sample_next(&params, 0, &[1], &[], row, &[])
+                        .expect("sample")
+                        .token as usize
+                })
+                .sum()
         })
-        .sum()
+        .expect("logits")
+    })
 }
 
 fn engine(c: &mut Criterion) {
