@@ -111,7 +111,9 @@ pub struct EngineConfig {
     pub verify_finish_wait: usize,
     /// Share of verify windows forced to mismatch (tests and benchmarks of the rollback path).
     pub fault_injection: f64,
-    /// Worker threads for the engine's kernels (its own pool); `None`: one per available core.
+    /// Worker threads for the engine's kernels (its own pool); `None`: one per available core
+    /// (or `RAYON_NUM_THREADS`). Every engine has its own pool, so several engines working at
+    /// once in one process should split the cores between them.
     pub num_threads: Option<usize>,
     /// Reuse KV pages of earlier prompts with the same prefix (never for deterministic
     /// requests, whose prefill must run alone).
