@@ -81,6 +81,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--parts", type=str, default="offline,poisson,sweep", help="any of offline,poisson,sweep"
     )
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N (the CUDA wheel)")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     p.add_argument("--num-requests", type=int, default=50)
     p.add_argument("--prompt-len", type=int_range, default=(32, 128), help="min,max (uniform)")
     p.add_argument("--output-len", type=int_range, default=(32, 64), help="min,max (uniform)")
@@ -370,9 +372,13 @@ def common_engine_kw(args) -> dict:
 
     from detspec import LLM
 
-    if "enable_prefix_caching" in inspect.signature(LLM.__init__).parameters:
-        return {"enable_prefix_caching": args.prefix_caching == "on"}
-    return {}
+    params = inspect.signature(LLM.__init__).parameters
+    kw: dict = {}
+    if "enable_prefix_caching" in params:
+        kw["enable_prefix_caching"] = args.prefix_caching == "on"
+    if args.device != "cpu" or args.dtype != "auto":
+        kw.update(device=args.device, dtype=args.dtype)
+    return kw
 
 
 def wheel_info() -> dict:

@@ -31,7 +31,7 @@ fn setup() -> Bench {
     let dir = tempfile::tempdir().expect("tempdir");
     write_demo_model(dir.path(), &DemoModelSpec::bench()).expect("bench model");
     let cfg = ModelConfig::from_model_dir(dir.path()).expect("config");
-    let model = Model::load(dir.path(), cfg.clone(), &Device::Cpu).expect("load");
+    let model = Model::load(dir.path(), cfg.clone(), &Device::Cpu, DType::F32).expect("load");
     let kv = KvPool::new(
         cfg.num_hidden_layers,
         1024,
@@ -115,7 +115,7 @@ fn engine(c: &mut Criterion) {
             n,
             CONTEXT,
             1,
-            AttentionSchedule::split_kv_for_batch(n, heads),
+            AttentionSchedule::split_kv_for_batch(n, heads, &Device::Cpu),
             true,
         );
         g.throughput(Throughput::Elements(n as u64));

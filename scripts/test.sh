@@ -23,6 +23,17 @@ maturin build --release -o dist
 python3 -m pip install -q --force-reinstall --no-deps dist/detspec-*.whl
 cargo test --release
 
+# The CUDA backend still compiles, here without a GPU (~6 min from nothing, mostly candle's own
+# kernels): `cargo check --features cuda` runs build.rs, which compiles cuda/*.cu to PTX with the
+# toolkit from PyPI (scripts/cuda-env.sh; headers and nvcc only, no libraries: nothing links).
+# The GPU tests themselves are tests/gpu/, run on a GPU machine with the CUDA wheel.
+(
+    export DETSPEC_CUDA_LINK_ONLY_HEADERS=1
+    # shellcheck source=scripts/cuda-env.sh
+    source scripts/cuda-env.sh
+    CARGO_TARGET_DIR=target/cuda-check cargo check --features cuda,python --all-targets
+)
+
 set +e
 python3 -m pytest -q tests/python -m "not ray"
 rc=$?

@@ -113,6 +113,7 @@ class _EngineClient:
         model: str | os.PathLike[str] | None = None,
         *,
         device: str = "cpu",
+        dtype: str = "auto",
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 512,
         num_kv_pages: int | None = None,
@@ -129,7 +130,7 @@ class _EngineClient:
         enable_prefix_caching: bool = True,
         num_threads: int | None = None,
     ) -> None:
-        settings = {k: v for k, v in locals().items() if k not in ("self", "model", "device")}
+        settings = {k: v for k, v in locals().items() if k not in ("self", "model")}
         # Say which count is wrong instead of a bare OverflowError/TypeError from the
         # conversion to an unsigned integer.
         for name in _COUNT_SETTINGS:
@@ -140,11 +141,6 @@ class _EngineClient:
                 raise InvalidRequestError(
                     f"invalid parameter `{name}`: must be a non-negative integer, got {value!r}"
                 )
-        if device != "cpu":
-            raise InvalidRequestError(
-                f"invalid parameter `device`: {device!r} is not available in this build "
-                "(supported: 'cpu')"
-            )
         if model is None:
             from detspec.default_model import default_model_dir
 

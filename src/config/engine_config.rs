@@ -1,6 +1,56 @@
 //! Engine settings chosen by the user (not by the checkpoint).
 
+use candle_core::DType;
+
+use super::DeviceSpec;
 use crate::error::{DetspecError, Result};
+
+/// The dtype of weights and KV cache (activations follow; accumulation is always f32).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum DTypeSpec {
+    /// f32 on the CPU (its kernels are f32); on a GPU the checkpoint's own dtype (`torch_dtype`):
+    /// bf16 or f16 checkpoints run in it, anything else in f32.
+    #[default]
+    Auto,
+    F32,
+    Bf16,
+    F16,
+}
+
+impl DTypeSpec {
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "float32" | "f32" => Ok(Self::F32),
+            "bfloat16" | "bf16" => Ok(Self::Bf16),
+            "float16" | "f16" | "half" => Ok(Self::F16),
+            other => Err(DetspecError::param(
+                "dtype",
+                format!("unknown dtype `{other}` (auto, float32, bfloat16, float16)"),
+            )),
+        }
+    }
+
+    /// The dtype to run in on `device` for a checkpoint that declares `checkpoint` (config.json's
+    /// `torch_dtype`).
+    pub fn resolve(self, device: DeviceSpec, checkpoint: Option<&str>) -> Result<DType> {
+        match (self, device) {
+            (Self::Auto | Self::F32, _) if device == DeviceSpec::Cpu => Ok(DType::F32),
+            (Self::Bf16 | Self::F16, DeviceSpec::Cpu) => Err(DetspecError::param(
+                "dtype",
+                "the CPU backend runs float32 only; bfloat16/float16 need a CUDA device",
+            )),
+            (Self::Auto, _) => Ok(match checkpoint {
+                Some("bfloat16") => DType::BF16,
+                Some("float16") => DType::F16,
+                _ => DType::F32,
+            }),
+            (Self::F32, _) => Ok(DType::F32),
+            (Self::Bf16, _) => Ok(DType::BF16),
+            (Self::F16, _) => Ok(DType::F16),
+        }
+    }
+}
 
 /// How the engine treats `deterministic=True` requests (DESIGN.md §3).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -78,6 +128,10 @@ impl VerifyStrategy {
 /// Settings for an [`crate::Engine`]. Defaults follow DESIGN.md.
 #[derive(Debug, Clone, PartialEq)]
 pub struct EngineConfig {
+    /// Where the engine runs (`cpu`, `cuda:N`).
+    pub device: DeviceSpec,
+    /// Weights and KV-cache dtype.
+    pub dtype: DTypeSpec,
     /// Tokens per KV page.
     pub page_size: usize,
     /// Number of KV pages in the pool; `None` sizes the pool from `kv_cache_bytes`.
@@ -123,6 +177,8 @@ pub struct EngineConfig {
 impl Default for EngineConfig {
     fn default() -> Self {
         Self {
+            device: DeviceSpec::Cpu,
+            dtype: DTypeSpec::Auto,
             page_size: 16,
             num_kv_pages: None,
             kv_cache_bytes: 1 << 30,

@@ -1,7 +1,9 @@
 //! Configuration: the checkpoint's `config.json` and the engine's own settings.
 
+mod device;
 mod engine_config;
 mod model_config;
 
-pub use engine_config::{DeterminismMode, EngineConfig, VerifyStrategy};
+pub use device::{cuda_device_count, device_label, DeviceSpec};
+pub use engine_config::{DTypeSpec, DeterminismMode, EngineConfig, VerifyStrategy};
 pub use model_config::{Architecture, ModelConfig, RopeConfig, RopeScaling};

@@ -83,6 +83,9 @@ pub struct ModelConfig {
     /// `eos_token_id` from config.json (generation_config.json is read by the tokenizer module).
     pub eos_token_ids: Vec<u32>,
     pub bos_token_id: Option<u32>,
+    /// The checkpoint's declared dtype (`torch_dtype`, or `dtype` in newer transformers), e.g.
+    /// `bfloat16`: what a GPU engine runs in by default.
+    pub torch_dtype: Option<String>,
     /// Where this config came from, for error messages.
     pub path: PathBuf,
 }
@@ -249,6 +252,10 @@ impl ModelConfig {
             sliding_window,
             eos_token_ids: f.token_ids("eos_token_id")?,
             bos_token_id: f.token_ids("bos_token_id")?.first().copied(),
+            torch_dtype: ["torch_dtype", "dtype"]
+                .iter()
+                .find_map(|k| f.obj.get(*k).and_then(Value::as_str))
+                .map(str::to_string),
             path: path.to_path_buf(),
         })
     }

@@ -9,10 +9,12 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use candle_core::{DType, Device};
+use candle_core::Device;
 use rayon::prelude::*;
 
-use crate::config::{DeterminismMode, EngineConfig, ModelConfig, VerifyStrategy};
+use crate::config::{
+    device_label, DeterminismMode, DeviceSpec, EngineConfig, ModelConfig, VerifyStrategy,
+};
 use crate::dvr::Verifier;
 use crate::error::{DetspecError, Result};
 use crate::kv::{BlockTable, KvManager, KvPool, KvStats, PageAllocator};
@@ -142,14 +144,22 @@ impl EngineCore {
                     ))
                 }
             };
-        let model = Model::load(dir, model_cfg, device)?;
+        let device_spec = if device.is_cpu() {
+            DeviceSpec::Cpu
+        } else {
+            cfg.device
+        };
+        let dtype = cfg
+            .dtype
+            .resolve(device_spec, model_cfg.torch_dtype.as_deref())?;
+        let model = Model::load(dir, model_cfg, device, dtype)?;
         let mc = model.config().clone();
         let per_page = KvPool::bytes_per_page(
             mc.num_hidden_layers,
             cfg.page_size,
             mc.num_key_value_heads,
             mc.head_dim,
-            DType::F32,
+            dtype,
         );
         let num_pages = cfg
             .num_kv_pages
@@ -160,7 +170,7 @@ impl EngineCore {
             cfg.page_size,
             mc.num_key_value_heads,
             mc.head_dim,
-            DType::F32,
+            dtype,
             device,
         )?;
         // Inline outputs do not depend on W and B; replayed ones are only promised per (W, B).
@@ -175,8 +185,9 @@ impl EngineCore {
             )
         };
         let fingerprint_tail = format!(
-            "f32-{}-k{}-{}",
-            if device.is_cpu() { "cpu" } else { "cuda" },
+            "{}-{}-k{}-{}",
+            dtype.as_str(),
+            device_label(device),
             KERNEL_VERSION,
             determinism,
         );
@@ -627,7 +638,10 @@ impl EngineCore {
         if self.cfg.determinism == DeterminismMode::Dvr && !self.inline_deterministic {
             let (model, kv) = (&self.model, &self.kv);
             let mut forward = |batch: &ForwardBatch| -> Result<Vec<Vec<f32>>> {
-                Ok(model.forward(batch, kv)?.to_vec2::<f32>()?)
+                Ok(model
+                    .forward(batch, kv)?
+                    .to_dtype(candle_core::DType::F32)?
+                    .to_vec2::<f32>()?)
             };
             touched.extend(self.verifier.run_due(
                 &mut self.sched,
@@ -738,6 +752,7 @@ impl EngineCore {
                 schedule: AttentionSchedule::split_kv_for_batch(
                     entries.len(),
                     self.info.config.num_attention_heads,
+                    self.model.device(),
                 ),
                 ..Default::default()
             },

@@ -17,7 +17,6 @@ use std::path::Path;
 use std::sync::{Arc, Mutex, RwLock};
 use std::thread::JoinHandle;
 
-use candle_core::Device;
 use crossbeam::channel::{unbounded, Receiver, Sender};
 
 use crate::config::EngineConfig;
@@ -94,9 +93,10 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// Loads a Hugging Face model directory on the CPU and starts the engine thread.
+    /// Loads a Hugging Face model directory on `cfg.device` and starts the engine thread.
     pub fn from_model_dir(dir: impl AsRef<Path>, cfg: EngineConfig) -> Result<Self> {
-        Self::start(EngineCore::load(dir.as_ref(), cfg, &Device::Cpu)?)
+        let device = cfg.device.open()?;
+        Self::start(EngineCore::load(dir.as_ref(), cfg, &device)?)
     }
 
     /// Starts the engine thread around a loaded core.

@@ -7,7 +7,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 
 use crate::config::ModelConfig;
 use crate::error::{DetspecError, Result};
@@ -132,16 +132,18 @@ pub struct Model {
     cos: Tensor,
     sin: Tensor,
     device: Device,
+    /// Weights and activations (f32 on the CPU; f32, bf16 or f16 on a GPU).
+    dtype: DType,
     /// Content hash of every parameter's engine-side (f32) values, by HF name: the
     /// fingerprint follows the weights through updates, and restoring old weights restores it.
     pub(super) param_hashes: ParamHashes,
 }
 
 impl Model {
-    /// Loads the weights of a Hugging Face model directory whose config is `cfg`.
-    pub fn load(dir: &Path, cfg: ModelConfig, device: &Device) -> Result<Self> {
+    /// Loads the weights of a Hugging Face model directory whose config is `cfg`, in `dtype`.
+    pub fn load(dir: &Path, cfg: ModelConfig, device: &Device, dtype: DType) -> Result<Self> {
         let ck = Checkpoint::open(dir)?;
-        let ld = WeightLoader::new(&ck, device);
+        let ld = WeightLoader::new(&ck, device, dtype);
         let (h, kvh, d) = (
             cfg.num_attention_heads,
             cfg.num_key_value_heads,
@@ -194,6 +196,7 @@ impl Model {
             cos,
             sin,
             device: device.clone(),
+            dtype,
         })
     }
 
@@ -203,6 +206,10 @@ impl Model {
 
     pub fn device(&self) -> &Device {
         &self.device
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.dtype
     }
 
     /// Hash of every parameter's values as the engine holds them (f32), by name.

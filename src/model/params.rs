@@ -54,7 +54,7 @@ pub fn param_shapes(cfg: &ModelConfig) -> BTreeMap<String, Vec<usize>> {
     m
 }
 
-/// xxh3 of a tensor's values in the engine's dtype (f32), as little-endian bytes.
+/// xxh3 of a tensor's values as f32 (exact for every engine dtype), as little-endian bytes.
 pub fn tensor_hash(t: &Tensor) -> Result<u64> {
     Ok(with_f32_values(t, |v| xxh3_64(bytemuck::cast_slice(v)))?)
 }
@@ -80,20 +80,22 @@ impl ParamHashes {
 pub(super) struct WeightLoader<'a> {
     ck: &'a Checkpoint,
     device: &'a Device,
+    dtype: DType,
     hashes: RefCell<ParamHashes>,
 }
 
 impl<'a> WeightLoader<'a> {
-    pub(super) fn new(ck: &'a Checkpoint, device: &'a Device) -> Self {
+    pub(super) fn new(ck: &'a Checkpoint, device: &'a Device, dtype: DType) -> Self {
         Self {
             ck,
             device,
+            dtype,
             hashes: RefCell::default(),
         }
     }
 
     pub(super) fn load(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
-        let t = self.ck.load(name, shape, DType::F32, self.device)?;
+        let t = self.ck.load(name, shape, self.dtype, self.device)?;
         let h = tensor_hash(&t)?;
         self.hashes.borrow_mut().0.insert(name.to_string(), h);
         Ok(t)
@@ -133,7 +135,7 @@ impl Model {
             if tied && name == "lm_head.weight" && sets_embedding {
                 continue;
             }
-            let t = t.to_dtype(DType::F32)?.to_device(&device)?;
+            let t = t.to_dtype(self.dtype())?.to_device(&device)?;
             let hash_name = if tied && name == "lm_head.weight" {
                 "model.embed_tokens.weight".to_string()
             } else {

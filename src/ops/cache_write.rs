@@ -26,6 +26,40 @@ struct CacheWrite {
     layout: PageLayout,
 }
 
+impl CacheWrite {
+    /// `(page_size, row)` of a cache of shape `dims` for a source of `src_len` elements, after
+    /// checking the shapes and every slot.
+    fn geometry(&self, dims: &[usize], src_len: usize) -> candle_core::Result<(usize, usize)> {
+        let (num_slots, page_size, row) = match (self.layout, dims) {
+            (PageLayout::Rows, [p, s, h, d]) => (p * s, *s, h * d),
+            (PageLayout::Transposed, [p, h, d, s]) => (p * s, *s, h * d),
+            (PageLayout::Rows, dims) => bail!(
+                "cache_write: cache must be [pages, page_size, kv_heads, head_dim], got {dims:?}"
+            ),
+            (PageLayout::Transposed, dims) => bail!(
+                "cache_write: key cache must be [pages, kv_heads, head_dim, page_size], got {dims:?}"
+            ),
+        };
+        if src_len != self.slots.len() * row {
+            bail!(
+                "cache_write: {} slots for a source of {src_len} elements (row of {row})",
+                self.slots.len(),
+            );
+        }
+        if let Some(&slot) = self.slots.iter().find(|&&s| s as usize >= num_slots) {
+            bail!("cache_write: slot {slot} out of range ({num_slots} slots)");
+        }
+        Ok((page_size, row))
+    }
+}
+
+/// Device copies of the slots: every layer writes K and V at the same ones.
+#[cfg(feature = "cuda")]
+static SLOTS_ON_DEVICE: super::cuda::UploadCache<
+    Vec<u32>,
+    candle_core::cuda::cudarc::driver::CudaSlice<u32>,
+> = super::cuda::UploadCache::new();
+
 impl InplaceOp2 for CacheWrite {
     fn name(&self) -> &'static str {
         "detspec-cache-write"
@@ -39,23 +73,7 @@ impl InplaceOp2 for CacheWrite {
         sl: &Layout,
     ) -> candle_core::Result<()> {
         let src = contiguous_f32(src, sl, "cache_write source")?;
-        let (num_slots, page_size, row) = match (self.layout, cl.dims()) {
-            (PageLayout::Rows, [p, s, h, d]) => (p * s, *s, h * d),
-            (PageLayout::Transposed, [p, h, d, s]) => (p * s, *s, h * d),
-            (PageLayout::Rows, dims) => bail!(
-                "cache_write: cache must be [pages, page_size, kv_heads, head_dim], got {dims:?}"
-            ),
-            (PageLayout::Transposed, dims) => bail!(
-                "cache_write: key cache must be [pages, kv_heads, head_dim, page_size], got {dims:?}"
-            ),
-        };
-        if src.len() != self.slots.len() * row {
-            bail!(
-                "cache_write: {} slots for a source of {:?} (row of {row})",
-                self.slots.len(),
-                sl.dims()
-            );
-        }
+        let (page_size, row) = self.geometry(cl.dims(), src.len())?;
         let Some((start, _)) = cl.contiguous_offsets() else {
             bail!("cache_write: cache must be contiguous");
         };
@@ -64,9 +82,6 @@ impl InplaceOp2 for CacheWrite {
         };
         for (i, &slot) in self.slots.iter().enumerate() {
             let slot = slot as usize;
-            if slot >= num_slots {
-                bail!("cache_write: slot {slot} out of range ({num_slots} slots)");
-            }
             let values = &src[i * row..(i + 1) * row];
             match self.layout {
                 PageLayout::Rows => {
@@ -82,6 +97,61 @@ impl InplaceOp2 for CacheWrite {
             }
         }
         Ok(())
+    }
+
+    /// `cuda/cache_write.cu`, one thread per element.
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        cache: &mut candle_core::CudaStorage,
+        cl: &Layout,
+        src: &candle_core::CudaStorage,
+        sl: &Layout,
+    ) -> candle_core::Result<()> {
+        use super::cuda::{self, with_float_type};
+        use candle_core::backend::BackendStorage;
+        use candle_core::cuda::cudarc::driver::PushKernelArg;
+        use candle_core::cuda::WrapErr;
+
+        let n = sl.shape().elem_count();
+        let (page_size, row) = self.geometry(cl.dims(), n)?;
+        if cache.dtype() != src.dtype() {
+            bail!(
+                "cache_write: cache {:?} and source {:?} dtypes differ",
+                cache.dtype(),
+                src.dtype()
+            );
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let Some((start, end)) = cl.contiguous_offsets() else {
+            bail!("cache_write: cache must be contiguous");
+        };
+        let dev = src.device().clone();
+        let slots =
+            SLOTS_ON_DEVICE.get_or_upload(&self.slots, &dev, |s| cuda::upload_u32(&dev, s))?;
+        let f = cuda::kernel(&dev, &cuda::CACHE_WRITE, "cache_write", src.dtype())?;
+        let args = [
+            cuda::arg_i32(self.slots.len(), "cache_write rows")?,
+            cuda::arg_i32(row, "cache_write row")?,
+            cuda::arg_i32(page_size, "cache_write page_size")?,
+            i32::from(matches!(self.layout, PageLayout::Transposed)),
+        ];
+        with_float_type!(src.dtype(), "cache_write", |T| {
+            let values = cuda::view::<T>(src, sl, "cache_write source")?;
+            let mut dst = cache.as_cuda_slice_mut::<T>()?.slice_mut(start..end);
+            let stream = dev.cuda_stream();
+            let mut b = stream.launch_builder(&f);
+            b.arg(&mut dst).arg(&values).arg(slots.as_ref());
+            for a in &args {
+                b.arg(a);
+            }
+            // SAFETY: argument types and order match `cache_write_*` in cuda/cache_write.cu;
+            // every slot was checked against the cache's size.
+            unsafe { b.launch(cuda::grid_1d(n)) }.w()?;
+            Ok(())
+        })
     }
 }
 

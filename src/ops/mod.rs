@@ -6,6 +6,10 @@
 //! number of threads (rayon only splits *independent* rows).
 
 mod cache_write;
+#[cfg(feature = "cuda")]
+mod cuda;
+#[cfg(feature = "cuda")]
+mod cuda_attention;
 mod elementwise;
 mod gemm;
 mod isa;

@@ -16,7 +16,7 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use candle_core::{bail, CpuStorage, CustomOp3, Layout, Shape, Tensor};
+use candle_core::{bail, CpuStorage, CustomOp3, Device, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
 use super::{contiguous_f32, exp_nonpositive, CpuIsa};
@@ -53,10 +53,15 @@ pub enum AttentionSchedule {
 }
 
 impl AttentionSchedule {
-    /// The fast path's heuristic: enough (row, head, split) tasks to occupy every thread a few
-    /// times over. Depends on how many sequences are in the batch, hence batch-variant.
-    pub fn split_kv_for_batch(num_seqs: usize, num_heads: usize) -> Self {
-        let target_tasks = 4 * rayon::current_num_threads().max(1);
+    /// The fast path's heuristic: enough (row, head, split) tasks to occupy every CPU thread a
+    /// few times over, or every GPU multiprocessor twice. Depends on how many sequences are in
+    /// the batch, hence batch-variant.
+    pub fn split_kv_for_batch(num_seqs: usize, num_heads: usize, device: &Device) -> Self {
+        let target_tasks = if device.is_cpu() {
+            4 * rayon::current_num_threads().max(1)
+        } else {
+            2 * gpu_multiprocessors(device)
+        };
         let tasks = (num_seqs * num_heads).max(1);
         let splits = target_tasks.div_ceil(tasks).clamp(1, 16);
         if splits <= 1 {
@@ -65,6 +70,16 @@ impl AttentionSchedule {
             AttentionSchedule::SplitKv { splits }
         }
     }
+}
+
+#[cfg(feature = "cuda")]
+fn gpu_multiprocessors(device: &Device) -> usize {
+    super::cuda::multiprocessors(device)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn gpu_multiprocessors(_device: &Device) -> usize {
+    1
 }
 
 struct PagedAttention {
@@ -106,23 +121,19 @@ impl PagedAttention {
     }
 }
 
-impl CustomOp3 for PagedAttention {
-    fn name(&self) -> &'static str {
-        "detspec-paged-attention"
-    }
+/// The sizes of one attention call, read off its operands.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(super) struct AttentionShape {
+    pub(super) rows: usize,
+    pub(super) heads: usize,
+    pub(super) dim: usize,
+    pub(super) page_size: usize,
+    pub(super) kv_heads: usize,
+}
 
-    fn cpu_fwd(
-        &self,
-        qs: &CpuStorage,
-        ql: &Layout,
-        ks: &CpuStorage,
-        kl: &Layout,
-        vs: &CpuStorage,
-        vl: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let q = contiguous_f32(qs, ql, "paged_attention q")?;
-        let k_cache = contiguous_f32(ks, kl, "paged_attention k_cache")?;
-        let v_cache = contiguous_f32(vs, vl, "paged_attention v_cache")?;
+impl PagedAttention {
+    /// Checks the operands' shapes against each other and the metadata against them.
+    fn shape(&self, ql: &Layout, kl: &Layout, vl: &Layout) -> candle_core::Result<AttentionShape> {
         let (rows, heads, dim) = match ql.dims() {
             [t, h, d] => (*t, *h, *d),
             dims => bail!("paged_attention: q must be [tokens, heads, head_dim], got {dims:?}"),
@@ -142,6 +153,41 @@ impl CustomOp3 for PagedAttention {
             bail!("paged_attention: {heads} query heads not a multiple of {kv_heads} kv heads");
         }
         self.check(rows, page_size, num_pages)?;
+        Ok(AttentionShape {
+            rows,
+            heads,
+            dim,
+            page_size,
+            kv_heads,
+        })
+    }
+}
+
+impl CustomOp3 for PagedAttention {
+    fn name(&self) -> &'static str {
+        "detspec-paged-attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        qs: &CpuStorage,
+        ql: &Layout,
+        ks: &CpuStorage,
+        kl: &Layout,
+        vs: &CpuStorage,
+        vl: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let q = contiguous_f32(qs, ql, "paged_attention q")?;
+        let k_cache = contiguous_f32(ks, kl, "paged_attention k_cache")?;
+        let v_cache = contiguous_f32(vs, vl, "paged_attention v_cache")?;
+        let AttentionShape {
+            rows,
+            heads,
+            dim,
+            page_size,
+            kv_heads,
+            ..
+        } = self.shape(ql, kl, vl)?;
         let args = AttentionArgs {
             q,
             k_cache,
@@ -156,6 +202,28 @@ impl CustomOp3 for PagedAttention {
         };
         let out = attention(&args, self.isa);
         Ok((CpuStorage::F32(out), ql.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        qs: &candle_core::CudaStorage,
+        ql: &Layout,
+        ks: &candle_core::CudaStorage,
+        kl: &Layout,
+        vs: &candle_core::CudaStorage,
+        vl: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let shape = self.shape(ql, kl, vl)?;
+        let out = super::cuda_attention::paged_attention(
+            &self.meta,
+            self.scale,
+            &shape,
+            (qs, ql),
+            (ks, kl),
+            (vs, vl),
+        )?;
+        Ok((out, ql.shape().clone()))
     }
 }
 

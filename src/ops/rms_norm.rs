@@ -47,6 +47,63 @@ impl CustomOp2 for RmsNorm {
             });
         Ok((CpuStorage::F32(out), xl.shape().clone()))
     }
+
+    /// One block per row (`cuda/rms_norm.cu`): the same row-local reduction order at any batch.
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        xs: &candle_core::CudaStorage,
+        xl: &Layout,
+        ws: &candle_core::CudaStorage,
+        wl: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        use super::cuda::{self, with_float_type};
+        use candle_core::backend::BackendStorage;
+        use candle_core::cuda::cudarc::driver::{LaunchConfig, PushKernelArg};
+        use candle_core::cuda::WrapErr;
+
+        let dim = wl.shape().elem_count();
+        if dim == 0 || xl.dims().last() != Some(&dim) {
+            bail!(
+                "rms_norm: weight of {dim} elements does not match input {:?}",
+                xl.dims()
+            );
+        }
+        if xs.dtype() != ws.dtype() {
+            bail!(
+                "rms_norm: input {:?} and weight {:?} dtypes differ",
+                xs.dtype(),
+                ws.dtype()
+            );
+        }
+        let rows = xl.shape().elem_count() / dim;
+        let dev = xs.device();
+        let f = cuda::kernel(dev, &cuda::RMS_NORM, "rms_norm", xs.dtype())?;
+        let dim_arg = cuda::arg_i32(dim, "rms_norm dim")?;
+        let grid = u32::try_from(rows.max(1)).or_else(|_| bail!("rms_norm: {rows} rows"))?;
+        with_float_type!(xs.dtype(), "rms_norm", |T| {
+            let x = cuda::view::<T>(xs, xl, "rms_norm input")?;
+            let w = cuda::view::<T>(ws, wl, "rms_norm weight")?;
+            // SAFETY: every element is written by the kernel before anyone reads it.
+            let mut out = unsafe { dev.alloc::<T>(rows * dim)? };
+            if rows > 0 {
+                let stream = dev.cuda_stream();
+                let mut b = stream.launch_builder(&f);
+                b.arg(&x).arg(&w).arg(&mut out).arg(&dim_arg).arg(&self.eps);
+                let cfg = LaunchConfig {
+                    grid_dim: (grid, 1, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                // SAFETY: argument types and order match `rms_norm_*` in cuda/rms_norm.cu.
+                unsafe { b.launch(cfg) }.w()?;
+            }
+            Ok((
+                candle_core::CudaStorage::wrap_cuda_slice(out, dev.clone()),
+                xl.shape().clone(),
+            ))
+        })
+    }
 }
 
 /// `x * rsqrt(mean(x^2) + eps) * weight` over the last dimension of `x`.

@@ -24,18 +24,8 @@ impl CustomOp3 for Rope {
         let x = contiguous_f32(xs, xl, "rope input")?;
         let cos = contiguous_f32(cs, cl, "rope cos")?;
         let sin = contiguous_f32(ss, sl, "rope sin")?;
-        let (t, h, d) = match xl.dims() {
-            [t, h, d] => (*t, *h, *d),
-            dims => bail!("rope: expected input [tokens, heads, head_dim], got {dims:?}"),
-        };
+        let (_, h, d) = rope_dims(xl, cl, sl)?;
         let half = d / 2;
-        if d % 2 != 0 || cl.dims() != [t, half] || sl.dims() != [t, half] {
-            bail!(
-                "rope: cos/sin must be [{t}, {half}], got {:?} / {:?}",
-                cl.dims(),
-                sl.dims()
-            );
-        }
         let mut out = vec![0f32; x.len()];
         out.par_chunks_mut(h * d)
             .zip(x.par_chunks(h * d))
@@ -53,6 +43,68 @@ impl CustomOp3 for Rope {
             });
         Ok((CpuStorage::F32(out), xl.shape().clone()))
     }
+
+    /// `x` in the model's dtype, `cos`/`sin` in f32 (`cuda/rope.cu`).
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        xs: &candle_core::CudaStorage,
+        xl: &Layout,
+        cs: &candle_core::CudaStorage,
+        cl: &Layout,
+        ss: &candle_core::CudaStorage,
+        sl: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        use super::cuda::{self, with_float_type};
+        use candle_core::backend::BackendStorage;
+        use candle_core::cuda::cudarc::driver::PushKernelArg;
+        use candle_core::cuda::WrapErr;
+
+        let (t, h, d) = rope_dims(xl, cl, sl)?;
+        let dev = xs.device();
+        let f = cuda::kernel(dev, &cuda::ROPE, "rope", xs.dtype())?;
+        let cos = cuda::view::<f32>(cs, cl, "rope cos")?;
+        let sin = cuda::view::<f32>(ss, sl, "rope sin")?;
+        let args = [
+            cuda::arg_i32(t, "rope tokens")?,
+            cuda::arg_i32(h, "rope heads")?,
+            cuda::arg_i32(d, "rope head_dim")?,
+        ];
+        with_float_type!(xs.dtype(), "rope", |T| {
+            let x = cuda::view::<T>(xs, xl, "rope input")?;
+            // SAFETY: the kernel writes every element (both halves of every head).
+            let mut out = unsafe { dev.alloc::<T>(t * h * d)? };
+            if t * h * d > 0 {
+                let stream = dev.cuda_stream();
+                let mut b = stream.launch_builder(&f);
+                b.arg(&x).arg(&cos).arg(&sin).arg(&mut out);
+                b.arg(&args[0]).arg(&args[1]).arg(&args[2]);
+                // SAFETY: argument types and order match `rope_*` in cuda/rope.cu.
+                unsafe { b.launch(cuda::grid_1d(t * h * d / 2)) }.w()?;
+            }
+            Ok((
+                candle_core::CudaStorage::wrap_cuda_slice(out, dev.clone()),
+                xl.shape().clone(),
+            ))
+        })
+    }
+}
+
+/// `(tokens, heads, head_dim)` of a rope call, after checking cos/sin against them.
+fn rope_dims(xl: &Layout, cl: &Layout, sl: &Layout) -> candle_core::Result<(usize, usize, usize)> {
+    let (t, h, d) = match xl.dims() {
+        [t, h, d] => (*t, *h, *d),
+        dims => bail!("rope: expected input [tokens, heads, head_dim], got {dims:?}"),
+    };
+    let half = d / 2;
+    if d % 2 != 0 || cl.dims() != [t, half] || sl.dims() != [t, half] {
+        bail!(
+            "rope: cos/sin must be [{t}, {half}], got {:?} / {:?}",
+            cl.dims(),
+            sl.dims()
+        );
+    }
+    Ok((t, h, d))
 }
 
 /// Rotates `x` `[tokens, heads, head_dim]` by per-token angles; `cos`/`sin` are `[tokens, head_dim/2]`

@@ -18,7 +18,7 @@ use crossbeam::channel::{unbounded, Receiver, Sender};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::config::{DeterminismMode, EngineConfig, VerifyStrategy};
+use crate::config::{DTypeSpec, DeterminismMode, DeviceSpec, EngineConfig, VerifyStrategy};
 use crate::engine::{AuditInput, Engine, InFlight, OutputAccumulator, StreamEvent};
 use crate::error::DetspecError;
 use crate::request::Request;
@@ -163,11 +163,13 @@ impl PyEngine {
 #[pymethods]
 impl PyEngine {
     #[new]
-    #[pyo3(signature = (model_dir, *, page_size=16, num_kv_pages=None, kv_cache_bytes=None, max_num_seqs=256, max_num_batched_tokens=512, max_model_len=None, max_prefill_chunk=None, determinism="dvr", verify_window=64, verify_group=8, verify_strategy="auto", verify_finish_wait=0, fault_injection=0.0, enable_prefix_caching=true, num_threads=None))]
+    #[pyo3(signature = (model_dir, *, device="cpu", dtype="auto", page_size=16, num_kv_pages=None, kv_cache_bytes=None, max_num_seqs=256, max_num_batched_tokens=512, max_model_len=None, max_prefill_chunk=None, determinism="dvr", verify_window=64, verify_group=8, verify_strategy="auto", verify_finish_wait=0, fault_injection=0.0, enable_prefix_caching=true, num_threads=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         model_dir: PathBuf,
+        device: &str,
+        dtype: &str,
         page_size: usize,
         num_kv_pages: Option<usize>,
         kv_cache_bytes: Option<usize>,
@@ -187,7 +189,11 @@ impl PyEngine {
         let determinism = DeterminismMode::parse(determinism).map_err(|e| to_pyerr(py, e))?;
         let verify_strategy =
             VerifyStrategy::parse(verify_strategy).map_err(|e| to_pyerr(py, e))?;
+        let device: DeviceSpec = device.parse().map_err(|e| to_pyerr(py, e))?;
+        let dtype = DTypeSpec::parse(dtype).map_err(|e| to_pyerr(py, e))?;
         let mut cfg = EngineConfig {
+            device,
+            dtype,
             page_size,
             num_kv_pages,
             max_num_seqs,
@@ -512,6 +518,12 @@ fn tokenizer_of(e: &Engine) -> Result<&crate::tokenizer::Tokenizer, DetspecError
         .ok_or_else(|| DetspecError::Tokenizer("the model directory has no tokenizer.json".into()))
 }
 
+/// CUDA GPUs this build can use (0 in a CPU build, or when no driver or GPU is present).
+#[pyfunction]
+fn cuda_device_count() -> usize {
+    crate::config::cuda_device_count()
+}
+
 /// Validates a SamplingParams dict, raising `InvalidRequestError` naming the parameter.
 #[pyfunction]
 fn validate_sampling_params(py: Python<'_>, params: &Bound<'_, PyDict>) -> PyResult<()> {
@@ -549,6 +561,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<dlpack::PyTensor>()?;
     m.add_function(wrap_pyfunction!(validate_sampling_params, m)?)?;
     m.add_function(wrap_pyfunction!(write_demo_model, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_device_count, m)?)?;
+    m.add("CUDA_BUILD", cfg!(feature = "cuda"))?;
     m.add("KERNEL_VERSION", crate::engine::KERNEL_VERSION)?;
     m.add("MAX_LOGPROBS", crate::sampling::MAX_LOGPROBS)?;
     Ok(())

@@ -53,6 +53,36 @@ def test_exception_hierarchy():
     assert issubclass(InvalidRequestError, ValueError)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "culprits"),
+    [
+        ({"device": "tpu"}, ("device", "tpu")),
+        ({"device": "cuda:x"}, ("device", "cuda:x")),
+        ({"dtype": "int8"}, ("dtype", "int8")),
+        # The CPU kernels are f32.
+        ({"dtype": "bfloat16"}, ("dtype", "float32")),
+    ],
+)
+def test_bad_device_or_dtype_is_named(model_zoo, kwargs, culprits):
+    with pytest.raises(InvalidRequestError) as excinfo:
+        detspec.LLM(str(model_zoo.get("llama").path), **kwargs)
+    for culprit in culprits:
+        assert culprit in str(excinfo.value), f"{culprit!r} not named in: {excinfo.value}"
+
+
+def test_cuda_in_a_cpu_build_names_the_device(model_zoo):
+    """A CPU wheel asked for a GPU says which device and what to do, instead of running on
+    the CPU or crashing. (A CUDA wheel on a machine without a GPU says the device cannot be
+    opened: tests/gpu/.)"""
+    if detspec.built_with_cuda():
+        pytest.skip("this is the CUDA wheel")
+    for device in ("cuda", "cuda:1"):
+        with pytest.raises(InvalidRequestError) as excinfo:
+            detspec.LLM(str(model_zoo.get("llama").path), device=device)
+        msg = str(excinfo.value)
+        assert "device" in msg and "no CUDA backend" in msg, msg
+
+
 def test_missing_model_dir(tmp_path):
     missing = tmp_path / "no-such-model"
     assert_load_error(missing, str(missing))

@@ -40,6 +40,15 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="model name(s) clients use (default: the model directory's name)",
     )
+    p.add_argument(
+        "--device", default="cpu", help="cpu, cuda or cuda:N (cuda needs the CUDA wheel)"
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        default="auto",
+        help="weights and KV cache (auto: float32 on cpu, the checkpoint's dtype on cuda)",
+    )
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
@@ -112,6 +121,8 @@ def serve(args: argparse.Namespace) -> int:
     try:
         engine = AsyncLLM(
             args.model,
+            device=args.device,
+            dtype=args.dtype,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             num_kv_pages=args.num_kv_pages,

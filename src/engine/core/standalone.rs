@@ -89,7 +89,11 @@ impl EngineCore {
         let schedule = if fixed {
             AttentionSchedule::Fixed
         } else {
-            AttentionSchedule::split_kv_for_batch(seqs.len(), self.info.config.num_attention_heads)
+            AttentionSchedule::split_kv_for_batch(
+                seqs.len(),
+                self.info.config.num_attention_heads,
+                self.model.device(),
+            )
         };
         let mut batch = ForwardBatch {
             attention: AttentionMetadata {
@@ -130,7 +134,10 @@ impl EngineCore {
                 ForwardKind::Hidden => self.model.final_hidden(&batch, &self.kv)?,
             };
             let width = t.dim(1)?;
-            let flat = t.flatten_all()?.to_vec1::<f32>()?;
+            let flat = t
+                .flatten_all()?
+                .to_dtype(candle_core::DType::F32)?
+                .to_vec1::<f32>()?;
             let mut rest = flat.as_slice();
             let mut out = Vec::with_capacity(seqs.len());
             for (p, rows) in seqs.iter().zip(wanted) {
