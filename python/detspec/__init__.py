@@ -1,6 +1,17 @@
 """detspec: LLM inference with per-request bitwise-reproducible output under dynamic batching."""
 
-from detspec.async_llm import AsyncLLM
+try:
+    from detspec import _core  # noqa: F401  (the extension; loaded once, here)
+except ImportError as e:
+    if "libcu" in str(e):
+        raise ImportError(
+            f"{e}: this is detspec's CUDA build, which needs the NVIDIA driver and the CUDA 13 "
+            "libraries torch 2.11+cu130 installs (pip install torch); on a machine without a "
+            "GPU install the CPU wheel"
+        ) from e
+    raise
+
+from detspec.async_llm import AsyncLLM  # noqa: E402
 from detspec.errors import DetspecError, InvalidRequestError, ModelLoadError
 from detspec.llm import LLM, Tokenizer
 from detspec.outputs import CompletionOutput, Logprob, RequestOutput

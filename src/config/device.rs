@@ -78,8 +78,29 @@ fn open_cuda(spec: DeviceSpec, _ordinal: usize) -> Result<Device> {
 fn open_cuda(spec: DeviceSpec, ordinal: usize) -> Result<Device> {
     use candle_core::cuda::cudarc::cublas::sys as cublas;
 
-    let device = Device::new_cuda_with_stream(ordinal)
-        .map_err(|e| DetspecError::param("device", format!("cannot open `{spec}`: {e}")))?;
+    use candle_core::cuda::cudarc::driver::CudaContext;
+
+    let count = CudaContext::device_count().map_err(|e| {
+        DetspecError::param(
+            "device",
+            format!(
+                "cannot open `{spec}`: the CUDA driver did not initialise ({e:?}); \
+                 is there an NVIDIA GPU and driver?"
+            ),
+        )
+    })?;
+    if ordinal >= usize::try_from(count).unwrap_or(0) {
+        return Err(DetspecError::param(
+            "device",
+            format!("`{spec}` does not exist: this machine has {count} CUDA GPU(s)"),
+        ));
+    }
+    let device = Device::new_cuda_with_stream(ordinal).map_err(|e| {
+        // candle appends a backtrace when RUST_BACKTRACE is set: keep the message.
+        let msg = e.to_string();
+        let first = msg.lines().next().unwrap_or_default().to_string();
+        DetspecError::param("device", format!("cannot open `{spec}`: {first}"))
+    })?;
     let Device::Cuda(cuda) = &device else {
         return Err(DetspecError::param(
             "device",
