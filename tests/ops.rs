@@ -448,3 +448,80 @@ fn gemm_is_position_invariant_at_fixed_m_but_batch_variant_across_m() {
         );
     }
 }
+
+/// The row-wise CPU kernels compute exactly their scalar definitions, one sequential chain per
+/// reduction, whatever the row count (tasks interleave rows; a remainder task has fewer), the
+/// width or the instruction set the CPU dispatches to.
+#[test]
+fn row_kernels_match_their_scalar_definitions_bitwise() {
+    let dev = Device::Cpu;
+    for (rows, dim) in [(1, 8), (3, 64), (8, 512), (13, 72), (17, 1408), (64, 16)] {
+        let xv = randn(rows as u64, rows * dim);
+        let yv = randn(rows as u64 + 100, rows * dim);
+        let wv = randn(7, dim);
+        let x = Tensor::from_vec(xv.clone(), (rows, dim), &dev).unwrap();
+        let y = Tensor::from_vec(yv.clone(), (rows, dim), &dev).unwrap();
+        let w = Tensor::from_vec(wv.clone(), dim, &dev).unwrap();
+        let flat = |t: Tensor| -> Vec<u32> { bits(&t.flatten_all().unwrap()) };
+
+        let mut norm = Vec::new();
+        for row in xv.chunks(dim) {
+            let mut sum_sq = 0f32;
+            for &v in row {
+                sum_sq += v * v;
+            }
+            let inv = 1.0 / (sum_sq / dim as f32 + 1e-5).sqrt();
+            norm.extend(
+                row.iter()
+                    .zip(&wv)
+                    .map(|(&v, &g)| (g * (v * inv)).to_bits()),
+            );
+        }
+        assert_eq!(
+            flat(rms_norm(&x, &w, 1e-5).unwrap()),
+            norm,
+            "rms_norm {rows}x{dim}"
+        );
+
+        let sum: Vec<u32> = xv.iter().zip(&yv).map(|(a, b)| (a + b).to_bits()).collect();
+        assert_eq!(
+            flat(detspec::ops::add(&x, &y).unwrap()),
+            sum,
+            "add {rows}x{dim}"
+        );
+        let act: Vec<u32> = xv
+            .iter()
+            .zip(&yv)
+            .map(|(&g, &u)| (g / ((-g).exp() + 1.0) * u).to_bits())
+            .collect();
+        assert_eq!(
+            flat(detspec::ops::swiglu(&x, &y).unwrap()),
+            act,
+            "swiglu {rows}x{dim}"
+        );
+
+        if dim % 2 == 0 {
+            let half = dim / 2;
+            let c = randn(11, rows * half);
+            let s = randn(12, rows * half);
+            let mut rot = Vec::new();
+            for (r, row) in xv.chunks(dim).enumerate() {
+                let (c, s) = (&c[r * half..][..half], &s[r * half..][..half]);
+                let mut o = vec![0f32; dim];
+                for i in 0..half {
+                    o[i] = row[i] * c[i] - row[i + half] * s[i];
+                    o[i + half] = row[i + half] * c[i] + row[i] * s[i];
+                }
+                rot.extend(o.iter().map(|v| v.to_bits()));
+            }
+            let x3 = x.reshape((rows, 1, dim)).unwrap();
+            let ct = Tensor::from_vec(c, (rows, half), &dev).unwrap();
+            let st = Tensor::from_vec(s, (rows, half), &dev).unwrap();
+            assert_eq!(
+                flat(apply_rope(&x3, &ct, &st).unwrap()),
+                rot,
+                "rope {rows}x{dim}"
+            );
+        }
+    }
+}

@@ -9,29 +9,29 @@ use candle_core::{bail, CpuStorage, CustomOp2, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
 use super::contiguous_f32;
+use super::isa::isa_kernel;
 
 /// Elements per rayon task; smaller maps run on the calling thread.
 const CHUNK: usize = 1 << 14;
 
-fn map2(a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> f32 + Sync) -> Vec<f32> {
-    let mut out = vec![0f32; a.len()];
-    let run = |(o, (a, b)): (&mut [f32], (&[f32], &[f32]))| {
-        for ((o, &x), &y) in o.iter_mut().zip(a).zip(b) {
-            *o = f(x, y);
+isa_kernel! {
+    fn add_into(out: &mut [f32], a: &[f32], b: &[f32]) {
+        for ((o, &x), &y) in out.iter_mut().zip(a).zip(b) {
+            *o = x + y;
         }
-    };
-    if a.len() <= CHUNK {
-        run((&mut out, (a, b)));
-    } else {
-        out.par_chunks_mut(CHUNK)
-            .zip(a.par_chunks(CHUNK).zip(b.par_chunks(CHUNK)))
-            .for_each(run);
     }
-    out
 }
 
-/// The two maps. An enum matched once per call, not a function pointer called per element, so
-/// each map compiles into its own vectorised loop.
+isa_kernel! {
+    /// silu(g) · u with silu(x) = x / (exp(-x) + 1) as candle-nn computes it (libm's `expf`).
+    fn swiglu_into(out: &mut [f32], gate: &[f32], up: &[f32]) {
+        for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+            *o = g / ((-g).exp() + 1.0) * u;
+        }
+    }
+}
+
+/// The two maps, each a kernel compiled for this CPU's instruction set.
 #[derive(Clone, Copy)]
 enum Binary {
     Add,
@@ -40,10 +40,19 @@ enum Binary {
 
 impl Binary {
     fn apply(self, a: &[f32], b: &[f32]) -> Vec<f32> {
-        match self {
-            Binary::Add => map2(a, b, |x, y| x + y),
-            Binary::Swiglu => map2(a, b, |g, u| g / ((-g).exp() + 1.0) * u),
+        let kernel = match self {
+            Binary::Add => add_into,
+            Binary::Swiglu => swiglu_into,
+        };
+        let mut out = vec![0f32; a.len()];
+        if a.len() <= CHUNK {
+            kernel(&mut out, a, b);
+        } else {
+            out.par_chunks_mut(CHUNK)
+                .zip(a.par_chunks(CHUNK).zip(b.par_chunks(CHUNK)))
+                .for_each(|(o, (a, b))| kernel(o, a, b));
         }
+        out
     }
 }
 

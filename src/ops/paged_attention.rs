@@ -560,23 +560,40 @@ unsafe fn fold_block<V: Lanes, const G: usize>(
             acc.mul(V::splat(scale)).store(s);
         }
     }
-    let mut probs = [[0f32; SOFTMAX_BLOCK]; G];
-    let mut correction = [0f32; G];
-    for h in 0..G {
-        let s = &mut scores[h];
+    // The running maxima and denominators below are sequential chains per query, in the same
+    // order as for a query alone; the loops interleave the G queries' chains (lane index outer)
+    // so they overlap instead of each waiting out the latency of its own.
+    let mut new_max = [0f32; G];
+    for (m, &(max, _)) in new_max.iter_mut().zip(state.iter()) {
+        *m = max;
+    }
+    for s in &mut scores {
         // Lanes past the block's keys hold whatever the page holds there.
         s[n..].fill(f32::NEG_INFINITY);
-        let (max, denom) = state[h];
-        let new_max = s.iter().fold(max, |m, &x| m.max(x));
-        correction[h] = exp_nonpositive(max - new_max);
-        let mut denom = denom * correction[h];
-        for (p, &s) in probs[h].iter_mut().zip(s.iter()) {
-            *p = exp_nonpositive(s - new_max);
+    }
+    for i in 0..SOFTMAX_BLOCK {
+        for (m, s) in new_max.iter_mut().zip(&scores) {
+            *m = m.max(s[i]);
         }
-        for &p in &probs[h][..n] {
-            denom += p;
+    }
+    let mut probs = [[0f32; SOFTMAX_BLOCK]; G];
+    let mut correction = [0f32; G];
+    let mut denom = [0f32; G];
+    for h in 0..G {
+        let (max, d) = state[h];
+        correction[h] = exp_nonpositive(max - new_max[h]);
+        denom[h] = d * correction[h];
+        for (p, &s) in probs[h].iter_mut().zip(scores[h].iter()) {
+            *p = exp_nonpositive(s - new_max[h]);
         }
-        state[h] = (new_max, denom);
+    }
+    for i in 0..n {
+        for (d, p) in denom.iter_mut().zip(&probs) {
+            *d += p[i];
+        }
+    }
+    for ((st, &m), &d) in state.iter_mut().zip(&new_max).zip(&denom) {
+        *st = (m, d);
     }
     // The accumulators 16 lanes of `dim` at a time, held in registers across the keys.
     let whole = dim / SOFTMAX_BLOCK * SOFTMAX_BLOCK;

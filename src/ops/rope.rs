@@ -4,6 +4,22 @@ use candle_core::{bail, CpuStorage, CustomOp3, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
 use super::contiguous_f32;
+use super::isa::isa_kernel;
+
+isa_kernel! {
+    /// One token's heads (`x` and `out` are `heads × 2·half`), rotated by its angles.
+    fn rotate_row(out: &mut [f32], x: &[f32], cos: &[f32], sin: &[f32]) {
+        let half = cos.len();
+        for (oh, xh) in out.chunks_exact_mut(2 * half).zip(x.chunks_exact(2 * half)) {
+            let (o1, o2) = oh.split_at_mut(half);
+            let (x1, x2) = xh.split_at(half);
+            for i in 0..half {
+                o1[i] = x1[i] * cos[i] - x2[i] * sin[i];
+                o2[i] = x2[i] * cos[i] + x1[i] * sin[i];
+            }
+        }
+    }
+}
 
 struct Rope;
 
@@ -33,13 +49,7 @@ impl CustomOp3 for Rope {
             .for_each(|(row, (o, xr))| {
                 let c = &cos[row * half..(row + 1) * half];
                 let s = &sin[row * half..(row + 1) * half];
-                for (oh, xh) in o.chunks_mut(d).zip(xr.chunks(d)) {
-                    for i in 0..half {
-                        let (x1, x2) = (xh[i], xh[i + half]);
-                        oh[i] = x1 * c[i] - x2 * s[i];
-                        oh[i + half] = x2 * c[i] + x1 * s[i];
-                    }
-                }
+                rotate_row(o, xr, c, s);
             });
         Ok((CpuStorage::F32(out), xl.shape().clone()))
     }
