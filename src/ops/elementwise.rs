@@ -10,6 +10,7 @@ use rayon::prelude::*;
 
 use super::contiguous_f32;
 use super::isa::isa_kernel;
+use super::math::silu;
 
 /// Elements per rayon task; smaller maps run on the calling thread.
 const CHUNK: usize = 1 << 14;
@@ -23,10 +24,11 @@ isa_kernel! {
 }
 
 isa_kernel! {
-    /// silu(g) · u with silu(x) = x / (exp(-x) + 1) as candle-nn computes it (libm's `expf`).
+    /// silu(g) · u ([`silu`]: our exponential, not libm's, so it vectorises and its bits do
+    /// not depend on the C library).
     fn swiglu_into(out: &mut [f32], gate: &[f32], up: &[f32]) {
         for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
-            *o = g / ((-g).exp() + 1.0) * u;
+            *o = silu(g) * u;
         }
     }
 }
@@ -90,7 +92,7 @@ pub fn add(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
         .apply_op2_no_bwd(&b.contiguous()?, &Binary::Add)
 }
 
-/// `silu(gate) * up`, with silu(x) = x / (exp(-x) + 1) as candle-nn computes it.
+/// `silu(gate) * up`, with silu(x) = x / (exp(-x) + 1) as candle-nn writes it ([`silu`] on CPU).
 pub fn swiglu(gate: &Tensor, up: &Tensor) -> candle_core::Result<Tensor> {
     if !gate.device().is_cpu() {
         return candle_nn::ops::silu(gate)? * up;

@@ -1,16 +1,16 @@
-//! Scalar math the kernels share, written so that every instruction set computes the same bits.
+//! Scalar math the kernels share, written so that every instruction set computes the same bits
+//! (separately rounded IEEE operations only), and without libm: a C library's `expf` may differ
+//! in the last bit between versions and between the variants glibc picks at run time by CPU.
 
-/// `e^x` for `x <= 0` (Cephes' `expf`: range reduction by ln 2 in two parts, a degree-5
-/// polynomial, scaling by 2^n through the exponent bits); about 1 ulp. `x < -87` (and -inf,
-/// NaN never reaches here) gives 0.
+/// `e^x` for `x` in `[-87, 88]` (Cephes' `expf`: range reduction by ln 2 in two parts, a
+/// degree-5 polynomial, scaling by 2^n through the exponent bits); about 1 ulp.
 #[inline(always)]
-pub fn exp_nonpositive(x: f32) -> f32 {
+fn exp_in_range(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const LN2_HI: f32 = 0.693_359_4;
     const LN2_LO: f32 = -2.121_944_4e-4;
-    let xc = x.max(-87.0);
-    let n = (xc * LOG2E + 0.5).floor();
-    let r = xc - n * LN2_HI - n * LN2_LO;
+    let n = (x * LOG2E + 0.5).floor();
+    let r = x - n * LN2_HI - n * LN2_LO;
     let mut p = 1.987_569_1e-4_f32;
     p = p * r + 1.398_199_9e-3;
     p = p * r + 8.333_452e-3;
@@ -19,9 +19,59 @@ pub fn exp_nonpositive(x: f32) -> f32 {
     p = p * r + 0.5;
     let y = p * (r * r) + r + 1.0;
     let scale = f32::from_bits((((n as i32) + 127) as u32) << 23);
+    y * scale
+}
+
+/// `e^x` for `x <= 0`; `x < -87` (and -inf; NaN never reaches here) gives 0.
+#[inline(always)]
+pub fn exp_nonpositive(x: f32) -> f32 {
+    let y = exp_in_range(x.max(-87.0));
     if x < -87.0 {
         0.0
     } else {
-        y * scale
+        y
+    }
+}
+
+/// `silu(x) = x / (e^-x + 1)`, as candle-nn and transformers write it, with the exponential
+/// above: past `x < -88`, where `e^-x` leaves the range, it is `+inf` and silu `-0` (the true
+/// value is below 1e-36 in magnitude); past `x > 87` it is 0 and silu `x`. NaN stays NaN.
+#[inline(always)]
+pub fn silu(x: f32) -> f32 {
+    let t = -x;
+    let e = exp_in_range(t.clamp(-87.0, 88.0));
+    let e = if t > 88.0 {
+        f32::INFINITY
+    } else if t < -87.0 {
+        0.0
+    } else {
+        e
+    };
+    x / (e + 1.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn silu_is_within_a_few_ulp_of_f64_over_the_range_and_saturates_cleanly() {
+        let mut worst = 0f64;
+        for i in -200_000..=200_000 {
+            let x = i as f32 * 5e-4; // -100 .. 100
+            let want = f64::from(x) / ((-f64::from(x)).exp() + 1.0);
+            let got = f64::from(silu(x));
+            if want.abs() > 1e-30 {
+                worst = worst.max(((got - want) / want).abs());
+            } else {
+                assert!(got.abs() < 1e-30, "silu({x}) = {got}, want {want}");
+            }
+        }
+        assert!(worst < 5e-7, "worst relative error {worst}");
+        assert_eq!(silu(0.0), 0.0);
+        assert_eq!(silu(200.0), 200.0);
+        assert_eq!(silu(-200.0).to_bits(), (-0f32).to_bits());
+        assert_eq!(silu(f32::INFINITY), f32::INFINITY);
+        assert!(silu(f32::NAN).is_nan());
     }
 }

@@ -24,7 +24,7 @@ pub use cache_write::{write_k, write_kv};
 pub use elementwise::{add, swiglu};
 pub use gemm::{matmul_packed, packed_matmul, packed_matmul_with, PackedWeight};
 pub use isa::CpuIsa;
-pub use math::exp_nonpositive;
+pub use math::{exp_nonpositive, silu};
 pub use matmul::{invariant_matmul, INVARIANT_GEMM_ROWS};
 pub use page_copy::copy_pages;
 pub use paged_attention::{
