@@ -18,8 +18,16 @@ fn exp_in_range(x: f32) -> f32 {
     p = p * r + 1.666_666_5e-1;
     p = p * r + 0.5;
     let y = p * (r * r) + r + 1.0;
-    let scale = f32::from_bits((((n as i32) + 127) as u32) << 23);
-    y * scale
+    y * pow2(n)
+}
+
+/// `2^n` for an integer-valued `n` in `[-126, 127]`, through the exponent bits. Adding
+/// 2^23 + 127 puts `n + 127` exactly in the low mantissa bits, which the shift moves into the
+/// exponent: the bits of `((n as i32 + 127) as u32) << 23` without a float-to-int conversion,
+/// whose saturating semantics made the compiler do it lane by lane.
+#[inline(always)]
+fn pow2(n: f32) -> f32 {
+    f32::from_bits((n + 8_388_735.0).to_bits() << 23)
 }
 
 /// `e^x` for `x <= 0`; `x < -87` (and -inf; NaN never reaches here) gives 0.
@@ -53,6 +61,14 @@ pub fn silu(x: f32) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn pow2_equals_the_integer_exponent_construction() {
+        for n in -126..=127 {
+            let want = f32::from_bits(((n + 127) as u32) << 23);
+            assert_eq!(pow2(n as f32).to_bits(), want.to_bits(), "2^{n}");
+        }
+    }
 
     #[test]
     fn silu_is_within_a_few_ulp_of_f64_over_the_range_and_saturates_cleanly() {
