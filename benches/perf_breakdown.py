@@ -38,8 +38,11 @@ def cats(path: str) -> collections.Counter:
         s = sym
         if "gemm" in s:
             c = "GEMM"
-        elif "paged_attention" in s or ("call_mut" in s and "FnMut" in s) or "__expf" in s:
+        elif "paged_attention" in s:
             c = "attention"
+        elif any(x in s for x in ["elementwise::", "rms_norm::", "rope::", "__expf"]):
+            # __expf: SwiGLU's exp until kernel version 3 (libm's expf)
+            c = "elementwise, rms_norm, rope"
         elif (
             "BarrierGuard" in s
             or "BarrierPool" in s
@@ -70,7 +73,7 @@ def cats(path: str) -> collections.Counter:
         elif any(x in s for x in ["rayon", "sched_yield", "futex", "blas_thread", "backtrace"]):
             c = "threading (rayon/OpenBLAS idle, hand-offs)"
         else:
-            c = "other (Python, engine loop, rms_norm, rope, ...)"
+            c = "other (Python, engine loop, closures, ...)"
         b[c] += pct
     return b
 
@@ -78,11 +81,12 @@ def cats(path: str) -> collections.Counter:
 ORDER = [
     "GEMM",
     "attention",
+    "elementwise, rms_norm, rope",
     "candle elementwise pool",
     "sampler (softmax, argmax)",
     "copies, allocation, page faults, kernel",
     "threading (rayon/OpenBLAS idle, hand-offs)",
-    "other (Python, engine loop, rms_norm, rope, ...)",
+    "other (Python, engine loop, closures, ...)",
 ]
 
 
