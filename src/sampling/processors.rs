@@ -26,6 +26,30 @@ pub(crate) fn rank_desc(logits: &[f32], a: u32, b: u32) -> Ordering {
         .then(a.cmp(&b))
 }
 
+/// The ids of `logits` whose logit passes `keep`, in [`rank_desc`] order. Each id is packed with
+/// its rank key into one `u64` (the descending `total_cmp` key above the id), so the sort
+/// compares plain integers instead of loading two logits per comparison; the keys are distinct,
+/// so the order is the one `rank_desc` defines, bit for bit.
+pub(crate) fn ids_by_rank(logits: &[f32], keep: impl Fn(f32) -> bool) -> Vec<u32> {
+    let mut packed: Vec<u64> = logits
+        .iter()
+        .enumerate()
+        .filter(|&(_, &l)| keep(l))
+        .map(|(t, &l)| {
+            // `total_cmp`'s order as an unsigned key, inverted for "larger first".
+            let bits = l.to_bits();
+            let ascending = if bits >> 31 == 1 {
+                !bits
+            } else {
+                bits | 1 << 31
+            };
+            (u64::from(!ascending) << 32) | t as u64
+        })
+        .collect();
+    packed.sort_unstable();
+    packed.into_iter().map(|k| k as u32).collect()
+}
+
 /// Sorted, de-duplicated copy of the ids that are inside the row.
 fn distinct_in_range(ids: impl Iterator<Item = u32>, len: usize) -> Vec<u32> {
     let mut v: Vec<u32> = ids.filter(|&t| (t as usize) < len).collect();
@@ -127,13 +151,10 @@ pub fn apply_top_p(logits: &mut [f32], top_p: f32) {
     if top_p >= 1.0 {
         return;
     }
-    let mut idx: Vec<u32> = (0..logits.len() as u32)
-        .filter(|&t| logits[t as usize] > f32::NEG_INFINITY)
-        .collect();
+    let idx = ids_by_rank(logits, |l| l > f32::NEG_INFINITY);
     if idx.is_empty() {
         return;
     }
-    idx.sort_unstable_by(|&a, &b| rank_desc(logits, a, b));
     let max = f64::from(logits[idx[0] as usize]);
     let weights: Vec<f64> = idx
         .iter()
@@ -220,6 +241,43 @@ pub fn process_logits(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ids_by_rank_is_the_rank_desc_sort() {
+        let specials = [
+            0.0,
+            -0.0,
+            1.5,
+            -1.5,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            -f32::NAN,
+        ];
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        for n in [0usize, 1, 2, 7, 100, 2000] {
+            let logits: Vec<f32> = (0..n)
+                .map(|_| {
+                    state = state.wrapping_mul(6364136223846793005).wrapping_add(1);
+                    let r = (state >> 33) as u32;
+                    match r % 10 {
+                        0 => specials[(r / 10) as usize % specials.len()],
+                        1 => 0.25, // ties
+                        _ => (r % 2000) as f32 / 100.0 - 10.0,
+                    }
+                })
+                .collect();
+            let mut want: Vec<u32> = (0..n as u32).collect();
+            want.sort_unstable_by(|&a, &b| rank_desc(&logits, a, b));
+            assert_eq!(ids_by_rank(&logits, |_| true), want, "n={n}");
+            let finite: Vec<u32> = want
+                .iter()
+                .copied()
+                .filter(|&t| logits[t as usize] > f32::NEG_INFINITY)
+                .collect();
+            assert_eq!(ids_by_rank(&logits, |l| l > f32::NEG_INFINITY), finite);
+        }
+    }
 
     const NEG: f32 = f32::NEG_INFINITY;
 
