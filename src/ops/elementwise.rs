@@ -11,12 +11,13 @@ use rayon::prelude::*;
 use super::contiguous_f32;
 use super::isa::isa_kernel;
 use super::math::silu;
+use super::CpuIsa;
 
 /// Elements per rayon task; smaller maps run on the calling thread.
 const CHUNK: usize = 1 << 14;
 
 isa_kernel! {
-    fn add_into(out: &mut [f32], a: &[f32], b: &[f32]) {
+    fn add_into(isa: CpuIsa, out: &mut [f32], a: &[f32], b: &[f32]) {
         for ((o, &x), &y) in out.iter_mut().zip(a).zip(b) {
             *o = x + y;
         }
@@ -26,7 +27,7 @@ isa_kernel! {
 isa_kernel! {
     /// silu(g) · u ([`silu`]: our exponential, not libm's, so it vectorises and its bits do
     /// not depend on the C library).
-    fn swiglu_into(out: &mut [f32], gate: &[f32], up: &[f32]) {
+    fn swiglu_into(isa: CpuIsa, out: &mut [f32], gate: &[f32], up: &[f32]) {
         for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
             *o = silu(g) * u;
         }
@@ -46,13 +47,14 @@ impl Binary {
             Binary::Add => add_into,
             Binary::Swiglu => swiglu_into,
         };
+        let isa = CpuIsa::detect();
         let mut out = vec![0f32; a.len()];
         if a.len() <= CHUNK {
-            kernel(&mut out, a, b);
+            kernel(isa, &mut out, a, b);
         } else {
             out.par_chunks_mut(CHUNK)
                 .zip(a.par_chunks(CHUNK).zip(b.par_chunks(CHUNK)))
-                .for_each(|(o, (a, b))| kernel(o, a, b));
+                .for_each(|(o, (a, b))| kernel(isa, o, a, b));
         }
         out
     }

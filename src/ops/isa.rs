@@ -32,6 +32,19 @@ impl CpuIsa {
         })
     }
 
+    /// Whether this CPU runs `self`: it is [`Self::detect`]'s or a lesser one (a CPU with
+    /// AVX-512 runs the AVX2+FMA kernels too).
+    pub fn supported(self) -> bool {
+        fn rank(isa: CpuIsa) -> u8 {
+            match isa {
+                CpuIsa::Portable => 0,
+                CpuIsa::Avx2Fma => 1,
+                CpuIsa::Avx512 => 2,
+            }
+        }
+        rank(self) <= rank(Self::detect())
+    }
+
     /// Every instruction set this CPU can run (tests compare them bitwise).
     pub fn available() -> Vec<Self> {
         let mut all = vec![CpuIsa::Portable];
@@ -50,38 +63,44 @@ impl CpuIsa {
     }
 }
 
-/// Defines a slice kernel compiled for the best instruction set of this CPU: `fn $name(args)`
-/// runs `$body` inside a function carrying AVX-512 or AVX2+FMA target features when the CPU has
-/// them (the wheel targets baseline x86-64, so without this the loop is SSE2 code). Only
-/// separately rounded IEEE operations and libm calls go in a body, never reassociation, so every
-/// instruction set gives the same bits. Call it from inside a rayon task: a rayon closure is
-/// compiled for the baseline, whatever its caller's features.
+/// Defines a kernel compiled for an instruction set chosen at run time: `fn $name(isa, args)`
+/// runs `$body` inside a function carrying AVX-512 or AVX2+FMA target features when `isa` asks
+/// for them and this CPU has them, and as portable code otherwise (the wheel targets baseline
+/// x86-64, so without this a loop is SSE2 code). Only separately rounded IEEE operations go in a
+/// body, never reassociation, so every instruction set gives the same bits (callers pass
+/// [`CpuIsa::detect`]; tests pass each of [`CpuIsa::available`] to check that). Call it from
+/// inside a rayon task: a rayon closure is compiled for the baseline, whatever its caller's
+/// features.
 macro_rules! isa_kernel {
-    ($(#[$attr:meta])* $vis:vis fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $body:block) => {
+    (
+        $(#[$attr:meta])*
+        $vis:vis fn $name:ident($isa:ident: CpuIsa $(, $arg:ident: $ty:ty)* $(,)?) $(-> $ret:ty)?
+        $body:block
+    ) => {
         $(#[$attr])*
-        $vis fn $name($($arg: $ty),*) {
+        $vis fn $name($isa: $crate::ops::CpuIsa $(, $arg: $ty)*) $(-> $ret)? {
             #[inline(always)]
-            fn body($($arg: $ty),*) $body
+            fn body($($arg: $ty),*) $(-> $ret)? $body
 
             #[cfg(target_arch = "x86_64")]
             #[target_feature(enable = "avx512f,avx2,fma")]
-            unsafe fn avx512($($arg: $ty),*) {
+            unsafe fn avx512($($arg: $ty),*) $(-> $ret)? {
                 body($($arg),*)
             }
 
             #[cfg(target_arch = "x86_64")]
             #[target_feature(enable = "avx2,fma")]
-            unsafe fn avx2($($arg: $ty),*) {
+            unsafe fn avx2($($arg: $ty),*) $(-> $ret)? {
                 body($($arg),*)
             }
 
-            match $crate::ops::CpuIsa::detect() {
-                // SAFETY: `detect` found the instruction set on this CPU.
+            match $isa {
+                // SAFETY: this CPU has the instruction set (checked in the guard).
                 #[cfg(target_arch = "x86_64")]
-                $crate::ops::CpuIsa::Avx512 => unsafe { avx512($($arg),*) },
+                $crate::ops::CpuIsa::Avx512 if $isa.supported() => unsafe { avx512($($arg),*) },
                 // SAFETY: as above.
                 #[cfg(target_arch = "x86_64")]
-                $crate::ops::CpuIsa::Avx2Fma => unsafe { avx2($($arg),*) },
+                $crate::ops::CpuIsa::Avx2Fma if $isa.supported() => unsafe { avx2($($arg),*) },
                 _ => body($($arg),*),
             }
         }

@@ -23,6 +23,7 @@ mod rope;
 pub use cache_write::{write_k, write_kv};
 pub use elementwise::{add, swiglu};
 pub use gemm::{matmul_packed, packed_matmul, packed_matmul_with, PackedWeight};
+pub(crate) use isa::isa_kernel;
 pub use isa::CpuIsa;
 pub use math::{exp_nonpositive, silu};
 pub use matmul::{invariant_matmul, INVARIANT_GEMM_ROWS};

@@ -563,10 +563,7 @@ unsafe fn fold_block<V: Lanes, const G: usize>(
     // The running maxima and denominators below are sequential chains per query, in the same
     // order as for a query alone; the loops interleave the G queries' chains (lane index outer)
     // so they overlap instead of each waiting out the latency of its own.
-    let mut new_max = [0f32; G];
-    for (m, &(max, _)) in new_max.iter_mut().zip(state.iter()) {
-        *m = max;
-    }
+    let mut new_max: [f32; G] = std::array::from_fn(|h| state[h].0);
     for s in &mut scores {
         // Lanes past the block's keys hold whatever the page holds there.
         s[n..].fill(f32::NEG_INFINITY);

@@ -5,6 +5,7 @@ use rayon::prelude::*;
 
 use super::contiguous_f32;
 use super::isa::isa_kernel;
+use super::CpuIsa;
 
 /// Rows per task. Each row's sum of squares is one sequential chain (its order fixed by `dim`
 /// alone), but the chains of a task's rows run interleaved: one chain alone waits out every
@@ -13,7 +14,7 @@ const ROWS_PER_TASK: usize = 8;
 
 isa_kernel! {
     /// Normalises up to [`ROWS_PER_TASK`] rows of `x` (`w.len()` each) into `out`.
-    fn norm_rows(out: &mut [f32], x: &[f32], w: &[f32], eps: f32) {
+    fn norm_rows(isa: CpuIsa, out: &mut [f32], x: &[f32], w: &[f32], eps: f32) {
         let dim = w.len();
         let mut sum_sq = [0f32; ROWS_PER_TASK];
         for i in 0..dim {
@@ -59,7 +60,7 @@ impl CustomOp2 for RmsNorm {
         let eps = self.eps;
         out.par_chunks_mut(dim * ROWS_PER_TASK)
             .zip(x.par_chunks(dim * ROWS_PER_TASK))
-            .for_each(|(o, rows)| norm_rows(o, rows, w, eps));
+            .for_each(|(o, rows)| norm_rows(CpuIsa::detect(), o, rows, w, eps));
         Ok((CpuStorage::F32(out), xl.shape().clone()))
     }
 

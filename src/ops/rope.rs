@@ -5,10 +5,11 @@ use rayon::prelude::*;
 
 use super::contiguous_f32;
 use super::isa::isa_kernel;
+use super::CpuIsa;
 
 isa_kernel! {
     /// One token's heads (`x` and `out` are `heads × 2·half`), rotated by its angles.
-    fn rotate_row(out: &mut [f32], x: &[f32], cos: &[f32], sin: &[f32]) {
+    fn rotate_row(isa: CpuIsa, out: &mut [f32], x: &[f32], cos: &[f32], sin: &[f32]) {
         let half = cos.len();
         for (oh, xh) in out.chunks_exact_mut(2 * half).zip(x.chunks_exact(2 * half)) {
             let (o1, o2) = oh.split_at_mut(half);
@@ -49,7 +50,7 @@ impl CustomOp3 for Rope {
             .for_each(|(row, (o, xr))| {
                 let c = &cos[row * half..(row + 1) * half];
                 let s = &sin[row * half..(row + 1) * half];
-                rotate_row(o, xr, c, s);
+                rotate_row(CpuIsa::detect(), o, xr, c, s);
             });
         Ok((CpuStorage::F32(out), xl.shape().clone()))
     }

@@ -16,7 +16,7 @@ use std::borrow::Cow;
 use super::params::SamplingParams;
 use super::processors::{changes_greedy_logits, process_logits, rank_desc};
 use super::rng::{gumbel, GUMBEL_MAX};
-use crate::ops::{exp_nonpositive, CpuIsa};
+use crate::ops::{exp_nonpositive, isa_kernel, CpuIsa};
 use crate::output::TokenLogprobs;
 use crate::{DetspecError, Result};
 
@@ -117,7 +117,7 @@ pub fn sample(input: &SampleInput) -> Result<SampledToken> {
 
     // The chosen token has a finite processed logit, hence a finite raw logit, so the
     // log-sum-exp below is finite.
-    let lse = log_sum_exp(logits);
+    let lse = log_sum_exp(CpuIsa::detect(), logits);
     let logprob_of = |t: u32| (f64::from(logits[t as usize]) - lse) as f32;
     let top_logprobs = top_n(logits, params.logprobs.unwrap_or(0))
         .into_iter()
@@ -141,7 +141,7 @@ pub fn sample(input: &SampleInput) -> Result<SampledToken> {
 pub fn score_token(logits: &[f32], token: u32, top_n_count: usize) -> Result<TokenLogprobs> {
     check_row(logits)?;
     check_ids("token_ids", &[token], logits.len())?;
-    let lse = log_sum_exp(logits);
+    let lse = log_sum_exp(CpuIsa::detect(), logits);
     let logprob_of = |t: u32| (f64::from(logits[t as usize]) - lse) as f32;
     Ok(TokenLogprobs {
         token,
@@ -199,7 +199,7 @@ fn check_ids(name: &str, ids: &[u32], vocab: usize) -> Result<()> {
 fn argmax(logits: &[f32]) -> Option<u32> {
     // The maximum (exact, in vector lanes), then its first occurrence: the lowest id among the
     // largest logits, as a sequential strict-greater scan would pick.
-    let max = row_max(logits);
+    let max = row_max(CpuIsa::detect(), logits);
     if max == f32::NEG_INFINITY {
         return None;
     }
@@ -232,40 +232,28 @@ fn gumbel_argmax(logits: &[f32], seed: u64, position: u64) -> Option<u32> {
     best.map(|(i, _)| i)
 }
 
-/// Max-shifted log-sum-exp of a row: `exp` by a fixed polynomial in plain f32 arithmetic,
-/// summed in 16 lanes (lane `l` takes the indices ≡ l mod 16, in order) that are then added
-/// pairwise, and `ln` of the sum in f64. No step depends on threads or the instruction set (no
-/// reassociation, no FMA contraction), so the SIMD builds give the portable build's bits; a
-/// sequential libm `exp` per vocabulary entry cost as much as a third of a batch-64 decode step.
-/// The largest value of a row without NaN (`-inf` for an empty or all-`-inf` row).
-fn row_max(logits: &[f32]) -> f32 {
-    // SAFETY: the instruction set was detected on this CPU.
-    unsafe {
-        match CpuIsa::detect() {
-            #[cfg(target_arch = "x86_64")]
-            CpuIsa::Avx512 => row_max_avx512(logits),
-            #[cfg(target_arch = "x86_64")]
-            CpuIsa::Avx2Fma => row_max_avx2(logits),
-            _ => row_max_portable(logits),
-        }
+isa_kernel! {
+    /// The largest value of a row without NaN (`-inf` for an empty or all-`-inf` row).
+    fn row_max(isa: CpuIsa, logits: &[f32]) -> f32 {
+        max_in_lanes(logits)
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx2,fma")]
-unsafe fn row_max_avx512(logits: &[f32]) -> f32 {
-    row_max_portable(logits)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn row_max_avx2(logits: &[f32]) -> f32 {
-    row_max_portable(logits)
+isa_kernel! {
+    /// Max-shifted log-sum-exp of a row: `exp` by a fixed polynomial in plain f32 arithmetic,
+    /// summed in 16 lanes (lane `l` takes the indices ≡ l mod 16, in order) that are then added
+    /// pairwise, and `ln` of the sum in f64. No step depends on threads or the instruction set
+    /// (no reassociation, no FMA contraction), so the SIMD builds give the portable build's
+    /// bits; a sequential libm `exp` per vocabulary entry cost as much as a third of a batch-64
+    /// decode step.
+    fn log_sum_exp(isa: CpuIsa, logits: &[f32]) -> f64 {
+        log_sum_exp_in_lanes(logits)
+    }
 }
 
 /// Maximum in [`LANES`] lanes, then across them (max is exact: any order gives the same value).
 #[inline(always)]
-fn row_max_portable(logits: &[f32]) -> f32 {
+fn max_in_lanes(logits: &[f32]) -> f32 {
     let mut maxes = [f32::NEG_INFINITY; LANES];
     let (chunks, rest) = logits.as_chunks::<LANES>();
     for c in chunks {
@@ -279,36 +267,11 @@ fn row_max_portable(logits: &[f32]) -> f32 {
     maxes.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x))
 }
 
-fn log_sum_exp(logits: &[f32]) -> f64 {
-    // SAFETY: the instruction set was detected on this CPU.
-    unsafe {
-        match CpuIsa::detect() {
-            #[cfg(target_arch = "x86_64")]
-            CpuIsa::Avx512 => log_sum_exp_avx512(logits),
-            #[cfg(target_arch = "x86_64")]
-            CpuIsa::Avx2Fma => log_sum_exp_avx2(logits),
-            _ => log_sum_exp_portable(logits),
-        }
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx2,fma")]
-unsafe fn log_sum_exp_avx512(logits: &[f32]) -> f64 {
-    log_sum_exp_portable(logits)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn log_sum_exp_avx2(logits: &[f32]) -> f64 {
-    log_sum_exp_portable(logits)
-}
-
 const LANES: usize = 16;
 
 #[inline(always)]
-fn log_sum_exp_portable(logits: &[f32]) -> f64 {
-    let max = row_max_portable(logits);
+fn log_sum_exp_in_lanes(logits: &[f32]) -> f64 {
+    let max = max_in_lanes(logits);
     let (chunks, rest) = logits.as_chunks::<LANES>();
     let mut sums = [0f32; LANES];
     for c in chunks {
@@ -426,19 +389,15 @@ mod tests {
                     .map(|&l| (f64::from(l) - max).exp())
                     .sum::<f64>()
                     .ln();
-            let got = log_sum_exp_portable(&row);
+            let got = log_sum_exp_in_lanes(&row);
             assert!((got - want).abs() < 1e-5, "len {len}: {got} vs {want}");
-            assert_eq!(log_sum_exp(&row).to_bits(), got.to_bits(), "len {len}");
-            #[cfg(target_arch = "x86_64")]
+            assert_eq!(
+                log_sum_exp(CpuIsa::detect(), &row).to_bits(),
+                got.to_bits(),
+                "len {len}"
+            );
             for isa in CpuIsa::available() {
-                // SAFETY: `available` lists what this CPU runs.
-                let simd = unsafe {
-                    match isa {
-                        CpuIsa::Avx512 => log_sum_exp_avx512(&row),
-                        CpuIsa::Avx2Fma => log_sum_exp_avx2(&row),
-                        CpuIsa::Portable => log_sum_exp_portable(&row),
-                    }
-                };
+                let simd = log_sum_exp(isa, &row);
                 assert_eq!(simd.to_bits(), got.to_bits(), "len {len} {isa:?}");
             }
         }
