@@ -70,7 +70,7 @@ proptest! {
         let mut failed = 0usize;
         let mut aborted = 0usize;
         let run_step = |s: &mut Scheduler, finished: &mut usize, failed: &mut usize| {
-            let plan = s.plan(&alloc, &|_| Vec::new());
+            let plan = s.plan(&alloc, &|_, _| Vec::new());
             *failed += plan.failed.len();
             prop_assert!(plan.num_tokens() <= budget);
             prop_assert!(s.num_running() <= max_num_seqs);

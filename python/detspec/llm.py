@@ -125,6 +125,7 @@ class _EngineClient:
         verify_window: int = 64,
         verify_group: int = 8,
         verify_strategy: str = "auto",
+        kernel_profile: str = "invariant",
         verify_finish_wait: int = 0,
         fault_injection: float = 0.0,
         enable_prefix_caching: bool = True,

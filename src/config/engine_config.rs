@@ -52,7 +52,7 @@ impl DTypeSpec {
     }
 }
 
-/// How the engine treats `deterministic=True` requests (DESIGN.md §3).
+/// How the engine treats `deterministic=True` requests (docs/determinism.md).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum DeterminismMode {
     /// Fast path for everyone; decode–verify–rollback for deterministic requests.
@@ -86,7 +86,7 @@ impl DeterminismMode {
     }
 }
 
-/// How DVR makes a deterministic request's decode tokens reproducible (DESIGN.md §3).
+/// How DVR makes a deterministic request's decode tokens reproducible (docs/determinism.md).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum VerifyStrategy {
     /// `Inline` where the backend's fast-path GEMMs are proven batch-invariant (CPU), else
@@ -125,7 +125,41 @@ impl VerifyStrategy {
     }
 }
 
-/// Settings for an [`crate::Engine`]. Defaults follow DESIGN.md.
+/// What the CPU's GEMMs promise about their reduction order.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum KernelProfile {
+    /// The packed fixed-order GEMM: a row's bits never depend on the number of rows M, its
+    /// neighbours or the thread count, which is what DVR's inline strategy needs.
+    #[default]
+    Invariant,
+    /// For testing the replay strategy without a GPU: every GEMM's reduction order depends on
+    /// M the way a vendor library's kernel choice does (a split-K factor picked from M, partial
+    /// sums rounded to bfloat16 as a bf16 GPU kernel's are), so fast-path tokens really differ
+    /// from the verifier's and rollbacks happen by themselves. `inline` is refused under it.
+    ShapeDependent,
+}
+
+impl KernelProfile {
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "invariant" => Ok(Self::Invariant),
+            "shape_dependent" => Ok(Self::ShapeDependent),
+            other => Err(DetspecError::param(
+                "kernel_profile",
+                format!("unknown profile `{other}` (invariant, shape_dependent)"),
+            )),
+        }
+    }
+
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Self::Invariant => "invariant",
+            Self::ShapeDependent => "shape_dependent",
+        }
+    }
+}
+
+/// Settings for an [`crate::Engine`].
 #[derive(Debug, Clone, PartialEq)]
 pub struct EngineConfig {
     /// Where the engine runs (`cpu`, `cuda:N`).
@@ -158,6 +192,8 @@ pub struct EngineConfig {
     pub verify_group: usize,
     /// How `dvr` mode verifies deterministic requests.
     pub verify_strategy: VerifyStrategy,
+    /// The CPU GEMMs' reduction-order promise (`shape_dependent`: the replay test profile).
+    pub kernel_profile: KernelProfile,
     /// Steps a deterministic request that finished on the fast path may wait for more ready
     /// requests before its verify pass runs (0: verify in the step it finished). Waiting fills
     /// groups with real rows instead of padding — fewer, fuller passes — at the cost of up to
@@ -190,6 +226,7 @@ impl Default for EngineConfig {
             verify_window: 64,
             verify_group: 8,
             verify_strategy: VerifyStrategy::Auto,
+            kernel_profile: KernelProfile::Invariant,
             verify_finish_wait: 0,
             fault_injection: 0.0,
             num_threads: None,

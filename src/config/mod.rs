@@ -5,5 +5,5 @@ mod engine_config;
 mod model_config;
 
 pub use device::{cuda_device_count, device_label, DeviceSpec};
-pub use engine_config::{DTypeSpec, DeterminismMode, EngineConfig, VerifyStrategy};
+pub use engine_config::{DTypeSpec, DeterminismMode, EngineConfig, KernelProfile, VerifyStrategy};
 pub use model_config::{Architecture, ModelConfig, RopeConfig, RopeScaling};

@@ -1,4 +1,4 @@
-//! Accept or roll back (DESIGN.md §3 "Accept").
+//! Accept or roll back ("Accept" in docs/architecture.md).
 //!
 //! The verifier's predictions v_0…v_n are compared with the speculative tokens u_0…u_{n−1}:
 //! with no mismatch, u_0…u_{n−1} and the bonus token v_n are committed; with a first mismatch

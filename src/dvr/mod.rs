@@ -1,6 +1,11 @@
-//! Decode–verify–rollback (DESIGN.md §3), laid out to be read side by side with that section.
+//! Decode–verify–rollback, laid out to be read side by side with docs/determinism.md and
+//! docs/architecture.md ("Decode–verify–rollback").
 //!
-//! | DESIGN.md §3            | here                                                         |
+//! [`policy::DeterminismPolicy`] is the determinism policy as a whole: off, batch-invariant,
+//! inline or replay, and the hooks the engine's step calls. The rest of this module is the
+//! replay strategy:
+//!
+//! | protocol step           | here                                                         |
 //! |-------------------------|--------------------------------------------------------------|
 //! | Trigger                 | [`trigger::is_verifiable`], [`trigger::ready_sequences`]     |
 //! | finish-wait policy      | [`trigger::finished_verification_due`]                       |
@@ -9,17 +14,21 @@
 //! | Accept / roll back      | [`accept::first_mismatch`], [`accept::commit`]               |
 //! | Stats                   | [`VerifyStats`] (engine-wide), `Sequence::dvr` (per request) |
 //!
-//! Prefill isolation (the first half of §3) is the scheduler's job
-//! (`SchedulerLimits::isolate_deterministic_prefill`); emitting committed tokens is the engine's.
+//! Prefill isolation is the scheduler's job (`SchedulerLimits::isolate_deterministic_prefill`,
+//! set from [`DeterminismPolicy::isolates_deterministic_prefill`]); emitting committed tokens
+//! is the engine's.
 //! The verifier reaches the model only through the `forward` callback of
 //! [`Verifier::run_due`]: it never owns tensors.
 
 pub mod accept;
+pub mod policy;
 pub mod replay;
 pub mod trigger;
 
+pub use policy::DeterminismPolicy;
+
 use crate::config::EngineConfig;
-use crate::error::Result;
+use crate::error::{DetspecError, Result};
 use crate::kv::PageAllocator;
 use crate::model::ForwardBatch;
 use crate::sampling;
@@ -48,14 +57,18 @@ pub struct VerifyShape {
     pub finish_wait: usize,
     pub page_size: usize,
     pub sliding_window: Option<usize>,
+    /// Project every one of the B × W rows through the LM head, padding included, so that
+    /// GEMM too runs at the pass's fixed shape (needed wherever a GEMM's bits depend on M;
+    /// an invariant backend projects only the real rows).
+    pub project_all_rows: bool,
 }
 
 /// Runs verify passes for deterministic sequences and commits or rolls back their tokens.
 #[derive(Debug)]
 pub struct Verifier {
     shape: VerifyShape,
-    /// Reserved page that padding rows write to and read from (never freed).
-    trash_page: u32,
+    /// The pad page: reserved, never freed; padding rows write to and read from it only.
+    pad_page: u32,
     faults: FaultInjector,
     stats: VerifyStats,
 }
@@ -64,7 +77,12 @@ pub struct Verifier {
 pub type ForwardFn<'a> = dyn FnMut(&ForwardBatch) -> Result<Vec<Vec<f32>>> + 'a;
 
 impl Verifier {
-    pub fn new(cfg: &EngineConfig, sliding_window: Option<usize>, trash_page: u32) -> Self {
+    pub fn new(
+        cfg: &EngineConfig,
+        sliding_window: Option<usize>,
+        pad_page: u32,
+        project_all_rows: bool,
+    ) -> Self {
         Self {
             shape: VerifyShape {
                 window: cfg.verify_window,
@@ -72,8 +90,9 @@ impl Verifier {
                 finish_wait: cfg.verify_finish_wait,
                 page_size: cfg.page_size,
                 sliding_window,
+                project_all_rows,
             },
-            trash_page,
+            pad_page,
             faults: FaultInjector::new(cfg.fault_injection),
             stats: VerifyStats::default(),
         }
@@ -119,14 +138,17 @@ impl Verifier {
         eos: &[u32],
         forward: &mut ForwardFn<'_>,
     ) -> Result<()> {
-        let replay =
-            replay::build_replay_batch(sched, alloc, members, &self.shape, self.trash_page)?;
+        let replay = replay::build_replay_batch(sched, alloc, members, &self.shape, self.pad_page)?;
         self.stats.verify_passes += 1;
         self.stats.padded_rows += replay.padded_rows;
         let logits = forward(&replay.batch)?;
-        let mut rows = logits.into_iter();
         for window in replay.windows {
-            let rows: Vec<Vec<f32>> = rows.by_ref().take(window.n + 1).collect();
+            let rows = logits
+                .get(window.first_row..window.first_row + window.n + 1)
+                .ok_or_else(|| DetspecError::InvalidRequest {
+                    request_id: None,
+                    message: format!("verify pass returned {} logit rows", logits.len()),
+                })?;
             let forced = self.faults.next_window();
             let Some(seq) = sched.get_mut(window.seq) else {
                 continue;

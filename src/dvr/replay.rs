@@ -1,9 +1,9 @@
-//! The replay batch (DESIGN.md §3 "Grouped, fixed-shape verification" and "Replay").
+//! The replay batch ("Grouped, fixed-shape verification" and "Replay" in docs/architecture.md).
 //!
 //! For a sequence with committed output index V and speculative tokens u_0…u_{n−1}, the input is
 //! [last committed token, u_0, …, u_{n−1}] at their absolute positions, attending to the committed
 //! prefix; its KV overwrites the fast path's in the same slots. Every request is padded to W rows
-//! and the group to B requests with rows that write to and read from a reserved page, so every
+//! and the group to B requests with padding rows that write to and read from the pad page, so every
 //! pass has the same B × W shape and runs on the fixed attention schedule.
 
 use crate::error::{DetspecError, Result};
@@ -19,13 +19,15 @@ use super::VerifyShape;
 pub struct ReplayWindow {
     pub seq: SequenceId,
     pub n: usize,
+    /// Index of the window's first row among the pass's logit rows.
+    pub first_row: usize,
 }
 
 /// A B × W batch ready for the forward pass.
 #[derive(Debug)]
 pub struct ReplayBatch {
     pub batch: ForwardBatch,
-    /// Real windows, in batch order (their logit rows come first, in this order).
+    /// Real windows, in batch order.
     pub windows: Vec<ReplayWindow>,
     /// Rows that carry no real token.
     pub padded_rows: usize,
@@ -37,10 +39,10 @@ pub fn build_replay_batch(
     alloc: &dyn PageAllocator,
     members: &[SequenceId],
     shape: &VerifyShape,
-    trash_page: u32,
+    pad_page: u32,
 ) -> Result<ReplayBatch> {
     let (w, b, ps) = (shape.window, shape.group, shape.page_size);
-    let trash_slot = trash_page * ps as u32;
+    let pad_slot = pad_page * ps as u32;
     let mut batch = ForwardBatch::default();
     batch.attention.sliding_window = shape.sliding_window;
     batch.attention.schedule = AttentionSchedule::Fixed;
@@ -52,6 +54,11 @@ pub fn build_replay_batch(
             continue;
         };
         let (l, v) = (seq.prompt.len(), seq.verified);
+        let first_row = if shape.project_all_rows {
+            batch.tokens.len()
+        } else {
+            batch.logit_rows.len()
+        };
         let mut n = seq.num_speculative().min(w - 1);
         // The verifier writes KV at positions l+v-1 ..= l+v-1+n.
         if seq.block_table.reserve(l + v + n, ps, alloc).is_err() {
@@ -66,27 +73,37 @@ pub fn build_replay_batch(
                         request_id: Some(seq.request_id.clone()),
                         message: format!("verify: position {pos} has no KV slot"),
                     })?;
-            batch.logit_rows.push(batch.tokens.len() as u32);
+            if !shape.project_all_rows {
+                batch.logit_rows.push(batch.tokens.len() as u32);
+            }
             batch.tokens.push(seq.output[v - 1 + j]);
             batch.slots.push(slot);
             batch.attention.positions.push(pos as u32);
             batch.attention.row_seq.push(si as u32);
         }
         for _ in n + 1..w {
-            push_pad_row(&mut batch, trash_slot, b as u32);
+            push_pad_row(&mut batch, pad_slot, b as u32);
         }
         tables.push(seq.block_table.pages().to_vec());
-        windows.push(ReplayWindow { seq: id, n });
+        windows.push(ReplayWindow {
+            seq: id,
+            n,
+            first_row,
+        });
     }
     for _ in windows.len()..b {
         tables.push(Vec::new());
         for _ in 0..w {
-            push_pad_row(&mut batch, trash_slot, b as u32);
+            push_pad_row(&mut batch, pad_slot, b as u32);
         }
     }
-    tables.push(vec![trash_page]);
+    tables.push(vec![pad_page]);
     batch.attention.block_tables = tables;
-    let padded_rows = b * w - batch.logit_rows.len();
+    let real_rows: usize = windows.iter().map(|w| w.n + 1).sum();
+    let padded_rows = b * w - real_rows;
+    if shape.project_all_rows {
+        batch.logit_rows = (0..(b * w) as u32).collect();
+    }
     Ok(ReplayBatch {
         batch,
         windows,
@@ -95,9 +112,9 @@ pub fn build_replay_batch(
 }
 
 /// A padding row: writes to and reads from the reserved page only.
-fn push_pad_row(batch: &mut ForwardBatch, trash_slot: u32, dummy_seq: u32) {
+fn push_pad_row(batch: &mut ForwardBatch, pad_slot: u32, dummy_seq: u32) {
     batch.tokens.push(0);
-    batch.slots.push(trash_slot);
+    batch.slots.push(pad_slot);
     batch.attention.positions.push(0);
     batch.attention.row_seq.push(dummy_seq);
 }

@@ -1,4 +1,4 @@
-//! When to verify (DESIGN.md §3 "Trigger" and "Grouped, fixed-shape verification").
+//! When to verify ("Trigger" and "Grouped, fixed-shape verification" in docs/architecture.md).
 //!
 //! A deterministic sequence is *ready* when its speculative tokens fill a window (with the last
 //! committed token, exactly W input rows), or when it finished on the fast path and its pass is

@@ -12,10 +12,8 @@ use std::sync::Arc;
 use candle_core::Device;
 use rayon::prelude::*;
 
-use crate::config::{
-    device_label, DeterminismMode, DeviceSpec, EngineConfig, ModelConfig, VerifyStrategy,
-};
-use crate::dvr::Verifier;
+use crate::config::{device_label, DeviceSpec, EngineConfig, KernelProfile, ModelConfig};
+use crate::dvr::DeterminismPolicy;
 use crate::error::{DetspecError, Result};
 use crate::kv::{BlockTable, KvManager, KvPool, KvStats, PageAllocator};
 use crate::model::{ForwardBatch, Model};
@@ -83,10 +81,9 @@ pub struct EngineCore {
     sched: Scheduler,
     extra: HashMap<SequenceId, SeqExtra>,
     next_seq_id: SequenceId,
-    verifier: Verifier,
-    /// DVR's inline strategy is in force: deterministic rows run in the fast batch on the
-    /// verify-path kernels and are committed as sampled.
-    inline_deterministic: bool,
+    /// What deterministic requests get: every determinism decision of a step is one of its
+    /// hooks.
+    policy: DeterminismPolicy,
     preemptions: usize,
     /// Steps run so far (the clock of `verify_finish_wait`).
     steps: u64,
@@ -133,18 +130,6 @@ impl EngineCore {
             Some(n) => n,
             None => model_cfg.max_position_embeddings,
         };
-        let inline_deterministic = cfg.determinism == DeterminismMode::Dvr
-            && match cfg.verify_strategy {
-                VerifyStrategy::Auto => device.is_cpu(),
-                VerifyStrategy::Replay => false,
-                VerifyStrategy::Inline if device.is_cpu() => true,
-                VerifyStrategy::Inline => {
-                    return Err(DetspecError::param(
-                        "verify_strategy",
-                        "\"inline\" needs a backend whose GEMMs are batch-invariant (cpu); use \"replay\"",
-                    ))
-                }
-            };
         let device_spec = if device.is_cpu() {
             DeviceSpec::Cpu
         } else {
@@ -153,7 +138,14 @@ impl EngineCore {
         let dtype = cfg
             .dtype
             .resolve(device_spec, model_cfg.torch_dtype.as_deref())?;
-        let model = Model::load(dir, model_cfg, device, dtype)?;
+        if !device.is_cpu() && cfg.kernel_profile != KernelProfile::Invariant {
+            return Err(DetspecError::param(
+                "kernel_profile",
+                "selects the CPU GEMMs' profile; on a GPU the vendor library picks kernels by shape",
+            ));
+        }
+        let model =
+            Model::load(dir, model_cfg, device, dtype)?.with_kernel_profile(cfg.kernel_profile);
         let mc = model.config().clone();
         let per_page = KvPool::bytes_per_page(
             mc.num_hidden_layers,
@@ -174,47 +166,41 @@ impl EngineCore {
             dtype,
             device,
         )?;
-        // Inline outputs do not depend on W and B; replayed ones are only promised per (W, B).
-        let determinism = if inline_deterministic {
-            "dvr-inline".to_string()
-        } else {
-            format!(
-                "{}-w{}-b{}",
-                cfg.determinism.as_str(),
-                cfg.verify_window,
-                cfg.verify_group
-            )
-        };
-        let fingerprint_tail = format!(
-            "{}-{}-k{}-{}",
-            dtype.as_str(),
-            device_label(device),
-            KERNEL_VERSION,
-            determinism,
-        );
-        let fingerprint = fingerprint_of(model.weights_hash(), &fingerprint_tail);
         let alloc = Arc::new(KvManager::new(
             num_pages,
             cfg.page_size,
             cfg.enable_prefix_caching,
         )?);
-        let trash_page = alloc
+        let pad_page = alloc
             .reserve_pinned(1)
             .ok()
             .and_then(|p| p.first().copied())
             .ok_or_else(|| {
                 DetspecError::param("num_kv_pages", "the pool needs at least 2 pages")
             })?;
+        // The CPU's packed GEMM is proven batch- and position-invariant (tests/gemm.rs), unless
+        // the shape-dependent test profile stands in for a GPU's.
+        let invariant_gemms = device.is_cpu() && cfg.kernel_profile == KernelProfile::Invariant;
+        let policy = DeterminismPolicy::new(&cfg, invariant_gemms, mc.sliding_window, pad_page)?;
+        let profile = match cfg.kernel_profile {
+            KernelProfile::Invariant => "",
+            KernelProfile::ShapeDependent => "-shapedep",
+        };
+        let fingerprint_tail = format!(
+            "{}-{}-k{}{profile}-{}",
+            dtype.as_str(),
+            device_label(device),
+            KERNEL_VERSION,
+            policy.label(),
+        );
+        let fingerprint = fingerprint_of(model.weights_hash(), &fingerprint_tail);
         let sched = Scheduler::new(SchedulerLimits {
             max_num_seqs: cfg.max_num_seqs,
             max_num_batched_tokens: cfg.max_num_batched_tokens,
             page_size: cfg.page_size,
             max_prefill_chunk: cfg.max_prefill_chunk.unwrap_or(cfg.max_num_batched_tokens),
-            // Inline rows are invariant wherever they sit, so their prefill may be batched.
-            isolate_deterministic_prefill: cfg.determinism == DeterminismMode::Dvr
-                && !inline_deterministic,
+            isolate_deterministic_prefill: policy.isolates_deterministic_prefill(),
         });
-        let verifier = Verifier::new(&cfg, mc.sliding_window, trash_page);
         tracing::info!(model = %dir.display(), num_pages, page_size = cfg.page_size, "engine loaded");
         Ok(Self {
             info: Arc::new(ModelInfo {
@@ -234,8 +220,7 @@ impl EngineCore {
             sched,
             extra: HashMap::new(),
             next_seq_id: 0,
-            verifier,
-            inline_deterministic,
+            policy,
             preemptions: 0,
             steps: 0,
         })
@@ -255,7 +240,7 @@ impl EngineCore {
     }
 
     pub fn stats(&self) -> EngineStats {
-        let v = self.verifier.stats();
+        let v = self.policy.verify_stats();
         EngineStats {
             verify_passes: v.verify_passes,
             rollbacks: v.rollbacks,
@@ -320,14 +305,7 @@ impl EngineCore {
             return Err(invalid("a request with this id is already running".into()));
         }
         req.params.validate()?;
-        if req.params.deterministic && self.cfg.determinism == DeterminismMode::Off {
-            return Err(DetspecError::param(
-                "deterministic",
-                "this engine runs with determinism=\"off\"; start it with \"dvr\" or \"batch_invariant\"",
-            ));
-        }
-        let deterministic =
-            req.params.deterministic && self.cfg.determinism == DeterminismMode::Dvr;
+        let deterministic = self.policy.admit(&req.params)?;
         let (prompt_text, prompt) = match req.prompt {
             Prompt::Text(t) => {
                 let tok = self.tokenizer.as_ref().ok_or_else(|| {
@@ -479,9 +457,19 @@ impl EngineCore {
     /// Runs one step and returns the events it produced.
     pub fn step(&mut self) -> Vec<StreamEvent> {
         let kv = self.alloc.clone();
-        let mut plan = self
-            .sched
-            .plan(self.alloc.as_ref(), &|tokens| kv.lookup_prefix(tokens));
+        let policy = &self.policy;
+        let mut plan = self.sched.plan(self.alloc.as_ref(), &|seq, tokens| {
+            if policy.reads_prefix_cache(seq) {
+                kv.lookup_prefix(tokens)
+            } else {
+                Vec::new()
+            }
+        });
+        for &id in &plan.preempted {
+            if let Some(seq) = self.sched.find_mut(id) {
+                self.policy.on_preempt(seq);
+            }
+        }
         let mut events = Vec::new();
         for (seq, err) in plan.failed.drain(..) {
             self.extra.remove(&seq.id);
@@ -493,11 +481,9 @@ impl EngineCore {
         self.preemptions += plan.preempted.len();
         if plan.is_empty() {
             // Only sequences waiting for their final verify pass (or nothing) are left.
-            if self.cfg.determinism == DeterminismMode::Dvr {
-                match self.verify_and_emit(Vec::new()) {
-                    Ok(mut evs) => events.append(&mut evs),
-                    Err(err) => events.extend(self.fail_step(Vec::new(), &err)),
-                }
+            match self.verify_and_emit(Vec::new()) {
+                Ok(mut evs) => events.append(&mut evs),
+                Err(err) => events.extend(self.fail_step(Vec::new(), &err)),
             }
             return events;
         }
@@ -548,29 +534,27 @@ impl EngineCore {
     }
 
     fn run_plan(&mut self, plan: &StepPlan) -> Result<Vec<StreamEvent>> {
-        let invariant = self.cfg.determinism == DeterminismMode::BatchInvariant;
         // (sequences, their logits `[sequences, vocab]`) of each forward.
         let mut forwards = Vec::with_capacity(2);
         if !plan.entries.is_empty() {
             let (mut batch, ids) = self.build_batch(&plan.entries)?;
-            if invariant {
-                batch.attention.schedule = AttentionSchedule::Fixed;
-                batch.invariant_gemm = true;
-            }
+            let deterministic = plan
+                .entries
+                .iter()
+                .map(|e| self.sched.get(e.seq).is_some_and(|s| s.deterministic));
+            self.policy.prepare_shared_batch(&mut batch, deterministic);
             forwards.push((ids, self.model.forward(&batch, &self.kv)?));
         }
         if let Some(iso) = &plan.isolated {
-            // Alone, unchunked, fixed attention schedule: a pure function of the prompt.
+            // Alone and unchunked: a pure function of the prompt.
             let (mut batch, ids) = self.build_batch(std::slice::from_ref(iso))?;
-            batch.attention.schedule = AttentionSchedule::Fixed;
-            batch.invariant_gemm = invariant;
+            self.policy.prepare_isolated_batch(&mut batch);
             forwards.push((ids, self.model.forward(&batch, &self.kv)?));
         }
         self.sched.mark_computed(plan);
         self.cache_prompt_pages(plan);
         let eos = self.info.eos_token_ids.clone();
         let sched = &self.sched;
-        let inline = self.inline_deterministic;
         // Each row's sample depends only on its own logits and (seed, position); rows are read
         // in place from the logits tensor.
         let mut sampled: Vec<SequenceId> = Vec::new();
@@ -612,12 +596,7 @@ impl EngineCore {
             };
             seq.output.push(lp.token);
             seq.logprobs.push(lp);
-            // A deterministic request's first token comes from its isolated prefill and is
-            // committed at once; later ones are speculative until verified, unless they were
-            // computed inline on the verify-path kernels.
-            if !seq.deterministic || inline || seq.output.len() == 1 {
-                seq.verified = seq.output.len();
-            }
+            self.policy.after_sample(seq);
             if seq.finish.is_none() {
                 if let Some((reason, stop)) = seq.finish_at(seq.output.len() - 1, &eos) {
                     seq.finish = Some(reason);
@@ -636,22 +615,20 @@ impl EngineCore {
     /// sequence, and releases finished sequences.
     fn verify_and_emit(&mut self, mut touched: Vec<SequenceId>) -> Result<Vec<StreamEvent>> {
         let eos = self.info.eos_token_ids.clone();
-        if self.cfg.determinism == DeterminismMode::Dvr && !self.inline_deterministic {
-            let (model, kv) = (&self.model, &self.kv);
-            let mut forward = |batch: &ForwardBatch| -> Result<Vec<Vec<f32>>> {
-                Ok(model
-                    .forward(batch, kv)?
-                    .to_dtype(candle_core::DType::F32)?
-                    .to_vec2::<f32>()?)
-            };
-            touched.extend(self.verifier.run_due(
-                &mut self.sched,
-                self.alloc.as_ref(),
-                self.steps,
-                &eos,
-                &mut forward,
-            )?);
-        }
+        let (model, kv) = (&self.model, &self.kv);
+        let mut forward = |batch: &ForwardBatch| -> Result<Vec<Vec<f32>>> {
+            Ok(model
+                .forward(batch, kv)?
+                .to_dtype(candle_core::DType::F32)?
+                .to_vec2::<f32>()?)
+        };
+        touched.extend(self.policy.after_step(
+            &mut self.sched,
+            self.alloc.as_ref(),
+            self.steps,
+            &eos,
+            &mut forward,
+        )?);
         touched.sort_unstable();
         touched.dedup();
         let mut events = Vec::with_capacity(touched.len());
@@ -717,24 +694,15 @@ impl EngineCore {
                 break;
             }
         }
-        if let Some((reason, stop)) = finish {
-            // Finished on a committed token: anything after it (speculative) is discarded.
-            seq.output.truncate(idx);
-            seq.logprobs.truncate(idx);
-            seq.verified = idx;
-            seq.finish = Some(reason);
-            seq.stop_reason = stop.clone();
+        if let Some((_, stop)) = &finish {
             if !matches!(stop, Some(StopReason::Text(_))) {
                 if let (Some(tok), Some(ts)) = (tok, extra.as_mut().and_then(|x| x.text.as_mut())) {
                     delta.push_str(&ts.finish(tok)?);
                 }
             }
-        } else if seq.deterministic && seq.verified == seq.output.len() {
-            // Every token is committed and none finishes: a finish seen on a discarded
-            // speculative path is undone.
-            seq.finish = None;
-            seq.stop_reason = None;
         }
+        self.policy
+            .settle_finish(seq, finish.map(|(reason, stop)| (idx, reason, stop)));
         seq.emitted = idx.max(seq.emitted);
         let finished = seq.finish.is_some() && seq.verified == seq.output.len();
         if idx == from && !finished {
@@ -785,9 +753,6 @@ impl EngineCore {
                 .attention
                 .block_tables
                 .push(seq.block_table.pages().to_vec());
-            if self.inline_deterministic {
-                batch.attention.fixed_seqs.push(seq.deterministic);
-            }
             if e.sample {
                 batch.logit_rows.push((batch.tokens.len() - 1) as u32);
                 sampled.push(e.seq);

@@ -9,10 +9,10 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::config::ModelConfig;
+use crate::config::{KernelProfile, ModelConfig};
 use crate::error::{DetspecError, Result};
 use crate::kv::KvPool;
-use crate::ops::{self, invariant_matmul, matmul_packed, AttentionMetadata, PackedWeight};
+use crate::ops::{self, invariant_matmul, matmul_packed_profiled, AttentionMetadata, PackedWeight};
 
 use super::params::{ParamHashes, WeightLoader};
 use super::Checkpoint;
@@ -63,13 +63,21 @@ impl LinearWeight {
         }
     }
 
-    fn matmul(&self, x: &Tensor, invariant: bool) -> candle_core::Result<Tensor> {
+    fn matmul(&self, x: &Tensor, gemm: GemmOptions) -> candle_core::Result<Tensor> {
         match self {
-            Self::Packed(w) => matmul_packed(x, w),
-            Self::Dense(w) if invariant => invariant_matmul(x, w),
+            Self::Packed(w) => matmul_packed_profiled(x, w, gemm.profile, gemm.invariant),
+            Self::Dense(w) if gemm.invariant => invariant_matmul(x, w),
             Self::Dense(w) => x.matmul(w),
         }
     }
+}
+
+/// What a forward's GEMMs promise: the backend's kernel profile, and whether this batch runs
+/// them in the batch-invariant mode (fixed row blocks).
+#[derive(Debug, Clone, Copy)]
+struct GemmOptions {
+    profile: KernelProfile,
+    invariant: bool,
 }
 
 impl Linear {
@@ -96,8 +104,8 @@ impl Linear {
 }
 
 impl Linear {
-    fn apply(&self, x: &Tensor, invariant: bool) -> candle_core::Result<Tensor> {
-        let y = self.weight.matmul(x, invariant)?;
+    fn apply(&self, x: &Tensor, gemm: GemmOptions) -> candle_core::Result<Tensor> {
+        let y = self.weight.matmul(x, gemm)?;
         match &self.bias {
             Some(b) => y.broadcast_add(b),
             None => Ok(y),
@@ -134,6 +142,8 @@ pub struct Model {
     device: Device,
     /// Weights and activations (f32 on the CPU; f32, bf16 or f16 on a GPU).
     dtype: DType,
+    /// The CPU GEMMs' reduction-order promise.
+    kernel_profile: KernelProfile,
     /// Content hash of every parameter's engine-side (f32) values, by HF name: the
     /// fingerprint follows the weights through updates, and restoring old weights restores it.
     pub(super) param_hashes: ParamHashes,
@@ -197,7 +207,14 @@ impl Model {
             sin,
             device: device.clone(),
             dtype,
+            kernel_profile: KernelProfile::Invariant,
         })
+    }
+
+    /// The model with its CPU GEMMs run under `profile`.
+    pub fn with_kernel_profile(mut self, profile: KernelProfile) -> Self {
+        self.kernel_profile = profile;
+        self
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -217,10 +234,17 @@ impl Model {
         self.param_hashes.combined()
     }
 
+    fn gemm_options(&self, batch: &ForwardBatch) -> GemmOptions {
+        GemmOptions {
+            profile: self.kernel_profile,
+            invariant: batch.invariant_gemm,
+        }
+    }
+
     /// Runs the batch, writing its K/V into `kv`, and returns logits `[logit_rows, vocab]`.
     pub fn forward(&self, batch: &ForwardBatch, kv: &KvPool) -> Result<Tensor> {
         let x = self.final_hidden(batch, kv)?;
-        Ok(self.lm_head.matmul(&x, batch.invariant_gemm)?)
+        Ok(self.lm_head.matmul(&x, self.gemm_options(batch))?)
     }
 
     /// Runs the batch, writing its K/V into `kv`, and returns the last layer's hidden states
@@ -268,7 +292,7 @@ impl Model {
         let scale = 1.0 / (d as f32).sqrt();
         let eps = cfg.rms_norm_eps;
 
-        let inv = batch.invariant_gemm;
+        let inv = self.gemm_options(batch);
         let mut x = self.embed.index_select(&ids, 0)?;
         for (li, layer) in self.layers.iter().enumerate() {
             let (k_cache, v_cache) = kv.layer(li).ok_or_else(|| {

@@ -12,6 +12,9 @@
 //! position-invariant and thread-invariant; `tests/ops.rs` asserts it bitwise over every
 //! (K, N) the model uses and many M.
 //!
+//! The `shape_dependent` kernel profile runs the same kernel with [`Reduction::SplitK`]: the K
+//! sum split in parts whose count depends on M, as a vendor GEMM picks its kernel by shape.
+//!
 //! Layout: panel `p` holds columns `p*NR .. p*NR+NR` of `W` for every `k`, k-major
 //! (`panel[k*NR + c] = W[k][p*NR + c]`), zero-padded past N. The microkernel keeps an
 //! `R × NR` block of accumulators in registers (R ≤ MR rows) and walks k once.
@@ -21,7 +24,8 @@ use std::sync::Arc;
 use candle_core::{bail, CpuStorage, CustomOp1, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::{contiguous_f32, CpuIsa};
+use super::{contiguous_f32, CpuIsa, INVARIANT_GEMM_ROWS};
+use crate::config::KernelProfile;
 
 /// Columns per panel (two AVX-512 vectors, four AVX2 vectors).
 pub const NR: usize = 32;
@@ -29,6 +33,45 @@ pub const NR: usize = 32;
 const MR: usize = 8;
 /// Rows of A kept hot while all panels pass (64 rows × K ≤ 1408 floats ≈ 360 KB, in L2).
 const ROW_BLOCK: usize = 64;
+
+/// How each output element's sum over k is ordered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reduction {
+    /// One FMA chain over k = 0..K: the invariant GEMM.
+    Sequential,
+    /// `parts` FMA chains over contiguous ranges of k, each rounded to bfloat16, added in
+    /// order, the sum rounded to bfloat16: a bf16 split-K kernel. Only the `shape_dependent`
+    /// test profile uses it, with `parts` from [`split_k_parts`].
+    SplitK(usize),
+}
+
+impl Reduction {
+    /// The reduction a linear layer runs under `profile` for an `m`-row input. `invariant`:
+    /// the batch-invariant mode, which pads GEMMs to fixed blocks of
+    /// [`INVARIANT_GEMM_ROWS`] rows (on this kernel, whose rows are independent, that is the
+    /// kernel chosen for that M applied to every row).
+    pub fn for_rows(profile: KernelProfile, m: usize, invariant: bool) -> Self {
+        match profile {
+            KernelProfile::Invariant => Self::Sequential,
+            KernelProfile::ShapeDependent if invariant => {
+                Self::SplitK(split_k_parts(INVARIANT_GEMM_ROWS))
+            }
+            KernelProfile::ShapeDependent => Self::SplitK(split_k_parts(m)),
+        }
+    }
+}
+
+/// The split-K factor of an `m`-row product, from M's power-of-two bucket the way a vendor
+/// heuristic picks a kernel per shape: 2, 3 or 4 parts, changing at every power of two.
+pub fn split_k_parts(m: usize) -> usize {
+    2 + (m.max(1).ilog2() as usize % 3)
+}
+
+/// `x` rounded to the nearest bfloat16 (ties to even).
+#[inline(always)]
+fn round_bf16(x: f32) -> f32 {
+    half::bf16::from_f32(x).to_f32()
+}
 
 /// A `[K, N]` weight packed into column panels for [`packed_matmul`].
 #[derive(Debug)]
@@ -117,13 +160,49 @@ unsafe fn microkernel<const R: usize>(
     acc
 }
 
+/// [`microkernel`] over `parts` contiguous ranges of k, combined as [`Reduction::SplitK`] says.
+///
+/// # Safety
+/// As for [`microkernel`].
+#[inline(always)]
+unsafe fn split_k_microkernel<const R: usize>(
+    a: *const f32,
+    lda: usize,
+    panel: &[f32],
+    k: usize,
+    parts: usize,
+) -> [[f32; NR]; R] {
+    let mut sum = [[0f32; NR]; R];
+    for part in 0..parts {
+        let (k0, k1) = (part * k / parts, (part + 1) * k / parts);
+        // SAFETY: columns k0..k1 of the caller's rows, and the panel's rows k0..k1.
+        let acc = unsafe { microkernel::<R>(a.add(k0), lda, &panel[k0 * NR..k1 * NR], k1 - k0) };
+        for (s, acc) in sum.iter_mut().zip(&acc) {
+            for (s, &x) in s.iter_mut().zip(acc) {
+                *s += round_bf16(x);
+            }
+        }
+    }
+    for s in sum.iter_mut().flatten() {
+        *s = round_bf16(*s);
+    }
+    sum
+}
+
 /// Computes columns of panel `p` for all `m` rows of `a` into `out` (row stride `n`).
 ///
 /// # Safety
 /// `out` must address `m × n` writable floats that no other thread writes in this panel's
 /// columns; `a` holds `m × k` floats.
 #[inline(always)]
-unsafe fn panel_rows(a: &[f32], m: usize, w: &PackedWeight, p: usize, out: *mut f32) {
+unsafe fn panel_rows(
+    a: &[f32],
+    m: usize,
+    w: &PackedWeight,
+    p: usize,
+    out: *mut f32,
+    reduction: Reduction,
+) {
     let (k, n) = (w.k, w.n);
     let panel = w.panel(p);
     let c0 = p * NR;
@@ -135,7 +214,14 @@ unsafe fn panel_rows(a: &[f32], m: usize, w: &PackedWeight, p: usize, out: *mut 
         macro_rules! block {
             ($r:literal) => {{
                 // SAFETY: rows r0..r0+$r of `a` exist (m × k floats).
-                let acc = unsafe { microkernel::<$r>(a_ptr, k, panel, k) };
+                let acc = unsafe {
+                    match reduction {
+                        Reduction::Sequential => microkernel::<$r>(a_ptr, k, panel, k),
+                        Reduction::SplitK(parts) => {
+                            split_k_microkernel::<$r>(a_ptr, k, panel, k, parts.clamp(1, k))
+                        }
+                    }
+                };
                 for (r, acc_r) in acc.iter().enumerate() {
                     // SAFETY: row r0 + r < m, columns c0..c0+width < n; exclusive per panel
                     // (raw writes: the buffer may be uninitialised).
@@ -165,16 +251,30 @@ unsafe fn panel_rows(a: &[f32], m: usize, w: &PackedWeight, p: usize, out: *mut 
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx2,fma")]
-unsafe fn panel_rows_avx512(a: &[f32], m: usize, w: &PackedWeight, p: usize, out: *mut f32) {
+unsafe fn panel_rows_avx512(
+    a: &[f32],
+    m: usize,
+    w: &PackedWeight,
+    p: usize,
+    out: *mut f32,
+    reduction: Reduction,
+) {
     // SAFETY: forwarded from the caller.
-    unsafe { panel_rows(a, m, w, p, out) }
+    unsafe { panel_rows(a, m, w, p, out, reduction) }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn panel_rows_avx2(a: &[f32], m: usize, w: &PackedWeight, p: usize, out: *mut f32) {
+unsafe fn panel_rows_avx2(
+    a: &[f32],
+    m: usize,
+    w: &PackedWeight,
+    p: usize,
+    out: *mut f32,
+    reduction: Reduction,
+) {
     // SAFETY: forwarded from the caller.
-    unsafe { panel_rows(a, m, w, p, out) }
+    unsafe { panel_rows(a, m, w, p, out, reduction) }
 }
 
 /// The output buffer shared by the panel tasks, each writing only its own columns.
@@ -197,6 +297,17 @@ pub fn packed_matmul_with(
     m: usize,
     w: &PackedWeight,
     isa: CpuIsa,
+) -> candle_core::Result<Vec<f32>> {
+    packed_matmul_reduced(a, m, w, isa, Reduction::Sequential)
+}
+
+/// `a[m, k] @ w` with the given instruction set and reduction order.
+pub fn packed_matmul_reduced(
+    a: &[f32],
+    m: usize,
+    w: &PackedWeight,
+    isa: CpuIsa,
+    reduction: Reduction,
 ) -> candle_core::Result<Vec<f32>> {
     if a.len() != m * w.k {
         bail!(
@@ -223,10 +334,10 @@ pub fn packed_matmul_with(
             let out = ptr.get().add(r0 * w.n);
             match isa {
                 #[cfg(target_arch = "x86_64")]
-                CpuIsa::Avx512 => panel_rows_avx512(a_block, rows, w, p, out),
+                CpuIsa::Avx512 => panel_rows_avx512(a_block, rows, w, p, out, reduction),
                 #[cfg(target_arch = "x86_64")]
-                CpuIsa::Avx2Fma => panel_rows_avx2(a_block, rows, w, p, out),
-                _ => panel_rows(a_block, rows, w, p, out),
+                CpuIsa::Avx2Fma => panel_rows_avx2(a_block, rows, w, p, out, reduction),
+                _ => panel_rows(a_block, rows, w, p, out, reduction),
             }
         }
     };
@@ -247,7 +358,11 @@ pub fn packed_matmul(a: &[f32], m: usize, w: &PackedWeight) -> candle_core::Resu
     packed_matmul_with(a, m, w, CpuIsa::detect())
 }
 
-struct PackedMatmul(Arc<PackedWeight>);
+struct PackedMatmul {
+    w: Arc<PackedWeight>,
+    profile: KernelProfile,
+    invariant: bool,
+}
 
 impl CustomOp1 for PackedMatmul {
     fn name(&self) -> &'static str {
@@ -256,22 +371,36 @@ impl CustomOp1 for PackedMatmul {
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
         let x = contiguous_f32(s, l, "matmul input")?;
+        let w = &self.w;
         let (m, k) = match l.dims() {
             [m, k] => (*m, *k),
-            dims => bail!("matmul: input must be [rows, {}], got {dims:?}", self.0.k),
+            dims => bail!("matmul: input must be [rows, {}], got {dims:?}", w.k),
         };
-        if k != self.0.k {
-            bail!(
-                "matmul: input has {k} columns, weight has {} rows",
-                self.0.k
-            );
+        if k != w.k {
+            bail!("matmul: input has {k} columns, weight has {} rows", w.k);
         }
-        let out = packed_matmul(x, m, &self.0)?;
-        Ok((CpuStorage::F32(out), Shape::from((m, self.0.n))))
+        let reduction = Reduction::for_rows(self.profile, m, self.invariant);
+        let out = packed_matmul_reduced(x, m, w, CpuIsa::detect(), reduction)?;
+        Ok((CpuStorage::F32(out), Shape::from((m, w.n))))
     }
 }
 
-/// `x[m, k] @ w` as a candle op (CPU).
+/// `x[m, k] @ w` as a candle op (CPU), with the invariant reduction.
 pub fn matmul_packed(x: &Tensor, w: &Arc<PackedWeight>) -> candle_core::Result<Tensor> {
-    x.contiguous()?.apply_op1_no_bwd(&PackedMatmul(w.clone()))
+    matmul_packed_profiled(x, w, KernelProfile::Invariant, false)
+}
+
+/// `x[m, k] @ w` as a candle op (CPU), with the reduction `profile` picks for M rows
+/// (`invariant`: the batch-invariant mode's fixed-block GEMM).
+pub fn matmul_packed_profiled(
+    x: &Tensor,
+    w: &Arc<PackedWeight>,
+    profile: KernelProfile,
+    invariant: bool,
+) -> candle_core::Result<Tensor> {
+    x.contiguous()?.apply_op1_no_bwd(&PackedMatmul {
+        w: w.clone(),
+        profile,
+        invariant,
+    })
 }

@@ -22,7 +22,10 @@ mod rope;
 
 pub use cache_write::{write_k, write_kv};
 pub use elementwise::{add, swiglu};
-pub use gemm::{matmul_packed, packed_matmul, packed_matmul_with, PackedWeight};
+pub use gemm::{
+    matmul_packed, matmul_packed_profiled, packed_matmul, packed_matmul_reduced,
+    packed_matmul_with, split_k_parts, PackedWeight, Reduction,
+};
 pub(crate) use isa::isa_kernel;
 pub use isa::CpuIsa;
 pub use math::{exp_nonpositive, silu};

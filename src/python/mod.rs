@@ -18,7 +18,9 @@ use crossbeam::channel::{unbounded, Receiver, Sender};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::config::{DTypeSpec, DeterminismMode, DeviceSpec, EngineConfig, VerifyStrategy};
+use crate::config::{
+    DTypeSpec, DeterminismMode, DeviceSpec, EngineConfig, KernelProfile, VerifyStrategy,
+};
 use crate::engine::{AuditInput, Engine, InFlight, OutputAccumulator, StreamEvent};
 use crate::error::DetspecError;
 use crate::request::Request;
@@ -163,7 +165,7 @@ impl PyEngine {
 #[pymethods]
 impl PyEngine {
     #[new]
-    #[pyo3(signature = (model_dir, *, device="cpu", dtype="auto", page_size=16, num_kv_pages=None, kv_cache_bytes=None, max_num_seqs=256, max_num_batched_tokens=512, max_model_len=None, max_prefill_chunk=None, determinism="dvr", verify_window=64, verify_group=8, verify_strategy="auto", verify_finish_wait=0, fault_injection=0.0, enable_prefix_caching=true, num_threads=None))]
+    #[pyo3(signature = (model_dir, *, device="cpu", dtype="auto", page_size=16, num_kv_pages=None, kv_cache_bytes=None, max_num_seqs=256, max_num_batched_tokens=512, max_model_len=None, max_prefill_chunk=None, determinism="dvr", verify_window=64, verify_group=8, verify_strategy="auto", kernel_profile="invariant", verify_finish_wait=0, fault_injection=0.0, enable_prefix_caching=true, num_threads=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -181,6 +183,7 @@ impl PyEngine {
         verify_window: usize,
         verify_group: usize,
         verify_strategy: &str,
+        kernel_profile: &str,
         verify_finish_wait: usize,
         fault_injection: f64,
         enable_prefix_caching: bool,
@@ -189,6 +192,7 @@ impl PyEngine {
         let determinism = DeterminismMode::parse(determinism).map_err(|e| to_pyerr(py, e))?;
         let verify_strategy =
             VerifyStrategy::parse(verify_strategy).map_err(|e| to_pyerr(py, e))?;
+        let kernel_profile = KernelProfile::parse(kernel_profile).map_err(|e| to_pyerr(py, e))?;
         let device: DeviceSpec = device.parse().map_err(|e| to_pyerr(py, e))?;
         let dtype = DTypeSpec::parse(dtype).map_err(|e| to_pyerr(py, e))?;
         let mut cfg = EngineConfig {
@@ -204,6 +208,7 @@ impl PyEngine {
             verify_window,
             verify_group,
             verify_strategy,
+            kernel_profile,
             verify_finish_wait,
             fault_injection,
             enable_prefix_caching,

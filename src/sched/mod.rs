@@ -34,7 +34,7 @@ pub struct PlanEntry {
 pub struct StepPlan {
     pub entries: Vec<PlanEntry>,
     /// A deterministic request's prompt, prefilled alone and unchunked in its own forward pass
-    /// so its KV and first token depend on nothing but the prompt (DESIGN.md §3).
+    /// so its KV and first token depend on nothing but the prompt (the replay strategy).
     pub isolated: Option<PlanEntry>,
     /// Sequences preempted while planning (already requeued).
     pub preempted: Vec<SequenceId>,
@@ -108,6 +108,14 @@ impl Scheduler {
         self.running.iter_mut().find(|s| s.id == id)
     }
 
+    /// A sequence, running or waiting.
+    pub fn find_mut(&mut self, id: SequenceId) -> Option<&mut Sequence> {
+        self.running
+            .iter_mut()
+            .chain(self.waiting.iter_mut())
+            .find(|s| s.id == id)
+    }
+
     /// Iterates over every sequence, running and waiting.
     pub fn iter(&self) -> impl Iterator<Item = &Sequence> {
         self.running.iter().chain(self.waiting.iter())
@@ -118,28 +126,20 @@ impl Scheduler {
         let mut seq = self.running.remove(idx);
         seq.block_table.free(alloc);
         seq.num_computed = 0;
-        if seq.deterministic {
-            // Speculative tokens are dropped; committed ones stay (they were emitted) and are
-            // re-verified after the prompt's isolated re-prefill, which rebuilds the exact KV.
-            seq.output.truncate(seq.verified);
-            seq.logprobs.truncate(seq.verified);
-            seq.verified = seq.verified.min(1);
-            seq.finish = None;
-            seq.stop_reason = None;
-            seq.dvr.wait_since = None;
-        }
         seq.num_preemptions += 1;
         tracing::debug!(request_id = %seq.request_id, "preempted (KV pool exhausted)");
         plan.preempted.push(seq.id);
         self.waiting.push_front(seq);
     }
 
-    /// Builds the next step. `lookup_prefix` returns cached pages (with a reference taken)
-    /// holding the longest cached prefix of a token list.
+    /// Builds the next step. `lookup_prefix(seq, tokens)` returns cached pages (with a
+    /// reference taken) holding the longest cached prefix of `tokens` that `seq` may read.
+    /// Sequences it preempts are listed in the plan; what they keep of their output is the
+    /// determinism policy's call.
     pub fn plan(
         &mut self,
         alloc: &dyn PageAllocator,
-        lookup_prefix: &dyn Fn(&[u32]) -> Vec<PageId>,
+        lookup_prefix: &dyn Fn(&Sequence, &[u32]) -> Vec<PageId>,
     ) -> StepPlan {
         let l = self.limits;
         let mut plan = StepPlan::default();
@@ -223,11 +223,11 @@ impl Scheduler {
                 self.running.push(seq);
                 continue;
             }
-            if seq.num_computed == 0 && seq.block_table.pages().is_empty() && !seq.deterministic {
+            if seq.num_computed == 0 && seq.block_table.pages().is_empty() {
                 // Reuse cached pages of the prompt, keeping at least one token to compute so
                 // the last row yields logits.
                 let all: Vec<u32> = seq.prompt.iter().chain(&seq.output).copied().collect();
-                let pages = lookup_prefix(&all[..all.len() - 1]);
+                let pages = lookup_prefix(seq, &all[..all.len() - 1]);
                 if !pages.is_empty() {
                     seq.num_computed = pages.len() * l.page_size;
                     seq.block_table = BlockTable::from_shared_pages(pages, l.page_size);

@@ -28,10 +28,11 @@ pub struct Sequence {
     /// Longest this sequence may grow (prompt + output), from max_tokens and max_model_len.
     pub max_len: usize,
     pub num_preemptions: usize,
-    /// Verified by DVR: only committed tokens are emitted, KV is rolled back on mismatch.
+    /// The request asked for bitwise-reproducible output (`SamplingParams::deterministic`,
+    /// accepted by the determinism policy); how it gets it is the policy's business.
     pub deterministic: bool,
-    /// Output tokens committed (for non-deterministic sequences: all of them). Tokens at
-    /// index ≥ `verified` are speculative.
+    /// Output tokens committed; tokens at index ≥ `verified` are speculative (only under the
+    /// replay strategy). Written only by `crate::dvr`.
     pub verified: usize,
     /// Output tokens already sent to the client (never decreases, also across preemption).
     pub emitted: usize,

@@ -1,0 +1,223 @@
+//! The determinism policy: what the engine does for `deterministic=True` requests, as one type
+//! with the hooks a step needs.
+//!
+//! | strategy          | when                                              | deterministic rows                         | committed          |
+//! |-------------------|---------------------------------------------------|--------------------------------------------|--------------------|
+//! | `Off`             | `determinism="off"`                               | refused at admission                       | as sampled         |
+//! | `BatchInvariant`  | `determinism="batch_invariant"`                   | every row of every batch on invariant kernels | as sampled      |
+//! | `Inline`          | `dvr`, backend whose GEMMs are proven invariant   | inside the fast batch, invariant attention | as sampled         |
+//! | `Replay`          | `dvr`, any backend (the GPU's strategy)           | fast path, then replayed in B × W passes    | when verified      |
+//!
+//! *Invariant kernels* are the ones whose result for a row depends on nothing but that row's
+//! own sequence: the packed fixed-order GEMM (CPU) or GEMMs at one fixed shape, and attention
+//! on [`AttentionSchedule::Fixed`] (one reduction order per row, never split by batch size).
+//!
+//! The engine's step calls the hooks in this order and holds no strategy branch of its own:
+//!
+//! 1. [`DeterminismPolicy::admit`] when a request arrives;
+//! 2. [`DeterminismPolicy::reads_prefix_cache`] while the scheduler plans;
+//! 3. [`DeterminismPolicy::on_preempt`] for each sequence the plan preempted;
+//! 4. [`DeterminismPolicy::prepare_shared_batch`] / [`DeterminismPolicy::prepare_isolated_batch`]
+//!    before the forward passes;
+//! 5. [`DeterminismPolicy::after_sample`] for each sampled row;
+//! 6. [`DeterminismPolicy::after_step`] (replay: the due verify passes, accept, roll back);
+//! 7. [`DeterminismPolicy::settle_finish`] as committed tokens are emitted (finish-undo).
+//!
+//! Only this module (and the accept step it calls) writes a sequence's `verified` count.
+
+use crate::config::{DeterminismMode, EngineConfig, VerifyStrategy};
+use crate::error::{DetspecError, Result};
+use crate::kv::PageAllocator;
+use crate::model::ForwardBatch;
+use crate::ops::AttentionSchedule;
+use crate::output::{FinishReason, StopReason};
+use crate::sampling::SamplingParams;
+use crate::sched::{Scheduler, Sequence, SequenceId};
+
+use super::{ForwardFn, Verifier, VerifyStats};
+
+/// How deterministic requests are made reproducible (see the module table).
+#[derive(Debug)]
+enum Strategy {
+    Off,
+    BatchInvariant,
+    Inline,
+    Replay(Verifier),
+}
+
+/// The engine's determinism policy, chosen once at load from the configuration and what the
+/// backend's kernels prove.
+#[derive(Debug)]
+pub struct DeterminismPolicy {
+    strategy: Strategy,
+    /// `{mode}-w{W}-b{B}` or `dvr-inline`: the determinism part of the fingerprint.
+    label: String,
+}
+
+impl DeterminismPolicy {
+    /// `invariant_gemm_backend`: the backend's fast-path GEMM is batch- and position-invariant
+    /// (asserted by tests for the CPU's packed GEMM), which is what the inline strategy needs.
+    /// `pad_page` is the reserved KV page that replay's padding rows write to and read from.
+    pub fn new(
+        cfg: &EngineConfig,
+        invariant_gemm_backend: bool,
+        sliding_window: Option<usize>,
+        pad_page: u32,
+    ) -> Result<Self> {
+        let strategy =
+            match cfg.determinism {
+                DeterminismMode::Off => Strategy::Off,
+                DeterminismMode::BatchInvariant => Strategy::BatchInvariant,
+                DeterminismMode::Dvr => {
+                    match cfg.verify_strategy {
+                        VerifyStrategy::Auto if invariant_gemm_backend => Strategy::Inline,
+                        VerifyStrategy::Inline if invariant_gemm_backend => Strategy::Inline,
+                        VerifyStrategy::Inline => return Err(DetspecError::param(
+                            "verify_strategy",
+                            "\"inline\" needs a backend whose GEMMs are batch-invariant (cpu with \
+                         kernel_profile=\"invariant\"); use \"replay\"",
+                        )),
+                        VerifyStrategy::Auto | VerifyStrategy::Replay => Strategy::Replay(
+                            Verifier::new(cfg, sliding_window, pad_page, !invariant_gemm_backend),
+                        ),
+                    }
+                }
+            };
+        // Inline outputs do not depend on W and B; replayed ones are only promised per (W, B).
+        let label = match strategy {
+            Strategy::Inline => "dvr-inline".to_string(),
+            _ => format!(
+                "{}-w{}-b{}",
+                cfg.determinism.as_str(),
+                cfg.verify_window,
+                cfg.verify_group
+            ),
+        };
+        Ok(Self { strategy, label })
+    }
+
+    /// The determinism part of the fingerprint.
+    pub fn label(&self) -> &str {
+        &self.label
+    }
+
+    /// Whether deterministic prompts are prefilled alone and unchunked (replay: their KV and
+    /// first token are then a pure function of the prompt; inline rows are invariant wherever
+    /// they sit, so their prefill may be batched and chunked).
+    pub fn isolates_deterministic_prefill(&self) -> bool {
+        matches!(self.strategy, Strategy::Replay(_))
+    }
+
+    /// Admission: whether the request's sequences are deterministic, or why it is refused.
+    pub fn admit(&self, params: &SamplingParams) -> Result<bool> {
+        if params.deterministic && matches!(self.strategy, Strategy::Off) {
+            return Err(DetspecError::param(
+                "deterministic",
+                "this engine runs with determinism=\"off\"; start it with \"dvr\" or \"batch_invariant\"",
+            ));
+        }
+        Ok(params.deterministic)
+    }
+
+    /// Whether `seq` may start from cached prompt pages. Under DVR a deterministic sequence
+    /// never reads them: they may have been written by the fast path.
+    pub fn reads_prefix_cache(&self, seq: &Sequence) -> bool {
+        !(seq.deterministic && matches!(self.strategy, Strategy::Inline | Strategy::Replay(_)))
+    }
+
+    /// A sequence was preempted (its KV freed, requeued for recompute). Under replay its
+    /// speculative tokens are dropped; committed ones stay (they were emitted) and are
+    /// re-verified after the prompt's isolated re-prefill, which rebuilds the exact KV.
+    pub fn on_preempt(&self, seq: &mut Sequence) {
+        if !self.speculates(seq) {
+            return;
+        }
+        seq.output.truncate(seq.verified);
+        seq.logprobs.truncate(seq.verified);
+        seq.verified = seq.verified.min(1);
+        seq.finish = None;
+        seq.stop_reason = None;
+        seq.dvr.wait_since = None;
+    }
+
+    /// Kernel options of the shared (fast-path) batch, whose sequences' deterministic flags
+    /// are `deterministic`, in batch order.
+    pub fn prepare_shared_batch(
+        &self,
+        batch: &mut ForwardBatch,
+        deterministic: impl Iterator<Item = bool>,
+    ) {
+        match self.strategy {
+            Strategy::BatchInvariant => {
+                batch.attention.schedule = AttentionSchedule::Fixed;
+                batch.invariant_gemm = true;
+            }
+            Strategy::Inline => batch.attention.fixed_seqs = deterministic.collect(),
+            Strategy::Off | Strategy::Replay(_) => {}
+        }
+    }
+
+    /// Kernel options of an isolated deterministic prefill (alone, unchunked).
+    pub fn prepare_isolated_batch(&self, batch: &mut ForwardBatch) {
+        batch.attention.schedule = AttentionSchedule::Fixed;
+        batch.invariant_gemm = matches!(self.strategy, Strategy::BatchInvariant);
+    }
+
+    /// A token was sampled and appended to `seq`: commit it, unless it is speculative (replay,
+    /// past the first token, which comes from the isolated prefill and is committed at once).
+    pub fn after_sample(&self, seq: &mut Sequence) {
+        if !self.speculates(seq) || seq.output.len() == 1 {
+            seq.verified = seq.output.len();
+        }
+    }
+
+    /// After the step's forward passes: runs the verify passes that are due (replay) and
+    /// returns the sequences whose committed state changed. `step` is the engine's step clock.
+    pub fn after_step(
+        &mut self,
+        sched: &mut Scheduler,
+        alloc: &dyn PageAllocator,
+        step: u64,
+        eos: &[u32],
+        forward: &mut ForwardFn<'_>,
+    ) -> Result<Vec<SequenceId>> {
+        match &mut self.strategy {
+            Strategy::Replay(verifier) => verifier.run_due(sched, alloc, step, eos, forward),
+            _ => Ok(Vec::new()),
+        }
+    }
+
+    /// Settles `seq`'s finish once its committed tokens before `emitted_to` have been emitted.
+    /// `found`: the committed token index and reason where a finish was seen; anything after
+    /// it (speculative) is discarded. With none found and every token committed, a finish
+    /// seen on a discarded speculative path is undone.
+    pub fn settle_finish(
+        &self,
+        seq: &mut Sequence,
+        found: Option<(usize, FinishReason, Option<StopReason>)>,
+    ) {
+        if let Some((idx, reason, stop)) = found {
+            seq.output.truncate(idx);
+            seq.logprobs.truncate(idx);
+            seq.verified = idx;
+            seq.finish = Some(reason);
+            seq.stop_reason = stop;
+        } else if self.speculates(seq) && seq.verified == seq.output.len() {
+            seq.finish = None;
+            seq.stop_reason = None;
+        }
+    }
+
+    /// Engine-wide verification counters (zero unless replaying).
+    pub fn verify_stats(&self) -> VerifyStats {
+        match &self.strategy {
+            Strategy::Replay(verifier) => verifier.stats(),
+            _ => VerifyStats::default(),
+        }
+    }
+
+    /// `seq`'s decode tokens are speculative until a verify pass commits them.
+    fn speculates(&self, seq: &Sequence) -> bool {
+        seq.deterministic && matches!(self.strategy, Strategy::Replay(_))
+    }
+}
