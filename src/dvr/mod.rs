@@ -25,7 +25,7 @@ pub mod policy;
 pub mod replay;
 pub mod trigger;
 
-pub use policy::DeterminismPolicy;
+pub use policy::{DeterminismPolicy, ScoringShape};
 
 use crate::config::EngineConfig;
 use crate::error::{DetspecError, Result};
@@ -100,6 +100,14 @@ impl Verifier {
 
     pub fn stats(&self) -> VerifyStats {
         self.stats
+    }
+
+    pub fn shape(&self) -> &VerifyShape {
+        &self.shape
+    }
+
+    pub fn pad_page(&self) -> u32 {
+        self.pad_page
     }
 
     /// Runs verify passes until no deterministic sequence is ready (`step` is the engine's step

@@ -36,6 +36,18 @@ use crate::sched::{Scheduler, Sequence, SequenceId};
 
 use super::{ForwardFn, Verifier, VerifyStats};
 
+/// The shapes a standalone forward (score, audit) runs at so that its logits equal, bit for bit,
+/// those of a deterministic generation of the same tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ScoringShape {
+    /// Every kernel on the invariant path is shape-invariant: any grouping gives the same bits.
+    Any,
+    /// Replay on GEMMs whose bits depend on M: the prompt alone, its last row projected (as
+    /// its isolated prefill ran), then the completion in passes of exactly `rows` rows, every
+    /// row projected (as verify passes run), padded with rows on the pad page.
+    Generation { rows: usize, pad_page: u32 },
+}
+
 /// How deterministic requests are made reproducible (see the module table).
 #[derive(Debug)]
 enum Strategy {
@@ -205,6 +217,17 @@ impl DeterminismPolicy {
         } else if self.speculates(seq) && seq.verified == seq.output.len() {
             seq.finish = None;
             seq.stop_reason = None;
+        }
+    }
+
+    /// The shapes scoring must use to reproduce deterministic generations.
+    pub fn scoring_shape(&self) -> ScoringShape {
+        match &self.strategy {
+            Strategy::Replay(v) if v.shape().project_all_rows => ScoringShape::Generation {
+                rows: v.shape().window * v.shape().group,
+                pad_page: v.pad_page(),
+            },
+            _ => ScoringShape::Any,
         }
     }
 

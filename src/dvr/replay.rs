@@ -111,8 +111,8 @@ pub fn build_replay_batch(
     })
 }
 
-/// A padding row: writes to and reads from the reserved page only.
-fn push_pad_row(batch: &mut ForwardBatch, pad_slot: u32, dummy_seq: u32) {
+/// A padding row: writes to and reads from the pad page only.
+pub(crate) fn push_pad_row(batch: &mut ForwardBatch, pad_slot: u32, dummy_seq: u32) {
     batch.tokens.push(0);
     batch.slots.push(pad_slot);
     batch.attention.positions.push(0);

@@ -42,9 +42,19 @@ def target_params(temperature: float) -> SamplingParams:
 
 TARGET_PROMPT = [int(x) for x in np.random.default_rng(0).integers(3, 900, size=17)]
 
+# (kernel_profile, verify_strategy): every determinism test runs on both CPU profiles. Under
+# "shape_dependent" each GEMM's bits change with its row count, as cuBLAS's do, so replay meets
+# real mismatches and rolls back by itself; "inline" needs invariant GEMMs.
+PROFILES = [
+    pytest.param(("invariant", "replay"), id="invariant-replay"),
+    pytest.param(("invariant", "inline"), id="invariant-inline"),
+    pytest.param(("shape_dependent", "replay"), id="shape_dependent-replay"),
+]
+
 
 def haystack(rng: np.random.Generator, det_neighbours: bool):
-    n = int(rng.integers(1, 17))
+    # 1-16 neighbours, and one haystack in four of 64.
+    n = 64 if rng.random() < 0.25 else int(rng.integers(1, 17))
     prompts, params = [], []
     for _ in range(n):
         prompts.append([int(x) for x in rng.integers(3, 900, size=int(rng.integers(1, 90)))])
@@ -68,25 +78,32 @@ def run_in_haystack(llm: detspec.LLM, target: SamplingParams, seed: int, det: bo
     return fingerprint_bits(llm.generate(prompts, params, use_tqdm=False)[pos])
 
 
-@pytest.mark.parametrize("strategy", ["replay", "inline"])
+@pytest.mark.parametrize("profile", PROFILES)
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_needle_in_haystack_bitwise(flat_model: str, temperature: float, strategy: str) -> None:
+def test_needle_in_haystack_bitwise(
+    flat_model: str, temperature: float, profile: tuple[str, str]
+) -> None:
+    kernel_profile, strategy = profile
     target = target_params(temperature)
     llm = detspec.LLM(
         flat_model,
         verify_window=8,
         verify_group=4,
         verify_strategy=strategy,
-        num_kv_pages=1024,
+        kernel_profile=kernel_profile,
+        num_kv_pages=2048,
     )
     solo = fingerprint_bits(llm.generate([TARGET_PROMPT], target, use_tqdm=False)[0])
     for seed in range(8):
         got = run_in_haystack(llm, target, seed, det=True)
         assert got[0] == solo[0], f"token ids differ in haystack {seed}"
         assert got[1] == solo[1], f"logprob bits differ in haystack {seed}"
-    passes = llm.stats()["num_verify_passes"]
+    stats = llm.stats()
     # Replay verifies every window; inline commits each token as sampled.
-    assert passes > 0 if strategy == "replay" else passes == 0
+    assert stats["num_verify_passes"] > 0 if strategy == "replay" else stats["num_verify_passes"] == 0
+    if kernel_profile == "shape_dependent":
+        # No fault injection: these rollbacks are real mismatches of the fast path.
+        assert stats["num_rollbacks"] > 0, stats
 
 
 def test_inline_and_replay_commit_the_same_bits(flat_model: str) -> None:
@@ -103,10 +120,24 @@ def test_inline_and_replay_commit_the_same_bits(flat_model: str) -> None:
         detspec.LLM(flat_model, verify_strategy="sometimes")
 
 
-def test_negative_control_off_mode_shows_batch_variance(flat_model: str) -> None:
+def test_shape_dependent_profile_refuses_inline_and_names_itself(flat_model: str) -> None:
+    with pytest.raises(InvalidRequestError, match="verify_strategy"):
+        detspec.LLM(flat_model, kernel_profile="shape_dependent", verify_strategy="inline")
+    with pytest.raises(InvalidRequestError, match="kernel_profile"):
+        detspec.LLM(flat_model, kernel_profile="cublas")
+    auto = detspec.LLM(flat_model, kernel_profile="shape_dependent", num_kv_pages=64)
+    default = detspec.LLM(flat_model, num_kv_pages=64)
+    # auto means replay under it; outputs are not comparable across profiles.
+    assert "-dvr-w64-b8" in auto.fingerprint and auto.fingerprint != default.fingerprint
+
+
+@pytest.mark.parametrize("kernel_profile", ["invariant", "shape_dependent"])
+def test_negative_control_off_mode_shows_batch_variance(flat_model: str, kernel_profile: str) -> None:
     plain = target_params(0.8)
     plain.deterministic = False
-    llm = detspec.LLM(flat_model, determinism="off", num_kv_pages=1024)
+    llm = detspec.LLM(
+        flat_model, determinism="off", kernel_profile=kernel_profile, num_kv_pages=2048
+    )
     solo = fingerprint_bits(llm.generate([TARGET_PROMPT], plain, use_tqdm=False)[0])
     differing = sum(run_in_haystack(llm, plain, seed, det=False) != solo for seed in range(8))
     assert differing > 0, "the fast path looked batch-invariant: the needle test would be blind"
@@ -142,8 +173,9 @@ def test_forced_rollbacks_and_modes(flat_model: str) -> None:
         detspec.LLM(flat_model, determinism="sometimes")
 
 
-@pytest.mark.parametrize("strategy", ["replay", "inline"])
-async def test_requests_joining_mid_decode(flat_model: str, strategy: str) -> None:
+@pytest.mark.parametrize("profile", PROFILES)
+async def test_requests_joining_mid_decode(flat_model: str, profile: tuple[str, str]) -> None:
+    kernel_profile, strategy = profile
     target = target_params(0.8)
     # Finished deterministic requests may wait up to 6 steps for fuller verify groups.
     engine = AsyncLLM(
@@ -152,6 +184,7 @@ async def test_requests_joining_mid_decode(flat_model: str, strategy: str) -> No
         verify_group=4,
         verify_finish_wait=6,
         verify_strategy=strategy,
+        kernel_profile=kernel_profile,
         num_kv_pages=1024,
     )
     try:

@@ -248,10 +248,25 @@ def in_haystack(llm: detspec.LLM, target: SamplingParams, seed: int) -> detspec.
     return llm.generate(prompts, params, use_tqdm=False)[pos]
 
 
-@pytest.mark.parametrize("strategy", ["inline", "replay"])
+PROFILES = [
+    pytest.param(("invariant", "inline"), id="invariant-inline"),
+    pytest.param(("invariant", "replay"), id="invariant-replay"),
+    pytest.param(("shape_dependent", "replay"), id="shape_dependent-replay"),
+]
+
+
+@pytest.mark.parametrize("profile", PROFILES)
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_score_of_a_deterministic_generation_equals_its_logprobs(flat_model, strategy, temperature):
-    llm = detspec.LLM(flat_model, verify_strategy=strategy, num_kv_pages=1024)
+def test_score_of_a_deterministic_generation_equals_its_logprobs(flat_model, profile, temperature):
+    kernel_profile, strategy = profile
+    llm = detspec.LLM(
+        flat_model,
+        verify_strategy=strategy,
+        kernel_profile=kernel_profile,
+        verify_window=8,
+        verify_group=4,
+        num_kv_pages=1024,
+    )
     for seed in range(4):
         out = in_haystack(llm, sampled(temperature), seed)
         c = out.outputs[0]
@@ -325,9 +340,15 @@ def _tampered(out: detspec.RequestOutput, pos: int, *, token: bool) -> detspec.R
     return t
 
 
+@pytest.mark.parametrize("kernel_profile", ["invariant", "shape_dependent"])
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_audit_passes_on_stored_outputs_and_pinpoints_tampering(flat_model, temperature):
-    llm = detspec.LLM(flat_model, num_kv_pages=1024)
+def test_audit_passes_on_stored_outputs_and_pinpoints_tampering(
+    flat_model, temperature, kernel_profile
+):
+    llm = detspec.LLM(
+        flat_model, kernel_profile=kernel_profile, verify_window=8, verify_group=4,
+        num_kv_pages=1024,
+    )
     out = in_haystack(llm, sampled(temperature), seed=2)
     report = llm.audit(out)
     assert report.ok and report.num_tokens == 24 and report.first_mismatch is None

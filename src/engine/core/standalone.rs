@@ -9,6 +9,7 @@
 
 use std::ops::Range;
 
+use crate::dvr::{replay::push_pad_row, ScoringShape};
 use crate::error::{DetspecError, Result};
 use crate::kv::BlockTable;
 use crate::model::ForwardBatch;
@@ -47,6 +48,25 @@ impl EngineCore {
         kind: ForwardKind,
         fixed: bool,
     ) -> Result<Vec<Vec<f32>>> {
+        self.check_sequences(seqs)?;
+        let budget = self.cfg.max_num_batched_tokens.max(1);
+        let mut out = Vec::with_capacity(seqs.len());
+        let mut start = 0;
+        while start < seqs.len() {
+            let mut end = start + 1;
+            let mut tokens = seqs[start].len();
+            while end < seqs.len() && tokens + seqs[end].len() <= budget {
+                tokens += seqs[end].len();
+                end += 1;
+            }
+            out.extend(self.forward_group(&seqs[start..end], &wanted[start..end], kind, fixed)?);
+            start = end;
+        }
+        Ok(out)
+    }
+
+    /// Every sequence fits the context and the vocabulary.
+    fn check_sequences(&self, seqs: &[Vec<u32>]) -> Result<()> {
         let max_len = self.info.max_model_len;
         let vocab = self.info.config.vocab_size;
         for (si, p) in seqs.iter().enumerate() {
@@ -62,20 +82,7 @@ impl EngineCore {
                 )));
             }
         }
-        let budget = self.cfg.max_num_batched_tokens.max(1);
-        let mut out = Vec::with_capacity(seqs.len());
-        let mut start = 0;
-        while start < seqs.len() {
-            let mut end = start + 1;
-            let mut tokens = seqs[start].len();
-            while end < seqs.len() && tokens + seqs[end].len() <= budget {
-                tokens += seqs[end].len();
-                end += 1;
-            }
-            out.extend(self.forward_group(&seqs[start..end], &wanted[start..end], kind, fixed)?);
-            start = end;
-        }
-        Ok(out)
+        Ok(())
     }
 
     fn forward_group(
@@ -185,7 +192,93 @@ impl EngineCore {
             seqs.push([prompt.as_slice(), &completion[..fed]].concat());
             wanted.push(prompt.len() - 1..prompt.len() - 1 + completion.len());
         }
-        self.forward_sequences(&seqs, &wanted, ForwardKind::Logits, fixed)
+        match self.policy.scoring_shape() {
+            ScoringShape::Generation { rows, pad_page } if fixed => {
+                self.check_sequences(&seqs)?;
+                seqs.iter()
+                    .zip(pairs)
+                    .map(|(seq, (prompt, completion))| {
+                        if completion.is_empty() {
+                            return Ok(Vec::new());
+                        }
+                        self.logits_as_generated(seq, prompt.len(), rows, pad_page)
+                    })
+                    .collect()
+            }
+            _ => self.forward_sequences(&seqs, &wanted, ForwardKind::Logits, fixed),
+        }
+    }
+
+    /// The logits of rows `prompt_len - 1..` of `seq` (a prompt and the completion tokens fed
+    /// after it), `[rows × vocab]`, computed in the shapes a deterministic generation of them
+    /// ran at under replay: the prompt alone with only its last row projected (the isolated
+    /// prefill), then the completion in passes of exactly `rows` rows (B × W), each row
+    /// projected, padded on the pad page (the verify passes). A row's bits depend only on its
+    /// own sequence at a fixed shape, so where the generation's windows began does not matter.
+    fn logits_as_generated(
+        &mut self,
+        seq: &[u32],
+        prompt_len: usize,
+        rows: usize,
+        pad_page: u32,
+    ) -> Result<Vec<f32>> {
+        let ps = self.cfg.page_size;
+        let mut table = BlockTable::new();
+        let reserved = table.reserve(seq.len(), ps, self.alloc.as_ref());
+        let result = (|| {
+            reserved?;
+            let new_batch = |pages: Vec<Vec<u32>>| ForwardBatch {
+                attention: AttentionMetadata {
+                    sliding_window: self.info.config.sliding_window,
+                    schedule: AttentionSchedule::Fixed,
+                    block_tables: pages,
+                    ..Default::default()
+                },
+                ..Default::default()
+            };
+            let push_rows = |batch: &mut ForwardBatch, range: Range<usize>| -> Result<()> {
+                for pos in range {
+                    let slot = table.slot(pos, ps).ok_or_else(|| {
+                        DetspecError::param("page_size", "slot missing after reserve")
+                    })?;
+                    batch.tokens.push(seq[pos]);
+                    batch.slots.push(slot);
+                    batch.attention.positions.push(pos as u32);
+                    batch.attention.row_seq.push(0);
+                }
+                Ok(())
+            };
+            let mut prefill = new_batch(vec![table.pages().to_vec()]);
+            push_rows(&mut prefill, 0..prompt_len)?;
+            prefill.logit_rows = vec![(prompt_len - 1) as u32];
+            let mut out = self.forward_f32(&prefill)?;
+            let mut start = prompt_len;
+            while start < seq.len() {
+                let end = (start + rows).min(seq.len());
+                let mut pass = new_batch(vec![table.pages().to_vec(), vec![pad_page]]);
+                push_rows(&mut pass, start..end)?;
+                for _ in end - start..rows {
+                    push_pad_row(&mut pass, pad_page * ps as u32, 1);
+                }
+                pass.logit_rows = (0..rows as u32).collect();
+                let logits = self.forward_f32(&pass)?;
+                out.extend_from_slice(&logits[..(end - start) * self.info.config.vocab_size]);
+                start = end;
+            }
+            Ok(out)
+        })();
+        table.free(self.alloc.as_ref());
+        result
+    }
+
+    /// The logits of a batch's logit rows, flattened.
+    fn forward_f32(&self, batch: &ForwardBatch) -> Result<Vec<f32>> {
+        Ok(self
+            .model
+            .forward(batch, &self.kv)?
+            .flatten_all()?
+            .to_dtype(candle_core::DType::F32)?
+            .to_vec1::<f32>()?)
     }
 
     /// The logprob of every token of each completion given its prompt (the sampler's raw
