@@ -100,7 +100,9 @@ def test_needle_in_haystack_bitwise(
         assert got[1] == solo[1], f"logprob bits differ in haystack {seed}"
     stats = llm.stats()
     # Replay verifies every window; inline commits each token as sampled.
-    assert stats["num_verify_passes"] > 0 if strategy == "replay" else stats["num_verify_passes"] == 0
+    assert (
+        stats["num_verify_passes"] > 0 if strategy == "replay" else stats["num_verify_passes"] == 0
+    )
     if kernel_profile == "shape_dependent":
         # No fault injection: these rollbacks are real mismatches of the fast path.
         assert stats["num_rollbacks"] > 0, stats
@@ -132,7 +134,9 @@ def test_shape_dependent_profile_refuses_inline_and_names_itself(flat_model: str
 
 
 @pytest.mark.parametrize("kernel_profile", ["invariant", "shape_dependent"])
-def test_negative_control_off_mode_shows_batch_variance(flat_model: str, kernel_profile: str) -> None:
+def test_negative_control_off_mode_shows_batch_variance(
+    flat_model: str, kernel_profile: str
+) -> None:
     plain = target_params(0.8)
     plain.deterministic = False
     llm = detspec.LLM(

@@ -346,7 +346,10 @@ def test_audit_passes_on_stored_outputs_and_pinpoints_tampering(
     flat_model, temperature, kernel_profile
 ):
     llm = detspec.LLM(
-        flat_model, kernel_profile=kernel_profile, verify_window=8, verify_group=4,
+        flat_model,
+        kernel_profile=kernel_profile,
+        verify_window=8,
+        verify_group=4,
         num_kv_pages=1024,
     )
     out = in_haystack(llm, sampled(temperature), seed=2)
