@@ -312,7 +312,7 @@ def test_pause_modes_and_continue(rl_server) -> None:
     assert call(rl_server, "POST", "/resume").status_code == 200
     r = call(rl_server, "POST", "/pause_generation", json={"mode": "sideways"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "mode"
-    assert generate(rl_server, max_tokens=120)[0][0] == solo[0]
+    assert generate(rl_server, max_tokens=120)[0][0] == solo
 
 
 def test_flush_cache(rl_server) -> None:

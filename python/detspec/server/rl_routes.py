@@ -149,15 +149,17 @@ def build_rl_router(server: OpenAIServer) -> APIRouter:
     engine = server.engine
     labels: dict[str, str | None] = {"weight_version": None}
 
-    def ok(message: str, **extra: Any) -> dict[str, Any]:
-        return {
-            "success": True,
-            "message": message,
-            "fingerprint": server.fingerprint,
-            "weight_version": engine.weight_version,
-            "is_paused": engine.is_paused,
-            **extra,
-        }
+    def ok(message: str, **extra: Any) -> JSONResponse:
+        return JSONResponse(
+            {
+                "success": True,
+                "message": message,
+                "fingerprint": server.fingerprint,
+                "weight_version": engine.weight_version,
+                "is_paused": engine.is_paused,
+                **extra,
+            }
+        )
 
     def in_flight_of(in_flight: str | None, abort_all: bool) -> str:
         if in_flight is not None and abort_all and in_flight != "abort":
@@ -168,7 +170,7 @@ def build_rl_router(server: OpenAIServer) -> APIRouter:
 
     async def from_disk(
         path: str, in_flight: str, complete: bool, label: str | None
-    ) -> dict[str, Any] | JSONResponse:
+    ) -> JSONResponse:
         try:
             await engine.update_weights_from_disk(path, in_flight=in_flight, complete=complete)
         except DetspecError as e:
@@ -179,7 +181,7 @@ def build_rl_router(server: OpenAIServer) -> APIRouter:
     @router.post("/update_weights_from_disk")
     async def update_weights_from_disk(
         req: UpdateWeightsFromDiskRequest,
-    ) -> dict[str, Any] | JSONResponse:
+    ) -> JSONResponse:
         if req.load_format not in (None, "auto", "safetensors"):
             return _fail(
                 400,
@@ -193,7 +195,7 @@ def build_rl_router(server: OpenAIServer) -> APIRouter:
         return await from_disk(req.model_path, in_flight, not req.allow_partial, req.weight_version)
 
     @router.post("/update_weights")
-    async def update_weights(req: PrimeUpdateWeightsRequest) -> dict[str, Any] | JSONResponse:
+    async def update_weights(req: PrimeUpdateWeightsRequest) -> JSONResponse:
         return await from_disk(req.weight_dir, req.in_flight or "finish", True, None)
 
     @router.post("/update_weights_from_tensor")
@@ -202,7 +204,7 @@ def build_rl_router(server: OpenAIServer) -> APIRouter:
         in_flight: Annotated[InFlightMode | None, Query()] = None,
         abort_all_requests: Annotated[bool, Query()] = False,
         weight_version: Annotated[str | None, Query()] = None,
-    ) -> dict[str, Any] | JSONResponse:
+    ) -> JSONResponse:
         ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if ctype != "application/octet-stream":
             return _fail(
@@ -225,14 +227,14 @@ def build_rl_router(server: OpenAIServer) -> APIRouter:
         labels["weight_version"] = weight_version
         return ok("weights updated from the request's tensors", num_bytes=len(data))
 
-    async def pause(mode: str) -> dict[str, Any] | JSONResponse:
+    async def pause(mode: str) -> JSONResponse:
         try:
             await engine.pause(_PAUSE_MODES.get(mode, "keep"))
         except DetspecError as e:
             return _engine_error(e, "mode")
         return ok(f"generation paused (mode {mode})")
 
-    async def resume() -> dict[str, Any] | JSONResponse:
+    async def resume() -> JSONResponse:
         try:
             await engine.resume()
         except DetspecError as e:
@@ -240,28 +242,28 @@ def build_rl_router(server: OpenAIServer) -> APIRouter:
         return ok("generation continues")
 
     @router.post("/pause_generation")
-    async def pause_generation(req: PauseRequest | None = None) -> dict[str, Any] | JSONResponse:
+    async def pause_generation(req: PauseRequest | None = None) -> JSONResponse:
         return await pause((req or PauseRequest()).mode)
 
     @router.post("/pause")
     async def pause_vllm(
         mode: Annotated[PauseModeName, Query()] = "abort",
-    ) -> dict[str, Any] | JSONResponse:
+    ) -> JSONResponse:
         return await pause(mode)
 
     @router.post("/continue_generation")
-    async def continue_generation(req: EmptyRequest | None = None) -> dict[str, Any] | JSONResponse:
+    async def continue_generation(req: EmptyRequest | None = None) -> JSONResponse:
         return await resume()
 
     @router.post("/resume")
-    async def resume_vllm() -> dict[str, Any] | JSONResponse:
+    async def resume_vllm() -> JSONResponse:
         return await resume()
 
     @router.get("/is_paused")
     async def is_paused() -> dict[str, Any]:
         return {"is_paused": engine.is_paused}
 
-    async def flush() -> dict[str, Any] | JSONResponse:
+    async def flush() -> JSONResponse:
         try:
             n = await engine.reset_prefix_cache()
         except DetspecError as e:
@@ -269,11 +271,11 @@ def build_rl_router(server: OpenAIServer) -> APIRouter:
         return ok("Cache flushed.", num_cached_pages_freed=n)
 
     @router.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush_cache() -> dict[str, Any] | JSONResponse:
+    async def flush_cache() -> JSONResponse:
         return await flush()
 
     @router.post("/reset_prefix_cache")
-    async def reset_prefix_cache() -> dict[str, Any] | JSONResponse:
+    async def reset_prefix_cache() -> JSONResponse:
         return await flush()
 
     def check_tags(tags: list[str] | None) -> None:
@@ -289,7 +291,7 @@ def build_rl_router(server: OpenAIServer) -> APIRouter:
                     f"tags[{i}]",
                 )
 
-    async def release(tags: list[str] | None) -> dict[str, Any] | JSONResponse:
+    async def release(tags: list[str] | None) -> JSONResponse:
         try:
             check_tags(tags)
         except _Refused as r:
@@ -307,7 +309,7 @@ def build_rl_router(server: OpenAIServer) -> APIRouter:
             return _engine_error(e, "tags")
         return ok("released: kv_cache", released=list(_RELEASABLE), kv_cache_bytes=nbytes)
 
-    async def resume_mem(tags: list[str] | None) -> dict[str, Any] | JSONResponse:
+    async def resume_mem(tags: list[str] | None) -> JSONResponse:
         try:
             check_tags(tags)
             await engine.resume_memory()
@@ -321,32 +323,32 @@ def build_rl_router(server: OpenAIServer) -> APIRouter:
     @router.post("/release_memory_occupation")
     async def release_memory_occupation(
         req: MemoryRequest | None = None,
-    ) -> dict[str, Any] | JSONResponse:
+    ) -> JSONResponse:
         return await release((req or MemoryRequest()).tags)
 
     @router.post("/resume_memory_occupation")
     async def resume_memory_occupation(
         req: MemoryRequest | None = None,
-    ) -> dict[str, Any] | JSONResponse:
+    ) -> JSONResponse:
         return await resume_mem((req or MemoryRequest()).tags)
 
     @router.post("/sleep")
     async def sleep(
         level: Annotated[int, Query(ge=1, le=2)] = 1,
-    ) -> dict[str, Any] | JSONResponse:
+    ) -> JSONResponse:
         """vLLM's sleep: finishes the requests in flight, pauses, releases the KV cache."""
         paused = await pause("wait")
-        if isinstance(paused, JSONResponse):
+        if paused.status_code != 200:
             return paused
         return await release(None)
 
     @router.post("/wake_up")
     async def wake_up(
         tags: Annotated[list[str] | None, Query()] = None,
-    ) -> dict[str, Any] | JSONResponse:
+    ) -> JSONResponse:
         """vLLM's wake_up: allocates the KV cache again and continues generation."""
         resumed = await resume_mem(tags)
-        if isinstance(resumed, JSONResponse):
+        if resumed.status_code != 200:
             return resumed
         return await resume()
 

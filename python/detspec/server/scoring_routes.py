@@ -158,6 +158,9 @@ async def echo_completions(
     completion's."""
     from detspec.server.app import ApiError, _ClientGone, _invalid, _Job, _until_disconnect
 
+    generate = req.max_tokens != 0
+    if not generate:  # nothing is sampled: a seed is not needed for reproducibility
+        req = req.model_copy(update={"temperature": 0.0})
     model = server.check_model(req.model)
     server._common_checks(req)
     if req.stream:
@@ -175,7 +178,6 @@ async def echo_completions(
     else:
         prompts = list(p)  # type: ignore[arg-type]
     base = f"cmpl-{uuid.uuid4().hex}"
-    generate = req.max_tokens != 0
     jobs: list[_Job] = []
     texts: list[str | None] = []
     for i, pr in enumerate(prompts):
@@ -197,21 +199,28 @@ async def echo_completions(
     batcher: ScoreBatcher = server.score_batcher
 
     async def work() -> tuple[dict[int, RequestOutput], list[PromptLogprobs | None]]:
+        # The prompts are scored while the completions are generated.
         scoring = [
-            batcher.prompt_logprobs(j.prompt_ids, req.logprobs, det)
-            if req.logprobs is not None
-            else _none()
+            asyncio.ensure_future(
+                batcher.prompt_logprobs(j.prompt_ids, req.logprobs, det)
+                if req.logprobs is not None
+                else _none()
+            )
             for j in jobs
         ]
         last: dict[int, RequestOutput] = {}
-        if generate:
-            agen = server._merged(jobs)
-            try:
-                async for job, out in agen:
-                    last[job.index] = out
-            finally:
-                await agen.aclose()  # type: ignore[attr-defined]
-        plps = list(await asyncio.gather(*scoring))
+        try:
+            if generate:
+                agen = server._merged(jobs)
+                try:
+                    async for job, out in agen:
+                        last[job.index] = out
+                finally:
+                    await agen.aclose()  # type: ignore[attr-defined]
+            plps = list(await asyncio.gather(*scoring))
+        finally:
+            for t in scoring:
+                t.cancel()
         return last, plps
 
     try:
