@@ -297,7 +297,8 @@ impl Engine {
     ) -> Result<Arc<ModelInfo>> {
         if complete {
             let ck = crate::model::Checkpoint::open(dir)?;
-            let cfg = &self.info().config;
+            let info = self.info();
+            let cfg = &info.config;
             for name in crate::model::param_shapes(cfg).keys() {
                 let optional = name == "lm_head.weight" && cfg.tie_word_embeddings;
                 if !optional && !ck.contains(name) {
@@ -323,7 +324,10 @@ impl Engine {
                 DetspecError::param("body", format!("not a valid safetensors buffer: {e}"))
             })?;
         if tensors.is_empty() {
-            return Err(DetspecError::param("body", "the safetensors buffer holds no tensor"));
+            return Err(DetspecError::param(
+                "body",
+                "the safetensors buffer holds no tensor",
+            ));
         }
         let mut updates: Updates = tensors.into_iter().collect();
         updates.sort_by(|a, b| a.0.cmp(&b.0));
@@ -526,7 +530,7 @@ fn engine_loop(
                                     request_id: Some(id.clone()),
                                     message: "aborted while waiting for a weight update or a \
                                           paused engine"
-                                    .into(),
+                                        .into(),
                                 },
                             });
                             false
