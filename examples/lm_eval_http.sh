@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # lm-evaluation-harness against `detspec serve`, reproducible bit for bit at any concurrency.
 #
-#   pip install '.[serve]' 'lm-eval>=0.4.13'
+#   pip install '.[serve]' 'lm-eval[api]>=0.4.13'
 #   examples/lm_eval_http.sh [MODEL_DIR] [TASKS]      # default: the built-in model, a local task
 #
 # The server runs with --deterministic-by-default: lm-eval's requests carry no `deterministic`

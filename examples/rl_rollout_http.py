@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import socket
 import struct
@@ -32,7 +33,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-from safetensors.numpy import load_file, save, save_file
+from safetensors.numpy import save, save_file
 
 PROMPTS = ["The quick brown fox", "Once upon a time there was", "What is the capital of"]
 GROUP = 8
@@ -46,11 +47,13 @@ def server(model_dir: str | None) -> Iterator[str]:
     cmd = [sys.executable, "-m", "detspec", "serve", "--port", str(port),
            "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning"]  # fmt: skip
     if model_dir:
-        cmd.insert(3, model_dir)
+        cmd.insert(4, model_dir)
     proc = subprocess.Popen(cmd)
     url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(600):
+            if proc.poll() is not None:
+                raise SystemExit(f"detspec serve exited with {proc.returncode}")
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(url + "/health", timeout=1).status_code == 200:
                     break
@@ -59,6 +62,24 @@ def server(model_dir: str | None) -> Iterator[str]:
     finally:
         proc.terminate()
         proc.wait()
+
+
+def load_f32(path: str) -> dict[str, np.ndarray]:
+    """A safetensors file's tensors as float32 numpy arrays (bf16 too, which numpy lacks)."""
+    data = Path(path).read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    kinds = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
+    out = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        a, b = meta["data_offsets"]
+        raw = np.frombuffer(data[8 + n + a : 8 + n + b], dtype=kinds[meta["dtype"]])
+        if meta["dtype"] == "BF16":
+            raw = (raw.astype(np.uint32) << 16).view(np.float32)
+        out[name] = raw.astype(np.float32).reshape(meta["shape"])
+    return out
 
 
 def post(url: str, path: str, **kw) -> dict:
@@ -120,8 +141,7 @@ def main() -> int:
         from detspec.default_model import default_model_dir
 
         args.model_dir = str(default_model_dir())
-    weights = {k: v.astype(np.float32) for k, v in load_file(
-        os.path.join(args.model_dir, "model.safetensors")).items()}  # fmt: skip
+    weights = load_f32(os.path.join(args.model_dir, "model.safetensors"))
     head = "lm_head.weight" if "lm_head.weight" in weights else "model.embed_tokens.weight"
     store = Path(tempfile.mkdtemp(prefix="rl-http-"))
     log = []
