@@ -188,8 +188,13 @@ def test_deterministic_echo_is_batch_invariant_and_plain_is_not(inline_server, l
         body = post(inline_server, {"prompt": p, "max_tokens": 0, "echo": True, "logprobs": 0})
         solo_plain.append(bits(body["choices"][0]["logprobs"]["token_logprobs"]))
     assert solo_plain != [[None, *s] for s in solo_det], "fast path equals the verify path"
-    rounds = asyncio.run(_concurrent_echo(inline_server.base_url, False, 3))
-    assert any(rnd != solo_plain for rnd in rounds), (
+    moved = False
+    for _ in range(8):  # a round whose requests all ran alone shows nothing: try again
+        (rnd,) = asyncio.run(_concurrent_echo(inline_server.base_url, False, 1))
+        if rnd != solo_plain:
+            moved = True
+            break
+    assert moved, (
         "plain echo logprobs never moved with the batch: the test above could not see "
         "batch variance"
     )
