@@ -8,7 +8,8 @@ with httpx and the openai client against a real ``detspec serve`` with an API ke
   checkpoint, wrong body) gets a 4xx naming it and changes nothing;
 * pause (abort / wait / in place) and continue, prefix-cache flush, KV memory release and
   resume;
-* a GRPO-shaped loop (n = 8 seeded deterministic samples per prompt, rewards, group
+* a GRPO-shaped loop (n = 8 seeded deterministic samples per prompt; their "old" logprobs
+  scored back over HTTP with ``echo`` equal the sampler's bit for bit; rewards, group
   advantages, a weight update per step, alternately by tensors and by checkpoint), then a
   replay of the whole run on a fresh server from the stored seeds and checkpoints: the same
   token ids, logprob bits and fingerprints.
@@ -373,6 +374,7 @@ async def rollouts(server: ServerProcess, step: int) -> list[dict]:
         return {
             "seed": seed,
             "fingerprint": r.system_fingerprint,
+            "prompt_ids": r.choices[0].model_extra["prompt_token_ids"],
             "samples": [
                 (tuple(c.model_extra["token_ids"]),
                  tuple(struct.pack("<f", x) for x in c.logprobs.token_logprobs))
@@ -384,6 +386,25 @@ async def rollouts(server: ServerProcess, step: int) -> list[dict]:
         return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(GRPO_PROMPTS))))
     finally:
         await client.close()
+
+
+def old_logprobs(server: ServerProcess, group: dict) -> list[tuple[bytes, ...]]:
+    """The trainer's "old" logprobs of each sample, scored over HTTP: ``echo`` of prompt +
+    completion with ``max_tokens: 0``, the completion's part of ``token_logprobs``."""
+    p = group["prompt_ids"]
+    r = call(
+        server,
+        "POST",
+        "/v1/completions",
+        json={"prompt": [list(p) + list(ids) for ids, _ in group["samples"]], "max_tokens": 0,
+              "echo": True, "logprobs": 0, "deterministic": True},
+    )  # fmt: skip
+    assert r.status_code == 200, r.text
+    choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+    return [
+        tuple(struct.pack("<f", x) for x in c["logprobs"]["token_logprobs"][len(p) :])
+        for c in choices
+    ]
 
 
 def reward(token_ids: tuple[int, ...]) -> float:
@@ -415,6 +436,8 @@ def test_grpo_loop_over_http_and_replay(
         assert all(g["fingerprint"] == fp for g in groups)
         for g in groups:
             assert len(set(g["samples"])) > 1, "a group's samples are all the same"
+            # on-policy: scoring the samples gives the sampler's logprobs, bit for bit
+            assert old_logprobs(rl_server, g) == [lps for _, lps in g["samples"]]
         new_head = policy_step(w[name], groups)
         w = {**w, name: new_head}
         ck = write_checkpoint(tmp_path / f"step{step}", w)
