@@ -126,10 +126,58 @@ class AsyncLLM(_EngineClient):
         await asyncio.to_thread(self._update_weights, named_tensors, in_flight)
 
     async def update_weights_from_disk(
-        self, path: str | os.PathLike[str], *, in_flight: str = "finish"
+        self, path: str | os.PathLike[str], *, in_flight: str = "finish", complete: bool = False
     ) -> None:
         """``LLM.update_weights_from_disk``, awaitable."""
-        await asyncio.to_thread(self._engine.update_weights_from_disk, os.fspath(path), in_flight)
+        await asyncio.to_thread(
+            self._engine.update_weights_from_checkpoint, os.fspath(path), in_flight, complete
+        )
+
+    async def update_weights_from_safetensors(
+        self, data: bytes, *, in_flight: str = "finish"
+    ) -> None:
+        """``LLM.update_weights_from_safetensors``, awaitable."""
+        await asyncio.to_thread(self._engine.update_weights_from_safetensors, data, in_flight)
+
+    async def prompt_logprobs(
+        self, prompts: Sequence[Sequence[int]], k: int = 0, *, deterministic: bool = True
+    ) -> list[list[dict[int, Any] | None]]:
+        """``LLM.prompt_logprobs``, awaitable (one engine call for all ``prompts``)."""
+        return await asyncio.to_thread(self._prompt_logprobs, prompts, k, deterministic)
+
+    async def pause(self, mode: str = "abort") -> None:
+        """Pauses generation: requests (and scoring calls) submitted from now on wait until
+        ``resume``. ``mode`` says what happens to the requests in flight: ``"abort"`` aborts
+        them (finish reason ``abort``), ``"wait"`` returns once they have finished, ``"keep"``
+        freezes them where they are (they go on after ``resume``, with the same bits for
+        deterministic requests)."""
+        await asyncio.to_thread(self._engine.pause, mode)
+
+    async def resume(self) -> None:
+        """Resumes generation after ``pause`` (fails while the KV memory is released)."""
+        await asyncio.to_thread(self._engine.resume)
+
+    @property
+    def is_paused(self) -> bool:
+        return bool(self._engine.is_paused())
+
+    async def reset_prefix_cache(self) -> int:
+        """``LLM.reset_prefix_cache``, awaitable."""
+        return int(await asyncio.to_thread(self._engine.reset_prefix_cache))
+
+    async def release_memory(self) -> None:
+        """Frees the KV cache's memory (the pool's tensors are dropped). Generation must be
+        paused with no request in flight (``pause("abort")`` or ``pause("wait")``)."""
+        await asyncio.to_thread(self._engine.release_kv_memory)
+
+    async def resume_memory(self) -> None:
+        """Allocates the KV cache again after ``release_memory``; then ``resume``."""
+        await asyncio.to_thread(self._engine.resume_kv_memory)
+
+    async def kv_memory(self) -> tuple[int, bool]:
+        """``(bytes the KV cache holds, whether it is released)``."""
+        n, released = await asyncio.to_thread(self._engine.kv_memory)
+        return int(n), bool(released)
 
     async def audit(
         self, output: RequestOutput, sampling_params: SamplingParams | None = None

@@ -193,6 +193,11 @@ class _EngineClient:
         return out
 
     @property
+    def eos_token_ids(self) -> list[int]:
+        """The token ids that end a generation (config, generation config, tokenizer)."""
+        return [int(t) for t in self._engine.eos_token_ids()]
+
+    @property
     def weight_version(self) -> int:
         """How many weight updates have been applied since the model was loaded."""
         return self._engine.weight_version()
@@ -246,6 +251,14 @@ class _EngineClient:
         scored = self._engine.score(list(zip(ids, comp, strict=True)), 0, deterministic)
         return [[lp for _, lp, _, _ in s] for s in scored]
 
+    def _prompt_logprobs(
+        self, prompts: Sequence[Sequence[int]], k: int, deterministic: bool
+    ) -> list[list[dict[int, Any] | None]]:
+        ids = [[int(t) for t in p] for p in prompts]
+        pairs = [(p[:1], p[1:]) for p in ids]
+        raws = self._engine.score(pairs, k, deterministic)
+        return [prompt_logprobs_to_py(raw, self._decode_token) for raw in raws]
+
     def _update_weights(self, named_tensors: Any, in_flight: str) -> None:
         items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
         self._engine.update_weights(list(items), in_flight)
@@ -281,6 +294,11 @@ class _EngineClient:
             raws = self._engine.prompt_logprobs([o.prompt_token_ids for o in group], k)
             for o, raw in zip(group, raws, strict=True):
                 o.prompt_logprobs = prompt_logprobs_to_py(raw, self._decode_token)
+
+    def reset_prefix_cache(self) -> int:
+        """Drops the prefix cache (pages of running requests stay theirs); returns how many
+        cached pages it let go. Outputs do not change: cached KV equals recomputed KV."""
+        return int(self._engine.reset_prefix_cache())
 
     def shutdown(self) -> None:
         """Stops the engine thread; unfinished requests end with finish_reason "abort"."""
@@ -410,11 +428,27 @@ class LLM(_EngineClient):
         self._update_weights(named_tensors, in_flight)
 
     def update_weights_from_disk(
-        self, path: str | os.PathLike[str], *, in_flight: str = "finish"
+        self, path: str | os.PathLike[str], *, in_flight: str = "finish", complete: bool = False
     ) -> None:
         """``update_weights`` from a safetensors checkpoint directory (every parameter of this
-        model it holds)."""
-        self._engine.update_weights_from_disk(os.fspath(path), in_flight)
+        model it holds). ``complete=True`` refuses a checkpoint that lacks any parameter (a
+        tied model's ``lm_head.weight`` excepted), naming it, before anything changes."""
+        self._engine.update_weights_from_checkpoint(os.fspath(path), in_flight, complete)
+
+    def update_weights_from_safetensors(self, data: bytes, *, in_flight: str = "finish") -> None:
+        """``update_weights`` from a serialized safetensors buffer (the bytes of a
+        ``.safetensors`` file: ``safetensors.torch.save(state_dict)``), by HF name."""
+        self._engine.update_weights_from_safetensors(data, in_flight)
+
+    def prompt_logprobs(
+        self, prompts: Sequence[Sequence[int]], k: int = 0, *, deterministic: bool = True
+    ) -> list[list[dict[int, Any] | None]]:
+        """vLLM's ``prompt_logprobs`` of token-id prompts, as ``SamplingParams(prompt_logprobs=k)``
+        returns them: ``None`` for the first token, then ``{token: Logprob}`` with the prompt
+        token and the top ``k``. ``deterministic=True`` (verify-path kernels): bit for bit
+        ``generate``'s prompt logprobs and ``score``'s values. ``False``: the fast path, whose
+        bits depend on the prompts computed together in this call."""
+        return self._prompt_logprobs(prompts, k, deterministic)
 
     def audit(
         self, output: RequestOutput, sampling_params: SamplingParams | None = None

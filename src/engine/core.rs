@@ -28,6 +28,7 @@ use crate::tokenizer::{eos_token_ids, Tokenizer};
 use super::stream::{now, StreamEvent};
 use super::text::TextState;
 
+mod control;
 mod standalone;
 
 pub use standalone::{AuditInput, ForwardKind};

@@ -14,6 +14,7 @@ pub use self::core::{AuditInput, EngineCore, EngineStats, ForwardKind, ModelInfo
 pub use stream::{OutputAccumulator, RequestStream, StreamEvent};
 
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::thread::JoinHandle;
 
@@ -44,6 +45,19 @@ pub enum InFlight {
     Abort,
 }
 
+/// What a pause does with the requests in flight (SGLang's `pause_generation` modes; vLLM's
+/// `abort` / `wait` / `keep`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PauseMode {
+    /// Abort them (finish reason `abort`); the pause applies at once.
+    #[default]
+    Abort,
+    /// Let them finish; the pause returns once none is left. New requests wait.
+    Wait,
+    /// Freeze them where they are (no step runs); they go on after the resume.
+    Keep,
+}
+
 enum Command {
     Add {
         request: Request,
@@ -60,6 +74,13 @@ enum Command {
     KvPages(Sender<(usize, usize)>),
     Stats(Sender<EngineStats>),
     KvStats(Sender<KvStats>),
+    /// Work on the core that runs even while generation is paused (control operations).
+    Control(CoreJob),
+    Pause {
+        mode: PauseMode,
+        reply: Reply<()>,
+    },
+    Resume(Reply<()>),
     Shutdown,
 }
 
@@ -90,6 +111,8 @@ pub struct Engine {
     /// Replaced by the engine thread when a weight update lands (fingerprint, version).
     info: Arc<RwLock<Arc<ModelInfo>>>,
     tokenizer: Option<Arc<Tokenizer>>,
+    /// Generation is paused (set by the engine thread).
+    paused: Arc<AtomicBool>,
 }
 
 impl Engine {
@@ -104,6 +127,8 @@ impl Engine {
         let (tx, rx) = unbounded();
         let info = Arc::new(RwLock::new(core.info().clone()));
         let thread_info = info.clone();
+        let paused = Arc::new(AtomicBool::new(false));
+        let thread_paused = paused.clone();
         let tokenizer = core.tokenizer().cloned();
         // The loop itself runs on one of the pool's workers: between kernels its serial work
         // (scheduling, candle's glue ops, sampling bookkeeping) runs on a thread that then
@@ -117,7 +142,7 @@ impl Engine {
             .map_err(|e| DetspecError::param("num_threads", e.to_string()))?;
         let thread = std::thread::Builder::new()
             .name("detspec-engine".into())
-            .spawn(move || pool.install(|| engine_loop(core, rx, thread_info)))
+            .spawn(move || pool.install(|| engine_loop(core, rx, thread_info, thread_paused)))
             .map_err(|e| DetspecError::io("detspec-engine thread", e))?;
         Ok(Self {
             shared: Arc::new(Shared {
@@ -126,6 +151,7 @@ impl Engine {
             }),
             info,
             tokenizer,
+            paused,
         })
     }
 
@@ -260,6 +286,118 @@ impl Engine {
         self.update_weights(updates, in_flight)
     }
 
+    /// Applies every parameter of this model that the safetensors checkpoint in `dir` holds;
+    /// with `complete`, the checkpoint must hold all of them (a tied model's `lm_head.weight`
+    /// excepted), else the error names the first missing one and nothing changes.
+    pub fn update_weights_from_checkpoint(
+        &self,
+        dir: &Path,
+        in_flight: InFlight,
+        complete: bool,
+    ) -> Result<Arc<ModelInfo>> {
+        if complete {
+            let ck = crate::model::Checkpoint::open(dir)?;
+            let info = self.info();
+            let cfg = &info.config;
+            for name in crate::model::param_shapes(cfg).keys() {
+                let optional = name == "lm_head.weight" && cfg.tie_word_embeddings;
+                if !optional && !ck.contains(name) {
+                    return Err(DetspecError::MissingTensor {
+                        name: name.clone(),
+                        path: dir.to_path_buf(),
+                    });
+                }
+            }
+        }
+        self.update_weights_from_disk(dir, in_flight)
+    }
+
+    /// Applies the tensors of a serialized safetensors buffer (the file format, in memory) as
+    /// one update: every name, shape and dtype is checked before anything changes.
+    pub fn update_weights_from_safetensors(
+        &self,
+        bytes: &[u8],
+        in_flight: InFlight,
+    ) -> Result<Arc<ModelInfo>> {
+        let tensors = candle_core::safetensors::load_buffer(bytes, &candle_core::Device::Cpu)
+            .map_err(|e| {
+                DetspecError::param("body", format!("not a valid safetensors buffer: {e}"))
+            })?;
+        if tensors.is_empty() {
+            return Err(DetspecError::param(
+                "body",
+                "the safetensors buffer holds no tensor",
+            ));
+        }
+        let mut updates: Updates = tensors.into_iter().collect();
+        updates.sort_by(|a, b| a.0.cmp(&b.0));
+        self.update_weights(updates, in_flight)
+    }
+
+    /// Pauses generation: no new request (or standalone forward) starts until
+    /// [`Engine::resume`]; `mode` says what happens to the requests in flight. Returns once
+    /// the pause is in force (with [`PauseMode::Wait`], once the requests in flight are done).
+    pub fn pause(&self, mode: PauseMode) -> Result<()> {
+        let (tx, rx) = unbounded();
+        self.send(Command::Pause { mode, reply: tx })?;
+        rx.recv().map_err(|_| DetspecError::EngineStopped)?
+    }
+
+    /// Resumes generation after [`Engine::pause`]; held requests start. Fails while the KV
+    /// memory is released.
+    pub fn resume(&self) -> Result<()> {
+        let (tx, rx) = unbounded();
+        self.send(Command::Resume(tx))?;
+        rx.recv().map_err(|_| DetspecError::EngineStopped)?
+    }
+
+    /// Whether generation is paused.
+    pub fn is_paused(&self) -> bool {
+        self.paused.load(Ordering::SeqCst)
+    }
+
+    /// Runs `f` on the engine thread between steps, even while generation is paused.
+    fn control<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut EngineCore) -> Result<T> + Send + 'static,
+    ) -> Result<T> {
+        let (tx, rx) = unbounded();
+        self.send(Command::Control(Box::new(move |core| {
+            let _ = tx.send(f(core));
+        })))?;
+        rx.recv().map_err(|_| DetspecError::EngineStopped)?
+    }
+
+    /// Drops the prefix cache; returns how many cached pages it let go.
+    pub fn reset_prefix_cache(&self) -> Result<usize> {
+        self.control(|c| Ok(c.reset_prefix_cache()))
+    }
+
+    /// Frees the KV pool's memory. Generation must be paused with no request in flight;
+    /// [`Engine::resume_kv_memory`] allocates it again (before [`Engine::resume`]).
+    pub fn release_kv_memory(&self) -> Result<()> {
+        let paused = self.paused.clone();
+        self.control(move |c| {
+            if !paused.load(Ordering::SeqCst) {
+                return Err(DetspecError::param(
+                    "tags",
+                    "pause generation before releasing the KV cache",
+                ));
+            }
+            c.release_kv_memory()
+        })
+    }
+
+    /// Allocates the KV pool again after [`Engine::release_kv_memory`].
+    pub fn resume_kv_memory(&self) -> Result<()> {
+        self.control(|c| c.resume_kv_memory())
+    }
+
+    /// `(bytes the KV pool holds, whether it is released)`.
+    pub fn kv_memory(&self) -> Result<(usize, bool)> {
+        self.control(|c| Ok((c.kv_memory_bytes(), c.kv_memory_released())))
+    }
+
     /// Stops the engine thread: in-flight requests end with reason `abort`; later calls fail
     /// with [`DetspecError::EngineStopped`]. Also done when the last handle is dropped.
     pub fn shutdown(&self) {
@@ -297,12 +435,23 @@ fn engine_loop(
     mut core: EngineCore,
     commands: Receiver<Command>,
     shared_info: Arc<RwLock<Arc<ModelInfo>>>,
+    shared_paused: Arc<AtomicBool>,
 ) {
     let mut routes = Routes::default();
     // The weights of an update waiting for the requests in flight, and its caller's reply.
     let mut pending: Option<(Updates, Reply<Arc<ModelInfo>>)> = None;
     let mut held: std::collections::VecDeque<Command> = Default::default();
+    // Paused: new requests and standalone forwards are held. Frozen (PauseMode::Keep): no
+    // step runs either. Pause callers waiting for the requests in flight to finish.
+    let mut paused = false;
+    let mut frozen = false;
+    let mut pause_waiters: Vec<Reply<()>> = Vec::new();
     loop {
+        if !core.has_work() {
+            for w in pause_waiters.drain(..) {
+                let _ = w.send(Ok(()));
+            }
+        }
         if !core.has_work() {
             if let Some((updates, reply)) = pending.take() {
                 let r = core.update_weights(updates);
@@ -312,13 +461,13 @@ fn engine_loop(
                 let _ = reply.send(r);
             }
         }
-        let replay_held = if pending.is_none() {
+        let replay_held = if pending.is_none() && !paused {
             std::mem::take(&mut held)
         } else {
             Default::default()
         };
         // Block for a command when idle; otherwise take whatever has arrived and step.
-        let first = if core.has_work() || pending.is_some() || !replay_held.is_empty() {
+        let first = if (core.has_work() && !frozen) || !replay_held.is_empty() {
             commands.try_recv().ok()
         } else {
             match commands.recv() {
@@ -336,7 +485,8 @@ fn engine_loop(
                 cmd,
                 Command::Add { .. } | Command::WithCore(_) | Command::UpdateWeights { .. }
             );
-            if pending.is_some() && computes {
+            let starts = matches!(cmd, Command::Add { .. } | Command::WithCore(_));
+            if (pending.is_some() && computes) || (paused && starts) {
                 held.push_back(cmd);
                 continue;
             }
@@ -378,7 +528,9 @@ fn engine_loop(
                                 request_id: id.clone(),
                                 error: DetspecError::InvalidRequest {
                                     request_id: Some(id.clone()),
-                                    message: "aborted while waiting for a weight update".into(),
+                                    message: "aborted while waiting for a weight update or a \
+                                          paused engine"
+                                        .into(),
                                 },
                             });
                             false
@@ -396,6 +548,14 @@ fn engine_loop(
                         for ev in core.abort_all() {
                             route(&mut routes, ev);
                         }
+                    } else if frozen && core.has_work() {
+                        let _ = reply.send(Err(DetspecError::param(
+                            "in_flight",
+                            "generation is paused with requests in flight (mode \"keep\"): \
+                             they could not finish on the old weights; continue generation \
+                             first or update with in_flight=\"abort\"",
+                        )));
+                        continue;
                     }
                     pending = Some((updates, reply));
                 }
@@ -410,13 +570,48 @@ fn engine_loop(
                 Command::KvStats(reply) => {
                     let _ = reply.send(core.kv_stats());
                 }
+                Command::Control(job) => job(&mut core),
+                Command::Pause { mode, reply } => {
+                    paused = true;
+                    frozen = mode == PauseMode::Keep;
+                    shared_paused.store(true, Ordering::SeqCst);
+                    match mode {
+                        PauseMode::Abort => {
+                            for ev in core.abort_all() {
+                                route(&mut routes, ev);
+                            }
+                            let _ = reply.send(Ok(()));
+                        }
+                        PauseMode::Wait if core.has_work() => pause_waiters.push(reply),
+                        PauseMode::Wait | PauseMode::Keep => {
+                            let _ = reply.send(Ok(()));
+                        }
+                    }
+                }
+                Command::Resume(reply) => {
+                    if core.kv_memory_released() {
+                        let _ = reply.send(Err(DetspecError::param(
+                            "tags",
+                            "the KV cache is released: resume its memory before continuing \
+                             generation",
+                        )));
+                        continue;
+                    }
+                    paused = false;
+                    frozen = false;
+                    shared_paused.store(false, Ordering::SeqCst);
+                    for w in pause_waiters.drain(..) {
+                        let _ = w.send(Ok(()));
+                    }
+                    let _ = reply.send(Ok(()));
+                }
                 Command::Shutdown => shutdown = true,
             }
         }
         if shutdown {
             break;
         }
-        if core.has_work() {
+        if core.has_work() && !frozen {
             for ev in core.step() {
                 route(&mut routes, ev);
             }

@@ -13,10 +13,16 @@ use super::PageId;
 /// KV storage for every layer.
 #[derive(Debug)]
 pub struct KvPool {
-    /// (K, V) per layer.
+    /// (K, V) per layer; empty while the memory is released.
     layers: Vec<(Tensor, Tensor)>,
     page_size: usize,
     num_pages: usize,
+    /// What `restore` needs to allocate the layers again.
+    num_layers: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    dtype: DType,
+    device: Device,
 }
 
 impl KvPool {
@@ -74,9 +80,35 @@ impl KvPool {
         if num_pages == 0 {
             return Err(DetspecError::param("num_kv_pages", "must be > 0"));
         }
-        let k_shape = (num_pages, kv_heads, head_dim, page_size);
-        let v_shape = (num_pages, page_size, kv_heads, head_dim);
-        let layers = (0..num_layers)
+        let mut pool = Self {
+            layers: Vec::new(),
+            page_size,
+            num_pages,
+            num_layers,
+            kv_heads,
+            head_dim,
+            dtype,
+            device: device.clone(),
+        };
+        pool.restore()?;
+        Ok(pool)
+    }
+
+    /// Frees every layer's K and V storage; [`KvPool::layer`] returns `None` until
+    /// [`KvPool::restore`].
+    pub fn release(&mut self) {
+        self.layers = Vec::new();
+    }
+
+    /// Allocates the layers (zeroed) if they are released; a no-op otherwise.
+    pub fn restore(&mut self) -> Result<()> {
+        if !self.layers.is_empty() || self.num_layers == 0 {
+            return Ok(());
+        }
+        let k_shape = (self.num_pages, self.kv_heads, self.head_dim, self.page_size);
+        let v_shape = (self.num_pages, self.page_size, self.kv_heads, self.head_dim);
+        let (dtype, device) = (self.dtype, &self.device);
+        self.layers = (0..self.num_layers)
             .map(|_| {
                 Ok((
                     Tensor::zeros(k_shape, dtype, device)?,
@@ -84,11 +116,20 @@ impl KvPool {
                 ))
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(Self {
-            layers,
-            page_size,
-            num_pages,
-        })
+        Ok(())
+    }
+
+    /// Whether the layers' memory is released.
+    pub fn is_released(&self) -> bool {
+        self.layers.is_empty() && self.num_layers > 0
+    }
+
+    /// Bytes the K and V tensors hold now.
+    pub fn allocated_bytes(&self) -> usize {
+        self.layers
+            .iter()
+            .map(|(k, v)| (k.elem_count() + v.elem_count()) * self.dtype.size_in_bytes())
+            .sum()
     }
 
     /// (K, V) of layer `i`.

@@ -16,12 +16,13 @@ use std::time::Duration;
 use crossbeam::channel::{unbounded, Receiver, Sender};
 
 use pyo3::prelude::*;
+use pyo3::pybacked::PyBackedBytes;
 use pyo3::types::PyDict;
 
 use crate::config::{
     DTypeSpec, DeterminismMode, DeviceSpec, EngineConfig, KernelProfile, VerifyStrategy,
 };
-use crate::engine::{AuditInput, Engine, InFlight, OutputAccumulator, StreamEvent};
+use crate::engine::{AuditInput, Engine, InFlight, OutputAccumulator, PauseMode, StreamEvent};
 use crate::error::DetspecError;
 use crate::request::Request;
 use crate::tokenizer::ChatTemplate;
@@ -379,6 +380,85 @@ impl PyEngine {
         let in_flight = parse_in_flight(py, in_flight)?;
         let info = self.call(py, move |e| e.update_weights_from_disk(&path, in_flight))?;
         Ok((info.fingerprint.clone(), info.weight_version))
+    }
+
+    /// `update_weights_from_disk`; with `complete`, every parameter of the model must be in
+    /// the checkpoint (the error names the first missing one). Returns `(fingerprint,
+    /// weight_version)`.
+    #[pyo3(signature = (path, in_flight="finish", complete=true))]
+    fn update_weights_from_checkpoint(
+        &self,
+        py: Python<'_>,
+        path: PathBuf,
+        in_flight: &str,
+        complete: bool,
+    ) -> PyResult<(String, u64)> {
+        let in_flight = parse_in_flight(py, in_flight)?;
+        let info = self.call(py, move |e| {
+            e.update_weights_from_checkpoint(&path, in_flight, complete)
+        })?;
+        Ok((info.fingerprint.clone(), info.weight_version))
+    }
+
+    /// Applies the tensors of a serialized safetensors buffer as one update; returns
+    /// `(fingerprint, weight_version)`.
+    #[pyo3(signature = (data, in_flight="finish"))]
+    fn update_weights_from_safetensors(
+        &self,
+        py: Python<'_>,
+        data: PyBackedBytes,
+        in_flight: &str,
+    ) -> PyResult<(String, u64)> {
+        let in_flight = parse_in_flight(py, in_flight)?;
+        let info = self.call(py, move |e| {
+            e.update_weights_from_safetensors(&data, in_flight)
+        })?;
+        Ok((info.fingerprint.clone(), info.weight_version))
+    }
+
+    /// Pauses generation (`mode`: "abort", "wait" or "keep"); returns once it is in force.
+    #[pyo3(signature = (mode="abort"))]
+    fn pause(&self, py: Python<'_>, mode: &str) -> PyResult<()> {
+        let mode = match mode {
+            "abort" => PauseMode::Abort,
+            "wait" => PauseMode::Wait,
+            "keep" => PauseMode::Keep,
+            other => {
+                return Err(to_pyerr(
+                    py,
+                    DetspecError::param(
+                        "mode",
+                        format!("must be \"abort\", \"wait\" or \"keep\", got {other:?}"),
+                    ),
+                ))
+            }
+        };
+        self.call(py, move |e| e.pause(mode))
+    }
+
+    fn resume(&self, py: Python<'_>) -> PyResult<()> {
+        self.call(py, |e| e.resume())
+    }
+
+    fn is_paused(&self) -> bool {
+        self.inner.is_paused()
+    }
+
+    fn reset_prefix_cache(&self, py: Python<'_>) -> PyResult<usize> {
+        self.call(py, |e| e.reset_prefix_cache())
+    }
+
+    fn release_kv_memory(&self, py: Python<'_>) -> PyResult<()> {
+        self.call(py, |e| e.release_kv_memory())
+    }
+
+    fn resume_kv_memory(&self, py: Python<'_>) -> PyResult<()> {
+        self.call(py, |e| e.resume_kv_memory())
+    }
+
+    /// `(bytes the KV pool holds, whether it is released)`.
+    fn kv_memory(&self, py: Python<'_>) -> PyResult<(usize, bool)> {
+        self.call(py, |e| e.kv_memory())
     }
 
     fn weight_version(&self) -> u64 {

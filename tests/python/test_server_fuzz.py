@@ -13,8 +13,11 @@ import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
+from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 from server_fixtures import ServerProcess, demo_model_dir, start_server  # noqa: F401
+
+from detspec.server.rl_routes import RL_PATHS
 
 MAX_EXAMPLES = 40
 
@@ -62,6 +65,8 @@ def test_no_server_errors(fuzz_server, mode) -> None:
     seen: dict[str, Counter[int]] = {}
     for result in schema.get_all_operations():
         op = result.ok()
+        if op.path in RL_PATHS:
+            continue  # pause / release would stall the rest of the run (test_server_rl.py)
         if mode is GenerationMode.NEGATIVE and op.method.upper() == "GET":
             continue  # nothing to break in a parameterless GET
         seen[op.label] = _check_operation(op, mode, fuzz_server.base_url)
@@ -84,3 +89,39 @@ def test_server_healthy_after_fuzzing(fuzz_server) -> None:
     assert fuzz_server.wait_kv_idle() == 0
     errors = {k: v for k, v in fuzz_server.metrics().items() if "request_errors_total" in k}
     assert not any('status="5' in k for k in errors), errors
+
+
+@pytest.fixture(scope="module")
+def rl_fuzz_server(tmp_path_factory, demo_model_dir) -> Iterator[ServerProcess]:
+    s = start_server(
+        tmp_path_factory, "fuzz-rl", demo_model_dir, "--max-model-len", "32", "--num-kv-pages", "64"
+    )
+    yield s
+    assert s.stop() == 0, s.log()
+
+
+@pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE],
+                         ids=["positive", "negative"])  # fmt: skip
+def test_rl_routes_no_server_errors(rl_fuzz_server, mode) -> None:
+    """The RL control routes alone (on their own server: a fuzzed pause would stall the run
+    above); afterwards the server is resumed and serves with the model's own weights."""
+    base = rl_fuzz_server.base_url
+    fp0 = httpx.get(base + "/v1/models").json()["data"][0]["fingerprint"]
+    schema = schemathesis.openapi.from_url(base + "/openapi.json")
+    seen = {}
+    for result in schema.get_all_operations():
+        op = result.ok()
+        if op.path not in RL_PATHS:
+            continue
+        try:
+            seen[op.label] = _check_operation(op, mode, base)
+        except Unsatisfiable:  # no parameter to make invalid (POST /resume, ...)
+            assert mode is GenerationMode.NEGATIVE, op.label
+    assert "POST /update_weights_from_disk" in seen and "POST /pause_generation" in seen, seen
+    print(mode, {k: dict(v) for k, v in seen.items()})
+    assert httpx.post(base + "/resume_memory_occupation", json={}).status_code == 200
+    assert httpx.post(base + "/continue_generation", json={}).status_code == 200
+    assert httpx.get(base + "/v1/models").json()["data"][0]["fingerprint"] == fp0
+    r = httpx.post(base + "/v1/completions", json={"prompt": "Hello", "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert rl_fuzz_server.wait_kv_idle() == 0

@@ -2,7 +2,9 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON, or SSE ending in
 ``data: [DONE]``), ``GET /v1/models``, ``GET /health``, ``GET /metrics``, ``GET /version``,
-``POST /tokenize``, ``POST /detokenize``.
+``POST /tokenize``, ``POST /detokenize``; ``echo`` and ``GET /tokenizer_info`` in
+``scoring_routes``, the RL control routes in ``rl_routes``, server-wide determinism in
+``defaults`` (docs/serving.md lists them all).
 
 Floats go out exactly: logprobs are the engine's f32 values as Python floats and
 ``json.dumps`` writes the shortest repr that reads back to the same double, so a client
@@ -36,14 +38,22 @@ from detspec.outputs import RequestOutput
 from detspec.sampling_params import SamplingParams
 from detspec.scoring import prompt_logprobs_to_py
 from detspec.server import protocol as P
+from detspec.server.defaults import DEFAULT_SEED, RequestDefaults
 from detspec.server.metrics import CONTENT_TYPE, ServerMetrics
+from detspec.server.rl_routes import RL_PATHS, WEIGHT_UPLOAD_PATHS, build_rl_router
+from detspec.server.scoring_routes import (
+    ScoreBatcher,
+    build_scoring_router,
+    check_max_tokens,
+    echo_completions,
+)
 
 logger = logging.getLogger("detspec.server")
 
 # vLLM's stand-in for a -inf logprob (JSON has no infinity).
 NEG_INF_LOGPROB = -9999.0
 # Paths that need the API key when one is set (vLLM protects /v1; the tokenizer routes too).
-_PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize")
+_PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize", "/tokenizer_info", *RL_PATHS)
 # Chat-template variables that are arguments of apply_chat_template itself.
 _RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "add_generation_prompt", "tokenize"})
 
@@ -59,6 +69,10 @@ class ServerConfig:
     max_num_seqs: int = 256
     # The engine's determinism mode; None: read it from the engine's fingerprint.
     determinism: str | None = None
+    # Requests that do not say `deterministic` are deterministic; sampled ones without a
+    # seed get default_seed (server/defaults.py).
+    deterministic_by_default: bool = False
+    default_seed: int = DEFAULT_SEED
 
 
 class ApiError(Exception):
@@ -187,7 +201,7 @@ class _GuardMiddleware:
             if n < 0:
                 await self._reject(send, 400, "invalid Content-Length header", "Content-Length")
                 return
-            if n > self.max_bytes:
+            if n > self.max_bytes and path not in WEIGHT_UPLOAD_PATHS:
                 await self._reject(send, 413, self._too_large(n), "body")
                 return
             await self.app(scope, receive, send)
@@ -204,7 +218,7 @@ class _GuardMiddleware:
             if msg["type"] != "http.request":
                 break
             total += len(msg.get("body", b""))
-            if total > self.max_bytes:
+            if total > self.max_bytes and path not in WEIGHT_UPLOAD_PATHS:
                 await self._reject(send, 413, self._too_large(total), "body")
                 return
             if not msg.get("more_body", False):
@@ -301,8 +315,9 @@ class OpenAIServer:
 
     @property
     def fingerprint(self) -> str:
-        """The engine's current fingerprint (it moves when the weights are updated)."""
-        return self.engine.fingerprint
+        """The engine's current fingerprint (it moves when the weights are updated), with
+        ``+det-default-seed<N>`` under --deterministic-by-default."""
+        return self.engine.fingerprint + self.defaults.fingerprint_suffix()
 
     def __init__(self, engine: AsyncLLM, config: ServerConfig) -> None:
         self.engine = engine
@@ -311,7 +326,14 @@ class OpenAIServer:
         self.tokenizer = engine.get_tokenizer()
         self.max_model_len = int(engine._engine.max_model_len())
         self.vocab_size = int(engine._engine.vocab_size())
+        self.defaults = RequestDefaults(config.deterministic_by_default, config.default_seed)
         self.determinism = config.determinism or ("off" if "-off-" in self.fingerprint else "on")
+        if self.defaults.deterministic_by_default and self.determinism == "off":
+            raise ValueError(
+                "--deterministic-by-default needs a deterministic engine: start it with "
+                "--determinism dvr or batch_invariant"
+            )
+        self.score_batcher = ScoreBatcher(engine)
         self.created = int(time.time())
         self.inflight_seqs = 0
         self.draining = False
@@ -710,10 +732,12 @@ class OpenAIServer:
     # ---------------------------------------------------------------- completions
 
     async def completions(self, req: P.CompletionRequest, request: Request) -> Response:
+        self.defaults.apply(req)
+        check_max_tokens(req)
+        if req.echo:
+            return await echo_completions(self, req, request)
         model = self.check_model(req.model)
         self._common_checks(req)
-        if req.echo:
-            raise ApiError(400, "echo is not supported", "echo")
         if req.suffix is not None:
             raise ApiError(400, "suffix is not supported", "suffix")
         prompts: list[str | list[int]]
@@ -743,6 +767,7 @@ class OpenAIServer:
     # ---------------------------------------------------------------- chat
 
     async def chat(self, req: P.ChatCompletionRequest, request: Request) -> Response:
+        self.defaults.apply(req)
         model = self.check_model(req.model)
         self._common_checks(req)
         if req.tools:
@@ -1153,6 +1178,13 @@ def build_app(
                     "root": engine.model,
                     "max_model_len": server.max_model_len,
                     "fingerprint": server.fingerprint,
+                    "deterministic_by_default": server.defaults.deterministic_by_default,
+                    "default_seed": (
+                        server.defaults.default_seed
+                        if server.defaults.deterministic_by_default
+                        else None
+                    ),
+                    "weight_version": engine.weight_version,
                 }
                 for name in server.model_names
             ],
@@ -1184,5 +1216,7 @@ def build_app(
     async def detokenize(req: P.DetokenizeRequest) -> dict[str, Any]:
         return await server.detokenize(req)
 
+    app.include_router(build_scoring_router(server))
+    app.include_router(build_rl_router(server))
     app.add_middleware(_GuardMiddleware, api_key=config.api_key, max_bytes=config.max_request_bytes)
     return app

@@ -58,10 +58,11 @@ class _SamplingFields(OpenAIBaseModel):
         default=False, description="logprob tokens as 'token_id:N' (distinct even when texts clash)"
     )
     # detspec
-    deterministic: bool = Field(
-        default=False,
+    deterministic: bool | None = Field(
+        default=None,
         description="bitwise-reproducible output (decode-verify-rollback); needs `seed` "
-        "when temperature > 0",
+        "when temperature > 0 (unless the server sets a default seed). Unset: the server's "
+        "default (false unless it runs with --deterministic-by-default)",
     )
     # Accepted only at their neutral value: the engine cannot honour anything else.
     logit_bias: dict[str, float] | None = None
@@ -71,9 +72,14 @@ class _SamplingFields(OpenAIBaseModel):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
-    max_tokens: int | None = Field(default=16, ge=1, le=2**31 - 1)
+    # 0 only with echo=true: score the prompt without generating (vLLM's convention).
+    max_tokens: int | None = Field(default=16, ge=0, le=2**31 - 1)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
+    echo: bool = Field(
+        default=False,
+        description="return the prompt before the completion; with `logprobs`, the prompt "
+        "tokens' logprobs too (the first one null)",
+    )
     suffix: str | None = None
 
 
@@ -206,6 +212,11 @@ class ModelCard(BaseModel):
     # The engine's determinism fingerprint: replicas that report the same one return the
     # same bits for a deterministic request (detspec.ray.check_replicas compares them).
     fingerprint: str
+    # --deterministic-by-default: requests that do not say `deterministic` are; sampled ones
+    # without a seed get `default_seed`.
+    deterministic_by_default: bool = False
+    default_seed: int | None = None
+    weight_version: int = 0
 
 
 class ModelList(BaseModel):

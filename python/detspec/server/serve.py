@@ -65,6 +65,19 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--verify-finish-wait", type=int, default=0)
     p.add_argument(
+        "--deterministic-by-default",
+        action="store_true",
+        help="requests that do not send `deterministic` are deterministic (send "
+        '"deterministic": false to opt out); reported in system_fingerprint and /v1/models',
+    )
+    p.add_argument(
+        "--default-seed",
+        type=int,
+        default=0,
+        help="under --deterministic-by-default, the seed of sampled requests that send none "
+        "(default 0)",
+    )
+    p.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -112,6 +125,12 @@ def serve(args: argparse.Namespace) -> int:
     from detspec.server.app import ServerConfig, build_app
 
     api_key = args.api_key or os.environ.get("DETSPEC_API_KEY") or None
+    if args.deterministic_by_default and args.determinism == "off":
+        print(
+            "error: --deterministic-by-default needs --determinism dvr or batch_invariant",
+            file=sys.stderr,
+        )
+        return 1
     if args.host not in _LOOPBACK and api_key is None:
         print(
             f"warning: binding {args.host} without an API key: anyone who can reach this port "
@@ -147,6 +166,8 @@ def serve(args: argparse.Namespace) -> int:
         max_request_bytes=args.max_request_bytes,
         max_num_seqs=args.max_num_seqs,
         determinism=args.determinism,
+        deterministic_by_default=args.deterministic_by_default,
+        default_seed=args.default_seed,
     )
     app = build_app(engine, config)
     uv_config = uvicorn.Config(

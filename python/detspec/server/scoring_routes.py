@@ -1,0 +1,328 @@
+"""Prompt scoring over HTTP: ``/v1/completions`` with ``echo`` (OpenAI's way of returning the
+prompt's logprobs, what lm-evaluation-harness and most likelihood-based eval stacks send),
+``max_tokens: 0`` to score without generating, and ``GET /tokenizer_info`` so that clients
+(lm-eval's remote tokenizer) tokenize exactly as the server does.
+
+Echoed logprobs are computed like ``LLM.prompt_logprobs(prompts, k, deterministic=...)``:
+
+* a deterministic request's are the verify-path values, bit for bit ``LLM.score`` and
+  ``SamplingParams(prompt_logprobs=k)`` (whatever else the server is doing);
+* a plain request's come from the fast path. Concurrent scoring requests are coalesced into
+  one engine call (``ScoreBatcher``, the scoring twin of continuous batching), so their bits
+  depend on what they were batched with, as a plain generation's do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+import uuid
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from detspec.async_llm import AsyncLLM
+from detspec.errors import InvalidRequestError
+from detspec.outputs import Logprob, RequestOutput
+from detspec.server import protocol as P
+
+if TYPE_CHECKING:
+    from detspec.server.app import OpenAIServer
+
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+class ScoreBatcher:
+    """Coalesces concurrent prompt-logprob computations: a call that arrives while the engine
+    scores others waits for the next engine call, which takes everything queued by then (one
+    call per ``(k, deterministic)``). A call that arrives alone runs alone at once."""
+
+    def __init__(self, engine: AsyncLLM) -> None:
+        self._engine = engine
+        self._queue: list[tuple[list[int], int, bool, asyncio.Future[PromptLogprobs]]] = []
+        self._worker: asyncio.Task[None] | None = None
+
+    async def prompt_logprobs(self, ids: list[int], k: int, deterministic: bool) -> PromptLogprobs:
+        fut: asyncio.Future[PromptLogprobs] = asyncio.get_running_loop().create_future()
+        self._queue.append((ids, k, deterministic, fut))
+        if self._worker is None or self._worker.done():
+            self._worker = asyncio.ensure_future(self._run())
+        return await fut
+
+    async def _run(self) -> None:
+        while self._queue:
+            batch, self._queue = self._queue, []
+            groups: dict[tuple[int, bool], list[Any]] = {}
+            for item in batch:
+                groups.setdefault((item[1], item[2]), []).append(item)
+            for (k, det), items in groups.items():
+                live = [it for it in items if not it[3].done()]  # cancelled: client left
+                if not live:
+                    continue
+                try:
+                    res = await self._engine.prompt_logprobs(
+                        [it[0] for it in live], k, deterministic=det
+                    )
+                except Exception as e:  # every caller of this group gets the error
+                    for it in live:
+                        if not it[3].done():
+                            it[3].set_exception(e)
+                    continue
+                for it, r in zip(live, res, strict=True):
+                    if not it[3].done():
+                        it[3].set_result(r)
+
+
+# --------------------------------------------------------------------------- tokenizer info
+
+
+def tokenizer_info(model_dir: str, server: OpenAIServer) -> dict[str, Any]:
+    """vLLM's ``/tokenizer_info``: the special tokens and the chat template from the model
+    directory (``tokenizer_config.json``, ``chat_template.jinja``), which lm-eval reads to use
+    the server's tokenizer (``/tokenize``, ``/detokenize``) instead of loading its own."""
+    cfg: dict[str, Any] = {}
+    path = os.path.join(model_dir, "tokenizer_config.json")
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            cfg = json.load(f)
+
+    def special(name: str) -> str | None:
+        v = cfg.get(name)
+        if isinstance(v, dict):  # AddedToken serialised as a dict
+            v = v.get("content")
+        return v if isinstance(v, str) else None
+
+    eos = special("eos_token")
+    eos_ids = server.engine.eos_token_ids
+    if eos is None and eos_ids and server.tokenizer is not None:
+        eos = server.decode_token(eos_ids[0])
+    template = cfg.get("chat_template")
+    jinja = os.path.join(model_dir, "chat_template.jinja")
+    if not isinstance(template, str) and os.path.exists(jinja):
+        with open(jinja, encoding="utf-8") as f:
+            template = f.read()
+    return {
+        "tokenizer_class": cfg.get("tokenizer_class", "PreTrainedTokenizerFast"),
+        "eos_token": eos,
+        "bos_token": special("bos_token"),
+        "pad_token": special("pad_token"),
+        "unk_token": special("unk_token"),
+        "eos_token_ids": eos_ids,
+        "chat_template": template if isinstance(template, str) else None,
+        "model_max_length": server.max_model_len,
+        "vocab_size": server.vocab_size,
+        "add_bos_token": bool(cfg.get("add_bos_token", False)),
+    }
+
+
+def build_scoring_router(server: OpenAIServer) -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/tokenizer_info")
+    async def _tokenizer_info() -> dict[str, Any]:
+        if server.tokenizer is None:
+            from detspec.server.app import ApiError
+
+            raise ApiError(404, "this model has no tokenizer", None)
+        return await asyncio.to_thread(tokenizer_info, server.engine.model, server)
+
+    return router
+
+
+# --------------------------------------------------------------------------- echo
+
+
+def check_max_tokens(req: P.CompletionRequest) -> None:
+    """``max_tokens: 0`` means "score the prompt only", which needs ``echo``."""
+    from detspec.server.app import ApiError
+
+    if req.max_tokens == 0 and not req.echo:
+        raise ApiError(
+            400,
+            "max_tokens=0 generates nothing: it is only allowed with echo=true (to score the "
+            "prompt)",
+            "max_tokens",
+        )
+
+
+async def echo_completions(
+    server: OpenAIServer, req: P.CompletionRequest, request: Request
+) -> Response:
+    """``/v1/completions`` with ``echo: true``: every choice's text starts with its prompt; with
+    ``logprobs`` its ``tokens`` / ``token_logprobs`` / ``top_logprobs`` / ``text_offset``
+    cover the prompt's tokens (the first one's logprob and top logprobs null) and then the
+    completion's."""
+    from detspec.server.app import ApiError, _ClientGone, _invalid, _Job, _until_disconnect
+
+    generate = req.max_tokens != 0
+    if not generate:  # nothing is sampled: a seed is not needed for reproducibility
+        req = req.model_copy(update={"temperature": 0.0})
+    model = server.check_model(req.model)
+    server._common_checks(req)
+    if req.stream:
+        raise ApiError(400, "echo is not supported with stream=true; send stream=false", "echo")
+    if req.suffix is not None:
+        raise ApiError(400, "suffix is not supported", "suffix")
+    p = req.prompt
+    prompts: list[str | list[int]]
+    if isinstance(p, str):
+        prompts = [p]
+    elif not p:
+        raise ApiError(400, "prompt is an empty list", "prompt")
+    elif isinstance(p[0], int):
+        prompts = [list(p)]  # type: ignore[arg-type]
+    else:
+        prompts = list(p)  # type: ignore[arg-type]
+    base = f"cmpl-{uuid.uuid4().hex}"
+    jobs: list[_Job] = []
+    texts: list[str | None] = []
+    for i, pr in enumerate(prompts):
+        param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        ids = await server._encode(pr) if isinstance(pr, str) else list(pr)
+        if generate:
+            server._check_prompt_ids(ids, param)
+            max_tokens = server._max_tokens(req.max_tokens, len(ids), "max_tokens")
+        else:
+            if not ids:
+                raise ApiError(400, f"{param} is empty", param)
+            _check_scorable(server, ids, param)
+            max_tokens = 1  # the parameters are validated; nothing is generated
+        params = server._sampling_params(req, max_tokens, req.logprobs)
+        jobs.append(_Job(i, f"{base}-{i}", ids, params))
+        texts.append(pr if isinstance(pr, str) else None)
+
+    det = bool(req.deterministic)
+    batcher: ScoreBatcher = server.score_batcher
+
+    async def work() -> tuple[dict[int, RequestOutput], list[PromptLogprobs | None]]:
+        # The prompts are scored while the completions are generated.
+        scoring = [
+            asyncio.ensure_future(
+                batcher.prompt_logprobs(j.prompt_ids, req.logprobs, det)
+                if req.logprobs is not None
+                else _none()
+            )
+            for j in jobs
+        ]
+        last: dict[int, RequestOutput] = {}
+        try:
+            if generate:
+                agen = server._merged(jobs)
+                try:
+                    async for job, out in agen:
+                        last[job.index] = out
+                finally:
+                    await agen.aclose()  # type: ignore[attr-defined]
+            plps = list(await asyncio.gather(*scoring))
+        finally:
+            for t in scoring:
+                t.cancel()
+        return last, plps
+
+    try:
+        last, plps = await _until_disconnect(request, work())
+    except _ClientGone:
+        return Response(status_code=499)
+    except InvalidRequestError as e:
+        raise _invalid(e) from None
+    if req.prompt_logprobs is not None:
+        for j in jobs:
+            j.prompt_logprobs = await server._prompt_logprobs(j.prompt_ids, req.prompt_logprobs)
+
+    choices: list[dict[str, Any]] = []
+    completion_tokens = 0
+    for job, text, plp in zip(jobs, texts, plps, strict=True):
+        prompt_text = (
+            text
+            if text is not None
+            else (server.tokenizer.decode(job.prompt_ids, False) if server.tokenizer else "")
+        )
+        outs: Sequence[Any] = last[job.index].outputs if generate else [None] * job.params.n
+        for ci, c in enumerate(outs):
+            index = job.index * job.params.n + ci
+            completion = server._text(c, req.skip_special_tokens) if c is not None else ""
+            if c is not None:
+                completion_tokens += len(c.token_ids)
+            logprobs = None
+            if req.logprobs is not None and plp is not None:
+                logprobs = _echo_logprobs(
+                    server, job.prompt_ids, plp, req.logprobs, req.return_tokens_as_token_ids
+                )
+                if c is not None:
+                    tail = server._completion_logprobs(
+                        c.logprobs or [],
+                        req.logprobs,
+                        len(prompt_text),
+                        req.return_tokens_as_token_ids,
+                    )
+                    for key in logprobs:
+                        logprobs[key].extend(tail[key])
+            choice: dict[str, Any] = {
+                "index": index,
+                "text": prompt_text + completion,
+                "logprobs": logprobs,
+                "finish_reason": c.finish_reason if c is not None else "length",
+                "stop_reason": c.stop_reason if c is not None else None,
+            }
+            if req.return_token_ids:
+                choice["prompt_token_ids"] = job.prompt_ids
+                choice["token_ids"] = list(c.token_ids) if c is not None else []
+            if job.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = job.prompt_logprobs
+            if c is not None:
+                choice["dvr_metrics"] = server._dvr(last[job.index], job.params)
+            choices.append(choice)
+    body = {
+        "id": base,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "system_fingerprint": server.fingerprint,
+        "choices": choices,
+        "usage": server._usage(sum(len(j.prompt_ids) for j in jobs), completion_tokens),
+    }
+    return JSONResponse(body)
+
+
+async def _none() -> None:
+    return None
+
+
+def _check_scorable(server: OpenAIServer, ids: list[int], param: str) -> None:
+    from detspec.server.app import ApiError
+
+    bad = next((t for t in ids if t >= server.vocab_size), None)
+    if bad is not None:
+        raise ApiError(
+            400,
+            f"{param} contains token id {bad}, outside the vocabulary (size {server.vocab_size})",
+            param,
+        )
+    if len(ids) > server.max_model_len:
+        raise ApiError(
+            400,
+            f"{param}: the prompt has {len(ids)} tokens, over this model's maximum context "
+            f"length (max_model_len={server.max_model_len})",
+            param,
+        )
+
+
+def _echo_logprobs(
+    server: OpenAIServer, ids: list[int], plp: PromptLogprobs, k: int, as_ids: bool
+) -> dict[str, list[Any]]:
+    """OpenAI's completion logprobs over the prompt: the first token's logprob and top
+    logprobs are null (nothing predicts it)."""
+    first = server._name(ids[0], as_ids)
+    rest = server._completion_logprobs(
+        [d for d in plp[1:] if d is not None], k, len(server.decode_token(ids[0])), as_ids
+    )
+    return {
+        "tokens": [first, *rest["tokens"]],
+        "token_logprobs": [None, *rest["token_logprobs"]],
+        "top_logprobs": [None, *rest["top_logprobs"]],
+        "text_offset": [0, *rest["text_offset"]],
+    }
