@@ -25,6 +25,7 @@ use crate::sampling;
 use crate::sched::{PlanEntry, Scheduler, SchedulerLimits, Sequence, SequenceId, StepPlan};
 use crate::tokenizer::{eos_token_ids, Tokenizer};
 
+use super::fingerprint::{self, fingerprint_of};
 use super::stream::{now, StreamEvent};
 use super::text::TextState;
 
@@ -32,12 +33,6 @@ mod control;
 mod standalone;
 
 pub use standalone::{AuditInput, ForwardKind};
-
-/// Bumped whenever a kernel's reduction order changes, so fingerprints tell old outputs apart.
-/// 2: the CPU's packed fixed-order GEMM (`ops::gemm`) replaced candle's matmul; attention
-/// scores over a per-page transposed K cache; polynomial `exp` in attention and log-sum-exp.
-/// 3: SwiGLU's `exp` is that polynomial too (`ops::silu`), no longer libm's `expf`.
-pub const KERNEL_VERSION: u32 = 3;
 
 /// What the engine knows about a model once loaded; shared read-only with API handles.
 #[derive(Debug, Clone)]
@@ -118,6 +113,7 @@ impl EngineCore {
                 eos.push(*id);
             }
         }
+        let model_digest = fingerprint::model_digest(&model_cfg, dir, &eos)?;
         let max_model_len = match cfg.max_model_len {
             Some(n) if n > model_cfg.max_position_embeddings => {
                 return Err(DetspecError::param(
@@ -183,15 +179,11 @@ impl EngineCore {
         // the shape-dependent test profile stands in for a GPU's.
         let invariant_gemms = device.is_cpu() && cfg.kernel_profile == KernelProfile::Invariant;
         let policy = DeterminismPolicy::new(&cfg, invariant_gemms, mc.sliding_window, pad_page)?;
-        let profile = match cfg.kernel_profile {
-            KernelProfile::Invariant => "",
-            KernelProfile::ShapeDependent => "-shapedep",
-        };
-        let fingerprint_tail = format!(
-            "{}-{}-k{}{profile}-{}",
+        let fingerprint_tail = fingerprint::tail(
+            model_digest,
             dtype.as_str(),
-            device_label(device),
-            KERNEL_VERSION,
+            &device_label(device),
+            cfg.kernel_profile,
             policy.label(),
         );
         let fingerprint = fingerprint_of(model.weights_hash(), &fingerprint_tail);
@@ -761,11 +753,6 @@ impl EngineCore {
         }
         Ok((batch, sampled))
     }
-}
-
-/// `detspec-<weights hash>-<dtype>-<device>-k<kernel version>-<determinism>`.
-fn fingerprint_of(weights_hash: u64, tail: &str) -> String {
-    format!("detspec-{weights_hash:016x}-{tail}")
 }
 
 /// Seed of completion `index` of a request: the request's seed for the first, distinct
