@@ -65,9 +65,7 @@ fn a_config_or_tokenizer_change_moves_the_fingerprint_and_a_copy_does_not() {
         v["rope_theta"] = serde_json::json!(1234.5);
         v.to_string()
     });
-    let tok = edited(&dir, "tok", "tokenizer.json", |t| {
-        t.replacen("\"", "\"", 1) + " "
-    });
+    let tok = edited(&dir, "tok", "tokenizer.json", |t| t + " ");
     for (what, d) in [
         ("rms_norm_eps", &eps),
         ("rope_theta", &theta),
