@@ -452,11 +452,7 @@ impl EngineCore {
         let kv = self.alloc.clone();
         let policy = &self.policy;
         let mut plan = self.sched.plan(self.alloc.as_ref(), &|seq, tokens| {
-            if policy.reads_prefix_cache(seq) {
-                kv.lookup_prefix(tokens)
-            } else {
-                Vec::new()
-            }
+            kv.lookup_prefix_of(tokens, policy.page_class(seq))
         });
         for &id in &plan.preempted {
             if let Some(seq) = self.sched.find_mut(id) {
@@ -539,10 +535,18 @@ impl EngineCore {
             forwards.push((ids, self.model.forward(&batch, &self.kv)?));
         }
         if let Some(iso) = &plan.isolated {
-            // Alone and unchunked: a pure function of the prompt.
-            let (mut batch, ids) = self.build_batch(std::slice::from_ref(iso))?;
-            self.policy.prepare_isolated_batch(&mut batch);
-            forwards.push((ids, self.model.forward(&batch, &self.kv)?));
+            // Alone, on invariant kernels: a pure function of the prompt.
+            let (batch, ids) = self.build_batch(std::slice::from_ref(iso))?;
+            let mut sampled = None;
+            for (pass, row) in self.policy.isolated_prefill_passes(batch) {
+                let logits = self.model.forward(&pass, &self.kv)?;
+                if let Some(row) = row {
+                    sampled = Some(logits.narrow(0, row, 1)?);
+                }
+            }
+            if let Some(logits) = sampled {
+                forwards.push((ids, logits));
+            }
         }
         self.sched.mark_computed(plan);
         self.cache_prompt_pages(plan);
@@ -652,7 +656,9 @@ impl EngineCore {
             if e.start < l && e.start + e.len >= l {
                 let full = l / ps;
                 if let Some(pages) = seq.block_table.pages().get(..full) {
-                    self.alloc.insert_prefix(&seq.prompt[..full * ps], pages);
+                    let class = self.policy.page_class(seq);
+                    self.alloc
+                        .insert_prefix_of(&seq.prompt[..full * ps], pages, class);
                 }
             }
         }
