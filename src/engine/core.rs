@@ -34,9 +34,9 @@ mod standalone;
 pub use standalone::{AuditInput, ForwardKind};
 
 /// Bumped whenever a kernel's reduction order changes, so fingerprints tell old outputs apart.
-/// 2: the CPU's packed fixed-order GEMM (`ops::gemm`) replaced candle's matmul; attention
-/// scores over a per-page transposed K cache; polynomial `exp` in attention and log-sum-exp.
-/// 3: SwiGLU's `exp` is that polynomial too (`ops::silu`), no longer libm's `expf`.
+/// 2: the CPU's packed fixed-order GEMM (`ops::gemm`) in every linear layer; attention scores
+/// over a per-page transposed K cache; polynomial `exp` in attention and log-sum-exp.
+/// 3: SwiGLU's `exp` is that polynomial too (`ops::silu`), not libm's `expf`.
 pub const KERNEL_VERSION: u32 = 3;
 
 /// What the engine knows about a model once loaded; shared read-only with API handles.
