@@ -4,9 +4,8 @@ Same model, same prompts, same sampling, two engines, alternating rounds:
 
 * **Model**: the bench model (docs/architecture.md, "Benchmark model"; Llama-shaped, random
   f32 weights: hidden 512, 8 layers, 8 heads, 4 KV heads, intermediate 1408, vocab 32000),
-  written once with
-  ``detspec._core.write_demo_model(dir, "bench", 0)`` into ``~/.cache/detspec/vllm-peer-bench``
-  (``$DETSPEC_CACHE`` moves it), or ``--model DIR``.
+  written once with ``detspec._core.write_demo_model(dir, "bench", 0)`` into
+  ``~/.cache/detspec/vllm-peer-bench`` (``$DETSPEC_CACHE`` moves it), or ``--model DIR``.
 * **Workload**: fixed random prompts of ``--prompt-len`` (128) token ids (numpy, ``--seed``),
   ``--max-tokens`` (64) greedy output tokens, ``ignore_eos``. Each batch size gets its own
   disjoint prompts (and its own disjoint warm-up prompts), the same in every round, so no
