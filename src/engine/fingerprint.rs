@@ -22,11 +22,11 @@ use crate::config::{KernelProfile, ModelConfig};
 use crate::error::{DetspecError, Result};
 
 /// Bumped whenever a kernel's reduction order changes, so fingerprints tell old outputs apart.
-/// 2: the CPU's packed fixed-order GEMM (`ops::gemm`) replaced candle's matmul; attention
-/// scores over a per-page transposed K cache; polynomial `exp` in attention and log-sum-exp.
-/// 3: SwiGLU's `exp` is that polynomial too (`ops::silu`), no longer libm's `expf`.
+/// 2: the CPU's packed fixed-order GEMM (`ops::gemm`) in every linear layer; attention scores
+/// over a per-page transposed K cache; polynomial `exp` in attention and log-sum-exp.
+/// 3: SwiGLU's `exp` is that polynomial too (`ops::silu`), not libm's `expf`.
 /// 4: the rope tables' `sin`/`cos`/`pow` come from the `libm` crate (the same code on every
-/// machine), no longer from the C library, whose variant glibc picks by CPU at run time.
+/// machine), not from the C library, whose variant glibc picks by CPU at run time.
 pub const KERNEL_VERSION: u32 = 4;
 
 /// Files of a model directory whose content changes what a request's text or tokens become.
