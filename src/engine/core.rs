@@ -153,6 +153,17 @@ impl EngineCore {
         let dtype = cfg
             .dtype
             .resolve(device_spec, model_cfg.torch_dtype.as_deref())?;
+        let kv_dtype = cfg.kv_cache_dtype.resolve_kv(device_spec, dtype)?;
+        let kv_bytes = cfg.num_kv_pages.map_or(cfg.kv_cache_bytes, |n| {
+            n * KvPool::bytes_per_page(
+                model_cfg.num_hidden_layers,
+                cfg.page_size,
+                model_cfg.num_key_value_heads,
+                model_cfg.head_dim,
+                kv_dtype,
+            )
+        });
+        crate::model::check_fits(dir, &model_cfg, dtype, kv_bytes as u64, device)?;
         let model = Model::load(dir, model_cfg, device, dtype)?;
         let mc = model.config().clone();
         let per_page = KvPool::bytes_per_page(
@@ -160,7 +171,7 @@ impl EngineCore {
             cfg.page_size,
             mc.num_key_value_heads,
             mc.head_dim,
-            dtype,
+            kv_dtype,
         );
         let num_pages = cfg
             .num_kv_pages
@@ -171,7 +182,7 @@ impl EngineCore {
             cfg.page_size,
             mc.num_key_value_heads,
             mc.head_dim,
-            dtype,
+            kv_dtype,
             device,
         )?;
         // Inline outputs do not depend on W and B; replayed ones are only promised per (W, B).
@@ -185,9 +196,15 @@ impl EngineCore {
                 cfg.verify_group
             )
         };
+        // The KV cache's dtype is named only where it differs from the weights'.
+        let dtypes = if kv_dtype == dtype {
+            dtype.as_str().to_string()
+        } else {
+            format!("{}-kv{}", dtype.as_str(), kv_dtype.as_str())
+        };
         let fingerprint_tail = format!(
             "{}-{}-k{}-{}",
-            dtype.as_str(),
+            dtypes,
             device_label(device),
             KERNEL_VERSION,
             determinism,

@@ -10,7 +10,7 @@ use xxhash_rust::xxh3::{xxh3_64, Xxh3};
 
 use crate::config::ModelConfig;
 use crate::error::{DetspecError, Result};
-use crate::ops::with_f32_values;
+use crate::ops::{bf16_to_f32, with_bf16_bits, with_f32_values};
 
 use super::decoder::{LinearWeight, Model};
 use super::Checkpoint;
@@ -55,8 +55,24 @@ pub fn param_shapes(cfg: &ModelConfig) -> BTreeMap<String, Vec<usize>> {
 }
 
 /// xxh3 of a tensor's values as f32 (exact for every engine dtype), as little-endian bytes.
+/// bf16 values are widened a chunk at a time (the same digest as one call over all of them),
+/// so hashing a large bf16 matrix allocates no f32 copy of it.
 pub fn tensor_hash(t: &Tensor) -> Result<u64> {
-    Ok(with_f32_values(t, |v| xxh3_64(bytemuck::cast_slice(v)))?)
+    let bf16 = with_bf16_bits(t, |bits| {
+        let mut h = Xxh3::new();
+        let mut buf = [0f32; 4096];
+        for chunk in bits.chunks(buf.len()) {
+            for (d, &b) in buf.iter_mut().zip(chunk) {
+                *d = bf16_to_f32(b);
+            }
+            h.update(bytemuck::cast_slice(&buf[..chunk.len()]));
+        }
+        h.digest()
+    })?;
+    match bf16 {
+        Some(h) => Ok(h),
+        None => Ok(with_f32_values(t, |v| xxh3_64(bytemuck::cast_slice(v)))?),
+    }
 }
 
 /// Content hash of each parameter, by HF name (the tied LM head is the embedding's entry).
@@ -80,22 +96,45 @@ impl ParamHashes {
 pub(super) struct WeightLoader<'a> {
     ck: &'a Checkpoint,
     device: &'a Device,
+    /// Matrices (linear layers, embedding).
     dtype: DType,
+    /// Vectors (norms, biases): the activations' dtype.
+    vector_dtype: DType,
     hashes: RefCell<ParamHashes>,
 }
 
 impl<'a> WeightLoader<'a> {
-    pub(super) fn new(ck: &'a Checkpoint, device: &'a Device, dtype: DType) -> Self {
+    pub(super) fn new(
+        ck: &'a Checkpoint,
+        device: &'a Device,
+        dtype: DType,
+        vector_dtype: DType,
+    ) -> Self {
         Self {
             ck,
             device,
             dtype,
+            vector_dtype,
             hashes: RefCell::default(),
         }
     }
 
+    /// A vector (norm weight, bias), rounded to the weights' dtype and held in the
+    /// activations' (so a float32 checkpoint run in bfloat16 is the bfloat16 checkpoint).
     pub(super) fn load(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
-        let t = self.ck.load(name, shape, self.dtype, self.device)?;
+        self.load_as(name, shape, self.vector_dtype)
+    }
+
+    /// A matrix (linear weight, embedding), in the weights' dtype.
+    pub(super) fn load_matrix(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        self.load_as(name, shape, self.dtype)
+    }
+
+    fn load_as(&self, name: &str, shape: &[usize], dtype: DType) -> Result<Tensor> {
+        let t = self
+            .ck
+            .load(name, shape, self.dtype, self.device)?
+            .to_dtype(dtype)?;
         let h = tensor_hash(&t)?;
         self.hashes.borrow_mut().0.insert(name.to_string(), h);
         Ok(t)
@@ -135,23 +174,39 @@ impl Model {
             if tied && name == "lm_head.weight" && sets_embedding {
                 continue;
             }
-            let t = t.to_dtype(self.dtype())?.to_device(&device)?;
+            let t = t.to_device(&device)?;
             let hash_name = if tied && name == "lm_head.weight" {
                 "model.embed_tokens.weight".to_string()
             } else {
                 name.clone()
             };
-            match self.slot(&hash_name).ok_or_else(|| unknown(&name))? {
-                Slot::Vector(v) => *v = t.clone(),
-                Slot::Bias(b) => *b = Some(t.clone()),
-                Slot::Linear(w) => *w = LinearWeight::new(&t)?,
+            // Matrices in the weights' dtype, vectors rounded to it and held in the activations'
+            // (they differ on the CPU with bf16 weights).
+            let (matrix, vector) = (self.dtype(), self.act_dtype());
+            let t = match self.slot(&hash_name).ok_or_else(|| unknown(&name))? {
+                Slot::Vector(v) => {
+                    *v = t.to_dtype(matrix)?.to_dtype(vector)?;
+                    v.clone()
+                }
+                Slot::Bias(b) => {
+                    let t = t.to_dtype(matrix)?.to_dtype(vector)?;
+                    *b = Some(t.clone());
+                    t
+                }
+                Slot::Linear(w) => {
+                    let t = t.to_dtype(matrix)?;
+                    *w = LinearWeight::new(&t)?;
+                    t
+                }
                 Slot::Embedding => {
+                    let t = t.to_dtype(matrix)?;
                     if tied {
                         self.lm_head = LinearWeight::new(&t)?;
                     }
                     self.embed = t.clone();
+                    t
                 }
-            }
+            };
             self.param_hashes.0.insert(hash_name, tensor_hash(&t)?);
         }
         Ok(self.param_hashes.combined())

@@ -143,6 +143,23 @@ impl Checkpoint {
         };
         let tensor = Tensor::from_raw_buffer(view.data(), src_dtype, shape, &Device::Cpu)
             .map_err(|e| bad(format!("cannot convert: {e}")))?;
+        // The tensor is a copy now: drop the file's pages from this process's mapping, so a
+        // checkpoint near the size of memory is not counted twice (held copy + mapped file)
+        // while loading. Advice only; a failure changes nothing.
+        #[cfg(unix)]
+        {
+            let offset = view.data().as_ptr() as usize - mmap.as_ptr() as usize;
+            // SAFETY: the mapping is read-only and file-backed, so dropping its pages loses
+            // nothing (a later read faults them in again from the file), and no reference into
+            // this range outlives this call except through `mmap` itself.
+            let _ = unsafe {
+                mmap.unchecked_advise_range(
+                    memmap2::UncheckedAdvice::DontNeed,
+                    offset,
+                    view.data().len(),
+                )
+            };
+        }
         Ok(tensor.to_dtype(dtype)?.to_device(device)?)
     }
 }

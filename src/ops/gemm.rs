@@ -86,26 +86,65 @@ impl PackedWeight {
     pub fn n(&self) -> usize {
         self.n
     }
+}
 
-    fn panel(&self, p: usize) -> &[f32] {
-        &self.data[p * self.k * NR..(p + 1) * self.k * NR]
+/// A weight packed into column panels of [`NR`] columns, k-major: what the microkernel walks.
+/// f32 panels ([`PackedWeight`]) and bf16 panels (`gemm_bf16::PackedWeightBf16`) share the
+/// kernel; only how one k step of a panel is stored, and widened to NR f32 values, differs. The
+/// widening is exact, so the arithmetic (one FMA per k, in order) is the same for both.
+pub(super) trait Panels: Sync {
+    /// One k step of a panel (NR weights) as stored.
+    type Step: Copy;
+    /// Inner dimension K.
+    fn k(&self) -> usize;
+    /// Output columns N.
+    fn n(&self) -> usize;
+    /// Panel `p`'s K steps.
+    fn panel(&self, p: usize) -> &[Self::Step];
+    /// The NR f32 weights of a step, column order.
+    fn widen(step: &Self::Step) -> [f32; NR];
+    /// The candle op's name.
+    const OP_NAME: &'static str;
+}
+
+impl Panels for PackedWeight {
+    type Step = [f32; NR];
+    const OP_NAME: &'static str = "detspec-packed-matmul";
+
+    fn k(&self) -> usize {
+        self.k
+    }
+
+    fn n(&self) -> usize {
+        self.n
+    }
+
+    fn panel(&self, p: usize) -> &[[f32; NR]] {
+        self.data[p * self.k * NR..(p + 1) * self.k * NR]
+            .as_chunks::<NR>()
+            .0
+    }
+
+    #[inline(always)]
+    fn widen(step: &[f32; NR]) -> [f32; NR] {
+        *step
     }
 }
 
 /// `R` rows of A (row stride `lda`, `k` columns) times one packed panel: the R × NR block.
 ///
 /// # Safety
-/// `a` must address `R` rows of `k` readable floats at stride `lda`; `panel` holds `k * NR`.
+/// `a` must address `R` rows of `k` readable floats at stride `lda`; `panel` holds `k` steps.
 #[inline(always)]
-unsafe fn microkernel<const R: usize>(
+unsafe fn microkernel<W: Panels, const R: usize>(
     a: *const f32,
     lda: usize,
-    panel: &[f32],
+    panel: &[W::Step],
     k: usize,
 ) -> [[f32; NR]; R] {
     let mut acc = [[0f32; NR]; R];
-    let (bks, _) = panel.as_chunks::<NR>();
-    for (kk, bk) in bks.iter().enumerate().take(k) {
+    for (kk, step) in panel.iter().enumerate().take(k) {
+        let bk = W::widen(step);
         for (r, acc_r) in acc.iter_mut().enumerate() {
             // SAFETY: r < R and kk < k, inside the rows the caller vouches for.
             let av = unsafe { *a.add(r * lda + kk) };
@@ -123,8 +162,8 @@ unsafe fn microkernel<const R: usize>(
 /// `out` must address `m × n` writable floats that no other thread writes in this panel's
 /// columns; `a` holds `m × k` floats.
 #[inline(always)]
-unsafe fn panel_rows(a: &[f32], m: usize, w: &PackedWeight, p: usize, out: *mut f32) {
-    let (k, n) = (w.k, w.n);
+unsafe fn panel_rows<W: Panels>(a: &[f32], m: usize, w: &W, p: usize, out: *mut f32) {
+    let (k, n) = (w.k(), w.n());
     let panel = w.panel(p);
     let c0 = p * NR;
     let width = NR.min(n - c0);
@@ -135,7 +174,7 @@ unsafe fn panel_rows(a: &[f32], m: usize, w: &PackedWeight, p: usize, out: *mut 
         macro_rules! block {
             ($r:literal) => {{
                 // SAFETY: rows r0..r0+$r of `a` exist (m × k floats).
-                let acc = unsafe { microkernel::<$r>(a_ptr, k, panel, k) };
+                let acc = unsafe { microkernel::<W, $r>(a_ptr, k, panel, k) };
                 for (r, acc_r) in acc.iter().enumerate() {
                     // SAFETY: row r0 + r < m, columns c0..c0+width < n; exclusive per panel
                     // (raw writes: the buffer may be uninitialised).
@@ -165,14 +204,14 @@ unsafe fn panel_rows(a: &[f32], m: usize, w: &PackedWeight, p: usize, out: *mut 
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx2,fma")]
-unsafe fn panel_rows_avx512(a: &[f32], m: usize, w: &PackedWeight, p: usize, out: *mut f32) {
+unsafe fn panel_rows_avx512<W: Panels>(a: &[f32], m: usize, w: &W, p: usize, out: *mut f32) {
     // SAFETY: forwarded from the caller.
     unsafe { panel_rows(a, m, w, p, out) }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn panel_rows_avx2(a: &[f32], m: usize, w: &PackedWeight, p: usize, out: *mut f32) {
+unsafe fn panel_rows_avx2<W: Panels>(a: &[f32], m: usize, w: &W, p: usize, out: *mut f32) {
     // SAFETY: forwarded from the caller.
     unsafe { panel_rows(a, m, w, p, out) }
 }
@@ -198,17 +237,27 @@ pub fn packed_matmul_with(
     w: &PackedWeight,
     isa: CpuIsa,
 ) -> candle_core::Result<Vec<f32>> {
-    if a.len() != m * w.k {
+    matmul_panels(a, m, w, isa)
+}
+
+/// `a[m, k] @ w` for any panel storage: the one driver of the f32 and bf16 GEMMs.
+pub(super) fn matmul_panels<W: Panels>(
+    a: &[f32],
+    m: usize,
+    w: &W,
+    isa: CpuIsa,
+) -> candle_core::Result<Vec<f32>> {
+    let (k, n) = (w.k(), w.n());
+    if a.len() != m * k {
         bail!(
-            "packed matmul: input has {} values, expected [{m}, {}]",
-            a.len(),
-            w.k
+            "packed matmul: input has {} values, expected [{m}, {k}]",
+            a.len()
         );
     }
     // Every element is written below, once: no zeroing first.
-    let mut out: Vec<f32> = Vec::with_capacity(m * w.n);
+    let mut out: Vec<f32> = Vec::with_capacity(m * n);
     let ptr = OutPtr(out.as_mut_ptr());
-    let panels = w.n.div_ceil(NR);
+    let panels = n.div_ceil(NR);
     // Tasks are (row block, panel), row-block-major: a block of ROW_BLOCK rows of A stays in
     // L2 while the panels stream past it (without this a prefill of thousands of rows re-read
     // all of A once per panel), and rayon's halving split hands each thread whole runs of one
@@ -216,11 +265,11 @@ pub fn packed_matmul_with(
     let run = |t: usize| {
         let (r0, p) = ((t / panels) * ROW_BLOCK, t % panels);
         let rows = ROW_BLOCK.min(m - r0);
-        let a_block = &a[r0 * w.k..(r0 + rows) * w.k];
+        let a_block = &a[r0 * k..(r0 + rows) * k];
         // SAFETY: `out` has room for m × n and rows r0..r0+rows of panel p are written by
         // this task only; the instruction set is one this CPU has.
         unsafe {
-            let out = ptr.get().add(r0 * w.n);
+            let out = ptr.get().add(r0 * n);
             match isa {
                 #[cfg(target_arch = "x86_64")]
                 CpuIsa::Avx512 => panel_rows_avx512(a_block, rows, w, p, out),
@@ -232,13 +281,13 @@ pub fn packed_matmul_with(
     };
     let tasks = m.div_ceil(ROW_BLOCK) * panels;
     // Small products are not worth waking other threads for.
-    if m * w.k * w.n < 1 << 16 {
+    if m * k * n < 1 << 16 {
         (0..tasks).for_each(run);
     } else {
         (0..tasks).into_par_iter().for_each(run);
     }
     // SAFETY: the tasks wrote every row of every panel's columns, i.e. all m × n values.
-    unsafe { out.set_len(m * w.n) };
+    unsafe { out.set_len(m * n) };
     Ok(out)
 }
 
@@ -247,27 +296,26 @@ pub fn packed_matmul(a: &[f32], m: usize, w: &PackedWeight) -> candle_core::Resu
     packed_matmul_with(a, m, w, CpuIsa::detect())
 }
 
-struct PackedMatmul(Arc<PackedWeight>);
+/// The packed GEMM as a candle op, for any panel storage.
+pub(super) struct PackedMatmul<W>(pub(super) Arc<W>);
 
-impl CustomOp1 for PackedMatmul {
+impl<W: Panels + Send + 'static> CustomOp1 for PackedMatmul<W> {
     fn name(&self) -> &'static str {
-        "detspec-packed-matmul"
+        W::OP_NAME
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
         let x = contiguous_f32(s, l, "matmul input")?;
+        let (wk, wn) = (self.0.k(), self.0.n());
         let (m, k) = match l.dims() {
             [m, k] => (*m, *k),
-            dims => bail!("matmul: input must be [rows, {}], got {dims:?}", self.0.k),
+            dims => bail!("matmul: input must be [rows, {wk}], got {dims:?}"),
         };
-        if k != self.0.k {
-            bail!(
-                "matmul: input has {k} columns, weight has {} rows",
-                self.0.k
-            );
+        if k != wk {
+            bail!("matmul: input has {k} columns, weight has {wk} rows");
         }
-        let out = packed_matmul(x, m, &self.0)?;
-        Ok((CpuStorage::F32(out), Shape::from((m, self.0.n))))
+        let out = matmul_panels(x, m, self.0.as_ref(), CpuIsa::detect())?;
+        Ok((CpuStorage::F32(out), Shape::from((m, wn))))
     }
 }
 
