@@ -42,9 +42,10 @@ def bandwidth_one_thread(gib: float = 1.0, reps: int = 5) -> float:
 
 
 def bandwidth_two_processes() -> float:
+    here = str(Path(__file__).parent)
     code = (
-        "import sys; sys.path.insert(0, %r); import big_model; "
-        "print(big_model.bandwidth_one_thread())" % str(Path(__file__).parent)
+        f"import sys; sys.path.insert(0, {here!r}); import big_model; "
+        "print(big_model.bandwidth_one_thread())"
     )
     procs = [
         subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
@@ -87,8 +88,11 @@ def main() -> None:
     if not args.skip_bandwidth:
         res["bandwidth_1t_GBps"] = bandwidth_one_thread() / 1e9
         res["bandwidth_2p_GBps"] = bandwidth_two_processes() / 1e9
-        print(f"bandwidth {res['bandwidth_1t_GBps']:.1f} GB/s (1 thread), "
-              f"{res['bandwidth_2p_GBps']:.1f} GB/s (2 processes)", flush=True)
+        print(
+            f"bandwidth {res['bandwidth_1t_GBps']:.1f} GB/s (1 thread), "
+            f"{res['bandwidth_2p_GBps']:.1f} GB/s (2 processes)",
+            flush=True,
+        )
     cfg = json.loads((args.model / "config.json").read_text())
     t = time.perf_counter()
     llm = LLM(
@@ -102,8 +106,11 @@ def main() -> None:
     res["peak_rss_after_load_GiB"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     res["rss_after_load_GiB"] = rss_now() / 2**30
     res["fingerprint"] = llm.fingerprint
-    print(f"load {res['load_s']:.1f} s, peak RSS {res['peak_rss_after_load_GiB']:.2f} GiB, "
-          f"RSS {res['rss_after_load_GiB']:.2f} GiB, load avg {os.getloadavg()[0]:.2f}", flush=True)
+    print(
+        f"load {res['load_s']:.1f} s, peak RSS {res['peak_rss_after_load_GiB']:.2f} GiB, "
+        f"RSS {res['rss_after_load_GiB']:.2f} GiB, load avg {os.getloadavg()[0]:.2f}",
+        flush=True,
+    )
 
     rng = np.random.default_rng(0)
     vocab = cfg["vocab_size"]
@@ -128,9 +135,12 @@ def main() -> None:
         bound = res["bandwidth_2p_GBps"] * 1e9 / res["weight_bytes_per_token"]
         res["b1_bound_tok_s"] = bound
         res["b1_fraction_of_bound"] = res["b1_decode_tok_s"] / bound
-    print(f"batch 1: decode {res['b1_decode_tok_s']:.2f} tok/s "
-          f"(bound {res.get('b1_bound_tok_s', float('nan')):.2f}), prefill of 32 "
-          f"{t_prefill:.1f} s, load avg {res['b1_load']:.2f}", flush=True)
+    print(
+        f"batch 1: decode {res['b1_decode_tok_s']:.2f} tok/s "
+        f"(bound {res.get('b1_bound_tok_s', float('nan')):.2f}), prefill of 32 "
+        f"{t_prefill:.1f} s, load avg {res['b1_load']:.2f}",
+        flush=True,
+    )
 
     prompts = [[int(x) for x in rng.integers(3, vocab - 1, 32)] for _ in range(args.batch)]
     t = time.perf_counter()
@@ -142,9 +152,12 @@ def main() -> None:
     res["bN_s"] = dt
     res["bN_load"] = os.getloadavg()[0]
     res["peak_rss_end_GiB"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    print(f"batch {args.batch}: {res['bN_tok_s']:.2f} output tok/s over {dt:.1f} s "
-          f"(32-token prompts, {args.tokens} tokens each, prefill included), "
-          f"peak RSS {res['peak_rss_end_GiB']:.2f} GiB, load avg {res['bN_load']:.2f}", flush=True)
+    print(
+        f"batch {args.batch}: {res['bN_tok_s']:.2f} output tok/s over {dt:.1f} s "
+        f"(32-token prompts, {args.tokens} tokens each, prefill included), "
+        f"peak RSS {res['peak_rss_end_GiB']:.2f} GiB, load avg {res['bN_load']:.2f}",
+        flush=True,
+    )
     if args.out:
         args.out.write_text(json.dumps(res, indent=1))
 

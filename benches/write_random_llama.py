@@ -131,7 +131,11 @@ def write_streaming(args: argparse.Namespace) -> None:
         offset = 0
         for name, shape in shard:
             nbytes = int(np.prod(shape)) * itemsize
-            header[name] = {"dtype": st_dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            header[name] = {
+                "dtype": st_dtype,
+                "shape": list(shape),
+                "data_offsets": [offset, offset + nbytes],
+            }
             offset += nbytes
             weight_map[name] = fname
         hb = json.dumps(header, separators=(",", ":")).encode()
@@ -139,7 +143,7 @@ def write_streaming(args: argparse.Namespace) -> None:
         with open(args.out / fname, "wb") as f:
             f.write(struct.pack("<Q", len(hb)))
             f.write(hb)
-            for name, shape in shard:
+            for _name, shape in shard:
                 n = int(np.prod(shape))
                 chunk = 1 << 24
                 for start in range(0, n, chunk):

@@ -13,8 +13,9 @@ import pytest
 from tokenizers import Tokenizer
 
 # isort: split
-import detspec
 from conftest import hf_greedy
+
+import detspec
 from detspec import SamplingParams
 
 NEW_TOKENS = 32
@@ -246,7 +247,8 @@ BF16_REPORT_ENV = "DETSPEC_BF16_PARITY_OUT"
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    pairs = enumerate(zip(a, b, strict=False))
+    return next((i for i, (x, y) in pairs if x != y), min(len(a), len(b)))
 
 
 def test_bf16_parity_against_transformers_in_bf16(arch_case, llm_factory, token_prompts):
@@ -289,7 +291,18 @@ def test_bf16_parity_against_transformers_in_bf16(arch_case, llm_factory, token_
                     "max_logprob_diff": float(diff.max()) if n else None,
                 }
             )
-    summary = {"arch": arch_case.name}
+    # How far transformers' own bf16 is from its f32 on these models (context for the above).
+    hf_vs_hf = [
+        common_prefix(hf_greedy(ref_model, p, NEW_TOKENS).tokens, arch_case.greedy(p).tokens)
+        for p in token_prompts
+    ]
+    summary = {
+        "arch": arch_case.name,
+        "hf_bf16_vs_hf_f32": {
+            "identical": sum(n == NEW_TOKENS for n in hf_vs_hf),
+            "mean_common_prefix": float(np.mean(hf_vs_hf)),
+        },
+    }
     for label in ("hf_bf16", "hf_f32"):
         rs = [r for r in rows if r["ref"] == label]
         diffs = [r["max_logprob_diff"] for r in rs if r["max_logprob_diff"] is not None]
