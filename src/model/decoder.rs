@@ -93,16 +93,13 @@ impl Linear {
         out_dim: usize,
         bias: bool,
     ) -> Result<Self> {
-        let w = ld.load_matrix(&format!("{prefix}.weight"), &[out_dim, in_dim])?;
+        let weight = ld.load_linear(&format!("{prefix}.weight"), out_dim, in_dim)?;
         let bias = if bias {
             Some(ld.load(&format!("{prefix}.bias"), &[out_dim])?)
         } else {
             None
         };
-        Ok(Self {
-            weight: LinearWeight::new(&w)?,
-            bias,
-        })
+        Ok(Self { weight, bias })
     }
 }
 
@@ -196,14 +193,14 @@ impl Model {
         }
         let norm = ld.load("model.norm.weight", &[hs])?;
         let lm_head = if cfg.tie_word_embeddings {
-            embed.clone()
+            LinearWeight::new(&embed)?
         } else {
-            ld.load_matrix("lm_head.weight", &[cfg.vocab_size, hs])?
+            ld.load_linear("lm_head.weight", cfg.vocab_size, hs)?
         };
         let (cos, sin) = rope_tables(&cfg, device)?;
         Ok(Self {
             param_hashes: ld.into_hashes(),
-            lm_head: LinearWeight::new(&lm_head)?,
+            lm_head,
             cfg,
             embed,
             layers,

@@ -4,13 +4,14 @@
 
 use std::cell::RefCell;
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 use xxhash_rust::xxh3::{xxh3_64, Xxh3};
 
 use crate::config::ModelConfig;
 use crate::error::{DetspecError, Result};
-use crate::ops::{bf16_to_f32, with_bf16_bits, with_f32_values};
+use crate::ops::{bf16_to_f32, with_bf16_bits, with_f32_values, PackedWeightBf16};
 
 use super::decoder::{LinearWeight, Model};
 use super::Checkpoint;
@@ -58,21 +59,23 @@ pub fn param_shapes(cfg: &ModelConfig) -> BTreeMap<String, Vec<usize>> {
 /// bf16 values are widened a chunk at a time (the same digest as one call over all of them),
 /// so hashing a large bf16 matrix allocates no f32 copy of it.
 pub fn tensor_hash(t: &Tensor) -> Result<u64> {
-    let bf16 = with_bf16_bits(t, |bits| {
-        let mut h = Xxh3::new();
-        let mut buf = [0f32; 4096];
-        for chunk in bits.chunks(buf.len()) {
-            for (d, &b) in buf.iter_mut().zip(chunk) {
-                *d = bf16_to_f32(b);
-            }
-            h.update(bytemuck::cast_slice(&buf[..chunk.len()]));
-        }
-        h.digest()
-    })?;
-    match bf16 {
+    match with_bf16_bits(t, bf16_hash)? {
         Some(h) => Ok(h),
         None => Ok(with_f32_values(t, |v| xxh3_64(bytemuck::cast_slice(v)))?),
     }
+}
+
+/// [`tensor_hash`] of bf16 values given as bits.
+fn bf16_hash(bits: &[u16]) -> u64 {
+    let mut h = Xxh3::new();
+    let mut buf = [0f32; 4096];
+    for chunk in bits.chunks(buf.len()) {
+        for (d, &b) in buf.iter_mut().zip(chunk) {
+            *d = bf16_to_f32(b);
+        }
+        h.update(bytemuck::cast_slice(&buf[..chunk.len()]));
+    }
+    h.digest()
 }
 
 /// Content hash of each parameter, by HF name (the tied LM head is the embedding's entry).
@@ -128,6 +131,44 @@ impl<'a> WeightLoader<'a> {
     /// A matrix (linear weight, embedding), in the weights' dtype.
     pub(super) fn load_matrix(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
         self.load_as(name, shape, self.dtype)
+    }
+
+    /// A linear layer's `[out, in]` weight in the form the device's GEMM wants. A bf16 weight
+    /// of a bf16 checkpoint on the CPU is packed straight from the mapped file (no copy of the
+    /// matrix is made on the way).
+    pub(super) fn load_linear(
+        &self,
+        name: &str,
+        out_dim: usize,
+        in_dim: usize,
+    ) -> Result<LinearWeight> {
+        if self.device.is_cpu() && self.dtype == DType::BF16 && cfg!(target_endian = "little") {
+            let packed = self
+                .ck
+                .with_raw(name, &[out_dim, in_dim], |src, bytes, _| {
+                    if src != DType::BF16 {
+                        return Ok(None);
+                    }
+                    let owned: Vec<u16>;
+                    let bits: &[u16] = match bytemuck::try_cast_slice(bytes) {
+                        Ok(bits) => bits,
+                        Err(_) => {
+                            owned = bytes
+                                .chunks_exact(2)
+                                .map(|b| u16::from_le_bytes([b[0], b[1]]))
+                                .collect();
+                            &owned
+                        }
+                    };
+                    let packed = PackedWeightBf16::from_transposed_bits(bits, out_dim, in_dim)?;
+                    Ok::<_, DetspecError>(Some((packed, bf16_hash(bits))))
+                })??;
+            if let Some((packed, hash)) = packed {
+                self.hashes.borrow_mut().0.insert(name.to_string(), hash);
+                return Ok(LinearWeight::PackedBf16(Arc::new(packed)));
+            }
+        }
+        LinearWeight::new(&self.load_matrix(name, &[out_dim, in_dim])?)
     }
 
     fn load_as(&self, name: &str, shape: &[usize], dtype: DType) -> Result<Tensor> {
