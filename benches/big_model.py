@@ -13,7 +13,8 @@ best of 5, one thread; and 2 threads via two processes); (2) ``LLM(model, dtype=
 greedy tokens, decode tok/s = (tokens - 1) / (time of the full generate - time of a 1-token
 generate of the same prompt); bound = bandwidth / bytes of weights read per token (every
 linear layer and the LM head; one embedding row); (4) batch 16: 16 prompts, total output
-tok/s of the generate. Load average recorded with every number.
+tok/s of the generate, and decode tok/s = 16 (tokens - 1) / (its time - a 1-token
+generate's). Load average recorded with every number.
 """
 
 from __future__ import annotations
@@ -144,8 +145,12 @@ def main() -> None:
 
     prompts = [[int(x) for x in rng.integers(3, vocab - 1, 32)] for _ in range(args.batch)]
     t = time.perf_counter()
+    llm.generate(prompts, one, use_tqdm=False)
+    res["bN_prefill_s"] = time.perf_counter() - t
+    t = time.perf_counter()
     outs = llm.generate(prompts, full, use_tqdm=False)
     dt = time.perf_counter() - t
+    res["bN_decode_tok_s"] = args.batch * (args.tokens - 1) / (dt - res["bN_prefill_s"])
     toks = sum(len(o.outputs[0].token_ids) for o in outs)
     res["batch"] = args.batch
     res["bN_tok_s"] = toks / dt
@@ -154,7 +159,8 @@ def main() -> None:
     res["peak_rss_end_GiB"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     print(
         f"batch {args.batch}: {res['bN_tok_s']:.2f} output tok/s over {dt:.1f} s "
-        f"(32-token prompts, {args.tokens} tokens each, prefill included), "
+        f"(32-token prompts, {args.tokens} tokens each, prefill included; prefill alone "
+        f"{res['bN_prefill_s']:.1f} s, decode {res['bN_decode_tok_s']:.2f} tok/s), "
         f"peak RSS {res['peak_rss_end_GiB']:.2f} GiB, load avg {res['bN_load']:.2f}",
         flush=True,
     )
