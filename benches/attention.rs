@@ -1,12 +1,13 @@
 //! Paged attention at the bench model's shapes (8 query heads, 4 KV heads, head_dim 64, 16-slot
 //! pages scattered over the pool): decode of 1 / 16 / 64 sequences at 160 keys, and a prefill of
-//! 4 × 128 rows (the offline benchmark's chunked prefill).
+//! 4 × 128 rows (the offline benchmark's chunked prefill); decode also with a bf16 KV cache
+//! (`fixed_bf16`: half the bytes, widened as loaded).
 //!
 //! `cargo bench --bench attention`
 
 use std::sync::Arc;
 
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use detspec::ops::{paged_attention, AttentionMetadata, AttentionSchedule};
 
@@ -86,6 +87,14 @@ fn attention(c: &mut Criterion) {
         });
         let s = setup(seqs, ctx, 1, AttentionSchedule::Fixed);
         g.bench_with_input(BenchmarkId::new("fixed", seqs), &seqs, |b, _| {
+            b.iter(|| run(&s))
+        });
+        let s = Setup {
+            k: s.k.to_dtype(DType::BF16).expect("k bf16"),
+            v: s.v.to_dtype(DType::BF16).expect("v bf16"),
+            ..s
+        };
+        g.bench_with_input(BenchmarkId::new("fixed_bf16", seqs), &seqs, |b, _| {
             b.iter(|| run(&s))
         });
     }

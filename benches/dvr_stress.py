@@ -112,6 +112,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=300.0,
         help="seconds; a scenario still running then is cut and the completed ones compared",
     )
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="weights and KV cache (bfloat16: the demo model rounded at load, bf16 KV cache)",
+    )
     p.add_argument("--out", type=Path, default=None, help="write the summary as JSON here")
     return p.parse_args(argv)
 
@@ -204,6 +210,7 @@ def engine_kwargs(args: argparse.Namespace, **over) -> dict:
         "verify_group": args.verify_group,
         "verify_strategy": args.verify_strategy,
         "kernel_profile": args.kernel_profile,
+        "dtype": args.dtype,
     }
     kw.update(over)
     return kw

@@ -1,5 +1,6 @@
-//! The linear layers' GEMM: detspec's packed, fixed-order kernel against candle's CPU matmul,
-//! at the bench model's shapes (`DemoModelSpec::bench`) and decode batch sizes 1 / 16 / 64.
+//! The linear layers' GEMM: detspec's packed, fixed-order kernel (f32 weights, and bf16 weights
+//! widened in registers) against candle's CPU matmul, at the bench model's shapes
+//! (`DemoModelSpec::bench`) and decode batch sizes 1 / 16 / 64.
 //!
 //! `cargo bench --bench gemm`
 
@@ -7,7 +8,7 @@ use std::sync::Arc;
 
 use candle_core::{Device, Tensor};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use detspec::ops::{matmul_packed, PackedWeight};
+use detspec::ops::{bf16_bits, matmul_packed, matmul_packed_bf16, PackedWeight, PackedWeightBf16};
 
 /// (K, N) of the bench model's linear layers: q/o, k/v, gate/up, down, lm_head.
 const SHAPES: &[(usize, usize)] = &[
@@ -33,6 +34,8 @@ fn gemm(c: &mut Criterion) {
         let w = values(k * n, 7);
         let wt = Tensor::from_vec(w.clone(), (k, n), &dev).expect("weight");
         let packed = Arc::new(PackedWeight::from_row_major(&w, k, n).expect("pack"));
+        let bits: Vec<u16> = w.iter().map(|&x| bf16_bits(x)).collect();
+        let packed16 = Arc::new(PackedWeightBf16::from_row_major_bits(&bits, k, n).expect("pack"));
         let mut g = c.benchmark_group(format!("gemm_k{k}_n{n}"));
         g.sample_size(20);
         for m in [1usize, 16, 64, 1024] {
@@ -40,6 +43,9 @@ fn gemm(c: &mut Criterion) {
             g.throughput(Throughput::Elements((2 * m * k * n) as u64));
             g.bench_with_input(BenchmarkId::new("packed", m), &m, |b, _| {
                 b.iter(|| matmul_packed(&x, &packed).expect("packed"))
+            });
+            g.bench_with_input(BenchmarkId::new("packed_bf16", m), &m, |b, _| {
+                b.iter(|| matmul_packed_bf16(&x, &packed16).expect("packed bf16"))
             });
             g.bench_with_input(BenchmarkId::new("candle", m), &m, |b, _| {
                 b.iter(|| x.matmul(&wt).expect("candle"))

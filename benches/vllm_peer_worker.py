@@ -6,7 +6,8 @@ Not meant to be run by hand, but it can be:
 
 ``JOB.json`` holds ``{"model": DIR, "max_tokens": 64, "warmup_tokens": 8, "max_model_len": 512,
 "batches": [{"batch": B, "warmup": [[ids...], ...], "timed": [[ids...], ...]}, ...]}``. The
-worker starts one vLLM ``LLM`` (float32, no tokenizer, prefix caching off, seed 0), and for each
+worker starts one vLLM ``LLM`` (the job's ``dtype``, float32 by default; no tokenizer, prefix
+caching off, seed 0), and for each
 batch runs a warm-up ``generate`` on the ``warmup`` prompts and then a timed ``generate`` on the
 ``timed`` prompts (greedy, ``ignore_eos``). It writes ``RESULT.json``: the engine's start-up
 time, and per batch the elapsed wall seconds of the timed call, the number of output tokens, the
@@ -42,7 +43,7 @@ def main(argv: list[str]) -> int:
     t0 = time.perf_counter()
     llm = LLM(
         model=job["model"],
-        dtype="float32",
+        dtype=job.get("dtype", "float32"),
         skip_tokenizer_init=True,
         max_model_len=int(job["max_model_len"]),
         seed=0,

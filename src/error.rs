@@ -48,6 +48,16 @@ pub enum DetspecError {
         message: String,
     },
 
+    /// The model (weights and KV cache as configured) does not fit in the memory available;
+    /// raised before anything is allocated.
+    #[error("{path} needs {} of memory ({detail}), but {} is available", gib(*needed), gib(*available))]
+    OutOfMemory {
+        path: PathBuf,
+        needed: u64,
+        available: u64,
+        detail: String,
+    },
+
     /// A sampling or engine parameter is out of range.
     #[error("invalid parameter `{name}`: {message}")]
     InvalidParameter { name: String, message: String },
@@ -105,6 +115,11 @@ impl DetspecError {
             source,
         }
     }
+}
+
+/// Bytes as GiB with one decimal, for messages.
+pub fn gib(bytes: u64) -> String {
+    format!("{:.1} GiB", bytes as f64 / (1u64 << 30) as f64)
 }
 
 /// Crate-wide result alias.

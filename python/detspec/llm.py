@@ -114,6 +114,7 @@ class _EngineClient:
         *,
         device: str = "cpu",
         dtype: str = "auto",
+        kv_cache_dtype: str = "auto",
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 512,
         num_kv_pages: int | None = None,

@@ -5,11 +5,13 @@ use candle_core::DType;
 use super::DeviceSpec;
 use crate::error::{DetspecError, Result};
 
-/// The dtype of weights and KV cache (activations follow; accumulation is always f32).
+/// The dtype of weights and KV cache (on a GPU activations follow; on the CPU activations and
+/// accumulation are always f32, and bf16 weights are read by a bf16 GEMM).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum DTypeSpec {
-    /// f32 on the CPU (its kernels are f32); on a GPU the checkpoint's own dtype (`torch_dtype`):
-    /// bf16 or f16 checkpoints run in it, anything else in f32.
+    /// The checkpoint's own dtype (`torch_dtype`) where the device runs it: bf16 checkpoints run
+    /// in bf16 (CPU and GPU), f16 ones in f16 on a GPU; anything else in f32. As the KV cache's
+    /// dtype (`kv_cache_dtype`): the model's dtype.
     #[default]
     Auto,
     F32,
@@ -35,11 +37,14 @@ impl DTypeSpec {
     /// `torch_dtype`).
     pub fn resolve(self, device: DeviceSpec, checkpoint: Option<&str>) -> Result<DType> {
         match (self, device) {
-            (Self::Auto | Self::F32, _) if device == DeviceSpec::Cpu => Ok(DType::F32),
-            (Self::Bf16 | Self::F16, DeviceSpec::Cpu) => Err(DetspecError::param(
+            (Self::F16, DeviceSpec::Cpu) => Err(DetspecError::param(
                 "dtype",
-                "the CPU backend runs float32 only; bfloat16/float16 need a CUDA device",
+                "the CPU backend runs float32 and bfloat16; float16 needs a CUDA device",
             )),
+            (Self::Auto, DeviceSpec::Cpu) => Ok(match checkpoint {
+                Some("bfloat16") => DType::BF16,
+                _ => DType::F32,
+            }),
             (Self::Auto, _) => Ok(match checkpoint {
                 Some("bfloat16") => DType::BF16,
                 Some("float16") => DType::F16,
@@ -48,6 +53,33 @@ impl DTypeSpec {
             (Self::F32, _) => Ok(DType::F32),
             (Self::Bf16, _) => Ok(DType::BF16),
             (Self::F16, _) => Ok(DType::F16),
+        }
+    }
+
+    /// The KV cache's dtype (`kv_cache_dtype`) for a model running in `model`: `Auto` follows
+    /// the model. The CPU stores f32 or bf16 whatever the weights (attention reads either and
+    /// accumulates in f32); a GPU's kernels need the model's own dtype.
+    pub fn resolve_kv(self, device: DeviceSpec, model: DType) -> Result<DType> {
+        let kv = match self {
+            Self::Auto => return Ok(model),
+            Self::F32 => DType::F32,
+            Self::Bf16 => DType::BF16,
+            Self::F16 => DType::F16,
+        };
+        match device {
+            DeviceSpec::Cpu if kv == DType::F16 => Err(DetspecError::param(
+                "kv_cache_dtype",
+                "the CPU backend stores the KV cache in float32 or bfloat16",
+            )),
+            DeviceSpec::Cpu => Ok(kv),
+            _ if kv != model => Err(DetspecError::param(
+                "kv_cache_dtype",
+                format!(
+                    "on a GPU the KV cache is in the model's dtype ({}); use \"auto\"",
+                    model.as_str()
+                ),
+            )),
+            _ => Ok(kv),
         }
     }
 }
@@ -164,8 +196,10 @@ impl KernelProfile {
 pub struct EngineConfig {
     /// Where the engine runs (`cpu`, `cuda:N`).
     pub device: DeviceSpec,
-    /// Weights and KV-cache dtype.
+    /// Weights (and, by default, KV-cache) dtype.
     pub dtype: DTypeSpec,
+    /// KV-cache dtype; `Auto` follows the model's dtype.
+    pub kv_cache_dtype: DTypeSpec,
     /// Tokens per KV page.
     pub page_size: usize,
     /// Number of KV pages in the pool; `None` sizes the pool from `kv_cache_bytes`.
@@ -215,6 +249,7 @@ impl Default for EngineConfig {
         Self {
             device: DeviceSpec::Cpu,
             dtype: DTypeSpec::Auto,
+            kv_cache_dtype: DTypeSpec::Auto,
             page_size: 16,
             num_kv_pages: None,
             kv_cache_bytes: 1 << 30,

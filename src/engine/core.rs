@@ -141,6 +141,17 @@ impl EngineCore {
                 "selects the CPU GEMMs' profile; on a GPU the vendor library picks kernels by shape",
             ));
         }
+        let kv_dtype = cfg.kv_cache_dtype.resolve_kv(device_spec, dtype)?;
+        let kv_bytes = cfg.num_kv_pages.map_or(cfg.kv_cache_bytes, |n| {
+            n * KvPool::bytes_per_page(
+                model_cfg.num_hidden_layers,
+                cfg.page_size,
+                model_cfg.num_key_value_heads,
+                model_cfg.head_dim,
+                kv_dtype,
+            )
+        });
+        crate::model::check_fits(dir, &model_cfg, dtype, kv_bytes as u64, device)?;
         let model =
             Model::load(dir, model_cfg, device, dtype)?.with_kernel_profile(cfg.kernel_profile);
         let mc = model.config().clone();
@@ -149,7 +160,7 @@ impl EngineCore {
             cfg.page_size,
             mc.num_key_value_heads,
             mc.head_dim,
-            dtype,
+            kv_dtype,
         );
         let num_pages = cfg
             .num_kv_pages
@@ -160,7 +171,7 @@ impl EngineCore {
             cfg.page_size,
             mc.num_key_value_heads,
             mc.head_dim,
-            dtype,
+            kv_dtype,
             device,
         )?;
         let alloc = Arc::new(KvManager::new(
@@ -179,9 +190,15 @@ impl EngineCore {
         // the shape-dependent test profile stands in for a GPU's.
         let invariant_gemms = device.is_cpu() && cfg.kernel_profile == KernelProfile::Invariant;
         let policy = DeterminismPolicy::new(&cfg, invariant_gemms, mc.sliding_window, pad_page)?;
+        // The KV cache's dtype is named only where it differs from the weights'.
+        let dtypes = if kv_dtype == dtype {
+            dtype.as_str().to_string()
+        } else {
+            format!("{}-kv{}", dtype.as_str(), kv_dtype.as_str())
+        };
         let fingerprint_tail = fingerprint::tail(
             model_digest,
-            dtype.as_str(),
+            &dtypes,
             &device_label(device),
             cfg.kernel_profile,
             policy.label(),

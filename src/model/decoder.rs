@@ -12,7 +12,10 @@ use candle_core::{DType, Device, Tensor};
 use crate::config::{KernelProfile, ModelConfig};
 use crate::error::{DetspecError, Result};
 use crate::kv::KvPool;
-use crate::ops::{self, invariant_matmul, matmul_packed_profiled, AttentionMetadata, PackedWeight};
+use crate::ops::{
+    self, invariant_matmul, matmul_packed_bf16_profiled, matmul_packed_profiled, AttentionMetadata,
+    PackedWeight, PackedWeightBf16,
+};
 
 use super::params::{ParamHashes, WeightLoader};
 use super::Checkpoint;
@@ -45,6 +48,8 @@ pub(super) struct Linear {
 pub(super) enum LinearWeight {
     /// CPU: packed once for the fixed-order GEMM (`ops::gemm`), invariant to the batch.
     Packed(Arc<PackedWeight>),
+    /// CPU, bf16 weights: packed in bf16 for the same GEMM (`ops::gemm_bf16`; f32 activations).
+    PackedBf16(Arc<PackedWeightBf16>),
     /// Other devices: `[in, out]`, transposed and contiguous once at load.
     Dense(Tensor),
 }
@@ -54,6 +59,11 @@ impl LinearWeight {
     pub(super) fn new(w: &Tensor) -> Result<Self> {
         if w.device().is_cpu() {
             let (out_dim, in_dim) = w.dims2()?;
+            if let Some(packed) = ops::with_bf16_bits(w, |bits| {
+                PackedWeightBf16::from_transposed_bits(bits, out_dim, in_dim)
+            })? {
+                return Ok(Self::PackedBf16(Arc::new(packed?)));
+            }
             let packed = ops::with_f32_values(w, |data| {
                 PackedWeight::from_transposed(data, out_dim, in_dim)
             })??;
@@ -66,6 +76,7 @@ impl LinearWeight {
     fn matmul(&self, x: &Tensor, gemm: GemmOptions) -> candle_core::Result<Tensor> {
         match self {
             Self::Packed(w) => matmul_packed_profiled(x, w, gemm.profile, gemm.invariant),
+            Self::PackedBf16(w) => matmul_packed_bf16_profiled(x, w, gemm.profile, gemm.invariant),
             Self::Dense(w) if gemm.invariant => invariant_matmul(x, w),
             Self::Dense(w) => x.matmul(w),
         }
@@ -90,16 +101,13 @@ impl Linear {
         out_dim: usize,
         bias: bool,
     ) -> Result<Self> {
-        let w = ld.load(&format!("{prefix}.weight"), &[out_dim, in_dim])?;
+        let weight = ld.load_linear(&format!("{prefix}.weight"), out_dim, in_dim)?;
         let bias = if bias {
             Some(ld.load(&format!("{prefix}.bias"), &[out_dim])?)
         } else {
             None
         };
-        Ok(Self {
-            weight: LinearWeight::new(&w)?,
-            bias,
-        })
+        Ok(Self { weight, bias })
     }
 }
 
@@ -140,10 +148,13 @@ pub struct Model {
     cos: Tensor,
     sin: Tensor,
     device: Device,
-    /// Weights and activations (f32 on the CPU; f32, bf16 or f16 on a GPU).
+    /// Weights (f32 or bf16 on the CPU; f32, bf16 or f16 on a GPU).
     dtype: DType,
     /// The CPU GEMMs' reduction-order promise.
     kernel_profile: KernelProfile,
+    /// Activations, norm weights and biases: f32 on the CPU (its bf16 GEMM reads bf16 weights
+    /// and accumulates in f32), `dtype` on a GPU.
+    act_dtype: DType,
     /// Content hash of every parameter's engine-side (f32) values, by HF name: the
     /// fingerprint follows the weights through updates, and restoring old weights restores it.
     pub(super) param_hashes: ParamHashes,
@@ -153,14 +164,15 @@ impl Model {
     /// Loads the weights of a Hugging Face model directory whose config is `cfg`, in `dtype`.
     pub fn load(dir: &Path, cfg: ModelConfig, device: &Device, dtype: DType) -> Result<Self> {
         let ck = Checkpoint::open(dir)?;
-        let ld = WeightLoader::new(&ck, device, dtype);
+        let act_dtype = if device.is_cpu() { DType::F32 } else { dtype };
+        let ld = WeightLoader::new(&ck, device, dtype, act_dtype);
         let (h, kvh, d) = (
             cfg.num_attention_heads,
             cfg.num_key_value_heads,
             cfg.head_dim,
         );
         let (hs, is) = (cfg.hidden_size, cfg.intermediate_size);
-        let embed = ld.load("model.embed_tokens.weight", &[cfg.vocab_size, hs])?;
+        let embed = ld.load_matrix("model.embed_tokens.weight", &[cfg.vocab_size, hs])?;
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for i in 0..cfg.num_hidden_layers {
             let p = format!("model.layers.{i}");
@@ -191,14 +203,14 @@ impl Model {
         }
         let norm = ld.load("model.norm.weight", &[hs])?;
         let lm_head = if cfg.tie_word_embeddings {
-            embed.clone()
+            LinearWeight::new(&embed)?
         } else {
-            ld.load("lm_head.weight", &[cfg.vocab_size, hs])?
+            ld.load_linear("lm_head.weight", cfg.vocab_size, hs)?
         };
         let (cos, sin) = rope_tables(&cfg, device)?;
         Ok(Self {
             param_hashes: ld.into_hashes(),
-            lm_head: LinearWeight::new(&lm_head)?,
+            lm_head,
             cfg,
             embed,
             layers,
@@ -208,6 +220,7 @@ impl Model {
             device: device.clone(),
             dtype,
             kernel_profile: KernelProfile::Invariant,
+            act_dtype,
         })
     }
 
@@ -225,8 +238,14 @@ impl Model {
         &self.device
     }
 
+    /// The weights' dtype.
     pub fn dtype(&self) -> DType {
         self.dtype
+    }
+
+    /// The activations' dtype (f32 on the CPU whatever the weights').
+    pub fn act_dtype(&self) -> DType {
+        self.act_dtype
     }
 
     /// Hash of every parameter's values as the engine holds them (f32), by name.
@@ -293,7 +312,7 @@ impl Model {
         let eps = cfg.rms_norm_eps;
 
         let inv = self.gemm_options(batch);
-        let mut x = self.embed.index_select(&ids, 0)?;
+        let mut x = self.embed.index_select(&ids, 0)?.to_dtype(self.act_dtype)?;
         for (li, layer) in self.layers.iter().enumerate() {
             let (k_cache, v_cache) = kv.layer(li).ok_or_else(|| {
                 DetspecError::param("num_layers", format!("KV pool has no layer {li}"))

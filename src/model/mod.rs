@@ -1,9 +1,11 @@
 //! Weight loading, the decoder forward pass, and parameters by name (weight updates).
 
 mod decoder;
+mod memory;
 mod params;
 mod weights;
 
 pub use decoder::{ForwardBatch, Model};
+pub use memory::{available_memory, check_fits, weight_bytes};
 pub use params::{check_update, param_shapes};
 pub use weights::Checkpoint;

@@ -4,13 +4,14 @@
 
 use std::cell::RefCell;
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 use xxhash_rust::xxh3::{xxh3_64, Xxh3};
 
 use crate::config::ModelConfig;
 use crate::error::{DetspecError, Result};
-use crate::ops::with_f32_values;
+use crate::ops::{bf16_to_f32, with_bf16_bits, with_f32_values, PackedWeightBf16};
 
 use super::decoder::{LinearWeight, Model};
 use super::Checkpoint;
@@ -55,8 +56,26 @@ pub fn param_shapes(cfg: &ModelConfig) -> BTreeMap<String, Vec<usize>> {
 }
 
 /// xxh3 of a tensor's values as f32 (exact for every engine dtype), as little-endian bytes.
+/// bf16 values are widened a chunk at a time (the same digest as one call over all of them),
+/// so hashing a large bf16 matrix allocates no f32 copy of it.
 pub fn tensor_hash(t: &Tensor) -> Result<u64> {
-    Ok(with_f32_values(t, |v| xxh3_64(bytemuck::cast_slice(v)))?)
+    match with_bf16_bits(t, bf16_hash)? {
+        Some(h) => Ok(h),
+        None => Ok(with_f32_values(t, |v| xxh3_64(bytemuck::cast_slice(v)))?),
+    }
+}
+
+/// [`tensor_hash`] of bf16 values given as bits.
+fn bf16_hash(bits: &[u16]) -> u64 {
+    let mut h = Xxh3::new();
+    let mut buf = [0f32; 4096];
+    for chunk in bits.chunks(buf.len()) {
+        for (d, &b) in buf.iter_mut().zip(chunk) {
+            *d = bf16_to_f32(b);
+        }
+        h.update(bytemuck::cast_slice(&buf[..chunk.len()]));
+    }
+    h.digest()
 }
 
 /// Content hash of each parameter, by HF name (the tied LM head is the embedding's entry).
@@ -80,22 +99,83 @@ impl ParamHashes {
 pub(super) struct WeightLoader<'a> {
     ck: &'a Checkpoint,
     device: &'a Device,
+    /// Matrices (linear layers, embedding).
     dtype: DType,
+    /// Vectors (norms, biases): the activations' dtype.
+    vector_dtype: DType,
     hashes: RefCell<ParamHashes>,
 }
 
 impl<'a> WeightLoader<'a> {
-    pub(super) fn new(ck: &'a Checkpoint, device: &'a Device, dtype: DType) -> Self {
+    pub(super) fn new(
+        ck: &'a Checkpoint,
+        device: &'a Device,
+        dtype: DType,
+        vector_dtype: DType,
+    ) -> Self {
         Self {
             ck,
             device,
             dtype,
+            vector_dtype,
             hashes: RefCell::default(),
         }
     }
 
+    /// A vector (norm weight, bias), rounded to the weights' dtype and held in the
+    /// activations' (so a float32 checkpoint run in bfloat16 is the bfloat16 checkpoint).
     pub(super) fn load(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
-        let t = self.ck.load(name, shape, self.dtype, self.device)?;
+        self.load_as(name, shape, self.vector_dtype)
+    }
+
+    /// A matrix (linear weight, embedding), in the weights' dtype.
+    pub(super) fn load_matrix(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        self.load_as(name, shape, self.dtype)
+    }
+
+    /// A linear layer's `[out, in]` weight in the form the device's GEMM wants. A bf16 weight
+    /// of a bf16 checkpoint on the CPU is packed straight from the mapped file (no copy of the
+    /// matrix is made on the way).
+    pub(super) fn load_linear(
+        &self,
+        name: &str,
+        out_dim: usize,
+        in_dim: usize,
+    ) -> Result<LinearWeight> {
+        if self.device.is_cpu() && self.dtype == DType::BF16 && cfg!(target_endian = "little") {
+            let packed = self
+                .ck
+                .with_raw(name, &[out_dim, in_dim], |src, bytes, _| {
+                    if src != DType::BF16 {
+                        return Ok(None);
+                    }
+                    let owned: Vec<u16>;
+                    let bits: &[u16] = match bytemuck::try_cast_slice(bytes) {
+                        Ok(bits) => bits,
+                        Err(_) => {
+                            owned = bytes
+                                .chunks_exact(2)
+                                .map(|b| u16::from_le_bytes([b[0], b[1]]))
+                                .collect();
+                            &owned
+                        }
+                    };
+                    let packed = PackedWeightBf16::from_transposed_bits(bits, out_dim, in_dim)?;
+                    Ok::<_, DetspecError>(Some((packed, bf16_hash(bits))))
+                })??;
+            if let Some((packed, hash)) = packed {
+                self.hashes.borrow_mut().0.insert(name.to_string(), hash);
+                return Ok(LinearWeight::PackedBf16(Arc::new(packed)));
+            }
+        }
+        LinearWeight::new(&self.load_matrix(name, &[out_dim, in_dim])?)
+    }
+
+    fn load_as(&self, name: &str, shape: &[usize], dtype: DType) -> Result<Tensor> {
+        let t = self
+            .ck
+            .load(name, shape, self.dtype, self.device)?
+            .to_dtype(dtype)?;
         let h = tensor_hash(&t)?;
         self.hashes.borrow_mut().0.insert(name.to_string(), h);
         Ok(t)
@@ -135,23 +215,39 @@ impl Model {
             if tied && name == "lm_head.weight" && sets_embedding {
                 continue;
             }
-            let t = t.to_dtype(self.dtype())?.to_device(&device)?;
+            let t = t.to_device(&device)?;
             let hash_name = if tied && name == "lm_head.weight" {
                 "model.embed_tokens.weight".to_string()
             } else {
                 name.clone()
             };
-            match self.slot(&hash_name).ok_or_else(|| unknown(&name))? {
-                Slot::Vector(v) => *v = t.clone(),
-                Slot::Bias(b) => *b = Some(t.clone()),
-                Slot::Linear(w) => *w = LinearWeight::new(&t)?,
+            // Matrices in the weights' dtype, vectors rounded to it and held in the activations'
+            // (they differ on the CPU with bf16 weights).
+            let (matrix, vector) = (self.dtype(), self.act_dtype());
+            let t = match self.slot(&hash_name).ok_or_else(|| unknown(&name))? {
+                Slot::Vector(v) => {
+                    *v = t.to_dtype(matrix)?.to_dtype(vector)?;
+                    v.clone()
+                }
+                Slot::Bias(b) => {
+                    let t = t.to_dtype(matrix)?.to_dtype(vector)?;
+                    *b = Some(t.clone());
+                    t
+                }
+                Slot::Linear(w) => {
+                    let t = t.to_dtype(matrix)?;
+                    *w = LinearWeight::new(&t)?;
+                    t
+                }
                 Slot::Embedding => {
+                    let t = t.to_dtype(matrix)?;
                     if tied {
                         self.lm_head = LinearWeight::new(&t)?;
                     }
                     self.embed = t.clone();
+                    t
                 }
-            }
+            };
             self.param_hashes.0.insert(hash_name, tensor_hash(&t)?);
         }
         Ok(self.param_hashes.combined())

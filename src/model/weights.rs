@@ -107,6 +107,24 @@ impl Checkpoint {
         dtype: DType,
         device: &Device,
     ) -> Result<Tensor> {
+        let tensor = self.with_raw(name, shape, |src_dtype, data, bad| {
+            Tensor::from_raw_buffer(data, src_dtype, shape, &Device::Cpu)
+                .map_err(|e| bad(format!("cannot convert: {e}")))
+        })??;
+        Ok(tensor.to_dtype(dtype)?.to_device(device)?)
+    }
+
+    /// Runs `f` on `name`'s bytes as stored (little-endian, in the mapped file: no copy) and
+    /// its dtype, after checking its shape; `f` also gets the constructor of an error naming
+    /// the tensor. Afterwards the file's pages of the tensor are dropped from this process's
+    /// mapping, so a checkpoint near the size of memory is not counted twice (what was made of
+    /// it + the mapped file) while loading (advice only; a failure changes nothing).
+    pub fn with_raw<R>(
+        &self,
+        name: &str,
+        shape: &[usize],
+        f: impl FnOnce(DType, &[u8], &dyn Fn(String) -> DetspecError) -> R,
+    ) -> Result<R> {
         let &shard = self
             .index
             .get(name)
@@ -141,8 +159,20 @@ impl Checkpoint {
                 )))
             }
         };
-        let tensor = Tensor::from_raw_buffer(view.data(), src_dtype, shape, &Device::Cpu)
-            .map_err(|e| bad(format!("cannot convert: {e}")))?;
-        Ok(tensor.to_dtype(dtype)?.to_device(device)?)
+        let out = f(src_dtype, view.data(), &bad);
+        #[cfg(unix)]
+        {
+            let offset = view.data().as_ptr() as usize - mmap.as_ptr() as usize;
+            // SAFETY: the mapping is read-only and file-backed, so dropping its pages loses
+            // nothing (a later read faults them in again from the file); `f` is done with them.
+            let _ = unsafe {
+                mmap.unchecked_advise_range(
+                    memmap2::UncheckedAdvice::DontNeed,
+                    offset,
+                    view.data().len(),
+                )
+            };
+        }
+        Ok(out)
     }
 }

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use candle_core::{bail, CpuStorage, InplaceOp2, Layout, Tensor};
 
-use super::contiguous_f32;
+use super::{bf16_bits, contiguous_f32};
 
 /// How a cache lays out a page.
 #[derive(Clone, Copy)]
@@ -51,6 +51,37 @@ impl CacheWrite {
         }
         Ok((page_size, row))
     }
+
+    /// Writes every source row at its slot of `data` (a cache of elements `T`, from `start`),
+    /// each value through `conv`.
+    fn write<T: Copy>(
+        &self,
+        data: &mut [T],
+        start: usize,
+        page_size: usize,
+        row: usize,
+        src: &[f32],
+        conv: impl Fn(f32) -> T,
+    ) {
+        for (i, &slot) in self.slots.iter().enumerate() {
+            let slot = slot as usize;
+            let values = &src[i * row..(i + 1) * row];
+            match self.layout {
+                PageLayout::Rows => {
+                    let dst = start + slot * row;
+                    for (d, &x) in data[dst..dst + row].iter_mut().zip(values) {
+                        *d = conv(x);
+                    }
+                }
+                PageLayout::Transposed => {
+                    let (page, t) = (slot / page_size, slot % page_size);
+                    for (hd, &x) in values.iter().enumerate() {
+                        data[start + (page * row + hd) * page_size + t] = conv(x);
+                    }
+                }
+            }
+        }
+    }
 }
 
 /// Device copies of the slots: every layer writes K and V at the same ones.
@@ -77,24 +108,17 @@ impl InplaceOp2 for CacheWrite {
         let Some((start, _)) = cl.contiguous_offsets() else {
             bail!("cache_write: cache must be contiguous");
         };
-        let CpuStorage::F32(data) = cache else {
-            bail!("cache_write: cache must be f32");
-        };
-        for (i, &slot) in self.slots.iter().enumerate() {
-            let slot = slot as usize;
-            let values = &src[i * row..(i + 1) * row];
-            match self.layout {
-                PageLayout::Rows => {
-                    let dst = start + slot * row;
-                    data[dst..dst + row].copy_from_slice(values);
-                }
-                PageLayout::Transposed => {
-                    let (page, t) = (slot / page_size, slot % page_size);
-                    for (hd, &x) in values.iter().enumerate() {
-                        data[start + (page * row + hd) * page_size + t] = x;
-                    }
-                }
-            }
+        match cache {
+            CpuStorage::F32(data) => self.write(data, start, page_size, row, src, |x| x),
+            // Rounded to nearest even by one integer definition (`ops::bf16_bits`): the same
+            // bits on every CPU.
+            CpuStorage::BF16(data) => self.write(data, start, page_size, row, src, |x| {
+                half::bf16::from_bits(bf16_bits(x))
+            }),
+            other => bail!(
+                "cache_write: cache must be f32 or bf16, got {:?}",
+                candle_core::backend::BackendStorage::dtype(other)
+            ),
         }
         Ok(())
     }

@@ -129,26 +129,65 @@ impl PackedWeight {
     pub fn n(&self) -> usize {
         self.n
     }
+}
 
-    fn panel(&self, p: usize) -> &[f32] {
-        &self.data[p * self.k * NR..(p + 1) * self.k * NR]
+/// A weight packed into column panels of [`NR`] columns, k-major: what the microkernel walks.
+/// f32 panels ([`PackedWeight`]) and bf16 panels (`gemm_bf16::PackedWeightBf16`) share the
+/// kernel; only how one k step of a panel is stored, and widened to NR f32 values, differs. The
+/// widening is exact, so the arithmetic (one FMA per k, in order) is the same for both.
+pub(super) trait Panels: Sync {
+    /// One k step of a panel (NR weights) as stored.
+    type Step: Copy;
+    /// Inner dimension K.
+    fn k(&self) -> usize;
+    /// Output columns N.
+    fn n(&self) -> usize;
+    /// Panel `p`'s K steps.
+    fn panel(&self, p: usize) -> &[Self::Step];
+    /// The NR f32 weights of a step, column order.
+    fn widen(step: &Self::Step) -> [f32; NR];
+    /// The candle op's name.
+    const OP_NAME: &'static str;
+}
+
+impl Panels for PackedWeight {
+    type Step = [f32; NR];
+    const OP_NAME: &'static str = "detspec-packed-matmul";
+
+    fn k(&self) -> usize {
+        self.k
+    }
+
+    fn n(&self) -> usize {
+        self.n
+    }
+
+    fn panel(&self, p: usize) -> &[[f32; NR]] {
+        self.data[p * self.k * NR..(p + 1) * self.k * NR]
+            .as_chunks::<NR>()
+            .0
+    }
+
+    #[inline(always)]
+    fn widen(step: &[f32; NR]) -> [f32; NR] {
+        *step
     }
 }
 
 /// `R` rows of A (row stride `lda`, `k` columns) times one packed panel: the R × NR block.
 ///
 /// # Safety
-/// `a` must address `R` rows of `k` readable floats at stride `lda`; `panel` holds `k * NR`.
+/// `a` must address `R` rows of `k` readable floats at stride `lda`; `panel` holds `k` steps.
 #[inline(always)]
-unsafe fn microkernel<const R: usize>(
+unsafe fn microkernel<W: Panels, const R: usize>(
     a: *const f32,
     lda: usize,
-    panel: &[f32],
+    panel: &[W::Step],
     k: usize,
 ) -> [[f32; NR]; R] {
     let mut acc = [[0f32; NR]; R];
-    let (bks, _) = panel.as_chunks::<NR>();
-    for (kk, bk) in bks.iter().enumerate().take(k) {
+    for (kk, step) in panel.iter().enumerate().take(k) {
+        let bk = W::widen(step);
         for (r, acc_r) in acc.iter_mut().enumerate() {
             // SAFETY: r < R and kk < k, inside the rows the caller vouches for.
             let av = unsafe { *a.add(r * lda + kk) };
@@ -165,18 +204,18 @@ unsafe fn microkernel<const R: usize>(
 /// # Safety
 /// As for [`microkernel`].
 #[inline(always)]
-unsafe fn split_k_microkernel<const R: usize>(
+unsafe fn split_k_microkernel<W: Panels, const R: usize>(
     a: *const f32,
     lda: usize,
-    panel: &[f32],
+    panel: &[W::Step],
     k: usize,
     parts: usize,
 ) -> [[f32; NR]; R] {
     let mut sum = [[0f32; NR]; R];
     for part in 0..parts {
         let (k0, k1) = (part * k / parts, (part + 1) * k / parts);
-        // SAFETY: columns k0..k1 of the caller's rows, and the panel's rows k0..k1.
-        let acc = unsafe { microkernel::<R>(a.add(k0), lda, &panel[k0 * NR..k1 * NR], k1 - k0) };
+        // SAFETY: columns k0..k1 of the caller's rows, and the panel's steps k0..k1.
+        let acc = unsafe { microkernel::<W, R>(a.add(k0), lda, &panel[k0..k1], k1 - k0) };
         for (s, acc) in sum.iter_mut().zip(&acc) {
             for (s, &x) in s.iter_mut().zip(acc) {
                 *s += round_bf16(x);
@@ -195,15 +234,15 @@ unsafe fn split_k_microkernel<const R: usize>(
 /// `out` must address `m × n` writable floats that no other thread writes in this panel's
 /// columns; `a` holds `m × k` floats.
 #[inline(always)]
-unsafe fn panel_rows(
+unsafe fn panel_rows<W: Panels>(
     a: &[f32],
     m: usize,
-    w: &PackedWeight,
+    w: &W,
     p: usize,
     out: *mut f32,
     reduction: Reduction,
 ) {
-    let (k, n) = (w.k, w.n);
+    let (k, n) = (w.k(), w.n());
     let panel = w.panel(p);
     let c0 = p * NR;
     let width = NR.min(n - c0);
@@ -216,9 +255,9 @@ unsafe fn panel_rows(
                 // SAFETY: rows r0..r0+$r of `a` exist (m × k floats).
                 let acc = unsafe {
                     match reduction {
-                        Reduction::Sequential => microkernel::<$r>(a_ptr, k, panel, k),
+                        Reduction::Sequential => microkernel::<W, $r>(a_ptr, k, panel, k),
                         Reduction::SplitK(parts) => {
-                            split_k_microkernel::<$r>(a_ptr, k, panel, k, parts.clamp(1, k))
+                            split_k_microkernel::<W, $r>(a_ptr, k, panel, k, parts.clamp(1, k))
                         }
                     }
                 };
@@ -251,10 +290,10 @@ unsafe fn panel_rows(
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx2,fma")]
-unsafe fn panel_rows_avx512(
+unsafe fn panel_rows_avx512<W: Panels>(
     a: &[f32],
     m: usize,
-    w: &PackedWeight,
+    w: &W,
     p: usize,
     out: *mut f32,
     reduction: Reduction,
@@ -265,10 +304,10 @@ unsafe fn panel_rows_avx512(
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn panel_rows_avx2(
+unsafe fn panel_rows_avx2<W: Panels>(
     a: &[f32],
     m: usize,
-    w: &PackedWeight,
+    w: &W,
     p: usize,
     out: *mut f32,
     reduction: Reduction,
@@ -298,7 +337,7 @@ pub fn packed_matmul_with(
     w: &PackedWeight,
     isa: CpuIsa,
 ) -> candle_core::Result<Vec<f32>> {
-    packed_matmul_reduced(a, m, w, isa, Reduction::Sequential)
+    matmul_panels(a, m, w, isa, Reduction::Sequential)
 }
 
 /// `a[m, k] @ w` with the given instruction set and reduction order.
@@ -309,17 +348,28 @@ pub fn packed_matmul_reduced(
     isa: CpuIsa,
     reduction: Reduction,
 ) -> candle_core::Result<Vec<f32>> {
-    if a.len() != m * w.k {
+    matmul_panels(a, m, w, isa, reduction)
+}
+
+/// `a[m, k] @ w` for any panel storage: the one driver of the f32 and bf16 GEMMs.
+pub(super) fn matmul_panels<W: Panels>(
+    a: &[f32],
+    m: usize,
+    w: &W,
+    isa: CpuIsa,
+    reduction: Reduction,
+) -> candle_core::Result<Vec<f32>> {
+    let (k, n) = (w.k(), w.n());
+    if a.len() != m * k {
         bail!(
-            "packed matmul: input has {} values, expected [{m}, {}]",
-            a.len(),
-            w.k
+            "packed matmul: input has {} values, expected [{m}, {k}]",
+            a.len()
         );
     }
     // Every element is written below, once: no zeroing first.
-    let mut out: Vec<f32> = Vec::with_capacity(m * w.n);
+    let mut out: Vec<f32> = Vec::with_capacity(m * n);
     let ptr = OutPtr(out.as_mut_ptr());
-    let panels = w.n.div_ceil(NR);
+    let panels = n.div_ceil(NR);
     // Tasks are (row block, panel), row-block-major: a block of ROW_BLOCK rows of A stays in
     // L2 while the panels stream past it (without this a prefill of thousands of rows re-read
     // all of A once per panel), and rayon's halving split hands each thread whole runs of one
@@ -327,11 +377,11 @@ pub fn packed_matmul_reduced(
     let run = |t: usize| {
         let (r0, p) = ((t / panels) * ROW_BLOCK, t % panels);
         let rows = ROW_BLOCK.min(m - r0);
-        let a_block = &a[r0 * w.k..(r0 + rows) * w.k];
+        let a_block = &a[r0 * k..(r0 + rows) * k];
         // SAFETY: `out` has room for m × n and rows r0..r0+rows of panel p are written by
         // this task only; the instruction set is one this CPU has.
         unsafe {
-            let out = ptr.get().add(r0 * w.n);
+            let out = ptr.get().add(r0 * n);
             match isa {
                 #[cfg(target_arch = "x86_64")]
                 CpuIsa::Avx512 => panel_rows_avx512(a_block, rows, w, p, out, reduction),
@@ -343,13 +393,13 @@ pub fn packed_matmul_reduced(
     };
     let tasks = m.div_ceil(ROW_BLOCK) * panels;
     // Small products are not worth waking other threads for.
-    if m * w.k * w.n < 1 << 16 {
+    if m * k * n < 1 << 16 {
         (0..tasks).for_each(run);
     } else {
         (0..tasks).into_par_iter().for_each(run);
     }
     // SAFETY: the tasks wrote every row of every panel's columns, i.e. all m × n values.
-    unsafe { out.set_len(m * w.n) };
+    unsafe { out.set_len(m * n) };
     Ok(out)
 }
 
@@ -358,30 +408,32 @@ pub fn packed_matmul(a: &[f32], m: usize, w: &PackedWeight) -> candle_core::Resu
     packed_matmul_with(a, m, w, CpuIsa::detect())
 }
 
-struct PackedMatmul {
-    w: Arc<PackedWeight>,
-    profile: KernelProfile,
-    invariant: bool,
+/// The packed GEMM as a candle op, for any panel storage, with the reduction `profile` picks
+/// for the input's row count (`invariant`: the batch-invariant mode's fixed-block GEMM).
+pub(super) struct PackedMatmul<W> {
+    pub(super) w: Arc<W>,
+    pub(super) profile: KernelProfile,
+    pub(super) invariant: bool,
 }
 
-impl CustomOp1 for PackedMatmul {
+impl<W: Panels + Send + 'static> CustomOp1 for PackedMatmul<W> {
     fn name(&self) -> &'static str {
-        "detspec-packed-matmul"
+        W::OP_NAME
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
         let x = contiguous_f32(s, l, "matmul input")?;
-        let w = &self.w;
+        let (wk, wn) = (self.w.k(), self.w.n());
         let (m, k) = match l.dims() {
             [m, k] => (*m, *k),
-            dims => bail!("matmul: input must be [rows, {}], got {dims:?}", w.k),
+            dims => bail!("matmul: input must be [rows, {wk}], got {dims:?}"),
         };
-        if k != w.k {
-            bail!("matmul: input has {k} columns, weight has {} rows", w.k);
+        if k != wk {
+            bail!("matmul: input has {k} columns, weight has {wk} rows");
         }
         let reduction = Reduction::for_rows(self.profile, m, self.invariant);
-        let out = packed_matmul_reduced(x, m, w, CpuIsa::detect(), reduction)?;
-        Ok((CpuStorage::F32(out), Shape::from((m, w.n))))
+        let out = matmul_panels(x, m, self.w.as_ref(), CpuIsa::detect(), reduction)?;
+        Ok((CpuStorage::F32(out), Shape::from((m, wn))))
     }
 }
 

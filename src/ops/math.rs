@@ -58,6 +58,26 @@ pub fn silu(x: f32) -> f32 {
     x / (e + 1.0)
 }
 
+/// The bf16 nearest to `x` (round to nearest, ties to even; denormals rounded like any other
+/// value, not flushed; a NaN stays a NaN of the same sign, made quiet), as its bits. Integer
+/// operations only, so every CPU gives the same bits; the same definition as the `half` crate's
+/// `bf16::from_f32`, which candle's f32 → bf16 conversion uses.
+#[inline(always)]
+pub fn bf16_bits(x: f32) -> u16 {
+    let b = x.to_bits();
+    if b & 0x7fff_ffff > 0x7f80_0000 {
+        return ((b >> 16) | 0x0040) as u16;
+    }
+    // Adds half an ulp of the bf16 minus one, plus the lowest kept bit: ties go to even.
+    ((b + 0x7fff + ((b >> 16) & 1)) >> 16) as u16
+}
+
+/// The f32 value of bf16 bits: exact (a bf16 is an f32 with the low 16 bits zero).
+#[inline(always)]
+pub fn bf16_to_f32(bits: u16) -> f32 {
+    f32::from_bits(u32::from(bits) << 16)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -12,6 +12,7 @@ mod cuda;
 mod cuda_attention;
 mod elementwise;
 mod gemm;
+mod gemm_bf16;
 mod isa;
 mod math;
 mod matmul;
@@ -26,9 +27,13 @@ pub use gemm::{
     matmul_packed, matmul_packed_profiled, packed_matmul, packed_matmul_reduced,
     packed_matmul_with, split_k_parts, PackedWeight, Reduction,
 };
+pub use gemm_bf16::{
+    matmul_packed_bf16, matmul_packed_bf16_profiled, packed_matmul_bf16, packed_matmul_bf16_with,
+    PackedWeightBf16,
+};
 pub(crate) use isa::isa_kernel;
 pub use isa::CpuIsa;
-pub use math::{exp_nonpositive, silu};
+pub use math::{bf16_bits, bf16_to_f32, exp_nonpositive, silu};
 pub use matmul::{invariant_matmul, INVARIANT_GEMM_ROWS};
 pub use page_copy::copy_pages;
 pub use paged_attention::{
@@ -58,6 +63,31 @@ pub fn with_f32_values<R>(
         .to_dtype(candle_core::DType::F32)?
         .to_vec1::<f32>()?;
     Ok(f(&values))
+}
+
+/// Runs `f` on a bf16 tensor's values in row-major order, as bits: in place for a contiguous
+/// CPU tensor, on a copy otherwise; `None` if the tensor is not bf16.
+pub fn with_bf16_bits<R>(
+    t: &candle_core::Tensor,
+    f: impl FnOnce(&[u16]) -> R,
+) -> candle_core::Result<Option<R>> {
+    if t.dtype() != candle_core::DType::BF16 {
+        return Ok(None);
+    }
+    {
+        let (storage, layout) = t.storage_and_layout();
+        if let (candle_core::Storage::Cpu(cpu), Some((a, b))) =
+            (&*storage, layout.contiguous_offsets())
+        {
+            let values = &cpu.as_slice::<half::bf16>()?[a..b];
+            return Ok(Some(f(bytemuck::cast_slice(values))));
+        }
+    }
+    let values = t
+        .flatten_all()?
+        .to_device(&candle_core::Device::Cpu)?
+        .to_vec1::<half::bf16>()?;
+    Ok(Some(f(bytemuck::cast_slice(&values))))
 }
 
 /// The contiguous f32 data a layout addresses, or an error naming the operand.

@@ -178,8 +178,6 @@ impl CustomOp3 for PagedAttention {
         vl: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let q = contiguous_f32(qs, ql, "paged_attention q")?;
-        let k_cache = contiguous_f32(ks, kl, "paged_attention k_cache")?;
-        let v_cache = contiguous_f32(vs, vl, "paged_attention v_cache")?;
         let AttentionShape {
             rows,
             heads,
@@ -188,19 +186,41 @@ impl CustomOp3 for PagedAttention {
             kv_heads,
             ..
         } = self.shape(ql, kl, vl)?;
-        let args = AttentionArgs {
-            q,
-            k_cache,
-            v_cache,
-            meta: &self.meta,
-            scale: self.scale,
-            rows,
-            heads,
-            kv_heads,
-            dim,
-            page_size,
+        macro_rules! run {
+            ($k_cache:expr, $v_cache:expr) => {
+                attention(
+                    &AttentionArgs {
+                        q,
+                        k_cache: $k_cache,
+                        v_cache: $v_cache,
+                        meta: &self.meta,
+                        scale: self.scale,
+                        rows,
+                        heads,
+                        kv_heads,
+                        dim,
+                        page_size,
+                    },
+                    self.isa,
+                )
+            };
+        }
+        // The cache is f32 or bf16 (K and V alike); bf16 is widened exactly as it is loaded.
+        let out = match (ks, vs) {
+            (CpuStorage::F32(_), CpuStorage::F32(_)) => run!(
+                contiguous::<f32>(ks, kl, "paged_attention k_cache")?,
+                contiguous::<f32>(vs, vl, "paged_attention v_cache")?
+            ),
+            (CpuStorage::BF16(_), CpuStorage::BF16(_)) => run!(
+                contiguous::<half::bf16>(ks, kl, "paged_attention k_cache")?,
+                contiguous::<half::bf16>(vs, vl, "paged_attention v_cache")?
+            ),
+            (k, v) => bail!(
+                "paged_attention: K and V caches must both be f32 or both bf16, got {:?} and {:?}",
+                candle_core::backend::BackendStorage::dtype(k),
+                candle_core::backend::BackendStorage::dtype(v)
+            ),
         };
-        let out = attention(&args, self.isa);
         Ok((CpuStorage::F32(out), ql.shape().clone()))
     }
 
@@ -227,12 +247,26 @@ impl CustomOp3 for PagedAttention {
     }
 }
 
-/// Inputs of one attention call, checked by [`PagedAttention::check`].
+/// The contiguous data of a cache operand, or an error naming it.
+fn contiguous<'a, T: candle_core::WithDType>(
+    s: &'a CpuStorage,
+    l: &Layout,
+    what: &str,
+) -> candle_core::Result<&'a [T]> {
+    let data = s.as_slice::<T>()?;
+    match l.contiguous_offsets() {
+        Some((a, b)) => Ok(&data[a..b]),
+        None => bail!("{what}: expected a contiguous tensor"),
+    }
+}
+
+/// Inputs of one attention call, checked by [`PagedAttention::check`]; the KV cache holds
+/// elements `E` (f32 or bf16).
 #[derive(Clone, Copy)]
-struct AttentionArgs<'a> {
+struct AttentionArgs<'a, E> {
     q: &'a [f32],
-    k_cache: &'a [f32],
-    v_cache: &'a [f32],
+    k_cache: &'a [E],
+    v_cache: &'a [E],
     meta: &'a AttentionMetadata,
     scale: f32,
     rows: usize,
@@ -242,7 +276,7 @@ struct AttentionArgs<'a> {
     page_size: usize,
 }
 
-impl<'a> AttentionArgs<'a> {
+impl<'a, E: KvElem> AttentionArgs<'a, E> {
     /// Query heads per KV head.
     #[inline(always)]
     fn group(&self) -> usize {
@@ -306,8 +340,8 @@ impl<'a> AttentionArgs<'a> {
         bt: &[u32],
         kvh: usize,
         keys: Range<usize>,
-        scratch: &'s mut Gathered,
-    ) -> Block<'s>
+        scratch: &'s mut Gathered<E>,
+    ) -> Block<'s, E>
     where
         'a: 's,
     {
@@ -324,8 +358,8 @@ impl<'a> AttentionArgs<'a> {
             };
         }
         let dim = self.dim;
-        scratch.k.resize(dim * SOFTMAX_BLOCK, 0.0);
-        scratch.v.resize(SOFTMAX_BLOCK * dim, 0.0);
+        scratch.k.resize(dim * SOFTMAX_BLOCK, E::default());
+        scratch.v.resize(SOFTMAX_BLOCK * dim, E::default());
         for (i, j) in keys.enumerate() {
             let (k, v) = self.key_offsets(bt, kvh, j);
             for d in 0..dim {
@@ -374,7 +408,7 @@ impl<'a> AttentionArgs<'a> {
         out: &mut [f32],
         state: &mut [(f32, f32)],
         range: Range<usize>,
-        scratch: &mut Gathered,
+        scratch: &mut Gathered<E>,
     ) {
         let block_end = |j: usize| ((j / SOFTMAX_BLOCK + 1) * SOFTMAX_BLOCK).min(range.end);
         let mut j = range.start;
@@ -383,7 +417,7 @@ impl<'a> AttentionArgs<'a> {
             self.prefetch_block(bt, kvh, end..block_end(end));
             let block = self.block(bt, kvh, j..end, scratch);
             // SAFETY: the caller runs on a CPU with `V`'s instruction set.
-            unsafe { fold_block::<V, G>(qs, out, state, &block, self.dim, self.scale) };
+            unsafe { fold_block::<V, E, G>(qs, out, state, &block, self.dim, self.scale) };
             j = end;
         }
     }
@@ -401,7 +435,7 @@ impl<'a> AttentionArgs<'a> {
         out: &mut [f32],
         state: &mut [(f32, f32)],
         range: Range<usize>,
-        scratch: &mut Gathered,
+        scratch: &mut Gathered<E>,
     ) {
         let (g, dim) = (self.group(), self.dim);
         let bt = self.block_table(first_row);
@@ -514,19 +548,27 @@ const MAX_QUERIES: usize = 8;
 
 /// A block of at most [`SOFTMAX_BLOCK`] keys of one KV head: element `d` of key `i` at
 /// `k[d · k_stride + i]` (all 16 lanes readable), value row `i` at `v[i · v_stride..][..dim]`.
-struct Block<'s> {
-    k: &'s [f32],
+struct Block<'s, E> {
+    k: &'s [E],
     k_stride: usize,
-    v: &'s [f32],
+    v: &'s [E],
     v_stride: usize,
     n: usize,
 }
 
 /// A block's keys and values copied out of the cache when they do not sit in one page.
-#[derive(Default)]
-struct Gathered {
-    k: Vec<f32>,
-    v: Vec<f32>,
+struct Gathered<E> {
+    k: Vec<E>,
+    v: Vec<E>,
+}
+
+impl<E> Default for Gathered<E> {
+    fn default() -> Self {
+        Self {
+            k: Vec::new(),
+            v: Vec::new(),
+        }
+    }
 }
 
 /// Folds one block into `G` queries' unnormalised accumulators `out` (`G × dim`) and states
@@ -537,11 +579,11 @@ struct Gathered {
 /// # Safety
 /// The CPU has `V`'s instruction set.
 #[inline(always)]
-unsafe fn fold_block<V: Lanes, const G: usize>(
+unsafe fn fold_block<V: Lanes, E: KvElem, const G: usize>(
     qs: &[&[f32]; G],
     out: &mut [f32],
     state: &mut [(f32, f32)],
-    b: &Block,
+    b: &Block<E>,
     dim: usize,
     scale: f32,
 ) {
@@ -551,7 +593,7 @@ unsafe fn fold_block<V: Lanes, const G: usize>(
     unsafe {
         let mut acc = [V::zero(); G];
         for d in 0..dim {
-            let k = V::load(lanes(b.k, d * b.k_stride));
+            let k = E::load::<V>(lanes(b.k, d * b.k_stride));
             for (acc, q) in acc.iter_mut().zip(qs) {
                 *acc = acc.add(V::splat(q[d]).mul(k));
             }
@@ -601,7 +643,7 @@ unsafe fn fold_block<V: Lanes, const G: usize>(
                 *acc = V::load(lanes(out, h * dim + c)).mul(V::splat(correction[h]));
             }
             for i in 0..n {
-                let v = V::load(lanes(b.v, i * b.v_stride + c));
+                let v = E::load::<V>(lanes(b.v, i * b.v_stride + c));
                 for (acc, p) in acc.iter_mut().zip(&probs) {
                     *acc = acc.add(V::splat(p[i]).mul(v));
                 }
@@ -615,17 +657,17 @@ unsafe fn fold_block<V: Lanes, const G: usize>(
         for (h, p) in probs.iter().enumerate() {
             let mut a = out[h * dim + d] * correction[h];
             for (i, &p) in p[..n].iter().enumerate() {
-                a += p * b.v[i * b.v_stride + d];
+                a += p * b.v[i * b.v_stride + d].to_f32();
             }
             out[h * dim + d] = a;
         }
     }
 }
 
-/// The [`SOFTMAX_BLOCK`] floats of `s` from `at`, as an array (so the loops over them
+/// The [`SOFTMAX_BLOCK`] elements of `s` from `at`, as an array (so the loops over them
 /// compile to whole-vector operations).
 #[inline(always)]
-fn lanes(s: &[f32], at: usize) -> &[f32; SOFTMAX_BLOCK] {
+fn lanes<T>(s: &[T], at: usize) -> &[T; SOFTMAX_BLOCK] {
     match s[at..at + SOFTMAX_BLOCK].first_chunk() {
         Some(lanes) => lanes,
         None => unreachable!("a slice of SOFTMAX_BLOCK floats"),
@@ -650,9 +692,45 @@ trait Lanes: Copy {
     unsafe fn zero() -> Self;
     unsafe fn splat(x: f32) -> Self;
     unsafe fn load(a: &[f32; SOFTMAX_BLOCK]) -> Self;
+    /// Sixteen bf16 values widened to f32 (exact: the bits shifted into the high half).
+    unsafe fn load_bf16(a: &[half::bf16; SOFTMAX_BLOCK]) -> Self;
     unsafe fn store(self, a: &mut [f32; SOFTMAX_BLOCK]);
     unsafe fn add(self, b: Self) -> Self;
     unsafe fn mul(self, b: Self) -> Self;
+}
+
+/// An element of the KV cache: f32, or bf16 widened exactly to f32 as it is loaded, so
+/// attention over a bf16 cache computes the f32 kernel's bits over the cache's f32 values (and
+/// accumulates in f32).
+trait KvElem: Copy + Default + Send + Sync + 'static {
+    fn to_f32(self) -> f32;
+    /// # Safety
+    /// The CPU has `V`'s instruction set.
+    unsafe fn load<V: Lanes>(a: &[Self; SOFTMAX_BLOCK]) -> V;
+}
+
+impl KvElem for f32 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    unsafe fn load<V: Lanes>(a: &[f32; SOFTMAX_BLOCK]) -> V {
+        // SAFETY: forwarded from the caller.
+        unsafe { V::load(a) }
+    }
+}
+
+impl KvElem for half::bf16 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        super::bf16_to_f32(self.to_bits())
+    }
+    #[inline(always)]
+    unsafe fn load<V: Lanes>(a: &[half::bf16; SOFTMAX_BLOCK]) -> V {
+        // SAFETY: forwarded from the caller.
+        unsafe { V::load_bf16(a) }
+    }
 }
 
 /// Plain arrays: any CPU.
@@ -671,6 +749,10 @@ impl Lanes for Portable {
     #[inline(always)]
     unsafe fn load(a: &[f32; SOFTMAX_BLOCK]) -> Self {
         Portable(*a)
+    }
+    #[inline(always)]
+    unsafe fn load_bf16(a: &[half::bf16; SOFTMAX_BLOCK]) -> Self {
+        Portable(std::array::from_fn(|l| a[l].to_f32()))
     }
     #[inline(always)]
     unsafe fn store(self, a: &mut [f32; SOFTMAX_BLOCK]) {
@@ -709,6 +791,15 @@ mod x86 {
             Avx512(unsafe { _mm512_loadu_ps(a.as_ptr()) })
         }
         #[inline(always)]
+        unsafe fn load_bf16(a: &[half::bf16; SOFTMAX_BLOCK]) -> Self {
+            unsafe {
+                let bits = _mm256_loadu_si256(a.as_ptr().cast());
+                Avx512(_mm512_castsi512_ps(_mm512_slli_epi32::<16>(
+                    _mm512_cvtepu16_epi32(bits),
+                )))
+            }
+        }
+        #[inline(always)]
         unsafe fn store(self, a: &mut [f32; SOFTMAX_BLOCK]) {
             unsafe { _mm512_storeu_ps(a.as_mut_ptr(), self.0) }
         }
@@ -745,6 +836,16 @@ mod x86 {
             }
         }
         #[inline(always)]
+        unsafe fn load_bf16(a: &[half::bf16; SOFTMAX_BLOCK]) -> Self {
+            unsafe {
+                let widen = |at: usize| {
+                    let bits = _mm_loadu_si128(a.as_ptr().add(at).cast());
+                    _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(bits)))
+                };
+                Avx2(widen(0), widen(8))
+            }
+        }
+        #[inline(always)]
         unsafe fn store(self, a: &mut [f32; SOFTMAX_BLOCK]) {
             unsafe {
                 _mm256_storeu_ps(a.as_mut_ptr(), self.0);
@@ -778,14 +879,19 @@ macro_rules! isa_entry_points {
     ($($features:literal, $lanes:ty => $tile:ident, $split:ident;)*) => {$(
         #[cfg(target_arch = "x86_64")]
         #[target_feature(enable = $features)]
-        unsafe fn $tile(a: &AttentionArgs, kvh: usize, rows: Range<usize>, out: &mut [f32]) {
+        unsafe fn $tile<E: KvElem>(
+            a: &AttentionArgs<E>,
+            kvh: usize,
+            rows: Range<usize>,
+            out: &mut [f32],
+        ) {
             a.tile_task::<$lanes>(kvh, rows, out)
         }
 
         #[cfg(target_arch = "x86_64")]
         #[target_feature(enable = $features)]
-        unsafe fn $split(
-            a: &AttentionArgs,
+        unsafe fn $split<E: KvElem>(
+            a: &AttentionArgs<E>,
             idx: usize,
             split: usize,
             splits: usize,
@@ -801,7 +907,7 @@ isa_entry_points! {
     "avx2,fma", x86::Avx2 => tile_task_avx2, split_task_avx2;
 }
 
-impl AttentionArgs<'_> {
+impl<E: KvElem> AttentionArgs<'_, E> {
     /// [`Self::tile_task`] with instruction set `isa` (one this CPU has).
     fn tile_task_isa(&self, isa: CpuIsa, kvh: usize, rows: Range<usize>, out: &mut [f32]) {
         // SAFETY: `isa` is one this CPU has (checked by `paged_attention_with_isa`).
@@ -861,7 +967,7 @@ impl AttentionArgs<'_> {
 }
 
 /// Runs the batch's schedule on the rayon pool with instruction set `isa` (one this CPU has).
-fn attention(a: &AttentionArgs, isa: CpuIsa) -> Vec<f32> {
+fn attention<E: KvElem>(a: &AttentionArgs<E>, isa: CpuIsa) -> Vec<f32> {
     let (dim, heads, meta) = (a.dim, a.heads, a.meta);
     let mut out = vec![0f32; a.q.len()];
     match meta.schedule {
@@ -948,10 +1054,10 @@ fn attention(a: &AttentionArgs, isa: CpuIsa) -> Vec<f32> {
 
 /// Hints the CPU to load `data[off..off + len]` into cache (a no-op elsewhere).
 #[inline(always)]
-fn prefetch(data: &[f32], off: usize, len: usize) {
+fn prefetch<T>(data: &[T], off: usize, len: usize) {
     #[cfg(target_arch = "x86_64")]
     {
-        const LINE: usize = 16; // floats per 64-byte cache line
+        let line = (64 / std::mem::size_of::<T>()).max(1); // elements per 64-byte cache line
         let mut i = off;
         while i < (off + len).min(data.len()) {
             // SAFETY: a prefetch never faults; the address is inside `data`.
@@ -960,7 +1066,7 @@ fn prefetch(data: &[f32], off: usize, len: usize) {
                     data.as_ptr().add(i) as *const i8,
                 )
             };
-            i += LINE;
+            i += line;
         }
     }
     #[cfg(not(target_arch = "x86_64"))]

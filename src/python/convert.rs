@@ -18,7 +18,8 @@ fn class_name(e: &DetspecError) -> &'static str {
         | InvalidConfig { .. }
         | UnsupportedArchitecture { .. }
         | MissingTensor { .. }
-        | BadTensor { .. } => "ModelLoadError",
+        | BadTensor { .. }
+        | OutOfMemory { .. } => "ModelLoadError",
         InvalidParameter { .. } | InvalidRequest { .. } | Tokenizer(_) => "InvalidRequestError",
         OutOfPages { .. } | EngineStopped | Candle(_) => "DetspecError",
     }

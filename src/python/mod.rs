@@ -166,13 +166,14 @@ impl PyEngine {
 #[pymethods]
 impl PyEngine {
     #[new]
-    #[pyo3(signature = (model_dir, *, device="cpu", dtype="auto", page_size=16, num_kv_pages=None, kv_cache_bytes=None, max_num_seqs=256, max_num_batched_tokens=512, max_model_len=None, max_prefill_chunk=None, determinism="dvr", verify_window=64, verify_group=8, verify_strategy="auto", kernel_profile="invariant", verify_finish_wait=0, fault_injection=0.0, enable_prefix_caching=true, num_threads=None))]
+    #[pyo3(signature = (model_dir, *, device="cpu", dtype="auto", kv_cache_dtype="auto", page_size=16, num_kv_pages=None, kv_cache_bytes=None, max_num_seqs=256, max_num_batched_tokens=512, max_model_len=None, max_prefill_chunk=None, determinism="dvr", verify_window=64, verify_group=8, verify_strategy="auto", kernel_profile="invariant", verify_finish_wait=0, fault_injection=0.0, enable_prefix_caching=true, num_threads=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         model_dir: PathBuf,
         device: &str,
         dtype: &str,
+        kv_cache_dtype: &str,
         page_size: usize,
         num_kv_pages: Option<usize>,
         kv_cache_bytes: Option<usize>,
@@ -196,9 +197,18 @@ impl PyEngine {
         let kernel_profile = KernelProfile::parse(kernel_profile).map_err(|e| to_pyerr(py, e))?;
         let device: DeviceSpec = device.parse().map_err(|e| to_pyerr(py, e))?;
         let dtype = DTypeSpec::parse(dtype).map_err(|e| to_pyerr(py, e))?;
+        let kv_cache_dtype = DTypeSpec::parse(kv_cache_dtype)
+            .map_err(|e| match e {
+                DetspecError::InvalidParameter { message, .. } => {
+                    DetspecError::param("kv_cache_dtype", message)
+                }
+                e => e,
+            })
+            .map_err(|e| to_pyerr(py, e))?;
         let mut cfg = EngineConfig {
             device,
             dtype,
+            kv_cache_dtype,
             page_size,
             num_kv_pages,
             max_num_seqs,

@@ -151,12 +151,15 @@ MODEL_SPECS: dict[str, dict] = {
             "original_max_position_embeddings": 64,
         },
     },
-    # Weights stored as bf16; detspec computes in f32 on CPU after upcasting, so the
-    # reference is the bf16-rounded model evaluated in f32.
+    # Weights stored as bf16: `auto` holds them in bf16 and the bf16 GEMM widens them
+    # exactly, activations in f32; with an f32 KV cache that is the bf16-rounded model
+    # evaluated in f32, which is the reference (the default bf16 KV cache rounds K and V,
+    # a bf16-vs-bf16 comparison: test_bf16_parity_against_transformers_in_bf16).
     "llama_bf16": {
         "arch": "llama",
         "seed": 12,
         "store_dtype": "bfloat16",
+        "llm_kwargs": {"kv_cache_dtype": "float32"},
         "rope": {"rope_type": "default", "rope_theta": 10000.0},
     },
 }
@@ -499,7 +502,8 @@ def llm_factory(model_zoo):
         key = (name, tuple(sorted(kwargs.items())))
         if key not in cache:
             case = model_zoo.get(name)
-            cache[key] = detspec.LLM(str(case.path), device="cpu", **kwargs)
+            kw = {**case.spec.get("llm_kwargs", {}), **kwargs}
+            cache[key] = detspec.LLM(str(case.path), device="cpu", **kw)
         return cache[key]
 
     yield get

@@ -78,21 +78,29 @@ def run_in_haystack(llm: detspec.LLM, target: SamplingParams, seed: int, det: bo
     return fingerprint_bits(llm.generate(prompts, params, use_tqdm=False)[pos])
 
 
+# bfloat16: weights held in bf16 (the f32 demo checkpoint rounded at load) and a bf16 KV
+# cache, f32 activations; the same contract, its own fingerprint.
+DTYPES = ["float32", "bfloat16"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("profile", PROFILES)
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_needle_in_haystack_bitwise(
-    flat_model: str, temperature: float, profile: tuple[str, str]
+    flat_model: str, temperature: float, profile: tuple[str, str], dtype: str
 ) -> None:
     kernel_profile, strategy = profile
     target = target_params(temperature)
     llm = detspec.LLM(
         flat_model,
+        dtype=dtype,
         verify_window=8,
         verify_group=4,
         verify_strategy=strategy,
         kernel_profile=kernel_profile,
         num_kv_pages=2048,
     )
+    assert ("-bf16-cpu-" if dtype == "bfloat16" else "-f32-cpu-") in llm.fingerprint
     solo = fingerprint_bits(llm.generate([TARGET_PROMPT], target, use_tqdm=False)[0])
     for seed in range(8):
         got = run_in_haystack(llm, target, seed, det=True)
@@ -108,11 +116,12 @@ def test_needle_in_haystack_bitwise(
         assert stats["num_rollbacks"] > 0, stats
 
 
-def test_inline_and_replay_commit_the_same_bits(flat_model: str) -> None:
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_inline_and_replay_commit_the_same_bits(flat_model: str, dtype: str) -> None:
     target = target_params(0.8)
     outs = {}
     for strategy in ("inline", "replay"):
-        llm = detspec.LLM(flat_model, verify_strategy=strategy, num_kv_pages=1024)
+        llm = detspec.LLM(flat_model, dtype=dtype, verify_strategy=strategy, num_kv_pages=1024)
         outs[strategy] = run_in_haystack(llm, target, 5, det=True)
         if strategy == "inline":
             assert llm.fingerprint.endswith("-dvr-inline")
@@ -133,20 +142,41 @@ def test_shape_dependent_profile_refuses_inline_and_names_itself(flat_model: str
     assert "-dvr-w64-b8" in auto.fingerprint and auto.fingerprint != default.fingerprint
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kernel_profile", ["invariant", "shape_dependent"])
 def test_negative_control_off_mode_shows_batch_variance(
-    flat_model: str, kernel_profile: str
+    flat_model: str, kernel_profile: str, dtype: str
 ) -> None:
     plain = target_params(0.8)
     plain.deterministic = False
     llm = detspec.LLM(
-        flat_model, determinism="off", kernel_profile=kernel_profile, num_kv_pages=2048
+        flat_model,
+        dtype=dtype,
+        determinism="off",
+        kernel_profile=kernel_profile,
+        num_kv_pages=2048,
     )
     solo = fingerprint_bits(llm.generate([TARGET_PROMPT], plain, use_tqdm=False)[0])
     differing = sum(run_in_haystack(llm, plain, seed, det=False) != solo for seed in range(8))
     assert differing > 0, "the fast path looked batch-invariant: the needle test would be blind"
     with pytest.raises(InvalidRequestError, match="deterministic"):
         llm.generate([TARGET_PROMPT], target_params(0.0), use_tqdm=False)
+
+
+def test_bfloat16_changes_the_numbers_and_the_fingerprint(flat_model: str) -> None:
+    """The bf16 runs above are not the f32 runs under another name: same prompt, other bits,
+    another fingerprint (same weights hash only if the weights were bf16 already)."""
+    target = target_params(0.8)
+    got = {}
+    for dtype in DTYPES:
+        llm = detspec.LLM(flat_model, dtype=dtype, num_kv_pages=256)
+        got[dtype] = (
+            fingerprint_bits(llm.generate([TARGET_PROMPT], target, use_tqdm=False)[0]),
+            llm.fingerprint,
+        )
+        llm.shutdown()
+    assert got["float32"][0][1] != got["bfloat16"][0][1]
+    assert got["float32"][1] != got["bfloat16"][1]
 
 
 def test_forced_rollbacks_and_modes(flat_model: str) -> None:
@@ -177,13 +207,17 @@ def test_forced_rollbacks_and_modes(flat_model: str) -> None:
         detspec.LLM(flat_model, determinism="sometimes")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("profile", PROFILES)
-async def test_requests_joining_mid_decode(flat_model: str, profile: tuple[str, str]) -> None:
+async def test_requests_joining_mid_decode(
+    flat_model: str, profile: tuple[str, str], dtype: str
+) -> None:
     kernel_profile, strategy = profile
     target = target_params(0.8)
     # Finished deterministic requests may wait up to 6 steps for fuller verify groups.
     engine = AsyncLLM(
         flat_model,
+        dtype=dtype,
         verify_window=8,
         verify_group=4,
         verify_finish_wait=6,

@@ -59,8 +59,10 @@ def test_exception_hierarchy():
         ({"device": "tpu"}, ("device", "tpu")),
         ({"device": "cuda:x"}, ("device", "cuda:x")),
         ({"dtype": "int8"}, ("dtype", "int8")),
-        # The CPU kernels are f32.
-        ({"dtype": "bfloat16"}, ("dtype", "float32")),
+        # The CPU runs float32 and bfloat16 (weights; activations are float32).
+        ({"dtype": "float16"}, ("dtype", "float32", "bfloat16")),
+        ({"kv_cache_dtype": "int8"}, ("kv_cache_dtype", "int8")),
+        ({"kv_cache_dtype": "float16"}, ("kv_cache_dtype", "bfloat16")),
     ],
 )
 def test_bad_device_or_dtype_is_named(model_zoo, kwargs, culprits):

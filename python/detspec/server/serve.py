@@ -47,7 +47,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--dtype",
         choices=("auto", "float32", "bfloat16", "float16"),
         default="auto",
-        help="weights and KV cache (auto: float32 on cpu, the checkpoint's dtype on cuda)",
+        help="weights and KV cache (auto: the checkpoint's dtype where the device runs it "
+        "(bfloat16 on cpu and cuda, float16 on cuda), else float32)",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        default="auto",
+        help="KV cache (auto: the model's dtype; cpu: float32 or bfloat16)",
     )
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
@@ -142,6 +149,7 @@ def serve(args: argparse.Namespace) -> int:
             args.model,
             device=args.device,
             dtype=args.dtype,
+            kv_cache_dtype=args.kv_cache_dtype,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             num_kv_pages=args.num_kv_pages,
