@@ -143,13 +143,13 @@ impl EngineCore {
         }
         let kv_dtype = cfg.kv_cache_dtype.resolve_kv(device_spec, dtype)?;
         let kv_bytes = cfg.num_kv_pages.map_or(cfg.kv_cache_bytes, |n| {
-            n * KvPool::bytes_per_page(
+            n.saturating_mul(KvPool::bytes_per_page(
                 model_cfg.num_hidden_layers,
                 cfg.page_size,
                 model_cfg.num_key_value_heads,
                 model_cfg.head_dim,
                 kv_dtype,
-            )
+            ))
         });
         crate::model::check_fits(dir, &model_cfg, dtype, kv_bytes as u64, device)?;
         let model =
