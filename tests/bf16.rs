@@ -598,7 +598,10 @@ fn bf16_negative_control_fast_path_alone_is_batch_variant() {
         cfg(DTypeSpec::Auto, DTypeSpec::Auto, DeterminismMode::Off),
     )
     .expect("engine");
-    let (solo, batched) = solo_and_batched(&e, &target(false), false);
+    // A longer prompt than the needle's: split-KV attention has more keys to split.
+    let mut t = target(false);
+    t.prompt = prompt(7, 150).into();
+    let (solo, batched) = solo_and_batched(&e, &t, false);
     assert!(
         batched.iter().any(|b| b != &solo),
         "the bf16 fast path looked batch-invariant: the bf16 needle test would be blind"
