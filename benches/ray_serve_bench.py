@@ -32,7 +32,7 @@ import httpx
 from serve_process import bench_args, free_port, wait_ready
 
 from detspec import _core
-from detspec.server.bench import run_benchmark
+from detspec.bench import run_benchmark
 
 
 def bench(url: str, label: str, **kw: Any) -> dict[str, Any]:

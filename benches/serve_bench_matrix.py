@@ -21,7 +21,7 @@ from pathlib import Path
 
 from serve_process import bench_args, free_port, wait_ready
 
-from detspec.server.bench import run_benchmark
+from detspec.bench import run_benchmark
 
 
 def median_rows(results: list[dict]) -> list[dict]:

@@ -20,24 +20,30 @@ fn class_name(e: &DetspecError) -> &'static str {
         | MissingTensor { .. }
         | BadTensor { .. } => "ModelLoadError",
         InvalidParameter { .. } | InvalidRequest { .. } | Tokenizer(_) => "InvalidRequestError",
-        OutOfPages { .. } | EngineStopped | Candle(_) => "DetspecError",
+        EngineStopped => "EngineStoppedError",
+        OutOfPages { .. } | Candle(_) => "DetspecError",
     }
 }
 
-fn raise(py: Python<'_>, class: &str, msg: String) -> PyErr {
+fn raise(py: Python<'_>, class: &str, msg: String, param: Option<&str>) -> PyErr {
     // The classes live in Python (detspec/errors.py) so they can also subclass ValueError etc.
     let cls = py
         .import("detspec.errors")
         .and_then(|m| m.getattr(class))
         .and_then(|c| c.cast_into::<PyType>().map_err(PyErr::from));
-    match cls {
-        Ok(c) => PyErr::from_type(c, msg),
-        Err(_) => PyRuntimeError::new_err(msg),
+    let Ok(cls) = cls else {
+        return PyRuntimeError::new_err(msg);
+    };
+    // Built eagerly so `param` is a field of the exception, not text to parse back out.
+    match cls.call1((msg.clone(), param)) {
+        Ok(exc) => PyErr::from_value(exc),
+        Err(_) => PyErr::from_type(cls, msg),
     }
 }
 
+/// The Python exception for `e`; `InvalidRequestError.param` names the parameter at fault.
 pub fn to_pyerr(py: Python<'_>, e: DetspecError) -> PyErr {
-    raise(py, class_name(&e), e.to_string())
+    raise(py, class_name(&e), e.to_string(), e.param_name())
 }
 
 pub fn internal_error(py: Python<'_>, msg: &str) -> PyErr {
@@ -45,6 +51,7 @@ pub fn internal_error(py: Python<'_>, msg: &str) -> PyErr {
         py,
         "DetspecError",
         format!("internal error (please report): {msg}"),
+        None,
     )
 }
 
@@ -109,6 +116,7 @@ pub fn params_from_dict(py: Python<'_>, d: &Bound<'_, PyDict>) -> PyResult<Sampl
         "frequency_penalty",
         "repetition_penalty",
         "deterministic",
+        "skip_special_tokens",
     ];
     for k in d.keys() {
         let k: String = k.extract()?;
@@ -139,6 +147,7 @@ pub fn params_from_dict(py: Python<'_>, d: &Bound<'_, PyDict>) -> PyResult<Sampl
     field!(frequency_penalty);
     field!(repetition_penalty);
     field!(deterministic);
+    field!(skip_special_tokens);
     if let Some(v) = get::<i64>(py, d, "max_tokens")? {
         p.max_tokens = usize::try_from(v).unwrap_or(0);
     }

@@ -14,11 +14,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from detspec import _core
+
 # Token ids are u32 in the engine; the vocabulary bound is checked against the model.
 TokenId = Annotated[int, Field(ge=0, le=2**32 - 1)]
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
-# Engine limit on top logprobs (MAX_LOGPROBS in the Rust core, as vLLM's default max_logprobs).
-MAX_LOGPROBS = 20
+# Engine limit on top logprobs (as vLLM's default max_logprobs).
+MAX_LOGPROBS: int = _core.MAX_LOGPROBS
 
 
 class OpenAIBaseModel(BaseModel):
@@ -197,6 +199,54 @@ class ChatCompletionResponse(BaseModel):
     model: str
     system_fingerprint: str
     choices: list[ChatChoice]
+    usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
+
+
+class CompletionStreamChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: dict[str, Any] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
+    dvr_metrics: DvrMetrics | None = None
+
+
+class CompletionChunk(BaseModel):
+    """One SSE event of a streamed completion."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[CompletionStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: dict[str, Any]
+    logprobs: dict[str, Any] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    dvr_metrics: DvrMetrics | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One SSE event of a streamed chat completion (the prompt fields on the first)."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
     prompt_token_ids: list[int] | None = None
     prompt_logprobs: list[dict[str, Any] | None] | None = None
