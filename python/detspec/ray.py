@@ -152,9 +152,7 @@ class DetspecDeployment:
 
 def _build(args: Any) -> serve.Application:
     engine_kwargs = {
-        s.name: getattr(args, s.name)
-        for s in ENGINE_SETTINGS
-        if getattr(args, s.name) is not None
+        s.name: getattr(args, s.name) for s in ENGINE_SETTINGS if getattr(args, s.name) is not None
     }
     server = {
         "api_key": args.api_key,

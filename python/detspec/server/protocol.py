@@ -160,96 +160,68 @@ class DvrMetrics(BaseModel):
     num_preemptions: int
 
 
-class CompletionChoice(BaseModel):
+class _Choice(BaseModel):
+    """What every choice has, streamed or not."""
+
     index: int
-    text: str
     logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
-    prompt_token_ids: list[int] | None = None
-    prompt_logprobs: list[dict[str, Any] | None] | None = None
     dvr_metrics: DvrMetrics | None = None
 
 
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    system_fingerprint: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
+class CompletionChoice(_Choice):
+    """A completion's choice; streamed, ``text`` is what is new (the prompt fields ride on
+    a choice's first chunk)."""
+
+    text: str
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
 
 
-class ChatChoice(BaseModel):
-    index: int
+class ChatChoice(_Choice):
     message: dict[str, Any]
-    logprobs: dict[str, Any] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    token_ids: list[int] | None = None
-    dvr_metrics: DvrMetrics | None = None
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatStreamChoice(_Choice):
+    delta: dict[str, Any]
+
+
+class _Response(BaseModel):
+    """What every response body and stream chunk has."""
+
     id: str
-    object: Literal["chat.completion"] = "chat.completion"
     created: int
     model: str
     system_fingerprint: str
-    choices: list[ChatChoice]
     usage: UsageInfo | None = None
-    prompt_token_ids: list[int] | None = None
-    prompt_logprobs: list[dict[str, Any] | None] | None = None
 
 
-class CompletionStreamChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: dict[str, Any] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    token_ids: list[int] | None = None
-    prompt_token_ids: list[int] | None = None
-    prompt_logprobs: list[dict[str, Any] | None] | None = None
-    dvr_metrics: DvrMetrics | None = None
+class CompletionResponse(_Response):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
 
 
-class CompletionChunk(BaseModel):
+class CompletionChunk(CompletionResponse):
     """One SSE event of a streamed completion."""
 
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    system_fingerprint: str
-    choices: list[CompletionStreamChoice]
-    usage: UsageInfo | None = None
 
-
-class ChatStreamChoice(BaseModel):
-    index: int
-    delta: dict[str, Any]
-    logprobs: dict[str, Any] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    token_ids: list[int] | None = None
-    dvr_metrics: DvrMetrics | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    """One SSE event of a streamed chat completion (the prompt fields on the first)."""
-
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    system_fingerprint: str
-    choices: list[ChatStreamChoice]
-    usage: UsageInfo | None = None
+class _ChatPrompt(_Response):
     prompt_token_ids: list[int] | None = None
     prompt_logprobs: list[dict[str, Any] | None] | None = None
+
+
+class ChatCompletionResponse(_ChatPrompt):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
+
+
+class ChatCompletionChunk(_ChatPrompt):
+    """One SSE event of a streamed chat completion (the prompt fields on the first)."""
+
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    choices: list[ChatStreamChoice]
 
 
 class ModelCard(BaseModel):
