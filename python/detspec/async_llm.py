@@ -164,6 +164,11 @@ class AsyncLLM(_EngineClient):
         await asyncio.to_thread(self._engine.resume)
 
     @property
+    def is_closed(self) -> bool:
+        """Whether ``shutdown`` has run (no more requests are accepted)."""
+        return self._closed
+
+    @property
     def is_paused(self) -> bool:
         return bool(self._engine.is_paused())
 

@@ -145,7 +145,7 @@ class DetspecDeployment:
     def check_health(self) -> None:
         """Ray restarts the replica when this raises: the engine is shut down or its engine
         thread no longer answers."""
-        if self.engine._closed or (self._state is not None and self._state.draining):
+        if self.engine.is_closed or (self._state is not None and self._state.draining):
             raise DetspecError(f"replica {self.replica_id}: the engine is shut down")
         self.engine.stats()  # raises once the engine thread is gone
 

@@ -5,7 +5,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyType};
 
 use crate::error::DetspecError;
-use crate::output::{RequestOutput, StopReason, TokenLogprobs};
+use crate::output::{RequestOutput, TokenLogprobs};
 use crate::request::Prompt;
 use crate::sampling::SamplingParams;
 
@@ -187,41 +187,8 @@ pub fn logprob_tuples(lps: &[TokenLogprobs]) -> Vec<LogprobTuple> {
         .collect()
 }
 
-pub fn output_to_py<'py>(py: Python<'py>, o: &RequestOutput) -> PyResult<Bound<'py, PyDict>> {
-    let d = PyDict::new(py);
-    d.set_item("request_id", &o.request_id)?;
-    d.set_item("prompt", &o.prompt)?;
-    d.set_item("prompt_token_ids", &o.prompt_token_ids)?;
-    d.set_item("finished", o.finished)?;
-    d.set_item("fingerprint", &o.fingerprint)?;
-    let m = PyDict::new(py);
-    m.set_item("arrival_time", o.metrics.arrival_time)?;
-    m.set_item("first_scheduled_time", o.metrics.first_scheduled_time)?;
-    m.set_item("first_token_time", o.metrics.first_token_time)?;
-    m.set_item("finished_time", o.metrics.finished_time)?;
-    m.set_item("num_prompt_tokens", o.metrics.num_prompt_tokens)?;
-    m.set_item("num_output_tokens", o.metrics.num_output_tokens)?;
-    m.set_item("num_preemptions", o.metrics.num_preemptions)?;
-    m.set_item("num_verify_passes", o.metrics.num_verify_passes)?;
-    m.set_item("num_rollbacks", o.metrics.num_rollbacks)?;
-    m.set_item("num_rolled_back_tokens", o.metrics.num_rolled_back_tokens)?;
-    d.set_item("metrics", m)?;
-    let mut outs = Vec::with_capacity(o.outputs.len());
-    for c in &o.outputs {
-        let cd = PyDict::new(py);
-        cd.set_item("index", c.index)?;
-        cd.set_item("token_ids", &c.token_ids)?;
-        cd.set_item("text", &c.text)?;
-        cd.set_item("cumulative_logprob", c.cumulative_logprob)?;
-        cd.set_item("finish_reason", c.finish_reason.map(|f| f.to_string()))?;
-        match &c.stop_reason {
-            Some(StopReason::Token(t)) => cd.set_item("stop_reason", *t)?,
-            Some(StopReason::Text(s)) => cd.set_item("stop_reason", s)?,
-            None => cd.set_item("stop_reason", py.None())?,
-        }
-        cd.set_item("logprobs", logprob_tuples(&c.logprobs))?;
-        outs.push(cd);
-    }
-    d.set_item("outputs", outs)?;
-    Ok(d)
+/// A request output as the dict Python's `request_output_from_dict` reads (the serde form of
+/// [`RequestOutput`]: finish reasons as strings, logprobs as `(token, logprob, rank, top)`).
+pub fn output_to_py<'py>(py: Python<'py>, o: &RequestOutput) -> PyResult<Bound<'py, PyAny>> {
+    pythonize::pythonize(py, o).map_err(|e| internal_error(py, &e.to_string()))
 }

@@ -52,7 +52,7 @@ fn run_detached<T: Send>(
 }
 
 /// `(request_id, output dict, exception)` as returned by `OutputQueue.next_outputs`.
-type QueueItem<'py> = (String, Option<Bound<'py, PyDict>>, Option<Py<PyAny>>);
+type QueueItem<'py> = (String, Option<Bound<'py, PyAny>>, Option<Py<PyAny>>);
 
 /// A stream of outputs from any number of requests (one per `LLM.generate` call, one per
 /// `AsyncLLM`). The engine thread pushes events; `next_outputs` blocks without the GIL.

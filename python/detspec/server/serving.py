@@ -324,6 +324,46 @@ class OpenAIServer:
             num_preemptions=int(mt.get("num_preemptions", 0)),
         )
 
+    def choice_fields(
+        self,
+        req: P.CompletionRequest | P.ChatCompletionRequest,
+        job: Job,
+        c: Any,
+        *,
+        chat: bool,
+        first: bool,
+        text_offset: int = 0,
+        stream: bool = False,
+    ) -> dict[str, Any]:
+        """One choice of a response (or, with ``stream``, of a chunk: ``c`` holds what is
+        new) without its finish fields; ``first``: the choice's first appearance, which
+        carries the prompt fields."""
+        k = job.params.logprobs
+        lps = c.logprobs or []
+        as_ids = req.return_tokens_as_token_ids
+        fields: dict[str, Any] = {"index": job.index * job.params.n + c.index}
+        if chat:
+            if stream:
+                fields["delta"] = {"role": "assistant"} if first else {}
+                fields["delta"]["content"] = c.text
+            else:
+                fields["message"] = {"role": "assistant", "content": c.text}
+            fields["logprobs"] = self.logprobs.chat(lps, k, as_ids) if k is not None else None
+        else:
+            fields["text"] = c.text
+            fields["logprobs"] = (
+                self.logprobs.completion(lps, k, text_offset, as_ids) if k is not None else None
+            )
+            if first:
+                if req.return_token_ids:
+                    fields["prompt_token_ids"] = job.prompt_ids
+                if job.prompt_logprobs is not None:
+                    fields["prompt_logprobs"] = job.prompt_logprobs
+        fields["finish_reason"] = c.finish_reason
+        if req.return_token_ids:
+            fields["token_ids"] = list(c.token_ids)
+        return fields
+
     @staticmethod
     def usage(prompt_tokens: int, completion_tokens: int) -> P.UsageInfo:
         return P.UsageInfo(
@@ -443,36 +483,14 @@ class OpenAIServer:
                 last[job.index] = out
         finally:
             await agen.aclose()  # type: ignore[attr-defined]
-        as_ids = req.return_tokens_as_token_ids
         choices: list[Any] = []
         completion_tokens = 0
         for job in jobs:
             out = last[job.index]
-            k = job.params.logprobs
             for c in out.outputs:
                 completion_tokens += len(c.token_ids)
-                fields: dict[str, Any] = {
-                    "index": job.index * job.params.n + c.index,
-                    "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason,
-                }
-                lps = c.logprobs or []
-                if chat:
-                    fields["message"] = {"role": "assistant", "content": c.text}
-                    fields["logprobs"] = (
-                        self.logprobs.chat(lps, k, as_ids) if k is not None else None
-                    )
-                else:
-                    fields["text"] = c.text
-                    fields["logprobs"] = (
-                        self.logprobs.completion(lps, k, 0, as_ids) if k is not None else None
-                    )
-                    if req.return_token_ids:
-                        fields["prompt_token_ids"] = job.prompt_ids
-                    if job.prompt_logprobs is not None:
-                        fields["prompt_logprobs"] = job.prompt_logprobs
-                if req.return_token_ids:
-                    fields["token_ids"] = list(c.token_ids)
+                fields = self.choice_fields(req, job, c, chat=chat, first=True)
+                fields["stop_reason"] = c.stop_reason
                 fields["dvr_metrics"] = self.dvr_metrics(out, job.params)
                 choices.append((P.ChatChoice if chat else P.CompletionChoice)(**fields))
         body: dict[str, Any] = {

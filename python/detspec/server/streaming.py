@@ -141,8 +141,6 @@ async def sse_body(
         first_extra["prompt_token_ids"] = jobs[0].prompt_ids
     if chat and jobs[0].prompt_logprobs is not None:
         first_extra["prompt_logprobs"] = jobs[0].prompt_logprobs
-    as_ids = req.return_tokens_as_token_ids
-    shape = server.logprobs
 
     def chunk(choices: list[dict[str, Any]], usage: P.UsageInfo | None = None) -> bytes:
         fields: dict[str, Any] = {
@@ -172,36 +170,15 @@ async def sse_body(
             finished = c.finish_reason is not None
             if not c.token_ids and not c.text and not finished and st.started:
                 continue
-            k = job.params.logprobs
-            lps = c.logprobs or []
-            choice: dict[str, Any]
-            if chat:
-                delta: dict[str, Any] = {}
-                if not st.started:
-                    delta["role"] = "assistant"
-                delta["content"] = c.text
-                choice = {
-                    "index": index,
-                    "delta": delta,
-                    "logprobs": shape.chat(lps, k, as_ids) if k is not None else None,
-                    "finish_reason": c.finish_reason,
-                }
-            else:
-                choice = {
-                    "index": index,
-                    "text": c.text,
-                    "logprobs": (
-                        shape.completion(lps, k, st.text_len, as_ids) if k is not None else None
-                    ),
-                    "finish_reason": c.finish_reason,
-                }
-                if not st.started:
-                    if req.return_token_ids:
-                        choice["prompt_token_ids"] = job.prompt_ids
-                    if job.prompt_logprobs is not None:
-                        choice["prompt_logprobs"] = job.prompt_logprobs
-            if req.return_token_ids:
-                choice["token_ids"] = list(c.token_ids)
+            choice = server.choice_fields(
+                req,
+                job,
+                c,
+                chat=chat,
+                first=not st.started,
+                text_offset=st.text_len,
+                stream=True,
+            )
             if finished:
                 choice["stop_reason"] = c.stop_reason
                 choice["dvr_metrics"] = server.dvr_metrics(out, job.params)
