@@ -1,6 +1,6 @@
 """Throughput cost of decode-verify-rollback (DVR) at mixed deterministic traffic.
 
-Measures, on the benchmark model of DESIGN.md §8 (``write_demo_model(dir, "bench", 0)``:
+Measures, on the benchmark model of docs/architecture.md (``write_demo_model(dir, "bench", 0)``:
 Llama-shaped, random weights, hidden 512, 8 layers, 8 heads, 4 KV heads, intermediate 1408,
 vocab 32000; ``--model tiny`` for a smoke run), in one process and side by side:
 

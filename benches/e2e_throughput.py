@@ -1,6 +1,6 @@
 """End-to-end continuous-batching benchmark: detspec vs Hugging Face transformers.
 
-Builds the benchmark model of DESIGN.md §8 (Llama-shaped, random weights: hidden 512,
+Builds the benchmark model of docs/architecture.md (Llama-shaped, random weights: hidden 512,
 8 layers, 8 heads, 4 KV heads, intermediate 1408, vocab 32000) with
 ``detspec._core.write_demo_model(dir, "bench", 0)`` and measures, in one run:
 
@@ -14,7 +14,7 @@ Builds the benchmark model of DESIGN.md §8 (Llama-shaped, random weights: hidde
   in batches). Its TTFT is the time of ``generate(max_new_tokens=1)`` on a batch and its
   TPOT (full generate - TTFT) / (tokens - 1).
 
-Speed is a measurement, never a test (DESIGN.md §8): this script prints a Markdown table
+Speed is a measurement, never a test: this script prints a Markdown table
 and writes JSON (``--out``); nothing here asserts a speed.
 
 Threads: transformers runs with ``torch.set_num_threads(--threads)`` (default: all cores)

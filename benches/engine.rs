@@ -1,8 +1,9 @@
-//! The engine's forward passes on the bench model (DESIGN.md §11: hidden 512, 8 layers, 8 heads,
-//! 4 KV heads, intermediate 1408, vocab 32000, f32 on CPU): a decode step at batch 1 / 16 / 64
-//! (128 tokens of context each, fast path: split-KV attention, then greedy sampling of every
-//! row, in parallel on the engine's kind of pool), a 512-token prefill (logits of the last row), and one DVR verify pass of B × W = 8 × 64
-//! rows (fixed attention schedule, logits and sampling of every row).
+//! The engine's forward passes on the bench model (`DemoModelSpec::bench`: hidden 512, 8 layers, 8
+//! heads, 4 KV heads, intermediate 1408, vocab 32000, f32 on CPU): a decode step at batch 1 / 16 /
+//! 64 (128 tokens of context each, fast path: split-KV attention, then greedy sampling of every
+//! row, in parallel on the engine's kind of pool), a 512-token prefill (logits of the last row),
+//! and one DVR verify pass of B × W = 8 × 64 rows (fixed attention schedule, logits and sampling of
+//! every row).
 //!
 //! `cargo bench --bench engine`
 

@@ -1,5 +1,5 @@
 //! The linear layers' GEMM: detspec's packed, fixed-order kernel against candle's CPU matmul,
-//! at the bench model's shapes (DESIGN.md §11) and decode batch sizes 1 / 16 / 64.
+//! at the bench model's shapes (`DemoModelSpec::bench`) and decode batch sizes 1 / 16 / 64.
 //!
 //! `cargo bench --bench gemm`
 

@@ -1,7 +1,7 @@
 """Offline throughput of one configuration, small enough to run under `perf record`.
 
 N random 128-token prompts -> 64 greedy tokens each (``ignore_eos``) on the bench model of
-DESIGN.md §11 (written to ``/tmp/benchmodel`` on first use), after a warm-up of the same size
+docs/architecture.md (written to ``/tmp/benchmodel`` on first use), after a warm-up of the same size
 (so the timed runs find the allocator and the KV pages already touched, as a server does);
 prints output tokens per second and the process's CPU time per run. ``--runs R`` times R
 batches of fresh prompts; ``--max-tokens 1`` times the prefill alone. Extra ``key=value``

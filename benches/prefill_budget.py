@@ -1,6 +1,6 @@
 """Chunked-prefill budget vs latency: what `max_num_batched_tokens` should default to.
 
-64 requests arrive at once (bench model of DESIGN.md §11, 128-token random prompts, 64 greedy
+64 requests arrive at once (bench model of docs/architecture.md, 128-token random prompts, 64 greedy
 output tokens, ``ignore_eos``) on ``AsyncLLM``; for each token budget the engine is run twice
 (rounds alternate over the budgets) and the script reports output throughput, time to first
 token (p50 / p90 / max) and inter-token latency (p50 / p90 / max, gaps between a request's

@@ -1,4 +1,4 @@
-"""Time of a full weight update on the bench model (DESIGN.md §11; written to /tmp/benchmodel
+"""Time of a full weight update on the bench model (docs/architecture.md; written to /tmp/benchmodel
 on first use): the whole state_dict from torch (safetensors), then from disk.
 
     python benches/update_weights.py [rounds]

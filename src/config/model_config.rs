@@ -334,7 +334,7 @@ impl ModelConfig {
         let dim = self.head_dim;
         let base = self.rope.theta as f32;
         let inv: Vec<f32> = (0..dim / 2)
-            .map(|i| 1.0 / base.powf((2 * i) as f32 / dim as f32))
+            .map(|i| 1.0 / libm::powf(base, (2 * i) as f32 / dim as f32))
             .collect();
         match self.rope.scaling {
             RopeScaling::None => inv,

@@ -15,7 +15,8 @@
 //! The engine's step calls the hooks in this order and holds no strategy branch of its own:
 //!
 //! 1. [`DeterminismPolicy::admit`] when a request arrives;
-//! 2. [`DeterminismPolicy::reads_prefix_cache`] while the scheduler plans;
+//! 2. [`DeterminismPolicy::page_class`] while the scheduler plans (which cached pages a
+//!    sequence may read) and when prompt pages enter the prefix cache;
 //! 3. [`DeterminismPolicy::on_preempt`] for each sequence the plan preempted;
 //! 4. [`DeterminismPolicy::prepare_shared_batch`] / [`DeterminismPolicy::prepare_isolated_batch`]
 //!    before the forward passes;
@@ -27,7 +28,7 @@
 
 use crate::config::{DeterminismMode, EngineConfig, VerifyStrategy};
 use crate::error::{DetspecError, Result};
-use crate::kv::PageAllocator;
+use crate::kv::{PageAllocator, PageClass};
 use crate::model::ForwardBatch;
 use crate::ops::AttentionSchedule;
 use crate::output::{FinishReason, StopReason};
@@ -42,10 +43,15 @@ use super::{ForwardFn, Verifier, VerifyStats};
 pub enum ScoringShape {
     /// Every kernel on the invariant path is shape-invariant: any grouping gives the same bits.
     Any,
-    /// Replay on GEMMs whose bits depend on M: the prompt alone, its last row projected (as
-    /// its isolated prefill ran), then the completion in passes of exactly `rows` rows, every
-    /// row projected (as verify passes run), padded with rows on the pad page.
-    Generation { rows: usize, pad_page: u32 },
+    /// Replay on GEMMs whose bits depend on M: the prompt in passes of exactly
+    /// `prefill_rows` rows (as its isolated prefill ran), then the completion in passes of
+    /// exactly `verify_rows` rows (as verify passes run), every row projected, padded with rows
+    /// on the pad page.
+    Generation {
+        prefill_rows: usize,
+        verify_rows: usize,
+        pad_page: u32,
+    },
 }
 
 /// How deterministic requests are made reproducible (see the module table).
@@ -131,10 +137,19 @@ impl DeterminismPolicy {
         Ok(params.deterministic)
     }
 
-    /// Whether `seq` may start from cached prompt pages. Under DVR a deterministic sequence
-    /// never reads them: they may have been written by the fast path.
-    pub fn reads_prefix_cache(&self, seq: &Sequence) -> bool {
-        !(seq.deterministic && matches!(self.strategy, Strategy::Inline | Strategy::Replay(_)))
+    /// The class of the prompt pages `seq` writes, and of the cached pages it may read: a
+    /// deterministic request's prefill runs on invariant kernels (inline rows; replay's
+    /// isolated prefill, in fixed-shape passes where GEMMs depend on M), so its pages are
+    /// [`PageClass::Invariant`], the same bits whoever computed them, and it reads only those;
+    /// fast-path pages are never read by a deterministic request. In `batch_invariant` mode
+    /// every page is invariant.
+    pub fn page_class(&self, seq: &Sequence) -> PageClass {
+        match self.strategy {
+            Strategy::Off => PageClass::Fast,
+            Strategy::BatchInvariant => PageClass::Invariant,
+            Strategy::Inline | Strategy::Replay(_) if seq.deterministic => PageClass::Invariant,
+            Strategy::Inline | Strategy::Replay(_) => PageClass::Fast,
+        }
     }
 
     /// A sequence was preempted (its KV freed, requeued for recompute). Under replay its
@@ -169,10 +184,29 @@ impl DeterminismPolicy {
         }
     }
 
-    /// Kernel options of an isolated deterministic prefill (alone, unchunked).
-    pub fn prepare_isolated_batch(&self, batch: &mut ForwardBatch) {
+    /// The forward passes of an isolated deterministic prefill (`batch`: one sequence's
+    /// prompt rows), each with the index of the sampled row among its logit rows. Invariant
+    /// attention; on GEMMs whose bits depend on M, passes of exactly W rows
+    /// ([`super::replay::fixed_shape_passes`]), so the prompt's KV is the same for every
+    /// request that shares it; otherwise one pass.
+    pub fn isolated_prefill_passes(
+        &self,
+        mut batch: ForwardBatch,
+    ) -> Vec<(ForwardBatch, Option<usize>)> {
         batch.attention.schedule = AttentionSchedule::Fixed;
         batch.invariant_gemm = matches!(self.strategy, Strategy::BatchInvariant);
+        match &self.strategy {
+            Strategy::Replay(v) if v.shape().project_all_rows => super::replay::fixed_shape_passes(
+                &batch,
+                v.shape().window,
+                v.pad_page(),
+                v.shape().page_size,
+            ),
+            _ => {
+                let sampled = (!batch.logit_rows.is_empty()).then_some(0);
+                vec![(batch, sampled)]
+            }
+        }
     }
 
     /// A token was sampled and appended to `seq`: commit it, unless it is speculative (replay,
@@ -224,7 +258,8 @@ impl DeterminismPolicy {
     pub fn scoring_shape(&self) -> ScoringShape {
         match &self.strategy {
             Strategy::Replay(v) if v.shape().project_all_rows => ScoringShape::Generation {
-                rows: v.shape().window * v.shape().group,
+                prefill_rows: v.shape().window,
+                verify_rows: v.shape().window * v.shape().group,
                 pad_page: v.pad_page(),
             },
             _ => ScoringShape::Any,

@@ -111,6 +111,52 @@ pub fn build_replay_batch(
     })
 }
 
+/// `batch` (rows of one sequence, its block table first) cut into passes of exactly `rows`
+/// rows, padded on the pad page, every row projected: the deterministic prefill on GEMMs whose
+/// bits depend on M. Each row's KV and logits are then computed at M = `rows` whoever runs the
+/// prompt and wherever its chunks begin, so its pages are the same bits for every request
+/// with that prefix. Returns each pass with the index of `batch`'s logit row (if any) in it.
+pub fn fixed_shape_passes(
+    batch: &ForwardBatch,
+    rows: usize,
+    pad_page: u32,
+    page_size: usize,
+) -> Vec<(ForwardBatch, Option<usize>)> {
+    let n = batch.tokens.len();
+    let sampled = batch.logit_rows.first().map(|&r| r as usize);
+    let table = batch
+        .attention
+        .block_tables
+        .first()
+        .cloned()
+        .unwrap_or_default();
+    let mut passes = Vec::with_capacity(n.div_ceil(rows));
+    for start in (0..n).step_by(rows.max(1)) {
+        let end = (start + rows).min(n);
+        let mut pass = ForwardBatch::default();
+        pass.attention.sliding_window = batch.attention.sliding_window;
+        pass.attention.schedule = AttentionSchedule::Fixed;
+        pass.attention.block_tables = vec![table.clone(), vec![pad_page]];
+        pass.tokens.extend_from_slice(&batch.tokens[start..end]);
+        pass.slots.extend_from_slice(&batch.slots[start..end]);
+        pass.attention
+            .positions
+            .extend_from_slice(&batch.attention.positions[start..end]);
+        pass.attention
+            .row_seq
+            .extend(std::iter::repeat_n(0, end - start));
+        for _ in end - start..rows {
+            push_pad_row(&mut pass, pad_page * page_size as u32, 1);
+        }
+        pass.logit_rows = (0..rows as u32).collect();
+        let row = sampled
+            .filter(|r| (start..end).contains(r))
+            .map(|r| r - start);
+        passes.push((pass, row));
+    }
+    passes
+}
+
 /// A padding row: writes to and reads from the pad page only.
 pub(crate) fn push_pad_row(batch: &mut ForwardBatch, pad_slot: u32, dummy_seq: u32) {
     batch.tokens.push(0);

@@ -25,6 +25,7 @@ use crate::sampling;
 use crate::sched::{PlanEntry, Scheduler, SchedulerLimits, Sequence, SequenceId, StepPlan};
 use crate::tokenizer::{eos_token_ids, Tokenizer};
 
+use super::fingerprint::{self, fingerprint_of};
 use super::stream::{now, StreamEvent};
 use super::text::TextState;
 
@@ -32,12 +33,6 @@ mod control;
 mod standalone;
 
 pub use standalone::{AuditInput, ForwardKind};
-
-/// Bumped whenever a kernel's reduction order changes, so fingerprints tell old outputs apart.
-/// 2: the CPU's packed fixed-order GEMM (`ops::gemm`) replaced candle's matmul; attention
-/// scores over a per-page transposed K cache; polynomial `exp` in attention and log-sum-exp.
-/// 3: SwiGLU's `exp` is that polynomial too (`ops::silu`), no longer libm's `expf`.
-pub const KERNEL_VERSION: u32 = 3;
 
 /// What the engine knows about a model once loaded; shared read-only with API handles.
 #[derive(Debug, Clone)]
@@ -118,6 +113,7 @@ impl EngineCore {
                 eos.push(*id);
             }
         }
+        let model_digest = fingerprint::model_digest(&model_cfg, dir, &eos)?;
         let max_model_len = match cfg.max_model_len {
             Some(n) if n > model_cfg.max_position_embeddings => {
                 return Err(DetspecError::param(
@@ -183,15 +179,11 @@ impl EngineCore {
         // the shape-dependent test profile stands in for a GPU's.
         let invariant_gemms = device.is_cpu() && cfg.kernel_profile == KernelProfile::Invariant;
         let policy = DeterminismPolicy::new(&cfg, invariant_gemms, mc.sliding_window, pad_page)?;
-        let profile = match cfg.kernel_profile {
-            KernelProfile::Invariant => "",
-            KernelProfile::ShapeDependent => "-shapedep",
-        };
-        let fingerprint_tail = format!(
-            "{}-{}-k{}{profile}-{}",
+        let fingerprint_tail = fingerprint::tail(
+            model_digest,
             dtype.as_str(),
-            device_label(device),
-            KERNEL_VERSION,
+            &device_label(device),
+            cfg.kernel_profile,
             policy.label(),
         );
         let fingerprint = fingerprint_of(model.weights_hash(), &fingerprint_tail);
@@ -450,11 +442,7 @@ impl EngineCore {
         let kv = self.alloc.clone();
         let policy = &self.policy;
         let mut plan = self.sched.plan(self.alloc.as_ref(), &|seq, tokens| {
-            if policy.reads_prefix_cache(seq) {
-                kv.lookup_prefix(tokens)
-            } else {
-                Vec::new()
-            }
+            kv.lookup_prefix_of(tokens, policy.page_class(seq))
         });
         for &id in &plan.preempted {
             if let Some(seq) = self.sched.find_mut(id) {
@@ -537,10 +525,18 @@ impl EngineCore {
             forwards.push((ids, self.model.forward(&batch, &self.kv)?));
         }
         if let Some(iso) = &plan.isolated {
-            // Alone and unchunked: a pure function of the prompt.
-            let (mut batch, ids) = self.build_batch(std::slice::from_ref(iso))?;
-            self.policy.prepare_isolated_batch(&mut batch);
-            forwards.push((ids, self.model.forward(&batch, &self.kv)?));
+            // Alone, on invariant kernels: a pure function of the prompt.
+            let (batch, ids) = self.build_batch(std::slice::from_ref(iso))?;
+            let mut sampled = None;
+            for (pass, row) in self.policy.isolated_prefill_passes(batch) {
+                let logits = self.model.forward(&pass, &self.kv)?;
+                if let Some(row) = row {
+                    sampled = Some(logits.narrow(0, row, 1)?);
+                }
+            }
+            if let Some(logits) = sampled {
+                forwards.push((ids, logits));
+            }
         }
         self.sched.mark_computed(plan);
         self.cache_prompt_pages(plan);
@@ -650,7 +646,9 @@ impl EngineCore {
             if e.start < l && e.start + e.len >= l {
                 let full = l / ps;
                 if let Some(pages) = seq.block_table.pages().get(..full) {
-                    self.alloc.insert_prefix(&seq.prompt[..full * ps], pages);
+                    let class = self.policy.page_class(seq);
+                    self.alloc
+                        .insert_prefix_of(&seq.prompt[..full * ps], pages, class);
                 }
             }
         }
@@ -751,11 +749,6 @@ impl EngineCore {
         }
         Ok((batch, sampled))
     }
-}
-
-/// `detspec-<weights hash>-<dtype>-<device>-k<kernel version>-<determinism>`.
-fn fingerprint_of(weights_hash: u64, tail: &str) -> String {
-    format!("detspec-{weights_hash:016x}-{tail}")
 }
 
 /// Seed of completion `index` of a request: the request's seed for the first, distinct

@@ -7,11 +7,14 @@
 //! reason `abort` and the thread is joined.
 
 mod core;
+pub mod fingerprint;
+pub mod fpenv;
 mod stream;
 mod text;
 pub mod validate;
 
-pub use self::core::{AuditInput, EngineCore, EngineStats, ForwardKind, ModelInfo, KERNEL_VERSION};
+pub use self::core::{AuditInput, EngineCore, EngineStats, ForwardKind, ModelInfo};
+pub use fingerprint::KERNEL_VERSION;
 pub use stream::{OutputAccumulator, RequestStream, StreamEvent};
 pub use validate::RequestRules;
 
@@ -123,7 +126,18 @@ impl Engine {
     /// Loads a Hugging Face model directory on `cfg.device` and starts the engine thread.
     pub fn from_model_dir(dir: impl AsRef<Path>, cfg: EngineConfig) -> Result<Self> {
         let device = cfg.device.open()?;
-        Self::start(EngineCore::load(dir.as_ref(), cfg, &device)?)
+        let dir = dir.as_ref();
+        // Loading computes too (rope tables, packing, hashes): in the engine's floating-point
+        // environment, not the caller's.
+        let core = std::thread::scope(|s| {
+            s.spawn(|| {
+                fpenv::enter();
+                EngineCore::load(dir, cfg, &device)
+            })
+            .join()
+            .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+        })?;
+        Self::start(core)
     }
 
     /// Starts the engine thread around a loaded core.
@@ -143,11 +157,16 @@ impl Engine {
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(core.num_threads().unwrap_or(0))
             .thread_name(|i| format!("detspec-worker-{i}"))
+            // Workers inherit their creator's floating-point environment; set ours.
+            .start_handler(|_| fpenv::enter())
             .build()
             .map_err(|e| DetspecError::param("num_threads", e.to_string()))?;
         let thread = std::thread::Builder::new()
             .name("detspec-engine".into())
-            .spawn(move || pool.install(|| engine_loop(core, rx, thread_info, thread_paused)))
+            .spawn(move || {
+                fpenv::enter();
+                pool.install(|| engine_loop(core, rx, thread_info, thread_paused))
+            })
             .map_err(|e| DetspecError::io("detspec-engine thread", e))?;
         Ok(Self {
             shared: Arc::new(Shared {

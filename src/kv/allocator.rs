@@ -100,9 +100,9 @@ mod sync {
 ///   of at word 0: with most of a large pool in use, `allocate` is O(1) instead of O(pages / 64).
 ///
 /// An `allocate` + `release` pair costs three atomic read-modify-writes (claim bit, decrement,
-/// clear bit) and no shared counter. An earlier version also kept an atomic free-page counter
-/// (reserve a unit, then claim a bit) and was slower single-threaded and worse under contention,
-/// because every operation on any page then hit one global cache line. Without it,
+/// clear bit) and no shared counter: an atomic free-page counter (reserve a unit, then claim a
+/// bit) measured slower single-threaded and worse under contention, because every operation on
+/// any page hits its one global cache line. Without it,
 /// [`PageAllocator::num_free`] counts zero bits (O(pages / 64) relaxed loads), which is fine for
 /// its callers (admission decisions, stats). The hint is written only when a word fills up or a
 /// full word gets a free bit, so it is a read-mostly line.

@@ -14,7 +14,7 @@ use serde::Serialize;
 
 use crate::error::{DetspecError, Result};
 
-use super::{AtomicAllocator, PageAllocator, PageError, PageId, PrefixCache};
+use super::{AtomicAllocator, PageAllocator, PageClass, PageError, PageId, PrefixCache};
 
 /// Snapshot of the KV pool, as reported by the engine's `kv_stats()`.
 ///
@@ -101,15 +101,25 @@ impl KvManager {
     /// reference on each (wrap them with [`super::BlockTable::from_shared_pages`]). Pass the
     /// prompt without its last token so at least one token is computed.
     pub fn lookup_prefix(&self, tokens: &[u32]) -> Vec<PageId> {
+        self.lookup_prefix_of(tokens, PageClass::Fast)
+    }
+
+    /// [`Self::lookup_prefix`] among the cached pages of `class`.
+    pub fn lookup_prefix_of(&self, tokens: &[u32], class: PageClass) -> Vec<PageId> {
         let ps = self.page_size;
-        self.with_cache(|c, a| c.lookup(tokens, ps, a))
+        self.with_cache(|c, a| c.lookup_class(tokens, ps, class, a))
     }
 
     /// Registers a sequence's full pages (its block table) for the final tokens `tokens`.
     /// Returns how many pages were newly cached. See [`PrefixCache::insert`].
     pub fn insert_prefix(&self, tokens: &[u32], pages: &[PageId]) -> usize {
+        self.insert_prefix_of(tokens, pages, PageClass::Fast)
+    }
+
+    /// [`Self::insert_prefix`] as pages of `class`.
+    pub fn insert_prefix_of(&self, tokens: &[u32], pages: &[PageId], class: PageClass) -> usize {
         let ps = self.page_size;
-        self.with_cache(|c, a| c.insert(tokens, pages, ps, a))
+        self.with_cache(|c, a| c.insert_class(tokens, pages, ps, class, a))
     }
 
     /// Frees up to `n` evictable cached pages now (normally unnecessary: `allocate` evicts

@@ -15,4 +15,6 @@ pub use allocator::{AtomicAllocator, PageAllocator, PageError, PageId, SimpleAll
 pub use block_table::BlockTable;
 pub use manager::{KvManager, KvStats};
 pub use pool::KvPool;
-pub use prefix::{chain_hash, root_hash, FnvHasher, PrefixCache, PrefixStats};
+pub use prefix::{
+    chain_hash, root_hash, root_hash_of, FnvHasher, PageClass, PrefixCache, PrefixStats,
+};

@@ -71,12 +71,33 @@ fn fmix64(mut k: u64) -> u64 {
     k ^ (k >> 33)
 }
 
+/// How a cached page's KV was computed. Pages of one class are only found by lookups of that
+/// class: each class's chains start from their own root.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum PageClass {
+    /// By the batch-variant fast path: its bits depend on what else ran.
+    #[default]
+    Fast,
+    /// On invariant kernels (deterministic prefill, verifier, inline rows): the bits are a pure
+    /// function of the tokens, the same whoever computed them. Deterministic requests read only
+    /// these.
+    Invariant,
+}
+
 /// Key of the (empty) prefix before page 0. Includes the page size so that caches with different
 /// page sizes can never agree on a key.
 pub fn root_hash(page_size: usize) -> u64 {
+    root_hash_of(page_size, PageClass::Fast)
+}
+
+/// [`root_hash`] of one page class.
+pub fn root_hash_of(page_size: usize, class: PageClass) -> u64 {
     let mut h = FnvHasher::default();
     h.write(b"detspec-prefix-v1");
     h.write(&(page_size as u64).to_le_bytes());
+    if class == PageClass::Invariant {
+        h.write(b"invariant");
+    }
     fmix64(h.finish())
 }
 
@@ -220,6 +241,17 @@ impl PrefixCache {
         page_size: usize,
         alloc: &dyn PageAllocator,
     ) -> Vec<PageId> {
+        self.lookup_class(tokens, page_size, PageClass::Fast, alloc)
+    }
+
+    /// [`Self::lookup`] among the pages of `class`.
+    pub fn lookup_class(
+        &mut self,
+        tokens: &[u32],
+        page_size: usize,
+        class: PageClass,
+        alloc: &dyn PageAllocator,
+    ) -> Vec<PageId> {
         if !self.enabled || page_size == 0 {
             return Vec::new();
         }
@@ -227,7 +259,7 @@ impl PrefixCache {
         self.lookups += 1;
         self.query_tokens += tokens.len() as u64;
         let mut pages = Vec::new();
-        let mut key = root_hash(page_size);
+        let mut key = root_hash_of(page_size, class);
         let mut parent_id = 0;
         for chunk in tokens.chunks_exact(page_size) {
             key = chain_hash(key, chunk);
@@ -270,13 +302,25 @@ impl PrefixCache {
         page_size: usize,
         alloc: &dyn PageAllocator,
     ) -> usize {
+        self.insert_class(tokens, pages, page_size, PageClass::Fast, alloc)
+    }
+
+    /// [`Self::insert`] as pages of `class`.
+    pub fn insert_class(
+        &mut self,
+        tokens: &[u32],
+        pages: &[PageId],
+        page_size: usize,
+        class: PageClass,
+        alloc: &dyn PageAllocator,
+    ) -> usize {
         if !self.enabled || page_size == 0 {
             return 0;
         }
         self.tick += 1;
         let tick = self.tick;
         let mut added = 0;
-        let mut key = root_hash(page_size);
+        let mut key = root_hash_of(page_size, class);
         let mut parent_key = 0;
         let mut parent_id = 0;
         for (depth, (chunk, &page)) in tokens.chunks_exact(page_size).zip(pages).enumerate() {

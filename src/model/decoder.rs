@@ -333,8 +333,8 @@ fn rope_tables(cfg: &ModelConfig, dev: &Device) -> Result<(Tensor, Tensor)> {
     for p in 0..n {
         for &f in &inv {
             let a = p as f32 * f;
-            cos.push(a.cos());
-            sin.push(a.sin());
+            cos.push(libm::cosf(a));
+            sin.push(libm::sinf(a));
         }
     }
     Ok((

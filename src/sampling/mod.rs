@@ -2,8 +2,8 @@
 //!
 //! Everything here is a pure function of its inputs (logits, parameters, seed, absolute position,
 //! token history) with sequential, fixed-order arithmetic, so the fast path and the DVR verifier
-//! (DESIGN.md §2 step 4, §3) pick the same token from the same logits regardless of batching or
-//! thread count.
+//! (docs/architecture.md, "Replay") pick the same token from the same logits regardless of
+//! batching or thread count.
 
 pub mod next_token;
 pub mod params;

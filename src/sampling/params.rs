@@ -50,7 +50,7 @@ pub struct SamplingParams {
     pub frequency_penalty: f32,
     /// HF/CTRL repetition penalty (> 0; 1 disables it), over prompt and generated tokens.
     pub repetition_penalty: f32,
-    /// Ask for bitwise-reproducible output (decode–verify–rollback; see DESIGN.md §3).
+    /// Ask for bitwise-reproducible output (see docs/determinism.md).
     pub deterministic: bool,
     /// Leave special tokens (`</s>`, `<|im_end|>`...) out of the output text (vLLM's
     /// default); the token ids always have them. Stop strings match the text as written.

@@ -1,7 +1,7 @@
 //! Logits processors: penalties, bans, temperature and the top-k / top-p / min-p filters.
 //!
 //! Each processor rewrites one row of logits in place; a filtered-out token becomes `-inf`.
-//! [`process_logits`] applies them in the order the sampler needs (DESIGN.md §2 step 4):
+//! [`process_logits`] applies them in the order the sampler needs:
 //! repetition penalty → frequency/presence penalties → banned ids → temperature → top-k → top-p →
 //! min-p.
 //!

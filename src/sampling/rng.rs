@@ -6,8 +6,8 @@
 //! how many draws happened before it: on batch composition, on whether the token was produced by
 //! the fast path or by the verifier replay, on rollbacks and on preemption/recompute. Here the
 //! noise is a *pure function* of `(seed, absolute position, vocab index)`, so the fast path and
-//! the verifier (DESIGN.md §2 step 4, §3) draw exactly the same noise for the same token, and a
-//! rolled-back position re-draws the same values when it is decoded again.
+//! the verifier (docs/architecture.md, "Replay") draw exactly the same noise for the same
+//! token, and a rolled-back position re-draws the same values when it is decoded again.
 //!
 //! # Construction
 //!

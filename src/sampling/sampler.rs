@@ -2,8 +2,8 @@
 //!
 //! [`sample`] is a pure function of its input: the same logits, parameters, seed, position and
 //! token history always give the same token and the same logprob bits. The fast path and the
-//! DVR verifier (DESIGN.md §3) both call it, so a verified token differs from the speculative one
-//! only if the *logits* differ.
+//! DVR verifier (docs/architecture.md, "Replay") both call it, so a verified token differs from
+//! the speculative one only if the *logits* differ.
 //!
 //! Random sampling uses the Gumbel-max trick with counter-based noise ([`super::rng`]): the token
 //! is `argmax_i (l_i + g(seed, position, i))` over the processed (temperature-scaled, filtered)

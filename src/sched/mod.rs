@@ -201,11 +201,27 @@ impl Scheduler {
                 if plan.isolated.is_some() {
                     break; // one isolated prefill per step; keep arrival order
                 }
-                let len = seq.prompt.len();
-                if seq.block_table.reserve(len, l.page_size, alloc).is_err() {
+                let prompt_len = seq.prompt.len();
+                if seq.block_table.pages().is_empty() {
+                    // Cached pages of the prompt (the lookup decides which it may read),
+                    // keeping at least its last token to compute.
+                    let pages = lookup_prefix(seq, &seq.prompt[..prompt_len - 1]);
+                    if !pages.is_empty() {
+                        seq.num_computed = pages.len() * l.page_size;
+                        seq.block_table = BlockTable::from_shared_pages(pages, l.page_size);
+                    }
+                }
+                let start = seq.num_computed;
+                if seq
+                    .block_table
+                    .reserve(prompt_len, l.page_size, alloc)
+                    .is_err()
+                {
+                    seq.block_table.free(alloc);
+                    seq.num_computed = 0;
                     if self.running.is_empty() {
                         if let Some(seq) = self.waiting.pop_front() {
-                            fail_out_of_pages(&mut plan, seq, len, l.page_size, alloc);
+                            fail_out_of_pages(&mut plan, seq, prompt_len, l.page_size, alloc);
                         }
                         continue;
                     }
@@ -216,9 +232,9 @@ impl Scheduler {
                 };
                 plan.isolated = Some(PlanEntry {
                     seq: seq.id,
-                    start: 0,
-                    len,
-                    sample: len == seq.len(),
+                    start,
+                    len: prompt_len - start,
+                    sample: prompt_len == seq.len(),
                 });
                 self.running.push(seq);
                 continue;

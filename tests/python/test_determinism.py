@@ -216,3 +216,45 @@ async def test_requests_joining_mid_decode(flat_model: str, profile: tuple[str, 
         assert fingerprint_bits(needle) == solo
     finally:
         engine.shutdown()
+
+
+_LIBC_PROBE = """
+import json, struct, sys
+import detspec
+llm = detspec.LLM(sys.argv[1], num_kv_pages=256, kernel_profile=sys.argv[2])
+sp = detspec.SamplingParams(temperature=0.8, seed=5, max_tokens=24, ignore_eos=True,
+                            logprobs=0, deterministic=True)
+c = llm.generate([list(range(3, 60))], sp, use_tqdm=False)[0].outputs[0]
+print(json.dumps([c.token_ids, [struct.pack("<f", lp[t].logprob).hex()
+                                for t, lp in zip(c.token_ids, c.logprobs)]]))
+"""
+
+
+@pytest.mark.parametrize("kernel_profile", ["invariant", "shape_dependent"])
+def test_bits_do_not_depend_on_the_c_librarys_cpu_dispatch(
+    flat_model: str, kernel_profile: str
+) -> None:
+    """glibc picks its math functions' variant (FMA, AVX2, ...) by CPU at run time; masking
+    those features with GLIBC_TUNABLES plays a CPU without them. The forward takes nothing from
+    the C library's math, so the bits stay."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    def run(env: dict[str, str]) -> list:
+        out = subprocess.run(
+            [sys.executable, "-c", _LIBC_PROBE, flat_model, kernel_profile],
+            env={**os.environ, **env},
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    masked = ",".join(
+        f"-{f}{suffix}"
+        for f in ("AVX512F", "AVX2", "FMA", "FMA4", "AVX")
+        for suffix in ("", "_Usable")
+    )
+    assert run({}) == run({"GLIBC_TUNABLES": f"glibc.cpu.hwcaps={masked}"})

@@ -9,7 +9,7 @@
 
 use std::ops::Range;
 
-use crate::dvr::{replay::push_pad_row, ScoringShape};
+use crate::dvr::{replay::fixed_shape_passes, ScoringShape};
 use crate::error::{DetspecError, Result};
 use crate::kv::BlockTable;
 use crate::model::ForwardBatch;
@@ -189,7 +189,11 @@ impl EngineCore {
             wanted.push(prompt.len() - 1..prompt.len() - 1 + completion.len());
         }
         match self.policy.scoring_shape() {
-            ScoringShape::Generation { rows, pad_page } if fixed => {
+            ScoringShape::Generation {
+                prefill_rows,
+                verify_rows,
+                pad_page,
+            } if fixed => {
                 self.check_sequences(&seqs)?;
                 seqs.iter()
                     .zip(pairs)
@@ -197,7 +201,12 @@ impl EngineCore {
                         if completion.is_empty() {
                             return Ok(Vec::new());
                         }
-                        self.logits_as_generated(seq, prompt.len(), rows, pad_page)
+                        self.logits_as_generated(
+                            seq,
+                            prompt.len(),
+                            (prefill_rows, verify_rows),
+                            pad_page,
+                        )
                     })
                     .collect()
             }
@@ -207,32 +216,28 @@ impl EngineCore {
 
     /// The logits of rows `prompt_len - 1..` of `seq` (a prompt and the completion tokens fed
     /// after it), `[rows × vocab]`, computed in the shapes a deterministic generation of them
-    /// ran at under replay: the prompt alone with only its last row projected (the isolated
-    /// prefill), then the completion in passes of exactly `rows` rows (B × W), each row
-    /// projected, padded on the pad page (the verify passes). A row's bits depend only on its
-    /// own sequence at a fixed shape, so where the generation's windows began does not matter.
+    /// ran at under replay: the prompt in passes of `prefill_rows` rows (the isolated
+    /// prefill), then the completion in passes of `verify_rows` rows (the verify passes). A
+    /// row's bits depend only on its own sequence at a fixed shape, so where the generation's
+    /// windows began does not matter.
     fn logits_as_generated(
         &mut self,
         seq: &[u32],
         prompt_len: usize,
-        rows: usize,
+        (prefill_rows, verify_rows): (usize, usize),
         pad_page: u32,
     ) -> Result<Vec<f32>> {
         let ps = self.cfg.page_size;
+        let vocab = self.info.config.vocab_size;
         let mut table = BlockTable::new();
         let reserved = table.reserve(seq.len(), ps, self.alloc.as_ref());
         let result = (|| {
             reserved?;
-            let new_batch = |pages: Vec<Vec<u32>>| ForwardBatch {
-                attention: AttentionMetadata {
-                    sliding_window: self.info.config.sliding_window,
-                    schedule: AttentionSchedule::Fixed,
-                    block_tables: pages,
-                    ..Default::default()
-                },
-                ..Default::default()
-            };
-            let push_rows = |batch: &mut ForwardBatch, range: Range<usize>| -> Result<()> {
+            // Rows `range` of `seq`, the last one's logits wanted when `last_logits`.
+            let rows = |range: Range<usize>, last_logits: bool| -> Result<ForwardBatch> {
+                let mut batch = ForwardBatch::default();
+                batch.attention.sliding_window = self.info.config.sliding_window;
+                batch.attention.block_tables = vec![table.pages().to_vec()];
                 for pos in range {
                     let slot = table.slot(pos, ps).ok_or_else(|| {
                         DetspecError::param("page_size", "slot missing after reserve")
@@ -242,24 +247,26 @@ impl EngineCore {
                     batch.attention.positions.push(pos as u32);
                     batch.attention.row_seq.push(0);
                 }
-                Ok(())
-            };
-            let mut prefill = new_batch(vec![table.pages().to_vec()]);
-            push_rows(&mut prefill, 0..prompt_len)?;
-            prefill.logit_rows = vec![(prompt_len - 1) as u32];
-            let mut out = self.forward_f32(&prefill)?;
-            let mut start = prompt_len;
-            while start < seq.len() {
-                let end = (start + rows).min(seq.len());
-                let mut pass = new_batch(vec![table.pages().to_vec(), vec![pad_page]]);
-                push_rows(&mut pass, start..end)?;
-                for _ in end - start..rows {
-                    push_pad_row(&mut pass, pad_page * ps as u32, 1);
+                if last_logits {
+                    batch.logit_rows = vec![(batch.tokens.len() - 1) as u32];
                 }
-                pass.logit_rows = (0..rows as u32).collect();
+                Ok(batch)
+            };
+            let mut out = Vec::with_capacity((seq.len() + 1 - prompt_len) * vocab);
+            let prompt = rows(0..prompt_len, true)?;
+            for (pass, row) in fixed_shape_passes(&prompt, prefill_rows, pad_page, ps) {
                 let logits = self.forward_f32(&pass)?;
-                out.extend_from_slice(&logits[..(end - start) * self.info.config.vocab_size]);
-                start = end;
+                if let Some(r) = row {
+                    out.extend_from_slice(&logits[r * vocab..(r + 1) * vocab]);
+                }
+            }
+            if seq.len() > prompt_len {
+                let completion = rows(prompt_len..seq.len(), false)?;
+                for (pass, _) in fixed_shape_passes(&completion, verify_rows, pad_page, ps) {
+                    let real = pass.attention.row_seq.iter().filter(|&&s| s == 0).count();
+                    let logits = self.forward_f32(&pass)?;
+                    out.extend_from_slice(&logits[..real * vocab]);
+                }
             }
             Ok(out)
         })();

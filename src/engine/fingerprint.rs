@@ -1,0 +1,96 @@
+//! The fingerprint: one string that names everything that can change a deterministic output's
+//! bits, so two outputs are comparable exactly when their fingerprints are equal.
+//!
+//! `detspec-<weights>-m<model>-<dtype>-<device>-k<kernels>-<determinism>`:
+//! - `weights`: the content hash of every parameter as the engine holds it (it follows weight
+//!   updates; restoring old weights restores it);
+//! - `model`: the config values the forward reads (architecture, sizes, head layout, norm eps,
+//!   rope settings, sliding window, biases, q/k norm, tied embeddings), the EOS ids, and the
+//!   bytes of the tokenizer, its config, the chat template and the generation config;
+//! - `dtype`, `device`: what the weights and KV are held in, and where;
+//! - `kernels`: [`KERNEL_VERSION`] plus the CPU kernel profile when it is not the invariant one;
+//! - `determinism`: the determinism policy's label (mode, strategy, W and B where they matter).
+//!
+//! Every hash is xxh3 with its fixed default key: the same inputs give the same fingerprint on
+//! every machine and run.
+
+use std::path::Path;
+
+use xxhash_rust::xxh3::Xxh3;
+
+use crate::config::{KernelProfile, ModelConfig};
+use crate::error::{DetspecError, Result};
+
+/// Bumped whenever a kernel's reduction order changes, so fingerprints tell old outputs apart.
+/// 2: the CPU's packed fixed-order GEMM (`ops::gemm`) in every linear layer; attention scores
+/// over a per-page transposed K cache; polynomial `exp` in attention and log-sum-exp.
+/// 3: SwiGLU's `exp` is that polynomial too (`ops::silu`), not libm's `expf`.
+/// 4: the rope tables' `sin`/`cos`/`pow` come from the `libm` crate (the same code on every
+/// machine), not from the C library, whose variant glibc picks by CPU at run time.
+pub const KERNEL_VERSION: u32 = 4;
+
+/// Files of a model directory whose content changes what a request's text or tokens become.
+const TOKENIZER_FILES: [&str; 4] = [
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "generation_config.json",
+];
+
+/// Hash of the config values the forward reads, the EOS ids and the tokenizer files of `dir`.
+pub fn model_digest(cfg: &ModelConfig, dir: &Path, eos: &[u32]) -> Result<u64> {
+    let mut h = Xxh3::new();
+    let forward = format!(
+        "{:?}|h{}|i{}|l{}|a{}|kv{}|d{}|v{}|eps{:016x}|{:?}|tie{}|qkvb{}|ob{}|mb{}|qkn{}|sw{:?}",
+        cfg.architecture,
+        cfg.hidden_size,
+        cfg.intermediate_size,
+        cfg.num_hidden_layers,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+        cfg.vocab_size,
+        cfg.rms_norm_eps.to_bits(),
+        cfg.rope,
+        cfg.tie_word_embeddings,
+        cfg.qkv_bias,
+        cfg.o_bias,
+        cfg.mlp_bias,
+        cfg.qk_norm,
+        cfg.sliding_window,
+    );
+    h.update(forward.as_bytes());
+    h.update(format!("|eos{eos:?}").as_bytes());
+    for name in TOKENIZER_FILES {
+        let path = dir.join(name);
+        if path.is_file() {
+            let bytes = std::fs::read(&path).map_err(|e| DetspecError::io(&path, e))?;
+            h.update(format!("|{name}:{}:", bytes.len()).as_bytes());
+            h.update(&bytes);
+        }
+    }
+    Ok(h.digest())
+}
+
+/// Everything after the weights hash.
+pub fn tail(
+    model_digest: u64,
+    dtype: &str,
+    device: &str,
+    profile: KernelProfile,
+    determinism: &str,
+) -> String {
+    let profile = match profile {
+        KernelProfile::Invariant => "",
+        KernelProfile::ShapeDependent => "-shapedep",
+    };
+    format!(
+        "m{:08x}-{dtype}-{device}-k{KERNEL_VERSION}{profile}-{determinism}",
+        model_digest as u32
+    )
+}
+
+/// The whole fingerprint.
+pub fn fingerprint_of(weights_hash: u64, tail: &str) -> String {
+    format!("detspec-{weights_hash:016x}-{tail}")
+}
