@@ -43,6 +43,17 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)
     error: str = ""
 
+    def arrived(self, ntok: int, start: float, last: float) -> float:
+        """Records ``ntok`` tokens arriving now (the request started at ``start``, the last
+        tokens arrived at ``last``); returns now."""
+        now = time.perf_counter()
+        if self.output_tokens == 0:
+            self.ttft = now - start
+        else:
+            self.itl.append(now - last)
+        self.output_tokens += ntok
+        return now
+
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=("openai", "inprocess"), default="openai")
@@ -159,13 +170,7 @@ async def _http_request(
                     return res
                 ntok = sum(len(c.get("token_ids") or []) for c in chunk.get("choices", []))
                 if ntok:
-                    now = time.perf_counter()
-                    if res.output_tokens == 0:
-                        res.ttft = now - start
-                    else:
-                        res.itl.append(now - last)
-                    last = now
-                    res.output_tokens += ntok
+                    last = res.arrived(ntok, start, last)
     except Exception as e:  # network errors count as failures, not crashes
         res.error = f"{type(e).__name__}: {e}"
         return res
@@ -190,16 +195,10 @@ async def _inprocess_request(
     start = time.perf_counter()
     last = start
     try:
-        async for out in engine.generate(req.prompt, params, request_id=rid):
+        async for out in engine.generate(req.prompt, params, request_id=rid, delta=True):
             n = len(out.outputs[0].token_ids)
-            if n > res.output_tokens:
-                now = time.perf_counter()
-                if res.output_tokens == 0:
-                    res.ttft = now - start
-                else:
-                    res.itl.append(now - last)
-                last = now
-                res.output_tokens = n
+            if n:
+                last = res.arrived(n, start, last)
     except Exception as e:
         res.error = f"{type(e).__name__}: {e}"
         return res
