@@ -58,6 +58,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=None,
         help="where the model is (written there if missing); default: a temporary directory",
     )
+    p.add_argument(
+        "--kernel-profile",
+        default="invariant",
+        choices=["invariant", "shape_dependent"],
+        help="CPU GEMM profile; shape_dependent is the replay test profile, whose rollbacks "
+        "happen by themselves",
+    )
     p.add_argument("--num-requests", type=int, default=200)
     p.add_argument("--max-prompt-len", type=int, default=200)
     p.add_argument("--max-tokens", type=int, default=64)
@@ -195,6 +202,7 @@ def engine_kwargs(args: argparse.Namespace, **over) -> dict:
         "verify_window": args.verify_window,
         "verify_group": args.verify_group,
         "verify_strategy": args.verify_strategy,
+        "kernel_profile": args.kernel_profile,
     }
     kw.update(over)
     return kw

@@ -82,6 +82,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N (the CUDA wheel)")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    p.add_argument(
+        "--kernel-profile",
+        default="invariant",
+        choices=["invariant", "shape_dependent"],
+        help="CPU GEMM profile; shape_dependent is the replay test profile (auto = replay)",
+    )
     p.add_argument("--num-requests", type=int, default=50)
     p.add_argument("--prompt-len", type=int_range, default=(32, 128), help="min,max (uniform)")
     p.add_argument("--output-len", type=int_range, default=(32, 64), help="min,max (uniform)")
@@ -375,6 +381,8 @@ def common_engine_kw(args) -> dict:
     kw: dict = {}
     if "enable_prefix_caching" in params:
         kw["enable_prefix_caching"] = args.prefix_caching == "on"
+    if args.kernel_profile != "invariant":
+        kw["kernel_profile"] = args.kernel_profile
     if args.device != "cpu" or args.dtype != "auto":
         kw.update(device=args.device, dtype=args.dtype)
     return kw

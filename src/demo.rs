@@ -3,6 +3,7 @@
 //! come from a seeded generator and the tokenizer is a byte-level BPE trained on an embedded
 //! corpus.
 
+use crate::sampling::rng::{mix64, SPLITMIX_GAMMA};
 use std::path::Path;
 
 use safetensors::tensor::{Dtype, TensorView};
@@ -116,11 +117,8 @@ struct Normal(u64);
 
 impl Normal {
     fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e3779b97f4a7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58476d1ce4e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d049bb133111eb);
-        z ^ (z >> 31)
+        self.0 = self.0.wrapping_add(SPLITMIX_GAMMA);
+        mix64(self.0)
     }
 
     fn sample(&mut self) -> f32 {

@@ -138,3 +138,66 @@ fn bad_shapes_are_errors() {
     let p = PackedWeight::from_row_major(&[1.0; 6], 2, 3).expect("pack");
     assert!(packed_matmul(&[1.0; 5], 2, &p).is_err());
 }
+
+/// The `shape_dependent` test profile: at a fixed M a row's bits do not depend on its
+/// neighbours, its index, the thread count or the instruction set (shape-consistent and
+/// position-invariant, as the verify passes need), but across M they change, as cuBLAS's do:
+/// otherwise the replay path would meet no real mismatch on CPU.
+#[test]
+fn split_k_rows_are_shape_consistent_but_change_with_m() {
+    use detspec::config::KernelProfile;
+    use detspec::ops::{packed_matmul_reduced, Reduction};
+    let (k, n) = (512, 96);
+    let w = values(7, k * n);
+    let packed = PackedWeight::from_row_major(&w, k, n).expect("pack");
+    let row = values(8, k);
+    let row_bits_at = |m: usize, at: usize, seed: u64, isa: CpuIsa, threads: usize| {
+        let mut a = values(seed, m * k);
+        a[at * k..(at + 1) * k].copy_from_slice(&row);
+        let reduction = Reduction::for_rows(KernelProfile::ShapeDependent, m, false);
+        let c = in_pool(threads, || {
+            packed_matmul_reduced(&a, m, &packed, isa, reduction)
+        })
+        .expect("gemm");
+        c[at * n..(at + 1) * n]
+            .iter()
+            .map(|x| x.to_bits())
+            .collect::<Vec<u32>>()
+    };
+    let mut per_m = Vec::new();
+    for m in [1usize, 2, 4, 8, 16, 32, 64, 100, 512] {
+        let first = row_bits_at(m, 0, 100, CpuIsa::detect(), 1);
+        for isa in CpuIsa::available() {
+            for (at, seed, threads) in [(m - 1, 200, 2), (m / 2, 300, 1)] {
+                assert_eq!(
+                    row_bits_at(m, at, seed, isa, threads),
+                    first,
+                    "M={m}: a row's bits moved with its index, neighbours, threads or ISA"
+                );
+            }
+        }
+        per_m.push((m, first));
+    }
+    // Adjacent power-of-two buckets pick another split: the row's bits change.
+    for pair in per_m
+        .windows(2)
+        .filter(|p| p[0].0.ilog2() % 3 != p[1].0.ilog2() % 3)
+    {
+        let ((m0, a), (m1, b)) = (&pair[0], &pair[1]);
+        let differing = a.iter().zip(b).filter(|(x, y)| x != y).count();
+        assert!(
+            differing > n / 4,
+            "M={m0} vs M={m1}: only {differing} of {n} elements differ"
+        );
+    }
+    // The invariant profile ignores M.
+    assert_eq!(
+        Reduction::for_rows(KernelProfile::Invariant, 7, false),
+        Reduction::Sequential
+    );
+    // The batch-invariant mode uses one kernel (the one for 16 rows) at every M.
+    assert_eq!(
+        Reduction::for_rows(KernelProfile::ShapeDependent, 3, true),
+        Reduction::for_rows(KernelProfile::ShapeDependent, 300, true)
+    );
+}

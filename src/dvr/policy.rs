@@ -18,7 +18,7 @@
 //! 2. [`DeterminismPolicy::page_class`] while the scheduler plans (which cached pages a
 //!    sequence may read) and when prompt pages enter the prefix cache;
 //! 3. [`DeterminismPolicy::on_preempt`] for each sequence the plan preempted;
-//! 4. [`DeterminismPolicy::prepare_shared_batch`] / [`DeterminismPolicy::prepare_isolated_batch`]
+//! 4. [`DeterminismPolicy::prepare_shared_batch`] / [`DeterminismPolicy::isolated_prefill_passes`]
 //!    before the forward passes;
 //! 5. [`DeterminismPolicy::after_sample`] for each sampled row;
 //! 6. [`DeterminismPolicy::after_step`] (replay: the due verify passes, accept, roll back);

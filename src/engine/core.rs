@@ -352,7 +352,7 @@ impl EngineCore {
                 output: Vec::new(),
                 logprobs: Vec::new(),
                 params: req.params.clone(),
-                seed: completion_seed(base_seed, index),
+                seed: sampling::completion_seed(base_seed, index),
                 num_computed: 0,
                 block_table: BlockTable::new(),
                 finish: None,
@@ -749,16 +749,4 @@ impl EngineCore {
         }
         Ok((batch, sampled))
     }
-}
-
-/// Seed of completion `index` of a request: the request's seed for the first, distinct
-/// well-mixed seeds for the others, so `n > 1` samples differ but stay reproducible.
-pub(crate) fn completion_seed(seed: u64, index: usize) -> u64 {
-    if index == 0 {
-        return seed;
-    }
-    let mut z = seed ^ (index as u64).wrapping_mul(0x9e3779b97f4a7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58476d1ce4e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d049bb133111eb);
-    z ^ (z >> 31)
 }

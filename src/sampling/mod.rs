@@ -13,5 +13,5 @@ pub mod sampler;
 
 pub use next_token::sample_next;
 pub use params::{SamplingParams, GREEDY_TEMPERATURE_EPS, MAX_LOGPROBS};
-pub use rng::{gumbel, request_seed_from_entropy, uniform, GUMBEL_MAX};
+pub use rng::{completion_seed, gumbel, request_seed_from_entropy, uniform, GUMBEL_MAX};
 pub use sampler::{rank_of, sample, score_token, SampleInput, SampledToken};

@@ -35,9 +35,21 @@ const K_INDEX: u64 = 0x8CB9_2BA7_2F3D_8DD7;
 /// 2^-52, the spacing of the grid that [`uniform`] returns values on.
 const TWO_POW_M52: f64 = 1.0 / (1u64 << 52) as f64;
 
+/// SplitMix64's increment (the golden ratio in 64 bits): steps its state, spreads counters.
+pub const SPLITMIX_GAMMA: u64 = 0x9e37_79b9_7f4a_7c15;
+
+/// Seed of completion `index` of a request: the request's seed for the first, distinct
+/// well-mixed seeds for the others, so `n > 1` samples differ but stay reproducible.
+pub fn completion_seed(seed: u64, index: usize) -> u64 {
+    if index == 0 {
+        return seed;
+    }
+    mix64(seed ^ (index as u64).wrapping_mul(SPLITMIX_GAMMA))
+}
+
 /// SplitMix64's output finaliser (Stafford's "Mix13"): a bijection on `u64` with strong avalanche.
 #[inline]
-fn mix64(mut z: u64) -> u64 {
+pub fn mix64(mut z: u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
     z ^ (z >> 31)

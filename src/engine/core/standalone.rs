@@ -17,7 +17,7 @@ use crate::ops::{AttentionMetadata, AttentionSchedule};
 use crate::output::TokenLogprobs;
 use crate::sampling::{self, SamplingParams};
 
-use super::{completion_seed, EngineCore};
+use super::EngineCore;
 
 /// What a standalone forward returns for each wanted row.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -348,7 +348,7 @@ impl EngineCore {
                     ))
                 }
             };
-            seeds.push(completion_seed(seed, it.completion_index));
+            seeds.push(sampling::completion_seed(seed, it.completion_index));
         }
         let pairs: Vec<(Vec<u32>, Vec<u32>)> = items
             .iter()
