@@ -42,7 +42,6 @@ import os
 import random
 import struct
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -320,19 +319,11 @@ def main(argv=None) -> int:
     t_start = time.monotonic()
     deadline = t_start + args.time_limit
 
-    from detspec import _core
+    from bench_model import bench_model, vocab_size
 
-    tmp = None
-    if args.model_dir is None:
-        tmp = tempfile.TemporaryDirectory(prefix="detspec-stress-")
-        args.model_dir = Path(tmp.name)
+    args.model_dir = bench_model(args.model_dir, args.model)
     model_dir = str(args.model_dir)
-    if not (args.model_dir / "config.json").exists():
-        args.model_dir.mkdir(parents=True, exist_ok=True)
-        _core.write_demo_model(model_dir, args.model, 0)
-    with open(args.model_dir / "config.json") as f:
-        cfg = json.load(f)
-    vocab = int(cfg["vocab_size"])
+    vocab = vocab_size(model_dir)
 
     trace = build_trace(args, vocab)
     n = len(trace)

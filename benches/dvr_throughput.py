@@ -53,7 +53,6 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -673,19 +672,13 @@ def table_sweep(rows: list[dict], windows: list[int], groups: list[int]) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    import detspec
-    from detspec import _core
+    from bench_model import bench_model, vocab_size
 
-    tmp = None
-    if args.model_dir is None:
-        tmp = tempfile.TemporaryDirectory(prefix="detspec-dvr-bench-")
-        args.model_dir = Path(tmp.name)
+    import detspec
+
+    args.model_dir = bench_model(args.model_dir, args.model)
     model_dir = str(args.model_dir)
-    if not (args.model_dir / "config.json").exists():
-        args.model_dir.mkdir(parents=True, exist_ok=True)
-        _core.write_demo_model(model_dir, args.model, 0)
-    with open(args.model_dir / "config.json") as f:
-        vocab = int(json.load(f)["vocab_size"])
+    vocab = vocab_size(model_dir)
 
     t_start = time.perf_counter()
     report: dict = {

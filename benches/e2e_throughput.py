@@ -43,7 +43,6 @@ import platform
 import resource
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -438,18 +437,12 @@ def machine_info() -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from detspec import __version__ as detspec_version
-    from detspec import _core
+    from bench_model import bench_model, model_config
 
-    tmp = None
-    model_dir = args.model_dir
-    if model_dir is None:
-        tmp = tempfile.TemporaryDirectory(prefix="detspec-bench-")
-        model_dir = Path(tmp.name) / "bench"
-    if not (model_dir / "config.json").exists():
-        print(f"writing the benchmark model to {model_dir}", file=sys.stderr, flush=True)
-        _core.write_demo_model(str(model_dir), "bench", 0)
-    config = json.loads((model_dir / "config.json").read_text())
+    from detspec import __version__ as detspec_version
+
+    model_dir = bench_model(args.model_dir, "bench", verbose=True)
+    config = model_config(model_dir)
     model_keys = (
         "hidden_size",
         "num_hidden_layers",
@@ -515,8 +508,6 @@ def main(argv=None) -> int:
             r.pop("tokens", None)
         args.out.write_text(json.dumps(result, indent=2))
         print(f"wrote {args.out}", file=sys.stderr)
-    if tmp is not None:
-        tmp.cleanup()
     return 0
 
 

@@ -20,14 +20,13 @@ import sys
 import time
 
 import numpy as np
+from bench_model import bench_model
 
-from detspec import LLM, SamplingParams, _core
+from detspec import LLM, SamplingParams
 
 
 def main(argv: list[str]) -> None:
-    model = os.environ.get("DETSPEC_BENCH_MODEL", "/tmp/benchmodel")
-    if not os.path.exists(os.path.join(model, "config.json")):
-        _core.write_demo_model(model, "bench", 0)
+    model = str(bench_model(os.environ.get("DETSPEC_BENCH_MODEL", "/tmp/benchmodel"), "bench"))
     n = int(argv[0])
     runs, max_tokens = 1, 64
     kw: dict[str, int | str | bool] = {}

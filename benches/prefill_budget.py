@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import json
 import os
-import tempfile
 import time
 from pathlib import Path
 
@@ -86,13 +85,9 @@ async def run_once(model_dir: str, budget: int, prompts: list[list[int]], out_le
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from detspec import _core
+    from bench_model import bench_model
 
-    tmp = None
-    if args.model_dir is None:
-        tmp = tempfile.TemporaryDirectory(prefix="detspec-budget-")
-        args.model_dir = Path(tmp.name)
-        _core.write_demo_model(tmp.name, "bench", 0)
+    args.model_dir = bench_model(args.model_dir, "bench")
     rng = np.random.default_rng(0)
     prompts = [
         [int(x) for x in rng.integers(3, 30000, args.prompt_len)] for _ in range(args.requests)

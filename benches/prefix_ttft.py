@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import struct
-import tempfile
 import time
 from pathlib import Path
 
@@ -35,12 +34,12 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
 
-    from detspec import LLM, SamplingParams, _core
+    from bench_model import bench_model, vocab_size
 
-    model_dir = args.model_dir or Path(tempfile.mkdtemp()) / "model"
-    if not (model_dir / "config.json").exists():
-        _core.write_demo_model(str(model_dir), args.model, 0)
-    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    from detspec import LLM, SamplingParams
+
+    model_dir = bench_model(args.model_dir, args.model)
+    vocab = vocab_size(model_dir)
     rng = np.random.default_rng(0)
     prefix = [int(x) for x in rng.integers(3, vocab, size=args.prefix_len)]
     sp = SamplingParams(temperature=0.0, max_tokens=1, logprobs=0, deterministic=True)

@@ -24,15 +24,14 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from typing import Any
 
 import httpx
+from bench_model import bench_model
 from serve_process import bench_args, free_port, wait_ready
 
-from detspec import _core
-from detspec.server.bench import run_benchmark
+from detspec.bench import run_benchmark
 
 
 def bench(url: str, label: str, **kw: Any) -> dict[str, Any]:
@@ -178,18 +177,14 @@ def main() -> int:
     cores = os.cpu_count() or 1
     # (replicas, engine threads per replica): one replica on every core; two that split them.
     args.ray_configs = [(1, cores), (2, max(1, cores // 2))]
-    with tempfile.TemporaryDirectory() as tmp:
-        model = args.model
-        if model is None:
-            model = os.path.join(tmp, "bench")
-            _core.write_demo_model(model, "bench", 0)
-        proc, direct_url = start_direct(model, cores)
-        try:
-            results = workloads(direct_url, f"direct threads={cores}", args)
-            results += run_ray(model, direct_url, args)
-        finally:
-            proc.terminate()
-            proc.wait(30)
+    model = str(bench_model(args.model, "bench"))
+    proc, direct_url = start_direct(model, cores)
+    try:
+        results = workloads(direct_url, f"direct threads={cores}", args)
+        results += run_ray(model, direct_url, args)
+    finally:
+        proc.terminate()
+        proc.wait(30)
     meta = {"cpu_count": cores, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     if args.out:
         with open(args.out, "w") as f:

@@ -19,9 +19,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bench_model import bench_model
 from serve_process import bench_args, free_port, wait_ready
 
-from detspec.server.bench import run_benchmark
+from detspec.bench import run_benchmark
 
 
 def median_rows(results: list[dict]) -> list[dict]:
@@ -116,13 +117,8 @@ def main() -> int:
     args = ap.parse_args()
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model = args.model
-    if model is None:
-        # The random tiny model the docs' numbers were measured on (not the shipped one).
-        import detspec
-
-        model = tempfile.mkdtemp(prefix="bench-model-")
-        detspec._core.write_demo_model(model, "tiny", 0)
+    # Default: the random tiny model the docs' numbers were measured on (not the shipped one).
+    model = str(bench_model(args.model, "tiny"))
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     log = tempfile.NamedTemporaryFile(prefix="bench-server-", suffix=".log", delete=False)

@@ -9,7 +9,7 @@ import time
 
 import httpx
 
-from detspec.server.bench import add_bench_arguments
+from detspec.bench import add_bench_arguments
 
 
 def free_port() -> int:

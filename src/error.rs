@@ -100,6 +100,17 @@ impl DetspecError {
         }
     }
 
+    /// The parameter at fault, for errors that name one (a request parameter, or the tensor
+    /// of a weight update): Python's `DetspecError.param`, the HTTP error body's `param`.
+    pub fn param_name(&self) -> Option<&str> {
+        match self {
+            Self::InvalidParameter { name, .. } => Some(name),
+            // A weight update's parameter at fault is the tensor.
+            Self::MissingTensor { name, .. } | Self::BadTensor { name, .. } => Some(name),
+            _ => None,
+        }
+    }
+
     /// Shorthand for [`DetspecError::InvalidFile`].
     pub fn file(path: impl Into<PathBuf>, message: impl Into<String>) -> Self {
         Self::InvalidFile {

@@ -2,8 +2,11 @@
 
 use std::fmt;
 
+use serde::ser::{Serialize, Serializer};
+
 /// Why a sequence stopped.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
 pub enum FinishReason {
     /// EOS, a stop token id or a stop string.
     Stop,
@@ -23,8 +26,10 @@ impl fmt::Display for FinishReason {
     }
 }
 
-/// What caused a `Stop` finish, as vLLM's `stop_reason`.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// What caused a `Stop` finish, as vLLM's `stop_reason` (serialized as the token id or the
+/// string).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[serde(untagged)]
 pub enum StopReason {
     /// EOS or a stop token id.
     Token(u32),
@@ -44,8 +49,15 @@ pub struct TokenLogprobs {
     pub top: Vec<(u32, f32)>,
 }
 
+/// Serialized as the tuple `(token, logprob, rank, top)`, the form Python receives.
+impl Serialize for TokenLogprobs {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        (self.token, self.logprob, self.rank, &self.top).serialize(s)
+    }
+}
+
 /// One completion of a request.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct CompletionOutput {
     pub index: usize,
     pub token_ids: Vec<u32>,
@@ -58,7 +70,7 @@ pub struct CompletionOutput {
 }
 
 /// The state of one request: a snapshot while streaming, the final result once `finished`.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct RequestOutput {
     pub request_id: String,
     pub prompt: Option<String>,
@@ -72,7 +84,7 @@ pub struct RequestOutput {
 }
 
 /// Timing and counts of one request (times in seconds since the Unix epoch, as vLLM).
-#[derive(Debug, Clone, Default, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
 pub struct RequestMetrics {
     pub arrival_time: f64,
     pub first_scheduled_time: Option<f64>,

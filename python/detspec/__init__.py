@@ -12,7 +12,12 @@ except ImportError as e:
     raise
 
 from detspec.async_llm import AsyncLLM  # noqa: E402
-from detspec.errors import DetspecError, InvalidRequestError, ModelLoadError
+from detspec.errors import (
+    DetspecError,
+    EngineStoppedError,
+    InvalidRequestError,
+    ModelLoadError,
+)
 from detspec.llm import LLM, Tokenizer
 from detspec.outputs import CompletionOutput, Logprob, RequestOutput
 from detspec.sampling_params import SamplingParams
@@ -22,6 +27,7 @@ __all__ = [
     "LLM",
     "CompletionOutput",
     "DetspecError",
+    "EngineStoppedError",
     "InvalidRequestError",
     "Logprob",
     "ModelLoadError",

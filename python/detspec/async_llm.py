@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from detspec import _core
-from detspec.errors import DetspecError, InvalidRequestError
+from detspec.errors import DetspecError, EngineStoppedError
 from detspec.llm import PromptType, _EngineClient, _normalise_prompts
 from detspec.outputs import RequestOutput
 from detspec.sampling_params import SamplingParams
@@ -20,7 +20,8 @@ class AsyncLLM(_EngineClient):
     """Continuous-batching engine with an asyncio streaming API.
 
     ``async for out in engine.generate(prompt, params, request_id="r1")`` yields cumulative
-    ``RequestOutput`` snapshots as tokens are committed; the last has ``finished=True``.
+    ``RequestOutput`` snapshots as tokens are committed (``delta=True``: what is new in
+    each); the last has ``finished=True``.
     Cancelling the consuming task (or breaking out of the loop) aborts the request.
     """
 
@@ -66,27 +67,30 @@ class AsyncLLM(_EngineClient):
         prompt: PromptType,
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
+        *,
+        delta: bool = False,
     ) -> AsyncIterator[RequestOutput]:
-        """Streams cumulative outputs of one request."""
+        """Streams the outputs of one request: cumulative snapshots, or with ``delta=True``
+        (vLLM's ``RequestOutputKind.DELTA``) only what is new in each (``token_ids``,
+        ``text`` and ``logprobs`` of each completion; finish and stop reasons, the
+        cumulative logprob and metrics as in a snapshot)."""
         if self._closed:
-            raise DetspecError("engine is shut down")
+            raise EngineStoppedError("engine is shut down")
         (p,) = _normalise_prompts([prompt])
         params = sampling_params or SamplingParams()
         rid = request_id if request_id is not None else self._new_request_id()
         q: asyncio.Queue[Any] = asyncio.Queue()
+        # Submitted under the lock the dispatcher takes to find a request's consumer, so no
+        # output arrives before the consumer is registered; the engine refuses a duplicate
+        # id before anything is registered, so the running request with that id is neither
+        # detached from its consumer nor aborted.
         with self._lock:
-            if rid in self._streams:
-                # Checked before anything is registered, so the running request with this id
-                # is neither detached from its consumer nor aborted.
-                raise InvalidRequestError(
-                    f"invalid request `{rid}`: a request with this id is already running"
-                )
+            self._engine.add_request(self._queue, rid, p, params.to_dict(), delta)
             self._streams[rid] = (asyncio.get_running_loop(), q)
         self._ensure_dispatcher()
         finished = False
         prompt_logprobs = None
         try:
-            self._engine.add_request(self._queue, rid, p, params.to_dict())
             while True:
                 item = await q.get()
                 if isinstance(item, BaseException):
@@ -104,7 +108,9 @@ class AsyncLLM(_EngineClient):
                     return
         finally:
             with self._lock:
-                self._streams.pop(rid, None)
+                # A finished request's id may already serve a new request: drop only ours.
+                if self._streams.get(rid, (None, None))[1] is q:
+                    del self._streams[rid]
             if not finished:
                 try:
                     self._engine.abort(rid)
@@ -156,6 +162,11 @@ class AsyncLLM(_EngineClient):
     async def resume(self) -> None:
         """Resumes generation after ``pause`` (fails while the KV memory is released)."""
         await asyncio.to_thread(self._engine.resume)
+
+    @property
+    def is_closed(self) -> bool:
+        """Whether ``shutdown`` has run (no more requests are accepted)."""
+        return self._closed
 
     @property
     def is_paused(self) -> bool:

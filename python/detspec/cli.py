@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--seed", type=int, default=None)
 
     # The server and the benchmark import their dependencies only when run.
-    from detspec.server.bench import add_bench_arguments
+    from detspec.bench import add_bench_arguments
     from detspec.server.serve import add_serve_arguments
 
     s = sub.add_parser("serve", help="run the OpenAI-compatible server (needs detspec[serve])")
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return serve(args)
     if args.cmd == "bench":
-        from detspec.server.bench import bench_serve
+        from detspec.bench import bench_serve
 
         return bench_serve(args)
     return _generate(args)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -10,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from detspec import _core
+from detspec.engine_args import ENGINE_SETTINGS, engine_settings_doc, resolve_engine_settings
 from detspec.errors import InvalidRequestError
 from detspec.outputs import RequestOutput, request_output_from_dict
 from detspec.sampling_params import SamplingParams, _as_params_list
@@ -51,7 +53,8 @@ class Tokenizer:
         except (TypeError, ValueError) as e:
             raise InvalidRequestError(
                 f"invalid parameter `messages`: each message must be a JSON-serialisable mapping "
-                f"({e})"
+                f"({e})",
+                param="messages",
             ) from None
         text = self._engine.apply_chat_template(messages, add_generation_prompt, extra)
         return self.encode(text, add_special_tokens=False) if tokenize else text
@@ -85,64 +88,19 @@ def _normalise_prompts(prompts: PromptType | Sequence[PromptType]) -> list[str |
     return out
 
 
-# Engine settings that are counts (unsigned in the engine).
-_COUNT_SETTINGS = (
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "num_kv_pages",
-    "kv_cache_bytes",
-    "page_size",
-    "max_model_len",
-    "max_prefill_chunk",
-    "verify_window",
-    "verify_group",
-    "verify_finish_wait",
-    "num_threads",
-)
-
-
 class _EngineClient:
     """What LLM and AsyncLLM share: the engine (one constructor), its tokenizer, output
-    conversion. ``model=None`` uses the built-in default model (shipped in the package, no
-    download)."""
+        conversion. ``model=None`` uses the built-in default model (shipped in the package, no
+        download); the keyword arguments are the engine settings of
+        ``detspec.engine_args.ENGINE_SETTINGS``:
+
+    {settings}
+    """
 
     _engine: Any
 
-    def __init__(
-        self,
-        model: str | os.PathLike[str] | None = None,
-        *,
-        device: str = "cpu",
-        dtype: str = "auto",
-        kv_cache_dtype: str = "auto",
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 512,
-        num_kv_pages: int | None = None,
-        kv_cache_bytes: int | None = None,
-        page_size: int = 16,
-        max_model_len: int | None = None,
-        max_prefill_chunk: int | None = None,
-        determinism: str = "dvr",
-        verify_window: int = 64,
-        verify_group: int = 8,
-        verify_strategy: str = "auto",
-        kernel_profile: str = "invariant",
-        verify_finish_wait: int = 0,
-        fault_injection: float = 0.0,
-        enable_prefix_caching: bool = True,
-        num_threads: int | None = None,
-    ) -> None:
-        settings = {k: v for k, v in locals().items() if k not in ("self", "model")}
-        # Say which count is wrong instead of a bare OverflowError/TypeError from the
-        # conversion to an unsigned integer.
-        for name in _COUNT_SETTINGS:
-            value = settings[name]
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int) or value < 0
-            ):
-                raise InvalidRequestError(
-                    f"invalid parameter `{name}`: must be a non-negative integer, got {value!r}"
-                )
+    def __init__(self, model: str | os.PathLike[str] | None = None, **settings: Any) -> None:
+        settings = resolve_engine_settings(settings)
         if model is None:
             from detspec.default_model import default_model_dir
 
@@ -203,6 +161,43 @@ class _EngineClient:
         """How many weight updates have been applied since the model was loaded."""
         return self._engine.weight_version()
 
+    @property
+    def max_model_len(self) -> int:
+        """Longest prompt + output, in tokens."""
+        return int(self._engine.max_model_len())
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._engine.vocab_size())
+
+    @property
+    def determinism(self) -> str:
+        """The engine's determinism mode: ``"dvr"``, ``"batch_invariant"`` or ``"off"``."""
+        return str(self._engine.determinism())
+
+    def validate_request(
+        self,
+        prompt_token_ids: Sequence[int] | None = None,
+        sampling_params: SamplingParams | None = None,
+        *,
+        prompt_param: str = "prompt",
+    ) -> None:
+        """Checks a tokenized prompt and/or sampling parameters with the rules the engine
+        applies when a request is submitted (the same rule, message and parameter name),
+        without submitting anything. Raises ``InvalidRequestError`` whose ``param`` names the
+        parameter at fault; ``prompt_param`` is the prompt's name there (``"prompt[1]"``,
+        ``"messages"``)."""
+        ids = None
+        if prompt_token_ids is not None:
+            ids = [int(t) for t in prompt_token_ids]
+            if any(t < 0 for t in ids):
+                raise InvalidRequestError(
+                    f"invalid parameter `{prompt_param}`: token ids must be non-negative",
+                    param=prompt_param,
+                )
+        params = sampling_params.to_dict() if sampling_params is not None else None
+        self._engine.validate_request(ids, params, prompt_param)
+
     # The work behind the sync (LLM) and async (AsyncLLM) twins below; blocking calls that
     # release the GIL while the engine thread runs them between steps.
 
@@ -233,7 +228,8 @@ class _EngineClient:
             else:
                 raise InvalidRequestError(
                     f"invalid parameter `completions`: completion {i} must be a string or a "
-                    f"list of token ids, got {type(c).__name__}"
+                    f"list of token ids, got {type(c).__name__}",
+                    param="completions",
                 )
         return out
 
@@ -247,7 +243,8 @@ class _EngineClient:
         comp = self._completion_ids(completions)
         if len(ids) != len(comp):
             raise InvalidRequestError(
-                f"invalid parameter `completions`: got {len(comp)} for {len(ids)} prompts"
+                f"invalid parameter `completions`: got {len(comp)} for {len(ids)} prompts",
+                param="completions",
             )
         scored = self._engine.score(list(zip(ids, comp, strict=True)), 0, deterministic)
         return [[lp for _, lp, _, _ in s] for s in scored]
@@ -269,13 +266,15 @@ class _EngineClient:
             raise InvalidRequestError(
                 f"invalid parameter `output`: it was generated under fingerprint "
                 f"{output.fingerprint}, this engine's is {self.fingerprint}; an audit can only "
-                "re-run an output on the engine build and weights that produced it"
+                "re-run an output on the engine build and weights that produced it",
+                param="output",
             )
         params = params_for_audit(output, sampling_params)
         if not params.deterministic:
             raise InvalidRequestError(
                 "invalid parameter `output`: only deterministic outputs can be audited (a "
-                "non-deterministic one depends on what ran beside it)"
+                "non-deterministic one depends on what ran beside it)",
+                param="output",
             )
         items = [
             (list(output.prompt_token_ids), params.to_dict(), c.index, list(c.token_ids))
@@ -304,6 +303,30 @@ class _EngineClient:
     def shutdown(self) -> None:
         """Stops the engine thread; unfinished requests end with finish_reason "abort"."""
         self._engine.shutdown()
+
+
+_EngineClient.__doc__ = (_EngineClient.__doc__ or "").format(settings=engine_settings_doc())
+# What `help(LLM)` and IDEs show: the settings as keyword-only parameters.
+_EngineClient.__init__.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+    [
+        inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        inspect.Parameter(
+            "model",
+            inspect.Parameter.POSITIONAL_OR_KEYWORD,
+            default=None,
+            annotation="str | os.PathLike[str] | None",
+        ),
+        *(
+            inspect.Parameter(
+                s.name,
+                inspect.Parameter.KEYWORD_ONLY,
+                default=s.default,
+                annotation=f"{s.type.__name__} | None" if s.optional else s.type.__name__,
+            )
+            for s in ENGINE_SETTINGS
+        ),
+    ]
+)
 
 
 class LLM(_EngineClient):
@@ -361,7 +384,9 @@ class LLM(_EngineClient):
         if self.tokenizer is None:
             raise InvalidRequestError(f"chat needs a tokenizer: {self.model} has no tokenizer.json")
         if not messages:
-            raise InvalidRequestError("invalid parameter `messages`: no conversation given")
+            raise InvalidRequestError(
+                "invalid parameter `messages`: no conversation given", param="messages"
+            )
         single = isinstance(messages[0], Mapping)
         conversations = [messages] if single else list(messages)
         texts = [
@@ -399,7 +424,8 @@ class LLM(_EngineClient):
         ``last_hidden_state``) of each prompt, a float32 torch tensor ``[len, hidden]``."""
         if output != "hidden_states":
             raise InvalidRequestError(
-                f'invalid parameter `output`: only "hidden_states" is supported, got {output!r}'
+                f'invalid parameter `output`: only "hidden_states" is supported, got {output!r}',
+                param="output",
             )
         from detspec.torch import to_torch
 

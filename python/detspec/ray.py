@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 try:
-    from pydantic import BaseModel, ConfigDict, Field
+    from pydantic import BaseModel, ConfigDict, Field, create_model
     from ray import serve
     from ray.serve.config import RequestRouterConfig
     from ray.serve.handle import DeploymentHandle
@@ -33,6 +33,7 @@ except ImportError as e:  # say which extra brings it, not just the missing modu
         f"detspec.ray needs Ray Serve ({e.name} is missing): pip install 'detspec[ray]'"
     ) from e
 
+from detspec.engine_args import ENGINE_SETTINGS, SETTINGS_BY_NAME, EngineSetting
 from detspec.errors import DetspecError
 
 # Ray Serve's built-in consistent-hash router: requests with the same `x-session-id` header go
@@ -42,9 +43,8 @@ REPLICA_HEADER = "x-detspec-replica"
 FINGERPRINT_HEADER = "x-detspec-fingerprint"
 
 
-class DetspecServeArgs(BaseModel):
-    """What ``build_app`` takes; ``serve run`` passes ``key=value`` strings that pydantic
-    converts. Engine options left at None keep ``AsyncLLM``'s defaults."""
+class _ServeOptions(BaseModel):
+    """The deployment and server fields of :class:`DetspecServeArgs`."""
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
@@ -62,34 +62,21 @@ class DetspecServeArgs(BaseModel):
     served_model_name: str | None = None
     api_key: str | None = None
     max_waiting_requests: int | None = None
-    # engine
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    num_kv_pages: int | None = None
-    page_size: int | None = None
-    max_model_len: int | None = None
-    determinism: Literal["dvr", "batch_invariant", "off"] | None = None
-    verify_window: int | None = None
-    verify_group: int | None = None
-    verify_strategy: Literal["auto", "replay", "inline"] | None = None
-    verify_finish_wait: int | None = None
-    enable_prefix_caching: bool | None = None
-    num_threads: int | None = None
 
 
-_ENGINE_FIELDS = (
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "num_kv_pages",
-    "page_size",
-    "max_model_len",
-    "determinism",
-    "verify_window",
-    "verify_group",
-    "verify_strategy",
-    "verify_finish_wait",
-    "enable_prefix_caching",
-    "num_threads",
+def _engine_field(s: EngineSetting) -> tuple[Any, Any]:
+    value_type: Any = Literal[s.choices] if s.choices else s.type  # type: ignore[valid-type]
+    return (value_type | None, Field(None, description=f"{s.doc} (default {s.default})"))
+
+
+# What ``build_app`` takes: the fields above plus every engine setting of
+# ``detspec.engine_args.ENGINE_SETTINGS`` (None keeps ``AsyncLLM``'s default). ``serve run``
+# passes ``key=value`` strings that pydantic converts.
+DetspecServeArgs: type[_ServeOptions] = create_model(  # type: ignore[call-overload]
+    "DetspecServeArgs",
+    __base__=_ServeOptions,
+    __doc__="What ``build_app`` takes: deployment, server and engine settings.",
+    **{s.name: _engine_field(s) for s in ENGINE_SETTINGS},
 )
 
 
@@ -158,21 +145,21 @@ class DetspecDeployment:
     def check_health(self) -> None:
         """Ray restarts the replica when this raises: the engine is shut down or its engine
         thread no longer answers."""
-        if self.engine._closed or (self._state is not None and self._state.draining):
+        if self.engine.is_closed or (self._state is not None and self._state.draining):
             raise DetspecError(f"replica {self.replica_id}: the engine is shut down")
         self.engine.stats()  # raises once the engine thread is gone
 
 
-def _build(args: DetspecServeArgs) -> serve.Application:
-    engine_kwargs = {k: getattr(args, k) for k in _ENGINE_FIELDS if getattr(args, k) is not None}
+def _build(args: Any) -> serve.Application:
+    engine_kwargs = {
+        s.name: getattr(args, s.name) for s in ENGINE_SETTINGS if getattr(args, s.name) is not None
+    }
     server = {
         "api_key": args.api_key,
         "max_waiting_requests": args.max_waiting_requests,
-        "max_num_seqs": args.max_num_seqs,
+        "max_num_seqs": engine_kwargs.get("max_num_seqs", SETTINGS_BY_NAME["max_num_seqs"].default),
         "served_model_names": [args.served_model_name] if args.served_model_name else None,
     }
-    if args.determinism is not None:
-        server["determinism"] = args.determinism
     options: dict[str, Any] = {
         "name": args.name,
         "max_ongoing_requests": args.max_ongoing_requests,

@@ -37,6 +37,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     """Logprobs of the prompt tokens with this many top alternatives (vLLM's format, in
     ``RequestOutput.prompt_logprobs``), computed on the verify-path kernels."""
+    skip_special_tokens: bool = True
+    """Leave special tokens out of ``text`` (vLLM's default); ``token_ids`` always have them.
+    Stop strings match the text as written."""
     is_deterministic: dataclasses.InitVar[bool | None] = None
     _extra: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
@@ -53,7 +56,8 @@ class SamplingParams:
 
             raise InvalidRequestError(
                 f"invalid parameter `prompt_logprobs`: must be an integer in "
-                f"0..={_core.MAX_LOGPROBS}, got {self.prompt_logprobs!r}"
+                f"0..={_core.MAX_LOGPROBS}, got {self.prompt_logprobs!r}",
+                param="prompt_logprobs",
             )
 
     def to_dict(self) -> dict[str, Any]:
@@ -85,6 +89,7 @@ def _as_params_list(
         from detspec.errors import InvalidRequestError
 
         raise InvalidRequestError(
-            f"invalid parameter `sampling_params`: got {len(params)} for {n} prompts"
+            f"invalid parameter `sampling_params`: got {len(params)} for {n} prompts",
+            param="sampling_params",
         )
     return params

@@ -95,6 +95,7 @@ def params_for_audit(output: RequestOutput, sampling_params: Any) -> Any:
 
         raise InvalidRequestError(
             "invalid parameter `sampling_params`: the output does not record its sampling "
-            "parameters; pass the ones it was generated with"
+            "parameters; pass the ones it was generated with",
+            param="sampling_params",
         )
     return params

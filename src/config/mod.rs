@@ -2,6 +2,7 @@
 
 mod device;
 mod engine_config;
+pub(crate) mod json;
 mod model_config;
 
 pub use device::{cuda_device_count, device_label, DeviceSpec};

@@ -5,8 +5,10 @@
 
 use std::path::{Path, PathBuf};
 
+use serde::Deserialize;
 use serde_json::Value;
 
+use super::json::{parse_json, TokenIds};
 use crate::error::{DetspecError, Result};
 
 /// Architectures detspec implements; all share one decoder with small switches.
@@ -90,73 +92,49 @@ pub struct ModelConfig {
     pub path: PathBuf,
 }
 
-struct Fields<'a> {
-    obj: &'a serde_json::Map<String, Value>,
-    path: &'a Path,
+/// `config.json` as written: every field the decoder reads, with serde's types (a wrong type
+/// is an error naming the field, via [`super::json::parse_json`]); the ranges and the fields'
+/// relations are checked in [`ModelConfig::from_json_str`].
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct RawConfig {
+    architectures: Option<Vec<String>>,
+    model_type: Option<String>,
+    hidden_size: Option<usize>,
+    intermediate_size: Option<usize>,
+    num_hidden_layers: Option<usize>,
+    num_attention_heads: Option<usize>,
+    num_key_value_heads: Option<usize>,
+    head_dim: Option<usize>,
+    vocab_size: Option<usize>,
+    rms_norm_eps: Option<f64>,
+    max_position_embeddings: Option<usize>,
+    attention_bias: Option<bool>,
+    mlp_bias: Option<bool>,
+    tie_word_embeddings: Option<bool>,
+    use_sliding_window: Option<bool>,
+    sliding_window: Option<usize>,
+    eos_token_id: TokenIds,
+    bos_token_id: TokenIds,
+    torch_dtype: Option<Value>,
+    dtype: Option<Value>,
+    rope_theta: Option<f64>,
+    /// Newer transformers: `rope_theta` and the scaling in one object.
+    rope_parameters: Option<RawRope>,
+    rope_scaling: Option<RawRope>,
 }
 
-impl Fields<'_> {
-    fn err(&self, field: &str, message: impl Into<String>) -> DetspecError {
-        DetspecError::InvalidConfig {
-            path: self.path.to_path_buf(),
-            field: field.to_string(),
-            message: message.into(),
-        }
-    }
-
-    fn opt_usize(&self, field: &str) -> Result<Option<usize>> {
-        match self.obj.get(field) {
-            None | Some(Value::Null) => Ok(None),
-            Some(v) => v.as_u64().map(|x| Some(x as usize)).ok_or_else(|| {
-                self.err(field, format!("expected a non-negative integer, got {v}"))
-            }),
-        }
-    }
-
-    fn usize(&self, field: &str) -> Result<usize> {
-        self.opt_usize(field)?
-            .ok_or_else(|| self.err(field, "missing"))
-    }
-
-    fn positive(&self, field: &str) -> Result<usize> {
-        let v = self.usize(field)?;
-        if v == 0 {
-            return Err(self.err(field, "must be > 0"));
-        }
-        Ok(v)
-    }
-
-    fn opt_f64(&self, field: &str) -> Result<Option<f64>> {
-        match self.obj.get(field) {
-            None | Some(Value::Null) => Ok(None),
-            Some(v) => v
-                .as_f64()
-                .map(Some)
-                .ok_or_else(|| self.err(field, format!("expected a number, got {v}"))),
-        }
-    }
-
-    fn opt_bool(&self, field: &str) -> Result<Option<bool>> {
-        match self.obj.get(field) {
-            None | Some(Value::Null) => Ok(None),
-            Some(v) => v
-                .as_bool()
-                .map(Some)
-                .ok_or_else(|| self.err(field, format!("expected a boolean, got {v}"))),
-        }
-    }
-
-    fn token_ids(&self, field: &str) -> Result<Vec<u32>> {
-        let bad = || self.err(field, "expected an integer or a list of integers");
-        match self.obj.get(field) {
-            None | Some(Value::Null) => Ok(vec![]),
-            Some(Value::Array(xs)) => xs
-                .iter()
-                .map(|x| x.as_u64().map(|x| x as u32).ok_or_else(bad))
-                .collect(),
-            Some(v) => v.as_u64().map(|x| vec![x as u32]).ok_or_else(bad),
-        }
-    }
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct RawRope {
+    rope_type: Option<String>,
+    #[serde(rename = "type")]
+    kind: Option<String>,
+    rope_theta: Option<f64>,
+    factor: Option<f64>,
+    low_freq_factor: Option<f64>,
+    high_freq_factor: Option<f64>,
+    original_max_position_embeddings: Option<f64>,
 }
 
 impl ModelConfig {
@@ -169,116 +147,121 @@ impl ModelConfig {
 
     /// Parses config JSON; `path` is only used in error messages.
     pub fn from_json_str(text: &str, path: &Path) -> Result<Self> {
-        let value: Value = serde_json::from_str(text)
-            .map_err(|e| DetspecError::file(path, format!("not valid JSON: {e}")))?;
-        let obj = value
-            .as_object()
-            .ok_or_else(|| DetspecError::file(path, "expected a JSON object"))?;
-        let f = Fields { obj, path };
+        let raw: RawConfig = parse_json(text, path)?;
+        let err = |field: &str, message: String| DetspecError::InvalidConfig {
+            path: path.to_path_buf(),
+            field: field.to_string(),
+            message,
+        };
+        let positive = |field: &str, v: Option<usize>| -> Result<usize> {
+            match v {
+                None => Err(err(field, "missing".into())),
+                Some(0) => Err(err(field, "must be > 0".into())),
+                Some(v) => Ok(v),
+            }
+        };
 
-        let architecture = Self::parse_architecture(&f)?;
-        let hidden_size = f.positive("hidden_size")?;
-        let num_attention_heads = f.positive("num_attention_heads")?;
-        let num_key_value_heads = f
-            .opt_usize("num_key_value_heads")?
-            .unwrap_or(num_attention_heads);
+        let architecture = Self::parse_architecture(&raw, path)?;
+        let hidden_size = positive("hidden_size", raw.hidden_size)?;
+        let num_attention_heads = positive("num_attention_heads", raw.num_attention_heads)?;
+        let num_key_value_heads = raw.num_key_value_heads.unwrap_or(num_attention_heads);
         if num_key_value_heads == 0 || num_attention_heads % num_key_value_heads != 0 {
-            return Err(f.err(
+            return Err(err(
                 "num_key_value_heads",
                 format!("{num_key_value_heads} does not divide num_attention_heads={num_attention_heads}"),
             ));
         }
-        let head_dim = match f.opt_usize("head_dim")? {
+        let head_dim = match raw.head_dim {
             Some(d) if d > 0 => d,
-            Some(_) => return Err(f.err("head_dim", "must be > 0")),
+            Some(_) => return Err(err("head_dim", "must be > 0".into())),
             None => {
                 if hidden_size % num_attention_heads != 0 {
-                    return Err(f.err(
+                    return Err(err(
                         "hidden_size",
-                        "not divisible by num_attention_heads and no head_dim given",
+                        "not divisible by num_attention_heads and no head_dim given".into(),
                     ));
                 }
                 hidden_size / num_attention_heads
             }
         };
         if head_dim % 2 != 0 {
-            return Err(f.err(
+            return Err(err(
                 "head_dim",
                 format!("rotary embeddings need an even head_dim, got {head_dim}"),
             ));
         }
-        let rms_norm_eps = f.opt_f64("rms_norm_eps")?.unwrap_or(1e-6);
+        let rms_norm_eps = raw.rms_norm_eps.unwrap_or(1e-6);
         if rms_norm_eps.is_nan() || rms_norm_eps <= 0.0 {
-            return Err(f.err("rms_norm_eps", "must be > 0"));
+            return Err(err("rms_norm_eps", "must be > 0".into()));
         }
-        let max_position_embeddings = f.opt_usize("max_position_embeddings")?.unwrap_or(4096);
+        let max_position_embeddings = raw.max_position_embeddings.unwrap_or(4096);
         if max_position_embeddings == 0 {
-            return Err(f.err("max_position_embeddings", "must be > 0"));
+            return Err(err("max_position_embeddings", "must be > 0".into()));
         }
-        let attention_bias = f.opt_bool("attention_bias")?.unwrap_or(false);
+        let attention_bias = raw.attention_bias.unwrap_or(false);
         let (qkv_bias, o_bias) = match architecture {
             Architecture::Qwen2 => (true, false),
             Architecture::Qwen3 => (attention_bias, attention_bias),
             _ => (attention_bias, attention_bias),
         };
         let sliding_window = match architecture {
-            Architecture::Mistral => f.opt_usize("sliding_window")?,
+            Architecture::Mistral => raw.sliding_window,
             Architecture::Qwen2 | Architecture::Qwen3 => {
-                if f.opt_bool("use_sliding_window")?.unwrap_or(false) {
-                    f.opt_usize("sliding_window")?
+                if raw.use_sliding_window.unwrap_or(false) {
+                    raw.sliding_window
                 } else {
                     None
                 }
             }
             Architecture::Llama => None,
         };
+        let rope = Self::parse_rope(&raw, path)?;
+        let torch_dtype = [&raw.torch_dtype, &raw.dtype]
+            .into_iter()
+            .find_map(|v| v.as_ref().and_then(Value::as_str))
+            .map(str::to_string);
         Ok(Self {
             architecture,
             hidden_size,
-            intermediate_size: f.positive("intermediate_size")?,
-            num_hidden_layers: f.positive("num_hidden_layers")?,
+            intermediate_size: positive("intermediate_size", raw.intermediate_size)?,
+            num_hidden_layers: positive("num_hidden_layers", raw.num_hidden_layers)?,
             num_attention_heads,
             num_key_value_heads,
             head_dim,
-            vocab_size: f.positive("vocab_size")?,
+            vocab_size: positive("vocab_size", raw.vocab_size)?,
             rms_norm_eps,
-            rope: Self::parse_rope(&f)?,
+            rope,
             max_position_embeddings,
-            tie_word_embeddings: f.opt_bool("tie_word_embeddings")?.unwrap_or(false),
+            tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
             qkv_bias,
             o_bias,
-            mlp_bias: f.opt_bool("mlp_bias")?.unwrap_or(false),
+            mlp_bias: raw.mlp_bias.unwrap_or(false),
             qk_norm: architecture == Architecture::Qwen3,
             sliding_window,
-            eos_token_ids: f.token_ids("eos_token_id")?,
-            bos_token_id: f.token_ids("bos_token_id")?.first().copied(),
-            torch_dtype: ["torch_dtype", "dtype"]
-                .iter()
-                .find_map(|k| f.obj.get(*k).and_then(Value::as_str))
-                .map(str::to_string),
+            eos_token_ids: raw.eos_token_id.into_vec(),
+            bos_token_id: raw.bos_token_id.into_vec().first().copied(),
+            torch_dtype,
             path: path.to_path_buf(),
         })
     }
 
-    fn parse_architecture(f: &Fields) -> Result<Architecture> {
-        let name = match f.obj.get("architectures") {
-            Some(Value::Array(xs)) if !xs.is_empty() => xs[0]
-                .as_str()
-                .ok_or_else(|| f.err("architectures", "expected a list of strings"))?
-                .to_string(),
+    fn parse_architecture(raw: &RawConfig, path: &Path) -> Result<Architecture> {
+        let name = match raw.architectures.as_deref() {
+            Some([first, ..]) => first.clone(),
             _ => {
                 // Fall back to model_type, which every HF config has.
-                let mt = f
-                    .obj
-                    .get("model_type")
-                    .and_then(Value::as_str)
-                    .unwrap_or("");
-                match mt {
+                match raw.model_type.as_deref().unwrap_or("") {
                     "llama" => "LlamaForCausalLM",
                     "mistral" => "MistralForCausalLM",
                     "qwen2" => "Qwen2ForCausalLM",
                     "qwen3" => "Qwen3ForCausalLM",
-                    _ => return Err(f.err("architectures", "missing (and no known model_type)")),
+                    _ => {
+                        return Err(DetspecError::InvalidConfig {
+                            path: path.to_path_buf(),
+                            field: "architectures".into(),
+                            message: "missing (and no known model_type)".into(),
+                        })
+                    }
                 }
                 .to_string()
             }
@@ -288,7 +271,7 @@ impl ModelConfig {
             .find(|(n, _)| *n == name)
             .map(|(_, a)| *a)
             .ok_or_else(|| DetspecError::UnsupportedArchitecture {
-                path: f.path.to_path_buf(),
+                path: path.to_path_buf(),
                 architecture: name,
                 supported: Architecture::supported_list(),
             })
@@ -296,54 +279,47 @@ impl ModelConfig {
 
     /// Reads rope settings from `rope_parameters` (newer transformers) or from the classic
     /// `rope_theta` + `rope_scaling` keys.
-    fn parse_rope(f: &Fields) -> Result<RopeConfig> {
-        let (params, params_field) = match f.obj.get("rope_parameters") {
-            Some(Value::Object(p)) => (Some(p), "rope_parameters"),
-            Some(Value::Null) | None => match f.obj.get("rope_scaling") {
-                Some(Value::Object(p)) => (Some(p), "rope_scaling"),
-                Some(Value::Null) | None => (None, "rope_scaling"),
-                Some(_) => return Err(f.err("rope_scaling", "expected an object or null")),
-            },
-            Some(_) => return Err(f.err("rope_parameters", "expected an object")),
+    fn parse_rope(raw: &RawConfig, path: &Path) -> Result<RopeConfig> {
+        let (params, params_field) = match (&raw.rope_parameters, &raw.rope_scaling) {
+            (Some(p), _) => (Some(p), "rope_parameters"),
+            (None, Some(p)) => (Some(p), "rope_scaling"),
+            (None, None) => (None, "rope_scaling"),
         };
-        let num = |key: &str| -> Result<Option<f64>> {
-            match params.and_then(|p| p.get(key)) {
-                None | Some(Value::Null) => Ok(None),
-                Some(v) => v.as_f64().map(Some).ok_or_else(|| {
-                    f.err(
-                        &format!("{params_field}.{key}"),
-                        format!("expected a number, got {v}"),
-                    )
-                }),
-            }
+        let err = |field: &str, message: String| DetspecError::InvalidConfig {
+            path: path.to_path_buf(),
+            field: field.to_string(),
+            message,
         };
-        let theta = match num("rope_theta")? {
-            Some(t) => t,
-            None => f.opt_f64("rope_theta")?.unwrap_or(10_000.0),
-        };
+        let theta = params
+            .and_then(|p| p.rope_theta)
+            .or(raw.rope_theta)
+            .unwrap_or(10_000.0);
         if theta.is_nan() || theta <= 0.0 {
-            return Err(f.err("rope_theta", "must be > 0"));
+            return Err(err("rope_theta", "must be > 0".into()));
         }
         let rope_type = params
-            .and_then(|p| p.get("rope_type").or_else(|| p.get("type")))
-            .and_then(Value::as_str)
+            .and_then(|p| p.rope_type.as_deref().or(p.kind.as_deref()))
             .unwrap_or("default");
-        let need = |key: &str| -> Result<f64> {
-            num(key)?.ok_or_else(|| f.err(&format!("{params_field}.{key}"), "missing"))
+        let need = |key: &str, get: fn(&RawRope) -> Option<f64>| -> Result<f64> {
+            params
+                .and_then(get)
+                .ok_or_else(|| err(&format!("{params_field}.{key}"), "missing".into()))
         };
         let scaling = match rope_type {
             "default" => RopeScaling::None,
             "linear" => RopeScaling::Linear {
-                factor: need("factor")?,
+                factor: need("factor", |p| p.factor)?,
             },
             "llama3" => RopeScaling::Llama3 {
-                factor: need("factor")?,
-                low_freq_factor: need("low_freq_factor")?,
-                high_freq_factor: need("high_freq_factor")?,
-                original_max_position_embeddings: need("original_max_position_embeddings")?,
+                factor: need("factor", |p| p.factor)?,
+                low_freq_factor: need("low_freq_factor", |p| p.low_freq_factor)?,
+                high_freq_factor: need("high_freq_factor", |p| p.high_freq_factor)?,
+                original_max_position_embeddings: need("original_max_position_embeddings", |p| {
+                    p.original_max_position_embeddings
+                })?,
             },
             other => {
-                return Err(f.err(
+                return Err(err(
                     &format!("{params_field}.rope_type"),
                     format!("unsupported rope type `{other}` (supported: default, linear, llama3)"),
                 ))

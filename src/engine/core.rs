@@ -303,6 +303,17 @@ impl EngineCore {
         self.sched.num_running()
     }
 
+    /// What a request is checked against (see [`super::validate`]).
+    pub fn request_rules(&self) -> super::validate::RequestRules {
+        super::validate::RequestRules {
+            vocab_size: self.info.config.vocab_size,
+            max_model_len: self.info.max_model_len,
+            max_pages: self.alloc.num_total().saturating_sub(1),
+            page_size: self.cfg.page_size,
+            determinism: self.cfg.determinism,
+        }
+    }
+
     /// Validates and tokenizes a request, queues its `n` sequences, and returns the
     /// `Accepted` event for its stream.
     pub fn add_request(&mut self, req: Request, arrival_time: f64) -> Result<StreamEvent> {
@@ -312,9 +323,10 @@ impl EngineCore {
             message,
         };
         if self.sched.iter().any(|s| s.request_id == rid) {
-            return Err(invalid("a request with this id is already running".into()));
+            return Err(super::validate::duplicate_request_id(&rid));
         }
-        req.params.validate()?;
+        let rules = self.request_rules();
+        rules.check_params(&req.params)?;
         let deterministic = self.policy.admit(&req.params)?;
         let (prompt_text, prompt) = match req.prompt {
             Prompt::Text(t) => {
@@ -329,29 +341,8 @@ impl EngineCore {
             }
             Prompt::Tokens(ids) => (None, ids),
         };
-        if prompt.is_empty() {
-            return Err(invalid("prompt is empty".into()));
-        }
-        let vocab = self.info.config.vocab_size;
-        if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
-            return Err(invalid(format!(
-                "prompt contains token id {bad}, outside the vocabulary (size {vocab})"
-            )));
-        }
+        rules.check_prompt(&prompt, "prompt")?;
         let max_model_len = self.info.max_model_len;
-        if prompt.len() >= max_model_len {
-            return Err(invalid(format!(
-                "prompt has {} tokens, which leaves no room to generate within max_model_len={max_model_len}",
-                prompt.len()
-            )));
-        }
-        let pages_needed = (prompt.len() + 1).div_ceil(self.cfg.page_size);
-        if pages_needed > self.alloc.num_total() - 1 {
-            return Err(invalid(format!(
-                "prompt needs {pages_needed} KV pages but the pool has only {} (raise num_kv_pages)",
-                self.alloc.num_total()
-            )));
-        }
         let max_len = (prompt.len() + req.params.max_tokens).min(max_model_len);
         let base_seed = req
             .params
@@ -363,10 +354,9 @@ impl EngineCore {
             self.extra.insert(
                 id,
                 SeqExtra {
-                    text: self
-                        .tokenizer
-                        .as_ref()
-                        .map(|_| TextState::new(&prompt, &req.params.stop)),
+                    text: self.tokenizer.as_ref().map(|_| {
+                        TextState::new(&prompt, &req.params.stop, req.params.skip_special_tokens)
+                    }),
                     first_scheduled_time: None,
                     first_token_time: None,
                 },

@@ -11,10 +11,12 @@ pub mod fingerprint;
 pub mod fpenv;
 mod stream;
 mod text;
+pub mod validate;
 
 pub use self::core::{AuditInput, EngineCore, EngineStats, ForwardKind, ModelInfo};
 pub use fingerprint::KERNEL_VERSION;
 pub use stream::{OutputAccumulator, RequestStream, StreamEvent};
+pub use validate::RequestRules;
 
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -116,6 +118,8 @@ pub struct Engine {
     tokenizer: Option<Arc<Tokenizer>>,
     /// Generation is paused (set by the engine thread).
     paused: Arc<AtomicBool>,
+    /// What a request is checked against (fixed for the engine's life).
+    rules: RequestRules,
 }
 
 impl Engine {
@@ -144,6 +148,7 @@ impl Engine {
         let paused = Arc::new(AtomicBool::new(false));
         let thread_paused = paused.clone();
         let tokenizer = core.tokenizer().cloned();
+        let rules = core.request_rules();
         // The loop itself runs on one of the pool's workers: between kernels its serial work
         // (scheduling, candle's glue ops, sampling bookkeeping) runs on a thread that then
         // takes its share of the next kernel at once, instead of an outside thread that hands
@@ -171,12 +176,18 @@ impl Engine {
             info,
             tokenizer,
             paused,
+            rules,
         })
     }
 
     /// The model's description; its fingerprint and weight version change with updates.
     pub fn info(&self) -> Arc<ModelInfo> {
         self.info.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// The rules every request is checked against; the engine applies them at intake.
+    pub fn request_rules(&self) -> RequestRules {
+        self.rules
     }
 
     pub fn tokenizer(&self) -> Option<&Tokenizer> {

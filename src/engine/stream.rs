@@ -63,6 +63,8 @@ impl StreamEvent {
 pub struct OutputAccumulator {
     output: RequestOutput,
     n: usize,
+    /// Per completion, `(tokens, text bytes)` already handed out by [`Self::take_delta`].
+    sent: Vec<(usize, usize)>,
 }
 
 impl OutputAccumulator {
@@ -78,6 +80,7 @@ impl OutputAccumulator {
                 metrics: RequestMetrics::default(),
             },
             n: 1,
+            sent: Vec::new(),
         }
     }
 
@@ -161,6 +164,42 @@ impl OutputAccumulator {
 
     pub fn output(&self) -> &RequestOutput {
         &self.output
+    }
+
+    /// What arrived since the last call: each completion's new tokens, logprobs and text
+    /// (vLLM's `RequestOutputKind.DELTA`); everything else (finish and stop reasons, the
+    /// cumulative logprob, metrics) as in [`Self::output`]. Committed output only grows, so
+    /// the deltas concatenate to the cumulative output.
+    pub fn take_delta(&mut self) -> RequestOutput {
+        self.sent.resize(self.output.outputs.len(), (0, 0));
+        let outputs = self
+            .output
+            .outputs
+            .iter()
+            .zip(self.sent.iter_mut())
+            .map(|(c, sent)| {
+                let (tokens, text) = *sent;
+                *sent = (c.token_ids.len(), c.text.len());
+                CompletionOutput {
+                    index: c.index,
+                    token_ids: c.token_ids[tokens..].to_vec(),
+                    text: c.text[text..].to_string(),
+                    logprobs: c.logprobs[tokens..].to_vec(),
+                    cumulative_logprob: c.cumulative_logprob,
+                    finish_reason: c.finish_reason,
+                    stop_reason: c.stop_reason.clone(),
+                }
+            })
+            .collect();
+        RequestOutput {
+            request_id: self.output.request_id.clone(),
+            prompt: self.output.prompt.clone(),
+            prompt_token_ids: self.output.prompt_token_ids.clone(),
+            outputs,
+            finished: self.output.finished,
+            fingerprint: self.output.fingerprint.clone(),
+            metrics: self.output.metrics.clone(),
+        }
     }
 
     pub fn into_output(self) -> RequestOutput {

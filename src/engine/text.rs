@@ -22,9 +22,9 @@ pub(crate) struct TextUpdate {
 }
 
 impl TextState {
-    pub fn new(prompt: &[u32], stops: &[String]) -> Self {
+    pub fn new(prompt: &[u32], stops: &[String], skip_special_tokens: bool) -> Self {
         Self {
-            detok: IncrementalDetokenizer::new(prompt, true),
+            detok: IncrementalDetokenizer::new(prompt, skip_special_tokens),
             stop: StopChecker::new(stops.iter().cloned()),
             text: String::new(),
             emitted: 0,

@@ -5,7 +5,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyType};
 
 use crate::error::DetspecError;
-use crate::output::{RequestOutput, StopReason, TokenLogprobs};
+use crate::output::{RequestOutput, TokenLogprobs};
 use crate::request::Prompt;
 use crate::sampling::SamplingParams;
 
@@ -21,24 +21,30 @@ fn class_name(e: &DetspecError) -> &'static str {
         | BadTensor { .. }
         | OutOfMemory { .. } => "ModelLoadError",
         InvalidParameter { .. } | InvalidRequest { .. } | Tokenizer(_) => "InvalidRequestError",
-        OutOfPages { .. } | EngineStopped | Candle(_) => "DetspecError",
+        EngineStopped => "EngineStoppedError",
+        OutOfPages { .. } | Candle(_) => "DetspecError",
     }
 }
 
-fn raise(py: Python<'_>, class: &str, msg: String) -> PyErr {
+fn raise(py: Python<'_>, class: &str, msg: String, param: Option<&str>) -> PyErr {
     // The classes live in Python (detspec/errors.py) so they can also subclass ValueError etc.
     let cls = py
         .import("detspec.errors")
         .and_then(|m| m.getattr(class))
         .and_then(|c| c.cast_into::<PyType>().map_err(PyErr::from));
-    match cls {
-        Ok(c) => PyErr::from_type(c, msg),
-        Err(_) => PyRuntimeError::new_err(msg),
+    let Ok(cls) = cls else {
+        return PyRuntimeError::new_err(msg);
+    };
+    // Built eagerly so `param` is a field of the exception, not text to parse back out.
+    match cls.call1((msg.clone(), param)) {
+        Ok(exc) => PyErr::from_value(exc),
+        Err(_) => PyErr::from_type(cls, msg),
     }
 }
 
+/// The Python exception for `e`; `InvalidRequestError.param` names the parameter at fault.
 pub fn to_pyerr(py: Python<'_>, e: DetspecError) -> PyErr {
-    raise(py, class_name(&e), e.to_string())
+    raise(py, class_name(&e), e.to_string(), e.param_name())
 }
 
 pub fn internal_error(py: Python<'_>, msg: &str) -> PyErr {
@@ -46,6 +52,7 @@ pub fn internal_error(py: Python<'_>, msg: &str) -> PyErr {
         py,
         "DetspecError",
         format!("internal error (please report): {msg}"),
+        None,
     )
 }
 
@@ -110,6 +117,7 @@ pub fn params_from_dict(py: Python<'_>, d: &Bound<'_, PyDict>) -> PyResult<Sampl
         "frequency_penalty",
         "repetition_penalty",
         "deterministic",
+        "skip_special_tokens",
     ];
     for k in d.keys() {
         let k: String = k.extract()?;
@@ -140,6 +148,7 @@ pub fn params_from_dict(py: Python<'_>, d: &Bound<'_, PyDict>) -> PyResult<Sampl
     field!(frequency_penalty);
     field!(repetition_penalty);
     field!(deterministic);
+    field!(skip_special_tokens);
     if let Some(v) = get::<i64>(py, d, "max_tokens")? {
         p.max_tokens = usize::try_from(v).unwrap_or(0);
     }
@@ -179,41 +188,8 @@ pub fn logprob_tuples(lps: &[TokenLogprobs]) -> Vec<LogprobTuple> {
         .collect()
 }
 
-pub fn output_to_py<'py>(py: Python<'py>, o: &RequestOutput) -> PyResult<Bound<'py, PyDict>> {
-    let d = PyDict::new(py);
-    d.set_item("request_id", &o.request_id)?;
-    d.set_item("prompt", &o.prompt)?;
-    d.set_item("prompt_token_ids", &o.prompt_token_ids)?;
-    d.set_item("finished", o.finished)?;
-    d.set_item("fingerprint", &o.fingerprint)?;
-    let m = PyDict::new(py);
-    m.set_item("arrival_time", o.metrics.arrival_time)?;
-    m.set_item("first_scheduled_time", o.metrics.first_scheduled_time)?;
-    m.set_item("first_token_time", o.metrics.first_token_time)?;
-    m.set_item("finished_time", o.metrics.finished_time)?;
-    m.set_item("num_prompt_tokens", o.metrics.num_prompt_tokens)?;
-    m.set_item("num_output_tokens", o.metrics.num_output_tokens)?;
-    m.set_item("num_preemptions", o.metrics.num_preemptions)?;
-    m.set_item("num_verify_passes", o.metrics.num_verify_passes)?;
-    m.set_item("num_rollbacks", o.metrics.num_rollbacks)?;
-    m.set_item("num_rolled_back_tokens", o.metrics.num_rolled_back_tokens)?;
-    d.set_item("metrics", m)?;
-    let mut outs = Vec::with_capacity(o.outputs.len());
-    for c in &o.outputs {
-        let cd = PyDict::new(py);
-        cd.set_item("index", c.index)?;
-        cd.set_item("token_ids", &c.token_ids)?;
-        cd.set_item("text", &c.text)?;
-        cd.set_item("cumulative_logprob", c.cumulative_logprob)?;
-        cd.set_item("finish_reason", c.finish_reason.map(|f| f.to_string()))?;
-        match &c.stop_reason {
-            Some(StopReason::Token(t)) => cd.set_item("stop_reason", *t)?,
-            Some(StopReason::Text(s)) => cd.set_item("stop_reason", s)?,
-            None => cd.set_item("stop_reason", py.None())?,
-        }
-        cd.set_item("logprobs", logprob_tuples(&c.logprobs))?;
-        outs.push(cd);
-    }
-    d.set_item("outputs", outs)?;
-    Ok(d)
+/// A request output as the dict Python's `request_output_from_dict` reads (the serde form of
+/// [`RequestOutput`]: finish reasons as strings, logprobs as `(token, logprob, rank, top)`).
+pub fn output_to_py<'py>(py: Python<'py>, o: &RequestOutput) -> PyResult<Bound<'py, PyAny>> {
+    pythonize::pythonize(py, o).map_err(|e| internal_error(py, &e.to_string()))
 }

@@ -52,7 +52,7 @@ fn run_detached<T: Send>(
 }
 
 /// `(request_id, output dict, exception)` as returned by `OutputQueue.next_outputs`.
-type QueueItem<'py> = (String, Option<Bound<'py, PyDict>>, Option<Py<PyAny>>);
+type QueueItem<'py> = (String, Option<Bound<'py, PyAny>>, Option<Py<PyAny>>);
 
 /// A stream of outputs from any number of requests (one per `LLM.generate` call, one per
 /// `AsyncLLM`). The engine thread pushes events; `next_outputs` blocks without the GIL.
@@ -60,7 +60,8 @@ type QueueItem<'py> = (String, Option<Bound<'py, PyDict>>, Option<Py<PyAny>>);
 struct PyOutputQueue {
     tx: Sender<StreamEvent>,
     rx: Receiver<StreamEvent>,
-    accs: Mutex<HashMap<String, OutputAccumulator>>,
+    /// Per request: its accumulated output, and whether it streams deltas.
+    accs: Mutex<HashMap<String, (OutputAccumulator, bool)>>,
 }
 
 #[pymethods]
@@ -101,7 +102,7 @@ impl PyOutputQueue {
         for ev in events {
             let id = ev.request_id().to_string();
             let accepted = matches!(ev, StreamEvent::Accepted { .. });
-            let Some(acc) = accs.get_mut(&id) else {
+            let Some((acc, _)) = accs.get_mut(&id) else {
                 continue;
             };
             if let Err(e) = acc.apply(ev) {
@@ -120,8 +121,14 @@ impl PyOutputQueue {
                 out.push((id, None, Some(to_pyerr(py, err).into_value(py).into_any())));
                 continue;
             }
-            let Some(acc) = accs.get(&id) else { continue };
-            let d = output_to_py(py, acc.output())?;
+            let Some((acc, delta)) = accs.get_mut(&id) else {
+                continue;
+            };
+            let d = if *delta {
+                output_to_py(py, &acc.take_delta())?
+            } else {
+                output_to_py(py, acc.output())?
+            };
             if acc.finished() {
                 accs.remove(&id);
             }
@@ -233,7 +240,9 @@ impl PyEngine {
         Ok(Self { inner })
     }
 
-    /// Submits a request whose outputs arrive on `queue`.
+    /// Submits a request whose outputs arrive on `queue`: cumulative snapshots, or with
+    /// `delta` what is new since the last output of this request.
+    #[pyo3(signature = (queue, request_id, prompt, params, delta=false))]
     fn add_request(
         &self,
         py: Python<'_>,
@@ -241,6 +250,7 @@ impl PyEngine {
         request_id: String,
         prompt: &Bound<'_, PyAny>,
         params: &Bound<'_, PyDict>,
+        delta: bool,
     ) -> PyResult<()> {
         let request = Request {
             request_id: request_id.clone(),
@@ -255,16 +265,16 @@ impl PyEngine {
             if accs.contains_key(&request_id) {
                 return false;
             }
-            accs.insert(request_id.clone(), OutputAccumulator::new(&request_id));
+            accs.insert(
+                request_id.clone(),
+                (OutputAccumulator::new(&request_id), delta),
+            );
             true
         });
         if !inserted {
             return Err(to_pyerr(
                 py,
-                DetspecError::InvalidRequest {
-                    request_id: Some(request_id),
-                    message: "a request with this id is already running".into(),
-                },
+                crate::engine::validate::duplicate_request_id(&request_id),
             ));
         }
         let tx = queue.tx.clone();
@@ -529,6 +539,35 @@ impl PyEngine {
 
     fn max_model_len(&self) -> usize {
         self.inner.info().max_model_len
+    }
+
+    /// The engine's determinism mode: "dvr", "batch_invariant" or "off".
+    fn determinism(&self) -> &'static str {
+        self.inner.request_rules().determinism.as_str()
+    }
+
+    /// Checks a tokenized prompt and/or sampling parameters with the rules the engine
+    /// applies at intake, raising `InvalidRequestError` whose `param` names the parameter
+    /// (`prompt_param` for the prompt: "prompt", "prompt[1]", "messages").
+    #[pyo3(signature = (prompt_token_ids=None, params=None, prompt_param="prompt"))]
+    fn validate_request(
+        &self,
+        py: Python<'_>,
+        prompt_token_ids: Option<Vec<u32>>,
+        params: Option<&Bound<'_, PyDict>>,
+        prompt_param: &str,
+    ) -> PyResult<()> {
+        let rules = self.inner.request_rules();
+        if let Some(params) = params {
+            let params = params_from_dict(py, params)?;
+            rules.check_params(&params).map_err(|e| to_pyerr(py, e))?;
+        }
+        if let Some(ids) = prompt_token_ids {
+            rules
+                .check_prompt(&ids, prompt_param)
+                .map_err(|e| to_pyerr(py, e))?;
+        }
+        Ok(())
     }
 
     fn eos_token_ids(&self) -> Vec<u32> {

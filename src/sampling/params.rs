@@ -52,6 +52,9 @@ pub struct SamplingParams {
     pub repetition_penalty: f32,
     /// Ask for bitwise-reproducible output (see docs/determinism.md).
     pub deterministic: bool,
+    /// Leave special tokens (`</s>`, `<|im_end|>`...) out of the output text (vLLM's
+    /// default); the token ids always have them. Stop strings match the text as written.
+    pub skip_special_tokens: bool,
 }
 
 impl Default for SamplingParams {
@@ -73,6 +76,7 @@ impl Default for SamplingParams {
             frequency_penalty: 0.0,
             repetition_penalty: 1.0,
             deterministic: false,
+            skip_special_tokens: true,
         }
     }
 }

@@ -4,8 +4,9 @@
 
 use std::path::{Path, PathBuf};
 
-use serde_json::Value as Json;
+use serde::Deserialize;
 
+use crate::config::json::{parse_json, TokenIds};
 use crate::error::{DetspecError, Result};
 
 /// File names inside a HuggingFace model directory.
@@ -50,33 +51,21 @@ impl Tokenizer {
         let mut tok = Tokenizer::from_file(&dir.join(TOKENIZER_FILE))?;
 
         let config_path = dir.join(TOKENIZER_CONFIG_FILE);
-        if let Some(cfg) = read_json_optional(&config_path)? {
-            let obj = cfg
-                .as_object()
-                .ok_or_else(|| DetspecError::file(&config_path, "expected a JSON object"))?;
-            tok.bos_token = special_token_field(obj.get("bos_token"), &config_path, "bos_token")?;
-            tok.eos_token = special_token_field(obj.get("eos_token"), &config_path, "eos_token")?;
-            tok.add_bos_token = match obj.get("add_bos_token") {
-                None | Some(Json::Null) => None,
-                Some(Json::Bool(b)) => Some(*b),
-                Some(other) => {
-                    return Err(invalid_field(
-                        &config_path,
-                        "add_bos_token",
-                        format!("expected a boolean, got {other}"),
-                    ))
-                }
-            };
-            if let Some(t) = chat_template_field(obj.get("chat_template"), &config_path)? {
+        if let Some(text) = read_text_optional(&config_path)? {
+            let cfg: TokenizerConfigFile = parse_json(&text, &config_path)?;
+            tok.bos_token = cfg.bos_token.map(SpecialToken::into_content);
+            tok.eos_token = cfg.eos_token.map(SpecialToken::into_content);
+            tok.add_bos_token = cfg.add_bos_token;
+            if let Some(t) = cfg.chat_template.and_then(ChatTemplateField::into_template) {
                 tok.chat_template = Some(t);
                 tok.chat_template_origin = Some(config_path.clone());
             }
         }
 
         let json_path = dir.join(CHAT_TEMPLATE_JSON_FILE);
-        if let Some(cfg) = read_json_optional(&json_path)? {
-            let field = cfg.as_object().and_then(|o| o.get("chat_template"));
-            if let Some(t) = chat_template_field(field, &json_path)? {
+        if let Some(text) = read_text_optional(&json_path)? {
+            let cfg: ChatTemplateFile = parse_json(&text, &json_path)?;
+            if let Some(t) = cfg.chat_template.and_then(ChatTemplateField::into_template) {
                 tok.chat_template = Some(t);
                 tok.chat_template_origin = Some(json_path);
             }
@@ -217,21 +206,15 @@ pub fn eos_token_ids(dir: &Path, tokenizer: Option<&Tokenizer>) -> Result<Vec<u3
     };
     for name in [GENERATION_CONFIG_FILE, MODEL_CONFIG_FILE] {
         let path = dir.join(name);
-        let Some(cfg) = read_json_optional(&path)? else {
+        let Some(text) = read_text_optional(&path)? else {
             continue;
         };
-        let obj = cfg
-            .as_object()
-            .ok_or_else(|| DetspecError::file(&path, "expected a JSON object"))?;
-        let mut field = obj.get("eos_token_id");
-        let mut field_name = "eos_token_id";
+        let cfg: EosConfig = parse_json(&text, &path)?;
+        let mut field = cfg.eos_token_id;
         if field.is_none() && name == MODEL_CONFIG_FILE {
-            if let Some(v) = obj.get("text_config").and_then(|t| t.get("eos_token_id")) {
-                field = Some(v);
-                field_name = "text_config.eos_token_id";
-            }
+            field = cfg.text_config.and_then(|t| t.eos_token_id);
         }
-        for id in token_ids_field(field, &path, field_name)? {
+        for id in field.map(TokenIds::into_vec).unwrap_or_default() {
             push(id);
         }
     }
@@ -241,14 +224,6 @@ pub fn eos_token_ids(dir: &Path, tokenizer: Option<&Tokenizer>) -> Result<Vec<u3
         }
     }
     Ok(ids)
-}
-
-fn invalid_field(path: &Path, field: &str, message: impl Into<String>) -> DetspecError {
-    DetspecError::InvalidConfig {
-        path: path.to_path_buf(),
-        field: field.to_string(),
-        message: message.into(),
-    }
 }
 
 /// Reads a UTF-8 text file; `Ok(None)` when it does not exist.
@@ -262,93 +237,86 @@ pub(crate) fn read_text_optional(path: &Path) -> Result<Option<String>> {
     }
 }
 
-/// Reads and parses a JSON file; `Ok(None)` when it does not exist.
-pub(crate) fn read_json_optional(path: &Path) -> Result<Option<Json>> {
-    let Some(text) = read_text_optional(path)? else {
-        return Ok(None);
-    };
-    serde_json::from_str(&text)
-        .map(Some)
-        .map_err(|e| DetspecError::file(path, format!("malformed JSON: {e}")))
+/// The fields of `tokenizer_config.json` the engine reads.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct TokenizerConfigFile {
+    bos_token: Option<SpecialToken>,
+    eos_token: Option<SpecialToken>,
+    add_bos_token: Option<bool>,
+    chat_template: Option<ChatTemplateField>,
 }
 
-/// `bos_token` / `eos_token`: a string, an `{"content": ...}` object (AddedToken) or null.
-fn special_token_field(value: Option<&Json>, path: &Path, field: &str) -> Result<Option<String>> {
-    match value {
-        None | Some(Json::Null) => Ok(None),
-        Some(Json::String(s)) => Ok(Some(s.clone())),
-        Some(Json::Object(o)) => match o.get("content") {
-            Some(Json::String(s)) => Ok(Some(s.clone())),
-            _ => Err(invalid_field(
-                path,
-                field,
-                "token object has no string `content`",
-            )),
-        },
-        Some(other) => Err(invalid_field(
-            path,
-            field,
-            format!("expected a string or a token object, got {other}"),
-        )),
+/// `chat_template.json` (older processors): `{"chat_template": ...}`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct ChatTemplateFile {
+    chat_template: Option<ChatTemplateField>,
+}
+
+/// `bos_token` / `eos_token`: a string or an `{"content": ...}` object (AddedToken).
+#[derive(Debug, Deserialize)]
+#[serde(
+    untagged,
+    expecting = "a string or a token object with a string `content`"
+)]
+enum SpecialToken {
+    Text(String),
+    Added { content: String },
+}
+
+impl SpecialToken {
+    fn into_content(self) -> String {
+        match self {
+            Self::Text(s) | Self::Added { content: s } => s,
+        }
     }
 }
 
 /// `chat_template`: a string, or a list of `{"name", "template"}` (take `default`, else the
-/// first), or null.
-fn chat_template_field(value: Option<&Json>, path: &Path) -> Result<Option<String>> {
-    const FIELD: &str = "chat_template";
-    match value {
-        None | Some(Json::Null) => Ok(None),
-        Some(Json::String(s)) => Ok(Some(s.clone())),
-        Some(Json::Array(items)) => {
-            let mut named = Vec::with_capacity(items.len());
-            for item in items {
-                let name = item.get("name").and_then(Json::as_str);
-                let template = item.get("template").and_then(Json::as_str).ok_or_else(|| {
-                    invalid_field(path, FIELD, "list entry without a string `template`")
-                })?;
-                named.push((name, template));
+/// first).
+#[derive(Debug, Deserialize)]
+#[serde(untagged, expecting = "a string or a list of {name, template}")]
+enum ChatTemplateField {
+    One(String),
+    Named(Vec<NamedTemplate>),
+}
+
+#[derive(Debug, Deserialize)]
+struct NamedTemplate {
+    #[serde(default)]
+    name: Option<String>,
+    template: String,
+}
+
+impl ChatTemplateField {
+    fn into_template(self) -> Option<String> {
+        match self {
+            Self::One(t) => Some(t),
+            Self::Named(mut named) => {
+                let i = named
+                    .iter()
+                    .position(|n| n.name.as_deref() == Some("default"))
+                    .unwrap_or(0);
+                (i < named.len()).then(|| named.swap_remove(i).template)
             }
-            Ok(named
-                .iter()
-                .find(|(name, _)| *name == Some("default"))
-                .or_else(|| named.first())
-                .map(|(_, t)| t.to_string()))
         }
-        Some(other) => Err(invalid_field(
-            path,
-            FIELD,
-            format!(
-                "expected a string or a list of {{name, template}}, got {}",
-                json_kind(other)
-            ),
-        )),
     }
 }
 
-/// `eos_token_id`: an integer, a list of integers, or null/absent.
-fn token_ids_field(value: Option<&Json>, path: &Path, field: &str) -> Result<Vec<u32>> {
-    let one = |v: &Json| -> Result<u32> {
-        v.as_u64()
-            .and_then(|n| u32::try_from(n).ok())
-            .ok_or_else(|| invalid_field(path, field, format!("not a token id: {v}")))
-    };
-    match value {
-        None | Some(Json::Null) => Ok(Vec::new()),
-        Some(Json::Array(items)) => items.iter().map(one).collect(),
-        Some(v) => Ok(vec![one(v)?]),
-    }
+/// `eos_token_id` of `generation_config.json` / `config.json` (there, falling back to
+/// `text_config.eos_token_id`).
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct EosConfig {
+    eos_token_id: Option<TokenIds>,
+    text_config: Option<TextConfig>,
 }
 
-fn json_kind(v: &Json) -> &'static str {
-    match v {
-        Json::Null => "null",
-        Json::Bool(_) => "a boolean",
-        Json::Number(_) => "a number",
-        Json::String(_) => "a string",
-        Json::Array(_) => "a list",
-        Json::Object(_) => "an object",
-    }
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct TextConfig {
+    eos_token_id: Option<TokenIds>,
 }
 
 #[cfg(test)]

@@ -14,11 +14,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from detspec import _core
+
 # Token ids are u32 in the engine; the vocabulary bound is checked against the model.
 TokenId = Annotated[int, Field(ge=0, le=2**32 - 1)]
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
-# Engine limit on top logprobs (MAX_LOGPROBS in the Rust core, as vLLM's default max_logprobs).
-MAX_LOGPROBS = 20
+# Engine limit on top logprobs (as vLLM's default max_logprobs).
+MAX_LOGPROBS: int = _core.MAX_LOGPROBS
 
 
 class OpenAIBaseModel(BaseModel):
@@ -158,48 +160,68 @@ class DvrMetrics(BaseModel):
     num_preemptions: int
 
 
-class CompletionChoice(BaseModel):
+class _Choice(BaseModel):
+    """What every choice has, streamed or not."""
+
     index: int
+    logprobs: dict[str, Any] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    dvr_metrics: DvrMetrics | None = None
+
+
+class CompletionChoice(_Choice):
+    """A completion's choice; streamed, ``text`` is what is new (the prompt fields ride on
+    a choice's first chunk)."""
+
     text: str
-    logprobs: dict[str, Any] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
     prompt_logprobs: list[dict[str, Any] | None] | None = None
-    dvr_metrics: DvrMetrics | None = None
 
 
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    system_fingerprint: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-
-
-class ChatChoice(BaseModel):
-    index: int
+class ChatChoice(_Choice):
     message: dict[str, Any]
-    logprobs: dict[str, Any] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    token_ids: list[int] | None = None
-    dvr_metrics: DvrMetrics | None = None
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatStreamChoice(_Choice):
+    delta: dict[str, Any]
+
+
+class _Response(BaseModel):
+    """What every response body and stream chunk has."""
+
     id: str
-    object: Literal["chat.completion"] = "chat.completion"
     created: int
     model: str
     system_fingerprint: str
-    choices: list[ChatChoice]
     usage: UsageInfo | None = None
+
+
+class CompletionResponse(_Response):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+
+
+class CompletionChunk(CompletionResponse):
+    """One SSE event of a streamed completion."""
+
+
+class _ChatPrompt(_Response):
     prompt_token_ids: list[int] | None = None
     prompt_logprobs: list[dict[str, Any] | None] | None = None
+
+
+class ChatCompletionResponse(_ChatPrompt):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
+
+
+class ChatCompletionChunk(_ChatPrompt):
+    """One SSE event of a streamed chat completion (the prompt fields on the first)."""
+
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    choices: list[ChatStreamChoice]
 
 
 class ModelCard(BaseModel):

@@ -37,11 +37,11 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 from pydantic import Field
 
-from detspec.errors import DetspecError, InvalidRequestError, ModelLoadError
+from detspec.errors import DetspecError, EngineStoppedError, InvalidRequestError, ModelLoadError
 from detspec.server import protocol as P
 
 if TYPE_CHECKING:
-    from detspec.server.app import OpenAIServer
+    from detspec.server.serving import OpenAIServer
 
 # The upload route the request-size limit does not apply to.
 WEIGHT_UPLOAD_PATHS = ("/update_weights_from_tensor",)
@@ -119,26 +119,18 @@ class _Refused(Exception):
 
 
 def _fail(status: int, message: str, param: str | None) -> JSONResponse:
-    from detspec.server.app import error_body
+    from detspec.server.errors import error_body
 
     body: dict[str, Any] = {"success": False, "message": message}
     body.update(error_body(status, message, param))
     return JSONResponse(body, status_code=status)
 
 
-def _param_of(msg: str, default: str | None) -> str | None:
-    if msg.startswith("invalid parameter `"):
-        return msg.split("`", 2)[1]
-    if "tensor `" in msg:  # ModelLoadError naming a tensor
-        return msg.split("tensor `", 1)[1].split("`", 1)[0]
-    return default
-
-
 def _engine_error(e: DetspecError, default_param: str | None) -> JSONResponse:
     msg = str(e)
     if isinstance(e, InvalidRequestError | ModelLoadError):
-        return _fail(400, msg, _param_of(msg, default_param))
-    if "shut down" in msg:
+        return _fail(400, msg, e.param or default_param)
+    if isinstance(e, EngineStoppedError):
         return _fail(503, msg, None)
     return _fail(500, msg, None)
 

@@ -29,9 +29,11 @@ from detspec.async_llm import AsyncLLM
 from detspec.errors import InvalidRequestError
 from detspec.outputs import Logprob, RequestOutput
 from detspec.server import protocol as P
+from detspec.server.errors import ApiError, invalid
+from detspec.server.streaming import ClientGone, until_disconnect
 
 if TYPE_CHECKING:
-    from detspec.server.app import OpenAIServer
+    from detspec.server.serving import OpenAIServer
 
 PromptLogprobs = list[dict[int, Logprob] | None]
 
@@ -125,8 +127,6 @@ def build_scoring_router(server: OpenAIServer) -> APIRouter:
     @router.get("/tokenizer_info")
     async def _tokenizer_info() -> dict[str, Any]:
         if server.tokenizer is None:
-            from detspec.server.app import ApiError
-
             raise ApiError(404, "this model has no tokenizer", None)
         return await asyncio.to_thread(tokenizer_info, server.engine.model, server)
 
@@ -138,7 +138,6 @@ def build_scoring_router(server: OpenAIServer) -> APIRouter:
 
 def check_max_tokens(req: P.CompletionRequest) -> None:
     """``max_tokens: 0`` means "score the prompt only", which needs ``echo``."""
-    from detspec.server.app import ApiError
 
     if req.max_tokens == 0 and not req.echo:
         raise ApiError(
@@ -156,43 +155,37 @@ async def echo_completions(
     ``logprobs`` its ``tokens`` / ``token_logprobs`` / ``top_logprobs`` / ``text_offset``
     cover the prompt's tokens (the first one's logprob and top logprobs null) and then the
     completion's."""
-    from detspec.server.app import ApiError, _ClientGone, _invalid, _Job, _until_disconnect
+    from detspec.server.serving import Job, completion_prompts
 
     generate = req.max_tokens != 0
     if not generate:  # nothing is sampled: a seed is not needed for reproducibility
         req = req.model_copy(update={"temperature": 0.0})
     model = server.check_model(req.model)
-    server._common_checks(req)
+    server.common_checks(req)
     if req.stream:
         raise ApiError(400, "echo is not supported with stream=true; send stream=false", "echo")
     if req.suffix is not None:
         raise ApiError(400, "suffix is not supported", "suffix")
-    p = req.prompt
-    prompts: list[str | list[int]]
-    if isinstance(p, str):
-        prompts = [p]
-    elif not p:
-        raise ApiError(400, "prompt is an empty list", "prompt")
-    elif isinstance(p[0], int):
-        prompts = [list(p)]  # type: ignore[arg-type]
-    else:
-        prompts = list(p)  # type: ignore[arg-type]
+    prompts = completion_prompts(req.prompt)
     base = f"cmpl-{uuid.uuid4().hex}"
-    jobs: list[_Job] = []
+    jobs: list[Job] = []
     texts: list[str | None] = []
     for i, pr in enumerate(prompts):
         param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
-        ids = await server._encode(pr) if isinstance(pr, str) else list(pr)
+        ids = await server.encode(pr) if isinstance(pr, str) else list(pr)
+        rid = f"{base}-{i}"
         if generate:
-            server._check_prompt_ids(ids, param)
-            max_tokens = server._max_tokens(req.max_tokens, len(ids), "max_tokens")
+            jobs.append(
+                server.job(req, i, rid, ids, param, req.max_tokens, "max_tokens", req.logprobs)
+            )
         else:
             if not ids:
                 raise ApiError(400, f"{param} is empty", param)
             _check_scorable(server, ids, param)
-            max_tokens = 1  # the parameters are validated; nothing is generated
-        params = server._sampling_params(req, max_tokens, req.logprobs)
-        jobs.append(_Job(i, f"{base}-{i}", ids, params))
+            # The parameters are validated; nothing is generated.
+            params = server.sampling_params(req, 1, req.logprobs)
+            server.validate(None, params, param)
+            jobs.append(Job(i, rid, ids, params))
         texts.append(pr if isinstance(pr, str) else None)
 
     det = bool(req.deterministic)
@@ -211,7 +204,7 @@ async def echo_completions(
         last: dict[int, RequestOutput] = {}
         try:
             if generate:
-                agen = server._merged(jobs)
+                agen = server.run(jobs)
                 try:
                     async for job, out in agen:
                         last[job.index] = out
@@ -224,14 +217,14 @@ async def echo_completions(
         return last, plps
 
     try:
-        last, plps = await _until_disconnect(request, work())
-    except _ClientGone:
+        last, plps = await until_disconnect(request, work())
+    except ClientGone:
         return Response(status_code=499)
     except InvalidRequestError as e:
-        raise _invalid(e) from None
+        raise invalid(e) from None
     if req.prompt_logprobs is not None:
         for j in jobs:
-            j.prompt_logprobs = await server._prompt_logprobs(j.prompt_ids, req.prompt_logprobs)
+            j.prompt_logprobs = await server.prompt_logprobs(j.prompt_ids, req.prompt_logprobs)
 
     choices: list[dict[str, Any]] = []
     completion_tokens = 0
@@ -244,7 +237,7 @@ async def echo_completions(
         outs: Sequence[Any] = last[job.index].outputs if generate else [None] * job.params.n
         for ci, c in enumerate(outs):
             index = job.index * job.params.n + ci
-            completion = server._text(c, req.skip_special_tokens) if c is not None else ""
+            completion = c.text if c is not None else ""
             if c is not None:
                 completion_tokens += len(c.token_ids)
             logprobs = None
@@ -253,7 +246,7 @@ async def echo_completions(
                     server, job.prompt_ids, plp, req.logprobs, req.return_tokens_as_token_ids
                 )
                 if c is not None:
-                    tail = server._completion_logprobs(
+                    tail = server.logprobs.completion(
                         c.logprobs or [],
                         req.logprobs,
                         len(prompt_text),
@@ -274,7 +267,7 @@ async def echo_completions(
             if job.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = job.prompt_logprobs
             if c is not None:
-                choice["dvr_metrics"] = server._dvr(last[job.index], job.params)
+                choice["dvr_metrics"] = server.dvr_metrics(last[job.index], job.params)
             choices.append(choice)
     body = {
         "id": base,
@@ -283,9 +276,9 @@ async def echo_completions(
         "model": model,
         "system_fingerprint": server.fingerprint,
         "choices": choices,
-        "usage": server._usage(sum(len(j.prompt_ids) for j in jobs), completion_tokens),
+        "usage": server.usage(sum(len(j.prompt_ids) for j in jobs), completion_tokens),
     }
-    return JSONResponse(body)
+    return JSONResponse(P.CompletionResponse(**body).model_dump(exclude_unset=True))
 
 
 async def _none() -> None:
@@ -293,7 +286,6 @@ async def _none() -> None:
 
 
 def _check_scorable(server: OpenAIServer, ids: list[int], param: str) -> None:
-    from detspec.server.app import ApiError
 
     bad = next((t for t in ids if t >= server.vocab_size), None)
     if bad is not None:
@@ -316,8 +308,8 @@ def _echo_logprobs(
 ) -> dict[str, list[Any]]:
     """OpenAI's completion logprobs over the prompt: the first token's logprob and top
     logprobs are null (nothing predicts it)."""
-    first = server._name(ids[0], as_ids)
-    rest = server._completion_logprobs(
+    first = server.logprobs.name(ids[0], as_ids)
+    rest = server.logprobs.completion(
         [d for d in plp[1:] if d is not None], k, len(server.decode_token(ids[0])), as_ids
     )
     return {

@@ -16,11 +16,14 @@ import sys
 from collections.abc import Generator
 from typing import Any
 
+from detspec.engine_args import SETTINGS_BY_NAME, add_engine_arguments, engine_settings_from_args
+
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    """``vllm serve``'s flag names where one exists."""
+    """``vllm serve``'s flag names where one exists; the engine's flags come from
+    ``detspec.engine_args.ENGINE_SETTINGS``."""
     p.add_argument(
         "model",
         nargs="?",
@@ -41,37 +44,6 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="model name(s) clients use (default: the model directory's name)",
     )
     p.add_argument(
-        "--device", default="cpu", help="cpu, cuda or cuda:N (cuda needs the CUDA wheel)"
-    )
-    p.add_argument(
-        "--dtype",
-        choices=("auto", "float32", "bfloat16", "float16"),
-        default="auto",
-        help="weights and KV cache (auto: the checkpoint's dtype where the device runs it "
-        "(bfloat16 on cpu and cuda, float16 on cuda), else float32)",
-    )
-    p.add_argument(
-        "--kv-cache-dtype",
-        choices=("auto", "float32", "bfloat16", "float16"),
-        default="auto",
-        help="KV cache (auto: the model's dtype; cpu: float32 or bfloat16)",
-    )
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--num-kv-pages", type=int, default=None)
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--determinism", choices=("dvr", "batch_invariant", "off"), default="dvr")
-    p.add_argument("--verify-window", type=int, default=64)
-    p.add_argument("--verify-group", type=int, default=8)
-    p.add_argument(
-        "--verify-strategy",
-        choices=("auto", "replay", "inline"),
-        default="auto",
-        help="how DVR makes deterministic rows reproducible (auto: inline on CPU)",
-    )
-    p.add_argument("--verify-finish-wait", type=int, default=0)
-    p.add_argument(
         "--deterministic-by-default",
         action="store_true",
         help="requests that do not send `deterministic` are deterministic (send "
@@ -84,13 +56,6 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="under --deterministic-by-default, the seed of sampled requests that send none "
         "(default 0)",
     )
-    p.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="reuse KV pages of shared prompt prefixes (default on)",
-    )
-    p.add_argument("--num-threads", type=int, default=None, help="engine CPU threads")
     p.add_argument(
         "--max-waiting-requests",
         type=int,
@@ -111,6 +76,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--uvicorn-log-level", default="info")
     p.add_argument("--disable-uvicorn-access-log", action="store_true")
+    add_engine_arguments(p)
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -132,7 +98,9 @@ def serve(args: argparse.Namespace) -> int:
     from detspec.server.app import ServerConfig, build_app
 
     api_key = args.api_key or os.environ.get("DETSPEC_API_KEY") or None
-    if args.deterministic_by_default and args.determinism == "off":
+    settings = engine_settings_from_args(args)
+    determinism = settings.get("determinism", SETTINGS_BY_NAME["determinism"].default)
+    if args.deterministic_by_default and determinism == "off":
         print(
             "error: --deterministic-by-default needs --determinism dvr or batch_invariant",
             file=sys.stderr,
@@ -145,24 +113,7 @@ def serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     try:
-        engine = AsyncLLM(
-            args.model,
-            device=args.device,
-            dtype=args.dtype,
-            kv_cache_dtype=args.kv_cache_dtype,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            num_kv_pages=args.num_kv_pages,
-            page_size=args.page_size,
-            max_model_len=args.max_model_len,
-            determinism=args.determinism,
-            verify_window=args.verify_window,
-            verify_group=args.verify_group,
-            verify_finish_wait=args.verify_finish_wait,
-            verify_strategy=args.verify_strategy,
-            enable_prefix_caching=args.enable_prefix_caching,
-            num_threads=args.num_threads,
-        )
+        engine = AsyncLLM(args.model, **settings)
     except DetspecError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -172,8 +123,7 @@ def serve(args: argparse.Namespace) -> int:
         api_key=api_key,
         max_waiting_requests=args.max_waiting_requests,
         max_request_bytes=args.max_request_bytes,
-        max_num_seqs=args.max_num_seqs,
-        determinism=args.determinism,
+        max_num_seqs=settings.get("max_num_seqs", SETTINGS_BY_NAME["max_num_seqs"].default),
         deterministic_by_default=args.deterministic_by_default,
         default_seed=args.default_seed,
     )

@@ -76,11 +76,7 @@ impl EngineCore {
                     p.len()
                 )));
             }
-            if let Some(&bad) = p.iter().find(|&&t| t as usize >= vocab) {
-                return Err(invalid(format!(
-                    "sequence {si} contains token id {bad}, outside the vocabulary (size {vocab})"
-                )));
-            }
+            crate::engine::validate::check_token_ids(p, vocab, &format!("sequence {si}"))?;
         }
         Ok(())
     }

@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from detspec.engine_args import add_engine_arguments, engine_settings_from_args
+
 
 @dataclass
 class BenchRequest:
@@ -40,6 +42,17 @@ class RequestResult:
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)
     error: str = ""
+
+    def arrived(self, ntok: int, start: float, last: float) -> float:
+        """Records ``ntok`` tokens arriving now (the request started at ``start``, the last
+        tokens arrived at ``last``); returns now."""
+        now = time.perf_counter()
+        if self.output_tokens == 0:
+            self.ttft = now - start
+        else:
+            self.itl.append(now - last)
+        self.output_tokens += ntok
+        return now
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
@@ -80,14 +93,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vocab-size", type=int, default=None, help="prompt token ids below this")
     p.add_argument("--result-file", default=None, help="write the JSON result here")
     p.add_argument("--label", default="", help="free text stored in the result")
-    # inprocess backend: the engine settings
+    # inprocess backend: the model and the engine settings (ENGINE_SETTINGS)
     p.add_argument("--model-dir", default=None, help="inprocess: model directory")
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--num-kv-pages", type=int, default=None)
-    p.add_argument("--verify-window", type=int, default=64)
-    p.add_argument("--verify-group", type=int, default=8)
-    p.add_argument("--verify-finish-wait", type=int, default=0)
-    p.add_argument("--verify-strategy", choices=("auto", "replay", "inline"), default="auto")
+    add_engine_arguments(p, prefix="inprocess:")
 
 
 def make_requests(args: argparse.Namespace, vocab: int) -> list[BenchRequest]:
@@ -162,13 +170,7 @@ async def _http_request(
                     return res
                 ntok = sum(len(c.get("token_ids") or []) for c in chunk.get("choices", []))
                 if ntok:
-                    now = time.perf_counter()
-                    if res.output_tokens == 0:
-                        res.ttft = now - start
-                    else:
-                        res.itl.append(now - last)
-                    last = now
-                    res.output_tokens += ntok
+                    last = res.arrived(ntok, start, last)
     except Exception as e:  # network errors count as failures, not crashes
         res.error = f"{type(e).__name__}: {e}"
         return res
@@ -193,16 +195,10 @@ async def _inprocess_request(
     start = time.perf_counter()
     last = start
     try:
-        async for out in engine.generate(req.prompt, params, request_id=rid):
+        async for out in engine.generate(req.prompt, params, request_id=rid, delta=True):
             n = len(out.outputs[0].token_ids)
-            if n > res.output_tokens:
-                now = time.perf_counter()
-                if res.output_tokens == 0:
-                    res.ttft = now - start
-                else:
-                    res.itl.append(now - last)
-                last = now
-                res.output_tokens = n
+            if n:
+                last = res.arrived(n, start, last)
     except Exception as e:
         res.error = f"{type(e).__name__}: {e}"
         return res
@@ -272,16 +268,8 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     if args.backend == "inprocess":
         from detspec.async_llm import AsyncLLM
 
-        engine = AsyncLLM(
-            args.model_dir,
-            max_num_seqs=args.max_num_seqs,
-            num_kv_pages=args.num_kv_pages,
-            verify_window=args.verify_window,
-            verify_group=args.verify_group,
-            verify_finish_wait=args.verify_finish_wait,
-            verify_strategy=args.verify_strategy,
-        )
-        vocab = args.vocab_size or int(engine._engine.vocab_size())
+        engine = AsyncLLM(args.model_dir, **engine_settings_from_args(args))
+        vocab = args.vocab_size or engine.vocab_size
     else:
         import httpx
 

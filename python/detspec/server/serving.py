@@ -1,0 +1,555 @@
+"""The request handling behind the OpenAI routes: admission, validation (the engine's rules,
+through ``AsyncLLM.validate_request``), sampling parameters, generation and the non-streamed
+response bodies (``protocol``'s response models). Streaming is in ``streaming``, logprob
+shapes in ``logprobs``, chat rendering in ``chat``."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from detspec.async_llm import AsyncLLM
+from detspec.errors import DetspecError, InvalidRequestError
+from detspec.outputs import RequestOutput
+from detspec.sampling_params import SamplingParams
+from detspec.server import protocol as P
+from detspec.server.chat import render_chat
+from detspec.server.defaults import DEFAULT_SEED, RequestDefaults
+from detspec.server.errors import RETRY_AFTER, ApiError, engine_error, invalid
+from detspec.server.logprobs import LogprobShaper
+from detspec.server.metrics import ServerMetrics
+from detspec.server.scoring_routes import ScoreBatcher, check_max_tokens, echo_completions
+from detspec.server.streaming import ClientGone, first_output, merge, sse_body, until_disconnect
+
+
+@dataclass
+class ServerConfig:
+    """Server settings (engine settings go to ``AsyncLLM``)."""
+
+    served_model_names: list[str] = field(default_factory=lambda: ["detspec"])
+    api_key: str | None = None
+    max_waiting_requests: int | None = None
+    max_request_bytes: int = 16 * 1024 * 1024
+    max_num_seqs: int = 256
+    # The engine's determinism mode; None: the engine's (AsyncLLM.determinism).
+    determinism: str | None = None
+    # Requests that do not say `deterministic` are deterministic; sampled ones without a
+    # seed get default_seed (server/defaults.py).
+    deterministic_by_default: bool = False
+    default_seed: int = DEFAULT_SEED
+
+
+@dataclass
+class Job:
+    """One prompt of a request (one engine request, ``n`` completions)."""
+
+    index: int
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
+
+
+class OpenAIServer:
+    """Request handling shared by the routes."""
+
+    def __init__(self, engine: AsyncLLM, config: ServerConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.model_names = list(config.served_model_names)
+        self.tokenizer = engine.get_tokenizer()
+        self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.vocab_size
+        self.defaults = RequestDefaults(config.deterministic_by_default, config.default_seed)
+        self.determinism = config.determinism or engine.determinism
+        if self.defaults.deterministic_by_default and self.determinism == "off":
+            raise ValueError(
+                "--deterministic-by-default needs a deterministic engine: start it with "
+                "--determinism dvr or batch_invariant"
+            )
+        self.score_batcher = ScoreBatcher(engine)
+        self.created = int(time.time())
+        self.inflight_seqs = 0
+        self.draining = False
+        self._decode_cache: dict[int, str] = {}
+        self.logprobs = LogprobShaper(self.decode_token)
+        self.metrics = ServerMetrics(
+            self.model_names[0], self.queue_counts, engine.kv_stats, engine.stats
+        )
+
+    @property
+    def fingerprint(self) -> str:
+        """The engine's current fingerprint (it moves when the weights are updated), with
+        ``+det-default-seed<N>`` under --deterministic-by-default."""
+        return self.engine.fingerprint + self.defaults.fingerprint_suffix()
+
+    # ---------------------------------------------------------------- bookkeeping
+
+    def queue_counts(self) -> tuple[int, int]:
+        """(running, waiting) sequences: the engine runs at most ``max_num_seqs`` at once;
+        the rest of what the server has submitted waits."""
+        running = min(self.inflight_seqs, self.config.max_num_seqs)
+        return running, self.inflight_seqs - running
+
+    def _admit(self, nseqs: int) -> None:
+        if self.draining:
+            raise ApiError(503, "the server is shutting down", None, headers=RETRY_AFTER)
+        limit = self.config.max_waiting_requests
+        if limit is not None:
+            waiting = max(0, self.inflight_seqs + nseqs - self.config.max_num_seqs)
+            if waiting > limit:
+                raise ApiError(
+                    503,
+                    f"the waiting queue is full: {waiting} sequences would wait, over the "
+                    f"limit of {limit} (--max-waiting-requests); retry later",
+                    None,
+                    headers=RETRY_AFTER,
+                )
+        self.inflight_seqs += nseqs
+
+    def check_model(self, name: str | None) -> str:
+        if name is None:
+            return self.model_names[0]
+        if name not in self.model_names:
+            raise ApiError(
+                404,
+                f"The model `{name}` does not exist (served: {', '.join(self.model_names)}).",
+                "model",
+            )
+        return name
+
+    def decode_token(self, t: int) -> str:
+        s = self._decode_cache.get(t)
+        if s is None:
+            s = self.tokenizer.decode([t], skip_special_tokens=False) if self.tokenizer else ""
+            if len(self._decode_cache) < 1_000_000:
+                self._decode_cache[t] = s
+        return s
+
+    # ---------------------------------------------------------------- validation
+
+    def common_checks(self, req: P._SamplingFields) -> None:
+        """What only the HTTP surface has (OpenAI fields the engine does not implement);
+        everything the engine decides is checked by ``validate``."""
+        if req.logit_bias:
+            raise ApiError(400, "logit_bias is not supported by this engine", "logit_bias")
+        if req.best_of is not None and req.best_of != req.n:
+            raise ApiError(400, "best_of other than n is not supported", "best_of")
+        if req.response_format is not None and req.response_format.get("type") != "text":
+            raise ApiError(
+                400,
+                "response_format other than {'type': 'text'} is not supported",
+                "response_format",
+            )
+        if req.stream_options is not None and not req.stream:
+            raise ApiError(
+                400, "stream_options can only be given when stream=true", "stream_options"
+            )
+
+    def validate(
+        self,
+        ids: list[int] | None = None,
+        params: SamplingParams | None = None,
+        param: str = "prompt",
+    ) -> None:
+        """The engine's request rules (``AsyncLLM.validate_request``), as a 400."""
+        try:
+            self.engine.validate_request(ids, params, prompt_param=param)
+        except InvalidRequestError as e:
+            raise invalid(e, param) from None
+
+    def max_tokens(self, requested: int | None, prompt_len: int, param: str) -> int:
+        """OpenAI's rule: an absent ``max_tokens`` fills the context, one that does not fit
+        is refused."""
+        room = self.max_model_len - prompt_len
+        if requested is None:
+            return room
+        if requested > room:
+            raise ApiError(
+                400,
+                f"{param}={requested} plus the prompt's {prompt_len} tokens is over this "
+                f"model's maximum context length (max_model_len={self.max_model_len})",
+                param,
+            )
+        return requested
+
+    def sampling_params(
+        self, req: P._SamplingFields, max_tokens: int, logprobs: int | None
+    ) -> SamplingParams:
+        try:
+            return SamplingParams(
+                n=req.n,
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=0 if req.top_k is None else req.top_k,
+                min_p=0.0 if req.min_p is None else req.min_p,
+                seed=req.seed,
+                max_tokens=max_tokens,
+                min_tokens=req.min_tokens,
+                stop=req.stop,
+                stop_token_ids=req.stop_token_ids,
+                ignore_eos=req.ignore_eos,
+                logprobs=logprobs,
+                presence_penalty=req.presence_penalty or 0.0,
+                frequency_penalty=req.frequency_penalty or 0.0,
+                repetition_penalty=(
+                    1.0 if req.repetition_penalty is None else req.repetition_penalty
+                ),
+                deterministic=bool(req.deterministic),
+                skip_special_tokens=req.skip_special_tokens,
+            )
+        except InvalidRequestError as e:
+            raise invalid(e) from None
+
+    def job(
+        self,
+        req: P._SamplingFields,
+        index: int,
+        rid: str,
+        ids: list[int],
+        param: str,
+        max_tokens: int | None,
+        max_tokens_param: str,
+        logprobs: int | None,
+    ) -> Job:
+        """One engine request, validated: the prompt, then ``max_tokens`` against the
+        context, then the sampling parameters."""
+        self.validate(ids, None, param)
+        n = self.max_tokens(max_tokens, len(ids), max_tokens_param)
+        params = self.sampling_params(req, n, logprobs)
+        self.validate(None, params, param)
+        return Job(index, rid, ids, params)
+
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self.tokenizer is None:
+            raise ApiError(
+                400, "this model has no tokenizer: send the prompt as token ids", "prompt"
+            )
+        try:
+            return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
+        except InvalidRequestError as e:
+            raise invalid(e, "prompt") from None
+
+    async def render_chat(
+        self,
+        messages: list[P.ChatMessage],
+        add_generation_prompt: bool,
+        template_kwargs: dict[str, Any] | None,
+    ) -> list[int]:
+        return await render_chat(self.tokenizer, messages, add_generation_prompt, template_kwargs)
+
+    async def prompt_logprobs(self, ids: list[int], k: int) -> list[dict[str, Any] | None]:
+        """vLLM's ``prompt_logprobs`` as JSON: the engine's numbers, bit for bit those of
+        ``LLM.generate`` (verify-path kernels)."""
+        (entries,) = await self.engine.prompt_logprobs([ids], k)
+        return LogprobShaper.prompt(entries)
+
+    # ---------------------------------------------------------------- generation
+
+    async def _stream_job(self, job: Job, delta: bool) -> AsyncIterator[RequestOutput]:
+        """One engine request, with its metrics."""
+        m = self.metrics
+        start = time.perf_counter()
+        last = start
+        first = True
+        ntok = 0
+        m.prompt_tokens.inc(len(job.prompt_ids))
+        m.prompt_len.observe(len(job.prompt_ids))
+        if job.params.deterministic:
+            m.deterministic_requests.inc()
+        out: RequestOutput | None = None
+        stream = self.engine.generate(job.prompt_ids, job.params, request_id=job.rid, delta=delta)
+        try:
+            async with contextlib.aclosing(stream):
+                async for out in stream:
+                    now = time.perf_counter()
+                    count = sum(len(c.token_ids) for c in out.outputs)
+                    new = count if delta else count - ntok
+                    if new > 0:
+                        if first:
+                            m.ttft.observe(now - start)
+                            first = False
+                        else:
+                            for _ in range(new):
+                                m.itl.observe((now - last) / new)
+                        m.generation_tokens.inc(new)
+                        ntok += new
+                        last = now
+                    yield out
+        finally:
+            if out is not None and out.finished:
+                m.e2e.observe(time.perf_counter() - start)
+                m.gen_len.observe(ntok)
+                for c in out.outputs:
+                    m.request_finished(c.finish_reason)
+                if job.params.deterministic:
+                    m.verify_passes_per_request.observe(out.metrics.get("num_verify_passes", 0))
+            else:  # the client left, or the engine failed or stopped: aborted
+                for _ in range(job.params.n):
+                    m.request_finished("abort")
+
+    async def run(
+        self, jobs: list[Job], delta: bool = False
+    ) -> AsyncIterator[tuple[Job, RequestOutput]]:
+        """The outputs of ``jobs`` as they come (cumulative, or deltas), admitted against the
+        waiting-queue limit. Closing it aborts every unfinished engine request."""
+        nseqs = sum(j.params.n for j in jobs)
+        self._admit(nseqs)
+        try:
+            merged = merge([(j, self._stream_job(j, delta)) for j in jobs])
+            async with contextlib.aclosing(merged):
+                async for item in merged:
+                    yield item
+        finally:
+            self.inflight_seqs -= nseqs
+
+    # ---------------------------------------------------------------- shaping
+
+    @staticmethod
+    def dvr_metrics(out: RequestOutput, params: SamplingParams) -> P.DvrMetrics:
+        mt = out.metrics
+        return P.DvrMetrics(
+            deterministic=bool(params.deterministic),
+            num_verify_passes=int(mt.get("num_verify_passes", 0)),
+            num_rollbacks=int(mt.get("num_rollbacks", 0)),
+            num_rolled_back_tokens=int(mt.get("num_rolled_back_tokens", 0)),
+            num_preemptions=int(mt.get("num_preemptions", 0)),
+        )
+
+    def choice_fields(
+        self,
+        req: P.CompletionRequest | P.ChatCompletionRequest,
+        job: Job,
+        c: Any,
+        *,
+        chat: bool,
+        first: bool,
+        text_offset: int = 0,
+        stream: bool = False,
+    ) -> dict[str, Any]:
+        """One choice of a response (or, with ``stream``, of a chunk: ``c`` holds what is
+        new) without its finish fields; ``first``: the choice's first appearance, which
+        carries the prompt fields."""
+        k = job.params.logprobs
+        lps = c.logprobs or []
+        as_ids = req.return_tokens_as_token_ids
+        fields: dict[str, Any] = {"index": job.index * job.params.n + c.index}
+        if chat:
+            if stream:
+                fields["delta"] = {"role": "assistant"} if first else {}
+                fields["delta"]["content"] = c.text
+            else:
+                fields["message"] = {"role": "assistant", "content": c.text}
+            fields["logprobs"] = self.logprobs.chat(lps, k, as_ids) if k is not None else None
+        else:
+            fields["text"] = c.text
+            fields["logprobs"] = (
+                self.logprobs.completion(lps, k, text_offset, as_ids) if k is not None else None
+            )
+            if first:
+                if req.return_token_ids:
+                    fields["prompt_token_ids"] = job.prompt_ids
+                if job.prompt_logprobs is not None:
+                    fields["prompt_logprobs"] = job.prompt_logprobs
+        fields["finish_reason"] = c.finish_reason
+        if req.return_token_ids:
+            fields["token_ids"] = list(c.token_ids)
+        return fields
+
+    @staticmethod
+    def usage(prompt_tokens: int, completion_tokens: int) -> P.UsageInfo:
+        return P.UsageInfo(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
+
+    # ---------------------------------------------------------------- completions
+
+    async def completions(self, req: P.CompletionRequest, request: Request) -> Response:
+        self.defaults.apply(req)
+        check_max_tokens(req)
+        if req.echo:
+            return await echo_completions(self, req, request)
+        model = self.check_model(req.model)
+        self.common_checks(req)
+        if req.suffix is not None:
+            raise ApiError(400, "suffix is not supported", "suffix")
+        prompts = completion_prompts(req.prompt)
+        base = f"cmpl-{uuid.uuid4().hex}"
+        jobs: list[Job] = []
+        for i, pr in enumerate(prompts):
+            param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            ids = await self.encode(pr) if isinstance(pr, str) else list(pr)
+            jobs.append(
+                self.job(
+                    req, i, f"{base}-{i}", ids, param, req.max_tokens, "max_tokens", req.logprobs
+                )
+            )
+        if req.prompt_logprobs is not None:
+            for j in jobs:
+                j.prompt_logprobs = await self.prompt_logprobs(j.prompt_ids, req.prompt_logprobs)
+        return await self._respond(req, request, jobs, base, model, chat=False)
+
+    # ---------------------------------------------------------------- chat
+
+    async def chat(self, req: P.ChatCompletionRequest, request: Request) -> Response:
+        self.defaults.apply(req)
+        model = self.check_model(req.model)
+        self.common_checks(req)
+        if req.tools:
+            raise ApiError(400, "tools are not supported by this server", "tools")
+        if req.tool_choice not in (None, "none", "auto"):
+            raise ApiError(400, "tool_choice is not supported by this server", "tool_choice")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+        if req.max_completion_tokens is not None and req.max_tokens is not None:
+            if req.max_completion_tokens != req.max_tokens:
+                raise ApiError(
+                    400,
+                    "max_tokens and max_completion_tokens disagree; send one of them",
+                    "max_completion_tokens",
+                )
+        ids = await self.render_chat(
+            req.messages, req.add_generation_prompt, req.chat_template_kwargs
+        )
+        if req.max_completion_tokens is not None:
+            max_tokens, max_param = req.max_completion_tokens, "max_completion_tokens"
+        else:
+            max_tokens, max_param = req.max_tokens, "max_tokens"
+        k = (req.top_logprobs or 0) if req.logprobs else None
+        base = f"chatcmpl-{uuid.uuid4().hex}"
+        job = self.job(req, 0, f"{base}-0", ids, "messages", max_tokens, max_param, k)
+        if req.prompt_logprobs is not None:
+            job.prompt_logprobs = await self.prompt_logprobs(ids, req.prompt_logprobs)
+        return await self._respond(req, request, [job], base, model, chat=True)
+
+    # ---------------------------------------------------------------- common response path
+
+    async def _respond(
+        self,
+        req: P.CompletionRequest | P.ChatCompletionRequest,
+        request: Request,
+        jobs: list[Job],
+        rid: str,
+        model: str,
+        chat: bool,
+    ) -> Response:
+        agen = self.run(jobs, delta=req.stream)
+        try:
+            if not req.stream:
+                return await until_disconnect(
+                    request, self._collect(req, agen, jobs, rid, model, chat)
+                )
+            first = await until_disconnect(request, first_output(agen))
+        except ClientGone:
+            await agen.aclose()
+            return Response(status_code=499)
+        except DetspecError as e:
+            await agen.aclose()
+            err = engine_error(e)
+            if err is None:
+                raise
+            raise err from None
+        except BaseException:
+            await agen.aclose()
+            raise
+        return StreamingResponse(
+            sse_body(self, req, agen, first, jobs, rid, model, chat),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+    async def _collect(
+        self,
+        req: P.CompletionRequest | P.ChatCompletionRequest,
+        agen: AsyncIterator[tuple[Job, RequestOutput]],
+        jobs: list[Job],
+        rid: str,
+        model: str,
+        chat: bool,
+    ) -> JSONResponse:
+        last: dict[int, RequestOutput] = {}
+        try:
+            async for job, out in agen:
+                last[job.index] = out
+        finally:
+            await agen.aclose()  # type: ignore[attr-defined]
+        choices: list[Any] = []
+        completion_tokens = 0
+        for job in jobs:
+            out = last[job.index]
+            for c in out.outputs:
+                completion_tokens += len(c.token_ids)
+                fields = self.choice_fields(req, job, c, chat=chat, first=True)
+                fields["stop_reason"] = c.stop_reason
+                fields["dvr_metrics"] = self.dvr_metrics(out, job.params)
+                choices.append((P.ChatChoice if chat else P.CompletionChoice)(**fields))
+        body: dict[str, Any] = {
+            "id": rid,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": model,
+            "system_fingerprint": self.fingerprint,
+            "choices": choices,
+            "usage": self.usage(sum(len(j.prompt_ids) for j in jobs), completion_tokens),
+        }
+        if chat:
+            if req.return_token_ids:
+                body["prompt_token_ids"] = jobs[0].prompt_ids
+            if jobs[0].prompt_logprobs is not None:
+                body["prompt_logprobs"] = jobs[0].prompt_logprobs
+            response: Any = P.ChatCompletionResponse(**body)
+        else:
+            response = P.CompletionResponse(**body)
+        return JSONResponse(response.model_dump(exclude_unset=True))
+
+    # ---------------------------------------------------------------- tokenizer routes
+
+    async def tokenize(
+        self, req: P.TokenizeCompletionRequest | P.TokenizeChatRequest
+    ) -> P.TokenizeResponse:
+        self.check_model(req.model)
+        if isinstance(req, P.TokenizeChatRequest):
+            ids = await self.render_chat(
+                req.messages, req.add_generation_prompt, req.chat_template_kwargs
+            )
+        else:
+            ids = await self.encode(req.prompt, req.add_special_tokens)
+        return P.TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids)
+
+    async def detokenize(self, req: P.DetokenizeRequest) -> P.DetokenizeResponse:
+        self.check_model(req.model)
+        if self.tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer", "tokens")
+        bad = next((t for t in req.tokens if t >= self.vocab_size), None)
+        if bad is not None:
+            raise ApiError(
+                400,
+                f"tokens contains token id {bad}, outside the vocabulary (size {self.vocab_size})",
+                "tokens",
+            )
+        try:
+            text = await asyncio.to_thread(self.tokenizer.decode, req.tokens)
+        except InvalidRequestError as e:
+            raise invalid(e, "tokens") from None
+        return P.DetokenizeResponse(prompt=text)
+
+
+def completion_prompts(p: str | list[int] | list[str] | list[list[int]]) -> list[str | list[int]]:
+    """``/v1/completions``' ``prompt``: one text, one token list, or a list of either."""
+    if isinstance(p, str):
+        return [p]
+    if not p:
+        raise ApiError(400, "prompt is an empty list", "prompt")
+    if isinstance(p[0], int):
+        return [list(p)]  # type: ignore[arg-type]
+    return list(p)  # type: ignore[arg-type]

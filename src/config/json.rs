@@ -1,0 +1,84 @@
+//! JSON files of a model directory read into serde types, with errors that name the field.
+
+use std::path::Path;
+
+use serde::de::DeserializeOwned;
+use serde::Deserialize;
+
+use crate::error::{DetspecError, Result};
+
+/// Parses `text` (the contents of `path`) as `T`. Malformed JSON is
+/// [`DetspecError::InvalidFile`]; a value of the wrong type is [`DetspecError::InvalidConfig`]
+/// naming the field by its path (`rope_scaling.factor`, `chat_template[1].template`).
+pub fn parse_json<T: DeserializeOwned>(text: &str, path: &Path) -> Result<T> {
+    let de = &mut serde_json::Deserializer::from_str(text);
+    serde_path_to_error::deserialize(de).map_err(|e| {
+        let field = e.path().to_string();
+        let inner = e.into_inner();
+        if inner.is_syntax() || inner.is_eof() {
+            DetspecError::file(path, format!("malformed JSON: {inner}"))
+        } else {
+            DetspecError::InvalidConfig {
+                path: path.to_path_buf(),
+                field,
+                message: inner.to_string(),
+            }
+        }
+    })
+}
+
+/// A token id field (`eos_token_id`, `bos_token_id`): an integer, a list of them, or null.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(untagged, expecting = "a token id or a list of token ids")]
+pub enum TokenIds {
+    #[default]
+    None,
+    One(u32),
+    Many(Vec<u32>),
+}
+
+impl TokenIds {
+    pub fn into_vec(self) -> Vec<u32> {
+        match self {
+            Self::None => Vec::new(),
+            Self::One(t) => vec![t],
+            Self::Many(ts) => ts,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, Deserialize)]
+    struct Outer {
+        #[serde(default)]
+        ids: TokenIds,
+        inner: Option<Inner>,
+    }
+
+    #[derive(Debug, Deserialize)]
+    struct Inner {
+        factor: f64,
+    }
+
+    #[test]
+    fn errors_name_the_field_path() {
+        let p = Path::new("/m/x.json");
+        let e = parse_json::<Outer>(r#"{"inner": {"factor": "big"}}"#, p).unwrap_err();
+        assert!(
+            matches!(&e, DetspecError::InvalidConfig { field, .. } if field == "inner.factor"),
+            "{e:?}"
+        );
+        let e = parse_json::<Outer>(r#"{"inner": "#, p).unwrap_err();
+        assert!(matches!(e, DetspecError::InvalidFile { .. }), "{e:?}");
+        let o: Outer = parse_json(r#"{"ids": [1, 2]}"#, p).unwrap();
+        assert_eq!(o.ids.into_vec(), vec![1, 2]);
+        let o: Outer = parse_json(r#"{"ids": 7, "inner": {"factor": 2}}"#, p).unwrap();
+        assert_eq!(o.inner.map(|i| i.factor), Some(2.0));
+        assert_eq!(o.ids.into_vec(), vec![7]);
+        let o: Outer = parse_json(r#"{"ids": null}"#, p).unwrap();
+        assert!(o.ids.into_vec().is_empty());
+    }
+}
