@@ -233,6 +233,34 @@ def test_replicas_agree_bitwise_under_load(two_replicas, temperature) -> None:
         assert got[3] == first[3], f"copy {i} (replica {replica}): fingerprint differs"
 
 
+def test_replicas_agree_bitwise_on_the_shape_dependent_profile(ray_http, demo_model_dir) -> None:
+    """The same agreement on the replay test profile, where every GEMM's bits change with the
+    batch's row count: each replica's fast path really diverges and its verifier rolls back,
+    and both still return the same bits."""
+    opts = engine_options(
+        demo_model_dir,
+        name="shapedep",
+        num_cpus=0.25,
+        kernel_profile="shape_dependent",
+        verify_window=8,
+        verify_group=4,
+    )
+    handle = serve.run(build_app(**opts), name="shapedep", route_prefix="/shapedep")
+    try:
+        assert check_replicas(handle, raise_on_mismatch=True).agree
+        body = target_body(0.8, deterministic=True)
+        copies = asyncio.run(
+            targets_under_load(ray_http + "/shapedep", body, 41, min_copies=8, max_copies=30)
+        )
+        assert len({r for r, _ in copies}) == 2, "one replica served every copy"
+        first = copies[0][1]
+        assert "-shapedep-" in first[3]
+        for i, (replica, got) in enumerate(copies):
+            assert got == first, f"copy {i} (replica {replica}) differs"
+    finally:
+        serve.delete("shapedep")
+
+
 def test_negative_control_plain_requests_differ_under_load(two_replicas) -> None:
     """Without ``deterministic`` the fast path's batch variance shows in the bits of at least
     one copy: the test above can tell agreeing replicas from lucky ones."""
