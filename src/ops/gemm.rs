@@ -450,6 +450,16 @@ pub fn matmul_packed_profiled(
     profile: KernelProfile,
     invariant: bool,
 ) -> candle_core::Result<Tensor> {
+    apply_packed(x, w, profile, invariant)
+}
+
+/// [`PackedMatmul`] applied to `x`, for any panel storage.
+pub(super) fn apply_packed<W: Panels + Send + 'static>(
+    x: &Tensor,
+    w: &Arc<W>,
+    profile: KernelProfile,
+    invariant: bool,
+) -> candle_core::Result<Tensor> {
     x.contiguous()?.apply_op1_no_bwd(&PackedMatmul {
         w: w.clone(),
         profile,

@@ -25,7 +25,7 @@ use std::sync::Arc;
 
 use candle_core::{bail, Tensor};
 
-use super::gemm::{matmul_panels, PackedMatmul, Panels, Reduction, NR};
+use super::gemm::{apply_packed, matmul_panels, Panels, Reduction, NR};
 use super::CpuIsa;
 use crate::config::KernelProfile;
 
@@ -159,9 +159,5 @@ pub fn matmul_packed_bf16_profiled(
     profile: KernelProfile,
     invariant: bool,
 ) -> candle_core::Result<Tensor> {
-    x.contiguous()?.apply_op1_no_bwd(&PackedMatmul {
-        w: w.clone(),
-        profile,
-        invariant,
-    })
+    apply_packed(x, w, profile, invariant)
 }
