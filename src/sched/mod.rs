@@ -203,13 +203,9 @@ impl Scheduler {
                 }
                 let prompt_len = seq.prompt.len();
                 if seq.block_table.pages().is_empty() {
-                    // Cached pages of the prompt (the lookup decides which it may read),
-                    // keeping at least its last token to compute.
-                    let pages = lookup_prefix(seq, &seq.prompt[..prompt_len - 1]);
-                    if !pages.is_empty() {
-                        seq.num_computed = pages.len() * l.page_size;
-                        seq.block_table = BlockTable::from_shared_pages(pages, l.page_size);
-                    }
+                    // The prompt only: the isolated prefill computes no output token.
+                    let prompt = seq.prompt.clone();
+                    adopt_cached_prefix(seq, &prompt, lookup_prefix, l.page_size);
                 }
                 let start = seq.num_computed;
                 if seq
@@ -240,14 +236,8 @@ impl Scheduler {
                 continue;
             }
             if seq.num_computed == 0 && seq.block_table.pages().is_empty() {
-                // Reuse cached pages of the prompt, keeping at least one token to compute so
-                // the last row yields logits.
                 let all: Vec<u32> = seq.prompt.iter().chain(&seq.output).copied().collect();
-                let pages = lookup_prefix(seq, &all[..all.len() - 1]);
-                if !pages.is_empty() {
-                    seq.num_computed = pages.len() * l.page_size;
-                    seq.block_table = BlockTable::from_shared_pages(pages, l.page_size);
-                }
+                adopt_cached_prefix(seq, &all, lookup_prefix, l.page_size);
             }
             let remaining = seq.len() - seq.num_computed;
             let len = remaining.min(budget).min(l.max_prefill_chunk);
@@ -344,6 +334,21 @@ impl Scheduler {
             s.block_table.free(alloc);
         }
         out
+    }
+}
+
+/// Starts `seq` (holding no pages) from the cached pages of `tokens`' longest cached prefix
+/// that it may read, keeping at least the last token to compute so its row yields logits.
+fn adopt_cached_prefix(
+    seq: &mut Sequence,
+    tokens: &[u32],
+    lookup_prefix: &dyn Fn(&Sequence, &[u32]) -> Vec<PageId>,
+    page_size: usize,
+) {
+    let pages = lookup_prefix(seq, &tokens[..tokens.len().saturating_sub(1)]);
+    if !pages.is_empty() {
+        seq.num_computed = pages.len() * page_size;
+        seq.block_table = BlockTable::from_shared_pages(pages, page_size);
     }
 }
 
