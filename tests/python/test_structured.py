@@ -97,9 +97,13 @@ def test_logit_bias_forces_and_bans_tokens(llm):
     forced = llm.generate([PROMPTS[1]], SamplingParams(logit_bias={77: 100.0}, **greedy))
     assert forced[0].outputs[0].token_ids == [77] * 6
     plain = llm.generate([PROMPTS[1]], SamplingParams(**greedy))[0].outputs[0].token_ids
-    banned = llm.generate(
-        [PROMPTS[1]], SamplingParams(logit_bias={t: -100.0 for t in set(plain)}, **greedy)
-    )[0].outputs[0].token_ids
+    banned = (
+        llm.generate(
+            [PROMPTS[1]], SamplingParams(logit_bias={t: -100.0 for t in set(plain)}, **greedy)
+        )[0]
+        .outputs[0]
+        .token_ids
+    )
     assert not set(banned) & set(plain)
 
 
@@ -128,8 +132,8 @@ def test_constrained_deterministic_request_is_bitwise_identical_in_a_batch(llm_f
         got = outs[mid].outputs[0]
         assert got.token_ids == alone.token_ids
         assert got.text == alone.text
-        assert [lp[t].logprob for lp, t in zip(got.logprobs, got.token_ids)] == [
-            lp[t].logprob for lp, t in zip(alone.logprobs, alone.token_ids)
+        assert [lp[t].logprob for lp, t in zip(got.logprobs, got.token_ids, strict=True)] == [
+            lp[t].logprob for lp, t in zip(alone.logprobs, alone.token_ids, strict=True)
         ]
 
 
