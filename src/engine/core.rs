@@ -21,7 +21,7 @@ use crate::ops;
 use crate::ops::{AttentionMetadata, AttentionSchedule};
 use crate::output::{FinishReason, RequestMetrics, StopReason, TokenLogprobs};
 use crate::request::{Prompt, Request};
-use crate::sampling::{self, Grammars, TokenConstraint, TokenMask};
+use crate::sampling::{self, Grammars};
 use crate::sched::{PlanEntry, Scheduler, SchedulerLimits, Sequence, SequenceId, StepPlan};
 use crate::tokenizer::{eos_token_ids, Tokenizer};
 
@@ -30,6 +30,7 @@ use super::stream::{now, StreamEvent};
 use super::text::TextState;
 
 mod control;
+mod masks;
 mod standalone;
 
 pub use standalone::{AuditInput, ForwardKind};
@@ -64,21 +65,6 @@ pub struct EngineStats {
     pub preemptions: usize,
     /// A weight update is waiting for the requests in flight to finish.
     pub weight_update_pending: bool,
-}
-
-/// One constrained sequence's mask for this step, computed beside the forward.
-struct MaskJob {
-    seq: SequenceId,
-    constraint: TokenConstraint,
-    /// The output so far: the mask is of the token after it.
-    prefix: Vec<u32>,
-    mask: Option<Result<TokenMask>>,
-}
-
-impl MaskJob {
-    fn compute(&mut self) {
-        self.mask = Some(self.constraint.mask_after(&self.prefix));
-    }
 }
 
 /// Model + KV + scheduler; runs one step at a time.
@@ -576,43 +562,13 @@ impl EngineCore {
             .as_ref()
             .map(|iso| self.build_batch(std::slice::from_ref(iso)))
             .transpose()?;
-        // The allowed-token masks of the constrained sequences sampling this step are
-        // computed on a second thread while the forward runs: they depend on the tokens so
-        // far, not on the logits.
-        let sampling_ids = shared.iter().chain(&isolated).flat_map(|(_, ids)| ids);
-        let jobs = self.take_constraints(sampling_ids);
-        let job_ids: Vec<SequenceId> = jobs.iter().map(|j| j.seq).collect();
-        let (forwards, jobs) = std::thread::scope(|s| {
-            let masker = (!jobs.is_empty()).then(|| {
-                s.spawn(move || {
-                    let mut jobs = jobs;
-                    for job in jobs.iter_mut() {
-                        job.compute();
-                    }
-                    jobs
-                })
-            });
-            let forwards = self.run_forwards(shared, isolated);
-            let jobs = masker.map_or(Ok(Vec::new()), |m| m.join());
-            (forwards, jobs)
-        });
-        let (mask_of, failed) = match jobs {
-            Ok(jobs) => self.restore_constraints(jobs),
-            // The grammar states are lost with the thread: their sequences fail.
-            Err(_) => (
-                HashMap::new(),
-                job_ids
-                    .into_iter()
-                    .map(|id| {
-                        let e = DetspecError::param(
-                            "structured_outputs",
-                            "the grammar engine panicked computing the allowed tokens",
-                        );
-                        (id, e)
-                    })
-                    .collect(),
-            ),
-        };
+        let sampling_ids: Vec<SequenceId> = shared
+            .iter()
+            .chain(&isolated)
+            .flat_map(|(_, ids)| ids.iter().copied())
+            .collect();
+        let (forwards, masks) =
+            self.forward_with_masks(&sampling_ids, |core| core.run_forwards(shared, isolated));
         let forwards = forwards?;
         self.sched.mark_computed(plan);
         self.cache_prompt_pages(plan);
@@ -631,7 +587,7 @@ impl EngineCore {
                 values
                     .par_chunks(vocab)
                     .zip(ids.par_iter())
-                    .filter(|(_, id)| !failed.iter().any(|(f, _)| f == *id))
+                    .filter(|(_, id)| !masks.failed(**id))
                     .map(|(row, id)| {
                         let seq = sched.get(*id).ok_or_else(|| DetspecError::InvalidRequest {
                             request_id: None,
@@ -644,18 +600,15 @@ impl EngineCore {
                             &seq.output,
                             row,
                             &eos,
-                            mask_of.get(id).map(|m| &m[..]),
+                            masks.get(*id),
                         )
                     })
                     .collect::<Vec<_>>()
             })?;
-            sampled.extend(
-                ids.iter()
-                    .filter(|id| !failed.iter().any(|(f, _)| f == *id)),
-            );
+            sampled.extend(ids.iter().filter(|id| !masks.failed(**id)));
             samples.extend(rows);
         }
-        let mut events = self.fail_sequences(failed);
+        let mut events = self.fail_sequences(masks.into_failures());
         let t = now();
         let mut touched: Vec<SequenceId> = Vec::with_capacity(sampled.len());
         for (id, lp) in sampled.iter().zip(samples) {
@@ -706,48 +659,6 @@ impl EngineCore {
             }
         }
         Ok(forwards)
-    }
-
-    /// Moves the grammar states of the constrained sequences among `ids` out of the
-    /// scheduler, with the output prefix each is to be asked about.
-    fn take_constraints<'a>(&mut self, ids: impl Iterator<Item = &'a SequenceId>) -> Vec<MaskJob> {
-        ids.filter_map(|&id| {
-            let seq = self.sched.get_mut(id)?;
-            let constraint = seq.constraint.take()?;
-            Some(MaskJob {
-                seq: id,
-                constraint,
-                prefix: seq.output.clone(),
-                mask: None,
-            })
-        })
-        .collect()
-    }
-
-    /// Puts the grammar states back; returns the masks by sequence and the sequences whose
-    /// mask failed.
-    fn restore_constraints(
-        &mut self,
-        jobs: Vec<MaskJob>,
-    ) -> (
-        HashMap<SequenceId, TokenMask>,
-        Vec<(SequenceId, DetspecError)>,
-    ) {
-        let mut masks = HashMap::with_capacity(jobs.len());
-        let mut failed = Vec::new();
-        for job in jobs {
-            if let Some(seq) = self.sched.get_mut(job.seq) {
-                seq.constraint = Some(job.constraint);
-            }
-            match job.mask {
-                Some(Ok(mask)) => {
-                    masks.insert(job.seq, mask);
-                }
-                Some(Err(e)) => failed.push((job.seq, e)),
-                None => {}
-            }
-        }
-        (masks, failed)
     }
 
     /// Fails single sequences (a request whose own input broke, e.g. its grammar); the rest
