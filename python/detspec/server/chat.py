@@ -38,14 +38,11 @@ def conversation(messages: list[P.ChatMessage]) -> list[dict[str, Any]]:
 
 
 def _template_call(i: int, j: int, c: P.ToolCall) -> dict[str, Any]:
+    param = f"messages[{i}].tool_calls[{j}].function.arguments"
     try:
         args = json.loads(c.function.arguments)
     except ValueError as e:
-        raise ApiError(
-            400,
-            f"the arguments of a tool call must be JSON text: {e}",
-            f"messages[{i}].tool_calls[{j}].function.arguments",
-        ) from None
+        raise ApiError(400, f"{param} must be JSON text: {e}", param) from None
     return {
         "id": c.id,
         "type": "function",

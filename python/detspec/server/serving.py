@@ -495,8 +495,8 @@ class OpenAIServer:
         self.common_checks(req)
         tools = plan_tools(req, self.tool_parser)
         constraints = request_constraints(req)
-        if tools.constraint is not None:
-            constraints.append(tools.constraint)
+        if tools.constraint is not None:  # the request's own one is the one too many
+            constraints.insert(0, tools.constraint)
         constraint = single(constraints)
         if req.top_logprobs is not None and not req.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs=true", "top_logprobs")

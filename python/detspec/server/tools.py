@@ -82,14 +82,15 @@ def check_tools(tools: list[P.ChatTool]) -> None:
     for i, t in enumerate(tools):
         f = t.function
         if f.name in seen:
-            raise ApiError(400, f"tool name {f.name!r} is given twice", f"tools[{i}].function.name")
+            param = f"tools[{i}].function.name"
+            raise ApiError(400, f"{param}: tool name {f.name!r} is given twice", param)
         seen.add(f.name)
         params = f.parameters
         if params is not None and params.get("type", "object") != "object":
             raise ApiError(
                 400,
-                f"the parameters of tool {f.name!r} must be a JSON schema of type 'object', "
-                f"got type {params.get('type')!r}",
+                f"tools[{i}].function.parameters of tool {f.name!r} must be a JSON schema of "
+                f"type 'object', got type {params.get('type')!r}",
                 f"tools[{i}].function.parameters",
             )
 
@@ -115,8 +116,8 @@ def plan_tools(req: P.ChatCompletionRequest, parser: str | None) -> ToolPlan:
         if parser is None:
             raise ApiError(
                 400,
-                '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
-                "to be set on the server",
+                'tool_choice "auto" (the default when tools are given) needs the server to run '
+                "with --enable-auto-tool-choice and --tool-call-parser",
                 "tool_choice",
             )
         return ToolPlan("auto", template_tools, parser=PARSERS[parser], parallel=parallel)
@@ -159,7 +160,8 @@ def required_schema(tools: list[P.ChatTool], parallel: bool) -> dict[str, Any]:
             if name in defs and defs[name] != d:
                 raise ApiError(
                     400,
-                    f"tools define $defs/{name} differently (tool_choice required merges them)",
+                    f"tools[{i}].function.parameters defines $defs/{name} differently from an "
+                    "earlier tool (tool_choice required merges them)",
                     f"tools[{i}].function.parameters",
                 )
             defs[name] = d
