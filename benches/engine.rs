@@ -96,7 +96,7 @@ fn step(bench: &Bench, b: &ForwardBatch) -> usize {
             values
                 .par_chunks(vocab)
                 .map(|row| {
-                    sample_next(&params, 0, &[1], &[], row, &[])
+                    sample_next(&params, 0, &[1], &[], row, &[], None)
                         .expect("sample")
                         .token as usize
                 })

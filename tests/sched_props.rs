@@ -29,6 +29,7 @@ fn seq(id: u64, prompt_len: usize, max_tokens: usize, deterministic: bool) -> Se
         verified: 0,
         emitted: 0,
         dvr: Default::default(),
+        constraint: None,
     }
 }
 

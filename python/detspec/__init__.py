@@ -20,7 +20,7 @@ from detspec.errors import (
 )
 from detspec.llm import LLM, Tokenizer
 from detspec.outputs import CompletionOutput, Logprob, RequestOutput
-from detspec.sampling_params import SamplingParams
+from detspec.sampling_params import SamplingParams, StructuredOutputsParams
 
 __all__ = [
     "AsyncLLM",
@@ -33,6 +33,7 @@ __all__ = [
     "ModelLoadError",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
     "Tokenizer",
     "built_with_cuda",
     "cuda_available",

@@ -3,11 +3,44 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import json as _json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from detspec import _core
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain the output (vLLM's ``StructuredOutputsParams``); set exactly one field.
+
+    Compiled by llguidance against the model's vocabulary; a constrained request is as
+    reproducible as any other (the mask is a function of the tokens so far)."""
+
+    json: str | dict[str, Any] | None = None
+    """A JSON schema (a dict, or its JSON text)."""
+    regex: str | None = None
+    """A regular expression the whole output matches."""
+    choice: list[str] | None = None
+    """The output is exactly one of these strings."""
+    grammar: str | None = None
+    """A Lark grammar (llguidance's dialect; ``%json{...}`` embeds a JSON schema)."""
+    json_object: bool | None = None
+    """Any JSON object."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields the Rust core reads."""
+        return _structured_dict(vars(self))
+
+
+def _structured_dict(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """The fields that are set, a schema dict as JSON text (unknown keys are kept for the
+    core to name in its error)."""
+    d = {k: v for k, v in fields.items() if v is not None}
+    if isinstance(d.get("json"), Mapping):
+        d["json"] = _json.dumps(d["json"])
+    return d
 
 
 @dataclass
@@ -40,6 +73,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     """Leave special tokens out of ``text`` (vLLM's default); ``token_ids`` always have them.
     Stop strings match the text as written."""
+    logit_bias: dict[int, float] | None = None
+    """Added to the logits of these token ids before sampling (OpenAI's range [-100, 100])."""
+    structured_outputs: StructuredOutputsParams | dict[str, Any] | None = None
+    """Constrain the output to a JSON schema, regex, choice or grammar."""
     is_deterministic: dataclasses.InitVar[bool | None] = None
     _extra: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
@@ -71,6 +108,12 @@ class SamplingParams:
             d["stop"] = [d["stop"]]
         d["stop"] = list(d["stop"] or [])
         d["stop_token_ids"] = list(d["stop_token_ids"] or [])
+        d["logit_bias"] = dict(d["logit_bias"] or {})
+        so = self.structured_outputs
+        if isinstance(so, StructuredOutputsParams):
+            d["structured_outputs"] = so.to_dict()
+        elif isinstance(so, Mapping):
+            d["structured_outputs"] = _structured_dict(so)
         return d
 
     def clone(self) -> SamplingParams:

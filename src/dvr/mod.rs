@@ -166,13 +166,21 @@ impl Verifier {
             // same absolute position, same output context.
             let mut preds = Vec::with_capacity(window.n + 1);
             for (j, row) in rows.iter().enumerate() {
+                let before = &seq.output[..v + j];
+                // The structured-output mask of this position: the fast path's own, from the
+                // constraint's cache, as the prefix before it is the one it sampled after.
+                let mask = match seq.constraint.as_mut() {
+                    Some(c) => Some(c.mask_after(before)?),
+                    None => None,
+                };
                 preds.push(sampling::sample_next(
                     &seq.params,
                     seq.seed,
                     &seq.prompt,
-                    &seq.output[..v + j],
+                    before,
                     row,
                     eos,
+                    mask.as_deref(),
                 )?);
             }
             let mut mismatch = accept::first_mismatch(&seq.output[v..], &preds);

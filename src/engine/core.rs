@@ -21,7 +21,7 @@ use crate::ops;
 use crate::ops::{AttentionMetadata, AttentionSchedule};
 use crate::output::{FinishReason, RequestMetrics, StopReason, TokenLogprobs};
 use crate::request::{Prompt, Request};
-use crate::sampling;
+use crate::sampling::{self, Grammars, TokenConstraint, TokenMask};
 use crate::sched::{PlanEntry, Scheduler, SchedulerLimits, Sequence, SequenceId, StepPlan};
 use crate::tokenizer::{eos_token_ids, Tokenizer};
 
@@ -66,10 +66,27 @@ pub struct EngineStats {
     pub weight_update_pending: bool,
 }
 
+/// One constrained sequence's mask for this step, computed beside the forward.
+struct MaskJob {
+    seq: SequenceId,
+    constraint: TokenConstraint,
+    /// The output so far: the mask is of the token after it.
+    prefix: Vec<u32>,
+    mask: Option<Result<TokenMask>>,
+}
+
+impl MaskJob {
+    fn compute(&mut self) {
+        self.mask = Some(self.constraint.mask_after(&self.prefix));
+    }
+}
+
 /// Model + KV + scheduler; runs one step at a time.
 pub struct EngineCore {
     model: Model,
     tokenizer: Option<Arc<Tokenizer>>,
+    /// Compiles structured-output constraints over the tokenizer's vocabulary.
+    grammars: Arc<Grammars>,
     kv: KvPool,
     alloc: Arc<KvManager>,
     cfg: EngineConfig,
@@ -212,6 +229,7 @@ impl EngineCore {
             isolate_deterministic_prefill: policy.isolates_deterministic_prefill(),
         });
         tracing::info!(model = %dir.display(), num_pages, page_size = cfg.page_size, "engine loaded");
+        let grammars = Arc::new(Grammars::new(tokenizer.clone(), mc.vocab_size, eos.clone()));
         Ok(Self {
             info: Arc::new(ModelInfo {
                 config: mc,
@@ -224,6 +242,7 @@ impl EngineCore {
             fingerprint_tail,
             model,
             tokenizer,
+            grammars,
             kv,
             alloc,
             cfg,
@@ -242,6 +261,10 @@ impl EngineCore {
 
     pub fn tokenizer(&self) -> Option<&Arc<Tokenizer>> {
         self.tokenizer.as_ref()
+    }
+
+    pub fn grammars(&self) -> &Arc<Grammars> {
+        &self.grammars
     }
 
     /// Free and total KV pages (the reserved verify page counts as free: it is always there).
@@ -328,6 +351,12 @@ impl EngineCore {
         let rules = self.request_rules();
         rules.check_params(&req.params)?;
         let deterministic = self.policy.admit(&req.params)?;
+        let constraint = req
+            .params
+            .structured_outputs
+            .as_ref()
+            .map(|so| self.grammars.compile(so))
+            .transpose()?;
         let (prompt_text, prompt) = match req.prompt {
             Prompt::Text(t) => {
                 let tok = self.tokenizer.as_ref().ok_or_else(|| {
@@ -380,6 +409,7 @@ impl EngineCore {
                 verified: 0,
                 emitted: 0,
                 dvr: Default::default(),
+                constraint: constraint.clone(),
             });
         }
         Ok(StreamEvent::Accepted {
@@ -530,37 +560,66 @@ impl EngineCore {
     }
 
     fn run_plan(&mut self, plan: &StepPlan) -> Result<Vec<StreamEvent>> {
-        // (sequences, their logits `[sequences, vocab]`) of each forward.
-        let mut forwards = Vec::with_capacity(2);
-        if !plan.entries.is_empty() {
+        let shared = if plan.entries.is_empty() {
+            None
+        } else {
             let (mut batch, ids) = self.build_batch(&plan.entries)?;
             let deterministic = plan
                 .entries
                 .iter()
                 .map(|e| self.sched.get(e.seq).is_some_and(|s| s.deterministic));
             self.policy.prepare_shared_batch(&mut batch, deterministic);
-            forwards.push((ids, self.model.forward(&batch, &self.kv)?));
-        }
-        if let Some(iso) = &plan.isolated {
-            // Alone, on invariant kernels: a pure function of the prompt.
-            let (batch, ids) = self.build_batch(std::slice::from_ref(iso))?;
-            let mut sampled = None;
-            for (pass, row) in self.policy.isolated_prefill_passes(batch) {
-                let logits = self.model.forward(&pass, &self.kv)?;
-                if let Some(row) = row {
-                    sampled = Some(logits.narrow(0, row, 1)?);
-                }
-            }
-            if let Some(logits) = sampled {
-                forwards.push((ids, logits));
-            }
-        }
+            Some((batch, ids))
+        };
+        let isolated = plan
+            .isolated
+            .as_ref()
+            .map(|iso| self.build_batch(std::slice::from_ref(iso)))
+            .transpose()?;
+        // The allowed-token masks of the constrained sequences sampling this step are
+        // computed on a second thread while the forward runs: they depend on the tokens so
+        // far, not on the logits.
+        let sampling_ids = shared.iter().chain(&isolated).flat_map(|(_, ids)| ids);
+        let jobs = self.take_constraints(sampling_ids);
+        let job_ids: Vec<SequenceId> = jobs.iter().map(|j| j.seq).collect();
+        let (forwards, jobs) = std::thread::scope(|s| {
+            let masker = (!jobs.is_empty()).then(|| {
+                s.spawn(move || {
+                    let mut jobs = jobs;
+                    for job in jobs.iter_mut() {
+                        job.compute();
+                    }
+                    jobs
+                })
+            });
+            let forwards = self.run_forwards(shared, isolated);
+            let jobs = masker.map_or(Ok(Vec::new()), |m| m.join());
+            (forwards, jobs)
+        });
+        let (mask_of, failed) = match jobs {
+            Ok(jobs) => self.restore_constraints(jobs),
+            // The grammar states are lost with the thread: their sequences fail.
+            Err(_) => (
+                HashMap::new(),
+                job_ids
+                    .into_iter()
+                    .map(|id| {
+                        let e = DetspecError::param(
+                            "structured_outputs",
+                            "the grammar engine panicked computing the allowed tokens",
+                        );
+                        (id, e)
+                    })
+                    .collect(),
+            ),
+        };
+        let forwards = forwards?;
         self.sched.mark_computed(plan);
         self.cache_prompt_pages(plan);
         let eos = self.info.eos_token_ids.clone();
         let sched = &self.sched;
-        // Each row's sample depends only on its own logits and (seed, position); rows are read
-        // in place from the logits tensor.
+        // Each row's sample depends only on its own logits, mask and (seed, position); rows
+        // are read in place from the logits tensor.
         let mut sampled: Vec<SequenceId> = Vec::new();
         let mut samples: Vec<Result<TokenLogprobs>> = Vec::new();
         for (ids, logits) in &forwards {
@@ -572,6 +631,7 @@ impl EngineCore {
                 values
                     .par_chunks(vocab)
                     .zip(ids.par_iter())
+                    .filter(|(_, id)| !failed.iter().any(|(f, _)| f == *id))
                     .map(|(row, id)| {
                         let seq = sched.get(*id).ok_or_else(|| DetspecError::InvalidRequest {
                             request_id: None,
@@ -584,13 +644,18 @@ impl EngineCore {
                             &seq.output,
                             row,
                             &eos,
+                            mask_of.get(id).map(|m| &m[..]),
                         )
                     })
                     .collect::<Vec<_>>()
             })?;
-            sampled.extend(ids);
+            sampled.extend(
+                ids.iter()
+                    .filter(|id| !failed.iter().any(|(f, _)| f == *id)),
+            );
             samples.extend(rows);
         }
+        let mut events = self.fail_sequences(failed);
         let t = now();
         let mut touched: Vec<SequenceId> = Vec::with_capacity(sampled.len());
         for (id, lp) in sampled.iter().zip(samples) {
@@ -612,7 +677,95 @@ impl EngineCore {
             }
             touched.push(*id);
         }
-        self.verify_and_emit(touched)
+        events.extend(self.verify_and_emit(touched)?);
+        Ok(events)
+    }
+
+    /// The forwards of a step: the shared batch, then the isolated deterministic prefill.
+    /// Returns (sequences that sample, their logits `[sequences, vocab]`) of each.
+    fn run_forwards(
+        &self,
+        shared: Option<(ForwardBatch, Vec<SequenceId>)>,
+        isolated: Option<(ForwardBatch, Vec<SequenceId>)>,
+    ) -> Result<Vec<(Vec<SequenceId>, candle_core::Tensor)>> {
+        let mut forwards = Vec::with_capacity(2);
+        if let Some((batch, ids)) = shared {
+            forwards.push((ids, self.model.forward(&batch, &self.kv)?));
+        }
+        if let Some((batch, ids)) = isolated {
+            // Alone, on invariant kernels: a pure function of the prompt.
+            let mut sampled = None;
+            for (pass, row) in self.policy.isolated_prefill_passes(batch) {
+                let logits = self.model.forward(&pass, &self.kv)?;
+                if let Some(row) = row {
+                    sampled = Some(logits.narrow(0, row, 1)?);
+                }
+            }
+            if let Some(logits) = sampled {
+                forwards.push((ids, logits));
+            }
+        }
+        Ok(forwards)
+    }
+
+    /// Moves the grammar states of the constrained sequences among `ids` out of the
+    /// scheduler, with the output prefix each is to be asked about.
+    fn take_constraints<'a>(&mut self, ids: impl Iterator<Item = &'a SequenceId>) -> Vec<MaskJob> {
+        ids.filter_map(|&id| {
+            let seq = self.sched.get_mut(id)?;
+            let constraint = seq.constraint.take()?;
+            Some(MaskJob {
+                seq: id,
+                constraint,
+                prefix: seq.output.clone(),
+                mask: None,
+            })
+        })
+        .collect()
+    }
+
+    /// Puts the grammar states back; returns the masks by sequence and the sequences whose
+    /// mask failed.
+    fn restore_constraints(
+        &mut self,
+        jobs: Vec<MaskJob>,
+    ) -> (
+        HashMap<SequenceId, TokenMask>,
+        Vec<(SequenceId, DetspecError)>,
+    ) {
+        let mut masks = HashMap::with_capacity(jobs.len());
+        let mut failed = Vec::new();
+        for job in jobs {
+            if let Some(seq) = self.sched.get_mut(job.seq) {
+                seq.constraint = Some(job.constraint);
+            }
+            match job.mask {
+                Some(Ok(mask)) => {
+                    masks.insert(job.seq, mask);
+                }
+                Some(Err(e)) => failed.push((job.seq, e)),
+                None => {}
+            }
+        }
+        (masks, failed)
+    }
+
+    /// Fails single sequences (a request whose own input broke, e.g. its grammar); the rest
+    /// of the step goes on.
+    fn fail_sequences(&mut self, failed: Vec<(SequenceId, DetspecError)>) -> Vec<StreamEvent> {
+        let mut events = Vec::new();
+        for (id, error) in failed {
+            tracing::warn!("sequence {id} failed: {error}");
+            let removed = self.sched.remove_where(self.alloc.as_ref(), |s| s.id == id);
+            if let Some(s) = removed.into_iter().next() {
+                self.extra.remove(&s.id);
+                events.push(StreamEvent::Failed {
+                    request_id: s.request_id,
+                    error,
+                });
+            }
+        }
+        events
     }
 
     /// Runs due verify passes, emits the committed tokens of `touched` and of every verified

@@ -30,6 +30,7 @@ use crate::error::{DetspecError, Result};
 use crate::kv::KvStats;
 use crate::output::RequestOutput;
 use crate::request::Request;
+use crate::sampling::{Grammars, SamplingParams};
 use crate::tokenizer::Tokenizer;
 
 type Reply<T> = Sender<Result<T>>;
@@ -65,7 +66,8 @@ pub enum PauseMode {
 
 enum Command {
     Add {
-        request: Request,
+        /// Boxed: a request (prompt, sampling parameters, constraint) is the largest command.
+        request: Box<Request>,
         events: Sender<StreamEvent>,
         arrival_time: f64,
     },
@@ -116,6 +118,8 @@ pub struct Engine {
     /// Replaced by the engine thread when a weight update lands (fingerprint, version).
     info: Arc<RwLock<Arc<ModelInfo>>>,
     tokenizer: Option<Arc<Tokenizer>>,
+    /// The core's grammar compiler, to check structured outputs before submitting.
+    grammars: Arc<Grammars>,
     /// Generation is paused (set by the engine thread).
     paused: Arc<AtomicBool>,
     /// What a request is checked against (fixed for the engine's life).
@@ -148,6 +152,7 @@ impl Engine {
         let paused = Arc::new(AtomicBool::new(false));
         let thread_paused = paused.clone();
         let tokenizer = core.tokenizer().cloned();
+        let grammars = core.grammars().clone();
         let rules = core.request_rules();
         // The loop itself runs on one of the pool's workers: between kernels its serial work
         // (scheduling, candle's glue ops, sampling bookkeeping) runs on a thread that then
@@ -175,6 +180,7 @@ impl Engine {
             }),
             info,
             tokenizer,
+            grammars,
             paused,
             rules,
         })
@@ -188,6 +194,16 @@ impl Engine {
     /// The rules every request is checked against; the engine applies them at intake.
     pub fn request_rules(&self) -> RequestRules {
         self.rules
+    }
+
+    /// Checks sampling parameters as intake will: [`RequestRules::check_params`], and a
+    /// structured output's schema, regex or grammar compiled against this model's vocabulary.
+    pub fn check_params(&self, params: &SamplingParams) -> Result<()> {
+        self.rules.check_params(params)?;
+        if let Some(so) = &params.structured_outputs {
+            self.grammars.compile(so)?;
+        }
+        Ok(())
     }
 
     pub fn tokenizer(&self) -> Option<&Tokenizer> {
@@ -212,7 +228,7 @@ impl Engine {
         events: Sender<StreamEvent>,
     ) -> Result<()> {
         self.send(Command::Add {
-            request,
+            request: Box::new(request),
             events,
             arrival_time: stream::now(),
         })
@@ -527,7 +543,7 @@ fn engine_loop(
                     arrival_time,
                 } => {
                     let id = request.request_id.clone();
-                    match core.add_request(request, arrival_time) {
+                    match core.add_request(*request, arrival_time) {
                         Ok(ev) => {
                             let n = match &ev {
                                 StreamEvent::Accepted { n, .. } => *n,

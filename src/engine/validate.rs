@@ -60,6 +60,8 @@ impl RequestRules {
     pub fn check_params(&self, params: &SamplingParams) -> Result<()> {
         params.validate()?;
         check_token_ids(&params.stop_token_ids, self.vocab_size, "stop_token_ids")?;
+        let biased: Vec<u32> = params.logit_bias.keys().copied().collect();
+        check_token_ids(&biased, self.vocab_size, "logit_bias")?;
         if params.deterministic {
             if self.determinism == DeterminismMode::Off {
                 return Err(DetspecError::param(

@@ -12,13 +12,12 @@ use candle_core::{DType, Device, Tensor};
 use crate::config::{KernelProfile, ModelConfig};
 use crate::error::{DetspecError, Result};
 use crate::kv::KvPool;
-use crate::ops::{
-    self, invariant_matmul, matmul_packed_bf16_profiled, matmul_packed_profiled, AttentionMetadata,
-    PackedWeight, PackedWeightBf16,
-};
+use crate::ops::{self, AttentionMetadata};
 
-use super::params::{ParamHashes, WeightLoader};
-use super::Checkpoint;
+use super::linear::{GemmOptions, Linear, LinearWeight};
+use super::loader::WeightLoader;
+use super::params::ParamHashes;
+use super::weights::Checkpoint;
 
 /// One forward pass's inputs: a flat batch of tokens from one or more sequences.
 #[derive(Debug, Clone, Default)]
@@ -36,91 +35,7 @@ pub struct ForwardBatch {
     pub invariant_gemm: bool,
 }
 
-/// `x @ w^T (+ b)`.
-#[derive(Debug, Clone)]
-pub(super) struct Linear {
-    pub(super) weight: LinearWeight,
-    pub(super) bias: Option<Tensor>,
-}
-
-/// A linear layer's weight in the form its device's GEMM wants.
-#[derive(Debug, Clone)]
-pub(super) enum LinearWeight {
-    /// CPU: packed once for the fixed-order GEMM (`ops::gemm`), invariant to the batch.
-    Packed(Arc<PackedWeight>),
-    /// CPU, bf16 weights: packed in bf16 for the same GEMM (`ops::gemm_bf16`; f32 activations).
-    PackedBf16(Arc<PackedWeightBf16>),
-    /// Other devices: `[in, out]`, transposed and contiguous once at load.
-    Dense(Tensor),
-}
-
-impl LinearWeight {
-    /// From a checkpoint's `[out, in]` matrix.
-    pub(super) fn new(w: &Tensor) -> Result<Self> {
-        if w.device().is_cpu() {
-            let (out_dim, in_dim) = w.dims2()?;
-            if let Some(packed) = ops::with_bf16_bits(w, |bits| {
-                PackedWeightBf16::from_transposed_bits(bits, out_dim, in_dim)
-            })? {
-                return Ok(Self::PackedBf16(Arc::new(packed?)));
-            }
-            let packed = ops::with_f32_values(w, |data| {
-                PackedWeight::from_transposed(data, out_dim, in_dim)
-            })??;
-            Ok(Self::Packed(Arc::new(packed)))
-        } else {
-            Ok(Self::Dense(w.t()?.contiguous()?))
-        }
-    }
-
-    fn matmul(&self, x: &Tensor, gemm: GemmOptions) -> candle_core::Result<Tensor> {
-        match self {
-            Self::Packed(w) => matmul_packed_profiled(x, w, gemm.profile, gemm.invariant),
-            Self::PackedBf16(w) => matmul_packed_bf16_profiled(x, w, gemm.profile, gemm.invariant),
-            Self::Dense(w) if gemm.invariant => invariant_matmul(x, w),
-            Self::Dense(w) => x.matmul(w),
-        }
-    }
-}
-
-/// What a forward's GEMMs promise: the backend's kernel profile, and whether this batch runs
-/// them in the batch-invariant mode (fixed row blocks).
-#[derive(Debug, Clone, Copy)]
-struct GemmOptions {
-    profile: KernelProfile,
-    invariant: bool,
-}
-
-impl Linear {
-    /// Stores the weight transposed and contiguous once, so every forward's GEMM reads a
-    /// row-major `[in, out]` right-hand side.
-    fn load(
-        ld: &WeightLoader,
-        prefix: &str,
-        in_dim: usize,
-        out_dim: usize,
-        bias: bool,
-    ) -> Result<Self> {
-        let weight = ld.load_linear(&format!("{prefix}.weight"), out_dim, in_dim)?;
-        let bias = if bias {
-            Some(ld.load(&format!("{prefix}.bias"), &[out_dim])?)
-        } else {
-            None
-        };
-        Ok(Self { weight, bias })
-    }
-}
-
-impl Linear {
-    fn apply(&self, x: &Tensor, gemm: GemmOptions) -> candle_core::Result<Tensor> {
-        let y = self.weight.matmul(x, gemm)?;
-        match &self.bias {
-            Some(b) => y.broadcast_add(b),
-            None => Ok(y),
-        }
-    }
-}
-
+/// One decoder layer's parameters.
 #[derive(Debug)]
 pub(super) struct Layer {
     pub(super) input_norm: Tensor,
@@ -177,10 +92,10 @@ impl Model {
         for i in 0..cfg.num_hidden_layers {
             let p = format!("model.layers.{i}");
             let attn = |name: &str, i: usize, o: usize, bias: bool| {
-                Linear::load(&ld, &format!("{p}.self_attn.{name}"), i, o, bias)
+                ld.linear(&format!("{p}.self_attn.{name}"), i, o, bias)
             };
             let mlp = |name: &str, i: usize, o: usize| {
-                Linear::load(&ld, &format!("{p}.mlp.{name}"), i, o, cfg.mlp_bias)
+                ld.linear(&format!("{p}.mlp.{name}"), i, o, cfg.mlp_bias)
             };
             let qk_norm = |name: &str| {
                 cfg.qk_norm

@@ -1,8 +1,11 @@
 //! Weight loading, the decoder forward pass, and parameters by name (weight updates).
 
 mod decoder;
+mod linear;
+mod loader;
 mod memory;
 mod params;
+mod update;
 mod weights;
 
 pub use decoder::{ForwardBatch, Model};

@@ -9,9 +9,8 @@ use candle_core::cuda::cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use candle_core::cuda::WrapErr;
 use candle_core::{bail, CudaDevice, CudaStorage, Layout};
 
+use super::attention_plan::{AttentionMetadata, AttentionSchedule, AttentionShape, SOFTMAX_BLOCK};
 use super::cuda::{self, with_float_type, UploadCache};
-use super::paged_attention::{AttentionShape, SOFTMAX_BLOCK};
-use super::{AttentionMetadata, AttentionSchedule};
 
 /// Threads per (row, head, split) block; `cuda/paged_attention.cu`'s `ATTN_THREADS`.
 const ATTN_THREADS: u32 = 128;

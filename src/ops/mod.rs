@@ -5,6 +5,7 @@
 //! depends only on that row's inputs: not on its index in the batch, its neighbours, or the
 //! number of threads (rayon only splits *independent* rows).
 
+mod attention_plan;
 mod cache_write;
 #[cfg(feature = "cuda")]
 mod cuda;
@@ -21,6 +22,7 @@ mod paged_attention;
 mod rms_norm;
 mod rope;
 
+pub use attention_plan::{AttentionMetadata, AttentionSchedule};
 pub use cache_write::{write_k, write_kv};
 pub use elementwise::{add, swiglu};
 pub use gemm::{
@@ -36,9 +38,7 @@ pub use isa::CpuIsa;
 pub use math::{bf16_bits, bf16_to_f32, exp_nonpositive, silu};
 pub use matmul::{invariant_matmul, INVARIANT_GEMM_ROWS};
 pub use page_copy::copy_pages;
-pub use paged_attention::{
-    paged_attention, paged_attention_with_isa, AttentionMetadata, AttentionSchedule,
-};
+pub use paged_attention::{paged_attention, paged_attention_with_isa};
 pub use rms_norm::rms_norm;
 pub use rope::apply_rope;
 

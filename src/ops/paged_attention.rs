@@ -16,151 +16,17 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use candle_core::{bail, CpuStorage, CustomOp3, Device, Layout, Shape, Tensor};
+use candle_core::{bail, CpuStorage, CustomOp3, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
+use super::attention_plan::{AttentionMetadata, AttentionSchedule, AttentionShape, SOFTMAX_BLOCK};
 use super::{contiguous_f32, exp_nonpositive, CpuIsa};
 
-/// Keys per online-softmax block, aligned to absolute positions. A constant (not the page size)
-/// so the reduction order, and hence the bits, do not depend on how the KV cache is paged.
-pub const SOFTMAX_BLOCK: usize = 16;
-
-/// Where each query row's keys live.
-#[derive(Debug, Clone, Default)]
-pub struct AttentionMetadata {
-    /// Absolute position of each query row; the row attends to positions `0..=pos`.
-    pub positions: Vec<u32>,
-    /// Index into `block_tables` for each query row.
-    pub row_seq: Vec<u32>,
-    /// Per sequence: logical page index → physical page id.
-    pub block_tables: Vec<Vec<u32>>,
-    /// Attend only to the last `w` positions (Mistral-style sliding window).
-    pub sliding_window: Option<usize>,
-    pub schedule: AttentionSchedule,
-    /// Per sequence (index into `block_tables`): its rows take the fixed schedule whatever
-    /// `schedule` says (DVR's inline deterministic rows). Missing entries mean `false`.
-    pub fixed_seqs: Vec<bool>,
-}
-
-/// How each row's key range is reduced.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub enum AttentionSchedule {
-    /// One sequential pass per (row, head): invariant to batch, position and threads.
-    #[default]
-    Fixed,
-    /// Split each row's keys into this many page-aligned chunks (≥ 2) and merge.
-    SplitKv { splits: usize },
-}
-
-impl AttentionSchedule {
-    /// The fast path's heuristic: enough (row, head, split) tasks to occupy every CPU thread a
-    /// few times over, or every GPU multiprocessor twice. Depends on how many sequences are in
-    /// the batch, hence batch-variant.
-    pub fn split_kv_for_batch(num_seqs: usize, num_heads: usize, device: &Device) -> Self {
-        let target_tasks = if device.is_cpu() {
-            4 * rayon::current_num_threads().max(1)
-        } else {
-            2 * gpu_multiprocessors(device)
-        };
-        let tasks = (num_seqs * num_heads).max(1);
-        let splits = target_tasks.div_ceil(tasks).clamp(1, 16);
-        if splits <= 1 {
-            AttentionSchedule::Fixed
-        } else {
-            AttentionSchedule::SplitKv { splits }
-        }
-    }
-}
-
-#[cfg(feature = "cuda")]
-fn gpu_multiprocessors(device: &Device) -> usize {
-    super::cuda::multiprocessors(device)
-}
-
-#[cfg(not(feature = "cuda"))]
-fn gpu_multiprocessors(_device: &Device) -> usize {
-    1
-}
-
+/// The op: one batch's plan and scale, and the instruction set the CPU body runs with.
 struct PagedAttention {
     meta: Arc<AttentionMetadata>,
     scale: f32,
     isa: CpuIsa,
-}
-
-impl PagedAttention {
-    /// Checks every page lookup the kernel will make, so the parallel loop cannot index out of
-    /// bounds.
-    fn check(&self, rows: usize, page_size: usize, num_pages: usize) -> candle_core::Result<()> {
-        let m = &self.meta;
-        if m.positions.len() != rows || m.row_seq.len() != rows {
-            bail!(
-                "paged_attention: metadata for {} rows, query has {rows}",
-                m.positions.len()
-            );
-        }
-        for (&pos, &seq) in m.positions.iter().zip(&m.row_seq) {
-            let Some(bt) = m.block_tables.get(seq as usize) else {
-                bail!(
-                    "paged_attention: row refers to sequence {seq}, only {} given",
-                    m.block_tables.len()
-                );
-            };
-            let needed = pos as usize / page_size + 1;
-            if bt.len() < needed {
-                bail!(
-                    "paged_attention: position {pos} needs {needed} pages, block table has {}",
-                    bt.len()
-                );
-            }
-            if let Some(&p) = bt[..needed].iter().find(|&&p| p as usize >= num_pages) {
-                bail!("paged_attention: page {p} out of range ({num_pages} pages)");
-            }
-        }
-        Ok(())
-    }
-}
-
-/// The sizes of one attention call, read off its operands.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-pub(super) struct AttentionShape {
-    pub(super) rows: usize,
-    pub(super) heads: usize,
-    pub(super) dim: usize,
-    pub(super) page_size: usize,
-    pub(super) kv_heads: usize,
-}
-
-impl PagedAttention {
-    /// Checks the operands' shapes against each other and the metadata against them.
-    fn shape(&self, ql: &Layout, kl: &Layout, vl: &Layout) -> candle_core::Result<AttentionShape> {
-        let (rows, heads, dim) = match ql.dims() {
-            [t, h, d] => (*t, *h, *d),
-            dims => bail!("paged_attention: q must be [tokens, heads, head_dim], got {dims:?}"),
-        };
-        let (num_pages, page_size, kv_heads) = match vl.dims() {
-            [p, s, h, d] if *d == dim => (*p, *s, *h),
-            dims => bail!("paged_attention: v_cache must be [pages, page_size, kv_heads, {dim}], got {dims:?}"),
-        };
-        if kl.dims() != [num_pages, kv_heads, dim, page_size] {
-            bail!(
-                "paged_attention: k_cache {:?} must be [pages, kv_heads, head_dim, page_size] = {:?}",
-                kl.dims(),
-                [num_pages, kv_heads, dim, page_size]
-            );
-        }
-        if kv_heads == 0 || heads % kv_heads != 0 {
-            bail!("paged_attention: {heads} query heads not a multiple of {kv_heads} kv heads");
-        }
-        self.check(rows, page_size, num_pages)?;
-        Ok(AttentionShape {
-            rows,
-            heads,
-            dim,
-            page_size,
-            kv_heads,
-        })
-    }
 }
 
 impl CustomOp3 for PagedAttention {
@@ -185,7 +51,7 @@ impl CustomOp3 for PagedAttention {
             page_size,
             kv_heads,
             ..
-        } = self.shape(ql, kl, vl)?;
+        } = AttentionShape::read(&self.meta, ql, kl, vl)?;
         macro_rules! run {
             ($k_cache:expr, $v_cache:expr) => {
                 attention(
@@ -234,7 +100,7 @@ impl CustomOp3 for PagedAttention {
         vs: &candle_core::CudaStorage,
         vl: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        let shape = self.shape(ql, kl, vl)?;
+        let shape = AttentionShape::read(&self.meta, ql, kl, vl)?;
         let out = super::cuda_attention::paged_attention(
             &self.meta,
             self.scale,
@@ -260,7 +126,7 @@ fn contiguous<'a, T: candle_core::WithDType>(
     }
 }
 
-/// Inputs of one attention call, checked by [`PagedAttention::check`]; the KV cache holds
+/// Inputs of one attention call, checked by [`AttentionShape::read`]; the KV cache holds
 /// elements `E` (f32 or bf16).
 #[derive(Clone, Copy)]
 struct AttentionArgs<'a, E> {

@@ -7,7 +7,7 @@ use pyo3::types::{PyDict, PyType};
 use crate::error::DetspecError;
 use crate::output::{RequestOutput, TokenLogprobs};
 use crate::request::Prompt;
-use crate::sampling::SamplingParams;
+use crate::sampling::{SamplingParams, StructuredOutputs};
 
 /// The Python exception class for an error: load problems, bad requests, or engine failures.
 fn class_name(e: &DetspecError) -> &'static str {
@@ -118,6 +118,8 @@ pub fn params_from_dict(py: Python<'_>, d: &Bound<'_, PyDict>) -> PyResult<Sampl
         "repetition_penalty",
         "deterministic",
         "skip_special_tokens",
+        "logit_bias",
+        "structured_outputs",
     ];
     for k in d.keys() {
         let k: String = k.extract()?;
@@ -164,6 +166,30 @@ pub fn params_from_dict(py: Python<'_>, d: &Bound<'_, PyDict>) -> PyResult<Sampl
             )
         })?);
     }
+    if let Some(item) = d.get_item("logit_bias")? {
+        if !item.is_none() {
+            p.logit_bias = item.extract().map_err(|_| {
+                to_pyerr(
+                    py,
+                    DetspecError::param(
+                        "logit_bias",
+                        "must map token ids (non-negative integers) to numbers",
+                    ),
+                )
+            })?;
+        }
+    }
+    if let Some(item) = d.get_item("structured_outputs")? {
+        if !item.is_none() {
+            let so = item.cast::<PyDict>().map_err(|_| {
+                to_pyerr(
+                    py,
+                    DetspecError::param("structured_outputs", "must be a dict"),
+                )
+            })?;
+            p.structured_outputs = Some(structured_from_dict(py, so)?);
+        }
+    }
     if let Some(item) = d.get_item("stop")? {
         if let Ok(s) = item.extract::<String>() {
             p.stop = vec![s];
@@ -177,6 +203,35 @@ pub fn params_from_dict(py: Python<'_>, d: &Bound<'_, PyDict>) -> PyResult<Sampl
         }
     }
     Ok(p)
+}
+
+/// A structured-output constraint from vLLM's `StructuredOutputsParams` fields (`json` as
+/// JSON text: the Python side serialises a schema dict).
+fn structured_from_dict(py: Python<'_>, d: &Bound<'_, PyDict>) -> PyResult<StructuredOutputs> {
+    let mut so = StructuredOutputs::default();
+    for (k, v) in d.iter() {
+        let k: String = k.extract()?;
+        if v.is_none() {
+            continue;
+        }
+        let name = format!("structured_outputs.{k}");
+        let wrong =
+            |what: &str| to_pyerr(py, DetspecError::param(&name, format!("must be {what}")));
+        match k.as_str() {
+            "json" => so.json = Some(v.extract().map_err(|_| wrong("a JSON schema"))?),
+            "regex" => so.regex = Some(v.extract().map_err(|_| wrong("a string"))?),
+            "grammar" => so.grammar = Some(v.extract().map_err(|_| wrong("a string"))?),
+            "choice" => so.choice = Some(v.extract().map_err(|_| wrong("a list of strings"))?),
+            "json_object" => so.json_object = v.extract().map_err(|_| wrong("a bool"))?,
+            _ => {
+                return Err(to_pyerr(
+                    py,
+                    DetspecError::param(&name, "unknown structured-output field"),
+                ))
+            }
+        }
+    }
+    Ok(so)
 }
 
 /// `(token, logprob, rank, top)` as Python receives it.

@@ -560,7 +560,9 @@ impl PyEngine {
         let rules = self.inner.request_rules();
         if let Some(params) = params {
             let params = params_from_dict(py, params)?;
-            rules.check_params(&params).map_err(|e| to_pyerr(py, e))?;
+            // Compiling a grammar may take a while: without the GIL.
+            py.detach(|| self.inner.check_params(&params))
+                .map_err(|e| to_pyerr(py, e))?;
         }
         if let Some(ids) = prompt_token_ids {
             rules

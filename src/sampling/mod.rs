@@ -10,8 +10,10 @@ pub mod params;
 pub mod processors;
 pub mod rng;
 pub mod sampler;
+pub mod structured;
 
 pub use next_token::sample_next;
-pub use params::{SamplingParams, GREEDY_TEMPERATURE_EPS, MAX_LOGPROBS};
+pub use params::{SamplingParams, GREEDY_TEMPERATURE_EPS, MAX_LOGIT_BIAS, MAX_LOGPROBS};
 pub use rng::{completion_seed, gumbel, request_seed_from_entropy, uniform, GUMBEL_MAX};
 pub use sampler::{rank_of, sample, score_token, SampleInput, SampledToken};
+pub use structured::{Grammars, StructuredOutputs, TokenConstraint, TokenMask};

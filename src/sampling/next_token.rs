@@ -2,13 +2,16 @@
 //! verifier share, so equal logits give equal tokens and logprobs.
 
 use super::params::SamplingParams;
+use super::processors::mask_disallowed;
 use super::sampler::{rank_of, sample, SampleInput};
 use crate::output::TokenLogprobs;
 use crate::Result;
 
 /// Samples the token that follows `output` (the sequence's output so far, or a prefix of it
 /// when the verifier replays) from `row`, and ranks it. `min_tokens` bans EOS (unless ignored)
-/// and the stop token ids, as in vLLM.
+/// and the stop token ids, as in vLLM. `allowed` is the structured-output mask of this
+/// position (see [`super::structured`]): tokens outside it get `-inf` before anything else, so
+/// logprobs, ranks and top alternatives are those of the constrained distribution.
 pub fn sample_next(
     params: &SamplingParams,
     seed: u64,
@@ -16,7 +19,16 @@ pub fn sample_next(
     output: &[u32],
     row: &[f32],
     eos: &[u32],
+    allowed: Option<&[u32]>,
 ) -> Result<TokenLogprobs> {
+    let masked;
+    let row = match allowed {
+        Some(bits) => {
+            masked = mask_disallowed(row, bits);
+            &masked[..]
+        }
+        None => row,
+    };
     let banned = if output.len() < params.min_tokens {
         let mut banned = params.stop_token_ids.clone();
         if !params.ignore_eos {

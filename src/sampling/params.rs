@@ -1,13 +1,19 @@
 //! Per-request sampling parameters, named and defaulted like vLLM's `SamplingParams` so that
 //! users (and the Python bindings) can carry their existing settings over unchanged.
 
+use std::collections::BTreeMap;
+
 use serde::{Deserialize, Serialize};
 
+use super::structured::StructuredOutputs;
 use crate::{DetspecError, Result};
 
 /// Temperatures below this are treated as greedy decoding (vLLM uses the same threshold), because
 /// dividing logits by a near-zero temperature only overflows while selecting the same argmax.
 pub const GREEDY_TEMPERATURE_EPS: f32 = 1e-5;
+
+/// Largest magnitude of a `logit_bias` entry (OpenAI's range).
+pub const MAX_LOGIT_BIAS: f32 = 100.0;
 
 /// Most top logprobs a request may ask for (vLLM's default `max_logprobs`). Bounding it keeps the
 /// per-token output small and the top-n selection cheap.
@@ -55,6 +61,13 @@ pub struct SamplingParams {
     /// Leave special tokens (`</s>`, `<|im_end|>`...) out of the output text (vLLM's
     /// default); the token ids always have them. Stop strings match the text as written.
     pub skip_special_tokens: bool,
+    /// Added to the logit of each listed token id before sampling (OpenAI's `logit_bias`,
+    /// values in [-100, 100]); like the penalties it shapes the choice, not the reported
+    /// logprobs.
+    pub logit_bias: BTreeMap<u32, f32>,
+    /// Constrain the output to a JSON schema, a regex, a choice or a grammar
+    /// ([`super::structured`]).
+    pub structured_outputs: Option<StructuredOutputs>,
 }
 
 impl Default for SamplingParams {
@@ -77,6 +90,8 @@ impl Default for SamplingParams {
             repetition_penalty: 1.0,
             deterministic: false,
             skip_special_tokens: true,
+            logit_bias: BTreeMap::new(),
+            structured_outputs: None,
         }
     }
 }
@@ -167,6 +182,19 @@ impl SamplingParams {
                 "stop",
                 format!("stop strings must be non-empty, entry {i} is empty"),
             ));
+        }
+        if let Some((id, bias)) = self
+            .logit_bias
+            .iter()
+            .find(|(_, b)| b.is_nan() || b.abs() > MAX_LOGIT_BIAS)
+        {
+            return Err(DetspecError::param(
+                "logit_bias",
+                format!("bias of token {id} must be in [-100, 100], got {bias}"),
+            ));
+        }
+        if let Some(so) = &self.structured_outputs {
+            so.validate()?;
         }
         Ok(())
     }

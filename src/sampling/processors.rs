@@ -2,8 +2,9 @@
 //!
 //! Each processor rewrites one row of logits in place; a filtered-out token becomes `-inf`.
 //! [`process_logits`] applies them in the order the sampler needs:
-//! repetition penalty → frequency/presence penalties → banned ids → temperature → top-k → top-p →
-//! min-p.
+//! repetition penalty → frequency/presence penalties → logit bias → banned ids → temperature →
+//! top-k → top-p → min-p. The allowed-token mask of a structured output comes before all of
+//! them ([`mask_disallowed`]): it defines the distribution the logprobs are reported in.
 //!
 //! Determinism: the same row must give the same bits whether it is sampled on the fast path or
 //! by the verifier, on any thread count. So every reduction here is a plain sequential loop in a
@@ -101,6 +102,34 @@ pub fn apply_frequency_presence_penalties(
         let count = run.len() as f32;
         logits[run[0] as usize] -= frequency_penalty * count + presence_penalty;
     }
+}
+
+/// OpenAI's `logit_bias`: adds each bias to its token's logit (ids in ascending order; one
+/// addition per token, so the order cannot change a bit).
+pub fn apply_logit_bias(logits: &mut [f32], bias: &std::collections::BTreeMap<u32, f32>) {
+    for (&t, &b) in bias {
+        if let Some(l) = logits.get_mut(t as usize) {
+            *l += b;
+        }
+    }
+}
+
+/// A copy of `logits` with every token not in `allowed` (bit `t % 32` of word `t / 32`) set
+/// to `-inf`: the row a constrained request samples from and reports logprobs in (vLLM masks
+/// before its sampler too).
+pub fn mask_disallowed(logits: &[f32], allowed: &[u32]) -> Vec<f32> {
+    logits
+        .iter()
+        .enumerate()
+        .map(|(t, &l)| {
+            let word = allowed.get(t / 32).copied().unwrap_or(0);
+            if word >> (t % 32) & 1 == 1 {
+                l
+            } else {
+                f32::NEG_INFINITY
+            }
+        })
+        .collect()
 }
 
 /// Sets the given tokens to `-inf` (e.g. EOS while fewer than `min_tokens` were generated; the
@@ -203,6 +232,7 @@ pub fn changes_greedy_logits(params: &SamplingParams) -> bool {
     params.repetition_penalty != 1.0
         || params.frequency_penalty != 0.0
         || params.presence_penalty != 0.0
+        || !params.logit_bias.is_empty()
 }
 
 /// Applies every processor in the sampler's order.
@@ -228,6 +258,7 @@ pub fn process_logits(
         params.frequency_penalty,
         params.presence_penalty,
     );
+    apply_logit_bias(logits, &params.logit_bias);
     ban_tokens(logits, banned_tokens);
     if params.is_greedy() {
         return;

@@ -292,7 +292,8 @@ fn log_sum_exp_in_lanes(logits: &[f32]) -> f64 {
     f64::from(max) + f64::from(sums[0]).ln()
 }
 
-/// The `n` most likely token ids (logit descending, ties by lower id), most likely first.
+/// The `n` most likely token ids (logit descending, ties by lower id), most likely first;
+/// tokens at `-inf` are left out.
 ///
 /// A single pass with a small sorted buffer: `n <= 20`, so this is O(vocab) with no allocation
 /// proportional to the vocabulary.
@@ -303,6 +304,10 @@ fn top_n(logits: &[f32], n: usize) -> Vec<u32> {
         return top;
     }
     for t in 0..logits.len() as u32 {
+        // A token masked to -inf (a structured output's disallowed ones) is no alternative.
+        if logits[t as usize] == f32::NEG_INFINITY {
+            continue;
+        }
         if top.len() == n && rank_desc(logits, t, top[n - 1]).is_gt() {
             continue;
         }
@@ -745,7 +750,9 @@ mod tests {
             let out = sample(&input(&logits, &p, 1, pos)).unwrap();
             assert!(out.token == 1 || out.token == 3);
             assert!((out.logprob - (0.5f32).ln()).abs() < 1e-7);
-            assert_eq!(out.top_logprobs[3], (2, f32::NEG_INFINITY));
+            // Masked tokens are no alternatives: only the two live ones are listed.
+            assert_eq!(out.top_logprobs.len(), 2);
+            assert!(out.top_logprobs.iter().all(|(t, _)| *t == 1 || *t == 3));
         }
     }
 }

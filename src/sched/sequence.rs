@@ -2,7 +2,7 @@
 
 use crate::kv::BlockTable;
 use crate::output::{FinishReason, StopReason, TokenLogprobs};
-use crate::sampling::SamplingParams;
+use crate::sampling::{SamplingParams, TokenConstraint};
 
 /// Engine-internal sequence id (unique per engine, in arrival order).
 pub type SequenceId = u64;
@@ -37,6 +37,9 @@ pub struct Sequence {
     /// Output tokens already sent to the client (never decreases, also across preemption).
     pub emitted: usize,
     pub dvr: DvrState,
+    /// The grammar state of a structured output (`params.structured_outputs`); it follows
+    /// whatever output prefix it is asked about, so rollbacks need no hook.
+    pub constraint: Option<TokenConstraint>,
 }
 
 /// Decode–verify–rollback counters and state of one sequence (owned by `crate::dvr`).

@@ -796,8 +796,10 @@ You are a helpful assistant.<|im_end|>
         assert_eq!(
             out,
             "a=1;b=é<x>;|[\"a\", \"b\"]|[1, \"é<x>\"]|1|dflt|True\
-|{\"a\": 1, \"b\": \"é<x>\"}|[\n  {\n    \"args\": [],\n    \"name\": \"f\"\n  }\n]"
+|{\"a\": 1, \"b\": \"é<x>\"}|[\n  {\n    \"name\": \"f\",\n    \"args\": []\n  }\n]"
         );
+        // Keys keep the caller's order, as transformers' `tojson` (no `sort_keys`) writes them:
+        // a tool's JSON in the prompt reads as the client sent it.
     }
 
     #[test]

@@ -357,16 +357,37 @@ impl EngineCore {
         let rows = self.completion_logits(&pairs, true)?;
         let vocab = self.info.config.vocab_size;
         let eos = self.info.eos_token_ids.clone();
+        let grammars = self.grammars().clone();
         items
             .iter()
             .zip(seeds)
             .zip(rows)
             .map(|((it, seed), flat)| {
+                // A structured output is re-run under its grammar, which follows the stored
+                // tokens as the sampler's history does.
+                let mut constraint = it
+                    .params
+                    .structured_outputs
+                    .as_ref()
+                    .map(|so| grammars.compile(so))
+                    .transpose()?;
                 flat.chunks_exact(vocab)
                     .enumerate()
                     .map(|(j, row)| {
                         let before = it.token_ids.get(..j).unwrap_or_default();
-                        sampling::sample_next(&it.params, seed, &it.prompt, before, row, &eos)
+                        let mask = match constraint.as_mut() {
+                            Some(c) => Some(c.mask_after(before)?),
+                            None => None,
+                        };
+                        sampling::sample_next(
+                            &it.params,
+                            seed,
+                            &it.prompt,
+                            before,
+                            row,
+                            &eos,
+                            mask.as_deref(),
+                        )
                     })
                     .collect()
             })

@@ -1,0 +1,78 @@
+//! A linear layer, `x @ w^T (+ b)`, with its weight held in the form the device's GEMM wants and
+//! the GEMM chosen per forward (kernel profile, batch-invariant row blocks).
+
+use std::sync::Arc;
+
+use candle_core::Tensor;
+
+use crate::config::KernelProfile;
+use crate::error::Result;
+use crate::ops::{
+    self, invariant_matmul, matmul_packed_bf16_profiled, matmul_packed_profiled, PackedWeight,
+    PackedWeightBf16,
+};
+
+/// `x @ w^T (+ b)`.
+#[derive(Debug, Clone)]
+pub(super) struct Linear {
+    pub(super) weight: LinearWeight,
+    pub(super) bias: Option<Tensor>,
+}
+
+/// A linear layer's weight in the form its device's GEMM wants.
+#[derive(Debug, Clone)]
+pub(super) enum LinearWeight {
+    /// CPU: packed once for the fixed-order GEMM (`ops::gemm`), invariant to the batch.
+    Packed(Arc<PackedWeight>),
+    /// CPU, bf16 weights: packed in bf16 for the same GEMM (`ops::gemm_bf16`; f32 activations).
+    PackedBf16(Arc<PackedWeightBf16>),
+    /// Other devices: `[in, out]`, transposed and contiguous once at load.
+    Dense(Tensor),
+}
+
+impl LinearWeight {
+    /// From a checkpoint's `[out, in]` matrix.
+    pub(super) fn new(w: &Tensor) -> Result<Self> {
+        if w.device().is_cpu() {
+            let (out_dim, in_dim) = w.dims2()?;
+            if let Some(packed) = ops::with_bf16_bits(w, |bits| {
+                PackedWeightBf16::from_transposed_bits(bits, out_dim, in_dim)
+            })? {
+                return Ok(Self::PackedBf16(Arc::new(packed?)));
+            }
+            let packed = ops::with_f32_values(w, |data| {
+                PackedWeight::from_transposed(data, out_dim, in_dim)
+            })??;
+            Ok(Self::Packed(Arc::new(packed)))
+        } else {
+            Ok(Self::Dense(w.t()?.contiguous()?))
+        }
+    }
+
+    pub(super) fn matmul(&self, x: &Tensor, gemm: GemmOptions) -> candle_core::Result<Tensor> {
+        match self {
+            Self::Packed(w) => matmul_packed_profiled(x, w, gemm.profile, gemm.invariant),
+            Self::PackedBf16(w) => matmul_packed_bf16_profiled(x, w, gemm.profile, gemm.invariant),
+            Self::Dense(w) if gemm.invariant => invariant_matmul(x, w),
+            Self::Dense(w) => x.matmul(w),
+        }
+    }
+}
+
+/// What a forward's GEMMs promise: the backend's kernel profile, and whether this batch runs
+/// them in the batch-invariant mode (fixed row blocks).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct GemmOptions {
+    pub(super) profile: KernelProfile,
+    pub(super) invariant: bool,
+}
+
+impl Linear {
+    pub(super) fn apply(&self, x: &Tensor, gemm: GemmOptions) -> candle_core::Result<Tensor> {
+        let y = self.weight.matmul(x, gemm)?;
+        match &self.bias {
+            Some(b) => y.broadcast_add(b),
+            None => Ok(y),
+        }
+    }
+}

@@ -1,0 +1,124 @@
+//! Loading a decoder's parameters from a checkpoint: each in the engine's dtype and, for a
+//! linear layer, in the form the device's GEMM wants, with its content hash recorded on the way
+//! (the fingerprint's weights hash).
+
+use std::cell::RefCell;
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::error::{DetspecError, Result};
+use crate::ops::PackedWeightBf16;
+
+use super::linear::{Linear, LinearWeight};
+use super::params::{bf16_hash, tensor_hash, ParamHashes};
+use super::weights::Checkpoint;
+
+/// Loads parameters from a checkpoint in the engine's dtype, hashing each as it goes.
+pub(super) struct WeightLoader<'a> {
+    ck: &'a Checkpoint,
+    device: &'a Device,
+    /// Matrices (linear layers, embedding).
+    dtype: DType,
+    /// Vectors (norms, biases): the activations' dtype.
+    vector_dtype: DType,
+    hashes: RefCell<ParamHashes>,
+}
+
+impl<'a> WeightLoader<'a> {
+    pub(super) fn new(
+        ck: &'a Checkpoint,
+        device: &'a Device,
+        dtype: DType,
+        vector_dtype: DType,
+    ) -> Self {
+        Self {
+            ck,
+            device,
+            dtype,
+            vector_dtype,
+            hashes: RefCell::default(),
+        }
+    }
+
+    /// A vector (norm weight, bias), rounded to the weights' dtype and held in the
+    /// activations' (so a float32 checkpoint run in bfloat16 is the bfloat16 checkpoint).
+    pub(super) fn load(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        self.load_as(name, shape, self.vector_dtype)
+    }
+
+    /// A matrix (linear weight, embedding), in the weights' dtype.
+    pub(super) fn load_matrix(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        self.load_as(name, shape, self.dtype)
+    }
+
+    /// The linear layer `prefix`: its `[out, in]` weight prepared once in the form every
+    /// forward's GEMM reads, and its bias if it has one.
+    pub(super) fn linear(
+        &self,
+        prefix: &str,
+        in_dim: usize,
+        out_dim: usize,
+        bias: bool,
+    ) -> Result<Linear> {
+        let weight = self.load_linear(&format!("{prefix}.weight"), out_dim, in_dim)?;
+        let bias = if bias {
+            Some(self.load(&format!("{prefix}.bias"), &[out_dim])?)
+        } else {
+            None
+        };
+        Ok(Linear { weight, bias })
+    }
+
+    /// A linear layer's `[out, in]` weight in the form the device's GEMM wants. A bf16 weight
+    /// of a bf16 checkpoint on the CPU is packed straight from the mapped file (no copy of the
+    /// matrix is made on the way).
+    pub(super) fn load_linear(
+        &self,
+        name: &str,
+        out_dim: usize,
+        in_dim: usize,
+    ) -> Result<LinearWeight> {
+        if self.device.is_cpu() && self.dtype == DType::BF16 && cfg!(target_endian = "little") {
+            let packed = self
+                .ck
+                .with_raw(name, &[out_dim, in_dim], |src, bytes, _| {
+                    if src != DType::BF16 {
+                        return Ok(None);
+                    }
+                    let owned: Vec<u16>;
+                    let bits: &[u16] = match bytemuck::try_cast_slice(bytes) {
+                        Ok(bits) => bits,
+                        Err(_) => {
+                            owned = bytes
+                                .chunks_exact(2)
+                                .map(|b| u16::from_le_bytes([b[0], b[1]]))
+                                .collect();
+                            &owned
+                        }
+                    };
+                    let packed = PackedWeightBf16::from_transposed_bits(bits, out_dim, in_dim)?;
+                    Ok::<_, DetspecError>(Some((packed, bf16_hash(bits))))
+                })??;
+            if let Some((packed, hash)) = packed {
+                self.hashes.borrow_mut().insert(name.to_string(), hash);
+                return Ok(LinearWeight::PackedBf16(Arc::new(packed)));
+            }
+        }
+        LinearWeight::new(&self.load_matrix(name, &[out_dim, in_dim])?)
+    }
+
+    fn load_as(&self, name: &str, shape: &[usize], dtype: DType) -> Result<Tensor> {
+        let t = self
+            .ck
+            .load(name, shape, self.dtype, self.device)?
+            .to_dtype(dtype)?;
+        let h = tensor_hash(&t)?;
+        self.hashes.borrow_mut().insert(name.to_string(), h);
+        Ok(t)
+    }
+
+    pub(super) fn into_hashes(self) -> ParamHashes {
+        self.hashes.into_inner()
+    }
+}

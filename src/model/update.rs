@@ -1,0 +1,114 @@
+//! Weight updates: replacing a loaded model's parameters in place, addressed by their Hugging
+//! Face names (a trainer pushing new weights), with the weights hash kept up to date.
+
+use candle_core::{DType, Tensor};
+
+use crate::error::Result;
+
+use super::decoder::Model;
+use super::linear::LinearWeight;
+use super::params::{check_update, tensor_hash, unknown};
+
+/// Where a named parameter lives in the model.
+enum Slot<'a> {
+    Vector(&'a mut Tensor),
+    Bias(&'a mut Option<Tensor>),
+    Linear(&'a mut LinearWeight),
+    Embedding,
+}
+
+impl Model {
+    /// Replaces the named parameters, after checking all of them with [`check_update`] (so
+    /// a bad one changes nothing); values are converted to the engine's dtype. Returns the new
+    /// combined weights hash.
+    pub fn set_params(&mut self, updates: Vec<(String, Tensor)>) -> Result<u64> {
+        let shapes: Vec<(String, Vec<usize>, DType)> = updates
+            .iter()
+            .map(|(n, t)| (n.clone(), t.dims().to_vec(), t.dtype()))
+            .collect();
+        check_update(&self.cfg, &shapes)?;
+        let tied = self.cfg.tie_word_embeddings;
+        let device = self.device().clone();
+        let sets_embedding = updates
+            .iter()
+            .any(|(n, _)| n == "model.embed_tokens.weight");
+        for (name, t) in updates {
+            // A tied model's `lm_head.weight` is the embedding: torch's state_dict yields both
+            // names for one tensor, so when both come the embedding's entry is applied.
+            if tied && name == "lm_head.weight" && sets_embedding {
+                continue;
+            }
+            let t = t.to_device(&device)?;
+            let hash_name = if tied && name == "lm_head.weight" {
+                "model.embed_tokens.weight".to_string()
+            } else {
+                name.clone()
+            };
+            // Matrices in the weights' dtype, vectors rounded to it and held in the activations'
+            // (they differ on the CPU with bf16 weights).
+            let (matrix, vector) = (self.dtype(), self.act_dtype());
+            let t = match self.slot(&hash_name).ok_or_else(|| unknown(&name))? {
+                Slot::Vector(v) => {
+                    *v = t.to_dtype(matrix)?.to_dtype(vector)?;
+                    v.clone()
+                }
+                Slot::Bias(b) => {
+                    let t = t.to_dtype(matrix)?.to_dtype(vector)?;
+                    *b = Some(t.clone());
+                    t
+                }
+                Slot::Linear(w) => {
+                    let t = t.to_dtype(matrix)?;
+                    *w = LinearWeight::new(&t)?;
+                    t
+                }
+                Slot::Embedding => {
+                    let t = t.to_dtype(matrix)?;
+                    if tied {
+                        self.lm_head = LinearWeight::new(&t)?;
+                    }
+                    self.embed = t.clone();
+                    t
+                }
+            };
+            self.param_hashes.insert(hash_name, tensor_hash(&t)?);
+        }
+        Ok(self.param_hashes.combined())
+    }
+
+    fn slot(&mut self, name: &str) -> Option<Slot<'_>> {
+        match name {
+            "model.embed_tokens.weight" => return Some(Slot::Embedding),
+            "model.norm.weight" => return Some(Slot::Vector(&mut self.norm)),
+            "lm_head.weight" => return Some(Slot::Linear(&mut self.lm_head)),
+            _ => {}
+        }
+        let rest = name.strip_prefix("model.layers.")?;
+        let (index, field) = rest.split_once('.')?;
+        let layer = self.layers.get_mut(index.parse::<usize>().ok()?)?;
+        let (module, kind) = field.rsplit_once('.')?;
+        if module == "input_layernorm" && kind == "weight" {
+            return Some(Slot::Vector(&mut layer.input_norm));
+        }
+        if module == "post_attention_layernorm" && kind == "weight" {
+            return Some(Slot::Vector(&mut layer.post_norm));
+        }
+        let linear = match module {
+            "self_attn.q_proj" => &mut layer.q,
+            "self_attn.k_proj" => &mut layer.k,
+            "self_attn.v_proj" => &mut layer.v,
+            "self_attn.o_proj" => &mut layer.o,
+            "mlp.gate_proj" => &mut layer.gate,
+            "mlp.up_proj" => &mut layer.up,
+            "mlp.down_proj" => &mut layer.down,
+            "self_attn.q_norm" => return layer.q_norm.as_mut().map(Slot::Vector),
+            "self_attn.k_norm" => return layer.k_norm.as_mut().map(Slot::Vector),
+            _ => return None,
+        };
+        match kind {
+            "weight" => Some(Slot::Linear(&mut linear.weight)),
+            "bias" => Some(Slot::Bias(&mut linear.bias)),
+            _ => None,
+        }
+    }
+}
