@@ -130,13 +130,6 @@ def client(tool_server) -> openai.OpenAI:
     return openai.OpenAI(base_url=tool_server.base_url + "/v1", api_key="unused", max_retries=0)
 
 
-@pytest.fixture(scope="module")
-def aclient(tool_server) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(
-        base_url=tool_server.base_url + "/v1", api_key="unused", max_retries=0
-    )
-
-
 def regex(r: str) -> dict:
     return {"structured_outputs": {"regex": r}}
 
@@ -283,6 +276,7 @@ def test_tool_choice_required(client) -> None:
         messages=[USER],
         tools=TOOLS,
         tool_choice="required",
+        parallel_tool_calls=False,  # one call: the array closes after it
         temperature=0.8,
         seed=3,
         max_tokens=300,
@@ -291,12 +285,38 @@ def test_tool_choice_required(client) -> None:
     r = client.chat.completions.create(**kw)
     ch = r.choices[0]
     assert ch.finish_reason == "tool_calls", ch
-    assert ch.message.tool_calls
-    for c in ch.message.tool_calls:
-        assert c.function.name in ("get_weather", "get_time")
-        jsonschema.validate(json.loads(c.function.arguments), CITY_SCHEMA)
+    (call,) = ch.message.tool_calls
+    assert call.function.name in ("get_weather", "get_time")
+    jsonschema.validate(json.loads(call.function.arguments), CITY_SCHEMA)
     got = collect_stream(client.chat.completions.create(**kw, stream=True))
     assert (got["calls"], got["finish"]) == (calls_of(ch.message), "tool_calls")
+
+
+def test_tool_choice_required_parallel(client) -> None:
+    """Several calls; a random model may also go on adding calls until max_tokens, which
+    leaves the unfinished array as content with finish_reason length."""
+    several = 0
+    for seed in range(4):
+        r = client.chat.completions.create(
+            model=SERVED_NAME,
+            messages=[USER],
+            tools=TOOLS,
+            tool_choice="required",
+            temperature=0.8,
+            seed=seed,
+            max_tokens=300,
+            extra_body=DET,
+        )
+        ch = r.choices[0]
+        if ch.finish_reason == "length":
+            assert ch.message.content.startswith('[{"name": "get_') and not ch.message.tool_calls
+            continue
+        assert ch.finish_reason == "tool_calls" and ch.message.content is None
+        for c in ch.message.tool_calls:
+            jsonschema.validate(json.loads(c.function.arguments), CITY_SCHEMA)
+        assert len({c.id for c in ch.message.tool_calls}) == len(ch.message.tool_calls)
+        several += len(ch.message.tool_calls) > 1
+    assert several
 
 
 def test_tool_choice_named(client) -> None:
@@ -318,7 +338,6 @@ def test_tool_choice_named(client) -> None:
     jsonschema.validate(json.loads(call.function.arguments), CITY_SCHEMA)
     got = collect_stream(client.chat.completions.create(**kw, stream=True))
     assert (got["calls"], got["finish"]) == (calls_of(ch.message), "stop")
-    assert got["chunks"] > 3  # the arguments stream as they are generated
 
 
 def test_tool_choice_none_keeps_the_output_as_content(client) -> None:
@@ -477,7 +496,9 @@ def _fingerprint(r) -> dict:
 
 DET_CASES = {
     "auto-regex": dict(tools=TOOLS, extra_body={**regex(SAMPLED_CALL_RE), **DET}),
-    "required": dict(tools=TOOLS, tool_choice="required", extra_body=DET),
+    "required": dict(
+        tools=TOOLS, tool_choice="required", parallel_tool_calls=False, extra_body=DET
+    ),
     "named": dict(
         tools=TOOLS,
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
@@ -494,7 +515,10 @@ DET_CASES = {
 
 
 @pytest.mark.parametrize("case", list(DET_CASES))
-async def test_deterministic_constrained_under_load_equals_alone(aclient, case) -> None:
+async def test_deterministic_constrained_under_load_equals_alone(tool_server, case) -> None:
+    aclient = openai.AsyncOpenAI(
+        base_url=tool_server.base_url + "/v1", api_key="unused", max_retries=0
+    )
     kw = dict(
         model=SERVED_NAME,
         messages=[USER],
@@ -620,7 +644,13 @@ def test_bad_input_messages_say_where(tool_server) -> None:
     r = _post(tool_server.base_url, CMPL, {"structured_outputs": {"regex": "ab(c"}})
     assert r.status_code == 400
     msg = r.json()["error"]["message"]
-    assert "regex" in msg and any(ch.isdigit() for ch in msg), msg  # names the position
+    assert "ab(c\n" in msg and "^" in msg and "unclosed group" in msg, msg  # the position
+    # the message names the field the client sent
+    r = _post(tool_server.base_url, CHAT, {"guided_json": BAD_SCHEMA})
+    assert "`guided_json`" in r.json()["error"]["message"], r.text
+    r = _post(tool_server.base_url, CHAT, {"tools": tool_with(parameters=BAD_SCHEMA),
+                                           "tool_choice": NAMED_F})  # fmt: skip
+    assert "`tools[0].function.parameters`" in r.json()["error"]["message"], r.text
 
 
 def test_auto_without_the_parser_flag_is_400(server) -> None:

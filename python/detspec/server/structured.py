@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from detspec.errors import InvalidRequestError
+from detspec.sampling_params import StructuredOutputsParams
 from detspec.server import protocol as P
 from detspec.server.errors import ApiError, invalid
 
@@ -39,9 +40,7 @@ class Constraint:
     # what the client sent (for the "more than one" error)
     source: str
 
-    def engine_params(self) -> Any:
-        from detspec import StructuredOutputsParams
-
+    def engine_params(self) -> StructuredOutputsParams:
         return StructuredOutputsParams(**self.fields)
 
     def http_param(self, engine_param: str | None) -> str:
@@ -57,7 +56,8 @@ def constraint_invalid(
 ) -> ApiError:
     """A 400 for an engine error, naming the request field behind it."""
     if constraint is not None and (e.param or "").startswith(ENGINE_PREFIX):
-        return ApiError(400, str(e), constraint.http_param(e.param))
+        param = constraint.http_param(e.param)
+        return ApiError(400, str(e).replace(f"`{e.param}`", f"`{param}`"), param)
     return invalid(e, default_param)
 
 

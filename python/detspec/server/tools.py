@@ -150,8 +150,9 @@ def plan_tools(req: P.ChatCompletionRequest, parser: str | None) -> ToolPlan:
 
 def required_schema(tools: list[P.ChatTool], parallel: bool) -> dict[str, Any]:
     """vLLM's schema for ``tool_choice: required``: a non-empty array of calls, each one of
-    the tools' ``{"name": const, "parameters": schema}``; the tools' ``$defs`` hoisted to the
-    top (a name defined differently by two tools is a 400)."""
+    the tools' ``{"name": const, "parameters": schema}`` (and nothing else: vLLM allows other
+    keys, which a model then fills with text the call drops); the tools' ``$defs`` hoisted to
+    the top (a name defined differently by two tools is a 400)."""
     defs: dict[str, Any] = {}
     variants = []
     for i, t in enumerate(tools):
@@ -172,6 +173,7 @@ def required_schema(tools: list[P.ChatTool], parallel: bool) -> dict[str, Any]:
                     "parameters": params,
                 },
                 "required": ["name", "parameters"],
+                "additionalProperties": False,
             }
         )
     schema: dict[str, Any] = {
