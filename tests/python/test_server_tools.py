@@ -270,6 +270,40 @@ def test_tool_loop_auto_hermes(client) -> None:
     assert (s2["content"], s2["calls"], s2["finish"]) == ("It is sunny in Paris.", [], "stop")
 
 
+@pytest.mark.parametrize(
+    ("arranged", "content", "ncalls"),
+    [
+        (r"Let me check\.\n" + CALL_RE, "Let me check.\n", 1),
+        # malformed JSON inside a call: returned as content, not an error
+        (
+            r'<tool_call>\n\{"name": oops\}\n</tool_call>',
+            '<tool_call>\n{"name": oops}\n</tool_call>',
+            0,
+        ),
+    ],
+    ids=["content-then-call", "malformed-call"],
+)
+def test_auto_content_and_malformed_calls(client, arranged, content, ncalls) -> None:
+    kw = dict(
+        model=SERVED_NAME,
+        messages=[USER],
+        tools=TOOLS,
+        temperature=0,
+        max_tokens=200,
+        extra_body={**regex(arranged), **DET},
+    )
+    ch = client.chat.completions.create(**kw).choices[0]
+    assert ch.message.content == content
+    assert len(ch.message.tool_calls or []) == ncalls
+    assert ch.finish_reason == ("tool_calls" if ncalls else "stop")
+    got = collect_stream(client.chat.completions.create(**kw, stream=True))
+    assert (got["content"], got["calls"], got["finish"]) == (
+        content,
+        calls_of(ch.message),
+        ch.finish_reason,
+    )
+
+
 def test_tool_choice_required(client) -> None:
     kw = dict(
         model=SERVED_NAME,
