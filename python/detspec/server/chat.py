@@ -1,9 +1,11 @@
-"""Chat rendering: OpenAI messages to the conversation the model's chat template reads
-(minijinja, in the Rust core), then to token ids."""
+"""Chat rendering: OpenAI messages (and tools) to the conversation the model's chat template
+reads (minijinja, in the Rust core), then to token ids. ``tools`` reach the template as the
+``tools`` variable, as transformers' ``apply_chat_template(tools=...)`` passes them."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 from detspec.errors import InvalidRequestError
@@ -16,9 +18,10 @@ RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "add_generation_prompt", "
 
 
 def conversation(messages: list[P.ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as template input: content parts joined into one string."""
+    """Messages as the chat template reads them: content parts joined into one string, a
+    call's ``arguments`` parsed into a dict (as vLLM and transformers' templates expect)."""
     conv = []
-    for m in messages:
+    for i, m in enumerate(messages):
         if isinstance(m.content, list):
             content = "".join(part.text for part in m.content)
         else:
@@ -26,8 +29,25 @@ def conversation(messages: list[P.ChatMessage]) -> list[dict[str, Any]]:
         d: dict[str, Any] = {"role": m.role, "content": content}
         if m.name is not None:
             d["name"] = m.name
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
+            d["tool_calls"] = [_template_call(i, j, c) for j, c in enumerate(m.tool_calls)]
         conv.append(d)
     return conv
+
+
+def _template_call(i: int, j: int, c: P.ToolCall) -> dict[str, Any]:
+    param = f"messages[{i}].tool_calls[{j}].function.arguments"
+    try:
+        args = json.loads(c.function.arguments)
+    except ValueError as e:
+        raise ApiError(400, f"{param} must be JSON text: {e}", param) from None
+    return {
+        "id": c.id,
+        "type": "function",
+        "function": {"name": c.function.name, "arguments": args},
+    }
 
 
 async def render_chat(
@@ -35,6 +55,7 @@ async def render_chat(
     messages: list[P.ChatMessage],
     add_generation_prompt: bool,
     template_kwargs: dict[str, Any] | None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """The token ids of a conversation rendered with the model's chat template."""
     if tokenizer is None:
@@ -45,10 +66,19 @@ async def render_chat(
         raise ApiError(
             400, f"chat_template_kwargs may not set {sorted(clash)}", "chat_template_kwargs"
         )
+    if tools is not None:
+        if "tools" in kwargs:
+            raise ApiError(
+                400,
+                "send tools as `tools`, not also in chat_template_kwargs",
+                "chat_template_kwargs",
+            )
+        kwargs["tools"] = tools
+    conv = conversation(messages)
     try:
         ids = await asyncio.to_thread(
             tokenizer.apply_chat_template,
-            conversation(messages),
+            conv,
             add_generation_prompt,
             True,
             **kwargs,

@@ -4,8 +4,11 @@ Requests take OpenAI's fields, vLLM's extras and ``deterministic``. Models are s
 JSON type is a 400 naming the field (no silent coercion of ``"1"`` to ``1``), NaN and infinity
 are rejected, and an unknown field is rejected rather than ignored (it could be one that would
 change the output, which a deterministic request must never silently lose). A few OpenAI/vLLM
-fields the engine cannot honour are accepted only at their neutral value (``logit_bias`` empty,
-``echo`` false, ...) and rejected otherwise, naming the field.
+fields the engine cannot honour are accepted only at their neutral value (``best_of`` equal to
+``n``, ...) and rejected otherwise, naming the field.
+
+Constraints (``response_format``, vLLM's ``structured_outputs`` and ``guided_*``) and tools have
+their shapes here; ``structured`` and ``tools`` turn them into engine parameters.
 """
 
 from __future__ import annotations
@@ -30,6 +33,43 @@ class OpenAIBaseModel(BaseModel):
 class StreamOptions(OpenAIBaseModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
+
+
+# --------------------------------------------------------------------------- constraints
+
+# OpenAI's rule for function and json_schema names.
+NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
+
+
+class JsonSchemaFormat(OpenAIBaseModel):
+    """``response_format.json_schema``."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: str = Field(pattern=NAME_PATTERN)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    """OpenAI's ``response_format``: ``text``, ``json_object`` or ``json_schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(OpenAIBaseModel):
+    """vLLM's ``structured_outputs`` extra (``detspec.StructuredOutputsParams``): one of the
+    fields."""
+
+    json_: str | dict[str, Any] | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    model_config = ConfigDict(populate_by_name=True)
 
 
 class _SamplingFields(OpenAIBaseModel):
@@ -66,10 +106,19 @@ class _SamplingFields(OpenAIBaseModel):
         "when temperature > 0 (unless the server sets a default seed). Unset: the server's "
         "default (false unless it runs with --deterministic-by-default)",
     )
-    # Accepted only at their neutral value: the engine cannot honour anything else.
-    logit_bias: dict[str, float] | None = None
+    # OpenAI: token id (as a string) -> bias in [-100, 100] added to the logit (checked in
+    # ``structured.logit_bias``, so that every error names ``logit_bias``).
+    logit_bias: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+    # vLLM's constraint extras (the current one, then the older guided_* fields)
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_json_object: bool | None = None
+    # Accepted only at its neutral value: the engine cannot honour anything else.
     best_of: int | None = Field(default=None, ge=1, le=256)
-    response_format: dict[str, Any] | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -90,10 +139,51 @@ class ChatContentPart(OpenAIBaseModel):
     text: str
 
 
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(OpenAIBaseModel):
+    """A call in an assistant message of the history."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIBaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ChatContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDefinition(OpenAIBaseModel):
+    name: str = Field(pattern=NAME_PATTERN)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(OpenAIBaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIBaseModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIBaseModel):
+    """``tool_choice`` naming one function: the output is its arguments."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -104,8 +194,8 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
 
 
@@ -118,6 +208,7 @@ class TokenizeCompletionRequest(OpenAIBaseModel):
 class TokenizeChatRequest(OpenAIBaseModel):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ChatTool] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 

@@ -29,8 +29,9 @@ from detspec.async_llm import AsyncLLM
 from detspec.errors import InvalidRequestError
 from detspec.outputs import Logprob, RequestOutput
 from detspec.server import protocol as P
-from detspec.server.errors import ApiError, invalid
+from detspec.server.errors import ApiError
 from detspec.server.streaming import ClientGone, until_disconnect
+from detspec.server.structured import constraint_invalid, request_constraints, single
 
 if TYPE_CHECKING:
     from detspec.server.serving import OpenAIServer
@@ -166,6 +167,7 @@ async def echo_completions(
         raise ApiError(400, "echo is not supported with stream=true; send stream=false", "echo")
     if req.suffix is not None:
         raise ApiError(400, "suffix is not supported", "suffix")
+    constraint = single(request_constraints(req))
     prompts = completion_prompts(req.prompt)
     base = f"cmpl-{uuid.uuid4().hex}"
     jobs: list[Job] = []
@@ -176,16 +178,19 @@ async def echo_completions(
         rid = f"{base}-{i}"
         if generate:
             jobs.append(
-                server.job(req, i, rid, ids, param, req.max_tokens, "max_tokens", req.logprobs)
+                server.job(
+                    req, i, rid, ids, param, req.max_tokens, "max_tokens", req.logprobs, constraint
+                )
             )
         else:
             if not ids:
                 raise ApiError(400, f"{param} is empty", param)
             _check_scorable(server, ids, param)
             # The parameters are validated; nothing is generated.
-            params = server.sampling_params(req, 1, req.logprobs)
-            server.validate(None, params, param)
-            jobs.append(Job(i, rid, ids, params))
+            params = server.sampling_params(req, 1, req.logprobs, constraint)
+            job = Job(i, rid, ids, params, constraint=constraint)
+            server.validate(None, params, param, job)
+            jobs.append(job)
         texts.append(pr if isinstance(pr, str) else None)
 
     det = bool(req.deterministic)
@@ -221,7 +226,7 @@ async def echo_completions(
     except ClientGone:
         return Response(status_code=499)
     except InvalidRequestError as e:
-        raise invalid(e) from None
+        raise constraint_invalid(e, constraint) from None
     if req.prompt_logprobs is not None:
         for j in jobs:
             j.prompt_logprobs = await server.prompt_logprobs(j.prompt_ids, req.prompt_logprobs)

@@ -17,6 +17,7 @@ from collections.abc import Generator
 from typing import Any
 
 from detspec.engine_args import SETTINGS_BY_NAME, add_engine_arguments, engine_settings_from_args
+from detspec.server.tool_parsers import PARSERS
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -74,6 +75,19 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         default=5.0,
         help="seconds in-flight requests get to finish after SIGINT/SIGTERM",
     )
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='read tool calls from the output of tool_choice "auto" requests (with '
+        "--tool-call-parser); without it such a request is a 400",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=sorted(PARSERS),
+        default=None,
+        help="the model's tool-call format: hermes (<tool_call> JSON: Qwen2/Qwen3, Hermes), "
+        "llama3_json (Llama 3.1+ JSON calls), mistral ([TOOL_CALLS])",
+    )
     p.add_argument("--uvicorn-log-level", default="info")
     p.add_argument("--disable-uvicorn-access-log", action="store_true")
     add_engine_arguments(p)
@@ -106,6 +120,9 @@ def serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        print("error: --enable-auto-tool-choice needs --tool-call-parser", file=sys.stderr)
+        return 1
     if args.host not in _LOOPBACK and api_key is None:
         print(
             f"warning: binding {args.host} without an API key: anyone who can reach this port "
@@ -126,6 +143,8 @@ def serve(args: argparse.Namespace) -> int:
         max_num_seqs=settings.get("max_num_seqs", SETTINGS_BY_NAME["max_num_seqs"].default),
         deterministic_by_default=args.deterministic_by_default,
         default_seed=args.default_seed,
+        tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
     )
     app = build_app(engine, config)
     uv_config = uvicorn.Config(

@@ -1,7 +1,8 @@
 """The request handling behind the OpenAI routes: admission, validation (the engine's rules,
 through ``AsyncLLM.validate_request``), sampling parameters, generation and the non-streamed
 response bodies (``protocol``'s response models). Streaming is in ``streaming``, logprob
-shapes in ``logprobs``, chat rendering in ``chat``."""
+shapes in ``logprobs``, chat rendering in ``chat``, constraints and ``logit_bias`` in
+``structured``, tool calls in ``tools`` (and ``tool_parsers``)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,15 @@ from detspec.server.logprobs import LogprobShaper
 from detspec.server.metrics import ServerMetrics
 from detspec.server.scoring_routes import ScoreBatcher, check_max_tokens, echo_completions
 from detspec.server.streaming import ClientGone, first_output, merge, sse_body, until_disconnect
+from detspec.server.structured import (
+    Constraint,
+    constraint_invalid,
+    logit_bias,
+    request_constraints,
+    single,
+)
+from detspec.server.tool_parsers import PARSERS
+from detspec.server.tools import CallIds, ChoiceTools, ToolPlan, check_tools, plan_tools
 
 
 @dataclass
@@ -45,6 +55,10 @@ class ServerConfig:
     # seed get default_seed (server/defaults.py).
     deterministic_by_default: bool = False
     default_seed: int = DEFAULT_SEED
+    # Tool calls of tool_choice "auto" are read from the output by this parser (vLLM's
+    # --tool-call-parser); "auto" needs both (--enable-auto-tool-choice).
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
 
 
 @dataclass
@@ -56,6 +70,25 @@ class Job:
     prompt_ids: list[int]
     params: SamplingParams
     prompt_logprobs: list[dict[str, Any] | None] | None = None
+    constraint: Constraint | None = None
+    # chat with tools: how the output becomes tool calls, and each choice's state
+    tools: ToolPlan | None = None
+    choice_tools: dict[int, ChoiceTools] = field(default_factory=dict)
+
+    def invalid(self, e: InvalidRequestError, default_param: str | None = None) -> ApiError:
+        """A 400 for an engine error, naming the request field behind it."""
+        return constraint_invalid(e, self.constraint, default_param)
+
+    def tools_of(self, choice: int) -> ChoiceTools | None:
+        """The tool-call reader of one choice (None: its text is its content)."""
+        if self.tools is None or not self.tools.parses_output:
+            return None
+        t = self.choice_tools.get(choice)
+        if t is None:
+            short = self.tools.parser is not None and self.tools.parser.short_ids
+            ids = CallIds(bool(self.params.deterministic), self.params.seed, self.prompt_ids, short)
+            t = self.choice_tools[choice] = ChoiceTools(self.tools, ids, choice)
+        return t
 
 
 class OpenAIServer:
@@ -69,6 +102,14 @@ class OpenAIServer:
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.vocab_size
         self.defaults = RequestDefaults(config.deterministic_by_default, config.default_seed)
+        if config.tool_call_parser is not None and config.tool_call_parser not in PARSERS:
+            raise ValueError(
+                f"unknown tool-call parser {config.tool_call_parser!r} (known: "
+                f"{', '.join(sorted(PARSERS))})"
+            )
+        if config.enable_auto_tool_choice and config.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+        self.tool_parser = config.tool_call_parser if config.enable_auto_tool_choice else None
         self.determinism = config.determinism or engine.determinism
         if self.defaults.deterministic_by_default and self.determinism == "off":
             raise ValueError(
@@ -139,16 +180,8 @@ class OpenAIServer:
     def common_checks(self, req: P._SamplingFields) -> None:
         """What only the HTTP surface has (OpenAI fields the engine does not implement);
         everything the engine decides is checked by ``validate``."""
-        if req.logit_bias:
-            raise ApiError(400, "logit_bias is not supported by this engine", "logit_bias")
         if req.best_of is not None and req.best_of != req.n:
             raise ApiError(400, "best_of other than n is not supported", "best_of")
-        if req.response_format is not None and req.response_format.get("type") != "text":
-            raise ApiError(
-                400,
-                "response_format other than {'type': 'text'} is not supported",
-                "response_format",
-            )
         if req.stream_options is not None and not req.stream:
             raise ApiError(
                 400, "stream_options can only be given when stream=true", "stream_options"
@@ -159,12 +192,13 @@ class OpenAIServer:
         ids: list[int] | None = None,
         params: SamplingParams | None = None,
         param: str = "prompt",
+        job: Job | None = None,
     ) -> None:
         """The engine's request rules (``AsyncLLM.validate_request``), as a 400."""
         try:
             self.engine.validate_request(ids, params, prompt_param=param)
         except InvalidRequestError as e:
-            raise invalid(e, param) from None
+            raise constraint_invalid(e, job.constraint if job else None, param) from None
 
     def max_tokens(self, requested: int | None, prompt_len: int, param: str) -> int:
         """OpenAI's rule: an absent ``max_tokens`` fills the context, one that does not fit
@@ -182,9 +216,24 @@ class OpenAIServer:
         return requested
 
     def sampling_params(
-        self, req: P._SamplingFields, max_tokens: int, logprobs: int | None
+        self,
+        req: P._SamplingFields,
+        max_tokens: int,
+        logprobs: int | None,
+        constraint: Constraint | None = None,
+        tools: ToolPlan | None = None,
     ) -> SamplingParams:
+        """The engine's parameters of ``req``, with its output constraint."""
+        extra: dict[str, Any] = {}
+        bias = logit_bias(req.logit_bias)
+        if bias is not None:
+            extra["logit_bias"] = bias
+        skip_special = req.skip_special_tokens
+        if tools is not None and tools.keeps_special_tokens:
+            skip_special = False  # the parser's marker is a special token (as vLLM)
         try:
+            if constraint is not None:
+                extra["structured_outputs"] = constraint.engine_params()
             return SamplingParams(
                 n=req.n,
                 temperature=1.0 if req.temperature is None else req.temperature,
@@ -204,10 +253,11 @@ class OpenAIServer:
                     1.0 if req.repetition_penalty is None else req.repetition_penalty
                 ),
                 deterministic=bool(req.deterministic),
-                skip_special_tokens=req.skip_special_tokens,
+                skip_special_tokens=skip_special,
+                **extra,
             )
         except InvalidRequestError as e:
-            raise invalid(e) from None
+            raise constraint_invalid(e, constraint) from None
 
     def job(
         self,
@@ -219,14 +269,17 @@ class OpenAIServer:
         max_tokens: int | None,
         max_tokens_param: str,
         logprobs: int | None,
+        constraint: Constraint | None = None,
+        tools: ToolPlan | None = None,
     ) -> Job:
         """One engine request, validated: the prompt, then ``max_tokens`` against the
         context, then the sampling parameters."""
         self.validate(ids, None, param)
         n = self.max_tokens(max_tokens, len(ids), max_tokens_param)
-        params = self.sampling_params(req, n, logprobs)
-        self.validate(None, params, param)
-        return Job(index, rid, ids, params)
+        params = self.sampling_params(req, n, logprobs, constraint, tools)
+        job = Job(index, rid, ids, params, constraint=constraint, tools=tools)
+        self.validate(None, params, param, job)
+        return job
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:
@@ -243,8 +296,11 @@ class OpenAIServer:
         messages: list[P.ChatMessage],
         add_generation_prompt: bool,
         template_kwargs: dict[str, Any] | None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
-        return await render_chat(self.tokenizer, messages, add_generation_prompt, template_kwargs)
+        return await render_chat(
+            self.tokenizer, messages, add_generation_prompt, template_kwargs, tools
+        )
 
     async def prompt_logprobs(self, ids: list[int], k: int) -> list[dict[str, Any] | None]:
         """vLLM's ``prompt_logprobs`` as JSON: the engine's numbers, bit for bit those of
@@ -342,12 +398,26 @@ class OpenAIServer:
         lps = c.logprobs or []
         as_ids = req.return_tokens_as_token_ids
         fields: dict[str, Any] = {"index": job.index * job.params.n + c.index}
+        finish_reason = c.finish_reason
         if chat:
+            tools = job.tools_of(c.index)
+            text = c.text
+            if tools is not None and tools.plan.keeps_special_tokens:
+                text = self.strip_stop_token(text, c)
+            content, calls = (text, []) if tools is None else tools.feed(text)
+            if tools is not None and finish_reason is not None:
+                more, more_calls, finish_reason = tools.finish(finish_reason)
+                content += more
+                calls += more_calls
             if stream:
                 fields["delta"] = {"role": "assistant"} if first else {}
-                fields["delta"]["content"] = c.text
+                fields["delta"]["content"] = content
+                if calls:
+                    fields["delta"]["tool_calls"] = calls
+            elif tools is not None:
+                fields["message"] = tools.message()
             else:
-                fields["message"] = {"role": "assistant", "content": c.text}
+                fields["message"] = {"role": "assistant", "content": content}
             fields["logprobs"] = self.logprobs.chat(lps, k, as_ids) if k is not None else None
         else:
             fields["text"] = c.text
@@ -359,10 +429,19 @@ class OpenAIServer:
                     fields["prompt_token_ids"] = job.prompt_ids
                 if job.prompt_logprobs is not None:
                     fields["prompt_logprobs"] = job.prompt_logprobs
-        fields["finish_reason"] = c.finish_reason
+        fields["finish_reason"] = finish_reason
         if req.return_token_ids:
             fields["token_ids"] = list(c.token_ids)
         return fields
+
+    def strip_stop_token(self, text: str, c: Any) -> str:
+        """``text`` without the stop token's text at its end (decoded when special tokens are
+        kept for a tool parser; it is not part of the answer)."""
+        if c.finish_reason == "stop" and isinstance(c.stop_reason, int):
+            tail = self.decode_token(c.stop_reason)
+            if tail and text.endswith(tail):
+                return text[: -len(tail)]
+        return text
 
     @staticmethod
     def usage(prompt_tokens: int, completion_tokens: int) -> P.UsageInfo:
@@ -383,6 +462,7 @@ class OpenAIServer:
         self.common_checks(req)
         if req.suffix is not None:
             raise ApiError(400, "suffix is not supported", "suffix")
+        constraint = single(request_constraints(req))
         prompts = completion_prompts(req.prompt)
         base = f"cmpl-{uuid.uuid4().hex}"
         jobs: list[Job] = []
@@ -391,7 +471,15 @@ class OpenAIServer:
             ids = await self.encode(pr) if isinstance(pr, str) else list(pr)
             jobs.append(
                 self.job(
-                    req, i, f"{base}-{i}", ids, param, req.max_tokens, "max_tokens", req.logprobs
+                    req,
+                    i,
+                    f"{base}-{i}",
+                    ids,
+                    param,
+                    req.max_tokens,
+                    "max_tokens",
+                    req.logprobs,
+                    constraint,
                 )
             )
         if req.prompt_logprobs is not None:
@@ -405,10 +493,11 @@ class OpenAIServer:
         self.defaults.apply(req)
         model = self.check_model(req.model)
         self.common_checks(req)
-        if req.tools:
-            raise ApiError(400, "tools are not supported by this server", "tools")
-        if req.tool_choice not in (None, "none", "auto"):
-            raise ApiError(400, "tool_choice is not supported by this server", "tool_choice")
+        tools = plan_tools(req, self.tool_parser)
+        constraints = request_constraints(req)
+        if tools.constraint is not None:  # the request's own one is the one too many
+            constraints.insert(0, tools.constraint)
+        constraint = single(constraints)
         if req.top_logprobs is not None and not req.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs=true", "top_logprobs")
         if req.max_completion_tokens is not None and req.max_tokens is not None:
@@ -419,7 +508,7 @@ class OpenAIServer:
                     "max_completion_tokens",
                 )
         ids = await self.render_chat(
-            req.messages, req.add_generation_prompt, req.chat_template_kwargs
+            req.messages, req.add_generation_prompt, req.chat_template_kwargs, tools.tools
         )
         if req.max_completion_tokens is not None:
             max_tokens, max_param = req.max_completion_tokens, "max_completion_tokens"
@@ -427,7 +516,9 @@ class OpenAIServer:
             max_tokens, max_param = req.max_tokens, "max_tokens"
         k = (req.top_logprobs or 0) if req.logprobs else None
         base = f"chatcmpl-{uuid.uuid4().hex}"
-        job = self.job(req, 0, f"{base}-0", ids, "messages", max_tokens, max_param, k)
+        job = self.job(
+            req, 0, f"{base}-0", ids, "messages", max_tokens, max_param, k, constraint, tools
+        )
         if req.prompt_logprobs is not None:
             job.prompt_logprobs = await self.prompt_logprobs(ids, req.prompt_logprobs)
         return await self._respond(req, request, [job], base, model, chat=True)
@@ -455,6 +546,8 @@ class OpenAIServer:
             return Response(status_code=499)
         except DetspecError as e:
             await agen.aclose()
+            if isinstance(e, InvalidRequestError):
+                raise jobs[0].invalid(e) from None
             err = engine_error(e)
             if err is None:
                 raise
@@ -519,8 +612,12 @@ class OpenAIServer:
     ) -> P.TokenizeResponse:
         self.check_model(req.model)
         if isinstance(req, P.TokenizeChatRequest):
+            tools = None
+            if req.tools is not None:
+                check_tools(req.tools)
+                tools = [t.model_dump(exclude_none=True) for t in req.tools]
             ids = await self.render_chat(
-                req.messages, req.add_generation_prompt, req.chat_template_kwargs
+                req.messages, req.add_generation_prompt, req.chat_template_kwargs, tools
             )
         else:
             ids = await self.encode(req.prompt, req.add_special_tokens)

@@ -1,0 +1,273 @@
+"""Tool-call parsers: a model's free output (``tool_choice: "auto"``) as content and calls.
+
+One per output format, chosen by ``detspec serve --tool-call-parser`` (vLLM's names):
+
+* ``hermes`` -- ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, any number of
+  them (Qwen2, Qwen2.5, Qwen3, Hermes); an unclosed last call is read to the end;
+* ``llama3_json`` -- the output *is* the calls: ``{"name": ..., "parameters": {...}}``,
+  optionally after ``<|python_tag|>``, several separated by ``;`` (Llama 3.1+);
+* ``mistral`` -- content, then ``[TOOL_CALLS]`` and a JSON array of calls
+  (``[{"name": ..., "arguments": {...}}]``), or the newer ``[TOOL_CALLS]name[ARGS]{...}``.
+
+Parsers are incremental: ``feed(text)`` returns the content that can be shown now and the calls
+completed so far, ``finish()`` the rest. A non-streamed response is ``feed(all) + finish()``,
+so a stream's pieces add up to exactly the non-streamed answer. A call whose JSON does not parse
+(or lacks a name) is not a call: its text is returned as content.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+
+@dataclass(frozen=True)
+class ParsedCall:
+    name: str
+    arguments: str  # JSON text
+
+
+@dataclass
+class Parsed:
+    """What a parser returns: content to show and calls completed."""
+
+    content: str = ""
+    calls: list[ParsedCall] = field(default_factory=list)
+
+    def extend(self, other: Parsed) -> None:
+        self.content += other.content
+        self.calls.extend(other.calls)
+
+
+ARGUMENT_KEYS = ("arguments", "parameters")
+
+
+def call_from_json(obj: Any) -> ParsedCall:
+    """``{"name": str, "arguments": {...}}`` as a call; ``ValueError`` if it is not one.
+    Arguments given as a JSON string are kept as they are."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        raise ValueError("not a call: no name")
+    args: Any = {}
+    for key in ARGUMENT_KEYS:
+        if key in obj:
+            args = obj[key]
+            break
+    if isinstance(args, str):
+        json.loads(args)  # must be JSON text
+        return ParsedCall(obj["name"], args)
+    if not isinstance(args, dict):
+        raise ValueError("arguments are not an object")
+    return ParsedCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+def _held_prefix(text: str, marker: str) -> int:
+    """Length of the longest suffix of ``text`` that starts ``marker`` (it may be the
+    beginning of a marker still arriving)."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class ToolParser:
+    """Base: ``feed`` text as it arrives, then ``finish`` once."""
+
+    name: ClassVar[str]
+    # vLLM's Mistral tool-call ids are 9 alphanumerics (its chat templates check that)
+    short_ids: ClassVar[bool] = False
+    # its marker is a special token: the output is decoded with special tokens kept
+    needs_special_tokens: ClassVar[bool] = False
+
+    def feed(self, text: str) -> Parsed:
+        raise NotImplementedError
+
+    def finish(self) -> Parsed:
+        raise NotImplementedError
+
+    @classmethod
+    def parse(cls, text: str) -> Parsed:
+        """The whole output at once."""
+        p = cls()
+        out = p.feed(text)
+        out.extend(p.finish())
+        return out
+
+
+class HermesToolParser(ToolParser):
+    name = "hermes"
+    START = "<tool_call>"
+    END = "</tool_call>"
+
+    def __init__(self) -> None:
+        self.buf = ""
+        self.in_call = False
+        self.seen_call = False
+
+    def _content(self, text: str) -> str:
+        # whitespace between or after calls is layout, not content
+        return "" if self.seen_call and not text.strip() else text
+
+    def _close(self, body: str, closed: bool) -> Parsed:
+        try:
+            call = call_from_json(json.loads(body))
+        except ValueError:
+            return Parsed(self.START + body + (self.END if closed else ""))
+        return Parsed("", [call])
+
+    def feed(self, text: str) -> Parsed:
+        self.buf += text
+        out = Parsed()
+        while True:
+            if self.in_call:
+                i = self.buf.find(self.END)
+                if i < 0:
+                    return out
+                out.extend(self._close(self.buf[:i], closed=True))
+                self.buf = self.buf[i + len(self.END) :]
+                self.in_call = False
+                continue
+            i = self.buf.find(self.START)
+            if i < 0:
+                keep = _held_prefix(self.buf, self.START)
+                ready = self.buf[: len(self.buf) - keep]
+                if ready.strip() or not self.seen_call:
+                    out.content += ready
+                    self.buf = self.buf[len(ready) :]
+                return out
+            out.content += self._content(self.buf[:i])
+            self.buf = self.buf[i + len(self.START) :]
+            self.in_call = True
+            self.seen_call = True
+
+    def finish(self) -> Parsed:
+        buf, self.buf = self.buf, ""
+        if self.in_call:
+            self.in_call = False
+            return self._close(buf, closed=False)
+        return Parsed(self._content(buf))
+
+
+class _TailParser(ToolParser):
+    """Formats whose calls run from a marker to the end of the output: content before the
+    marker streams; the calls are parsed once the output is complete (all or nothing: if
+    they do not parse, the whole tail is content)."""
+
+    MARKER: ClassVar[str]
+
+    def __init__(self) -> None:
+        self.buf = ""
+        self.in_calls = False
+
+    def _start(self) -> int | None:
+        """Where the calls start in ``buf``; None while undecided; -1 for never."""
+        raise NotImplementedError
+
+    def feed(self, text: str) -> Parsed:
+        self.buf += text
+        if self.in_calls:
+            return Parsed()
+        start = self._start()
+        if start is None:
+            return Parsed()
+        if start < 0:
+            keep = _held_prefix(self.buf, self.MARKER)
+            ready, self.buf = self.buf[: len(self.buf) - keep], self.buf[len(self.buf) - keep :]
+            return Parsed(ready)
+        ready, self.buf = self.buf[:start], self.buf[start:]
+        self.in_calls = True
+        return Parsed(ready)
+
+    def _calls(self, tail: str) -> list[ParsedCall]:
+        raise NotImplementedError
+
+    def finish(self) -> Parsed:
+        buf, self.buf = self.buf, ""
+        if not self.in_calls:
+            return Parsed(buf)
+        try:
+            calls = self._calls(buf)
+        except ValueError:
+            return Parsed(buf)
+        if not calls:
+            return Parsed(buf)
+        return Parsed("", calls)
+
+
+def _json_values(text: str, sep: str) -> list[Any]:
+    """JSON values one after another, separated by ``sep`` and/or whitespace."""
+    dec = json.JSONDecoder()
+    values = []
+    i = 0
+    while True:
+        while i < len(text) and (text[i].isspace() or text[i] == sep):
+            i += 1
+        if i >= len(text):
+            return values
+        value, i = dec.raw_decode(text, i)
+        values.append(value)
+
+
+class Llama3JsonToolParser(_TailParser):
+    name = "llama3_json"
+    MARKER = "<|python_tag|>"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.content_only = False
+
+    def feed(self, text: str) -> Parsed:
+        # The whole output is either calls or content, decided by how it starts.
+        if self.content_only:
+            return Parsed(text)
+        self.buf += text
+        if self.in_calls:
+            return Parsed()
+        s = self.buf.lstrip()
+        if s.startswith("{") or s.startswith(self.MARKER):
+            self.in_calls = True
+            return Parsed()
+        if not s or self.MARKER.startswith(s):
+            return Parsed()  # undecided
+        self.content_only = True
+        buf, self.buf = self.buf, ""
+        return Parsed(buf)
+
+    def _calls(self, tail: str) -> list[ParsedCall]:
+        s = tail.strip()
+        if s.startswith(self.MARKER):
+            s = s[len(self.MARKER) :]
+        return [call_from_json(v) for v in _json_values(s, ";")]
+
+
+class MistralToolParser(_TailParser):
+    name = "mistral"
+    short_ids = True
+    needs_special_tokens = True
+    MARKER = "[TOOL_CALLS]"
+    ARGS = "[ARGS]"
+
+    def _start(self) -> int | None:
+        i = self.buf.find(self.MARKER)
+        return i if i >= 0 else -1
+
+    def _calls(self, tail: str) -> list[ParsedCall]:
+        parts = [p.strip() for p in tail.split(self.MARKER)[1:]]
+        if len(parts) == 1 and parts[0][:1] in ("[", "{"):
+            values = _json_values(parts[0], ",")
+            if len(values) == 1 and isinstance(values[0], list):
+                values = values[0]
+            return [call_from_json(v) for v in values]
+        calls = []
+        for p in parts:  # name[ARGS]{...}
+            name, sep, args = p.partition(self.ARGS)
+            if not sep:
+                raise ValueError("no [ARGS]")
+            obj = json.loads(args)
+            calls.append(call_from_json({"name": name.strip(), "arguments": obj}))
+        return calls
+
+
+PARSERS: dict[str, type[ToolParser]] = {
+    p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser)
+}

@@ -1,0 +1,234 @@
+"""Tool-call parsers and the per-choice tool reader (pure Python, no server): the three
+formats, malformed calls returned as content, and streaming (any split of the text) adding up
+to exactly the non-streamed answer."""
+
+from __future__ import annotations
+
+import pytest
+
+from detspec.server import protocol as P
+from detspec.server.tool_parsers import (
+    HermesToolParser,
+    Llama3JsonToolParser,
+    MistralToolParser,
+    Parsed,
+    ParsedCall,
+    ToolParser,
+)
+from detspec.server.tools import CallIds, ChoiceTools, ToolPlan, plan_tools, required_schema
+
+WEATHER = ParsedCall("get_weather", '{"city": "Paris"}')
+
+
+def chunked(parser: type[ToolParser], text: str, size: int) -> Parsed:
+    p = parser()
+    out = Parsed()
+    for i in range(0, len(text), size):
+        out.extend(p.feed(text[i : i + size]))
+    out.extend(p.finish())
+    return out
+
+
+# (parser, output text, content, calls)
+CASES = [
+    (HermesToolParser, "Hello there", "Hello there", []),
+    (
+        HermesToolParser,
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+        "",
+        [WEATHER],
+    ),
+    (
+        HermesToolParser,
+        'Let me check.\n<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}'
+        '</tool_call>\n<tool_call>{"name": "get_time", "arguments": {}}</tool_call>\n',
+        "Let me check.\n",
+        [WEATHER, ParsedCall("get_time", "{}")],
+    ),
+    # an unclosed last call is read to the end (the model stopped on EOS)
+    (
+        HermesToolParser,
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}',
+        "",
+        [WEATHER],
+    ),
+    # arguments given as JSON text are kept
+    (
+        HermesToolParser,
+        '<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>',
+        "",
+        [ParsedCall("f", '{"a": 1}')],
+    ),
+    # malformed JSON inside a call: content, not a crash; the good call still counts
+    (
+        HermesToolParser,
+        '<tool_call>{"name": "f", "arguments": {</tool_call>'
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>',
+        '<tool_call>{"name": "f", "arguments": {</tool_call>',
+        [WEATHER],
+    ),
+    (HermesToolParser, "<tool_call>not json", "<tool_call>not json", []),
+    (HermesToolParser, '<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}'
+     "</tool_call>", []),  # fmt: skip
+    (HermesToolParser, "a <tool_ca", "a <tool_ca", []),
+    (Llama3JsonToolParser, "The weather is fine.", "The weather is fine.", []),
+    (
+        Llama3JsonToolParser,
+        '{"name": "get_weather", "parameters": {"city": "Paris"}}',
+        "",
+        [WEATHER],
+    ),
+    (
+        Llama3JsonToolParser,
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+        '{"name": "get_time", "arguments": {}}',
+        "",
+        [WEATHER, ParsedCall("get_time", "{}")],
+    ),
+    (Llama3JsonToolParser, '  {"name": "get_weather", "parameters": {"city": "Par',
+     '  {"name": "get_weather", "parameters": {"city": "Par', []),  # fmt: skip
+    (Llama3JsonToolParser, '{"city": "Paris"}', '{"city": "Paris"}', []),
+    (MistralToolParser, "No tools needed.", "No tools needed.", []),
+    (
+        MistralToolParser,
+        'Sure. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+        '{"name": "get_time", "arguments": {}}]',
+        "Sure. ",
+        [WEATHER, ParsedCall("get_time", "{}")],
+    ),
+    (
+        MistralToolParser,
+        '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}',
+        "",
+        [WEATHER, ParsedCall("get_time", "{}")],
+    ),
+    (MistralToolParser, "[TOOL_CALLS] [{\"name\": ", "[TOOL_CALLS] [{\"name\": ", []),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("parser", "text", "content", "calls"), CASES)
+def test_parse(parser, text, content, calls) -> None:
+    got = parser.parse(text)
+    assert got.content == content
+    assert got.calls == calls
+    for size in (1, 2, 5, 13):  # any split of the stream adds up to the same answer
+        assert chunked(parser, text, size) == got, size
+
+
+def test_hermes_streams_content_before_the_call_is_complete() -> None:
+    p = HermesToolParser()
+    assert p.feed("Checking <tool").content == "Checking "
+    assert p.feed('_call>{"name": "get_weather", ').content == ""
+    out = p.feed('"arguments": {"city": "Paris"}}</tool_call>')
+    assert out.calls == [WEATHER] and out.content == ""
+    assert p.finish() == Parsed()
+
+
+def tool(name: str, params: dict | None = None) -> P.ChatTool:
+    return P.ChatTool.model_validate(
+        {"type": "function", "function": {"name": name, "parameters": params}}
+    )
+
+
+def reader(plan: ToolPlan, deterministic: bool = True) -> ChoiceTools:
+    return ChoiceTools(plan, CallIds(deterministic, 7, [1, 2, 3]), 0)
+
+
+def test_named_streams_arguments_and_finishes_stop() -> None:
+    plan = ToolPlan("named", named="get_weather")
+    t = reader(plan)
+    content, deltas = t.feed('{"city": ')
+    assert content == "" and deltas[0]["function"] == {
+        "name": "get_weather",
+        "arguments": '{"city": ',
+    }
+    assert deltas[0]["id"].startswith("call_") and deltas[0]["type"] == "function"
+    _, deltas = t.feed('"Paris"}')
+    assert deltas == [{"index": 0, "function": {"arguments": '"Paris"}'}}]
+    assert t.finish("stop")[2] == "stop"  # as OpenAI and vLLM for a named function
+    msg = t.message()
+    assert msg["content"] is None
+    assert msg["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'
+
+
+def test_required_parses_the_array_and_finishes_tool_calls() -> None:
+    t = reader(ToolPlan("required"))
+    assert t.feed('[{"name": "get_weather", "parameters": {"city": "Paris"}}]') == ("", [])
+    content, deltas, finish = t.finish("stop")
+    assert finish == "tool_calls" and content == ""
+    assert [d["function"] for d in deltas] == [
+        {"name": "get_weather", "arguments": WEATHER.arguments}
+    ]
+    # cut short by max_tokens: the text stays content, the finish reason too
+    t = reader(ToolPlan("required"))
+    t.feed('[{"name": "get_wea')
+    assert t.finish("length") == ('[{"name": "get_wea', [], "length")
+    assert t.message() == {"role": "assistant", "content": '[{"name": "get_wea'}
+
+
+def test_auto_ids_are_deterministic_and_parallel_false_keeps_one() -> None:
+    text = (
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+        '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+    )
+    plan = ToolPlan("auto", parser=HermesToolParser)
+    a, b = reader(plan), reader(plan)
+    for t in (a, b):
+        t.feed(text)
+        assert t.finish("stop")[2] == "tool_calls"
+    assert a.message() == b.message() and len(a.calls) == 2
+    ids = {c["id"] for c in a.calls}
+    assert len(ids) == 2
+    c = reader(plan, deterministic=False)
+    c.feed(text)
+    c.finish("stop")
+    assert not ids & {x["id"] for x in c.calls}
+    one = reader(ToolPlan("auto", parser=HermesToolParser, parallel=False))
+    one.feed(text)
+    one.finish("stop")
+    assert [x["function"]["name"] for x in one.calls] == ["get_weather"]
+    # no call: content, finish reason unchanged
+    plain = reader(plan)
+    plain.feed("just text")
+    assert plain.finish("stop")[2] == "stop"
+    assert plain.message() == {"role": "assistant", "content": "just text"}
+
+
+def test_mistral_ids_are_nine_alphanumerics() -> None:
+    assert len(CallIds(True, None, [1], short=True).make(0, 0)) == 9
+    assert CallIds(True, None, [1]).make(0, 0) != CallIds(True, None, [2]).make(0, 0)
+
+
+def test_required_schema_is_vllms() -> None:
+    defs = {"$defs": {"C": {"type": "string"}}, "type": "object",
+            "properties": {"city": {"$ref": "#/$defs/C"}}}  # fmt: skip
+    s = required_schema([tool("get_weather", defs), tool("get_time")], parallel=True)
+    assert s["type"] == "array" and s["minItems"] == 1 and "maxItems" not in s
+    assert s["$defs"] == {"C": {"type": "string"}}
+    names = [v["properties"]["name"]["enum"] for v in s["items"]["anyOf"]]
+    assert names == [["get_weather"], ["get_time"]]
+    assert s["items"]["anyOf"][1]["properties"]["parameters"] == {
+        "type": "object",
+        "properties": {},
+    }
+    assert required_schema([tool("f")], parallel=False)["maxItems"] == 1
+
+
+def chat(**kw) -> P.ChatCompletionRequest:
+    return P.ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "hi"}], **kw}
+    )
+
+
+def test_plan_tools_modes() -> None:
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    assert plan_tools(chat(), None).mode == "none"
+    assert plan_tools(chat(tools=tools, tool_choice="none"), None).tools == tools
+    assert plan_tools(chat(tools=tools), "hermes").mode == "auto"
+    assert plan_tools(chat(tools=[], tool_choice="required"), None).mode == "none"
+    named = plan_tools(
+        chat(tools=tools, tool_choice={"type": "function", "function": {"name": "f"}}), None
+    )
+    assert named.mode == "named" and named.constraint is not None
+    assert named.constraint.fields == {"json": {"type": "object", "properties": {}}}
+    assert named.constraint.http_param("structured_outputs.json") == "tools[0].function.parameters"
