@@ -217,11 +217,27 @@ fn bad_constraints_are_refused_with_the_field_named() {
     assert_eq!(e.param_name(), Some("structured_outputs.json"));
     assert!(e.to_string().contains("line 1"), "{e}");
     let e = compile(StructuredOutputs {
-        json: Some(r#"{"type": "frobnicate"}"#.into()),
+        json: Some(
+            r#"{"type": "object", "properties": {"a": {"type": "string"},
+                "b": {"type": "array", "items": {"type": "frobnicate"}}}}"#
+                .into(),
+        ),
         ..Default::default()
     });
     assert_eq!(e.param_name(), Some("structured_outputs.json"));
-    assert!(e.to_string().contains("frobnicate"), "{e}");
+    assert!(
+        e.to_string()
+            .contains("frobnicate (at /properties/b/items/type)"),
+        "{e}"
+    );
+    let e = compile(StructuredOutputs {
+        json: Some(
+            r#"{"type": "object", "properties": {"n": {"type": "integer", "minimum": "x"}}}"#
+                .into(),
+        ),
+        ..Default::default()
+    });
+    assert!(e.to_string().contains("/properties/n/minimum"), "{e}");
     let e = compile(StructuredOutputs {
         regex: Some("ab(c".into()),
         ..Default::default()

@@ -173,6 +173,69 @@ fn schema_value(schema: &str) -> Result<serde_json::Value> {
     Ok(value)
 }
 
+/// Where in `schema` llguidance's `message` points: the JSON pointer of the keyword it names
+/// (`'minimum'`, `Invalid type: strin`, `properties must be ...`), the occurrence whose value
+/// the message quotes when there are several. llguidance's schema errors say what is wrong,
+/// not where.
+fn locate(schema: &str, message: &str) -> Option<String> {
+    let keyword = if let Some(rest) = message.strip_prefix("Invalid type: ") {
+        ("type", Some(rest.trim().to_string()))
+    } else if let Some(start) = message.find(" for '") {
+        let rest = &message[start + 6..];
+        (rest.split('\'').next()?, None)
+    } else {
+        (message.split(' ').next()?, None)
+    };
+    let (key, value) = keyword;
+    let schema: serde_json::Value = serde_json::from_str(schema).ok()?;
+    let mut found = Vec::new();
+    find_key(&schema, key, &mut String::new(), &mut found);
+    let quoted = |v: &serde_json::Value| match (&value, v) {
+        (Some(want), serde_json::Value::String(s)) => s == want,
+        (Some(_), _) => false,
+        (None, v) => message.contains(&v.to_string()),
+    };
+    found
+        .iter()
+        .find(|(_, v)| quoted(v))
+        .or(if found.len() == 1 {
+            found.first()
+        } else {
+            None
+        })
+        .map(|(at, _)| at.clone())
+}
+
+fn find_key(
+    v: &serde_json::Value,
+    key: &str,
+    at: &mut String,
+    found: &mut Vec<(String, serde_json::Value)>,
+) {
+    let len = at.len();
+    match v {
+        serde_json::Value::Object(o) => {
+            for (k, child) in o {
+                at.push('/');
+                at.push_str(&k.replace('~', "~0").replace('/', "~1"));
+                if k == key {
+                    found.push((at.clone(), child.clone()));
+                }
+                find_key(child, key, at, found);
+                at.truncate(len);
+            }
+        }
+        serde_json::Value::Array(a) => {
+            for (i, child) in a.iter().enumerate() {
+                at.push_str(&format!("/{i}"));
+                find_key(child, key, at, found);
+                at.truncate(len);
+            }
+        }
+        _ => {}
+    }
+}
+
 /// The schema with [`JSON_OPTIONS`] as its `x-guidance` unless it sets its own.
 fn with_json_options(mut schema: serde_json::Value) -> serde_json::Value {
     if let Some(obj) = schema.as_object_mut() {
@@ -244,9 +307,13 @@ impl Grammars {
         let grammar = constraint.to_grammar()?;
         let factory = self.factory()?;
         let param = constraint.param_name();
-        let parser = factory
-            .create_parser(grammar)
-            .map_err(|e| DetspecError::param(param, format!("{e}")))?;
+        let parser = factory.create_parser(grammar).map_err(|e| {
+            let mut message = e.to_string();
+            if let Some(at) = constraint.json.as_deref().and_then(|s| locate(s, &message)) {
+                message = format!("{message} (at {at})");
+            }
+            DetspecError::param(param, message)
+        })?;
         let matcher = Matcher::new(Ok(parser));
         if let Some(e) = matcher.get_error() {
             return Err(DetspecError::param(param, e));
