@@ -7,9 +7,11 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON, or SSE en
 ``defaults`` (docs/serving.md lists them all).
 
 The rooms: ``errors`` (OpenAI's error body, exception handlers), ``middleware`` (API key,
-size limit), ``serving`` (validation, admission, generation, response bodies), ``streaming``
-(fan-in, disconnects, SSE), ``chat`` (template rendering), ``logprobs`` (their shapes),
-``protocol`` (request and response models).
+size limit), ``serving`` (validation, admission, generation, response bodies), ``jobs`` (a
+request's engine requests), ``shaping`` (the fields every response body shares),
+``streaming`` (fan-in, disconnects, SSE), ``score_batcher`` (coalesced prompt scoring),
+``chat`` (template rendering), ``logprobs`` (their shapes), ``protocol`` (request and
+response models).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from detspec.server.errors import ERROR_RESPONSES, ApiError, add_exception_handl
 from detspec.server.metrics import CONTENT_TYPE
 from detspec.server.middleware import GuardMiddleware
 from detspec.server.rl_routes import build_rl_router
-from detspec.server.scoring_routes import build_scoring_router
+from detspec.server.scoring_routes import build_scoring_router, echo_completions
 from detspec.server.serving import OpenAIServer, ServerConfig
 
 
@@ -96,6 +98,8 @@ def build_app(
 
     @app.post("/v1/completions", response_model=P.CompletionResponse, responses=ERROR_RESPONSES)
     async def completions(req: P.CompletionRequest, request: Request) -> Response:
+        if req.echo:  # prompt scoring: scoring_routes builds on serving, not the reverse
+            return await echo_completions(server, req, request)
         return await server.completions(req, request)
 
     @app.post(

@@ -8,8 +8,11 @@ Echoed logprobs are computed like ``LLM.prompt_logprobs(prompts, k, deterministi
 * a deterministic request's are the verify-path values, bit for bit ``LLM.score`` and
   ``SamplingParams(prompt_logprobs=k)`` (whatever else the server is doing);
 * a plain request's come from the fast path. Concurrent scoring requests are coalesced into
-  one engine call (``ScoreBatcher``, the scoring twin of continuous batching), so their bits
-  depend on what they were batched with, as a plain generation's do.
+  one engine call (``score_batcher.ScoreBatcher``, the scoring twin of continuous batching),
+  so their bits depend on what they were batched with, as a plain generation's do.
+
+This module builds on ``serving`` (like ``rl_routes``), never the other way: ``app`` sends a
+``/v1/completions`` request with ``echo`` here instead of to ``OpenAIServer.completions``.
 """
 
 from __future__ import annotations
@@ -25,60 +28,18 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from detspec.async_llm import AsyncLLM
 from detspec.errors import InvalidRequestError
-from detspec.outputs import Logprob, RequestOutput
+from detspec.outputs import RequestOutput
 from detspec.server import protocol as P
 from detspec.server.errors import ApiError
+from detspec.server.jobs import Job, completion_prompts
+from detspec.server.score_batcher import PromptLogprobs, ScoreBatcher
+from detspec.server.shaping import dvr_metrics, usage
 from detspec.server.streaming import ClientGone, until_disconnect
 from detspec.server.structured import constraint_invalid, request_constraints, single
 
 if TYPE_CHECKING:
     from detspec.server.serving import OpenAIServer
-
-PromptLogprobs = list[dict[int, Logprob] | None]
-
-
-class ScoreBatcher:
-    """Coalesces concurrent prompt-logprob computations: a call that arrives while the engine
-    scores others waits for the next engine call, which takes everything queued by then (one
-    call per ``(k, deterministic)``). A call that arrives alone runs alone at once."""
-
-    def __init__(self, engine: AsyncLLM) -> None:
-        self._engine = engine
-        self._queue: list[tuple[list[int], int, bool, asyncio.Future[PromptLogprobs]]] = []
-        self._worker: asyncio.Task[None] | None = None
-
-    async def prompt_logprobs(self, ids: list[int], k: int, deterministic: bool) -> PromptLogprobs:
-        fut: asyncio.Future[PromptLogprobs] = asyncio.get_running_loop().create_future()
-        self._queue.append((ids, k, deterministic, fut))
-        if self._worker is None or self._worker.done():
-            self._worker = asyncio.ensure_future(self._run())
-        return await fut
-
-    async def _run(self) -> None:
-        while self._queue:
-            batch, self._queue = self._queue, []
-            groups: dict[tuple[int, bool], list[Any]] = {}
-            for item in batch:
-                groups.setdefault((item[1], item[2]), []).append(item)
-            for (k, det), items in groups.items():
-                live = [it for it in items if not it[3].done()]  # cancelled: client left
-                if not live:
-                    continue
-                try:
-                    res = await self._engine.prompt_logprobs(
-                        [it[0] for it in live], k, deterministic=det
-                    )
-                except Exception as e:  # every caller of this group gets the error
-                    for it in live:
-                        if not it[3].done():
-                            it[3].set_exception(e)
-                    continue
-                for it, r in zip(live, res, strict=True):
-                    if not it[3].done():
-                        it[3].set_result(r)
-
 
 # --------------------------------------------------------------------------- tokenizer info
 
@@ -137,18 +98,6 @@ def build_scoring_router(server: OpenAIServer) -> APIRouter:
 # --------------------------------------------------------------------------- echo
 
 
-def check_max_tokens(req: P.CompletionRequest) -> None:
-    """``max_tokens: 0`` means "score the prompt only", which needs ``echo``."""
-
-    if req.max_tokens == 0 and not req.echo:
-        raise ApiError(
-            400,
-            "max_tokens=0 generates nothing: it is only allowed with echo=true (to score the "
-            "prompt)",
-            "max_tokens",
-        )
-
-
 async def echo_completions(
     server: OpenAIServer, req: P.CompletionRequest, request: Request
 ) -> Response:
@@ -156,8 +105,7 @@ async def echo_completions(
     ``logprobs`` its ``tokens`` / ``token_logprobs`` / ``top_logprobs`` / ``text_offset``
     cover the prompt's tokens (the first one's logprob and top logprobs null) and then the
     completion's."""
-    from detspec.server.serving import Job, completion_prompts
-
+    server.defaults.apply(req)
     generate = req.max_tokens != 0
     if not generate:  # nothing is sampled: a seed is not needed for reproducibility
         req = req.model_copy(update={"temperature": 0.0})
@@ -272,7 +220,7 @@ async def echo_completions(
             if job.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = job.prompt_logprobs
             if c is not None:
-                choice["dvr_metrics"] = server.dvr_metrics(last[job.index], job.params)
+                choice["dvr_metrics"] = dvr_metrics(last[job.index], job.params)
             choices.append(choice)
     body = {
         "id": base,
@@ -281,7 +229,7 @@ async def echo_completions(
         "model": model,
         "system_fingerprint": server.fingerprint,
         "choices": choices,
-        "usage": server.usage(sum(len(j.prompt_ids) for j in jobs), completion_tokens),
+        "usage": usage(sum(len(j.prompt_ids) for j in jobs), completion_tokens),
     }
     return JSONResponse(P.CompletionResponse(**body).model_dump(exclude_unset=True))
 

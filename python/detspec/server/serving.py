@@ -1,8 +1,10 @@
 """The request handling behind the OpenAI routes: admission, validation (the engine's rules,
 through ``AsyncLLM.validate_request``), sampling parameters, generation and the non-streamed
-response bodies (``protocol``'s response models). Streaming is in ``streaming``, logprob
-shapes in ``logprobs``, chat rendering in ``chat``, constraints and ``logit_bias`` in
-``structured``, tool calls in ``tools`` (and ``tool_parsers``)."""
+response bodies (``protocol``'s response models). A request's jobs are in ``jobs``, the
+fields every body shares in ``shaping``, streaming in ``streaming``, logprob shapes in
+``logprobs``, chat rendering in ``chat``, constraints and ``logit_bias`` in ``structured``,
+tool calls in ``tools`` (and ``tool_parsers``). ``echo`` (``scoring_routes``) builds on this
+module, not this one on it."""
 
 from __future__ import annotations
 
@@ -25,9 +27,11 @@ from detspec.server import protocol as P
 from detspec.server.chat import render_chat
 from detspec.server.defaults import DEFAULT_SEED, RequestDefaults
 from detspec.server.errors import RETRY_AFTER, ApiError, engine_error, invalid
+from detspec.server.jobs import Job, completion_prompts
 from detspec.server.logprobs import LogprobShaper
 from detspec.server.metrics import ServerMetrics
-from detspec.server.scoring_routes import ScoreBatcher, check_max_tokens, echo_completions
+from detspec.server.score_batcher import ScoreBatcher
+from detspec.server.shaping import choice_fields, dvr_metrics, usage
 from detspec.server.streaming import ClientGone, first_output, merge, sse_body, until_disconnect
 from detspec.server.structured import (
     Constraint,
@@ -37,7 +41,7 @@ from detspec.server.structured import (
     single,
 )
 from detspec.server.tool_parsers import PARSERS
-from detspec.server.tools import CallIds, ChoiceTools, ToolPlan, check_tools, plan_tools
+from detspec.server.tools import ToolPlan, check_tools, plan_tools
 
 
 @dataclass
@@ -59,36 +63,6 @@ class ServerConfig:
     # --tool-call-parser); "auto" needs both (--enable-auto-tool-choice).
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
-
-
-@dataclass
-class Job:
-    """One prompt of a request (one engine request, ``n`` completions)."""
-
-    index: int
-    rid: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    prompt_logprobs: list[dict[str, Any] | None] | None = None
-    constraint: Constraint | None = None
-    # chat with tools: how the output becomes tool calls, and each choice's state
-    tools: ToolPlan | None = None
-    choice_tools: dict[int, ChoiceTools] = field(default_factory=dict)
-
-    def invalid(self, e: InvalidRequestError, default_param: str | None = None) -> ApiError:
-        """A 400 for an engine error, naming the request field behind it."""
-        return constraint_invalid(e, self.constraint, default_param)
-
-    def tools_of(self, choice: int) -> ChoiceTools | None:
-        """The tool-call reader of one choice (None: its text is its content)."""
-        if self.tools is None or not self.tools.parses_output:
-            return None
-        t = self.choice_tools.get(choice)
-        if t is None:
-            short = self.tools.parser is not None and self.tools.parser.short_ids
-            ids = CallIds(bool(self.params.deterministic), self.params.seed, self.prompt_ids, short)
-            t = self.choice_tools[choice] = ChoiceTools(self.tools, ids, choice)
-        return t
 
 
 class OpenAIServer:
@@ -367,97 +341,12 @@ class OpenAIServer:
         finally:
             self.inflight_seqs -= nseqs
 
-    # ---------------------------------------------------------------- shaping
-
-    @staticmethod
-    def dvr_metrics(out: RequestOutput, params: SamplingParams) -> P.DvrMetrics:
-        mt = out.metrics
-        return P.DvrMetrics(
-            deterministic=bool(params.deterministic),
-            num_verify_passes=int(mt.get("num_verify_passes", 0)),
-            num_rollbacks=int(mt.get("num_rollbacks", 0)),
-            num_rolled_back_tokens=int(mt.get("num_rolled_back_tokens", 0)),
-            num_preemptions=int(mt.get("num_preemptions", 0)),
-        )
-
-    def choice_fields(
-        self,
-        req: P.CompletionRequest | P.ChatCompletionRequest,
-        job: Job,
-        c: Any,
-        *,
-        chat: bool,
-        first: bool,
-        text_offset: int = 0,
-        stream: bool = False,
-    ) -> dict[str, Any]:
-        """One choice of a response (or, with ``stream``, of a chunk: ``c`` holds what is
-        new) without its finish fields; ``first``: the choice's first appearance, which
-        carries the prompt fields."""
-        k = job.params.logprobs
-        lps = c.logprobs or []
-        as_ids = req.return_tokens_as_token_ids
-        fields: dict[str, Any] = {"index": job.index * job.params.n + c.index}
-        finish_reason = c.finish_reason
-        if chat:
-            tools = job.tools_of(c.index)
-            text = c.text
-            if tools is not None and tools.plan.keeps_special_tokens:
-                text = self.strip_stop_token(text, c)
-            content, calls = (text, []) if tools is None else tools.feed(text)
-            if tools is not None and finish_reason is not None:
-                more, more_calls, finish_reason = tools.finish(finish_reason)
-                content += more
-                calls += more_calls
-            if stream:
-                fields["delta"] = {"role": "assistant"} if first else {}
-                fields["delta"]["content"] = content
-                if calls:
-                    fields["delta"]["tool_calls"] = calls
-            elif tools is not None:
-                fields["message"] = tools.message()
-            else:
-                fields["message"] = {"role": "assistant", "content": content}
-            fields["logprobs"] = self.logprobs.chat(lps, k, as_ids) if k is not None else None
-        else:
-            fields["text"] = c.text
-            fields["logprobs"] = (
-                self.logprobs.completion(lps, k, text_offset, as_ids) if k is not None else None
-            )
-            if first:
-                if req.return_token_ids:
-                    fields["prompt_token_ids"] = job.prompt_ids
-                if job.prompt_logprobs is not None:
-                    fields["prompt_logprobs"] = job.prompt_logprobs
-        fields["finish_reason"] = finish_reason
-        if req.return_token_ids:
-            fields["token_ids"] = list(c.token_ids)
-        return fields
-
-    def strip_stop_token(self, text: str, c: Any) -> str:
-        """``text`` without the stop token's text at its end (decoded when special tokens are
-        kept for a tool parser; it is not part of the answer)."""
-        if c.finish_reason == "stop" and isinstance(c.stop_reason, int):
-            tail = self.decode_token(c.stop_reason)
-            if tail and text.endswith(tail):
-                return text[: -len(tail)]
-        return text
-
-    @staticmethod
-    def usage(prompt_tokens: int, completion_tokens: int) -> P.UsageInfo:
-        return P.UsageInfo(
-            prompt_tokens=prompt_tokens,
-            completion_tokens=completion_tokens,
-            total_tokens=prompt_tokens + completion_tokens,
-        )
-
     # ---------------------------------------------------------------- completions
 
     async def completions(self, req: P.CompletionRequest, request: Request) -> Response:
+        """``/v1/completions`` without ``echo`` (``app`` sends those to ``scoring_routes``)."""
         self.defaults.apply(req)
         check_max_tokens(req)
-        if req.echo:
-            return await echo_completions(self, req, request)
         model = self.check_model(req.model)
         self.common_checks(req)
         if req.suffix is not None:
@@ -556,7 +445,9 @@ class OpenAIServer:
             await agen.aclose()
             raise
         return StreamingResponse(
-            sse_body(self, req, agen, first, jobs, rid, model, chat),
+            sse_body(
+                lambda: self.fingerprint, self.logprobs, req, agen, first, jobs, rid, model, chat
+            ),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -582,9 +473,9 @@ class OpenAIServer:
             out = last[job.index]
             for c in out.outputs:
                 completion_tokens += len(c.token_ids)
-                fields = self.choice_fields(req, job, c, chat=chat, first=True)
+                fields = choice_fields(self.logprobs, req, job, c, chat=chat, first=True)
                 fields["stop_reason"] = c.stop_reason
-                fields["dvr_metrics"] = self.dvr_metrics(out, job.params)
+                fields["dvr_metrics"] = dvr_metrics(out, job.params)
                 choices.append((P.ChatChoice if chat else P.CompletionChoice)(**fields))
         body: dict[str, Any] = {
             "id": rid,
@@ -593,7 +484,7 @@ class OpenAIServer:
             "model": model,
             "system_fingerprint": self.fingerprint,
             "choices": choices,
-            "usage": self.usage(sum(len(j.prompt_ids) for j in jobs), completion_tokens),
+            "usage": usage(sum(len(j.prompt_ids) for j in jobs), completion_tokens),
         }
         if chat:
             if req.return_token_ids:
@@ -641,12 +532,12 @@ class OpenAIServer:
         return P.DetokenizeResponse(prompt=text)
 
 
-def completion_prompts(p: str | list[int] | list[str] | list[list[int]]) -> list[str | list[int]]:
-    """``/v1/completions``' ``prompt``: one text, one token list, or a list of either."""
-    if isinstance(p, str):
-        return [p]
-    if not p:
-        raise ApiError(400, "prompt is an empty list", "prompt")
-    if isinstance(p[0], int):
-        return [list(p)]  # type: ignore[arg-type]
-    return list(p)  # type: ignore[arg-type]
+def check_max_tokens(req: P.CompletionRequest) -> None:
+    """``max_tokens: 0`` means "score the prompt only", which needs ``echo``."""
+    if req.max_tokens == 0 and not req.echo:
+        raise ApiError(
+            400,
+            "max_tokens=0 generates nothing: it is only allowed with echo=true (to score the "
+            "prompt)",
+            "max_tokens",
+        )

@@ -3,6 +3,10 @@ body (``data: {chunk}`` events ending in ``data: [DONE]``).
 
 The engine streams deltas (``AsyncLLM.generate(..., delta=True)``): each chunk carries what
 the engine committed since the last one, so nothing here re-derives them from snapshots.
+
+The chunks' choices are shaped by ``shaping``, as the JSON bodies' are; ``sse_body`` is given
+the two things of the server it reads (the fingerprint, the ``LogprobShaper``), not the
+server, so that ``serving`` depends on this module and not the other way round.
 """
 
 from __future__ import annotations
@@ -11,8 +15,8 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 from fastapi import Request
 
@@ -20,9 +24,9 @@ from detspec.errors import DetspecError
 from detspec.outputs import RequestOutput
 from detspec.server import protocol as P
 from detspec.server.errors import stream_error_body
-
-if TYPE_CHECKING:
-    from detspec.server.serving import Job, OpenAIServer
+from detspec.server.jobs import Job
+from detspec.server.logprobs import LogprobShaper
+from detspec.server.shaping import choice_fields, dvr_metrics, usage
 
 
 class ClientGone(Exception):
@@ -119,7 +123,8 @@ class _ChoiceState:
 
 
 async def sse_body(
-    server: OpenAIServer,
+    fingerprint: Callable[[], str],
+    logprobs: LogprobShaper,
     req: P.CompletionRequest | P.ChatCompletionRequest,
     agen: AsyncIterator[tuple[Job, RequestOutput]],
     first: tuple[Job, RequestOutput] | None,
@@ -128,7 +133,8 @@ async def sse_body(
     model: str,
     chat: bool,
 ) -> AsyncIterator[bytes]:
-    """The SSE events of a streamed completion or chat completion, from delta outputs."""
+    """The SSE events of a streamed completion or chat completion, from delta outputs.
+    ``fingerprint`` is read at every chunk: the weights may be updated while it streams."""
     created = int(time.time())
     opts = req.stream_options
     include_usage = bool(opts and opts.include_usage)
@@ -142,17 +148,17 @@ async def sse_body(
     if chat and jobs[0].prompt_logprobs is not None:
         first_extra["prompt_logprobs"] = jobs[0].prompt_logprobs
 
-    def chunk(choices: list[dict[str, Any]], usage: P.UsageInfo | None = None) -> bytes:
+    def chunk(choices: list[dict[str, Any]], counts: P.UsageInfo | None = None) -> bytes:
         fields: dict[str, Any] = {
             "id": rid,
             "object": "chat.completion.chunk" if chat else "text_completion",
             "created": created,
             "model": model,
-            "system_fingerprint": server.fingerprint,
+            "system_fingerprint": fingerprint(),
             "choices": choices,
         }
         if include_usage:
-            fields["usage"] = usage
+            fields["usage"] = counts
         if first_extra:  # chat: the prompt fields ride on the first chunk
             fields.update(first_extra)
             first_extra.clear()
@@ -170,7 +176,8 @@ async def sse_body(
             finished = c.finish_reason is not None
             if not c.token_ids and not c.text and not finished and st.started:
                 continue
-            choice = server.choice_fields(
+            choice = choice_fields(
+                logprobs,
                 req,
                 job,
                 c,
@@ -181,16 +188,14 @@ async def sse_body(
             )
             if finished:
                 choice["stop_reason"] = c.stop_reason
-                choice["dvr_metrics"] = server.dvr_metrics(out, job.params)
+                choice["dvr_metrics"] = dvr_metrics(out, job.params)
                 st.done = True
             st.started = True
             st.text_len += len(c.text)
             st.ntok += len(c.token_ids)
             completion_tokens[index] = st.ntok
-            usage = (
-                server.usage(prompt_tokens, sum(completion_tokens.values())) if continuous else None
-            )
-            res.append(chunk([choice], usage))
+            so_far = usage(prompt_tokens, sum(completion_tokens.values())) if continuous else None
+            res.append(chunk([choice], so_far))
         return res
 
     try:
@@ -204,7 +209,7 @@ async def sse_body(
         except DetspecError as e:
             yield b"data: " + json.dumps(stream_error_body(e)).encode() + b"\n\n"
         if include_usage:
-            yield chunk([], server.usage(prompt_tokens, sum(completion_tokens.values())))
+            yield chunk([], usage(prompt_tokens, sum(completion_tokens.values())))
         yield b"data: [DONE]\n\n"
     finally:
         await agen.aclose()  # type: ignore[attr-defined]

@@ -1,0 +1,56 @@
+"""The per-request data the completion routes share: a ``Job`` (one prompt of a request, one
+engine request) and the prompts of ``/v1/completions``. Its own module so that the modules
+that make jobs (``serving``, ``scoring_routes``) and those that shape their outputs
+(``shaping``, ``streaming``) depend on it, not on each other."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from detspec.errors import InvalidRequestError
+from detspec.sampling_params import SamplingParams
+from detspec.server.errors import ApiError
+from detspec.server.structured import Constraint, constraint_invalid
+from detspec.server.tools import CallIds, ChoiceTools, ToolPlan
+
+
+@dataclass
+class Job:
+    """One prompt of a request (one engine request, ``n`` completions)."""
+
+    index: int
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
+    constraint: Constraint | None = None
+    # chat with tools: how the output becomes tool calls, and each choice's state
+    tools: ToolPlan | None = None
+    choice_tools: dict[int, ChoiceTools] = field(default_factory=dict)
+
+    def invalid(self, e: InvalidRequestError, default_param: str | None = None) -> ApiError:
+        """A 400 for an engine error, naming the request field behind it."""
+        return constraint_invalid(e, self.constraint, default_param)
+
+    def tools_of(self, choice: int) -> ChoiceTools | None:
+        """The tool-call reader of one choice (None: its text is its content)."""
+        if self.tools is None or not self.tools.parses_output:
+            return None
+        t = self.choice_tools.get(choice)
+        if t is None:
+            short = self.tools.parser is not None and self.tools.parser.short_ids
+            ids = CallIds(bool(self.params.deterministic), self.params.seed, self.prompt_ids, short)
+            t = self.choice_tools[choice] = ChoiceTools(self.tools, ids, choice)
+        return t
+
+
+def completion_prompts(p: str | list[int] | list[str] | list[list[int]]) -> list[str | list[int]]:
+    """``/v1/completions``' ``prompt``: one text, one token list, or a list of either."""
+    if isinstance(p, str):
+        return [p]
+    if not p:
+        raise ApiError(400, "prompt is an empty list", "prompt")
+    if isinstance(p[0], int):
+        return [list(p)]  # type: ignore[arg-type]
+    return list(p)  # type: ignore[arg-type]

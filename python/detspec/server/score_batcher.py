@@ -1,0 +1,55 @@
+"""``ScoreBatcher``: the scoring twin of continuous batching. Concurrent prompt-logprob
+requests (``echo`` in ``scoring_routes``) are coalesced into one engine call, so a plain
+request's bits depend on what it was batched with, as a plain generation's do; a
+deterministic one's do not. The server owns one (``OpenAIServer.score_batcher``)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from detspec.async_llm import AsyncLLM
+from detspec.outputs import Logprob
+
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+class ScoreBatcher:
+    """Coalesces concurrent prompt-logprob computations: a call that arrives while the engine
+    scores others waits for the next engine call, which takes everything queued by then (one
+    call per ``(k, deterministic)``). A call that arrives alone runs alone at once."""
+
+    def __init__(self, engine: AsyncLLM) -> None:
+        self._engine = engine
+        self._queue: list[tuple[list[int], int, bool, asyncio.Future[PromptLogprobs]]] = []
+        self._worker: asyncio.Task[None] | None = None
+
+    async def prompt_logprobs(self, ids: list[int], k: int, deterministic: bool) -> PromptLogprobs:
+        fut: asyncio.Future[PromptLogprobs] = asyncio.get_running_loop().create_future()
+        self._queue.append((ids, k, deterministic, fut))
+        if self._worker is None or self._worker.done():
+            self._worker = asyncio.ensure_future(self._run())
+        return await fut
+
+    async def _run(self) -> None:
+        while self._queue:
+            batch, self._queue = self._queue, []
+            groups: dict[tuple[int, bool], list[Any]] = {}
+            for item in batch:
+                groups.setdefault((item[1], item[2]), []).append(item)
+            for (k, det), items in groups.items():
+                live = [it for it in items if not it[3].done()]  # cancelled: client left
+                if not live:
+                    continue
+                try:
+                    res = await self._engine.prompt_logprobs(
+                        [it[0] for it in live], k, deterministic=det
+                    )
+                except Exception as e:  # every caller of this group gets the error
+                    for it in live:
+                        if not it[3].done():
+                            it[3].set_exception(e)
+                    continue
+                for it, r in zip(live, res, strict=True):
+                    if not it[3].done():
+                        it[3].set_result(r)

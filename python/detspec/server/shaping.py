@@ -1,0 +1,100 @@
+"""The fields of a completion or chat response that every body shares: a choice (text or
+message, tool calls, logprobs, token ids), ``usage`` and ``dvr_metrics``. The JSON bodies
+(``serving``, ``scoring_routes``) and the SSE chunks (``streaming``) are all shaped here,
+from what they are given (the job, the output, a ``LogprobShaper``), so that none of them
+needs the server object."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from detspec.outputs import RequestOutput
+from detspec.sampling_params import SamplingParams
+from detspec.server import protocol as P
+from detspec.server.jobs import Job
+from detspec.server.logprobs import LogprobShaper
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> P.UsageInfo:
+    return P.UsageInfo(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+    )
+
+
+def dvr_metrics(out: RequestOutput, params: SamplingParams) -> P.DvrMetrics:
+    mt = out.metrics
+    return P.DvrMetrics(
+        deterministic=bool(params.deterministic),
+        num_verify_passes=int(mt.get("num_verify_passes", 0)),
+        num_rollbacks=int(mt.get("num_rollbacks", 0)),
+        num_rolled_back_tokens=int(mt.get("num_rolled_back_tokens", 0)),
+        num_preemptions=int(mt.get("num_preemptions", 0)),
+    )
+
+
+def choice_fields(
+    logprobs: LogprobShaper,
+    req: P.CompletionRequest | P.ChatCompletionRequest,
+    job: Job,
+    c: Any,
+    *,
+    chat: bool,
+    first: bool,
+    text_offset: int = 0,
+    stream: bool = False,
+) -> dict[str, Any]:
+    """One choice of a response (or, with ``stream``, of a chunk: ``c`` holds what is
+    new) without its finish fields; ``first``: the choice's first appearance, which
+    carries the prompt fields."""
+    k = job.params.logprobs
+    lps = c.logprobs or []
+    as_ids = req.return_tokens_as_token_ids
+    fields: dict[str, Any] = {"index": job.index * job.params.n + c.index}
+    finish_reason = c.finish_reason
+    if chat:
+        tools = job.tools_of(c.index)
+        text = c.text
+        if tools is not None and tools.plan.keeps_special_tokens:
+            text = strip_stop_token(text, c, logprobs.decode_token)
+        content, calls = (text, []) if tools is None else tools.feed(text)
+        if tools is not None and finish_reason is not None:
+            more, more_calls, finish_reason = tools.finish(finish_reason)
+            content += more
+            calls += more_calls
+        if stream:
+            fields["delta"] = {"role": "assistant"} if first else {}
+            fields["delta"]["content"] = content
+            if calls:
+                fields["delta"]["tool_calls"] = calls
+        elif tools is not None:
+            fields["message"] = tools.message()
+        else:
+            fields["message"] = {"role": "assistant", "content": content}
+        fields["logprobs"] = logprobs.chat(lps, k, as_ids) if k is not None else None
+    else:
+        fields["text"] = c.text
+        fields["logprobs"] = (
+            logprobs.completion(lps, k, text_offset, as_ids) if k is not None else None
+        )
+        if first:
+            if req.return_token_ids:
+                fields["prompt_token_ids"] = job.prompt_ids
+            if job.prompt_logprobs is not None:
+                fields["prompt_logprobs"] = job.prompt_logprobs
+    fields["finish_reason"] = finish_reason
+    if req.return_token_ids:
+        fields["token_ids"] = list(c.token_ids)
+    return fields
+
+
+def strip_stop_token(text: str, c: Any, decode_token: Callable[[int], str]) -> str:
+    """``text`` without the stop token's text at its end (decoded when special tokens are
+    kept for a tool parser; it is not part of the answer)."""
+    if c.finish_reason == "stop" and isinstance(c.stop_reason, int):
+        tail = decode_token(c.stop_reason)
+        if tail and text.endswith(tail):
+            return text[: -len(tail)]
+    return text
