@@ -110,6 +110,16 @@ ENGINE_SETTINGS: tuple[EngineSetting, ...] = (
         choices=("invariant", "shape_dependent"),
     ),
     EngineSetting(
+        "activation_dtype",
+        str,
+        "auto",
+        "what the CPU linear layers multiply bf16 weights by (auto: float32 on cpu, dtype on "
+        "cuda; bfloat16: inputs rounded to bf16, bf16 x bf16 products in VDPBF16PS order, "
+        "emulated bit for bit where the CPU lacks it: another numeric contract, fingerprint "
+        "-abf16; needs dtype bfloat16)",
+        choices=("auto", "float32", "bfloat16"),
+    ),
+    EngineSetting(
         "verify_finish_wait",
         int,
         0,

@@ -8,7 +8,9 @@
 //!   rope settings, sliding window, biases, q/k norm, tied embeddings), the EOS ids, and the
 //!   bytes of the tokenizer, its config, the chat template and the generation config;
 //! - `dtype`, `device`: what the weights and KV are held in, and where;
-//! - `kernels`: [`KERNEL_VERSION`] plus the CPU kernel profile when it is not the invariant one;
+//! - `kernels`: [`KERNEL_VERSION`] plus the CPU kernel profile when it is not the invariant one,
+//!   plus `-abf16` in the bf16-activation mode (`activation_dtype="bfloat16"`: the linear layers
+//!   round their inputs to bf16 and multiply bf16 by bf16, another function of the same weights);
 //! - `determinism`: the determinism policy's label (mode, strategy, W and B where they matter).
 //!
 //! Every hash is xxh3 with its fixed default key: the same inputs give the same fingerprint on
@@ -78,14 +80,16 @@ pub fn tail(
     dtype: &str,
     device: &str,
     profile: KernelProfile,
+    bf16_activations: bool,
     determinism: &str,
 ) -> String {
     let profile = match profile {
         KernelProfile::Invariant => "",
         KernelProfile::ShapeDependent => "-shapedep",
     };
+    let act = if bf16_activations { "-abf16" } else { "" };
     format!(
-        "m{:08x}-{dtype}-{device}-k{KERNEL_VERSION}{profile}-{determinism}",
+        "m{:08x}-{dtype}-{device}-k{KERNEL_VERSION}{profile}{act}-{determinism}",
         model_digest as u32
     )
 }

@@ -13,8 +13,8 @@ use crate::config::{KernelProfile, ModelConfig};
 use crate::error::{DetspecError, Result};
 use crate::kv::KvPool;
 use crate::ops::{
-    self, invariant_matmul, matmul_packed_bf16_profiled, matmul_packed_profiled, AttentionMetadata,
-    PackedWeight, PackedWeightBf16,
+    self, invariant_matmul, matmul_packed_abf16, matmul_packed_bf16_profiled,
+    matmul_packed_profiled, AttentionMetadata, PackedWeight, PackedWeightAbf16, PackedWeightBf16,
 };
 
 use super::params::{ParamHashes, WeightLoader};
@@ -50,15 +50,34 @@ pub(super) enum LinearWeight {
     Packed(Arc<PackedWeight>),
     /// CPU, bf16 weights: packed in bf16 for the same GEMM (`ops::gemm_bf16`; f32 activations).
     PackedBf16(Arc<PackedWeightBf16>),
+    /// CPU, bf16 weights in the bf16-activation mode: packed in k pairs for the bf16 × bf16
+    /// GEMM (`ops::gemm_abf16`; inputs rounded to bf16 inside).
+    PackedAbf16(Arc<PackedWeightAbf16>),
     /// Other devices: `[in, out]`, transposed and contiguous once at load.
     Dense(Tensor),
 }
 
 impl LinearWeight {
-    /// From a checkpoint's `[out, in]` matrix.
-    pub(super) fn new(w: &Tensor) -> Result<Self> {
+    /// From a checkpoint's `[out, in]` matrix; `bf16_act`: for the bf16-activation mode (a
+    /// bf16 matrix is packed for its GEMM).
+    pub(super) fn new(w: &Tensor, bf16_act: bool) -> Result<Self> {
         if w.device().is_cpu() {
             let (out_dim, in_dim) = w.dims2()?;
+            if bf16_act {
+                let packed = ops::with_bf16_bits(w, |bits| {
+                    PackedWeightAbf16::from_transposed_bits(bits, out_dim, in_dim)
+                })?
+                .ok_or_else(|| {
+                    DetspecError::param(
+                        "activation_dtype",
+                        format!(
+                            "\"bfloat16\" needs bf16 weights, got {}",
+                            w.dtype().as_str()
+                        ),
+                    )
+                })??;
+                return Ok(Self::PackedAbf16(Arc::new(packed)));
+            }
             if let Some(packed) = ops::with_bf16_bits(w, |bits| {
                 PackedWeightBf16::from_transposed_bits(bits, out_dim, in_dim)
             })? {
@@ -77,6 +96,8 @@ impl LinearWeight {
         match self {
             Self::Packed(w) => matmul_packed_profiled(x, w, gemm.profile, gemm.invariant),
             Self::PackedBf16(w) => matmul_packed_bf16_profiled(x, w, gemm.profile, gemm.invariant),
+            // One kernel at every M (the mode runs the invariant profile only).
+            Self::PackedAbf16(w) => matmul_packed_abf16(x, w),
             Self::Dense(w) if gemm.invariant => invariant_matmul(x, w),
             Self::Dense(w) => x.matmul(w),
         }
@@ -152,6 +173,8 @@ pub struct Model {
     dtype: DType,
     /// The CPU GEMMs' reduction-order promise.
     kernel_profile: KernelProfile,
+    /// The bf16-activation mode: the linear layers multiply bf16 by bf16 (`ops::gemm_abf16`).
+    bf16_act: bool,
     /// Activations, norm weights and biases: f32 on the CPU (its bf16 GEMM reads bf16 weights
     /// and accumulates in f32), `dtype` on a GPU.
     act_dtype: DType,
@@ -163,9 +186,27 @@ pub struct Model {
 impl Model {
     /// Loads the weights of a Hugging Face model directory whose config is `cfg`, in `dtype`.
     pub fn load(dir: &Path, cfg: ModelConfig, device: &Device, dtype: DType) -> Result<Self> {
+        Self::load_with(dir, cfg, device, dtype, false)
+    }
+
+    /// [`Self::load`]; `bf16_act`: in the bf16-activation mode (CPU, bf16 weights: the linear
+    /// layers round their inputs to bf16 and multiply bf16 by bf16, `ops::gemm_abf16`).
+    pub fn load_with(
+        dir: &Path,
+        cfg: ModelConfig,
+        device: &Device,
+        dtype: DType,
+        bf16_act: bool,
+    ) -> Result<Self> {
+        if bf16_act && !(device.is_cpu() && dtype == DType::BF16) {
+            return Err(DetspecError::param(
+                "activation_dtype",
+                "\"bfloat16\" runs on the CPU with bf16 weights",
+            ));
+        }
         let ck = Checkpoint::open(dir)?;
         let act_dtype = if device.is_cpu() { DType::F32 } else { dtype };
-        let ld = WeightLoader::new(&ck, device, dtype, act_dtype);
+        let ld = WeightLoader::new(&ck, device, dtype, act_dtype, bf16_act);
         let (h, kvh, d) = (
             cfg.num_attention_heads,
             cfg.num_key_value_heads,
@@ -203,7 +244,7 @@ impl Model {
         }
         let norm = ld.load("model.norm.weight", &[hs])?;
         let lm_head = if cfg.tie_word_embeddings {
-            LinearWeight::new(&embed)?
+            LinearWeight::new(&embed, bf16_act)?
         } else {
             ld.load_linear("lm_head.weight", cfg.vocab_size, hs)?
         };
@@ -220,6 +261,7 @@ impl Model {
             device: device.clone(),
             dtype,
             kernel_profile: KernelProfile::Invariant,
+            bf16_act,
             act_dtype,
         })
     }
@@ -246,6 +288,11 @@ impl Model {
     /// The activations' dtype (f32 on the CPU whatever the weights').
     pub fn act_dtype(&self) -> DType {
         self.act_dtype
+    }
+
+    /// Whether the linear layers run in the bf16-activation mode.
+    pub fn bf16_activations(&self) -> bool {
+        self.bf16_act
     }
 
     /// Hash of every parameter's values as the engine holds them (f32), by name.

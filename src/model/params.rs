@@ -11,7 +11,9 @@ use xxhash_rust::xxh3::{xxh3_64, Xxh3};
 
 use crate::config::ModelConfig;
 use crate::error::{DetspecError, Result};
-use crate::ops::{bf16_to_f32, with_bf16_bits, with_f32_values, PackedWeightBf16};
+use crate::ops::{
+    bf16_to_f32, with_bf16_bits, with_f32_values, PackedWeightAbf16, PackedWeightBf16,
+};
 
 use super::decoder::{LinearWeight, Model};
 use super::Checkpoint;
@@ -103,6 +105,8 @@ pub(super) struct WeightLoader<'a> {
     dtype: DType,
     /// Vectors (norms, biases): the activations' dtype.
     vector_dtype: DType,
+    /// Linear layers packed for the bf16-activation GEMM.
+    bf16_act: bool,
     hashes: RefCell<ParamHashes>,
 }
 
@@ -112,12 +116,14 @@ impl<'a> WeightLoader<'a> {
         device: &'a Device,
         dtype: DType,
         vector_dtype: DType,
+        bf16_act: bool,
     ) -> Self {
         Self {
             ck,
             device,
             dtype,
             vector_dtype,
+            bf16_act,
             hashes: RefCell::default(),
         }
     }
@@ -160,15 +166,23 @@ impl<'a> WeightLoader<'a> {
                             &owned
                         }
                     };
-                    let packed = PackedWeightBf16::from_transposed_bits(bits, out_dim, in_dim)?;
+                    let packed = if self.bf16_act {
+                        LinearWeight::PackedAbf16(Arc::new(
+                            PackedWeightAbf16::from_transposed_bits(bits, out_dim, in_dim)?,
+                        ))
+                    } else {
+                        LinearWeight::PackedBf16(Arc::new(PackedWeightBf16::from_transposed_bits(
+                            bits, out_dim, in_dim,
+                        )?))
+                    };
                     Ok::<_, DetspecError>(Some((packed, bf16_hash(bits))))
                 })??;
             if let Some((packed, hash)) = packed {
                 self.hashes.borrow_mut().0.insert(name.to_string(), hash);
-                return Ok(LinearWeight::PackedBf16(Arc::new(packed)));
+                return Ok(packed);
             }
         }
-        LinearWeight::new(&self.load_matrix(name, &[out_dim, in_dim])?)
+        LinearWeight::new(&self.load_matrix(name, &[out_dim, in_dim])?, self.bf16_act)
     }
 
     fn load_as(&self, name: &str, shape: &[usize], dtype: DType) -> Result<Tensor> {
@@ -205,6 +219,7 @@ impl Model {
             .collect();
         check_update(&self.cfg, &shapes)?;
         let tied = self.cfg.tie_word_embeddings;
+        let bf16_act = self.bf16_activations();
         let device = self.device().clone();
         let sets_embedding = updates
             .iter()
@@ -236,13 +251,13 @@ impl Model {
                 }
                 Slot::Linear(w) => {
                     let t = t.to_dtype(matrix)?;
-                    *w = LinearWeight::new(&t)?;
+                    *w = LinearWeight::new(&t, bf16_act)?;
                     t
                 }
                 Slot::Embedding => {
                     let t = t.to_dtype(matrix)?;
                     if tied {
-                        self.lm_head = LinearWeight::new(&t)?;
+                        self.lm_head = LinearWeight::new(&t, bf16_act)?;
                     }
                     self.embed = t.clone();
                     t

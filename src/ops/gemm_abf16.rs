@@ -417,7 +417,8 @@ mod x86 {
     /// # Safety
     /// AVX-512F and AVX-512 BF16; `a` holds R rows of `kp` words; `panel` holds `kp` steps;
     /// `out` addresses R rows of `width` writable floats at stride `n`, this task's alone.
-    #[inline(always)]
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bf16")]
     unsafe fn block<const R: usize>(
         a: *const u32,
         kp: usize,
