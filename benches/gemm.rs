@@ -54,8 +54,13 @@ fn gemm(c: &mut Criterion) {
                 b.iter(|| matmul_packed_bf16(&x, &packed16).expect("packed bf16"))
             });
             g.bench_with_input(BenchmarkId::new("packed_abf16", m), &m, |b, _| {
-                b.iter(|| matmul_packed_abf16(&x, &packed_a16).expect("packed abf16"))
+                b.iter(|| matmul_packed_abf16(&x, &packed_a16, false).expect("packed abf16"))
             });
+            if detspec::ops::DotIsa::amx_available() {
+                g.bench_with_input(BenchmarkId::new("packed_abf16_amx", m), &m, |b, _| {
+                    b.iter(|| matmul_packed_abf16(&x, &packed_a16, true).expect("abf16 amx"))
+                });
+            }
             g.bench_with_input(BenchmarkId::new("candle", m), &m, |b, _| {
                 b.iter(|| x.matmul(&wt).expect("candle"))
             });

@@ -96,7 +96,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--activation-dtype",
-        choices=("auto", "float32", "bfloat16"),
+        choices=("auto", "float32", "bfloat16", "bfloat16_amx"),
         default="auto",
         help="detspec's activation_dtype (bfloat16: the bf16-activation mode, bf16 x bf16 "
         "linear layers as vLLM's; needs --dtype bfloat16)",

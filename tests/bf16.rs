@@ -769,3 +769,31 @@ fn abf16_setting_errors() {
     assert_eq!(out_bits(&a), out_bits(&b));
     assert_eq!(a.fingerprint, b.fingerprint);
 }
+
+#[test]
+fn abf16_amx_engine_is_batch_invariant_and_names_itself() {
+    let c = EngineConfig {
+        activation_dtype: ActivationDtype::Bf16Amx,
+        ..cfg(DTypeSpec::Auto, DTypeSpec::Auto, DeterminismMode::Dvr)
+    };
+    if !detspec::ops::DotIsa::amx_available() {
+        // Refused, naming the setting: no output may claim AMX bits without AMX.
+        let err = load_err(&models().bf16_dir, c);
+        assert!(
+            err.contains("activation_dtype") && err.contains("AMX"),
+            "{err}"
+        );
+        return;
+    }
+    let e = Engine::from_model_dir(&models().bf16_dir, c).expect("engine");
+    let t = target(true);
+    let (solo, batched) = solo_and_batched(&e, &t, true);
+    for (i, b) in batched.iter().enumerate() {
+        assert_eq!(b, &solo, "batch {i}");
+    }
+    let fp = e.generate(vec![t]).expect("gen")[0].fingerprint.clone();
+    assert!(
+        fp.contains("-abf16amx-") && fp.ends_with("-dvr-inline"),
+        "{fp}"
+    );
+}

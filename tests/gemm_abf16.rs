@@ -425,3 +425,60 @@ fn transposed_packing_equals_row_major_packing_and_bad_shapes_are_errors() {
     let p = PackedWeightAbf16::from_row_major_bits(&[0; 6], 2, 3).expect("pack");
     assert!(packed_matmul_abf16(&[1.0; 5], 2, &p).is_err());
 }
+
+/// AMX (`DotIsa::Amx`, `activation_dtype="bfloat16_amx"`): not the definition's bits, but a
+/// row's bits still depend neither on M, nor on its index or neighbours, nor on the thread
+/// count; and the values are the definition's up to accumulation-order rounding. Skipped where
+/// the CPU has no AMX-BF16.
+#[test]
+fn amx_rows_are_batch_position_and_thread_invariant_and_close_to_the_definition() {
+    if !DotIsa::amx_available() {
+        return;
+    }
+    let mut differing = 0usize;
+    let mut total = 0usize;
+    for (k, n) in [(512, 1408), (1408, 512), (64, 96), (70, 33), (512, 32000)] {
+        let mut r = Rng::new((k * 7 + n) as u64);
+        let w = weights(&mut r, k * n, false);
+        let packed = PackedWeightAbf16::from_row_major_bits(&w, k, n).expect("pack");
+        let row = activations(&mut r, k, false);
+        let alone = packed_matmul_abf16_with(&row, 1, &packed, DotIsa::Amx).expect("amx");
+        let exact = packed_matmul_abf16_with(&row, 1, &packed, DotIsa::detect()).expect("exact");
+        for (j, (&x, &y)) in alone.iter().zip(&exact).enumerate() {
+            total += 1;
+            differing += usize::from(x.to_bits() != y.to_bits());
+            // Sums of |a·w| bound the rounding differences of two orders.
+            let scale: f32 = (0..k)
+                .map(|kk| {
+                    let a = f32::from_bits(u32::from(round_activation_bf16(row[kk])) << 16);
+                    let b = f32::from_bits(u32::from(w[kk * n + j]) << 16);
+                    (a * b).abs()
+                })
+                .sum();
+            assert!(
+                (x - y).abs() <= scale * 1e-5 + 1e-30,
+                "k={k} n={n} col {j}: amx {x:e} vs exact {y:e}"
+            );
+        }
+        let want: Vec<u32> = alone.iter().map(|x| x.to_bits()).collect();
+        for (m, at) in [(2, 1), (13, 12), (16, 0), (17, 16), (64, 40), (97, 50)] {
+            let mut a = activations(&mut Rng::new(m as u64 + 7), m * k, true);
+            a[at * k..(at + 1) * k].copy_from_slice(&row);
+            for threads in [1, 2] {
+                let c = in_pool(threads, || {
+                    packed_matmul_abf16_with(&a, m, &packed, DotIsa::Amx)
+                })
+                .expect("amx");
+                let got: Vec<u32> = c[at * n..(at + 1) * n]
+                    .iter()
+                    .map(|x| x.to_bits())
+                    .collect();
+                assert_eq!(
+                    got, want,
+                    "k={k} n={n}: row at {at} of {m}, {threads} threads"
+                );
+            }
+        }
+    }
+    eprintln!("AMX vs the VDPBF16PS definition: {differing} of {total} elements differ in bits");
+}

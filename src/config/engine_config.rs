@@ -204,6 +204,10 @@ pub enum ActivationDtype {
     /// on the instruction or its bit-exact emulation (`ops::gemm_abf16`). Another numeric
     /// contract: the fingerprint says `-abf16`.
     Bf16,
+    /// As `Bf16`, on AMX tiles (`TDPBF16PS`): faster at batch ≥ 16, but the tile instruction
+    /// accumulates in its own order, so the bits are another contract again, reproducible on
+    /// AMX-BF16 CPUs only: the fingerprint says `-abf16amx`, and a CPU without AMX refuses it.
+    Bf16Amx,
 }
 
 impl ActivationDtype {
@@ -212,9 +216,12 @@ impl ActivationDtype {
             "auto" => Ok(Self::Auto),
             "float32" | "f32" => Ok(Self::F32),
             "bfloat16" | "bf16" => Ok(Self::Bf16),
+            "bfloat16_amx" => Ok(Self::Bf16Amx),
             other => Err(DetspecError::param(
                 "activation_dtype",
-                format!("unknown activation dtype `{other}` (auto, float32, bfloat16)"),
+                format!(
+                    "unknown activation dtype `{other}` (auto, float32, bfloat16, bfloat16_amx)"
+                ),
             )),
         }
     }
@@ -224,25 +231,27 @@ impl ActivationDtype {
             Self::Auto => "auto",
             Self::F32 => "float32",
             Self::Bf16 => "bfloat16",
+            Self::Bf16Amx => "bfloat16_amx",
         }
     }
 
-    /// Whether the linear layers run bf16 × bf16 (the `-abf16` mode), for weights in
-    /// `weights` on `device`; the setting's combinations the engine cannot run are errors.
+    /// What the linear layers run for weights in `weights` on `device`: `F32` (also for
+    /// `Auto`), `Bf16` or `Bf16Amx`; the setting's combinations the engine cannot run are
+    /// errors.
     pub fn resolve(
         self,
         device: DeviceSpec,
         weights: DType,
         profile: KernelProfile,
-    ) -> Result<bool> {
+    ) -> Result<Self> {
         match (self, device) {
-            (Self::Auto, _) => Ok(false),
+            (Self::Auto, _) => Ok(Self::F32),
             (_, DeviceSpec::Cuda(_)) => Err(DetspecError::param(
                 "activation_dtype",
                 "selects the CPU linear layers' arithmetic; on a GPU activations follow dtype                  (use \"auto\")",
             )),
-            (Self::F32, DeviceSpec::Cpu) => Ok(false),
-            (Self::Bf16, DeviceSpec::Cpu) if weights != DType::BF16 => Err(DetspecError::param(
+            (Self::F32, DeviceSpec::Cpu) => Ok(Self::F32),
+            (_, DeviceSpec::Cpu) if weights != DType::BF16 => Err(DetspecError::param(
                 "activation_dtype",
                 format!(
                     "\"bfloat16\" multiplies bf16 weights; the weights are {} (set \
@@ -250,13 +259,20 @@ impl ActivationDtype {
                     weights.as_str()
                 ),
             )),
-            (Self::Bf16, DeviceSpec::Cpu) if profile != KernelProfile::Invariant => {
+            (_, DeviceSpec::Cpu) if profile != KernelProfile::Invariant => {
                 Err(DetspecError::param(
                     "activation_dtype",
-                    "\"bfloat16\" runs the invariant kernel profile only",
+                    "the bf16-activation modes run the invariant kernel profile only",
                 ))
             }
-            (Self::Bf16, DeviceSpec::Cpu) => Ok(true),
+            (Self::Bf16Amx, DeviceSpec::Cpu) if !crate::ops::DotIsa::amx_available() => {
+                Err(DetspecError::param(
+                    "activation_dtype",
+                    "\"bfloat16_amx\" needs a CPU with AMX-BF16 (use \"bfloat16\": the same \
+                     arithmetic's definition on every CPU)",
+                ))
+            }
+            (mode, DeviceSpec::Cpu) => Ok(mode),
         }
     }
 }

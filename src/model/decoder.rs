@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::config::{KernelProfile, ModelConfig};
+use crate::config::{ActivationDtype, KernelProfile, ModelConfig};
 use crate::error::{DetspecError, Result};
 use crate::kv::KvPool;
 use crate::ops::{
@@ -97,7 +97,7 @@ impl LinearWeight {
             Self::Packed(w) => matmul_packed_profiled(x, w, gemm.profile, gemm.invariant),
             Self::PackedBf16(w) => matmul_packed_bf16_profiled(x, w, gemm.profile, gemm.invariant),
             // One kernel at every M (the mode runs the invariant profile only).
-            Self::PackedAbf16(w) => matmul_packed_abf16(x, w),
+            Self::PackedAbf16(w) => matmul_packed_abf16(x, w, gemm.amx),
             Self::Dense(w) if gemm.invariant => invariant_matmul(x, w),
             Self::Dense(w) => x.matmul(w),
         }
@@ -110,6 +110,8 @@ impl LinearWeight {
 struct GemmOptions {
     profile: KernelProfile,
     invariant: bool,
+    /// The bf16-activation GEMMs run on AMX tiles (`activation_dtype="bfloat16_amx"`).
+    amx: bool,
 }
 
 impl Linear {
@@ -173,8 +175,9 @@ pub struct Model {
     dtype: DType,
     /// The CPU GEMMs' reduction-order promise.
     kernel_profile: KernelProfile,
-    /// The bf16-activation mode: the linear layers multiply bf16 by bf16 (`ops::gemm_abf16`).
-    bf16_act: bool,
+    /// What the linear layers multiply by: `F32`, or a bf16-activation mode (`Bf16`,
+    /// `Bf16Amx`: bf16 × bf16, `ops::gemm_abf16`).
+    act: ActivationDtype,
     /// Activations, norm weights and biases: f32 on the CPU (its bf16 GEMM reads bf16 weights
     /// and accumulates in f32), `dtype` on a GPU.
     act_dtype: DType,
@@ -186,18 +189,20 @@ pub struct Model {
 impl Model {
     /// Loads the weights of a Hugging Face model directory whose config is `cfg`, in `dtype`.
     pub fn load(dir: &Path, cfg: ModelConfig, device: &Device, dtype: DType) -> Result<Self> {
-        Self::load_with(dir, cfg, device, dtype, false)
+        Self::load_with(dir, cfg, device, dtype, ActivationDtype::F32)
     }
 
-    /// [`Self::load`]; `bf16_act`: in the bf16-activation mode (CPU, bf16 weights: the linear
-    /// layers round their inputs to bf16 and multiply bf16 by bf16, `ops::gemm_abf16`).
+    /// [`Self::load`]; `act`: what the linear layers multiply by (`Bf16`/`Bf16Amx`, CPU with
+    /// bf16 weights: they round their inputs to bf16 and multiply bf16 by bf16,
+    /// `ops::gemm_abf16`; `Auto` is `F32`).
     pub fn load_with(
         dir: &Path,
         cfg: ModelConfig,
         device: &Device,
         dtype: DType,
-        bf16_act: bool,
+        act: ActivationDtype,
     ) -> Result<Self> {
+        let bf16_act = matches!(act, ActivationDtype::Bf16 | ActivationDtype::Bf16Amx);
         if bf16_act && !(device.is_cpu() && dtype == DType::BF16) {
             return Err(DetspecError::param(
                 "activation_dtype",
@@ -261,7 +266,7 @@ impl Model {
             device: device.clone(),
             dtype,
             kernel_profile: KernelProfile::Invariant,
-            bf16_act,
+            act: if bf16_act { act } else { ActivationDtype::F32 },
             act_dtype,
         })
     }
@@ -292,7 +297,7 @@ impl Model {
 
     /// Whether the linear layers run in the bf16-activation mode.
     pub fn bf16_activations(&self) -> bool {
-        self.bf16_act
+        self.act != ActivationDtype::F32
     }
 
     /// Hash of every parameter's values as the engine holds them (f32), by name.
@@ -304,6 +309,7 @@ impl Model {
         GemmOptions {
             profile: self.kernel_profile,
             invariant: batch.invariant_gemm,
+            amx: self.act == ActivationDtype::Bf16Amx,
         }
     }
 

@@ -46,6 +46,9 @@ use super::gemm::{OutPtr, NR};
 const MR: usize = 12;
 /// Rows of A kept hot while all panels pass.
 const ROW_BLOCK: usize = 96;
+/// Pairs per AMX tile row (64 bytes), and rows per AMX tile.
+const AMX_PAIRS: usize = 16;
+const AMX_ROWS: usize = 16;
 /// Words per panel step (one per column).
 const WORDS: usize = NR;
 /// The NaN every NaN output is written as.
@@ -58,6 +61,12 @@ pub enum DotIsa {
     Avx512Bf16,
     /// The portable emulation (scalar FMAs with explicit flushing).
     Emulated,
+    /// AMX tiles (`TDPBF16PS`, 16 pairs of k per instruction). **Other bits**: the tile
+    /// instruction does not accumulate in `VDPBF16PS`'s order (measured: about half of all
+    /// elements differ in the last bits), so results are reproducible only on CPUs with
+    /// AMX-BF16, and the engine's fingerprint names it (`-abf16amx`). Still batch-, position-
+    /// and thread-invariant: every output row is its own tile row, K walked in fixed tiles.
+    Amx,
 }
 
 impl DotIsa {
@@ -77,7 +86,24 @@ impl DotIsa {
         })
     }
 
-    /// Every one this CPU runs (tests compare them bitwise).
+    /// Whether this CPU runs AMX-BF16 tiles and the kernel lets this process use them
+    /// (asked once, `arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA)`).
+    pub fn amx_available() -> bool {
+        static AMX: OnceLock<bool> = OnceLock::new();
+        *AMX.get_or_init(|| {
+            #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+            {
+                amx::request()
+            }
+            #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+            {
+                false
+            }
+        })
+    }
+
+    /// Every one this CPU runs that gives the definition's bits (tests compare them bitwise;
+    /// not [`DotIsa::Amx`]).
     pub fn available() -> Vec<Self> {
         let mut all = vec![DotIsa::Emulated];
         if Self::detect() == DotIsa::Avx512Bf16 {
@@ -199,8 +225,11 @@ pub fn round_activations_hw(x: &[f32; 16]) -> Option<[u16; 16]> {
 pub struct PackedWeightAbf16 {
     k: usize,
     n: usize,
-    /// K/2 rounded up.
+    /// K/2 rounded up: the steps the exact kernels walk.
     kp: usize,
+    /// Steps stored per panel: `kp` rounded up to a multiple of 16 with zero steps (whole AMX
+    /// tiles of 16 pairs).
+    kps: usize,
     data: Vec<u32>,
 }
 
@@ -226,8 +255,9 @@ impl PackedWeightAbf16 {
             bail!("packed bf16-activation weight: {len} values for a [{k}, {n}] matrix");
         }
         let kp = k.div_ceil(2);
-        let mut data = vec![0u32; n.div_ceil(NR) * kp * WORDS];
-        data.par_chunks_mut(kp * WORDS)
+        let kps = kp.next_multiple_of(AMX_PAIRS);
+        let mut data = vec![0u32; n.div_ceil(NR) * kps * WORDS];
+        data.par_chunks_mut(kps * WORDS)
             .enumerate()
             .for_each(|(p, panel)| {
                 let c0 = p * NR;
@@ -244,7 +274,13 @@ impl PackedWeightAbf16 {
                     }
                 }
             });
-        Ok(Self { k, n, kp, data })
+        Ok(Self {
+            k,
+            n,
+            kp,
+            kps,
+            data,
+        })
     }
 
     /// Inner dimension K.
@@ -262,15 +298,27 @@ impl PackedWeightAbf16 {
         std::mem::size_of_val(self.data.as_slice())
     }
 
+    /// Panel `p`'s `kp` steps (what the exact kernels walk).
     fn panel(&self, p: usize) -> &[u32] {
-        &self.data[p * self.kp * WORDS..(p + 1) * self.kp * WORDS]
+        let start = p * self.kps * WORDS;
+        &self.data[start..start + self.kp * WORDS]
+    }
+
+    /// Panel `p`'s `kps` steps, zero steps included (AMX's whole tiles).
+    #[cfg(target_arch = "x86_64")]
+    fn panel_padded(&self, p: usize) -> &[u32] {
+        &self.data[p * self.kps * WORDS..(p + 1) * self.kps * WORDS]
     }
 }
 
-/// The rows of `a` (`m × k` f32) rounded to bf16 and paired: `m × kp` words.
-fn pair_rows(a: &[f32], m: usize, k: usize, kp: usize) -> Vec<u32> {
-    let mut out = vec![0u32; m * kp];
+/// The rows of `a` (`m × k` f32) rounded to bf16 and paired: `rows × kp` words (`rows ≥ m`;
+/// rows past `m` and words past K/2 are zero).
+fn pair_rows(a: &[f32], m: usize, k: usize, kp: usize, rows: usize) -> Vec<u32> {
+    let mut out = vec![0u32; rows * kp];
     let convert = |(row, dst): (usize, &mut [u32])| {
+        if row >= m {
+            return;
+        }
         let src = &a[row * k..(row + 1) * k];
         let (pairs, rest) = src.as_chunks::<2>();
         for (d, pair) in dst.iter_mut().zip(pairs) {
@@ -278,7 +326,7 @@ fn pair_rows(a: &[f32], m: usize, k: usize, kp: usize) -> Vec<u32> {
                 | u32::from(round_activation_bf16(pair[1])) << 16;
         }
         if let [last] = rest {
-            dst[kp - 1] = u32::from(round_activation_bf16(*last));
+            dst[k / 2] = u32::from(round_activation_bf16(*last));
         }
     };
     if m * k >= 1 << 16 {
@@ -522,10 +570,13 @@ pub fn packed_matmul_abf16_with(
     } else {
         isa
     };
+    if isa == DotIsa::Amx {
+        return amx_matmul(a, m, w);
+    }
     #[cfg(target_arch = "x86_64")]
     let fma =
         std::arch::is_x86_feature_detected!("fma") && std::arch::is_x86_feature_detected!("avx2");
-    let pairs = pair_rows(a, m, k, kp);
+    let pairs = pair_rows(a, m, k, kp, m);
     let mut out: Vec<f32> = Vec::with_capacity(m * n);
     let ptr = OutPtr(out.as_mut_ptr());
     let panels = n.div_ceil(NR);
@@ -541,7 +592,7 @@ pub fn packed_matmul_abf16_with(
                 #[cfg(target_arch = "x86_64")]
                 DotIsa::Avx512Bf16 => x86::panel_rows(a_block, rows, w, p, out),
                 #[cfg(target_arch = "x86_64")]
-                _ if fma => panel_rows_emulated_fma(a_block, rows, w, p, out),
+                DotIsa::Emulated if fma => panel_rows_emulated_fma(a_block, rows, w, p, out),
                 _ => panel_rows_emulated(a_block, rows, w, p, out),
             }
         }
@@ -557,6 +608,177 @@ pub fn packed_matmul_abf16_with(
     Ok(out)
 }
 
+/// `a[m, k] @ w` on AMX tiles ([`DotIsa::Amx`]); an error where the CPU or the kernel does
+/// not allow them.
+fn amx_matmul(a: &[f32], m: usize, w: &PackedWeightAbf16) -> candle_core::Result<Vec<f32>> {
+    if !DotIsa::amx_available() {
+        bail!("the AMX bf16 GEMM needs a CPU with AMX-BF16 (and a kernel that grants it)");
+    }
+    #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+    {
+        let (k, n, kps) = (w.k, w.n, w.kps);
+        let rows16 = m.next_multiple_of(AMX_ROWS);
+        let pairs = pair_rows(a, m, k, kps, rows16);
+        let mut out: Vec<f32> = Vec::with_capacity(m * n);
+        let ptr = OutPtr(out.as_mut_ptr());
+        let panels = n.div_ceil(NR);
+        const BLOCK: usize = 64;
+        let run = |t: usize| {
+            let (r0, p) = ((t / panels) * BLOCK, t % panels);
+            let rows = BLOCK.min(m - r0);
+            // SAFETY: AMX is available (checked above); `pairs` holds whole 16-row tiles of
+            // `kps` words from row r0 on; rows r0..r0+rows of panel p's columns are this
+            // task's alone and inside the m × n buffer.
+            unsafe {
+                amx::panel_rows(
+                    &pairs[r0 * kps..],
+                    rows,
+                    kps,
+                    w.panel_padded(p),
+                    ptr.get().add(r0 * n + p * NR),
+                    n,
+                    NR.min(n - p * NR),
+                )
+            };
+        };
+        let tasks = m.div_ceil(BLOCK) * panels;
+        if m * k * n < 1 << 16 {
+            (0..tasks).for_each(run);
+        } else {
+            (0..tasks).into_par_iter().for_each(run);
+        }
+        // SAFETY: the tasks wrote every row of every panel's columns, i.e. all m × n values.
+        unsafe { out.set_len(m * n) };
+        Ok(out)
+    }
+    #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+    {
+        let _ = (a, m, w);
+        bail!("the AMX bf16 GEMM runs on x86-64 Linux only")
+    }
+}
+
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+mod amx {
+    use std::arch::asm;
+
+    use super::{AMX_PAIRS, AMX_ROWS, CANONICAL_NAN, NR, WORDS};
+
+    /// Whether the CPU has AMX-BF16 and AMX-TILE (CPUID.(7,0):EDX bits 22 and 24) and the
+    /// kernel grants this process the tile data state.
+    pub(super) fn request() -> bool {
+        // CPUID leaf 7 exists on every x86-64 CPU that has AVX-512 (checked first).
+        let has = std::arch::is_x86_feature_detected!("avx512f") && {
+            let r = std::arch::x86_64::__cpuid_count(7, 0);
+            r.edx & (1 << 22) != 0 && r.edx & (1 << 24) != 0
+        };
+        if !has {
+            return false;
+        }
+        const SYS_ARCH_PRCTL: usize = 158;
+        const ARCH_REQ_XCOMP_PERM: usize = 0x1023;
+        const XFEATURE_XTILEDATA: usize = 18;
+        let ret: isize;
+        // SAFETY: the arch_prctl system call with two integer arguments; it touches no memory
+        // of ours. The syscall instruction clobbers rcx and r11.
+        unsafe {
+            asm!(
+                "syscall",
+                inlateout("rax") SYS_ARCH_PRCTL as isize => ret,
+                in("rdi") ARCH_REQ_XCOMP_PERM,
+                in("rsi") XFEATURE_XTILEDATA,
+                lateout("rcx") _,
+                lateout("r11") _,
+                options(nostack),
+            );
+        }
+        ret == 0
+    }
+
+    /// Tile configuration (palette 1): tmm0/tmm1 the C halves (16 rows × 16 f32), tmm2 the A
+    /// tile (16 rows × 16 pairs), tmm3/tmm4 the B halves (16 pairs × 16 columns).
+    fn config() -> [u8; 64] {
+        let mut cfg = [0u8; 64];
+        cfg[0] = 1;
+        for t in 0..5 {
+            cfg[16 + 2 * t] = 64;
+            cfg[48 + t] = AMX_ROWS as u8;
+        }
+        cfg
+    }
+
+    /// Rows `0..m` of `a` (paired, stride `kps`, whole 16-row tiles readable) times a panel
+    /// (`kps` steps of NR words) into `out` (row stride `n`, `width` columns).
+    ///
+    /// # Safety
+    /// AMX-BF16 is usable by this process; `a` holds `m` rounded up to 16 rows of `kps`
+    /// words; `kps` is a multiple of 16; `out` addresses `m` rows of `width` writable floats
+    /// at stride `n`, this task's alone.
+    pub(super) unsafe fn panel_rows(
+        a: &[u32],
+        m: usize,
+        kps: usize,
+        panel: &[u32],
+        out: *mut f32,
+        n: usize,
+        width: usize,
+    ) {
+        let cfg = config();
+        let mut tile = [[0f32; NR]; AMX_ROWS];
+        let a_stride = kps * 4;
+        let b_stride = WORDS * 4;
+        // SAFETY: the caller vouches for AMX and the buffers; every tile load reads 16 rows of
+        // 64 bytes inside `a` (whole tiles) or `panel` (kps steps); the stores write `tile`.
+        unsafe {
+            asm!("ldtilecfg [{0}]", in(reg) cfg.as_ptr(), options(nostack, readonly));
+            let mut r0 = 0;
+            while r0 < m {
+                asm!("tilezero tmm0", "tilezero tmm1", options(nostack, nomem));
+                let a_rows = a.as_ptr().add(r0 * kps);
+                for kc in 0..kps / AMX_PAIRS {
+                    let at = a_rows.add(kc * AMX_PAIRS);
+                    let bt = panel.as_ptr().add(kc * AMX_PAIRS * WORDS);
+                    asm!(
+                        "tileloadd tmm2, [{a} + {sa}*1]",
+                        "tileloadd tmm3, [{b} + {sb}*1]",
+                        "tileloadd tmm4, [{b1} + {sb}*1]",
+                        "tdpbf16ps tmm0, tmm2, tmm3",
+                        "tdpbf16ps tmm1, tmm2, tmm4",
+                        a = in(reg) at,
+                        sa = in(reg) a_stride,
+                        b = in(reg) bt,
+                        b1 = in(reg) bt.add(16),
+                        sb = in(reg) b_stride,
+                        options(nostack, readonly),
+                    );
+                }
+                let tp = tile.as_mut_ptr() as *mut f32;
+                asm!(
+                    "tilestored [{c} + {s}*1], tmm0",
+                    "tilestored [{c1} + {s}*1], tmm1",
+                    c = in(reg) tp,
+                    c1 = in(reg) tp.add(16),
+                    s = in(reg) NR * 4,
+                    options(nostack),
+                );
+                for (r, row) in tile.iter().enumerate().take((m - r0).min(AMX_ROWS)) {
+                    let dst = out.add((r0 + r) * n);
+                    for (c, &v) in row[..width].iter().enumerate() {
+                        let v = if v.is_nan() {
+                            f32::from_bits(CANONICAL_NAN)
+                        } else {
+                            v
+                        };
+                        dst.add(c).write(v);
+                    }
+                }
+                r0 += AMX_ROWS;
+            }
+            asm!("tilerelease", options(nostack, nomem));
+        }
+    }
+}
+
 /// `a[m, k] @ w` with the fastest way this CPU has.
 pub fn packed_matmul_abf16(
     a: &[f32],
@@ -568,6 +790,7 @@ pub fn packed_matmul_abf16(
 
 struct PackedMatmulAbf16 {
     w: Arc<PackedWeightAbf16>,
+    amx: bool,
 }
 
 impl CustomOp1 for PackedMatmulAbf16 {
@@ -585,13 +808,23 @@ impl CustomOp1 for PackedMatmulAbf16 {
         if k != wk {
             bail!("matmul: input has {k} columns, weight has {wk} rows");
         }
-        let out = packed_matmul_abf16(x, m, &self.w)?;
+        let isa = if self.amx {
+            DotIsa::Amx
+        } else {
+            DotIsa::detect()
+        };
+        let out = packed_matmul_abf16_with(x, m, &self.w, isa)?;
         Ok((CpuStorage::F32(out), Shape::from((m, wn))))
     }
 }
 
-/// `x[m, k] @ w` as a candle op (CPU; `x` f32, rounded to bf16 inside; output f32).
-pub fn matmul_packed_abf16(x: &Tensor, w: &Arc<PackedWeightAbf16>) -> candle_core::Result<Tensor> {
+/// `x[m, k] @ w` as a candle op (CPU; `x` f32, rounded to bf16 inside; output f32); `amx`: on
+/// AMX tiles ([`DotIsa::Amx`], its own bits), else the exact kernels.
+pub fn matmul_packed_abf16(
+    x: &Tensor,
+    w: &Arc<PackedWeightAbf16>,
+    amx: bool,
+) -> candle_core::Result<Tensor> {
     x.contiguous()?
-        .apply_op1_no_bwd(&PackedMatmulAbf16 { w: w.clone() })
+        .apply_op1_no_bwd(&PackedMatmulAbf16 { w: w.clone(), amx })
 }
