@@ -695,20 +695,40 @@ mod amx {
         ret == 0
     }
 
-    /// Tile configuration (palette 1): tmm0/tmm1 the C halves (16 rows × 16 f32), tmm2 the A
-    /// tile (16 rows × 16 pairs), tmm3/tmm4 the B halves (16 pairs × 16 columns).
+    /// Tile configuration (palette 1), every tile 16 rows × 64 bytes: tmm0–tmm3 the C block
+    /// (rows 0..16 / 16..32 × columns 0..16 / 16..32, f32), tmm4/tmm5 the A tiles (16 rows ×
+    /// 16 pairs each), tmm6/tmm7 the B halves (16 pairs × 16 columns each).
     fn config() -> [u8; 64] {
         let mut cfg = [0u8; 64];
         cfg[0] = 1;
-        for t in 0..5 {
+        for t in 0..8 {
             cfg[16 + 2 * t] = 64;
             cfg[48 + t] = AMX_ROWS as u8;
         }
         cfg
     }
 
+    /// Copies `rows` rows of a stored C block (`NR` floats per row) to `out`, NaN canonical.
+    ///
+    /// # Safety
+    /// `out` addresses `rows` rows of `width` writable floats at stride `n`.
+    unsafe fn copy_out(tile: &[[f32; NR]], rows: usize, out: *mut f32, n: usize, width: usize) {
+        for (r, row) in tile.iter().enumerate().take(rows) {
+            for (c, &v) in row[..width].iter().enumerate() {
+                let v = if v.is_nan() {
+                    f32::from_bits(CANONICAL_NAN)
+                } else {
+                    v
+                };
+                // SAFETY: row r < rows, column c < width (the caller's contract).
+                unsafe { out.add(r * n + c).write(v) };
+            }
+        }
+    }
+
     /// Rows `0..m` of `a` (paired, stride `kps`, whole 16-row tiles readable) times a panel
-    /// (`kps` steps of NR words) into `out` (row stride `n`, `width` columns).
+    /// (`kps` steps of NR words) into `out` (row stride `n`, `width` columns). 32 rows at a
+    /// time (four C tiles; each A and B tile loaded once per 16 pairs of k), then 16.
     ///
     /// # Safety
     /// AMX-BF16 is usable by this process; `a` holds `m` rounded up to 16 rows of `kps`
@@ -724,55 +744,94 @@ mod amx {
         width: usize,
     ) {
         let cfg = config();
-        let mut tile = [[0f32; NR]; AMX_ROWS];
+        let mut tile = [[0f32; NR]; 2 * AMX_ROWS];
         let a_stride = kps * 4;
         let b_stride = WORDS * 4;
+        let c_stride = NR * 4;
+        let chunks = kps / AMX_PAIRS;
         // SAFETY: the caller vouches for AMX and the buffers; every tile load reads 16 rows of
-        // 64 bytes inside `a` (whole tiles) or `panel` (kps steps); the stores write `tile`.
+        // 64 bytes inside `a` (whole 16-row tiles, rows r0..r0+32 exist when more than 16
+        // rows remain) or `panel` (kps steps); the stores write `tile` (32 rows × NR floats).
         unsafe {
             asm!("ldtilecfg [{0}]", in(reg) cfg.as_ptr(), options(nostack, readonly));
+            let tp = tile.as_mut_ptr() as *mut f32;
             let mut r0 = 0;
             while r0 < m {
-                asm!("tilezero tmm0", "tilezero tmm1", options(nostack, nomem));
                 let a_rows = a.as_ptr().add(r0 * kps);
-                for kc in 0..kps / AMX_PAIRS {
-                    let at = a_rows.add(kc * AMX_PAIRS);
-                    let bt = panel.as_ptr().add(kc * AMX_PAIRS * WORDS);
+                let rows = m - r0;
+                if rows > AMX_ROWS {
                     asm!(
-                        "tileloadd tmm2, [{a} + {sa}*1]",
-                        "tileloadd tmm3, [{b} + {sb}*1]",
-                        "tileloadd tmm4, [{b1} + {sb}*1]",
-                        "tdpbf16ps tmm0, tmm2, tmm3",
-                        "tdpbf16ps tmm1, tmm2, tmm4",
-                        a = in(reg) at,
-                        sa = in(reg) a_stride,
-                        b = in(reg) bt,
-                        b1 = in(reg) bt.add(16),
-                        sb = in(reg) b_stride,
-                        options(nostack, readonly),
+                        "tilezero tmm0",
+                        "tilezero tmm1",
+                        "tilezero tmm2",
+                        "tilezero tmm3",
+                        options(nostack, nomem)
                     );
-                }
-                let tp = tile.as_mut_ptr() as *mut f32;
-                asm!(
-                    "tilestored [{c} + {s}*1], tmm0",
-                    "tilestored [{c1} + {s}*1], tmm1",
-                    c = in(reg) tp,
-                    c1 = in(reg) tp.add(16),
-                    s = in(reg) NR * 4,
-                    options(nostack),
-                );
-                for (r, row) in tile.iter().enumerate().take((m - r0).min(AMX_ROWS)) {
-                    let dst = out.add((r0 + r) * n);
-                    for (c, &v) in row[..width].iter().enumerate() {
-                        let v = if v.is_nan() {
-                            f32::from_bits(CANONICAL_NAN)
-                        } else {
-                            v
-                        };
-                        dst.add(c).write(v);
+                    for kc in 0..chunks {
+                        let at = a_rows.add(kc * AMX_PAIRS);
+                        let bt = panel.as_ptr().add(kc * AMX_PAIRS * WORDS);
+                        asm!(
+                            "tileloadd tmm6, [{b} + {sb}*1]",
+                            "tileloadd tmm4, [{a} + {sa}*1]",
+                            "tdpbf16ps tmm0, tmm4, tmm6",
+                            "tileloadd tmm7, [{b1} + {sb}*1]",
+                            "tdpbf16ps tmm1, tmm4, tmm7",
+                            "tileloadd tmm5, [{a1} + {sa}*1]",
+                            "tdpbf16ps tmm2, tmm5, tmm6",
+                            "tdpbf16ps tmm3, tmm5, tmm7",
+                            a = in(reg) at,
+                            a1 = in(reg) at.add(AMX_ROWS * kps),
+                            sa = in(reg) a_stride,
+                            b = in(reg) bt,
+                            b1 = in(reg) bt.add(16),
+                            sb = in(reg) b_stride,
+                            options(nostack, readonly),
+                        );
                     }
+                    asm!(
+                        "tilestored [{c} + {s}*1], tmm0",
+                        "tilestored [{c1} + {s}*1], tmm1",
+                        "tilestored [{c2} + {s}*1], tmm2",
+                        "tilestored [{c3} + {s}*1], tmm3",
+                        c = in(reg) tp,
+                        c1 = in(reg) tp.add(16),
+                        c2 = in(reg) tp.add(AMX_ROWS * NR),
+                        c3 = in(reg) tp.add(AMX_ROWS * NR + 16),
+                        s = in(reg) c_stride,
+                        options(nostack),
+                    );
+                    copy_out(&tile, rows.min(2 * AMX_ROWS), out.add(r0 * n), n, width);
+                    r0 += 2 * AMX_ROWS;
+                } else {
+                    asm!("tilezero tmm0", "tilezero tmm1", options(nostack, nomem));
+                    for kc in 0..chunks {
+                        let at = a_rows.add(kc * AMX_PAIRS);
+                        let bt = panel.as_ptr().add(kc * AMX_PAIRS * WORDS);
+                        asm!(
+                            "tileloadd tmm4, [{a} + {sa}*1]",
+                            "tileloadd tmm6, [{b} + {sb}*1]",
+                            "tileloadd tmm7, [{b1} + {sb}*1]",
+                            "tdpbf16ps tmm0, tmm4, tmm6",
+                            "tdpbf16ps tmm1, tmm4, tmm7",
+                            a = in(reg) at,
+                            sa = in(reg) a_stride,
+                            b = in(reg) bt,
+                            b1 = in(reg) bt.add(16),
+                            sb = in(reg) b_stride,
+                            options(nostack, readonly),
+                        );
+                    }
+                    asm!(
+                        "tilestored [{c} + {s}*1], tmm0",
+                        "tilestored [{c1} + {s}*1], tmm1",
+                        c = in(reg) tp,
+                        c1 = in(reg) tp.add(16),
+                        s = in(reg) c_stride,
+                        options(nostack),
+                    );
+                    copy_out(&tile, rows, out.add(r0 * n), n, width);
+                    r0 += AMX_ROWS;
                 }
-                r0 += AMX_ROWS;
             }
             asm!("tilerelease", options(nostack, nomem));
         }
