@@ -272,6 +272,7 @@ def run_detspec(model: Path, workload: list[dict[str, Any]], args: argparse.Name
         enable_prefix_caching=False,
     )
     startup_s = time.perf_counter() - t0
+    say(f"detspec {llm.fingerprint}")
     results = []
     for b in workload:
         t = time.perf_counter()
@@ -293,8 +294,9 @@ def run_detspec(model: Path, workload: list[dict[str, Any]], args: argparse.Name
             }
         )
         say(f"detspec batch {b['batch']}: {results[-1]['output_tokens'] / elapsed:.1f} tok/s")
+    fingerprint = llm.fingerprint
     del llm
-    return {"startup_s": startup_s, "batches": results}
+    return {"startup_s": startup_s, "fingerprint": fingerprint, "batches": results}
 
 
 def run_vllm(

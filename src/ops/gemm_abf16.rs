@@ -118,21 +118,18 @@ impl DotIsa {
 /// infinities kept; NaN → its top 16 bits with the quiet bit set.
 #[inline(always)]
 pub fn round_activation_bf16(x: f32) -> u16 {
+    // Selects, not branches, so that a row of them vectorises.
     let b = x.to_bits();
     let exp = b & 0x7f80_0000;
-    let rounded = (b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16) as u16;
-    let top = (b >> 16) as u16;
-    if exp == 0 {
-        top & 0x8000
-    } else if exp == 0x7f80_0000 {
-        if b & 0x007f_ffff != 0 {
-            top | 0x0040
-        } else {
-            top
-        }
+    let rounded = b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16;
+    let top = b >> 16;
+    let special = if b & 0x007f_ffff != 0 {
+        top | 0x0040
     } else {
-        rounded
-    }
+        top
+    };
+    let r = if exp == 0x7f80_0000 { special } else { rounded };
+    (if exp == 0 { top & 0x8000 } else { r }) as u16
 }
 
 /// A bf16 input as the instruction reads it: widened exactly, a denormal as a zero of its sign.
@@ -315,19 +312,21 @@ impl PackedWeightAbf16 {
 /// rows past `m` and words past K/2 are zero).
 fn pair_rows(a: &[f32], m: usize, k: usize, kp: usize, rows: usize) -> Vec<u32> {
     let mut out = vec![0u32; rows * kp];
+    #[cfg(target_arch = "x86_64")]
+    let avx512 = std::arch::is_x86_feature_detected!("avx512f")
+        && std::arch::is_x86_feature_detected!("avx512bw");
     let convert = |(row, dst): (usize, &mut [u32])| {
         if row >= m {
             return;
         }
         let src = &a[row * k..(row + 1) * k];
-        let (pairs, rest) = src.as_chunks::<2>();
-        for (d, pair) in dst.iter_mut().zip(pairs) {
-            *d = u32::from(round_activation_bf16(pair[0]))
-                | u32::from(round_activation_bf16(pair[1])) << 16;
+        #[cfg(target_arch = "x86_64")]
+        if avx512 {
+            // SAFETY: the CPU has AVX-512F and AVX-512BW (checked above).
+            unsafe { pair_row_avx512(src, dst) };
+            return;
         }
-        if let [last] = rest {
-            dst[k / 2] = u32::from(round_activation_bf16(*last));
-        }
+        pair_row(src, dst);
     };
     if m * k >= 1 << 16 {
         out.par_chunks_mut(kp).enumerate().for_each(convert);
@@ -335,6 +334,30 @@ fn pair_rows(a: &[f32], m: usize, k: usize, kp: usize, rows: usize) -> Vec<u32> 
         out.chunks_mut(kp).enumerate().for_each(convert);
     }
     out
+}
+
+/// One row rounded and paired into `dst` (K/2 rounded up words; integer code, the same bits
+/// on every instruction set).
+#[inline(always)]
+fn pair_row(src: &[f32], dst: &mut [u32]) {
+    let (pairs, rest) = src.as_chunks::<2>();
+    for (d, pair) in dst.iter_mut().zip(pairs) {
+        *d = u32::from(round_activation_bf16(pair[0]))
+            | u32::from(round_activation_bf16(pair[1])) << 16;
+    }
+    if let [last] = rest {
+        dst[src.len() / 2] = u32::from(round_activation_bf16(*last));
+    }
+}
+
+/// [`pair_row`] compiled for AVX-512 (vectorised).
+///
+/// # Safety
+/// The CPU has AVX-512F and AVX-512BW.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx2")]
+unsafe fn pair_row_avx512(src: &[f32], dst: &mut [u32]) {
+    pair_row(src, dst)
 }
 
 /// The R × NR block of rows `a` (R rows of `kp` words, stride `kp`) times `panel`, emulated.
