@@ -797,3 +797,31 @@ fn abf16_amx_engine_is_batch_invariant_and_names_itself() {
         "{fp}"
     );
 }
+
+#[test]
+fn abf16_weight_updates_repack_for_the_mode_and_restore_the_bits() {
+    // A weight update in the bf16-activation mode packs the new matrix for its GEMM (and the
+    // fingerprint keeps naming the mode); restoring the old weights restores the bits.
+    let m = models();
+    let e = Engine::from_model_dir(&m.bf16_dir, abf16_cfg(DeterminismMode::Dvr)).expect("engine");
+    let t = target(true);
+    let run = |e: &Engine| {
+        let o = e.generate(vec![t.clone()]).expect("gen")[0].clone();
+        (out_bits(&o), o.fingerprint)
+    };
+    let (before, fp0) = run(&e);
+    let name = "model.layers.0.mlp.down_proj.weight";
+    let tensors =
+        candle_core::safetensors::load(m.bf16_dir.join("model.safetensors"), &Device::Cpu)
+            .expect("read");
+    let w = tensors[name].clone();
+    let scaled = (w.to_dtype(DType::F32).expect("f32") * 1.5).expect("scale");
+    e.update_weights(vec![(name.into(), scaled)], Default::default())
+        .expect("update");
+    let (after, fp1) = run(&e);
+    assert_ne!(after, before);
+    assert!(fp1.contains("-abf16-") && fp1 != fp0, "{fp1}");
+    e.update_weights(vec![(name.into(), w)], Default::default())
+        .expect("restore");
+    assert_eq!(run(&e), (before, fp0));
+}
