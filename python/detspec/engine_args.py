@@ -110,6 +110,17 @@ ENGINE_SETTINGS: tuple[EngineSetting, ...] = (
         choices=("invariant", "shape_dependent"),
     ),
     EngineSetting(
+        "activation_dtype",
+        str,
+        "auto",
+        "what the CPU linear layers multiply bf16 weights by (auto: float32 on cpu, dtype on "
+        "cuda; bfloat16: inputs rounded to bf16, bf16 x bf16 products in VDPBF16PS order, "
+        "emulated bit for bit where the CPU lacks it: another numeric contract, fingerprint "
+        "-abf16; bfloat16_amx: the same on AMX tiles, faster from batch 16 but bits of its "
+        "own, AMX CPUs only, fingerprint -abf16amx; needs dtype bfloat16)",
+        choices=("auto", "float32", "bfloat16", "bfloat16_amx"),
+    ),
+    EngineSetting(
         "verify_finish_wait",
         int,
         0,

@@ -191,6 +191,92 @@ impl KernelProfile {
     }
 }
 
+/// What the CPU's linear layers multiply the weights by (`activation_dtype`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum ActivationDtype {
+    /// f32 on the CPU (bf16 weights widened exactly, f32 FMA chain); the model's dtype on a GPU.
+    #[default]
+    Auto,
+    /// f32 activations (the CPU's default, named explicitly).
+    F32,
+    /// The opt-in bf16-activation mode (CPU, bf16 weights): each linear layer rounds its input
+    /// to bf16 once and multiplies bf16 by bf16 with f32 accumulation in `VDPBF16PS`'s order,
+    /// on the instruction or its bit-exact emulation (`ops::gemm_abf16`). Another numeric
+    /// contract: the fingerprint says `-abf16`.
+    Bf16,
+    /// As `Bf16`, on AMX tiles (`TDPBF16PS`): faster at batch ≥ 16, but the tile instruction
+    /// accumulates in its own order, so the bits are another contract again, reproducible on
+    /// AMX-BF16 CPUs only: the fingerprint says `-abf16amx`, and a CPU without AMX refuses it.
+    Bf16Amx,
+}
+
+impl ActivationDtype {
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "float32" | "f32" => Ok(Self::F32),
+            "bfloat16" | "bf16" => Ok(Self::Bf16),
+            "bfloat16_amx" => Ok(Self::Bf16Amx),
+            other => Err(DetspecError::param(
+                "activation_dtype",
+                format!(
+                    "unknown activation dtype `{other}` (auto, float32, bfloat16, bfloat16_amx)"
+                ),
+            )),
+        }
+    }
+
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Self::Auto => "auto",
+            Self::F32 => "float32",
+            Self::Bf16 => "bfloat16",
+            Self::Bf16Amx => "bfloat16_amx",
+        }
+    }
+
+    /// What the linear layers run for weights in `weights` on `device`: `F32` (also for
+    /// `Auto`), `Bf16` or `Bf16Amx`; the setting's combinations the engine cannot run are
+    /// errors.
+    pub fn resolve(
+        self,
+        device: DeviceSpec,
+        weights: DType,
+        profile: KernelProfile,
+    ) -> Result<Self> {
+        match (self, device) {
+            (Self::Auto, _) => Ok(Self::F32),
+            (_, DeviceSpec::Cuda(_)) => Err(DetspecError::param(
+                "activation_dtype",
+                "selects the CPU linear layers' arithmetic; on a GPU activations follow dtype                  (use \"auto\")",
+            )),
+            (Self::F32, DeviceSpec::Cpu) => Ok(Self::F32),
+            (_, DeviceSpec::Cpu) if weights != DType::BF16 => Err(DetspecError::param(
+                "activation_dtype",
+                format!(
+                    "\"bfloat16\" multiplies bf16 weights; the weights are {} (set \
+                     dtype=\"bfloat16\")",
+                    weights.as_str()
+                ),
+            )),
+            (_, DeviceSpec::Cpu) if profile != KernelProfile::Invariant => {
+                Err(DetspecError::param(
+                    "activation_dtype",
+                    "the bf16-activation modes run the invariant kernel profile only",
+                ))
+            }
+            (Self::Bf16Amx, DeviceSpec::Cpu) if !crate::ops::DotIsa::amx_available() => {
+                Err(DetspecError::param(
+                    "activation_dtype",
+                    "\"bfloat16_amx\" needs a CPU with AMX-BF16 (use \"bfloat16\": the same \
+                     arithmetic's definition on every CPU)",
+                ))
+            }
+            (mode, DeviceSpec::Cpu) => Ok(mode),
+        }
+    }
+}
+
 /// Settings for an [`crate::Engine`].
 #[derive(Debug, Clone, PartialEq)]
 pub struct EngineConfig {
@@ -228,6 +314,9 @@ pub struct EngineConfig {
     pub verify_strategy: VerifyStrategy,
     /// The CPU GEMMs' reduction-order promise (`shape_dependent`: the replay test profile).
     pub kernel_profile: KernelProfile,
+    /// What the CPU's linear layers multiply the weights by (`bfloat16`: the opt-in
+    /// bf16-activation mode).
+    pub activation_dtype: ActivationDtype,
     /// Steps a deterministic request that finished on the fast path may wait for more ready
     /// requests before its verify pass runs (0: verify in the step it finished). Waiting fills
     /// groups with real rows instead of padding — fewer, fuller passes — at the cost of up to
@@ -262,6 +351,7 @@ impl Default for EngineConfig {
             verify_group: 8,
             verify_strategy: VerifyStrategy::Auto,
             kernel_profile: KernelProfile::Invariant,
+            activation_dtype: ActivationDtype::Auto,
             verify_finish_wait: 0,
             fault_injection: 0.0,
             num_threads: None,

@@ -6,5 +6,7 @@ pub(crate) mod json;
 mod model_config;
 
 pub use device::{cuda_device_count, device_label, DeviceSpec};
-pub use engine_config::{DTypeSpec, DeterminismMode, EngineConfig, KernelProfile, VerifyStrategy};
+pub use engine_config::{
+    ActivationDtype, DTypeSpec, DeterminismMode, EngineConfig, KernelProfile, VerifyStrategy,
+};
 pub use model_config::{Architecture, ModelConfig, RopeConfig, RopeScaling};

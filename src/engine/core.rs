@@ -155,8 +155,11 @@ impl EngineCore {
             ))
         });
         crate::model::check_fits(dir, &model_cfg, dtype, kv_bytes as u64, device)?;
-        let model =
-            Model::load(dir, model_cfg, device, dtype)?.with_kernel_profile(cfg.kernel_profile);
+        let act = cfg
+            .activation_dtype
+            .resolve(device_spec, dtype, cfg.kernel_profile)?;
+        let model = Model::load_with(dir, model_cfg, device, dtype, act)?
+            .with_kernel_profile(cfg.kernel_profile);
         let mc = model.config().clone();
         let per_page = KvPool::bytes_per_page(
             mc.num_hidden_layers,
@@ -204,6 +207,7 @@ impl EngineCore {
             &dtypes,
             &device_label(device),
             cfg.kernel_profile,
+            act,
             policy.label(),
         );
         let fingerprint = fingerprint_of(model.weights_hash(), &fingerprint_tail);

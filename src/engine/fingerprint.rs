@@ -8,7 +8,11 @@
 //!   rope settings, sliding window, biases, q/k norm, tied embeddings), the EOS ids, and the
 //!   bytes of the tokenizer, its config, the chat template and the generation config;
 //! - `dtype`, `device`: what the weights and KV are held in, and where;
-//! - `kernels`: [`KERNEL_VERSION`] plus the CPU kernel profile when it is not the invariant one;
+//! - `kernels`: [`KERNEL_VERSION`] plus the CPU kernel profile when it is not the invariant one,
+//!   plus `-abf16` in the bf16-activation mode (`activation_dtype="bfloat16"`: the linear layers
+//!   round their inputs to bf16 and multiply bf16 by bf16, another function of the same weights)
+//!   or `-abf16amx` in its AMX variant (`"bfloat16_amx"`: the tile instruction's own order,
+//!   reproducible on AMX-BF16 CPUs only);
 //! - `determinism`: the determinism policy's label (mode, strategy, W and B where they matter).
 //!
 //! Every hash is xxh3 with its fixed default key: the same inputs give the same fingerprint on
@@ -18,7 +22,7 @@ use std::path::Path;
 
 use xxhash_rust::xxh3::Xxh3;
 
-use crate::config::{KernelProfile, ModelConfig};
+use crate::config::{ActivationDtype, KernelProfile, ModelConfig};
 use crate::error::{DetspecError, Result};
 
 /// Bumped whenever a kernel's reduction order changes, so fingerprints tell old outputs apart.
@@ -78,14 +82,20 @@ pub fn tail(
     dtype: &str,
     device: &str,
     profile: KernelProfile,
+    activations: ActivationDtype,
     determinism: &str,
 ) -> String {
     let profile = match profile {
         KernelProfile::Invariant => "",
         KernelProfile::ShapeDependent => "-shapedep",
     };
+    let act = match activations {
+        ActivationDtype::Auto | ActivationDtype::F32 => "",
+        ActivationDtype::Bf16 => "-abf16",
+        ActivationDtype::Bf16Amx => "-abf16amx",
+    };
     format!(
-        "m{:08x}-{dtype}-{device}-k{KERNEL_VERSION}{profile}-{determinism}",
+        "m{:08x}-{dtype}-{device}-k{KERNEL_VERSION}{profile}{act}-{determinism}",
         model_digest as u32
     )
 }

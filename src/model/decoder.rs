@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::config::{KernelProfile, ModelConfig};
+use crate::config::{ActivationDtype, KernelProfile, ModelConfig};
 use crate::error::{DetspecError, Result};
 use crate::kv::KvPool;
 use crate::ops::{self, AttentionMetadata};
@@ -67,6 +67,9 @@ pub struct Model {
     dtype: DType,
     /// The CPU GEMMs' reduction-order promise.
     kernel_profile: KernelProfile,
+    /// What the linear layers multiply by: `F32`, or a bf16-activation mode (`Bf16`,
+    /// `Bf16Amx`: bf16 × bf16, `ops::gemm_abf16`).
+    act: ActivationDtype,
     /// Activations, norm weights and biases: f32 on the CPU (its bf16 GEMM reads bf16 weights
     /// and accumulates in f32), `dtype` on a GPU.
     act_dtype: DType,
@@ -78,9 +81,29 @@ pub struct Model {
 impl Model {
     /// Loads the weights of a Hugging Face model directory whose config is `cfg`, in `dtype`.
     pub fn load(dir: &Path, cfg: ModelConfig, device: &Device, dtype: DType) -> Result<Self> {
+        Self::load_with(dir, cfg, device, dtype, ActivationDtype::F32)
+    }
+
+    /// [`Self::load`]; `act`: what the linear layers multiply by (`Bf16`/`Bf16Amx`, CPU with
+    /// bf16 weights: they round their inputs to bf16 and multiply bf16 by bf16,
+    /// `ops::gemm_abf16`; `Auto` is `F32`).
+    pub fn load_with(
+        dir: &Path,
+        cfg: ModelConfig,
+        device: &Device,
+        dtype: DType,
+        act: ActivationDtype,
+    ) -> Result<Self> {
+        let bf16_act = matches!(act, ActivationDtype::Bf16 | ActivationDtype::Bf16Amx);
+        if bf16_act && !(device.is_cpu() && dtype == DType::BF16) {
+            return Err(DetspecError::param(
+                "activation_dtype",
+                "\"bfloat16\" runs on the CPU with bf16 weights",
+            ));
+        }
         let ck = Checkpoint::open(dir)?;
         let act_dtype = if device.is_cpu() { DType::F32 } else { dtype };
-        let ld = WeightLoader::new(&ck, device, dtype, act_dtype);
+        let ld = WeightLoader::new(&ck, device, dtype, act_dtype, bf16_act);
         let (h, kvh, d) = (
             cfg.num_attention_heads,
             cfg.num_key_value_heads,
@@ -118,7 +141,7 @@ impl Model {
         }
         let norm = ld.load("model.norm.weight", &[hs])?;
         let lm_head = if cfg.tie_word_embeddings {
-            LinearWeight::new(&embed)?
+            LinearWeight::new(&embed, bf16_act)?
         } else {
             ld.load_linear("lm_head.weight", cfg.vocab_size, hs)?
         };
@@ -135,6 +158,7 @@ impl Model {
             device: device.clone(),
             dtype,
             kernel_profile: KernelProfile::Invariant,
+            act: if bf16_act { act } else { ActivationDtype::F32 },
             act_dtype,
         })
     }
@@ -163,6 +187,11 @@ impl Model {
         self.act_dtype
     }
 
+    /// Whether the linear layers run in the bf16-activation mode.
+    pub fn bf16_activations(&self) -> bool {
+        self.act != ActivationDtype::F32
+    }
+
     /// Hash of every parameter's values as the engine holds them (f32), by name.
     pub fn weights_hash(&self) -> u64 {
         self.param_hashes.combined()
@@ -172,6 +201,7 @@ impl Model {
         GemmOptions {
             profile: self.kernel_profile,
             invariant: batch.invariant_gemm,
+            amx: self.act == ActivationDtype::Bf16Amx,
         }
     }
 

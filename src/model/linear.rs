@@ -6,10 +6,10 @@ use std::sync::Arc;
 use candle_core::Tensor;
 
 use crate::config::KernelProfile;
-use crate::error::Result;
+use crate::error::{DetspecError, Result};
 use crate::ops::{
-    self, invariant_matmul, matmul_packed_bf16_profiled, matmul_packed_profiled, PackedWeight,
-    PackedWeightBf16,
+    self, invariant_matmul, matmul_packed_abf16, matmul_packed_bf16_profiled,
+    matmul_packed_profiled, PackedWeight, PackedWeightAbf16, PackedWeightBf16,
 };
 
 /// `x @ w^T (+ b)`.
@@ -26,15 +26,34 @@ pub(super) enum LinearWeight {
     Packed(Arc<PackedWeight>),
     /// CPU, bf16 weights: packed in bf16 for the same GEMM (`ops::gemm_bf16`; f32 activations).
     PackedBf16(Arc<PackedWeightBf16>),
+    /// CPU, bf16 weights in the bf16-activation mode: packed in k pairs for the bf16 × bf16
+    /// GEMM (`ops::gemm_abf16`; inputs rounded to bf16 inside).
+    PackedAbf16(Arc<PackedWeightAbf16>),
     /// Other devices: `[in, out]`, transposed and contiguous once at load.
     Dense(Tensor),
 }
 
 impl LinearWeight {
-    /// From a checkpoint's `[out, in]` matrix.
-    pub(super) fn new(w: &Tensor) -> Result<Self> {
+    /// From a checkpoint's `[out, in]` matrix; `bf16_act`: for the bf16-activation mode (a
+    /// bf16 matrix is packed for its GEMM).
+    pub(super) fn new(w: &Tensor, bf16_act: bool) -> Result<Self> {
         if w.device().is_cpu() {
             let (out_dim, in_dim) = w.dims2()?;
+            if bf16_act {
+                let packed = ops::with_bf16_bits(w, |bits| {
+                    PackedWeightAbf16::from_transposed_bits(bits, out_dim, in_dim)
+                })?
+                .ok_or_else(|| {
+                    DetspecError::param(
+                        "activation_dtype",
+                        format!(
+                            "\"bfloat16\" needs bf16 weights, got {}",
+                            w.dtype().as_str()
+                        ),
+                    )
+                })??;
+                return Ok(Self::PackedAbf16(Arc::new(packed)));
+            }
             if let Some(packed) = ops::with_bf16_bits(w, |bits| {
                 PackedWeightBf16::from_transposed_bits(bits, out_dim, in_dim)
             })? {
@@ -53,6 +72,8 @@ impl LinearWeight {
         match self {
             Self::Packed(w) => matmul_packed_profiled(x, w, gemm.profile, gemm.invariant),
             Self::PackedBf16(w) => matmul_packed_bf16_profiled(x, w, gemm.profile, gemm.invariant),
+            // One kernel at every M (the mode runs the invariant profile only).
+            Self::PackedAbf16(w) => matmul_packed_abf16(x, w, gemm.amx),
             Self::Dense(w) if gemm.invariant => invariant_matmul(x, w),
             Self::Dense(w) => x.matmul(w),
         }
@@ -65,6 +86,8 @@ impl LinearWeight {
 pub(super) struct GemmOptions {
     pub(super) profile: KernelProfile,
     pub(super) invariant: bool,
+    /// The bf16-activation GEMMs run on AMX tiles (`activation_dtype="bfloat16_amx"`).
+    pub(super) amx: bool,
 }
 
 impl Linear {

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Tensor};
 
 use crate::error::{DetspecError, Result};
-use crate::ops::PackedWeightBf16;
+use crate::ops::{PackedWeightAbf16, PackedWeightBf16};
 
 use super::linear::{Linear, LinearWeight};
 use super::params::{bf16_hash, tensor_hash, ParamHashes};
@@ -22,6 +22,8 @@ pub(super) struct WeightLoader<'a> {
     dtype: DType,
     /// Vectors (norms, biases): the activations' dtype.
     vector_dtype: DType,
+    /// Linear layers packed for the bf16-activation GEMM.
+    bf16_act: bool,
     hashes: RefCell<ParamHashes>,
 }
 
@@ -31,12 +33,14 @@ impl<'a> WeightLoader<'a> {
         device: &'a Device,
         dtype: DType,
         vector_dtype: DType,
+        bf16_act: bool,
     ) -> Self {
         Self {
             ck,
             device,
             dtype,
             vector_dtype,
+            bf16_act,
             hashes: RefCell::default(),
         }
     }
@@ -97,15 +101,23 @@ impl<'a> WeightLoader<'a> {
                             &owned
                         }
                     };
-                    let packed = PackedWeightBf16::from_transposed_bits(bits, out_dim, in_dim)?;
+                    let packed = if self.bf16_act {
+                        LinearWeight::PackedAbf16(Arc::new(
+                            PackedWeightAbf16::from_transposed_bits(bits, out_dim, in_dim)?,
+                        ))
+                    } else {
+                        LinearWeight::PackedBf16(Arc::new(PackedWeightBf16::from_transposed_bits(
+                            bits, out_dim, in_dim,
+                        )?))
+                    };
                     Ok::<_, DetspecError>(Some((packed, bf16_hash(bits))))
                 })??;
             if let Some((packed, hash)) = packed {
                 self.hashes.borrow_mut().insert(name.to_string(), hash);
-                return Ok(LinearWeight::PackedBf16(Arc::new(packed)));
+                return Ok(packed);
             }
         }
-        LinearWeight::new(&self.load_matrix(name, &[out_dim, in_dim])?)
+        LinearWeight::new(&self.load_matrix(name, &[out_dim, in_dim])?, self.bf16_act)
     }
 
     fn load_as(&self, name: &str, shape: &[usize], dtype: DType) -> Result<Tensor> {

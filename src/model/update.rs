@@ -28,6 +28,7 @@ impl Model {
             .collect();
         check_update(&self.cfg, &shapes)?;
         let tied = self.cfg.tie_word_embeddings;
+        let bf16_act = self.bf16_activations();
         let device = self.device().clone();
         let sets_embedding = updates
             .iter()
@@ -59,13 +60,13 @@ impl Model {
                 }
                 Slot::Linear(w) => {
                     let t = t.to_dtype(matrix)?;
-                    *w = LinearWeight::new(&t)?;
+                    *w = LinearWeight::new(&t, bf16_act)?;
                     t
                 }
                 Slot::Embedding => {
                     let t = t.to_dtype(matrix)?;
                     if tied {
-                        self.lm_head = LinearWeight::new(&t)?;
+                        self.lm_head = LinearWeight::new(&t, bf16_act)?;
                     }
                     self.embed = t.clone();
                     t

@@ -318,14 +318,14 @@ unsafe fn panel_rows_avx2<W: Panels>(
 
 /// The output buffer shared by the panel tasks, each writing only its own columns.
 #[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
+pub(super) struct OutPtr(pub(super) *mut f32);
 // SAFETY: tasks write disjoint column ranges (one panel each) of the buffer.
 unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
 impl OutPtr {
     /// Through a method, so closures capture the whole (Sync) wrapper, not the raw field.
-    fn get(self) -> *mut f32 {
+    pub(super) fn get(self) -> *mut f32 {
         self.0
     }
 }

@@ -13,6 +13,7 @@ mod cuda;
 mod cuda_attention;
 mod elementwise;
 mod gemm;
+mod gemm_abf16;
 mod gemm_bf16;
 mod isa;
 mod math;
@@ -28,6 +29,11 @@ pub use elementwise::{add, swiglu};
 pub use gemm::{
     matmul_packed, matmul_packed_profiled, packed_matmul, packed_matmul_reduced,
     packed_matmul_with, split_k_parts, PackedWeight, Reduction,
+};
+pub use gemm_abf16::{
+    dot_bf16_pair_emulated, dot_bf16_pairs_hw, matmul_packed_abf16, packed_matmul_abf16,
+    packed_matmul_abf16_with, round_activation_bf16, round_activations_hw, DotIsa,
+    PackedWeightAbf16, CANONICAL_NAN,
 };
 pub use gemm_bf16::{
     matmul_packed_bf16, matmul_packed_bf16_profiled, packed_matmul_bf16, packed_matmul_bf16_with,

@@ -20,7 +20,8 @@ use pyo3::pybacked::PyBackedBytes;
 use pyo3::types::PyDict;
 
 use crate::config::{
-    DTypeSpec, DeterminismMode, DeviceSpec, EngineConfig, KernelProfile, VerifyStrategy,
+    ActivationDtype, DTypeSpec, DeterminismMode, DeviceSpec, EngineConfig, KernelProfile,
+    VerifyStrategy,
 };
 use crate::engine::{AuditInput, Engine, InFlight, OutputAccumulator, PauseMode, StreamEvent};
 use crate::error::DetspecError;
@@ -173,7 +174,7 @@ impl PyEngine {
 #[pymethods]
 impl PyEngine {
     #[new]
-    #[pyo3(signature = (model_dir, *, device="cpu", dtype="auto", kv_cache_dtype="auto", page_size=16, num_kv_pages=None, kv_cache_bytes=None, max_num_seqs=256, max_num_batched_tokens=512, max_model_len=None, max_prefill_chunk=None, determinism="dvr", verify_window=64, verify_group=8, verify_strategy="auto", kernel_profile="invariant", verify_finish_wait=0, fault_injection=0.0, enable_prefix_caching=true, num_threads=None))]
+    #[pyo3(signature = (model_dir, *, device="cpu", dtype="auto", kv_cache_dtype="auto", page_size=16, num_kv_pages=None, kv_cache_bytes=None, max_num_seqs=256, max_num_batched_tokens=512, max_model_len=None, max_prefill_chunk=None, determinism="dvr", verify_window=64, verify_group=8, verify_strategy="auto", kernel_profile="invariant", activation_dtype="auto", verify_finish_wait=0, fault_injection=0.0, enable_prefix_caching=true, num_threads=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -193,6 +194,7 @@ impl PyEngine {
         verify_group: usize,
         verify_strategy: &str,
         kernel_profile: &str,
+        activation_dtype: &str,
         verify_finish_wait: usize,
         fault_injection: f64,
         enable_prefix_caching: bool,
@@ -202,6 +204,8 @@ impl PyEngine {
         let verify_strategy =
             VerifyStrategy::parse(verify_strategy).map_err(|e| to_pyerr(py, e))?;
         let kernel_profile = KernelProfile::parse(kernel_profile).map_err(|e| to_pyerr(py, e))?;
+        let activation_dtype =
+            ActivationDtype::parse(activation_dtype).map_err(|e| to_pyerr(py, e))?;
         let device: DeviceSpec = device.parse().map_err(|e| to_pyerr(py, e))?;
         let dtype = DTypeSpec::parse(dtype).map_err(|e| to_pyerr(py, e))?;
         let kv_cache_dtype = DTypeSpec::parse(kv_cache_dtype)
@@ -227,6 +231,7 @@ impl PyEngine {
             verify_group,
             verify_strategy,
             kernel_profile,
+            activation_dtype,
             verify_finish_wait,
             fault_injection,
             enable_prefix_caching,

@@ -81,6 +81,16 @@ def run_in_haystack(llm: detspec.LLM, target: SamplingParams, seed: int, det: bo
 # bfloat16: weights held in bf16 (the f32 demo checkpoint rounded at load) and a bf16 KV
 # cache, f32 activations; the same contract, its own fingerprint.
 DTYPES = ["float32", "bfloat16"]
+# The bf16-activation mode (activation_dtype="bfloat16": bf16 x bf16 linear layers, its own
+# numerics and fingerprint, "-abf16"): on a couple of cheap cases below.
+ABF16 = "bfloat16-abf16"
+
+
+def numerics(dtype: str) -> dict[str, str]:
+    """LLM keyword arguments of a DTYPES entry or ABF16."""
+    if dtype == ABF16:
+        return {"dtype": "bfloat16", "activation_dtype": "bfloat16"}
+    return {"dtype": dtype}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -89,18 +99,30 @@ DTYPES = ["float32", "bfloat16"]
 def test_needle_in_haystack_bitwise(
     flat_model: str, temperature: float, profile: tuple[str, str], dtype: str
 ) -> None:
+    needle_in_haystack(flat_model, temperature, profile, dtype)
+
+
+@pytest.mark.parametrize("profile", PROFILES[:2])
+def test_needle_in_haystack_bitwise_abf16(flat_model: str, profile: tuple[str, str]) -> None:
+    needle_in_haystack(flat_model, 0.8, profile, ABF16)
+
+
+def needle_in_haystack(
+    flat_model: str, temperature: float, profile: tuple[str, str], dtype: str
+) -> None:
     kernel_profile, strategy = profile
     target = target_params(temperature)
     llm = detspec.LLM(
         flat_model,
-        dtype=dtype,
+        **numerics(dtype),
         verify_window=8,
         verify_group=4,
         verify_strategy=strategy,
         kernel_profile=kernel_profile,
         num_kv_pages=2048,
     )
-    assert ("-bf16-cpu-" if dtype == "bfloat16" else "-f32-cpu-") in llm.fingerprint
+    assert ("-f32-cpu-" if dtype == "float32" else "-bf16-cpu-") in llm.fingerprint
+    assert ("-abf16-" in llm.fingerprint) == (dtype == ABF16)
     solo = fingerprint_bits(llm.generate([TARGET_PROMPT], target, use_tqdm=False)[0])
     for seed in range(8):
         got = run_in_haystack(llm, target, seed, det=True)
@@ -116,12 +138,14 @@ def test_needle_in_haystack_bitwise(
         assert stats["num_rollbacks"] > 0, stats
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", [*DTYPES, ABF16])
 def test_inline_and_replay_commit_the_same_bits(flat_model: str, dtype: str) -> None:
     target = target_params(0.8)
     outs = {}
     for strategy in ("inline", "replay"):
-        llm = detspec.LLM(flat_model, dtype=dtype, verify_strategy=strategy, num_kv_pages=1024)
+        llm = detspec.LLM(
+            flat_model, **numerics(dtype), verify_strategy=strategy, num_kv_pages=1024
+        )
         outs[strategy] = run_in_haystack(llm, target, 5, det=True)
         if strategy == "inline":
             assert llm.fingerprint.endswith("-dvr-inline")
@@ -165,11 +189,12 @@ def test_negative_control_off_mode_shows_batch_variance(
 
 def test_bfloat16_changes_the_numbers_and_the_fingerprint(flat_model: str) -> None:
     """The bf16 runs above are not the f32 runs under another name: same prompt, other bits,
-    another fingerprint (same weights hash only if the weights were bf16 already)."""
+    another fingerprint (same weights hash only if the weights were bf16 already); nor are the
+    bf16-activation runs the bf16 ones (same weights hash, other bits and fingerprint)."""
     target = target_params(0.8)
     got = {}
-    for dtype in DTYPES:
-        llm = detspec.LLM(flat_model, dtype=dtype, num_kv_pages=256)
+    for dtype in [*DTYPES, ABF16]:
+        llm = detspec.LLM(flat_model, **numerics(dtype), num_kv_pages=256)
         got[dtype] = (
             fingerprint_bits(llm.generate([TARGET_PROMPT], target, use_tqdm=False)[0]),
             llm.fingerprint,
@@ -177,6 +202,12 @@ def test_bfloat16_changes_the_numbers_and_the_fingerprint(flat_model: str) -> No
         llm.shutdown()
     assert got["float32"][0][1] != got["bfloat16"][0][1]
     assert got["float32"][1] != got["bfloat16"][1]
+    assert got["bfloat16"][0][1] != got[ABF16][0][1]
+    bf16_fp, abf16_fp = got["bfloat16"][1], got[ABF16][1]
+    assert abf16_fp.split("-")[1] == bf16_fp.split("-")[1]  # the same weights
+    assert abf16_fp.replace("-abf16", "") == bf16_fp
+    with pytest.raises(InvalidRequestError, match="activation_dtype"):
+        detspec.LLM(flat_model, dtype="float32", activation_dtype="bfloat16")
 
 
 def test_forced_rollbacks_and_modes(flat_model: str) -> None:
