@@ -6,7 +6,8 @@ use super::DeviceSpec;
 use crate::error::{DetspecError, Result};
 
 /// The dtype of weights and KV cache (on a GPU activations follow; on the CPU activations and
-/// accumulation are always f32, and bf16 weights are read by a bf16 GEMM).
+/// accumulation are f32, and bf16 weights are read by a bf16 GEMM, unless `activation_dtype`
+/// asks for the bf16-activation mode).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum DTypeSpec {
     /// The checkpoint's own dtype (`torch_dtype`) where the device runs it: bf16 checkpoints run

@@ -28,6 +28,11 @@
 //! different function from the f32-activation GEMMs (`ops::gemm`, `ops::gemm_bf16`), so the
 //! engine's fingerprint names the mode (`-abf16`).
 //!
+//! [`DotIsa::Amx`] (`activation_dtype="bfloat16_amx"`) runs the same rounded inputs on AMX
+//! tiles instead: faster from M = 16 on, but `TDPBF16PS` does not accumulate in this order
+//! (measured), so its bits are its own, reproducible on AMX-BF16 CPUs only, and the fingerprint
+//! says `-abf16amx`. It is still batch-, position- and thread-invariant.
+//!
 //! Layout: panel `p` holds columns `p*NR .. p*NR+NR` of `W` as K/2 steps of NR words, word
 //! `c` of step `s` = bf16 bits of `w[2s][c]` in the low half and of `w[2s+1][c]` in the high
 //! half (zero past K and N): one 64-byte load is the second operand of one `VDPBF16PS` for 16

@@ -14,12 +14,11 @@
 //! position- and thread-invariant, the same bits on AVX-512, AVX2+FMA and the portable path
 //! (`tests/gemm_bf16.rs` asserts the equality over random shapes and every model (K, N)).
 //!
-//! Not used: `VDPBF16PS` (AVX-512 BF16) and AMX. Both multiply bf16 by bf16, so the activations
-//! would have to be rounded to bf16 first (a different model numerically), and the
-//! instruction's pairwise order, forced DAZ/FTZ and NaN rules would have to be emulated bit for
-//! bit on every other CPU or named in the fingerprint. Widening keeps f32 activations and one
-//! set of bits everywhere; what bf16 buys here is half the weight bytes, which is what limits
-//! decode (docs/performance.md).
+//! Not used here: `VDPBF16PS` (AVX-512 BF16) and AMX. Both multiply bf16 by bf16, so the
+//! activations have to be rounded to bf16 first (a different model numerically): that is the
+//! opt-in bf16-activation mode's GEMM (`ops::gemm_abf16`, `activation_dtype`), with its own
+//! fingerprint. Widening keeps f32 activations and one set of bits everywhere; what bf16 buys
+//! here is half the weight bytes, which is what limits decode (docs/performance.md).
 
 use std::sync::Arc;
 
