@@ -318,14 +318,14 @@ unsafe fn panel_rows_avx2<W: Panels>(
 
 /// The output buffer shared by the panel tasks, each writing only its own columns.
 #[derive(Clone, Copy)]
-pub(super) struct OutPtr(pub(super) *mut f32);
+struct OutPtr(*mut f32);
 // SAFETY: tasks write disjoint column ranges (one panel each) of the buffer.
 unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
 impl OutPtr {
     /// Through a method, so closures capture the whole (Sync) wrapper, not the raw field.
-    pub(super) fn get(self) -> *mut f32 {
+    fn get(self) -> *mut f32 {
         self.0
     }
 }
@@ -366,22 +366,11 @@ pub(super) fn matmul_panels<W: Panels>(
             a.len()
         );
     }
-    // Every element is written below, once: no zeroing first.
-    let mut out: Vec<f32> = Vec::with_capacity(m * n);
-    let ptr = OutPtr(out.as_mut_ptr());
-    let panels = n.div_ceil(NR);
-    // Tasks are (row block, panel), row-block-major: a block of ROW_BLOCK rows of A stays in
-    // L2 while the panels stream past it (without this a prefill of thousands of rows re-read
-    // all of A once per panel), and rayon's halving split hands each thread whole runs of one
-    // row block. One parallel region for the whole product.
-    let run = |t: usize| {
-        let (r0, p) = ((t / panels) * ROW_BLOCK, t % panels);
-        let rows = ROW_BLOCK.min(m - r0);
+    Ok(for_each_block(m, n, k, ROW_BLOCK, |r0, rows, p, out| {
         let a_block = &a[r0 * k..(r0 + rows) * k];
-        // SAFETY: `out` has room for m × n and rows r0..r0+rows of panel p are written by
-        // this task only; the instruction set is one this CPU has.
+        // SAFETY: `out` is row r0 of the m × n buffer and rows r0..r0+rows of panel p are
+        // this task's alone; the instruction set is one this CPU has.
         unsafe {
-            let out = ptr.get().add(r0 * n);
             match isa {
                 #[cfg(target_arch = "x86_64")]
                 CpuIsa::Avx512 => panel_rows_avx512(a_block, rows, w, p, out, reduction),
@@ -390,17 +379,43 @@ pub(super) fn matmul_panels<W: Panels>(
                 _ => panel_rows(a_block, rows, w, p, out, reduction),
             }
         }
+    }))
+}
+
+/// Runs `run(r0, rows, panel, out_row_r0)` over every (block of `row_block` rows, panel of
+/// [`NR`] columns) of an `[m, n]` product with inner size `k`, and returns the `[m, n]` buffer
+/// the tasks filled (each writes rows r0..r0+rows of its panel's columns, every element once:
+/// no zeroing first).
+///
+/// Tasks are row-block-major: a block of A stays in L2 while the panels stream past it
+/// (without this a prefill of thousands of rows re-read all of A once per panel), and rayon's
+/// halving split hands each thread whole runs of one row block. One parallel region for the
+/// whole product; small products are not worth waking other threads for.
+pub(super) fn for_each_block(
+    m: usize,
+    n: usize,
+    k: usize,
+    row_block: usize,
+    run: impl Fn(usize, usize, usize, *mut f32) + Sync,
+) -> Vec<f32> {
+    let mut out: Vec<f32> = Vec::with_capacity(m * n);
+    let ptr = OutPtr(out.as_mut_ptr());
+    let panels = n.div_ceil(NR);
+    let task = |t: usize| {
+        let (r0, p) = ((t / panels) * row_block, t % panels);
+        // SAFETY: r0 < m, so row r0 is inside the m × n allocation.
+        let row = unsafe { ptr.get().add(r0 * n) };
+        run(r0, row_block.min(m - r0), p, row);
     };
-    let tasks = m.div_ceil(ROW_BLOCK) * panels;
-    // Small products are not worth waking other threads for.
+    let tasks = m.div_ceil(row_block) * panels;
     if m * k * n < 1 << 16 {
-        (0..tasks).for_each(run);
+        (0..tasks).for_each(task);
     } else {
-        (0..tasks).into_par_iter().for_each(run);
+        (0..tasks).into_par_iter().for_each(task);
     }
     // SAFETY: the tasks wrote every row of every panel's columns, i.e. all m × n values.
     unsafe { out.set_len(m * n) };
-    Ok(out)
+    out
 }
 
 /// `a[m, k] @ w` with the best instruction set of this CPU.

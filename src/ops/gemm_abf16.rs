@@ -44,7 +44,7 @@ use candle_core::{bail, CpuStorage, CustomOp1, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
 use super::contiguous_f32;
-use super::gemm::{OutPtr, NR};
+use super::gemm::{for_each_block, NR};
 
 /// Rows per microkernel call (2 × MR accumulators, 2 weight vectors, 1 broadcast: 27 of 32
 /// AVX-512 registers).
@@ -605,17 +605,11 @@ pub fn packed_matmul_abf16_with(
     let fma =
         std::arch::is_x86_feature_detected!("fma") && std::arch::is_x86_feature_detected!("avx2");
     let pairs = pair_rows(a, m, k, kp, m);
-    let mut out: Vec<f32> = Vec::with_capacity(m * n);
-    let ptr = OutPtr(out.as_mut_ptr());
-    let panels = n.div_ceil(NR);
-    let run = |t: usize| {
-        let (r0, p) = ((t / panels) * ROW_BLOCK, t % panels);
-        let rows = ROW_BLOCK.min(m - r0);
+    Ok(for_each_block(m, n, k, ROW_BLOCK, |r0, rows, p, out| {
         let a_block = &pairs[r0 * kp..(r0 + rows) * kp];
-        // SAFETY: `out` has room for m × n and rows r0..r0+rows of panel p are written by
-        // this task only; AVX-512 BF16 (resp. AVX2+FMA) is used only where detected.
+        // SAFETY: `out` is row r0 of the m × n buffer and rows r0..r0+rows of panel p are
+        // this task's alone; AVX-512 BF16 (resp. AVX2+FMA) is used only where detected.
         unsafe {
-            let out = ptr.get().add(r0 * n);
             match isa {
                 #[cfg(target_arch = "x86_64")]
                 DotIsa::Avx512Bf16 => x86::panel_rows(a_block, rows, w, p, out),
@@ -624,16 +618,7 @@ pub fn packed_matmul_abf16_with(
                 _ => panel_rows_emulated(a_block, rows, w, p, out),
             }
         }
-    };
-    let tasks = m.div_ceil(ROW_BLOCK) * panels;
-    if m * k * n < 1 << 16 {
-        (0..tasks).for_each(run);
-    } else {
-        (0..tasks).into_par_iter().for_each(run);
-    }
-    // SAFETY: the tasks wrote every row of every panel's columns, i.e. all m × n values.
-    unsafe { out.set_len(m * n) };
-    Ok(out)
+    }))
 }
 
 /// `a[m, k] @ w` on AMX tiles ([`DotIsa::Amx`]); an error where the CPU or the kernel does
@@ -647,13 +632,8 @@ fn amx_matmul(a: &[f32], m: usize, w: &PackedWeightAbf16) -> candle_core::Result
         let (k, n, kps) = (w.k, w.n, w.kps);
         let rows16 = m.next_multiple_of(AMX_ROWS);
         let pairs = pair_rows(a, m, k, kps, rows16);
-        let mut out: Vec<f32> = Vec::with_capacity(m * n);
-        let ptr = OutPtr(out.as_mut_ptr());
-        let panels = n.div_ceil(NR);
-        const BLOCK: usize = 64;
-        let run = |t: usize| {
-            let (r0, p) = ((t / panels) * BLOCK, t % panels);
-            let rows = BLOCK.min(m - r0);
+        // 64-row blocks: the tile kernel walks them 32 rows at a time.
+        Ok(for_each_block(m, n, k, 64, |r0, rows, p, out| {
             // SAFETY: AMX is available (checked above); `pairs` holds whole 16-row tiles of
             // `kps` words from row r0 on; rows r0..r0+rows of panel p's columns are this
             // task's alone and inside the m × n buffer.
@@ -663,21 +643,12 @@ fn amx_matmul(a: &[f32], m: usize, w: &PackedWeightAbf16) -> candle_core::Result
                     rows,
                     kps,
                     w.panel_padded(p),
-                    ptr.get().add(r0 * n + p * NR),
+                    out.add(p * NR),
                     n,
                     NR.min(n - p * NR),
                 )
             };
-        };
-        let tasks = m.div_ceil(BLOCK) * panels;
-        if m * k * n < 1 << 16 {
-            (0..tasks).for_each(run);
-        } else {
-            (0..tasks).into_par_iter().for_each(run);
-        }
-        // SAFETY: the tasks wrote every row of every panel's columns, i.e. all m × n values.
-        unsafe { out.set_len(m * n) };
-        Ok(out)
+        }))
     }
     #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
     {
