@@ -76,6 +76,7 @@ def main() -> None:
     p.add_argument("model", type=Path)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--activation-dtype", default="auto")
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--kv-pages", type=int, default=512)
@@ -100,6 +101,7 @@ def main() -> None:
         str(args.model),
         dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype,
+        activation_dtype=args.activation_dtype,
         num_kv_pages=args.kv_pages,
         enable_prefix_caching=False,
     )
