@@ -132,7 +132,7 @@ def main() -> None:
     res["b1_decode_tok_s"] = (n - 1) / (t_full - t_prefill)
     res["b1_tokens"] = out.outputs[0].token_ids
     res["b1_load"] = os.getloadavg()[0]
-    itemsize = 2 if "bf16" in llm.fingerprint.split("-")[2] else 4
+    itemsize = 2 if "bf16" in llm.fingerprint.split("-") else 4
     res["weight_bytes_per_token"] = weight_bytes_per_token(cfg, itemsize)
     if "bandwidth_2p_GBps" in res:
         bound = res["bandwidth_2p_GBps"] * 1e9 / res["weight_bytes_per_token"]
