@@ -531,22 +531,20 @@ impl EngineCore {
                 .filter(|s| s.finish.is_some())
                 .map(|s| s.id),
         );
-        let msg = err.to_string();
-        let mut events = Vec::new();
-        for s in self
-            .sched
-            .remove_where(self.alloc.as_ref(), |s| ids.contains(&s.id))
-        {
-            self.extra.remove(&s.id);
-            events.push(StreamEvent::Failed {
-                request_id: s.request_id,
-                error: DetspecError::InvalidRequest {
+        ids.sort_unstable();
+        ids.dedup();
+        let message = format!("step failed: {err}");
+        let failed = ids
+            .into_iter()
+            .map(|id| {
+                let error = DetspecError::InvalidRequest {
                     request_id: None,
-                    message: format!("step failed: {msg}"),
-                },
-            });
-        }
-        events
+                    message: message.clone(),
+                };
+                (id, error)
+            })
+            .collect();
+        self.fail_sequences(failed)
     }
 
     fn run_plan(&mut self, plan: &StepPlan) -> Result<Vec<StreamEvent>> {

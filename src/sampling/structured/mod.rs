@@ -16,7 +16,8 @@
 mod state;
 mod vocab;
 
-use std::sync::{Arc, OnceLock};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
 
 use llguidance::api::TopLevelGrammar;
 use llguidance::{Matcher, ParserFactory};
@@ -29,7 +30,7 @@ pub use state::{TokenConstraint, TokenMask};
 
 /// The constraint a request asks for: exactly one field is set (vLLM's
 /// `StructuredOutputsParams`, whose field names these are).
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct StructuredOutputs {
     /// A JSON schema, as JSON text.
@@ -257,7 +258,14 @@ pub struct Grammars {
     vocab_size: usize,
     eos_token_ids: Vec<u32>,
     factory: OnceLock<std::result::Result<ParserFactory, String>>,
+    /// Fresh parser states of recent constraints: the server checks a request's constraint
+    /// before it submits it and intake compiles it again, and an eval or rollout sends the
+    /// same schema many times; a copy of a fresh state is the compiled grammar for free.
+    compiled: Mutex<HashMap<StructuredOutputs, TokenConstraint>>,
 }
+
+/// Most constraints [`Grammars`] keeps compiled (the map starts over when full).
+const COMPILED_CACHE: usize = 64;
 
 impl std::fmt::Debug for Grammars {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -279,6 +287,7 @@ impl Grammars {
             vocab_size,
             eos_token_ids,
             factory: OnceLock::new(),
+            compiled: Mutex::default(),
         }
     }
 
@@ -304,6 +313,20 @@ impl Grammars {
     /// error naming the field (`structured_outputs.json`, ...) with llguidance's message, which
     /// gives the position (line and column of a grammar, the schema path).
     pub fn compile(&self, constraint: &StructuredOutputs) -> Result<TokenConstraint> {
+        let lock = || self.compiled.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(c) = lock().get(constraint) {
+            return Ok(c.clone());
+        }
+        let fresh = self.compile_uncached(constraint)?;
+        let mut compiled = lock();
+        if compiled.len() >= COMPILED_CACHE {
+            compiled.clear();
+        }
+        compiled.insert(constraint.clone(), fresh.clone());
+        Ok(fresh)
+    }
+
+    fn compile_uncached(&self, constraint: &StructuredOutputs) -> Result<TokenConstraint> {
         let grammar = constraint.to_grammar()?;
         let factory = self.factory()?;
         let param = constraint.param_name();
