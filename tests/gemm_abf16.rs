@@ -482,3 +482,27 @@ fn amx_rows_are_batch_position_and_thread_invariant_and_close_to_the_definition(
     }
     eprintln!("AMX vs the VDPBF16PS definition: {differing} of {total} elements differ in bits");
 }
+
+/// AMX writes every NaN output as the canonical NaN, in ragged panels too (the vectorised
+/// copy out of the tiles masks the columns past N).
+#[test]
+fn amx_writes_canonical_nans_and_only_its_columns() {
+    if !DotIsa::amx_available() {
+        return;
+    }
+    for (k, n) in [(64, 33), (70, 96), (512, 1408)] {
+        let mut r = Rng::new((k + n) as u64);
+        let w = weights(&mut r, k * n, false);
+        let packed = PackedWeightAbf16::from_row_major_bits(&w, k, n).expect("pack");
+        let m = 19;
+        let mut a = activations(&mut r, m * k, false);
+        a[5 * k + 3] = f32::NAN;
+        let c = packed_matmul_abf16_with(&a, m, &packed, DotIsa::Amx).expect("amx");
+        assert_eq!(c.len(), m * n);
+        for (j, x) in c[5 * n..6 * n].iter().enumerate() {
+            assert_eq!(x.to_bits(), CANONICAL_NAN, "k={k} n={n} col {j}");
+        }
+        let nans = c.iter().filter(|x| x.is_nan()).count();
+        assert_eq!(nans, n, "k={k} n={n}: only row 5 is NaN");
+    }
+}
