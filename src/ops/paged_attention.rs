@@ -250,8 +250,14 @@ impl<'a, E: KvElem> AttentionArgs<'a, E> {
             return;
         }
         let (k0, v0) = self.key_offsets(bt, kvh, keys.start);
-        for d in 0..self.dim {
-            prefetch(self.k_cache, k0 + d * self.page_size, keys.len());
+        if keys.len() == self.page_size {
+            // A whole page's keys of this KV head: one contiguous run, one prefetch per line
+            // (per element row, short rows asked for each line twice).
+            prefetch(self.k_cache, k0, self.dim * self.page_size);
+        } else {
+            for d in 0..self.dim {
+                prefetch(self.k_cache, k0 + d * self.page_size, keys.len());
+            }
         }
         let v_stride = self.kv_heads * self.dim;
         let (_, in_page) = self.page_of(bt, keys.start);
@@ -454,14 +460,21 @@ unsafe fn fold_block<V: Lanes, E: KvElem, const G: usize>(
     scale: f32,
 ) {
     let n = b.n;
+    // The hot loops below read lanes without a bounds check per load (they were a third of
+    // the instructions of a decode block); these checks cover every read they make.
+    assert!(n >= 1 && n <= SOFTMAX_BLOCK && b.k.len() >= (dim - 1) * b.k_stride + SOFTMAX_BLOCK);
+    assert!(b.v.len() >= (n - 1) * b.v_stride + dim);
+    assert!(qs.iter().all(|q| q.len() >= dim) && out.len() >= G * dim);
     // SAFETY (every `V` operation below): the caller vouches for the instruction set.
     let mut scores = [[0f32; SOFTMAX_BLOCK]; G];
     unsafe {
         let mut acc = [V::zero(); G];
         for d in 0..dim {
-            let k = E::load::<V>(lanes(b.k, d * b.k_stride));
+            // SAFETY: d·k_stride + 16 <= b.k.len() (asserted above).
+            let k = E::load::<V>(lanes_unchecked(b.k, d * b.k_stride));
             for (acc, q) in acc.iter_mut().zip(qs) {
-                *acc = acc.add(V::splat(q[d]).mul(k));
+                // SAFETY: d < dim <= q.len().
+                *acc = acc.add(V::splat(*q.get_unchecked(d)).mul(k));
             }
         }
         for (s, acc) in scores.iter_mut().zip(acc) {
@@ -509,9 +522,11 @@ unsafe fn fold_block<V: Lanes, E: KvElem, const G: usize>(
                 *acc = V::load(lanes(out, h * dim + c)).mul(V::splat(correction[h]));
             }
             for i in 0..n {
-                let v = E::load::<V>(lanes(b.v, i * b.v_stride + c));
+                // SAFETY: i·v_stride + c + 16 <= (n-1)·v_stride + dim <= b.v.len().
+                let v = E::load::<V>(lanes_unchecked(b.v, i * b.v_stride + c));
                 for (acc, p) in acc.iter_mut().zip(&probs) {
-                    *acc = acc.add(V::splat(p[i]).mul(v));
+                    // SAFETY: i < n <= SOFTMAX_BLOCK.
+                    *acc = acc.add(V::splat(*p.get_unchecked(i)).mul(v));
                 }
             }
             for (h, acc) in acc.iter().enumerate() {
@@ -538,6 +553,17 @@ fn lanes<T>(s: &[T], at: usize) -> &[T; SOFTMAX_BLOCK] {
         Some(lanes) => lanes,
         None => unreachable!("a slice of SOFTMAX_BLOCK floats"),
     }
+}
+
+/// [`lanes`] without the bounds check.
+///
+/// # Safety
+/// `at + SOFTMAX_BLOCK <= s.len()`.
+#[inline(always)]
+unsafe fn lanes_unchecked<T>(s: &[T], at: usize) -> &[T; SOFTMAX_BLOCK] {
+    debug_assert!(at + SOFTMAX_BLOCK <= s.len());
+    // SAFETY: the caller's contract; `[T; N]` has `T`'s alignment.
+    unsafe { &*(s.as_ptr().add(at) as *const [T; SOFTMAX_BLOCK]) }
 }
 
 /// [`lanes`], writable.
