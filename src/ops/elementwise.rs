@@ -5,21 +5,23 @@
 //! decode step in `BarrierGuard::drop`, docs/performance.md). These are plain per-element maps,
 //! so they are trivially batch-, position- and thread-invariant.
 
+use std::mem::MaybeUninit;
+
 use candle_core::{bail, CpuStorage, CustomOp2, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::contiguous_f32;
 use super::isa::isa_kernel;
 use super::math::silu;
 use super::CpuIsa;
+use super::{contiguous_f32, filled_f32};
 
 /// Elements per rayon task; smaller maps run on the calling thread.
 const CHUNK: usize = 1 << 14;
 
 isa_kernel! {
-    fn add_into(isa: CpuIsa, out: &mut [f32], a: &[f32], b: &[f32]) {
+    fn add_into(isa: CpuIsa, out: &mut [MaybeUninit<f32>], a: &[f32], b: &[f32]) {
         for ((o, &x), &y) in out.iter_mut().zip(a).zip(b) {
-            *o = x + y;
+            o.write(x + y);
         }
     }
 }
@@ -27,9 +29,9 @@ isa_kernel! {
 isa_kernel! {
     /// silu(g) · u ([`silu`]: our exponential, not libm's, so it vectorises and its bits do
     /// not depend on the C library).
-    fn swiglu_into(isa: CpuIsa, out: &mut [f32], gate: &[f32], up: &[f32]) {
+    fn swiglu_into(isa: CpuIsa, out: &mut [MaybeUninit<f32>], gate: &[f32], up: &[f32]) {
         for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
-            *o = silu(g) * u;
+            o.write(silu(g) * u);
         }
     }
 }
@@ -48,15 +50,17 @@ impl Binary {
             Binary::Swiglu => swiglu_into,
         };
         let isa = CpuIsa::detect();
-        let mut out = vec![0f32; a.len()];
-        if a.len() <= CHUNK {
-            kernel(isa, &mut out, a, b);
-        } else {
-            out.par_chunks_mut(CHUNK)
-                .zip(a.par_chunks(CHUNK).zip(b.par_chunks(CHUNK)))
-                .for_each(|(o, (a, b))| kernel(isa, o, a, b));
-        }
-        out
+        // Every element is written: the chunks of `out` pair up with those of `a` and `b`,
+        // which have its length (checked by the caller).
+        filled_f32(a.len(), |out| {
+            if a.len() <= CHUNK {
+                kernel(isa, out, a, b);
+            } else {
+                out.par_chunks_mut(CHUNK)
+                    .zip(a.par_chunks(CHUNK).zip(b.par_chunks(CHUNK)))
+                    .for_each(|(o, (a, b))| kernel(isa, o, a, b));
+            }
+        })
     }
 }
 

@@ -48,6 +48,8 @@ pub use paged_attention::{paged_attention, paged_attention_with_isa};
 pub use rms_norm::rms_norm;
 pub use rope::apply_rope;
 
+use std::mem::MaybeUninit;
+
 use candle_core::{bail, CpuStorage, Layout};
 
 /// Runs `f` on an f32 tensor's values in row-major order: in place for a contiguous CPU
@@ -94,6 +96,20 @@ pub fn with_bf16_bits<R>(
         .to_device(&candle_core::Device::Cpu)?
         .to_vec1::<half::bf16>()?;
     Ok(Some(f(bytemuck::cast_slice(&values))))
+}
+
+/// A new vector of `len` floats that `fill` writes, each element exactly once, without
+/// zeroing it first: the elementwise ops' outputs are megabytes at prefill, and zeroing them ran
+/// on the calling thread alone (a few per cent of a prefill step, with the other core idle).
+///
+/// `fill` must write every element of the slice it is given (the kernels below are per-element
+/// maps over the whole output, so they do by construction).
+fn filled_f32(len: usize, fill: impl FnOnce(&mut [MaybeUninit<f32>])) -> Vec<f32> {
+    let mut out: Vec<f32> = Vec::with_capacity(len);
+    fill(&mut out.spare_capacity_mut()[..len]);
+    // SAFETY: `fill` initialised all `len` elements (its contract above).
+    unsafe { out.set_len(len) };
+    out
 }
 
 /// The contiguous f32 data a layout addresses, or an error naming the operand.

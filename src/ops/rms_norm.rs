@@ -1,11 +1,13 @@
 //! RMSNorm over the last dimension.
 
+use std::mem::MaybeUninit;
+
 use candle_core::{bail, CpuStorage, CustomOp2, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::contiguous_f32;
 use super::isa::isa_kernel;
 use super::CpuIsa;
+use super::{contiguous_f32, filled_f32};
 
 /// Rows per task. Each row's sum of squares is one sequential chain (its order fixed by `dim`
 /// alone), but the chains of a task's rows run interleaved: one chain alone waits out every
@@ -14,7 +16,7 @@ const ROWS_PER_TASK: usize = 8;
 
 isa_kernel! {
     /// Normalises up to [`ROWS_PER_TASK`] rows of `x` (`w.len()` each) into `out`.
-    fn norm_rows(isa: CpuIsa, out: &mut [f32], x: &[f32], w: &[f32], eps: f32) {
+    fn norm_rows(isa: CpuIsa, out: &mut [MaybeUninit<f32>], x: &[f32], w: &[f32], eps: f32) {
         let dim = w.len();
         let mut sum_sq = [0f32; ROWS_PER_TASK];
         for i in 0..dim {
@@ -25,7 +27,7 @@ isa_kernel! {
         for ((o, row), s) in out.chunks_exact_mut(dim).zip(x.chunks_exact(dim)).zip(sum_sq) {
             let inv = 1.0 / (s / dim as f32 + eps).sqrt();
             for ((o, &v), &g) in o.iter_mut().zip(row).zip(w) {
-                *o = g * (v * inv);
+                o.write(g * (v * inv));
             }
         }
     }
@@ -56,11 +58,13 @@ impl CustomOp2 for RmsNorm {
                 xl.dims()
             );
         }
-        let mut out = vec![0f32; x.len()];
         let eps = self.eps;
-        out.par_chunks_mut(dim * ROWS_PER_TASK)
-            .zip(x.par_chunks(dim * ROWS_PER_TASK))
-            .for_each(|(o, rows)| norm_rows(CpuIsa::detect(), o, rows, w, eps));
+        // Every row of `out` is written: x's length is a multiple of `dim` (its last dim).
+        let out = filled_f32(x.len(), |out| {
+            out.par_chunks_mut(dim * ROWS_PER_TASK)
+                .zip(x.par_chunks(dim * ROWS_PER_TASK))
+                .for_each(|(o, rows)| norm_rows(CpuIsa::detect(), o, rows, w, eps))
+        });
         Ok((CpuStorage::F32(out), xl.shape().clone()))
     }
 

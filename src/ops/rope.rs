@@ -1,22 +1,24 @@
 //! Rotary position embedding (non-interleaved, "rotate half" as in transformers' Llama).
 
+use std::mem::MaybeUninit;
+
 use candle_core::{bail, CpuStorage, CustomOp3, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::contiguous_f32;
 use super::isa::isa_kernel;
 use super::CpuIsa;
+use super::{contiguous_f32, filled_f32};
 
 isa_kernel! {
     /// One token's heads (`x` and `out` are `heads × 2·half`), rotated by its angles.
-    fn rotate_row(isa: CpuIsa, out: &mut [f32], x: &[f32], cos: &[f32], sin: &[f32]) {
+    fn rotate_row(isa: CpuIsa, out: &mut [MaybeUninit<f32>], x: &[f32], cos: &[f32], sin: &[f32]) {
         let half = cos.len();
         for (oh, xh) in out.chunks_exact_mut(2 * half).zip(x.chunks_exact(2 * half)) {
             let (o1, o2) = oh.split_at_mut(half);
             let (x1, x2) = xh.split_at(half);
             for i in 0..half {
-                o1[i] = x1[i] * cos[i] - x2[i] * sin[i];
-                o2[i] = x2[i] * cos[i] + x1[i] * sin[i];
+                o1[i].write(x1[i] * cos[i] - x2[i] * sin[i]);
+                o2[i].write(x2[i] * cos[i] + x1[i] * sin[i]);
             }
         }
     }
@@ -43,15 +45,17 @@ impl CustomOp3 for Rope {
         let sin = contiguous_f32(ss, sl, "rope sin")?;
         let (_, h, d) = rope_dims(xl, cl, sl)?;
         let half = d / 2;
-        let mut out = vec![0f32; x.len()];
-        out.par_chunks_mut(h * d)
-            .zip(x.par_chunks(h * d))
-            .enumerate()
-            .for_each(|(row, (o, xr))| {
-                let c = &cos[row * half..(row + 1) * half];
-                let s = &sin[row * half..(row + 1) * half];
-                rotate_row(CpuIsa::detect(), o, xr, c, s);
-            });
+        // Every element is written: rows of h heads of d = 2 · half values each.
+        let out = filled_f32(x.len(), |out| {
+            out.par_chunks_mut(h * d)
+                .zip(x.par_chunks(h * d))
+                .enumerate()
+                .for_each(|(row, (o, xr))| {
+                    let c = &cos[row * half..(row + 1) * half];
+                    let s = &sin[row * half..(row + 1) * half];
+                    rotate_row(CpuIsa::detect(), o, xr, c, s);
+                })
+        });
         Ok((CpuStorage::F32(out), xl.shape().clone()))
     }
 
