@@ -462,7 +462,9 @@ unsafe fn fold_block<V: Lanes, E: KvElem, const G: usize>(
     let n = b.n;
     // The hot loops below read lanes without a bounds check per load (they were a third of
     // the instructions of a decode block); these checks cover every read they make.
-    assert!(n >= 1 && n <= SOFTMAX_BLOCK && b.k.len() >= (dim - 1) * b.k_stride + SOFTMAX_BLOCK);
+    assert!(
+        (1..=SOFTMAX_BLOCK).contains(&n) && b.k.len() >= (dim - 1) * b.k_stride + SOFTMAX_BLOCK
+    );
     assert!(b.v.len() >= (n - 1) * b.v_stride + dim);
     assert!(qs.iter().all(|q| q.len() >= dim) && out.len() >= G * dim);
     // SAFETY (every `V` operation below): the caller vouches for the instruction set.
