@@ -38,13 +38,14 @@
 //! half (zero past K and N): one 64-byte load is the second operand of one `VDPBF16PS` for 16
 //! columns. A row of `a` becomes K/2 such words, each broadcast to all 16 lanes.
 
+use std::mem::MaybeUninit;
 use std::sync::{Arc, OnceLock};
 
 use candle_core::{bail, CpuStorage, CustomOp1, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::contiguous_f32;
 use super::gemm::{for_each_block, NR};
+use super::{contiguous_f32, zeroed};
 
 /// Rows per microkernel call (2 × MR accumulators, 2 weight vectors, 1 broadcast: 27 of 32
 /// AVX-512 registers).
@@ -316,11 +317,13 @@ impl PackedWeightAbf16 {
 /// The rows of `a` (`m × k` f32) rounded to bf16 and paired: `rows × kp` words (`rows ≥ m`;
 /// rows past `m` and words past K/2 are zero).
 fn pair_rows(a: &[f32], m: usize, k: usize, kp: usize, rows: usize) -> Vec<u32> {
-    let mut out = vec![0u32; rows * kp];
+    let mut out: Vec<u32> = Vec::with_capacity(rows * kp);
     #[cfg(target_arch = "x86_64")]
     let avx512 = std::arch::is_x86_feature_detected!("avx512f")
         && std::arch::is_x86_feature_detected!("avx512bw");
-    let convert = |(row, dst): (usize, &mut [u32])| {
+    // Each task zeroes its own row (padding rows and words stay zero), then converts it.
+    let convert = |(row, dst): (usize, &mut [MaybeUninit<u32>])| {
+        let dst = zeroed(dst);
         if row >= m {
             return;
         }
@@ -333,11 +336,14 @@ fn pair_rows(a: &[f32], m: usize, k: usize, kp: usize, rows: usize) -> Vec<u32> 
         }
         pair_row(src, dst);
     };
+    let spare = &mut out.spare_capacity_mut()[..rows * kp];
     if m * k >= 1 << 16 {
-        out.par_chunks_mut(kp).enumerate().for_each(convert);
+        spare.par_chunks_mut(kp).enumerate().for_each(convert);
     } else {
-        out.chunks_mut(kp).enumerate().for_each(convert);
+        spare.chunks_mut(kp).enumerate().for_each(convert);
     }
+    // SAFETY: every row chunk of the `rows * kp` elements was zeroed by `convert`.
+    unsafe { out.set_len(rows * kp) };
     out
 }
 

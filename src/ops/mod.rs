@@ -112,6 +112,16 @@ fn filled_f32(len: usize, fill: impl FnOnce(&mut [MaybeUninit<f32>])) -> Vec<f32
     out
 }
 
+/// `dst` zeroed, as an initialised slice: for outputs that are zeroed piece by piece inside
+/// parallel tasks rather than all at once by the thread that allocates them.
+fn zeroed<T: bytemuck::Zeroable>(dst: &mut [MaybeUninit<T>]) -> &mut [T] {
+    for x in dst.iter_mut() {
+        x.write(T::zeroed());
+    }
+    // SAFETY: every element was just written; `MaybeUninit<T>` has `T`'s layout.
+    unsafe { &mut *(dst as *mut [MaybeUninit<T>] as *mut [T]) }
+}
+
 /// The contiguous f32 data a layout addresses, or an error naming the operand.
 fn contiguous_f32<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> candle_core::Result<&'a [f32]> {
     let data = s.as_slice::<f32>()?;

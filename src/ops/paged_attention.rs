@@ -20,7 +20,7 @@ use candle_core::{bail, CpuStorage, CustomOp3, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
 use super::attention_plan::{AttentionMetadata, AttentionSchedule, AttentionShape, SOFTMAX_BLOCK};
-use super::{contiguous_f32, exp_nonpositive, CpuIsa};
+use super::{contiguous_f32, exp_nonpositive, filled_f32, zeroed, CpuIsa};
 
 /// The op: one batch's plan and scale, and the instruction set the CPU body runs with.
 struct PagedAttention {
@@ -338,7 +338,8 @@ impl<'a, E: KvElem> AttentionArgs<'a, E> {
     }
 
     /// The fixed schedule for `rows` (consecutive positions of one sequence) × the query heads
-    /// of KV head `kvh`, normalised into `out` (`[row][head of the group][dim]`). The rows
+    /// of KV head `kvh`, normalised into `out` (`[row][head of the group][dim]`, zeroed by
+    /// the caller). The rows
     /// share the loads of the key blocks they all attend to in full; every query's arithmetic
     /// is what it would be alone.
     #[inline(always)]
@@ -346,7 +347,6 @@ impl<'a, E: KvElem> AttentionArgs<'a, E> {
         let g = self.group();
         let mut scratch = Gathered::default();
         let mut state = vec![(f32::NEG_INFINITY, 0f32); rows.len() * g];
-        out.fill(0.0);
         let first = self.key_range(rows.start);
         // Without a sliding window every row's keys start at 0, so the first row's complete
         // blocks are blocks of every later row too.
@@ -863,7 +863,6 @@ impl<E: KvElem> AttentionArgs<'_, E> {
 /// Runs the batch's schedule on the rayon pool with instruction set `isa` (one this CPU has).
 fn attention<E: KvElem>(a: &AttentionArgs<E>, isa: CpuIsa) -> Vec<f32> {
     let (dim, heads, meta) = (a.dim, a.heads, a.meta);
-    let mut out = vec![0f32; a.q.len()];
     match meta.schedule {
         AttentionSchedule::Fixed => {
             // One task per (KV head, tile of rows): the query heads sharing a KV head, and the
@@ -871,9 +870,10 @@ fn attention<E: KvElem>(a: &AttentionArgs<E>, isa: CpuIsa) -> Vec<f32> {
             // the group][dim]`, transposed into place afterwards.
             let g = a.group();
             let tiles = a.tiles();
-            let mut by_kv_head = vec![0f32; a.q.len()];
+            // Each task zeroes its own part (a whole-buffer zeroing ran on one thread alone).
+            let mut by_kv_head: Vec<f32> = Vec::with_capacity(a.q.len());
             let mut tasks = Vec::with_capacity(a.kv_heads * tiles.len());
-            let mut rest = by_kv_head.as_mut_slice();
+            let mut rest = &mut by_kv_head.spare_capacity_mut()[..a.q.len()];
             for kvh in 0..a.kv_heads {
                 for rows in &tiles {
                     let (o, tail) = rest.split_at_mut(rows.len() * g * dim);
@@ -889,18 +889,27 @@ fn attention<E: KvElem>(a: &AttentionArgs<E>, isa: CpuIsa) -> Vec<f32> {
             tasks.sort_by_key(|(kvh, rows, _)| (rows.start, *kvh));
             tasks
                 .into_par_iter()
-                .for_each(|(kvh, rows, o)| a.tile_task_isa(isa, kvh, rows, o));
+                .for_each(|(kvh, rows, o)| a.tile_task_isa(isa, kvh, rows, zeroed(o)));
+            // SAFETY: the tiles cover every row once, for every KV head: the tasks' slices
+            // are all of the buffer, and each task zeroed its slice.
+            unsafe { by_kv_head.set_len(a.q.len()) };
             let per_kv_head = a.rows * g * dim;
-            out.par_chunks_mut(heads * dim)
-                .enumerate()
-                .for_each(|(row, o)| {
-                    for (kvh, o) in o.chunks_mut(g * dim).enumerate() {
-                        let at = kvh * per_kv_head + row * g * dim;
-                        o.copy_from_slice(&by_kv_head[at..at + g * dim]);
-                    }
-                });
+            // Every element is written: rows of `heads` = kv_heads · g heads of `dim` values.
+            filled_f32(a.q.len(), |out| {
+                out.par_chunks_mut(heads * dim)
+                    .enumerate()
+                    .for_each(|(row, o)| {
+                        for (kvh, o) in o.chunks_mut(g * dim).enumerate() {
+                            let at = kvh * per_kv_head + row * g * dim;
+                            for (o, &x) in o.iter_mut().zip(&by_kv_head[at..at + g * dim]) {
+                                o.write(x);
+                            }
+                        }
+                    })
+            })
         }
         AttentionSchedule::SplitKv { splits } => {
+            let mut out = vec![0f32; a.q.len()];
             // Partial (max, denominator, accumulator) per (row, head, split), then an
             // in-order merge per (row, head). Rows of fixed sequences (DVR's inline rows)
             // take the fixed schedule itself.
@@ -941,9 +950,9 @@ fn attention<E: KvElem>(a: &AttentionArgs<E>, isa: CpuIsa) -> Vec<f32> {
                 }
                 normalise(o, denom);
             });
+            out
         }
     }
-    out
 }
 
 /// Hints the CPU to load `data[off..off + len]` into cache (a no-op elsewhere).
