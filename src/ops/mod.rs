@@ -100,7 +100,8 @@ pub fn with_bf16_bits<R>(
 
 /// A new vector of `len` floats that `fill` writes, each element exactly once, without
 /// zeroing it first: the elementwise ops' outputs are megabytes at prefill, and zeroing them ran
-/// on the calling thread alone (a few per cent of a prefill step, with the other core idle).
+/// on the calling thread alone, the other core idle (with [`zeroed`]: bench model, batch 64,
+/// bf16 AMX mode, prefill 0.76 → 0.54 s and decode 19.3 → 15.3 ms per step).
 ///
 /// `fill` must write every element of the slice it is given (the kernels below are per-element
 /// maps over the whole output, so they do by construction).
