@@ -486,16 +486,20 @@ unsafe fn fold_block<V: Lanes, E: KvElem, const G: usize>(
     // The running maxima and denominators below are sequential chains per query, in the same
     // order as for a query alone; the loops interleave the G queries' chains (lane index outer)
     // so they overlap instead of each waiting out the latency of its own.
-    let mut new_max: [f32; G] = std::array::from_fn(|h| state[h].0);
     for s in &mut scores {
         // Lanes past the block's keys hold whatever the page holds there.
         s[n..].fill(f32::NEG_INFINITY);
     }
-    for i in 0..SOFTMAX_BLOCK {
-        for (m, s) in new_max.iter_mut().zip(&scores) {
-            *m = m.max(s[i]);
-        }
-    }
+    // The block's maximum by halving (16 → 8 → 4 → 2 → 1 lanes, vector operations): the value
+    // of the in-order fold, since a NaN-ignoring maximum is exact in any order (only a tie of
+    // -0 and +0 may pick the other zero, and s - max, hence every output, is the same for both).
+    let new_max: [f32; G] = std::array::from_fn(|h| {
+        let s = &scores[h];
+        let m8: [f32; 8] = std::array::from_fn(|i| s[i].max(s[i + 8]));
+        let m4: [f32; 4] = std::array::from_fn(|i| m8[i].max(m8[i + 4]));
+        let m2 = [m4[0].max(m4[2]), m4[1].max(m4[3])];
+        state[h].0.max(m2[0].max(m2[1]))
+    });
     let mut probs = [[0f32; SOFTMAX_BLOCK]; G];
     let mut correction = [0f32; G];
     let mut denom = [0f32; G];
