@@ -24,6 +24,10 @@ use detspec::ops::{
 use detspec::{Engine, EngineConfig, Request, RequestOutput, SamplingParams};
 use proptest::prelude::*;
 
+#[path = "common/kernels.rs"]
+mod kernels;
+use kernels::{in_pool, MODEL_GEMM_SHAPES};
+
 /// Random f32 values in [-0.5, 0.5), a few of them denormal or signed zero.
 fn values(seed: u64, n: usize) -> Vec<f32> {
     let mut s = seed.wrapping_mul(0x9e3779b97f4a7c15) | 1;
@@ -44,14 +48,6 @@ fn values(seed: u64, n: usize) -> Vec<f32> {
 /// bf16 bits of random values (every bit pattern a checkpoint may hold, NaN and inf aside).
 fn bf16_values(seed: u64, n: usize) -> Vec<u16> {
     values(seed, n).into_iter().map(bf16_bits).collect()
-}
-
-fn in_pool<T: Send>(threads: usize, f: impl FnOnce() -> T + Send) -> T {
-    rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .build()
-        .expect("thread pool")
-        .install(f)
 }
 
 fn to_bits(v: &[f32]) -> Vec<u32> {
@@ -109,23 +105,13 @@ fn bf16_gemm_elements_are_the_sequential_fma_chain() {
 fn bf16_gemm_model_shapes_at_engine_batch_sizes() {
     // (K, N): bench model, the Rust and Python test models, the built-in default model
     // (hidden 192, 4 × 48 heads, 2 KV heads, intermediate 512, vocab 2048).
-    let shapes = [
-        (512, 512),
-        (512, 256),
-        (512, 1408),
-        (1408, 512),
-        (512, 32000),
-        (64, 64),
-        (64, 32),
-        (64, 128),
-        (128, 64),
-        (64, 512),
+    let shapes = MODEL_GEMM_SHAPES.into_iter().chain([
         (192, 192),
         (192, 96),
         (192, 512),
         (512, 192),
         (192, 2048),
-    ];
+    ]);
     for (k, n) in shapes {
         for m in [1, 2, 7, 8, 9, 16, 64, 65] {
             check_equals_f32(m, k, n, (k * 131 + n * 7 + m) as u64);

@@ -7,6 +7,10 @@
 use detspec::ops::{packed_matmul, packed_matmul_with, CpuIsa, PackedWeight};
 use proptest::prelude::*;
 
+#[path = "common/kernels.rs"]
+mod kernels;
+use kernels::{in_pool, sampled_columns, MODEL_GEMM_SHAPES};
+
 fn values(seed: u64, n: usize) -> Vec<f32> {
     let mut s = seed.wrapping_mul(0x9e3779b97f4a7c15) | 1;
     (0..n)
@@ -22,14 +26,6 @@ fn values(seed: u64, n: usize) -> Vec<f32> {
 /// c[i][j] = fma(a[i][k-1], w[k-1][j], … fma(a[i][0], w[0][j], 0)).
 fn reference(a: &[f32], w: &[f32], k: usize, n: usize, i: usize, j: usize) -> f32 {
     (0..k).fold(0f32, |acc, kk| a[i * k + kk].mul_add(w[kk * n + j], acc))
-}
-
-fn in_pool<T: Send>(threads: usize, f: impl FnOnce() -> T + Send) -> T {
-    rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .build()
-        .expect("thread pool")
-        .install(f)
 }
 
 /// Checks columns `cols` of every row against the reference chain, for each instruction set
@@ -68,25 +64,8 @@ proptest! {
 
 #[test]
 fn model_shapes_at_engine_batch_sizes() {
-    // (K, N): bench model (hidden 512, 8 heads × 64, 4 KV heads, intermediate 1408, vocab
-    // 32000) and the test models' shapes (tests/common, tests/python/conftest.py).
-    let shapes = [
-        (512, 512),
-        (512, 256),
-        (512, 1408),
-        (1408, 512),
-        (512, 32000),
-        (64, 64),
-        (64, 32),
-        (64, 128),
-        (128, 64),
-        (64, 512),
-    ];
-    for (k, n) in shapes {
-        // Sampled columns: first and last of every panel edge region, and a spread.
-        let mut cols: Vec<usize> = (0..n).step_by(37).collect();
-        cols.extend([0, 31, 32, n - 1, n.saturating_sub(33)]);
-        cols.retain(|&j| j < n);
+    for (k, n) in MODEL_GEMM_SHAPES {
+        let cols = sampled_columns(n);
         for m in [1, 2, 7, 8, 9, 16, 31, 64, 65] {
             check(m, k, n, (k * 131 + n * 7 + m) as u64, &cols);
         }

@@ -17,6 +17,10 @@ use detspec::ops::{
 };
 use proptest::prelude::*;
 
+#[path = "common/kernels.rs"]
+mod kernels;
+use kernels::{in_pool, sampled_columns, MODEL_GEMM_SHAPES};
+
 struct Rng(u64);
 
 impl Rng {
@@ -257,14 +261,6 @@ fn reference(a: &[f32], w: &[u16], k: usize, n: usize, i: usize, j: usize) -> u3
     canon(acc)
 }
 
-fn in_pool<T: Send>(threads: usize, f: impl FnOnce() -> T + Send) -> T {
-    rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .build()
-        .expect("thread pool")
-        .install(f)
-}
-
 fn activations(r: &mut Rng, len: usize, specials: bool) -> Vec<f32> {
     (0..len)
         .map(|_| {
@@ -335,23 +331,8 @@ proptest! {
 
 #[test]
 fn model_shapes_at_engine_batch_sizes() {
-    // (K, N) of the bench model and the test models (as in tests/gemm.rs).
-    let shapes = [
-        (512, 512),
-        (512, 256),
-        (512, 1408),
-        (1408, 512),
-        (512, 32000),
-        (64, 64),
-        (64, 32),
-        (64, 128),
-        (128, 64),
-        (64, 512),
-    ];
-    for (k, n) in shapes {
-        let mut cols: Vec<usize> = (0..n).step_by(37).collect();
-        cols.extend([0, 31, 32, n - 1, n.saturating_sub(33)]);
-        cols.retain(|&j| j < n);
+    for (k, n) in MODEL_GEMM_SHAPES {
+        let cols = sampled_columns(n);
         for m in [1, 2, 11, 12, 13, 16, 64, 97] {
             // The emulation over the whole width is slow in a debug build: the instruction
             // here, the emulation on the small shapes (and everywhere in the proptest).

@@ -10,6 +10,10 @@ use detspec::ops::{
     write_kv, AttentionMetadata, AttentionSchedule, CpuIsa,
 };
 
+#[path = "common/kernels.rs"]
+mod kernels;
+use kernels::in_pool;
+
 fn randn(seed: u64, n: usize) -> Vec<f32> {
     // Small LCG: fixed, platform-independent test data.
     let mut s = seed
@@ -33,14 +37,6 @@ fn bits(t: &Tensor) -> Vec<u32> {
         .into_iter()
         .map(f32::to_bits)
         .collect()
-}
-
-fn in_pool<T: Send>(threads: usize, f: impl FnOnce() -> T + Send) -> T {
-    rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .build()
-        .unwrap()
-        .install(f)
 }
 
 const PAGE: usize = 4;
