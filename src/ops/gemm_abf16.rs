@@ -321,20 +321,23 @@ fn pair_rows(a: &[f32], m: usize, k: usize, kp: usize, rows: usize) -> Vec<u32> 
     #[cfg(target_arch = "x86_64")]
     let avx512 = std::arch::is_x86_feature_detected!("avx512f")
         && std::arch::is_x86_feature_detected!("avx512bw");
-    // Each task zeroes its own row (padding rows and words stay zero), then converts it.
+    // Each task writes its own row: the K/2 rounded up pairs of a real row, zeros in the
+    // padding words past them and in the padding rows past `m`.
     let convert = |(row, dst): (usize, &mut [MaybeUninit<u32>])| {
-        let dst = zeroed(dst);
         if row >= m {
+            zeroed(dst);
             return;
         }
+        let (pairs, padding) = dst.split_at_mut(k.div_ceil(2));
+        zeroed(padding);
         let src = &a[row * k..(row + 1) * k];
         #[cfg(target_arch = "x86_64")]
         if avx512 {
             // SAFETY: the CPU has AVX-512F and AVX-512BW (checked above).
-            unsafe { pair_row_avx512(src, dst) };
+            unsafe { pair_row_avx512(src, pairs) };
             return;
         }
-        pair_row(src, dst);
+        pair_row(src, pairs);
     };
     let spare = &mut out.spare_capacity_mut()[..rows * kp];
     if m * k >= 1 << 16 {
@@ -342,7 +345,7 @@ fn pair_rows(a: &[f32], m: usize, k: usize, kp: usize, rows: usize) -> Vec<u32> 
     } else {
         spare.chunks_mut(kp).enumerate().for_each(convert);
     }
-    // SAFETY: every row chunk of the `rows * kp` elements was zeroed by `convert`.
+    // SAFETY: `convert` wrote every element of every row chunk of the `rows * kp`.
     unsafe { out.set_len(rows * kp) };
     out
 }
@@ -350,14 +353,16 @@ fn pair_rows(a: &[f32], m: usize, k: usize, kp: usize, rows: usize) -> Vec<u32> 
 /// One row rounded and paired into `dst` (K/2 rounded up words; integer code, the same bits
 /// on every instruction set).
 #[inline(always)]
-fn pair_row(src: &[f32], dst: &mut [u32]) {
+fn pair_row(src: &[f32], dst: &mut [MaybeUninit<u32>]) {
     let (pairs, rest) = src.as_chunks::<2>();
     for (d, pair) in dst.iter_mut().zip(pairs) {
-        *d = u32::from(round_activation_bf16(pair[0]))
-            | u32::from(round_activation_bf16(pair[1])) << 16;
+        d.write(
+            u32::from(round_activation_bf16(pair[0]))
+                | u32::from(round_activation_bf16(pair[1])) << 16,
+        );
     }
     if let [last] = rest {
-        dst[src.len() / 2] = u32::from(round_activation_bf16(*last));
+        dst[src.len() / 2].write(u32::from(round_activation_bf16(*last)));
     }
 }
 
@@ -367,7 +372,7 @@ fn pair_row(src: &[f32], dst: &mut [u32]) {
 /// The CPU has AVX-512F and AVX-512BW.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx2")]
-unsafe fn pair_row_avx512(src: &[f32], dst: &mut [u32]) {
+unsafe fn pair_row_avx512(src: &[f32], dst: &mut [MaybeUninit<u32>]) {
     pair_row(src, dst)
 }
 
