@@ -8,10 +8,10 @@ Then e.g. ``DETSPEC_BENCH_MODEL=/tmp/llama3-8b-random python benches/offline_thr
 device=cuda`` or ``python benches/dvr_throughput.py --model-dir /tmp/llama3-8b-random --device
 cuda``.
 
-``--streaming`` writes the same shapes without building the model in memory (numpy only, one
-tensor at a time, sharded safetensors with an index): the way to write an 8B checkpoint on a
-machine whose memory would not hold it in float32 (transformers initialises in float32 first).
-Linear and embedding weights are N(0, 0.02), norms 1; ``--stream-seed`` makes it reproducible.
+By default torch draws each tensor in the target dtype (on the GPU when there is one) and the
+shards are written one at a time. ``--streaming`` writes the same shapes with numpy only, one
+tensor at a time (no torch needed). Either way: sharded safetensors with an index, linear and
+embedding weights N(0, 0.02), norms 1, ``--seed`` makes it reproducible.
 
     python benches/write_random_llama.py --shape llama3-8b --streaming --out /tmp/llama3-8b-bf16
 """
@@ -19,6 +19,7 @@ Linear and embedding weights are N(0, 0.02), norms 1; ``--stream-seed`` makes it
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 SHAPES = {
@@ -112,16 +113,7 @@ def write_streaming(args: argparse.Namespace) -> None:
     (args.out / "config.json").write_text(json.dumps(cfg, indent=2))
     itemsize = 2 if args.dtype == "bfloat16" else 4
     st_dtype = "BF16" if args.dtype == "bfloat16" else "F32"
-    shard_limit = 4 << 30
-    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
-    size = 0
-    for name, shape in tensor_shapes(cfg):
-        nbytes = int(np.prod(shape)) * itemsize
-        if shards[-1] and size + nbytes > shard_limit:
-            shards.append([])
-            size = 0
-        shards[-1].append((name, shape))
-        size += nbytes
+    shards = shard_plan(cfg, itemsize)
     rng = np.random.default_rng(args.seed)
     weight_map: dict[str, str] = {}
     total = 0
@@ -166,6 +158,56 @@ def write_streaming(args: argparse.Namespace) -> None:
     print(f"wrote {args.out}: {total / 1e9:.2f}B parameters, {args.dtype} (streaming)")
 
 
+def shard_plan(cfg: dict, itemsize: int) -> list[list[tuple[str, tuple[int, ...]]]]:
+    """Tensors grouped into shards of at most 4 GiB, in file order."""
+    shard_limit = 4 << 30
+    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    size = 0
+    for name, shape in tensor_shapes(cfg):
+        nbytes = math.prod(shape) * itemsize
+        if shards[-1] and size + nbytes > shard_limit:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, shape))
+        size += nbytes
+    return shards
+
+
+def write_torch(args: argparse.Namespace) -> None:
+    """Each tensor drawn by torch (on the GPU when there is one) directly in the target dtype,
+    one shard at a time: an 8B bf16 checkpoint in seconds on a GPU machine, peak host memory
+    one shard."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    dtype = getattr(torch, args.dtype)
+    cfg = config_dict(args.shape, args.dtype, args.max_position_embeddings)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "config.json").write_text(json.dumps(cfg, indent=2))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    shards = shard_plan(cfg, dtype.itemsize)
+    weight_map: dict[str, str] = {}
+    total = 0
+    for si, shard in enumerate(shards):
+        fname = f"model-{si + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {}
+        for name, shape in shard:
+            if len(shape) == 1:
+                t = torch.ones(shape, dtype=dtype)
+            else:
+                t = torch.randn(shape, generator=gen, device=device, dtype=dtype) * 0.02
+            tensors[name] = t.cpu()
+            weight_map[name] = fname
+            total += t.numel()
+        save_file(tensors, str(args.out / fname), metadata={"format": "pt"})
+    index = {"metadata": {"total_size": total * dtype.itemsize}, "weight_map": weight_map}
+    (args.out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    print(f"wrote {args.out}: {total / 1e9:.2f}B parameters, {args.dtype} ({device})")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
@@ -183,34 +225,7 @@ def main() -> None:
         write_streaming(args)
         return
 
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    dtype = getattr(torch, args.dtype)
-    cfg = LlamaConfig(
-        vocab_size=128256,
-        max_position_embeddings=args.max_position_embeddings,
-        rms_norm_eps=1e-5,
-        rope_theta=500000.0,
-        rope_scaling={
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
-        bos_token_id=128000,
-        eos_token_id=128001,
-        torch_dtype=args.dtype,
-        **SHAPES[args.shape],
-    )
-    torch.manual_seed(args.seed)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    with torch.device(device):
-        model = LlamaForCausalLM(cfg).to(dtype)
-    model.save_pretrained(args.out, safe_serialization=True)
-    n = sum(t.numel() for t in model.parameters())
-    print(f"wrote {args.out}: {n / 1e9:.2f}B parameters, {args.dtype}")
+    write_torch(args)
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ _detspec_cuda_setup() {
         if [ ! -f "$link/libcuda.so" ]; then
             local sys
             sys="$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/cudarc-0.19.10/src/driver/sys/mod.rs \
-                2>/dev/null | head -n1)"
+                2>/dev/null | head -n1 || true)"
             if [ -z "$sys" ]; then
                 cargo fetch -q || return 1
                 sys="$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/cudarc-0.19.10/src/driver/sys/mod.rs \

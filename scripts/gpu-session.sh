@@ -1,44 +1,86 @@
 #!/usr/bin/env bash
-# One device call's worth of GPU work (the `device` tool's machine: CUDA 13.0 driver, Python 3.12
-# with torch 2.11+cu130, no Rust). Build the wheel here first and carry it:
+# GPU work for one device call (a machine with CUDA 13 driver, Python 3.12 + torch 2.11+cu130,
+# no Rust, no package index). Build on the CPU machine first and carry `dist-cuda/`:
 #
-#   scripts/build-cuda-wheel.sh            # -> dist-cuda/detspec-*.whl (on the CPU machine)
+#   scripts/build-cuda-wheel.sh        # -> dist-cuda/detspec-*.whl and dist-cuda/cuda_ops.xz
 #   # device run, carry ["dist-cuda"]:
-#   scripts/gpu-session.sh [tests|bench|all]   # default: tests
+#   scripts/gpu-session.sh [PHASE ...]   # phases: smoke ops tests bench (default: all four)
 #
-# Installs the wheel (no dependencies: torch and the CUDA 13 libraries are already there),
-# checks that the extension finds the driver and torch's CUDA libraries, runs tests/gpu, and
-# (bench, all) the GPU benchmarks on a random Llama-3.1-8B-shaped bf16 model. Everything it
-# prints also lands under $OUT (when set) for the note.
-set -euo pipefail
+# smoke: installs the wheel (no dependencies: torch and its CUDA 13 libraries are there),
+#        checks the extension loads the driver and cuBLAS, generates on a tiny model in f32 and
+#        bf16, and runs a prompt longer than the token budget (its first chunk samples no row).
+# ops:   the CUDA kernel table (tests/cuda_ops.rs, built as dist-cuda/cuda_ops.xz): KERNEL-TABLE lines.
+# tests: tests/gpu (pytest; pytest-timeout bounds each test).
+# bench: writes a Llama-3.1-8B-shaped bf16 model, runs benches/gpu_bench.py.
+#
+# Each phase runs under its own time limit (DETSPEC_GPU_<PHASE>_S seconds) and a failing phase
+# does not stop the next. Everything printed lands in $OUT (or /tmp/detspec-gpu).
+set -uo pipefail
 cd "$(dirname "$0")/.."
-what="${1:-tests}"
 out="${OUT:-/tmp/detspec-gpu}"
 mkdir -p "$out"
 exec > >(tee -a "$out/gpu-session.log") 2>&1
+phases=("$@")
+[ ${#phases[@]} -eq 0 ] && phases=(smoke ops tests bench)
+export PYTHONUNBUFFERED=1
 
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-python3 -m pip install -q --no-deps --force-reinstall dist-cuda/detspec-*.whl
-python3 -m pip install -q "pytest>=8" "pytest-asyncio>=0.23" "transformers>=4.45" \
-    "tokenizers>=0.20" "safetensors>=0.4" "numpy>=1.26" "tqdm>=4.60" 2>/dev/null || true
-python3 - <<'PY'
+nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv
+cu13="$(python3 -c 'import nvidia, os; print(os.path.join(nvidia.__path__[0], "cu13", "lib"))')"
+export LD_LIBRARY_PATH="$cu13:${LD_LIBRARY_PATH:-}"
+python3 -m pip install -q --no-index --no-deps --force-reinstall dist-cuda/detspec-*.whl \
+    || { echo "wheel install failed"; exit 1; }
+
+limit() { local v="DETSPEC_GPU_${1^^}_S"; echo "${!v:-$2}"; }
+
+run_smoke() {
+    python3 - <<'PY'
+import tempfile, time
 import detspec
-from detspec import _core
+from detspec import _core, LLM, SamplingParams
 print("CUDA build:", detspec.built_with_cuda(), "GPUs:", _core.cuda_device_count())
 assert detspec.cuda_available(), "the CUDA wheel cannot open a GPU here"
+d = tempfile.mkdtemp()
+_core.write_demo_model(d, "tiny", 5)
+for dtype in ("float32", "bfloat16"):
+    t = time.perf_counter()
+    llm = LLM(d, device="cuda", dtype=dtype, num_kv_pages=512, max_num_batched_tokens=128)
+    print(dtype, "loaded in", round(time.perf_counter() - t, 2), "s:", llm.fingerprint)
+    for det in (False, True):
+        out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=8, deterministic=det, ignore_eos=True))
+        print(" ", "det" if det else "fast", out[0].outputs[0].token_ids)
+        long = llm.generate([list(range(3, 1003))], SamplingParams(max_tokens=4, deterministic=det, ignore_eos=True))
+        print("  long prompt:", long[0].outputs[0].token_ids)
+    print(" ", llm.stats())
+    llm.shutdown()
 PY
+}
 
-if [ "$what" = tests ] || [ "$what" = all ]; then
-    python3 -m pytest -q -s tests/gpu -p no:cacheprovider --junitxml="$out/gpu-tests.xml" || true
-fi
+run_ops() {
+    python3 -c 'import lzma, shutil
+with lzma.open("dist-cuda/cuda_ops.xz") as src, open("/tmp/cuda_ops", "wb") as dst:
+    shutil.copyfileobj(src, dst)' || { echo "no dist-cuda/cuda_ops.xz"; return 1; }
+    chmod +x /tmp/cuda_ops
+    /tmp/cuda_ops --nocapture --test-threads=1 | tee "$out/kernel-table.log"
+}
 
-if [ "$what" = bench ] || [ "$what" = all ]; then
-    model=/tmp/llama3-8b-random
+run_tests() {
+    python3 -m pytest -q -s tests/gpu -p no:cacheprovider --timeout 150 \
+        --junitxml="$out/gpu-tests.xml"
+}
+
+run_bench() {
+    local model=/tmp/llama3-8b-random
     [ -f "$model/config.json" ] || python3 benches/write_random_llama.py --shape llama3-8b --out "$model"
-    for n in 1 16 64 256; do
-        DETSPEC_BENCH_MODEL=$model python3 benches/offline_throughput.py "$n" device=cuda \
-            num_kv_pages=16384 max_num_batched_tokens=8192 | tee -a "$out/throughput.txt"
-    done
-    python3 benches/dvr_throughput.py --model-dir "$model" --device cuda --parts offline \
-        --num-requests 128 --out "$out/dvr_share.json" || true
-fi
+    python3 benches/gpu_bench.py --model-dir "$model" --out "$out/gpu_bench.json" \
+        ${DETSPEC_GPU_BENCH_PARTS:+--parts "$DETSPEC_GPU_BENCH_PARTS"}
+}
+
+declare -A default_s=([smoke]=60 [ops]=120 [tests]=240 [bench]=300)
+for phase in "${phases[@]}"; do
+    s="$(limit "$phase" "${default_s[$phase]:-300}")"
+    echo "=== $phase (limit ${s}s) $(date +%T)"
+    start=$SECONDS
+    # Functions run in a subshell under `timeout` through `bash -c` of this script's functions.
+    timeout --kill-after=10 "$s" bash -c "$(declare -f run_"$phase"); out='$out'; run_$phase"
+    echo "=== $phase rc=$? in $((SECONDS - start))s"
+done

@@ -137,8 +137,9 @@ pub fn cuda_device_count() -> usize {
     0
 }
 
-/// The GPU's name for the fingerprint (bits are only promised on the same model of GPU), or
-/// `cpu`.
+/// The GPU for the fingerprint, or `cpu`: its name, multiprocessor count and cuBLAS version
+/// (cuBLAS promises run-to-run identical bits only for one architecture, SM count and library
+/// version), e.g. `nvidia_h200_sm132_cublas130100`.
 pub fn device_label(device: &Device) -> String {
     match device {
         Device::Cpu => "cpu".to_string(),
@@ -157,7 +158,8 @@ fn cuda_name(cuda: &candle_core::CudaDevice) -> String {
         .name()
         .unwrap_or_else(|_| "cuda".to_string());
     // The fingerprint is a dash-separated identifier: "NVIDIA H100 80GB HBM3" → "nvidia_h100_80gb_hbm3".
-    name.chars()
+    let name: String = name
+        .chars()
         .map(|c| {
             if c.is_ascii_alphanumeric() {
                 c.to_ascii_lowercase()
@@ -165,7 +167,18 @@ fn cuda_name(cuda: &candle_core::CudaDevice) -> String {
                 '_'
             }
         })
-        .collect()
+        .collect();
+    let sms = crate::ops::cuda_multiprocessors(&Device::Cuda(cuda.clone()));
+    let mut version: std::ffi::c_int = 0;
+    let handle = *cuda.cublas_handle().handle();
+    // SAFETY: a live handle owned by the device; writes one int.
+    let status = unsafe {
+        candle_core::cuda::cudarc::cublas::sys::cublasGetVersion_v2(handle, &mut version)
+    };
+    if status != candle_core::cuda::cudarc::cublas::sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+        version = 0;
+    }
+    format!("{name}_sm{sms}_cublas{version}")
 }
 
 #[cfg(test)]

@@ -791,7 +791,7 @@ impl EngineCore {
             attention: AttentionMetadata {
                 sliding_window: self.info.config.sliding_window,
                 schedule: AttentionSchedule::split_kv_for_batch(
-                    entries.len(),
+                    entries.iter().map(|e| e.len).sum(),
                     self.info.config.num_attention_heads,
                     self.model.device(),
                 ),

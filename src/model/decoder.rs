@@ -208,6 +208,9 @@ impl Model {
     /// Runs the batch, writing its K/V into `kv`, and returns logits `[logit_rows, vocab]`.
     pub fn forward(&self, batch: &ForwardBatch, kv: &KvPool) -> Result<Tensor> {
         let x = self.final_hidden(batch, kv)?;
+        if batch.logit_rows.is_empty() {
+            return Ok(no_rows(self.cfg.vocab_size)?);
+        }
         Ok(self.lm_head.matmul(&x, self.gemm_options(batch))?)
     }
 
@@ -280,10 +283,20 @@ impl Model {
             let act = ops::swiglu(&layer.gate.apply(&hn, inv)?, &layer.up.apply(&hn, inv)?)?;
             x = ops::add(&x, &layer.down.apply(&act, inv)?)?;
         }
+        if batch.logit_rows.is_empty() {
+            // A chunk that samples nothing ran for its KV writes. A GPU cannot launch over zero
+            // rows (a grid of 0 blocks is an invalid launch), so no op runs on the empty set.
+            return Ok(no_rows(cfg.hidden_size)?);
+        }
         let rows = Tensor::from_slice(&batch.logit_rows, batch.logit_rows.len(), dev)?;
         let x = x.index_select(&rows, 0)?;
         Ok(ops::rms_norm(&x, &self.norm, eps)?)
     }
+}
+
+/// `[0, width]` f32 rows on the host: the result of a forward with no logit rows, on any device.
+fn no_rows(width: usize) -> candle_core::Result<Tensor> {
+    Tensor::zeros((0, width), DType::F32, &Device::Cpu)
 }
 
 /// cos/sin of `position * inv_freq` for every position up to the model's context, in f32 as

@@ -120,14 +120,15 @@ impl<'a> WeightLoader<'a> {
         LinearWeight::new(&self.load_matrix(name, &[out_dim, in_dim])?, self.bf16_act)
     }
 
+    /// Hashed on the host before the upload: hashing a GPU tensor would copy it back.
     fn load_as(&self, name: &str, shape: &[usize], dtype: DType) -> Result<Tensor> {
         let t = self
             .ck
-            .load(name, shape, self.dtype, self.device)?
+            .load(name, shape, self.dtype, &Device::Cpu)?
             .to_dtype(dtype)?;
         let h = tensor_hash(&t)?;
         self.hashes.borrow_mut().insert(name.to_string(), h);
-        Ok(t)
+        Ok(t.to_device(self.device)?)
     }
 
     pub(super) fn into_hashes(self) -> ParamHashes {

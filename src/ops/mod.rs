@@ -25,6 +25,8 @@ mod rope;
 
 pub use attention_plan::{AttentionMetadata, AttentionSchedule};
 pub use cache_write::{write_k, write_kv};
+#[cfg(feature = "cuda")]
+pub use cuda::multiprocessors as cuda_multiprocessors;
 pub use elementwise::{add, swiglu};
 pub use gemm::{
     matmul_packed, matmul_packed_profiled, packed_matmul, packed_matmul_reduced,

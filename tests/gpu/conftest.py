@@ -5,6 +5,7 @@ else every test here is skipped with the reason. Model fixtures are the CPU suit
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,8 @@ _spec = importlib.util.spec_from_file_location(
 )
 assert _spec is not None and _spec.loader is not None
 _fixtures = importlib.util.module_from_spec(_spec)
+# Registered before it runs: its dataclasses look their module up in sys.modules.
+sys.modules[_spec.name] = _fixtures
 _spec.loader.exec_module(_fixtures)
 
 tokenizer_dir = _fixtures.tokenizer_dir

@@ -3,7 +3,12 @@ contract (needle in a haystack with its negative control). See docs/determinism.
 
 from __future__ import annotations
 
+import copy
+import os
 import struct
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -51,7 +56,8 @@ def test_fingerprint_names_the_gpu_and_dtype(model_zoo):
     llm = detspec.LLM(str(model_zoo.get("llama").path), device="cuda:0", dtype="float32")
     name = torch.cuda.get_device_name(0).lower()
     token = "".join(c if c.isalnum() else "_" for c in name)
-    assert f"-f32-{token}-k" in llm.fingerprint, llm.fingerprint
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert f"-f32-{token}_sm{sms}_cublas" in llm.fingerprint, llm.fingerprint
     llm.shutdown()
 
 
@@ -139,4 +145,123 @@ def test_negative_control_off_mode_differs_on_gpu(flat_model, dtype):
     solo = bits(llm.generate([TARGET_PROMPT], params, use_tqdm=False)[0])
     differing = sum(in_haystack(llm, params, seed) != solo for seed in range(HAYSTACKS))
     assert differing > 0, "the GPU fast path looked batch-invariant: the needle test is blind"
+    llm.shutdown()
+
+
+# ------------------------------------------------- scoring, audit, preemption, rollbacks
+
+
+def flat_llm(flat_model: str, dtype: str, **kw) -> detspec.LLM:
+    return detspec.LLM(flat_model, device="cuda", dtype=dtype, num_kv_pages=4096, **kw)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_score_equals_generation_logprobs_bitwise_on_gpu(flat_model, dtype, temperature):
+    llm = flat_llm(flat_model, dtype)
+    for seed in range(4):
+        c = generated(llm, target(temperature, True), seed)
+        (scored,) = llm.score([TARGET_PROMPT], [c.token_ids], deterministic=True)
+        assert [struct.pack("<f", x) for x in scored] == [
+            struct.pack("<f", x) for x in c.token_logprobs
+        ], f"haystack {seed}"
+    llm.shutdown()
+
+
+def generated(llm: detspec.LLM, params: SamplingParams, seed: int):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(4, 17))
+    prompts = [[int(x) for x in rng.integers(3, 900, size=int(k))] for k in rng.integers(1, 120, n)]
+    others = [
+        SamplingParams(temperature=1.0, seed=i, max_tokens=40, ignore_eos=True) for i in range(n)
+    ]
+    pos = int(rng.integers(0, n + 1))
+    prompts.insert(pos, TARGET_PROMPT)
+    others.insert(pos, params)
+    return llm.generate(prompts, others, use_tqdm=False)[pos].outputs[0]
+
+
+def test_audit_passes_and_pinpoints_tampering_on_gpu(flat_model):
+    llm = flat_llm(flat_model, "bfloat16")
+    rng = np.random.default_rng(3)
+    prompts = [TARGET_PROMPT] + [[int(x) for x in rng.integers(3, 900, 50)] for _ in range(6)]
+    params = [target(0.8, True)] + [SamplingParams(max_tokens=30, ignore_eos=True)] * 6
+    out = llm.generate(prompts, params, use_tqdm=False)[0]
+    report = llm.audit(out)
+    assert report.ok and report.first_mismatch is None, report
+    bad = copy.deepcopy(out)
+    bad.outputs[0].token_ids[17] = (bad.outputs[0].token_ids[17] + 1) % 512
+    report = llm.audit(bad)
+    assert not report.ok and report.first_mismatch.position == 17, report
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_preemption_and_forced_rollbacks_keep_the_bits_on_gpu(flat_model, dtype):
+    llm = flat_llm(flat_model, dtype)
+    params = target(0.8, True)
+    solo = bits(llm.generate([TARGET_PROMPT], params, use_tqdm=False)[0])
+    llm.shutdown()
+    rng = np.random.default_rng(5)
+    prompts = [
+        [int(x) for x in rng.integers(3, 900, size=int(k))] for k in rng.integers(40, 100, 12)
+    ]
+    others = [
+        SamplingParams(max_tokens=40, ignore_eos=True, temperature=1.0, seed=i) for i in range(12)
+    ]
+    prompts.insert(5, TARGET_PROMPT)
+    others.insert(5, params)
+    # 24 pages of 16 slots for ~1,800 tokens of work: the pool runs dry and preempts.
+    small = detspec.LLM(flat_model, device="cuda", dtype=dtype, num_kv_pages=24, page_size=16)
+    outs = small.generate(prompts, others, use_tqdm=False)
+    assert bits(outs[5]) == solo, "preemption changed the deterministic output"
+    assert max(o.metrics["num_preemptions"] for o in outs) > 0, "the pool never ran dry"
+    small.shutdown()
+    faulty = flat_llm(flat_model, dtype, fault_injection=0.3)
+    got = faulty.generate(prompts, others, use_tqdm=False)[5]
+    assert bits(got) == solo, "forced rollbacks changed the deterministic output"
+    stats = faulty.stats()
+    assert stats["num_rollbacks"] > 0, stats
+    faulty.shutdown()
+
+
+def test_a_prompt_longer_than_the_token_budget_runs_on_an_idle_engine(flat_model):
+    """Its first chunks sample no row: the forward must not launch over zero logit rows."""
+    llm = flat_llm(flat_model, "bfloat16", max_num_batched_tokens=128)
+    prompt = [int(x) for x in np.random.default_rng(8).integers(3, 900, 1000)]
+    for det in (False, True):
+        out = llm.generate(
+            [prompt],
+            SamplingParams(max_tokens=4, ignore_eos=True, deterministic=det),
+            use_tqdm=False,
+        )
+        assert len(out[0].outputs[0].token_ids) == 4
+    llm.shutdown()
+
+
+# ------------------------------------------------- a model wide enough for cuBLAS to switch kernels
+
+
+@pytest.fixture(scope="module")
+def llama3_1b(tmp_path_factory) -> str:
+    """Llama-3.2-1B's shape, random bf16 weights (hidden 2048: cuBLAS picks kernels by M here,
+    where the tiny models' widths rarely make it switch)."""
+    d = tmp_path_factory.mktemp("llama3-1b")
+    script = str(Path(__file__).parents[2] / "benches" / "write_random_llama.py")
+    subprocess.run([sys.executable, script, "--shape", "llama3-1b", "--out", str(d)], check=True)
+    return str(d)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_needle_on_a_llama3_1b_shaped_model(llama3_1b, temperature):
+    llm = detspec.LLM(llama3_1b, device="cuda", num_kv_pages=2048, max_num_batched_tokens=2048)
+    params = target(temperature, deterministic=True)
+    solo = bits(llm.generate([TARGET_PROMPT], params, use_tqdm=False)[0])
+    for seed in range(int(os.environ.get("DETSPEC_GPU_1B_HAYSTACKS", "4"))):
+        got = in_haystack(llm, params, seed)
+        assert got == solo, f"haystack {seed}"
+    (scored,) = llm.score([TARGET_PROMPT], [solo[0]], deterministic=True)
+    assert [struct.pack("<f", x) for x in scored] == solo[1], "score != generation logprobs"
+    stats = llm.stats()
+    print(f"\n[llama3-1b bf16, T={temperature}] {stats}")
     llm.shutdown()

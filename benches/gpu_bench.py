@@ -1,0 +1,302 @@
+"""GPU benchmarks in one process (one device call): a Llama-3.1-8B-shaped bf16 model with
+random weights (``write_random_llama.py``), loaded once per engine mode.
+
+Parts (``--parts``, in this order; the JSON is rewritten after each, so a run cut short keeps
+what it measured):
+
+* ``bandwidth``: the GPU's device-to-device copy bandwidth (bytes read + written), and from it
+  the batch-1 decode bound: bandwidth / bytes of weights read per token (every matrix but the
+  embedding, of which a token reads one row).
+* ``decode``: batch-1 decode tok/s (128-token prompt; time of 129 tokens minus time of 1, so
+  the prefill is left out), as a fraction of that bound; ``determinism="dvr"``, a
+  non-deterministic request.
+* ``offline``: output tok/s at batch 1/16/64 (128-token random prompts -> 128 greedy tokens,
+  ``ignore_eos``).
+* ``dvr``: ``--num-requests`` requests at once at 0/2/10/50/100 % ``deterministic=True``
+  (0 % first and last; the reference is their mean), relative throughput next to LLM-42's
+  0.99/0.96/0.87/0.78 (W = 64, B = 8), with verify passes, rollbacks per verify pass and per
+  1,000 deterministic tokens, and recomputed tokens; then the same workload in
+  ``determinism="batch_invariant"`` (a second engine).
+* ``hf``: transformers ``generate`` at batch 1/16/64 on the same GPU (bf16, greedy, 128-token
+  prompts, ``--hf-new-tokens`` new tokens, ``min_new_tokens`` so none stops early).
+
+    python benches/write_random_llama.py --shape llama3-8b --out /tmp/llama3-8b
+    python benches/gpu_bench.py --model-dir /tmp/llama3-8b --out gpu_bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+LLM42 = {2: 0.99, 10: 0.96, 50: 0.87, 100: 0.78}
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model-dir", type=Path, required=True)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--parts", default="bandwidth,decode,offline,dvr,hf")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--batches", default="1,16,64")
+    p.add_argument("--num-requests", type=int, default=128)
+    p.add_argument("--shares", default="0,2,10,50,100")
+    p.add_argument("--hf-new-tokens", type=int, default=32)
+    p.add_argument("--num-kv-pages", type=int, default=8192)
+    p.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    return p.parse_args()
+
+
+class Results:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.data: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+    def put(self, key: str, value) -> None:
+        self.data[key] = value
+        self.path.write_text(json.dumps(self.data, indent=1))
+        print(f"[{key}] {json.dumps(value)}", flush=True)
+
+
+def weight_bytes(model_dir: Path) -> tuple[int, int]:
+    """(all parameter bytes, bytes read per decoded token: all but the embedding)."""
+    index = model_dir / "model.safetensors.index.json"
+    total = json.loads(index.read_text())["metadata"]["total_size"]
+    cfg = json.loads((model_dir / "config.json").read_text())
+    embed = cfg["vocab_size"] * cfg["hidden_size"] * 2
+    tied = cfg.get("tie_word_embeddings", False)
+    return total, total - (0 if tied else embed)
+
+
+def bandwidth(torch) -> float:
+    """Device-to-device copy, bytes read + written per second (GB/s)."""
+    n = 4 << 30
+    a = torch.empty(n, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    reps = 10
+    for _ in range(reps):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t
+    del a, b
+    torch.cuda.empty_cache()
+    return 2 * n * reps / dt / 1e9
+
+
+def prompts(n: int, length: int, seed: int, vocab: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [[int(x) for x in rng.integers(3, vocab - 1, length)] for _ in range(n)]
+
+
+def timed_generate(llm, batch, params) -> tuple[float, int]:
+    t = time.perf_counter()
+    outs = llm.generate(batch, params, use_tqdm=False)
+    dt = time.perf_counter() - t
+    return dt, sum(len(o.outputs[0].token_ids) for o in outs)
+
+
+def engine(args, determinism: str = "dvr"):
+    from detspec import LLM
+
+    t = time.perf_counter()
+    llm = LLM(
+        str(args.model_dir),
+        device="cuda",
+        determinism=determinism,
+        num_kv_pages=args.num_kv_pages,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=False,
+    )
+    return llm, time.perf_counter() - t
+
+
+def main() -> None:
+    args = parse_args()
+    parts = set(args.parts.split(","))
+    res = Results(args.out)
+    import torch
+
+    from detspec import SamplingParams
+
+    cfg = json.loads((args.model_dir / "config.json").read_text())
+    vocab = cfg["vocab_size"]
+    res.put(
+        "gpu",
+        {
+            "name": torch.cuda.get_device_name(0),
+            "driver": os.popen("nvidia-smi --query-gpu=driver_version --format=csv,noheader")
+            .read()
+            .strip(),
+            "model": str(args.model_dir),
+            "load_avg": os.getloadavg(),
+        },
+    )
+    total, per_token = weight_bytes(args.model_dir)
+    bound = None
+    if "bandwidth" in parts:
+        bw = bandwidth(torch)
+        bound = bw * 1e9 / per_token
+        res.put(
+            "bandwidth",
+            {
+                "copy_GBps": round(bw, 1),
+                "weight_bytes": total,
+                "bytes_per_token": per_token,
+                "decode_bound_tok_s": round(bound, 1),
+            },
+        )
+
+    llm = None
+    greedy = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    if parts & {"decode", "offline", "dvr"}:
+        llm, load_s = engine(args)
+        res.put("engine", {"load_s": round(load_s, 2), "fingerprint": llm.fingerprint})
+        llm.generate(prompts(4, 64, 99, vocab), SamplingParams(max_tokens=16, ignore_eos=True))
+
+    if "decode" in parts:
+        p = prompts(1, args.prompt_len, 1, vocab)
+        one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        many = SamplingParams(temperature=0.0, max_tokens=129, ignore_eos=True)
+        runs = []
+        for _ in range(3):
+            t1, _ = timed_generate(llm, p, one)
+            t129, _ = timed_generate(llm, p, many)
+            runs.append(128 / (t129 - t1))
+        rate = max(runs)
+        res.put(
+            "decode_batch1",
+            {
+                "tok_s_runs": [round(r, 1) for r in runs],
+                "tok_s": round(rate, 1),
+                "fraction_of_bound": round(rate / bound, 3) if bound else None,
+                "ms_per_token": round(1000 / rate, 2),
+            },
+        )
+
+    if "offline" in parts:
+        rows = {}
+        for n in [int(x) for x in args.batches.split(",")]:
+            dt, toks = timed_generate(llm, prompts(n, args.prompt_len, 10 + n, vocab), greedy)
+            rows[n] = {"tok_s": round(toks / dt, 1), "seconds": round(dt, 2), "tokens": toks}
+            res.put(f"offline_{n}", rows[n])
+        res.put("offline", rows)
+
+    if "dvr" in parts:
+        n = args.num_requests
+        shares = [int(x) for x in args.shares.split(",")]
+        if shares[0] == 0:
+            shares = shares + [0]
+
+        def run_share(share: int, seed: int) -> dict:
+            batch = prompts(n, args.prompt_len, 1000 + seed, vocab)
+            k = round(n * share / 100)
+            det = set(np.random.default_rng(seed).choice(n, size=k, replace=False).tolist())
+            params = [
+                SamplingParams(
+                    temperature=0.0,
+                    max_tokens=args.output_len,
+                    ignore_eos=True,
+                    deterministic=i in det,
+                )
+                for i in range(n)
+            ]
+            before = llm.stats()
+            dt, toks = timed_generate(llm, batch, params)
+            after = llm.stats()
+            delta = {key: after[key] - before.get(key, 0) for key in after}
+            passes = max(1, delta.get("num_verify_passes", 0))
+            return {
+                "share": share,
+                "deterministic_requests": k,
+                "tok_s": round(toks / dt, 1),
+                "seconds": round(dt, 2),
+                "verify_passes": delta.get("num_verify_passes", 0),
+                "rollbacks": delta.get("num_rollbacks", 0),
+                "rolled_back_tokens": delta.get("num_rolled_back_tokens", 0),
+                "recomputed_share": round(delta.get("num_rolled_back_tokens", 0) / toks, 4),
+                "rollbacks_per_pass": round(delta.get("num_rollbacks", 0) / passes, 4),
+                "rollbacks_per_1k_det_tokens": round(
+                    1000 * delta.get("num_rollbacks", 0) / max(1, k * args.output_len), 3
+                ),
+                "stats": delta,
+            }
+
+        rows = []
+        for i, share in enumerate(shares):
+            rows.append(run_share(share, i))
+            res.put(f"dvr_{i}_{share}", rows[-1])
+        ref = [r["tok_s"] for r in rows if r["share"] == 0]
+        base = sum(ref) / len(ref)
+        for r in rows:
+            r["relative"] = round(r["tok_s"] / base, 3)
+            r["llm42"] = LLM42.get(r["share"])
+        res.put("dvr", {"reference_tok_s": round(base, 1), "rows": rows})
+        llm.shutdown()
+        del llm
+        gc.collect()
+        inv, load_s = engine(args, "batch_invariant")
+        inv.generate(prompts(4, 64, 99, vocab), SamplingParams(max_tokens=16, ignore_eos=True))
+        dt, toks = timed_generate(inv, prompts(n, args.prompt_len, 1000, vocab), greedy)
+        res.put(
+            "batch_invariant",
+            {
+                "tok_s": round(toks / dt, 1),
+                "relative": round(toks / dt / base, 3),
+                "load_s": load_s,
+            },
+        )
+        inv.shutdown()
+        del inv
+        gc.collect()
+        llm = None
+
+    if llm is not None:
+        llm.shutdown()
+        del llm
+        gc.collect()
+
+    if "hf" in parts:
+        from transformers import AutoModelForCausalLM
+
+        t = time.perf_counter()
+        model = AutoModelForCausalLM.from_pretrained(
+            str(args.model_dir), dtype=torch.bfloat16, device_map="cuda"
+        )
+        load_s = time.perf_counter() - t
+        rows = {"load_s": round(load_s, 1)}
+        new = args.hf_new_tokens
+        for n in [int(x) for x in args.batches.split(",")]:
+            ids = torch.tensor(prompts(n, args.prompt_len, 10 + n, vocab), device="cuda")
+            kw = dict(
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                attention_mask=torch.ones_like(ids),
+                pad_token_id=0,
+            )
+            model.generate(ids[:, :16], **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            out = model.generate(ids, **kw)
+            torch.cuda.synchronize()
+            dt = time.perf_counter() - t
+            toks = (out.shape[1] - ids.shape[1]) * n
+            rows[n] = {"tok_s": round(toks / dt, 1), "seconds": round(dt, 2)}
+            res.put(f"hf_{n}", rows[n])
+        res.put("hf", rows)
+    res.put("finished", time.strftime("%Y-%m-%d %H:%M:%S"))
+
+
+if __name__ == "__main__":
+    main()
