@@ -106,6 +106,21 @@ def timed_generate(llm, batch, params) -> tuple[float, int]:
     return dt, sum(len(o.outputs[0].token_ids) for o in outs)
 
 
+def phases(before: dict, after: dict) -> dict:
+    """Per-step milliseconds by phase between two ``llm.stats()`` (forward: issuing the kernels;
+    sample: waiting for them, copying logits, sampling; verify: verify passes)."""
+    steps = max(1, after["num_steps"] - before["num_steps"])
+    return {
+        "steps": after["num_steps"] - before["num_steps"],
+        **{
+            f"{k}_ms_per_step": round(
+                1000 * (after[f"time_{k}_s"] - before[f"time_{k}_s"]) / steps, 3
+            )
+            for k in ("forward", "sample", "verify")
+        },
+    }
+
+
 def engine(args, determinism: str = "dvr"):
     from detspec import LLM
 
@@ -171,7 +186,9 @@ def main() -> None:
         runs = []
         for _ in range(3):
             t1, _ = timed_generate(llm, p, one)
+            before = llm.stats()
             t129, _ = timed_generate(llm, p, many)
+            split = phases(before, llm.stats())
             runs.append(128 / (t129 - t1))
         rate = max(runs)
         res.put(
@@ -181,14 +198,21 @@ def main() -> None:
                 "tok_s": round(rate, 1),
                 "fraction_of_bound": round(rate / bound, 3) if bound else None,
                 "ms_per_token": round(1000 / rate, 2),
+                "phases": split,
             },
         )
 
     if "offline" in parts:
         rows = {}
         for n in [int(x) for x in args.batches.split(",")]:
+            before = llm.stats()
             dt, toks = timed_generate(llm, prompts(n, args.prompt_len, 10 + n, vocab), greedy)
-            rows[n] = {"tok_s": round(toks / dt, 1), "seconds": round(dt, 2), "tokens": toks}
+            rows[n] = {
+                "tok_s": round(toks / dt, 1),
+                "seconds": round(dt, 2),
+                "tokens": toks,
+                "phases": phases(before, llm.stats()),
+            }
             res.put(f"offline_{n}", rows[n])
         res.put("offline", rows)
 
@@ -229,7 +253,7 @@ def main() -> None:
                 "rollbacks_per_1k_det_tokens": round(
                     1000 * delta.get("num_rollbacks", 0) / max(1, k * args.output_len), 3
                 ),
-                "stats": delta,
+                "phases": phases(before, after),
             }
 
         rows = []

@@ -46,9 +46,9 @@ for dtype in ("float32", "bfloat16"):
     llm = LLM(d, device="cuda", dtype=dtype, num_kv_pages=512, max_num_batched_tokens=128)
     print(dtype, "loaded in", round(time.perf_counter() - t, 2), "s:", llm.fingerprint)
     for det in (False, True):
-        out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=8, deterministic=det, ignore_eos=True))
+        out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=8, deterministic=det, seed=1, ignore_eos=True))
         print(" ", "det" if det else "fast", out[0].outputs[0].token_ids)
-        long = llm.generate([list(range(3, 1003))], SamplingParams(max_tokens=4, deterministic=det, ignore_eos=True))
+        long = llm.generate([list(range(3, 1003))], SamplingParams(max_tokens=4, deterministic=det, seed=1, ignore_eos=True))
         print("  long prompt:", long[0].outputs[0].token_ids)
     print(" ", llm.stats())
     llm.shutdown()

@@ -349,9 +349,11 @@ fn paged_attention_fixed_schedule_is_invariant_and_split_kv_is_not() {
                  at a given split count: batch-, position- and paging-invariant"
             ),
         );
+        // In f32 the splits' other summation order must show in the last bits (the negative
+        // control's premise); in bf16 the rounding of the output may absorb it (measured).
         assert!(
-            !differing.is_empty(),
-            "split-KV rounded exactly like the fixed schedule: the fast path would not be batch-variant"
+            dtype != DType::F32 || !differing.is_empty(),
+            "split-KV rounded exactly like the fixed schedule in f32"
         );
     }
 }
@@ -368,8 +370,11 @@ fn cache_write_and_page_copy_move_exact_bits() {
         write_k(&k, &keys, slots.clone()).expect("write_k");
         write_kv(&v, &values, slots.clone()).expect("write_kv");
         let cpu = |t: &Tensor| t.to_device(&Device::Cpu).expect("to cpu");
-        write_k(&kc, &cpu(&keys), slots.clone()).expect("cpu write_k");
-        write_kv(&vc, &cpu(&values), slots).expect("cpu write_kv");
+        // The CPU writes f32 activations into its cache (rounding to a bf16 cache exactly, as
+        // these values are bf16 already).
+        let f32_cpu = |t: &Tensor| cpu(t).to_dtype(DType::F32).expect("to f32");
+        write_k(&kc, &f32_cpu(&keys), slots.clone()).expect("cpu write_k");
+        write_kv(&vc, &f32_cpu(&values), slots).expect("cpu write_kv");
         assert_eq!(
             bits(&k),
             bits(&kc),

@@ -136,9 +136,11 @@ class _EngineClient:
         hits and hit rate."""
         return self._engine.kv_stats()
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, Any]:
         """Engine-wide counters: verify passes, rollbacks, rolled-back tokens, padded verify
-        rows, preemptions."""
+        rows, preemptions; steps run and their time by phase in seconds (``time_forward_s``:
+        building and issuing forwards, on a GPU the host's share; ``time_sample_s``: waiting
+        for the logits, copying them and sampling; ``time_verify_s``: verify passes)."""
         return self._engine.stats()
 
     def _decode_token(self, token: int) -> str | None:

@@ -8,6 +8,7 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Instant;
 
 use candle_core::Device;
 use rayon::prelude::*;
@@ -55,7 +56,7 @@ struct SeqExtra {
 }
 
 /// Engine-wide decode–verify–rollback counters.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct EngineStats {
     pub verify_passes: usize,
     pub rollbacks: usize,
@@ -65,6 +66,23 @@ pub struct EngineStats {
     pub preemptions: usize,
     /// A weight update is waiting for the requests in flight to finish.
     pub weight_update_pending: bool,
+    /// Where the engine's steps spent their time.
+    pub times: StepTimes,
+}
+
+/// Wall time of the engine's steps by phase, summed. On a GPU the forward's kernels run
+/// asynchronously: `forward` is the time to issue them (the host's share), and the wait for
+/// them lands in `sample`, which starts with copying the logits to the host.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StepTimes {
+    /// Steps that ran a forward.
+    pub steps: u64,
+    /// Building the batch and issuing the forward(s), seconds.
+    pub forward_s: f64,
+    /// Waiting for the logits, copying them to the host and sampling every row, seconds.
+    pub sample_s: f64,
+    /// Verify passes with their accept and rollback, seconds.
+    pub verify_s: f64,
 }
 
 /// Model + KV + scheduler; runs one step at a time.
@@ -84,6 +102,7 @@ pub struct EngineCore {
     /// hooks.
     policy: DeterminismPolicy,
     preemptions: usize,
+    times: StepTimes,
     /// Steps run so far (the clock of `verify_finish_wait`).
     steps: u64,
     /// The fingerprint after the weights hash: dtype, device, kernels, determinism.
@@ -241,6 +260,7 @@ impl EngineCore {
             next_seq_id: 0,
             policy,
             preemptions: 0,
+            times: StepTimes::default(),
             steps: 0,
         })
     }
@@ -271,6 +291,7 @@ impl EngineCore {
             padded_rows: v.padded_rows,
             preemptions: self.preemptions,
             weight_update_pending: false,
+            times: self.times,
         }
     }
 
@@ -548,6 +569,7 @@ impl EngineCore {
     }
 
     fn run_plan(&mut self, plan: &StepPlan) -> Result<Vec<StreamEvent>> {
+        let started = Instant::now();
         let shared = if plan.entries.is_empty() {
             None
         } else {
@@ -572,6 +594,9 @@ impl EngineCore {
         let (forwards, masks) =
             self.forward_with_masks(&sampling_ids, |core| core.run_forwards(shared, isolated));
         let forwards = forwards?;
+        self.times.steps += 1;
+        self.times.forward_s += started.elapsed().as_secs_f64();
+        let sampling_started = Instant::now();
         self.sched.mark_computed(plan);
         self.cache_prompt_pages(plan);
         let eos = self.info.eos_token_ids.clone();
@@ -610,6 +635,7 @@ impl EngineCore {
             sampled.extend(ids.iter().filter(|id| !masks.failed(**id)));
             samples.extend(rows);
         }
+        self.times.sample_s += sampling_started.elapsed().as_secs_f64();
         let mut events = self.fail_sequences(masks.into_failures());
         let t = now();
         let mut touched: Vec<SequenceId> = Vec::with_capacity(sampled.len());
@@ -687,11 +713,14 @@ impl EngineCore {
         let eos = self.info.eos_token_ids.clone();
         let (model, kv) = (&self.model, &self.kv);
         let mut forward = |batch: &ForwardBatch| -> Result<Vec<Vec<f32>>> {
-            Ok(model
-                .forward(batch, kv)?
-                .to_dtype(candle_core::DType::F32)?
-                .to_vec2::<f32>()?)
+            let logits = model.forward(batch, kv)?;
+            let vocab = logits.dim(1)?;
+            Ok(ops::to_f32_vec(&logits)?
+                .chunks(vocab.max(1))
+                .map(<[f32]>::to_vec)
+                .collect())
         };
+        let started = Instant::now();
         touched.extend(self.policy.after_step(
             &mut self.sched,
             self.alloc.as_ref(),
@@ -699,6 +728,7 @@ impl EngineCore {
             &eos,
             &mut forward,
         )?);
+        self.times.verify_s += started.elapsed().as_secs_f64();
         touched.sort_unstable();
         touched.dedup();
         let mut events = Vec::with_capacity(touched.len());

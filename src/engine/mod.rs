@@ -13,7 +13,7 @@ mod stream;
 mod text;
 pub mod validate;
 
-pub use self::core::{AuditInput, EngineCore, EngineStats, ForwardKind, ModelInfo};
+pub use self::core::{AuditInput, EngineCore, EngineStats, ForwardKind, ModelInfo, StepTimes};
 pub use fingerprint::KERNEL_VERSION;
 pub use stream::{OutputAccumulator, RequestStream, StreamEvent};
 pub use validate::RequestRules;

@@ -29,6 +29,7 @@ module!(ROPE, "rope");
 module!(CACHE_WRITE, "cache_write");
 module!(PAGE_COPY, "page_copy");
 module!(PAGED_ATTENTION, "paged_attention");
+module!(ELEMENTWISE, "elementwise");
 
 /// Runs `$body` with `$t` the Rust type of a float `$dtype` (f32, bf16, f16), or fails naming
 /// `$what`.
@@ -166,4 +167,108 @@ pub(super) fn upload_u32(dev: &CudaDevice, values: &[u32]) -> candle_core::Resul
         return dev.clone_htod(&[0u32][..]);
     }
     dev.clone_htod(values)
+}
+
+/// A page-locked host buffer that device→host copies of logits land in, grown on demand and
+/// kept (allocating pinned memory costs milliseconds). Pageable copies run through the driver's
+/// staging buffer at a fraction of the link's speed, and a forward's logits are megabytes (64 rows
+/// × 128k vocabulary), a verify pass's hundreds of megabytes.
+struct Staging {
+    device: candle_core::cuda::DeviceId,
+    buf: candle_core::cuda::cudarc::driver::PinnedHostSlice<u16>,
+}
+
+static STAGING: Mutex<Option<Staging>> = Mutex::new(None);
+
+/// A CUDA tensor's values as f32 on the host, row-major; `None` for a tensor on another
+/// device. bf16 and f16 are copied as they are (half the bytes of f32) through a pinned buffer
+/// and widened on the host, which is exact, so the values are those a device-side cast would
+/// give.
+pub fn to_host_f32(t: &candle_core::Tensor) -> candle_core::Result<Option<Vec<f32>>> {
+    use candle_core::cuda::WrapErr;
+    use rayon::prelude::*;
+
+    let Device::Cuda(dev) = t.device() else {
+        return Ok(None);
+    };
+    let t = t.contiguous()?;
+    let (storage, layout) = t.storage_and_layout();
+    let candle_core::Storage::Cuda(cs) = &*storage else {
+        return Ok(None);
+    };
+    let Some((a, b)) = layout.contiguous_offsets() else {
+        bail!("to_host_f32: expected a contiguous tensor");
+    };
+    let widen: fn(u16) -> f32 = match t.dtype() {
+        DType::BF16 => |x| half::bf16::from_bits(x).to_f32(),
+        DType::F16 => |x| half::f16::from_bits(x).to_f32(),
+        _ => {
+            return Ok(Some(
+                dev.cuda_stream()
+                    .clone_dtoh(&cs.as_cuda_slice::<f32>()?.slice(a..b))
+                    .w()?,
+            ))
+        }
+    };
+    let n = b - a;
+    let mut staging = STAGING.lock().unwrap_or_else(|e| e.into_inner());
+    if !staging
+        .as_ref()
+        .is_some_and(|s| s.device == dev.id() && s.buf.len() >= n)
+    {
+        *staging = None; // free the old buffer before taking a larger one
+        let len = n.max(1 << 20).next_power_of_two();
+        // SAFETY: the buffer is only read after a copy has written the part that is read.
+        // Flags 0: cached host memory (write-combined memory is slow to read from the CPU).
+        let buf = unsafe {
+            dev.cuda_stream()
+                .context()
+                .alloc_pinned_with_flags::<u16>(len, 0)
+        }
+        .w()?;
+        *staging = Some(Staging {
+            device: dev.id(),
+            buf,
+        });
+    }
+    let Some(s) = staging.as_mut() else {
+        bail!("to_host_f32: no staging buffer");
+    };
+    let copied = if t.dtype() == DType::BF16 {
+        copy_bits(
+            dev,
+            &cs.as_cuda_slice::<half::bf16>()?.slice(a..b),
+            &mut s.buf,
+        )
+    } else {
+        copy_bits(
+            dev,
+            &cs.as_cuda_slice::<half::f16>()?.slice(a..b),
+            &mut s.buf,
+        )
+    };
+    copied?;
+    let bits = &s.buf.as_slice().w()?[..n];
+    let mut out = Vec::with_capacity(n);
+    out.par_extend(bits.par_iter().with_min_len(1 << 14).map(|&x| widen(x)));
+    Ok(Some(out))
+}
+
+/// Copies a half-precision view's bits into `dst` (at least as long).
+fn copy_bits<T>(
+    dev: &CudaDevice,
+    src: &CudaView<'_, T>,
+    dst: &mut candle_core::cuda::cudarc::driver::PinnedHostSlice<u16>,
+) -> candle_core::Result<()> {
+    use candle_core::cuda::WrapErr;
+
+    // SAFETY: T is bf16 or f16: the size and alignment of u16; the copy moves bits only.
+    let Some(bits) = (unsafe { src.transmute::<u16>(src.len()) }) else {
+        bail!(
+            "to_host_f32: cannot view {} half-precision values as bits",
+            src.len()
+        );
+    };
+    dev.cuda_stream().memcpy_dtoh(&bits, dst).w()?;
+    Ok(())
 }

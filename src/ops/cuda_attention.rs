@@ -105,9 +105,13 @@ pub(super) fn paged_attention(
     let md = METADATA_ON_DEVICE.get_or_upload(meta, &dev, |m| upload(&dev, m))?;
     let split_rows = md.max_splits > 1;
     let partial = shape.rows * shape.heads * md.max_splits;
-    // Workspaces only when some row is split (one element otherwise: never read).
-    let partial_acc = dev.alloc_zeros::<f32>(if split_rows { partial * shape.dim } else { 1 })?;
-    let partial_ml = dev.alloc_zeros::<f32>(if split_rows { partial * 2 } else { 1 })?;
+    // Workspaces only when some row is split (one element otherwise: never read). Not zeroed:
+    // every (row, head, split) slot the merge reads is written by its split, empty or not.
+    // SAFETY: see above; f32 has no invalid bit patterns.
+    let partial_acc =
+        unsafe { dev.alloc::<f32>(if split_rows { partial * shape.dim } else { 1 })? };
+    // SAFETY: as above.
+    let partial_ml = unsafe { dev.alloc::<f32>(if split_rows { partial * 2 } else { 1 })? };
     let ints = [
         cuda::arg_i32(shape.heads, "paged_attention heads")?,
         cuda::arg_i32(shape.kv_heads, "paged_attention kv_heads")?,

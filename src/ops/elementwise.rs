@@ -1,4 +1,5 @@
-//! Elementwise ops of the decoder (residual add, SwiGLU), on the engine's rayon pool.
+//! Elementwise ops of the decoder (residual add, SwiGLU): on the CPU on the engine's rayon
+//! pool, on a GPU `cuda/elementwise.cu`.
 //!
 //! candle's own CPU elementwise kernels run on a separate thread pool whose threads spin on a
 //! barrier while rayon's spin too: on a 2-core machine the two pools fought (12 % of a batch-64
@@ -87,22 +88,69 @@ impl CustomOp2 for Binary {
         let b = contiguous_f32(s2, l2, name)?;
         Ok((CpuStorage::F32(self.apply(a, b)), l1.shape().clone()))
     }
+
+    /// `cuda/elementwise.cu`: the same map, f32 arithmetic, one rounding to the dtype.
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        use super::cuda::{self, with_float_type};
+        use candle_core::backend::BackendStorage;
+        use candle_core::cuda::cudarc::driver::PushKernelArg;
+        use candle_core::cuda::WrapErr;
+
+        let name = self.name();
+        if l1.dims() != l2.dims() || s1.dtype() != s2.dtype() {
+            bail!(
+                "{name}: operands {:?} {:?} and {:?} {:?} differ",
+                l1.dims(),
+                s1.dtype(),
+                l2.dims(),
+                s2.dtype()
+            );
+        }
+        let n = l1.shape().elem_count();
+        let dev = s1.device();
+        let kernel = match self {
+            Binary::Add => "add",
+            Binary::Swiglu => "swiglu",
+        };
+        let f = cuda::kernel(dev, &cuda::ELEMENTWISE, kernel, s1.dtype())?;
+        with_float_type!(s1.dtype(), name, |T| {
+            let a = cuda::view::<T>(s1, l1, name)?;
+            let b = cuda::view::<T>(s2, l2, name)?;
+            // SAFETY: the kernel writes every element.
+            let mut out = unsafe { dev.alloc::<T>(n.max(1))? };
+            if n > 0 {
+                let stream = dev.cuda_stream();
+                let mut launch = stream.launch_builder(&f);
+                launch.arg(&a).arg(&b).arg(&mut out).arg(&n);
+                // SAFETY: argument types and order match `add_*` / `swiglu_*` in
+                // cuda/elementwise.cu; every index is below `n`, the length of all three.
+                unsafe { launch.launch(cuda::grid_1d(n)) }.w()?;
+            }
+            Ok((
+                candle_core::CudaStorage::wrap_cuda_slice(out, dev.clone()),
+                l1.shape().clone(),
+            ))
+        })
+    }
 }
 
 /// `a + b` (same shape).
 pub fn add(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
-    if !a.device().is_cpu() {
-        return a + b;
-    }
     a.contiguous()?
         .apply_op2_no_bwd(&b.contiguous()?, &Binary::Add)
 }
 
-/// `silu(gate) * up`, with silu(x) = x / (exp(-x) + 1) as candle-nn writes it ([`silu`] on CPU).
+/// `silu(gate) * up`, with silu(x) = x / (exp(-x) + 1) as candle-nn writes it ([`silu`] on the
+/// CPU); on a GPU in one pass with one rounding (not candle's silu, then a multiply, each
+/// rounding to the dtype).
 pub fn swiglu(gate: &Tensor, up: &Tensor) -> candle_core::Result<Tensor> {
-    if !gate.device().is_cpu() {
-        return candle_nn::ops::silu(gate)? * up;
-    }
     gate.contiguous()?
         .apply_op2_no_bwd(&up.contiguous()?, &Binary::Swiglu)
 }

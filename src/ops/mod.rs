@@ -54,8 +54,8 @@ use std::mem::MaybeUninit;
 
 use candle_core::{bail, CpuStorage, Layout};
 
-/// Runs `f` on an f32 tensor's values in row-major order: in place for a contiguous CPU
-/// tensor, on a copy otherwise (another device, dtype or layout).
+/// Runs `f` on a tensor's values as f32 in row-major order: in place for a contiguous f32 CPU
+/// tensor, on a copy ([`to_f32_vec`]) otherwise.
 pub fn with_f32_values<R>(
     t: &candle_core::Tensor,
     f: impl FnOnce(&[f32]) -> R,
@@ -68,11 +68,19 @@ pub fn with_f32_values<R>(
             return Ok(f(&cpu.as_slice::<f32>()?[a..b]));
         }
     }
-    let values = t
-        .flatten_all()?
+    Ok(f(&to_f32_vec(t)?))
+}
+
+/// A tensor's values as f32 in row-major order, copied: from a GPU through a pinned buffer,
+/// half-precision values copied as they are and widened on the host (exact).
+pub fn to_f32_vec(t: &candle_core::Tensor) -> candle_core::Result<Vec<f32>> {
+    #[cfg(feature = "cuda")]
+    if let Some(values) = cuda::to_host_f32(t)? {
+        return Ok(values);
+    }
+    t.flatten_all()?
         .to_dtype(candle_core::DType::F32)?
-        .to_vec1::<f32>()?;
-    Ok(f(&values))
+        .to_vec1::<f32>()
 }
 
 /// Runs `f` on a bf16 tensor's values in row-major order, as bits: in place for a contiguous

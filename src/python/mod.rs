@@ -608,7 +608,7 @@ impl PyEngine {
     }
 
     /// Engine-wide counters: verify passes, rollbacks, rolled-back tokens, padded rows,
-    /// preemptions.
+    /// preemptions, and the steps' time by phase.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.call(py, |e| e.stats())?;
         let d = PyDict::new(py);
@@ -618,6 +618,10 @@ impl PyEngine {
         d.set_item("num_padded_rows", s.padded_rows)?;
         d.set_item("num_preemptions", s.preemptions)?;
         d.set_item("weight_update_pending", s.weight_update_pending)?;
+        d.set_item("num_steps", s.times.steps)?;
+        d.set_item("time_forward_s", s.times.forward_s)?;
+        d.set_item("time_sample_s", s.times.sample_s)?;
+        d.set_item("time_verify_s", s.times.verify_s)?;
         Ok(d)
     }
 }

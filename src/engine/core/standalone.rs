@@ -13,7 +13,7 @@ use crate::dvr::{replay::fixed_shape_passes, ScoringShape};
 use crate::error::{DetspecError, Result};
 use crate::kv::BlockTable;
 use crate::model::ForwardBatch;
-use crate::ops::{AttentionMetadata, AttentionSchedule};
+use crate::ops::{self, AttentionMetadata, AttentionSchedule};
 use crate::output::TokenLogprobs;
 use crate::sampling::{self, SamplingParams};
 
@@ -137,10 +137,7 @@ impl EngineCore {
                 ForwardKind::Hidden => self.model.final_hidden(&batch, &self.kv)?,
             };
             let width = t.dim(1)?;
-            let flat = t
-                .flatten_all()?
-                .to_dtype(candle_core::DType::F32)?
-                .to_vec1::<f32>()?;
+            let flat = ops::to_f32_vec(&t)?;
             let mut rest = flat.as_slice();
             let mut out = Vec::with_capacity(seqs.len());
             for (p, rows) in seqs.iter().zip(wanted) {
@@ -276,12 +273,7 @@ impl EngineCore {
 
     /// The logits of a batch's logit rows, flattened.
     fn forward_f32(&self, batch: &ForwardBatch) -> Result<Vec<f32>> {
-        Ok(self
-            .model
-            .forward(batch, &self.kv)?
-            .flatten_all()?
-            .to_dtype(candle_core::DType::F32)?
-            .to_vec1::<f32>()?)
+        Ok(ops::to_f32_vec(&self.model.forward(batch, &self.kv)?)?)
     }
 
     /// The logprob of every token of each completion given its prompt (the sampler's raw
