@@ -234,34 +234,37 @@ pub fn to_host_f32(t: &candle_core::Tensor) -> candle_core::Result<Option<Vec<f3
     let Some(s) = staging.as_mut() else {
         bail!("to_host_f32: no staging buffer");
     };
-    let copied = if t.dtype() == DType::BF16 {
-        copy_bits(
-            dev,
-            &cs.as_cuda_slice::<half::bf16>()?.slice(a..b),
-            &mut s.buf,
-        )
+    let bits = s.buf.as_mut_slice().w()?.get_mut(..n).ok_or_else(|| {
+        candle_core::Error::Msg(format!("to_host_f32: staging buffer under {n} elements"))
+    })?;
+    if t.dtype() == DType::BF16 {
+        copy_bits(dev, &cs.as_cuda_slice::<half::bf16>()?.slice(a..b), bits)?;
     } else {
-        copy_bits(
-            dev,
-            &cs.as_cuda_slice::<half::f16>()?.slice(a..b),
-            &mut s.buf,
-        )
-    };
-    copied?;
-    let bits = &s.buf.as_slice().w()?[..n];
+        copy_bits(dev, &cs.as_cuda_slice::<half::f16>()?.slice(a..b), bits)?;
+    }
+    let bits = &*bits;
     let mut out = Vec::with_capacity(n);
     out.par_extend(bits.par_iter().with_min_len(1 << 14).map(|&x| widen(x)));
     Ok(Some(out))
 }
 
-/// Copies a half-precision view's bits into `dst` (at least as long).
+/// Copies a half-precision view's bits into `dst` (part of the pinned buffer, exactly as long:
+/// the driver copies `dst`'s length) and waits for the copy, which into pinned memory is
+/// asynchronous.
 fn copy_bits<T>(
     dev: &CudaDevice,
     src: &CudaView<'_, T>,
-    dst: &mut candle_core::cuda::cudarc::driver::PinnedHostSlice<u16>,
+    dst: &mut [u16],
 ) -> candle_core::Result<()> {
     use candle_core::cuda::WrapErr;
 
+    if dst.len() != src.len() {
+        bail!(
+            "to_host_f32: copying {} values into {}",
+            src.len(),
+            dst.len()
+        );
+    }
     // SAFETY: T is bf16 or f16: the size and alignment of u16; the copy moves bits only.
     let Some(bits) = (unsafe { src.transmute::<u16>(src.len()) }) else {
         bail!(
@@ -269,6 +272,8 @@ fn copy_bits<T>(
             src.len()
         );
     };
-    dev.cuda_stream().memcpy_dtoh(&bits, dst).w()?;
+    let stream = dev.cuda_stream();
+    stream.memcpy_dtoh(&bits, dst).w()?;
+    stream.synchronize().w()?;
     Ok(())
 }
