@@ -12,13 +12,16 @@ what it measured):
   non-deterministic request.
 * ``offline``: output tok/s at batch 1/16/64 (128-token random prompts -> 128 greedy tokens,
   ``ignore_eos``).
-* ``dvr``: ``--num-requests`` requests at once at 0/2/10/50/100 % ``deterministic=True``
-  (0 % first and last; the reference is their mean), relative throughput next to LLM-42's
-  0.99/0.96/0.87/0.78 (W = 64, B = 8), with verify passes, rollbacks per verify pass and per
-  1,000 deterministic tokens, and recomputed tokens; then the same workload in
-  ``determinism="batch_invariant"`` (a second engine).
+* ``invariant``: ``--num-requests`` requests at once on the dvr engine (none deterministic),
+  then the same in ``determinism="batch_invariant"`` (a second engine: every GEMM in 16-row
+  blocks), and the ratio.
 * ``hf``: transformers ``generate`` at batch 1/16/64 on the same GPU (bf16, greedy, 128-token
   prompts, ``--hf-new-tokens`` new tokens, ``min_new_tokens`` so none stops early).
+* ``dvr`` (last: the longest): ``--num-requests`` requests at once at 0/2/10/50/100 %
+  ``deterministic=True`` (0 % first and last; the reference is their mean), relative
+  throughput next to LLM-42's 0.99/0.96/0.87/0.78 (W = 64, B = 8), with verify passes,
+  rollbacks per verify pass and per 1,000 deterministic tokens, recomputed tokens, and the
+  steps' time by phase.
 
     python benches/write_random_llama.py --shape llama3-8b --out /tmp/llama3-8b
     python benches/gpu_bench.py --model-dir /tmp/llama3-8b --out gpu_bench.json
@@ -42,7 +45,7 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model-dir", type=Path, required=True)
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--parts", default="bandwidth,decode,offline,dvr,hf")
+    p.add_argument("--parts", default="bandwidth,decode,offline,invariant,hf,dvr")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--batches", default="1,16,64")
@@ -136,6 +139,95 @@ def engine(args, determinism: str = "dvr"):
     return llm, time.perf_counter() - t
 
 
+def dvr_shares(args, res: Results, llm, vocab: int) -> None:
+    """Throughput at each deterministic share, relative to 0 % (run first and last)."""
+    from detspec import SamplingParams
+
+    n = args.num_requests
+    shares = [int(x) for x in args.shares.split(",")]
+    if shares[0] == 0:
+        shares = shares + [0]
+
+    def run_share(share: int, seed: int) -> dict:
+        batch = prompts(n, args.prompt_len, 1000 + seed, vocab)
+        k = round(n * share / 100)
+        det = set(np.random.default_rng(seed).choice(n, size=k, replace=False).tolist())
+        params = [
+            SamplingParams(
+                temperature=0.0,
+                max_tokens=args.output_len,
+                ignore_eos=True,
+                deterministic=i in det,
+            )
+            for i in range(n)
+        ]
+        before = llm.stats()
+        dt, toks = timed_generate(llm, batch, params)
+        after = llm.stats()
+        delta = {key: after[key] - before.get(key, 0) for key in after}
+        passes = max(1, delta.get("num_verify_passes", 0))
+        return {
+            "share": share,
+            "deterministic_requests": k,
+            "tok_s": round(toks / dt, 1),
+            "seconds": round(dt, 2),
+            "verify_passes": delta.get("num_verify_passes", 0),
+            "rollbacks": delta.get("num_rollbacks", 0),
+            "rolled_back_tokens": delta.get("num_rolled_back_tokens", 0),
+            "recomputed_share": round(delta.get("num_rolled_back_tokens", 0) / toks, 4),
+            "rollbacks_per_pass": round(delta.get("num_rollbacks", 0) / passes, 4),
+            "rollbacks_per_1k_det_tokens": round(
+                1000 * delta.get("num_rollbacks", 0) / max(1, k * args.output_len), 3
+            ),
+            "phases": phases(before, after),
+        }
+
+    rows = []
+    for i, share in enumerate(shares):
+        rows.append(run_share(share, i))
+        res.put(f"dvr_{i}_{share}", rows[-1])
+    ref = [r["tok_s"] for r in rows if r["share"] == 0]
+    base = sum(ref) / len(ref)
+    for r in rows:
+        r["relative"] = round(r["tok_s"] / base, 3)
+        r["llm42"] = LLM42.get(r["share"])
+    res.put("dvr", {"reference_tok_s": round(base, 1), "rows": rows})
+
+
+def hf_generate(args, res: Results, torch, vocab: int) -> None:
+    """transformers ``generate`` on the same GPU, greedy, ``min_new_tokens`` = max."""
+    from transformers import AutoModelForCausalLM
+
+    t = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(args.model_dir), dtype=torch.bfloat16, device_map="cuda"
+    )
+    rows: dict = {"load_s": round(time.perf_counter() - t, 1)}
+    new = args.hf_new_tokens
+    for n in [int(x) for x in args.batches.split(",")]:
+        ids = torch.tensor(prompts(n, args.prompt_len, 10 + n, vocab), device="cuda")
+        kw = dict(
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            attention_mask=torch.ones_like(ids),
+            pad_token_id=0,
+        )
+        model.generate(ids[:, :16], **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = model.generate(ids, **kw)
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t
+        toks = (out.shape[1] - ids.shape[1]) * n
+        rows[n] = {"tok_s": round(toks / dt, 1), "seconds": round(dt, 2)}
+        res.put(f"hf_{n}", rows[n])
+    res.put("hf", rows)
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 def main() -> None:
     args = parse_args()
     parts = set(args.parts.split(","))
@@ -172,12 +264,13 @@ def main() -> None:
             },
         )
 
-    llm = None
     greedy = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    if parts & {"decode", "offline", "dvr"}:
+    warm = SamplingParams(max_tokens=16, ignore_eos=True)
+    llm = None
+    if parts & {"decode", "offline", "invariant", "dvr"}:
         llm, load_s = engine(args)
         res.put("engine", {"load_s": round(load_s, 2), "fingerprint": llm.fingerprint})
-        llm.generate(prompts(4, 64, 99, vocab), SamplingParams(max_tokens=16, ignore_eos=True))
+        llm.generate(prompts(4, 64, 99, vocab), warm, use_tqdm=False)
 
     if "decode" in parts:
         p = prompts(1, args.prompt_len, 1, vocab)
@@ -216,109 +309,36 @@ def main() -> None:
             res.put(f"offline_{n}", rows[n])
         res.put("offline", rows)
 
-    if "dvr" in parts:
-        n = args.num_requests
-        shares = [int(x) for x in args.shares.split(",")]
-        if shares[0] == 0:
-            shares = shares + [0]
-
-        def run_share(share: int, seed: int) -> dict:
-            batch = prompts(n, args.prompt_len, 1000 + seed, vocab)
-            k = round(n * share / 100)
-            det = set(np.random.default_rng(seed).choice(n, size=k, replace=False).tolist())
-            params = [
-                SamplingParams(
-                    temperature=0.0,
-                    max_tokens=args.output_len,
-                    ignore_eos=True,
-                    deterministic=i in det,
-                )
-                for i in range(n)
-            ]
-            before = llm.stats()
-            dt, toks = timed_generate(llm, batch, params)
-            after = llm.stats()
-            delta = {key: after[key] - before.get(key, 0) for key in after}
-            passes = max(1, delta.get("num_verify_passes", 0))
-            return {
-                "share": share,
-                "deterministic_requests": k,
-                "tok_s": round(toks / dt, 1),
-                "seconds": round(dt, 2),
-                "verify_passes": delta.get("num_verify_passes", 0),
-                "rollbacks": delta.get("num_rollbacks", 0),
-                "rolled_back_tokens": delta.get("num_rolled_back_tokens", 0),
-                "recomputed_share": round(delta.get("num_rolled_back_tokens", 0) / toks, 4),
-                "rollbacks_per_pass": round(delta.get("num_rollbacks", 0) / passes, 4),
-                "rollbacks_per_1k_det_tokens": round(
-                    1000 * delta.get("num_rollbacks", 0) / max(1, k * args.output_len), 3
-                ),
-                "phases": phases(before, after),
-            }
-
-        rows = []
-        for i, share in enumerate(shares):
-            rows.append(run_share(share, i))
-            res.put(f"dvr_{i}_{share}", rows[-1])
-        ref = [r["tok_s"] for r in rows if r["share"] == 0]
-        base = sum(ref) / len(ref)
-        for r in rows:
-            r["relative"] = round(r["tok_s"] / base, 3)
-            r["llm42"] = LLM42.get(r["share"])
-        res.put("dvr", {"reference_tok_s": round(base, 1), "rows": rows})
-        llm.shutdown()
-        del llm
-        gc.collect()
+    n = args.num_requests
+    if "invariant" in parts:
+        # The same workload on the dvr engine (no deterministic request), then in
+        # batch_invariant mode (a second engine: every GEMM in 16-row blocks).
+        batch = prompts(n, args.prompt_len, 1000, vocab)
+        dt, toks = timed_generate(llm, batch, greedy)
         inv, load_s = engine(args, "batch_invariant")
-        inv.generate(prompts(4, 64, 99, vocab), SamplingParams(max_tokens=16, ignore_eos=True))
-        dt, toks = timed_generate(inv, prompts(n, args.prompt_len, 1000, vocab), greedy)
+        inv.generate(prompts(4, 64, 99, vocab), warm, use_tqdm=False)
+        dt_inv, toks_inv = timed_generate(inv, batch, greedy)
         res.put(
             "batch_invariant",
             {
-                "tok_s": round(toks / dt, 1),
-                "relative": round(toks / dt / base, 3),
-                "load_s": load_s,
+                "dvr_0pct_tok_s": round(toks / dt, 1),
+                "tok_s": round(toks_inv / dt_inv, 1),
+                "relative": round((toks_inv / dt_inv) / (toks / dt), 3),
+                "load_s": round(load_s, 2),
             },
         )
         inv.shutdown()
         del inv
         gc.collect()
-        llm = None
+
+    if "hf" in parts:
+        hf_generate(args, res, torch, vocab)
+
+    if "dvr" in parts:
+        dvr_shares(args, res, llm, vocab)
 
     if llm is not None:
         llm.shutdown()
-        del llm
-        gc.collect()
-
-    if "hf" in parts:
-        from transformers import AutoModelForCausalLM
-
-        t = time.perf_counter()
-        model = AutoModelForCausalLM.from_pretrained(
-            str(args.model_dir), dtype=torch.bfloat16, device_map="cuda"
-        )
-        load_s = time.perf_counter() - t
-        rows = {"load_s": round(load_s, 1)}
-        new = args.hf_new_tokens
-        for n in [int(x) for x in args.batches.split(",")]:
-            ids = torch.tensor(prompts(n, args.prompt_len, 10 + n, vocab), device="cuda")
-            kw = dict(
-                max_new_tokens=new,
-                min_new_tokens=new,
-                do_sample=False,
-                attention_mask=torch.ones_like(ids),
-                pad_token_id=0,
-            )
-            model.generate(ids[:, :16], **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            out = model.generate(ids, **kw)
-            torch.cuda.synchronize()
-            dt = time.perf_counter() - t
-            toks = (out.shape[1] - ids.shape[1]) * n
-            rows[n] = {"tok_s": round(toks / dt, 1), "seconds": round(dt, 2)}
-            res.put(f"hf_{n}", rows[n])
-        res.put("hf", rows)
     res.put("finished", time.strftime("%Y-%m-%d %H:%M:%S"))
 
 
