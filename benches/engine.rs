@@ -116,7 +116,7 @@ fn engine(c: &mut Criterion) {
             n,
             CONTEXT,
             1,
-            AttentionSchedule::split_kv_for_batch(n, heads, &Device::Cpu),
+            AttentionSchedule::split_kv_for_batch(n, n, heads, &Device::Cpu),
             true,
         );
         g.throughput(Throughput::Elements(n as u64));

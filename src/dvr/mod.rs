@@ -73,8 +73,11 @@ pub struct Verifier {
     stats: VerifyStats,
 }
 
-/// Logits of every row of a batch that needs them, one `Vec` per row, in row order.
-pub type ForwardFn<'a> = dyn FnMut(&ForwardBatch) -> Result<Vec<Vec<f32>>> + 'a;
+/// Runs a batch and returns the logits of the asked logit rows (indices into the batch's
+/// `logit_rows`), concatenated in the order asked: a verify pass projects all B × W rows for
+/// the GEMM's fixed shape but reads only its real ones, and on a GPU copying the padding's
+/// logits to the host cost more than the pass's GEMMs.
+pub type ForwardFn<'a> = dyn FnMut(&ForwardBatch, &[u32]) -> Result<Vec<f32>> + 'a;
 
 impl Verifier {
     pub fn new(
@@ -149,47 +152,41 @@ impl Verifier {
         let replay = replay::build_replay_batch(sched, alloc, members, &self.shape, self.pad_page)?;
         self.stats.verify_passes += 1;
         self.stats.padded_rows += replay.padded_rows;
-        let logits = forward(&replay.batch)?;
+        let wanted: Vec<u32> = replay
+            .windows
+            .iter()
+            .flat_map(|w| (w.first_row..=w.first_row + w.n).map(|r| r as u32))
+            .collect();
+        let logits = forward(&replay.batch, &wanted)?;
+        let vocab = logits.len().checked_div(wanted.len()).unwrap_or(0);
+        if vocab * wanted.len() != logits.len() || (vocab == 0 && !wanted.is_empty()) {
+            return Err(DetspecError::InvalidRequest {
+                request_id: None,
+                message: format!(
+                    "verify pass returned {} logits for {} rows",
+                    logits.len(),
+                    wanted.len()
+                ),
+            });
+        }
+        let preds = predict(sched, &replay.windows, &logits, vocab, eos)?;
+        let mut preds = preds.into_iter();
         for window in replay.windows {
-            let rows = logits
-                .get(window.first_row..window.first_row + window.n + 1)
-                .ok_or_else(|| DetspecError::InvalidRequest {
-                    request_id: None,
-                    message: format!("verify pass returned {} logit rows", logits.len()),
-                })?;
+            // `None` only for a sequence that is gone, skipped below.
+            let window_preds: Vec<_> = preds.by_ref().take(window.n + 1).flatten().collect();
             let forced = self.faults.next_window();
             let Some(seq) = sched.get_mut(window.seq) else {
                 continue;
             };
             let v = seq.verified;
-            // The verifier's predictions, sampled exactly as the fast path sampled: same seed,
-            // same absolute position, same output context.
-            let mut preds = Vec::with_capacity(window.n + 1);
-            for (j, row) in rows.iter().enumerate() {
-                let before = &seq.output[..v + j];
-                // The structured-output mask of this position: the fast path's own, from the
-                // constraint's cache, as the prefix before it is the one it sampled after.
-                let mask = match seq.constraint.as_mut() {
-                    Some(c) => Some(c.mask_after(before)?),
-                    None => None,
-                };
-                preds.push(sampling::sample_next(
-                    &seq.params,
-                    seq.seed,
-                    &seq.prompt,
-                    before,
-                    row,
-                    eos,
-                    mask.as_deref(),
-                )?);
-            }
-            let mut mismatch = accept::first_mismatch(&seq.output[v..], &preds);
+            let mut mismatch = accept::first_mismatch(&seq.output[v..], &window_preds);
             if let Some(fault) = forced {
                 if mismatch.is_none() && window.n > 0 {
                     mismatch = Some(fault.index(window.seq, window.n));
                 }
             }
-            let rolled_back = accept::commit(seq, preds, mismatch, alloc, self.shape.page_size);
+            let rolled_back =
+                accept::commit(seq, window_preds, mismatch, alloc, self.shape.page_size);
             if let Some(dropped) = rolled_back {
                 self.stats.rollbacks += 1;
                 self.stats.rolled_back_tokens += dropped;
@@ -197,4 +194,58 @@ impl Verifier {
         }
         Ok(())
     }
+}
+
+/// The verifier's prediction at every row of `windows` (`logits`: their rows, `vocab` wide, in
+/// window order), sampled exactly as the fast path sampled: same seed, same absolute position,
+/// same output context. Structured-output masks come first, one window after another (a
+/// constraint's cache is mutable state); then the rows are sampled in parallel, each a pure
+/// function of its logits, its sequence's parameters and the prefix before it.
+fn predict(
+    sched: &mut Scheduler,
+    windows: &[replay::ReplayWindow],
+    logits: &[f32],
+    vocab: usize,
+    eos: &[u32],
+) -> Result<Vec<Option<crate::output::TokenLogprobs>>> {
+    use rayon::prelude::*;
+
+    // (window, row within it, the mask of its position).
+    let mut rows = Vec::with_capacity(logits.len().checked_div(vocab).unwrap_or(0));
+    for (wi, window) in windows.iter().enumerate() {
+        let Some(seq) = sched.get_mut(window.seq) else {
+            rows.extend((0..=window.n).map(|j| (wi, j, None)));
+            continue;
+        };
+        let v = seq.verified;
+        for j in 0..=window.n {
+            // The fast path's own mask, from the constraint's cache, as the prefix before this
+            // position is the one it sampled after.
+            let mask = match seq.constraint.as_mut() {
+                Some(c) => Some(c.mask_after(&seq.output[..v + j])?),
+                None => None,
+            };
+            rows.push((wi, j, mask));
+        }
+    }
+    let sched: &Scheduler = sched;
+    rows.par_iter()
+        .zip(logits.par_chunks(vocab.max(1)))
+        .map(|((wi, j, mask), row)| {
+            // A sequence gone since the batch was built has no predictions.
+            let Some(seq) = sched.get(windows[*wi].seq) else {
+                return Ok(None);
+            };
+            sampling::sample_next(
+                &seq.params,
+                seq.seed,
+                &seq.prompt,
+                &seq.output[..seq.verified + j],
+                row,
+                eos,
+                mask.as_deref(),
+            )
+            .map(Some)
+        })
+        .collect()
 }

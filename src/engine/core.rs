@@ -712,13 +712,14 @@ impl EngineCore {
     fn verify_and_emit(&mut self, mut touched: Vec<SequenceId>) -> Result<Vec<StreamEvent>> {
         let eos = self.info.eos_token_ids.clone();
         let (model, kv) = (&self.model, &self.kv);
-        let mut forward = |batch: &ForwardBatch| -> Result<Vec<Vec<f32>>> {
+        let mut forward = |batch: &ForwardBatch, rows: &[u32]| -> Result<Vec<f32>> {
             let logits = model.forward(batch, kv)?;
-            let vocab = logits.dim(1)?;
-            Ok(ops::to_f32_vec(&logits)?
-                .chunks(vocab.max(1))
-                .map(<[f32]>::to_vec)
-                .collect())
+            if rows.is_empty() {
+                return Ok(Vec::new());
+            }
+            // Selecting rows copies them: their bits are those the pass computed.
+            let ids = candle_core::Tensor::from_slice(rows, rows.len(), logits.device())?;
+            Ok(ops::to_f32_vec(&logits.index_select(&ids, 0)?)?)
         };
         let started = Instant::now();
         touched.extend(self.policy.after_step(
@@ -821,6 +822,7 @@ impl EngineCore {
             attention: AttentionMetadata {
                 sliding_window: self.info.config.sliding_window,
                 schedule: AttentionSchedule::split_kv_for_batch(
+                    entries.len(),
                     entries.iter().map(|e| e.len).sum(),
                     self.info.config.num_attention_heads,
                     self.model.device(),

@@ -40,17 +40,24 @@ pub enum AttentionSchedule {
 
 impl AttentionSchedule {
     /// The fast path's heuristic: enough (row, head, split) tasks to occupy every CPU thread a
-    /// few times over, or every GPU multiprocessor twice. Depends on how many query rows are in
-    /// the batch, hence batch-variant. Rows, not sequences: one prompt's thousands of prefill
-    /// rows fill the machine unsplit, where splitting them would only add a merge and
-    /// rows × heads × splits partial results.
-    pub fn split_kv_for_batch(num_rows: usize, num_heads: usize, device: &Device) -> Self {
-        let target_tasks = if device.is_cpu() {
-            4 * rayon::current_num_threads().max(1)
+    /// few times over, or every GPU multiprocessor twice. Depends on the batch, hence
+    /// batch-variant. The GPU counts query rows (a block per row, head and split: one prompt's
+    /// thousands of prefill rows fill it unsplit, where splitting them would only add a merge
+    /// and rows × heads × splits partial results); the CPU counts sequences, the measure its
+    /// speed was tuned with (which also splits a lone prompt's prefill, the prefill batch
+    /// variance the CPU's negative controls detect).
+    pub fn split_kv_for_batch(
+        num_seqs: usize,
+        num_rows: usize,
+        num_heads: usize,
+        device: &Device,
+    ) -> Self {
+        let (target_tasks, units) = if device.is_cpu() {
+            (4 * rayon::current_num_threads().max(1), num_seqs)
         } else {
-            2 * gpu_multiprocessors(device)
+            (2 * gpu_multiprocessors(device), num_rows)
         };
-        let tasks = (num_rows * num_heads).max(1);
+        let tasks = (units * num_heads).max(1);
         let splits = target_tasks.div_ceil(tasks).clamp(1, 16);
         if splits <= 1 {
             AttentionSchedule::Fixed

@@ -38,6 +38,11 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 PROMPT = [int(x) for x in np.random.default_rng(3).integers(3, 900, size=21)]
 
 
+# A request long enough to be in flight when a control call that follows its first chunk
+# arrives: the tiny model decodes 200 tokens in ~6 ms on an idle 2-core machine.
+LONG = 1900
+
+
 def start_rl_server(tmp_path_factory, name: str, model_dir: str) -> ServerProcess:
     return start_server(
         tmp_path_factory,
@@ -46,7 +51,7 @@ def start_rl_server(tmp_path_factory, name: str, model_dir: str) -> ServerProces
         "--api-key",
         API_KEY,
         "--max-model-len",
-        "256",
+        "2048",
         "--num-kv-pages",
         "512",
         # far below one weight upload: the limit must not apply to /update_weights_from_tensor
@@ -273,20 +278,21 @@ def test_update_in_flight_finish_or_abort(rl_server, weights, demo_model_dir, tm
             rl_server, "/update_weights_from_disk", json={**body, "abort_all_requests": True}
         )
 
-    # On a busy machine the tiny model can finish all 200 tokens before the update (which
-    # reads the checkpoint first) reaches the engine: then there was nothing to abort; retry.
+    # The tiny model can finish a short request before the update (which reads the
+    # checkpoint first) reaches the engine: then there was nothing to abort; a long request
+    # (tens of milliseconds), and a retry.
     outcomes = []
     for _ in range(4):
         try:
             finish, ids, r = asyncio.run(
-                _stream_first_then(rl_server, update_abort, max_tokens=200)
+                _stream_first_then(rl_server, update_abort, max_tokens=LONG)
             )
             assert r.status_code == 200, r.text
             outcomes.append((finish, len(ids)))
         finally:
             restore(rl_server, demo_model_dir)
         if finish == "abort":
-            assert len(ids) < 200
+            assert len(ids) < LONG
             break
     assert outcomes[-1][0] == "abort", outcomes
 
@@ -316,8 +322,8 @@ def test_pause_modes_and_continue(rl_server) -> None:
     async def pause_abort() -> httpx.Response:
         return await _apost(rl_server, "/pause_generation", json={"mode": "abort"})
 
-    finish, ids, r = asyncio.run(_stream_first_then(rl_server, pause_abort, max_tokens=200))
-    assert r.status_code == 200 and finish == "abort"
+    finish, ids, r = asyncio.run(_stream_first_then(rl_server, pause_abort, max_tokens=LONG))
+    assert r.status_code == 200 and finish == "abort" and len(ids) < LONG, (finish, len(ids))
     assert call(rl_server, "POST", "/continue_generation").status_code == 200
 
     async def pause_wait() -> httpx.Response:

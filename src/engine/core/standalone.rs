@@ -93,6 +93,7 @@ impl EngineCore {
             AttentionSchedule::Fixed
         } else {
             AttentionSchedule::split_kv_for_batch(
+                seqs.len(),
                 seqs.iter().map(Vec::len).sum(),
                 self.info.config.num_attention_heads,
                 self.model.device(),
