@@ -10,7 +10,7 @@
 //! | Trigger                 | [`trigger::is_verifiable`], [`trigger::ready_sequences`]     |
 //! | finish-wait policy      | [`trigger::finished_verification_due`]                       |
 //! | Grouped, fixed shape    | [`trigger::top_up_group`], [`replay::build_replay_batch`]    |
-//! | Replay                  | [`replay::build_replay_batch`] + the engine's `forward`      |
+//! | Replay                  | [`replay::build_replay_batch`] + the engine's `forward`; `predict` |
 //! | Accept / roll back      | [`accept::first_mismatch`], [`accept::commit`]               |
 //! | Stats                   | [`VerifyStats`] (engine-wide), `Sequence::dvr` (per request) |
 //!
