@@ -18,15 +18,15 @@ use candle_core::{DType, Device, Tensor};
 use detspec::config::{ActivationDtype, DTypeSpec, DeterminismMode, KernelProfile};
 use detspec::ops::{
     bf16_bits, bf16_to_f32, packed_matmul_bf16, packed_matmul_bf16_with, packed_matmul_with,
-    paged_attention, paged_attention_with_isa, write_k, write_kv, AttentionMetadata,
-    AttentionSchedule, CpuIsa, PackedWeight, PackedWeightBf16,
+    paged_attention, paged_attention_with_isa, write_k, write_kv, AttentionSchedule, CpuIsa,
+    PackedWeight, PackedWeightBf16,
 };
 use detspec::{Engine, EngineConfig, Request, RequestOutput, SamplingParams};
 use proptest::prelude::*;
 
 #[path = "common/kernels.rs"]
 mod kernels;
-use kernels::{in_pool, MODEL_GEMM_SHAPES};
+use kernels::{bits, in_pool, meta, MODEL_GEMM_SHAPES};
 
 /// Random f32 values in [-0.5, 0.5), a few of them denormal or signed zero.
 fn values(seed: u64, n: usize) -> Vec<f32> {
@@ -218,30 +218,6 @@ fn caches(pages: usize) -> ((Tensor, Tensor), (Tensor, Tensor)) {
         v16.to_dtype(DType::F32).expect("v f32"),
     );
     ((k16, v16), wide)
-}
-
-fn bits(t: &Tensor) -> Vec<u32> {
-    t.flatten_all()
-        .and_then(|t| t.to_vec1::<f32>())
-        .expect("f32 values")
-        .into_iter()
-        .map(f32::to_bits)
-        .collect()
-}
-
-fn meta(
-    rows: &[(u32, u32)],
-    tables: Vec<Vec<u32>>,
-    schedule: AttentionSchedule,
-) -> AttentionMetadata {
-    AttentionMetadata {
-        positions: rows.iter().map(|r| r.1).collect(),
-        row_seq: rows.iter().map(|r| r.0).collect(),
-        block_tables: tables,
-        sliding_window: None,
-        schedule,
-        fixed_seqs: Vec::new(),
-    }
 }
 
 #[test]

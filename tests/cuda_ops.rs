@@ -18,6 +18,10 @@ use detspec::ops::{
     write_kv, AttentionMetadata, AttentionSchedule,
 };
 
+#[path = "common/kernels.rs"]
+mod kernels;
+use kernels::{bits, meta, randn};
+
 /// The GPU, or `None` (printed) where this machine has none.
 fn gpu() -> Option<Device> {
     match DeviceSpec::Cuda(0).open() {
@@ -29,38 +33,12 @@ fn gpu() -> Option<Device> {
     }
 }
 
-/// Uniform values in [-1, 1) from a fixed LCG: the same inputs on every machine.
-fn randn(seed: u64, n: usize) -> Vec<f32> {
-    let mut s = seed
-        .wrapping_mul(6364136223846793005)
-        .wrapping_add(1442695040888963407);
-    (0..n)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
-}
-
 fn tensor(seed: u64, shape: &[usize], dtype: DType, dev: &Device) -> Tensor {
     let n = shape.iter().product();
     Tensor::from_vec(randn(seed, n), shape, &Device::Cpu)
         .and_then(|t| t.to_dtype(dtype))
         .and_then(|t| t.to_device(dev))
         .expect("test tensor")
-}
-
-/// A tensor's values as f32 bits (bf16 widens exactly).
-fn bits(t: &Tensor) -> Vec<u32> {
-    t.to_dtype(DType::F32)
-        .and_then(|t| t.flatten_all())
-        .and_then(|t| t.to_vec1::<f32>())
-        .expect("read back")
-        .into_iter()
-        .map(f32::to_bits)
-        .collect()
 }
 
 fn row(t: &Tensor, r: usize) -> Vec<u32> {
@@ -187,21 +165,6 @@ fn fill(k: &Tensor, v: &Tensor, table: &[u32], len: usize, seed: u64) {
     let slots = Arc::new(slots);
     write_k(k, &keys, slots.clone()).expect("write_k");
     write_kv(v, &values, slots).expect("write_kv");
-}
-
-fn meta(
-    rows: &[(u32, u32)],
-    tables: Vec<Vec<u32>>,
-    schedule: AttentionSchedule,
-) -> AttentionMetadata {
-    AttentionMetadata {
-        positions: rows.iter().map(|r| r.1).collect(),
-        row_seq: rows.iter().map(|r| r.0).collect(),
-        block_tables: tables,
-        sliding_window: None,
-        schedule,
-        fixed_seqs: Vec::new(),
-    }
 }
 
 fn attend(q: &Tensor, k: &Tensor, v: &Tensor, m: AttentionMetadata) -> Tensor {

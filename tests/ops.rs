@@ -12,32 +12,7 @@ use detspec::ops::{
 
 #[path = "common/kernels.rs"]
 mod kernels;
-use kernels::in_pool;
-
-fn randn(seed: u64, n: usize) -> Vec<f32> {
-    // Small LCG: fixed, platform-independent test data.
-    let mut s = seed
-        .wrapping_mul(6364136223846793005)
-        .wrapping_add(1442695040888963407);
-    (0..n)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
-}
-
-fn bits(t: &Tensor) -> Vec<u32> {
-    t.flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap()
-        .into_iter()
-        .map(f32::to_bits)
-        .collect()
-}
+use kernels::{bits, in_pool, randn};
 
 const PAGE: usize = 4;
 const KVH: usize = 2;
@@ -78,14 +53,7 @@ fn reference_row(q: &[f32], k: &[f32], v: &[f32], bt: &[u32], pos: usize, head: 
 }
 
 fn meta(rows: &[(u32, u32)], tables: Vec<Vec<u32>>) -> Arc<AttentionMetadata> {
-    Arc::new(AttentionMetadata {
-        positions: rows.iter().map(|r| r.1).collect(),
-        row_seq: rows.iter().map(|r| r.0).collect(),
-        block_tables: tables,
-        sliding_window: None,
-        schedule: AttentionSchedule::Fixed,
-        fixed_seqs: Vec::new(),
-    })
+    Arc::new(kernels::meta(rows, tables, AttentionSchedule::Fixed))
 }
 
 #[test]

@@ -1,7 +1,53 @@
-//! What the kernel tests share (`tests/gemm.rs`, `gemm_abf16.rs`, `bf16.rs`, `ops.rs`): a
-//! rayon pool of a given size, the (K, N) shapes the engine's models run, and the columns a
-//! shape's check samples. Included with `#[path]`, so not every binary uses every item.
+//! What the kernel tests share (`tests/gemm.rs`, `gemm_abf16.rs`, `bf16.rs`, `ops.rs`,
+//! `cuda_ops.rs`): a rayon pool of a given size, the (K, N) shapes the engine's models run, the
+//! columns a shape's check samples, fixed test data, bitwise views of tensors and attention
+//! metadata. Included with `#[path]`, so not every binary uses every item.
 #![allow(dead_code)]
+
+use candle_core::{DType, Tensor};
+use detspec::ops::{AttentionMetadata, AttentionSchedule};
+
+/// Uniform values in [-1, 1) from a small LCG: the same test data on every machine.
+pub fn randn(seed: u64, n: usize) -> Vec<f32> {
+    let mut s = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+/// A tensor's values as f32 bits, row-major (bf16 widens exactly; any device).
+pub fn bits(t: &Tensor) -> Vec<u32> {
+    t.to_dtype(DType::F32)
+        .and_then(|t| t.flatten_all())
+        .and_then(|t| t.to_vec1::<f32>())
+        .expect("f32 values")
+        .into_iter()
+        .map(f32::to_bits)
+        .collect()
+}
+
+/// Attention metadata of query rows given as (sequence, position), over `tables`.
+pub fn meta(
+    rows: &[(u32, u32)],
+    tables: Vec<Vec<u32>>,
+    schedule: AttentionSchedule,
+) -> AttentionMetadata {
+    AttentionMetadata {
+        positions: rows.iter().map(|r| r.1).collect(),
+        row_seq: rows.iter().map(|r| r.0).collect(),
+        block_tables: tables,
+        sliding_window: None,
+        schedule,
+        fixed_seqs: Vec::new(),
+    }
+}
 
 /// `f` on a fresh rayon pool of `threads` threads.
 pub fn in_pool<T: Send>(threads: usize, f: impl FnOnce() -> T + Send) -> T {
