@@ -54,6 +54,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--hf-new-tokens", type=int, default=32)
     p.add_argument("--num-kv-pages", type=int, default=8192)
     p.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    p.add_argument(
+        "--verify-window-adaptive",
+        action="store_true",
+        help="shorter verify windows after rollbacks (the engine setting)",
+    )
     return p.parse_args()
 
 
@@ -135,6 +140,7 @@ def engine(args, determinism: str = "dvr"):
         num_kv_pages=args.num_kv_pages,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=False,
+        verify_window_adaptive=args.verify_window_adaptive,
     )
     return llm, time.perf_counter() - t
 

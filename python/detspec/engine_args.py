@@ -127,6 +127,13 @@ ENGINE_SETTINGS: tuple[EngineSetting, ...] = (
         "steps a finished deterministic request may wait to fill its verify pass",
     ),
     EngineSetting(
+        "verify_window_adaptive",
+        bool,
+        False,
+        "after a rollback, verify that request after fewer speculative tokens (at least W/8), "
+        "doubling back to W after clean windows; never changes output",
+    ),
+    EngineSetting(
         "fault_injection",
         float,
         0.0,

@@ -323,6 +323,12 @@ pub struct EngineConfig {
     /// groups with real rows instead of padding — fewer, fuller passes — at the cost of up to
     /// this many steps of latency on that request's final tokens. Output never depends on it.
     pub verify_finish_wait: usize,
+    /// After a rollback, verify that request after fewer speculative tokens (twice the tokens
+    /// the rolled-back window kept, at least W/8), doubling back towards W after each window
+    /// that matched throughout: where mismatches are frequent, less is decoded only to be
+    /// thrown away. Every pass keeps its B × W shape, so committed tokens, which are the
+    /// verifier's, do not depend on where windows end: output never depends on it.
+    pub verify_window_adaptive: bool,
     /// Share of verify windows forced to mismatch (tests and benchmarks of the rollback path).
     pub fault_injection: f64,
     /// Worker threads for the engine's kernels (its own pool); `None`: one per available core
@@ -354,6 +360,7 @@ impl Default for EngineConfig {
             kernel_profile: KernelProfile::Invariant,
             activation_dtype: ActivationDtype::Auto,
             verify_finish_wait: 0,
+            verify_window_adaptive: false,
             fault_injection: 0.0,
             num_threads: None,
             enable_prefix_caching: true,

@@ -7,7 +7,7 @@
 //!
 //! | protocol step           | here                                                         |
 //! |-------------------------|--------------------------------------------------------------|
-//! | Trigger                 | [`trigger::is_verifiable`], [`trigger::ready_sequences`]     |
+//! | Trigger                 | [`trigger::is_verifiable`], [`trigger::ready_sequences`], [`trigger::next_window`] |
 //! | finish-wait policy      | [`trigger::finished_verification_due`]                       |
 //! | Grouped, fixed shape    | [`trigger::top_up_group`], [`replay::build_replay_batch`]    |
 //! | Replay                  | [`replay::build_replay_batch`] + the engine's `forward`; `predict` |
@@ -61,6 +61,8 @@ pub struct VerifyShape {
     /// GEMM too runs at the pass's fixed shape (needed wherever a GEMM's bits depend on M;
     /// an invariant backend projects only the real rows).
     pub project_all_rows: bool,
+    /// Shorter windows after rollbacks ([`trigger::next_window`]).
+    pub adaptive: bool,
 }
 
 /// Runs verify passes for deterministic sequences and commits or rolls back their tokens.
@@ -94,6 +96,7 @@ impl Verifier {
                 page_size: cfg.page_size,
                 sliding_window,
                 project_all_rows,
+                adaptive: cfg.verify_window_adaptive,
             },
             pad_page,
             faults: FaultInjector::new(cfg.fault_injection),
@@ -187,6 +190,9 @@ impl Verifier {
             }
             let rolled_back =
                 accept::commit(seq, window_preds, mismatch, alloc, self.shape.page_size);
+            if self.shape.adaptive {
+                seq.dvr.window = trigger::next_window(seq.dvr.window, mismatch, self.shape.window);
+            }
             if let Some(dropped) = rolled_back {
                 self.stats.rollbacks += 1;
                 self.stats.rolled_back_tokens += dropped;

@@ -174,7 +174,7 @@ impl PyEngine {
 #[pymethods]
 impl PyEngine {
     #[new]
-    #[pyo3(signature = (model_dir, *, device="cpu", dtype="auto", kv_cache_dtype="auto", page_size=16, num_kv_pages=None, kv_cache_bytes=None, max_num_seqs=256, max_num_batched_tokens=512, max_model_len=None, max_prefill_chunk=None, determinism="dvr", verify_window=64, verify_group=8, verify_strategy="auto", kernel_profile="invariant", activation_dtype="auto", verify_finish_wait=0, fault_injection=0.0, enable_prefix_caching=true, num_threads=None))]
+    #[pyo3(signature = (model_dir, *, device="cpu", dtype="auto", kv_cache_dtype="auto", page_size=16, num_kv_pages=None, kv_cache_bytes=None, max_num_seqs=256, max_num_batched_tokens=512, max_model_len=None, max_prefill_chunk=None, determinism="dvr", verify_window=64, verify_group=8, verify_strategy="auto", kernel_profile="invariant", activation_dtype="auto", verify_finish_wait=0, verify_window_adaptive=false, fault_injection=0.0, enable_prefix_caching=true, num_threads=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -196,6 +196,7 @@ impl PyEngine {
         kernel_profile: &str,
         activation_dtype: &str,
         verify_finish_wait: usize,
+        verify_window_adaptive: bool,
         fault_injection: f64,
         enable_prefix_caching: bool,
         num_threads: Option<usize>,
@@ -233,6 +234,7 @@ impl PyEngine {
             kernel_profile,
             activation_dtype,
             verify_finish_wait,
+            verify_window_adaptive,
             fault_injection,
             enable_prefix_caching,
             num_threads,

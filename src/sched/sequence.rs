@@ -51,6 +51,8 @@ pub struct DvrState {
     /// Engine step at which the sequence, finished on the fast path with speculative tokens,
     /// began waiting for its verify pass (`verify_finish_wait`).
     pub wait_since: Option<u64>,
+    /// Input rows its next verify window waits for (0: W); set by an adaptive verifier.
+    pub window: usize,
 }
 
 impl Sequence {

@@ -138,6 +138,38 @@ def needle_in_haystack(
         assert stats["num_rollbacks"] > 0, stats
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_adaptive_windows_commit_the_same_bits(flat_model: str, dtype: str) -> None:
+    """Where verify windows end never changes what they commit: every pass has the B x W
+    shape, and a committed token is the verifier's, a function of the tokens before it. With
+    `verify_window_adaptive` the windows after rollbacks (real ones here, and forced ones) are
+    shorter; the target's bits are the fixed-window engine's, alone and in every haystack."""
+    kw = dict(
+        **numerics(dtype),
+        kernel_profile="shape_dependent",
+        verify_window=16,
+        verify_group=4,
+        num_kv_pages=2048,
+        fault_injection=0.3,
+    )
+    fixed = detspec.LLM(flat_model, **kw)
+    adaptive = detspec.LLM(flat_model, **kw, verify_window_adaptive=True)
+    target = SamplingParams(
+        temperature=0.8, seed=99, max_tokens=72, ignore_eos=True, logprobs=0, deterministic=True
+    )
+    want = fingerprint_bits(fixed.generate([TARGET_PROMPT], target, use_tqdm=False)[0])
+    assert fingerprint_bits(adaptive.generate([TARGET_PROMPT], target, use_tqdm=False)[0]) == want
+    for seed in range(4):
+        assert run_in_haystack(fixed, target, seed, det=True) == want, f"fixed, haystack {seed}"
+        assert run_in_haystack(adaptive, target, seed, det=True) == want, f"haystack {seed}"
+    f, a = fixed.stats(), adaptive.stats()
+    assert a["num_rollbacks"] > 0
+    # The windows did shrink: the same tokens took other passes (else this test is blind).
+    assert a["num_verify_passes"] != f["num_verify_passes"], (a, f)
+    fixed.shutdown()
+    adaptive.shutdown()
+
+
 @pytest.mark.parametrize("dtype", [*DTYPES, ABF16])
 def test_inline_and_replay_commit_the_same_bits(flat_model: str, dtype: str) -> None:
     target = target_params(0.8)
