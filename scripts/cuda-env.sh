@@ -1,6 +1,6 @@
 # Sourced (not run) by scripts/build-cuda-wheel.sh and scripts/test.sh: sets up what building
 # detspec's `cuda` feature needs on a machine with no GPU and no CUDA install, from PyPI and
-# crates.io only (../shared/research/cuda-build.md has the why of each step):
+# crates.io only (docs/cuda.md, "Build"):
 #
 # - the CUDA 13.0 toolkit (nvcc, headers, the libraries cudarc links) from PyPI's `cuda-toolkit`
 #   wheels, pinned to 13.0.2 as torch 2.11 pins it: its PTX (ISA 9.0) is what driver 580 JITs;
