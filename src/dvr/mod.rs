@@ -175,8 +175,7 @@ impl Verifier {
         let preds = predict(sched, &replay.windows, &logits, vocab, eos)?;
         let mut preds = preds.into_iter();
         for window in replay.windows {
-            // `None` only for a sequence that is gone, skipped below.
-            let window_preds: Vec<_> = preds.by_ref().take(window.n + 1).flatten().collect();
+            let window_preds: Vec<_> = preds.by_ref().take(window.n + 1).collect();
             let forced = self.faults.next_window();
             let Some(seq) = sched.get_mut(window.seq) else {
                 continue;
@@ -206,23 +205,27 @@ impl Verifier {
 /// window order), sampled exactly as the fast path sampled: same seed, same absolute position,
 /// same output context. Structured-output masks come first, one window after another (a
 /// constraint's cache is mutable state); then the rows are sampled in parallel, each a pure
-/// function of its logits, its sequence's parameters and the prefix before it.
+/// function of its logits, its sequence's parameters and the prefix before it. Every window's
+/// sequence is running: the batch was built from running sequences and nothing ran since.
 fn predict(
     sched: &mut Scheduler,
     windows: &[replay::ReplayWindow],
     logits: &[f32],
     vocab: usize,
     eos: &[u32],
-) -> Result<Vec<Option<crate::output::TokenLogprobs>>> {
+) -> Result<Vec<crate::output::TokenLogprobs>> {
     use rayon::prelude::*;
 
     // (window, row within it, the mask of its position).
+    let missing = |id: SequenceId| DetspecError::InvalidRequest {
+        request_id: None,
+        message: format!("verify: sequence {id} is not running"),
+    };
     let mut rows = Vec::with_capacity(logits.len().checked_div(vocab).unwrap_or(0));
     for (wi, window) in windows.iter().enumerate() {
-        let Some(seq) = sched.get_mut(window.seq) else {
-            rows.extend((0..=window.n).map(|j| (wi, j, None)));
-            continue;
-        };
+        let seq = sched
+            .get_mut(window.seq)
+            .ok_or_else(|| missing(window.seq))?;
         let v = seq.verified;
         for j in 0..=window.n {
             // The fast path's own mask, from the constraint's cache, as the prefix before this
@@ -238,10 +241,8 @@ fn predict(
     rows.par_iter()
         .zip(logits.par_chunks(vocab.max(1)))
         .map(|((wi, j, mask), row)| {
-            // A sequence gone since the batch was built has no predictions.
-            let Some(seq) = sched.get(windows[*wi].seq) else {
-                return Ok(None);
-            };
+            let id = windows[*wi].seq;
+            let seq = sched.get(id).ok_or_else(|| missing(id))?;
             sampling::sample_next(
                 &seq.params,
                 seq.seed,
@@ -251,7 +252,6 @@ fn predict(
                 eos,
                 mask.as_deref(),
             )
-            .map(Some)
         })
         .collect()
 }

@@ -75,7 +75,7 @@ pub struct EngineStats {
 /// them lands in `sample`, which starts with copying the logits to the host.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct StepTimes {
-    /// Steps that ran a forward.
+    /// Steps that ran a forward (the engine's step clock).
     pub steps: u64,
     /// Building the batch and issuing the forward(s), seconds.
     pub forward_s: f64,
@@ -291,7 +291,10 @@ impl EngineCore {
             padded_rows: v.padded_rows,
             preemptions: self.preemptions,
             weight_update_pending: false,
-            times: self.times,
+            times: StepTimes {
+                steps: self.steps,
+                ..self.times
+            },
         }
     }
 
@@ -594,7 +597,6 @@ impl EngineCore {
         let (forwards, masks) =
             self.forward_with_masks(&sampling_ids, |core| core.run_forwards(shared, isolated));
         let forwards = forwards?;
-        self.times.steps += 1;
         self.times.forward_s += started.elapsed().as_secs_f64();
         let sampling_started = Instant::now();
         self.sched.mark_computed(plan);
@@ -716,6 +718,13 @@ impl EngineCore {
             let logits = model.forward(batch, kv)?;
             if rows.is_empty() {
                 return Ok(Vec::new());
+            }
+            // Every row, in order (the real rows are all the logit rows unless the pass
+            // projects its padding): no selection to make.
+            let all = rows.len() == logits.dim(0)?
+                && rows.iter().enumerate().all(|(i, &r)| i == r as usize);
+            if all {
+                return Ok(ops::to_f32_vec(&logits)?);
             }
             // Selecting rows copies them: their bits are those the pass computed.
             let ids = candle_core::Tensor::from_slice(rows, rows.len(), logits.device())?;

@@ -199,9 +199,26 @@ pub fn to_host_f32(t: &candle_core::Tensor) -> candle_core::Result<Option<Vec<f3
     let Some((a, b)) = layout.contiguous_offsets() else {
         bail!("to_host_f32: expected a contiguous tensor");
     };
-    let widen: fn(u16) -> f32 = match t.dtype() {
-        DType::BF16 => |x| half::bf16::from_bits(x).to_f32(),
-        DType::F16 => |x| half::f16::from_bits(x).to_f32(),
+    // Half-precision values as their bits (bf16 and f16 are u16-sized), with the widening.
+    let (widen, bits): (fn(u16) -> f32, _) = match t.dtype() {
+        DType::BF16 => {
+            let s = cs.as_cuda_slice::<half::bf16>()?;
+            // SAFETY: bf16 has u16's size and alignment; the bits are only copied.
+            let bits = unsafe { s.transmute::<u16>(s.len()) };
+            (
+                (|x| half::bf16::from_bits(x).to_f32()) as fn(u16) -> f32,
+                bits,
+            )
+        }
+        DType::F16 => {
+            let s = cs.as_cuda_slice::<half::f16>()?;
+            // SAFETY: as above, for f16.
+            let bits = unsafe { s.transmute::<u16>(s.len()) };
+            (
+                (|x| half::f16::from_bits(x).to_f32()) as fn(u16) -> f32,
+                bits,
+            )
+        }
         _ => {
             return Ok(Some(
                 dev.cuda_stream()
@@ -210,12 +227,13 @@ pub fn to_host_f32(t: &candle_core::Tensor) -> candle_core::Result<Option<Vec<f3
             ))
         }
     };
+    let Some(bits) = bits else {
+        bail!("to_host_f32: cannot view half-precision values as bits");
+    };
     let n = b - a;
     let mut staging = STAGING.lock().unwrap_or_else(|e| e.into_inner());
-    if !staging
-        .as_ref()
-        .is_some_and(|s| s.device == dev.id() && s.buf.len() >= n)
-    {
+    let fits = |s: &Staging| s.device == dev.id() && s.buf.len() >= n;
+    if !staging.as_ref().is_some_and(fits) {
         *staging = None; // free the old buffer before taking a larger one
         let len = n.max(1 << 20).next_power_of_two();
         // SAFETY: the buffer is only read after a copy has written the part that is read.
@@ -234,46 +252,15 @@ pub fn to_host_f32(t: &candle_core::Tensor) -> candle_core::Result<Option<Vec<f3
     let Some(s) = staging.as_mut() else {
         bail!("to_host_f32: no staging buffer");
     };
-    let bits = s.buf.as_mut_slice().w()?.get_mut(..n).ok_or_else(|| {
-        candle_core::Error::Msg(format!("to_host_f32: staging buffer under {n} elements"))
-    })?;
-    if t.dtype() == DType::BF16 {
-        copy_bits(dev, &cs.as_cuda_slice::<half::bf16>()?.slice(a..b), bits)?;
-    } else {
-        copy_bits(dev, &cs.as_cuda_slice::<half::f16>()?.slice(a..b), bits)?;
-    }
-    let bits = &*bits;
-    let mut out = Vec::with_capacity(n);
-    out.par_extend(bits.par_iter().with_min_len(1 << 14).map(|&x| widen(x)));
-    Ok(Some(out))
-}
-
-/// Copies a half-precision view's bits into `dst` (part of the pinned buffer, exactly as long:
-/// the driver copies `dst`'s length) and waits for the copy, which into pinned memory is
-/// asynchronous.
-fn copy_bits<T>(
-    dev: &CudaDevice,
-    src: &CudaView<'_, T>,
-    dst: &mut [u16],
-) -> candle_core::Result<()> {
-    use candle_core::cuda::WrapErr;
-
-    if dst.len() != src.len() {
-        bail!(
-            "to_host_f32: copying {} values into {}",
-            src.len(),
-            dst.len()
-        );
-    }
-    // SAFETY: T is bf16 or f16: the size and alignment of u16; the copy moves bits only.
-    let Some(bits) = (unsafe { src.transmute::<u16>(src.len()) }) else {
-        bail!(
-            "to_host_f32: cannot view {} half-precision values as bits",
-            src.len()
-        );
+    // Exactly `n` elements: the driver copies the destination slice's length.
+    let Some(dst) = s.buf.as_mut_slice().w()?.get_mut(..n) else {
+        bail!("to_host_f32: staging buffer under {n} elements");
     };
     let stream = dev.cuda_stream();
-    stream.memcpy_dtoh(&bits, dst).w()?;
+    stream.memcpy_dtoh(&bits.slice(a..b), dst).w()?;
+    // A copy into pinned memory is asynchronous.
     stream.synchronize().w()?;
-    Ok(())
+    let mut out = Vec::with_capacity(n);
+    out.par_extend(dst.par_iter().with_min_len(1 << 14).map(|&x| widen(x)));
+    Ok(Some(out))
 }

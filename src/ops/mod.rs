@@ -75,20 +75,8 @@ pub fn with_f32_values<R>(
 /// half-precision values copied as they are and widened on the host (exact).
 pub fn to_f32_vec(t: &candle_core::Tensor) -> candle_core::Result<Vec<f32>> {
     #[cfg(feature = "cuda")]
-    match cuda::to_host_f32(t) {
-        Ok(Some(values)) => return Ok(values),
-        Ok(None) => {}
-        // The plain copy below gives the same values; it is only slower.
-        Err(e) => {
-            static WARNED: std::sync::atomic::AtomicBool =
-                std::sync::atomic::AtomicBool::new(false);
-            if !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
-                let first = e.to_string().lines().next().unwrap_or_default().to_string();
-                tracing::warn!(
-                    "pinned logits copy failed ({first}); copying through pageable memory"
-                );
-            }
-        }
+    if let Some(values) = cuda::to_host_f32(t)? {
+        return Ok(values);
     }
     t.flatten_all()?
         .to_dtype(candle_core::DType::F32)?
