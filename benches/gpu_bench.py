@@ -17,11 +17,14 @@ what it measured):
   blocks), and the ratio.
 * ``hf``: transformers ``generate`` at batch 1/16/64 on the same GPU (bf16, greedy, 128-token
   prompts, ``--hf-new-tokens`` new tokens, ``min_new_tokens`` so none stops early).
-* ``dvr`` (last: the longest): ``--num-requests`` requests at once at 0/2/10/50/100 %
+* ``dvr``: ``--num-requests`` requests at once at 0/2/10/50/100 %
   ``deterministic=True`` (0 % first and last; the reference is their mean), relative
   throughput next to LLM-42's 0.99/0.96/0.87/0.78 (W = 64, B = 8), with verify passes,
   rollbacks per verify pass and per 1,000 deterministic tokens, recomputed tokens, and the
   steps' time by phase.
+* ``dvr_adaptive`` (last): the same at ``--adaptive-shares`` on a second engine with
+  ``verify_window_adaptive=True`` (shorter windows after rollbacks), relative to the ``dvr``
+  part's 0 % reference (measured here too when that part did not run).
 
     python benches/write_random_llama.py --shape llama3-8b --out /tmp/llama3-8b
     python benches/gpu_bench.py --model-dir /tmp/llama3-8b --out gpu_bench.json
@@ -45,12 +48,13 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model-dir", type=Path, required=True)
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--parts", default="bandwidth,decode,offline,invariant,hf,dvr")
+    p.add_argument("--parts", default="bandwidth,decode,offline,invariant,hf,dvr,dvr_adaptive")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--batches", default="1,16,64")
     p.add_argument("--num-requests", type=int, default=128)
     p.add_argument("--shares", default="0,2,10,50,100")
+    p.add_argument("--adaptive-shares", default="2,10,100")
     p.add_argument("--hf-new-tokens", type=int, default=32)
     p.add_argument("--num-kv-pages", type=int, default=8192)
     p.add_argument("--max-num-batched-tokens", type=int, default=4096)
@@ -129,7 +133,7 @@ def phases(before: dict, after: dict) -> dict:
     }
 
 
-def engine(args, determinism: str = "dvr"):
+def engine(args, determinism: str = "dvr", adaptive: bool | None = None):
     from detspec import LLM
 
     t = time.perf_counter()
@@ -140,17 +144,21 @@ def engine(args, determinism: str = "dvr"):
         num_kv_pages=args.num_kv_pages,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=False,
-        verify_window_adaptive=args.verify_window_adaptive,
+        verify_window_adaptive=args.verify_window_adaptive if adaptive is None else adaptive,
     )
     return llm, time.perf_counter() - t
 
 
-def dvr_shares(args, res: Results, llm, vocab: int) -> None:
-    """Throughput at each deterministic share, relative to 0 % (run first and last)."""
+def dvr_shares(
+    args, res: Results, llm, vocab: int, shares: list[int], key: str, base: float | None = None
+) -> float:
+    """Throughput at each deterministic share, relative to `base` or, without one, to 0 %
+    (run first and last); returns the reference."""
     from detspec import SamplingParams
 
     n = args.num_requests
-    shares = [int(x) for x in args.shares.split(",")]
+    if base is None and shares[0] != 0:
+        shares = [0, *shares]
     if shares[0] == 0:
         shares = shares + [0]
 
@@ -191,13 +199,15 @@ def dvr_shares(args, res: Results, llm, vocab: int) -> None:
     rows = []
     for i, share in enumerate(shares):
         rows.append(run_share(share, i))
-        res.put(f"dvr_{i}_{share}", rows[-1])
-    ref = [r["tok_s"] for r in rows if r["share"] == 0]
-    base = sum(ref) / len(ref)
+        res.put(f"{key}_{i}_{share}", rows[-1])
+    if base is None:
+        ref = [r["tok_s"] for r in rows if r["share"] == 0]
+        base = sum(ref) / len(ref)
     for r in rows:
         r["relative"] = round(r["tok_s"] / base, 3)
         r["llm42"] = LLM42.get(r["share"])
-    res.put("dvr", {"reference_tok_s": round(base, 1), "rows": rows})
+    res.put(key, {"reference_tok_s": round(base, 1), "rows": rows})
+    return base
 
 
 def hf_generate(args, res: Results, torch, vocab: int) -> None:
@@ -340,11 +350,22 @@ def main() -> None:
     if "hf" in parts:
         hf_generate(args, res, torch, vocab)
 
+    base = None
     if "dvr" in parts:
-        dvr_shares(args, res, llm, vocab)
+        shares = [int(x) for x in args.shares.split(",")]
+        base = dvr_shares(args, res, llm, vocab, shares, "dvr")
 
     if llm is not None:
         llm.shutdown()
+        del llm
+        gc.collect()
+
+    if "dvr_adaptive" in parts:
+        adaptive, _ = engine(args, adaptive=True)
+        adaptive.generate(prompts(4, 64, 99, vocab), warm, use_tqdm=False)
+        shares = [int(x) for x in args.adaptive_shares.split(",")]
+        dvr_shares(args, res, adaptive, vocab, shares, "dvr_adaptive", base)
+        adaptive.shutdown()
     res.put("finished", time.strftime("%Y-%m-%d %H:%M:%S"))
 
 

@@ -12,14 +12,34 @@ __device__ void add(const T* __restrict__ a, const T* __restrict__ b, T* __restr
     }
 }
 
-// silu(g) * u with silu(x) = x / (1 + exp(-x)), as candle-nn and transformers write it.
+// silu(g) * u with silu(x) = x / (1 + exp(-x)), as candle-nn and transformers write it. Both
+// SwiGLU kernels go through this function, so they give the same bits.
+template <typename T>
+__device__ __forceinline__ T swiglu_one(T gate, T up) {
+    const float g = to_f32(gate);
+    return from_f32<T>(g / (1.f + expf(-g)) * to_f32(up));
+}
+
 template <typename T>
 __device__ void swiglu(const T* __restrict__ gate, const T* __restrict__ up, T* __restrict__ out,
                        size_t n) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
          i += (size_t)gridDim.x * blockDim.x) {
-        const float g = to_f32(gate[i]);
-        out[i] = from_f32<T>(g / (1.f + expf(-g)) * to_f32(up[i]));
+        out[i] = swiglu_one(gate[i], up[i]);
+    }
+}
+
+// The stacked gate/up projection's output gu [rows, 2 width] (per row: gate, then up) -> out
+// [rows, width].
+template <typename T>
+__device__ void swiglu_halves(const T* __restrict__ gu, T* __restrict__ out, size_t rows,
+                              size_t width) {
+    size_t n = rows * width;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        size_t r = i / width, c = i % width;
+        const T* row = gu + r * 2 * width;
+        out[i] = swiglu_one(row[c], row[width + c]);
     }
 }
 
@@ -29,5 +49,9 @@ __device__ void swiglu(const T* __restrict__ gate, const T* __restrict__ up, T* 
     }                                                                                        \
     extern "C" __global__ void swiglu_##NAME(const T* gate, const T* up, T* out, size_t n) { \
         swiglu<T>(gate, up, out, n);                                                         \
+    }                                                                                        \
+    extern "C" __global__ void swiglu_halves_##NAME(const T* gu, T* out, size_t rows,        \
+                                                    size_t width) {                          \
+        swiglu_halves<T>(gu, out, rows, width);                                              \
     }
 DETSPEC_FOR_DTYPES(ELEMENTWISE)

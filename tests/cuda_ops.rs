@@ -20,7 +20,7 @@ use detspec::ops::{
 
 #[path = "common/kernels.rs"]
 mod kernels;
-use kernels::{bits, meta, randn};
+use kernels::{assert_fused_ops_match_unfused, bits, meta, randn};
 
 /// The GPU, or `None` (printed) where this machine has none.
 fn gpu() -> Option<Device> {
@@ -322,6 +322,21 @@ fn paged_attention_fixed_schedule_is_invariant_and_split_kv_is_not() {
 }
 
 #[test]
+fn fused_ops_give_their_unfused_pairs_bits() {
+    let Some(dev) = gpu() else { return };
+    for dtype in [DType::F32, DType::BF16] {
+        assert_fused_ops_match_unfused(&dev, dtype);
+        table(
+            "add_rms_norm, rope_qkv, swiglu_halves",
+            dtype,
+            "bits of the unfused ops",
+            true,
+            "",
+        );
+    }
+}
+
+#[test]
 fn cache_write_and_page_copy_move_exact_bits() {
     let Some(dev) = gpu() else { return };
     for dtype in DTYPES {
@@ -360,13 +375,16 @@ fn cache_write_and_page_copy_move_exact_bits() {
     }
 }
 
-/// (K, N) of Llama-3.1-8B's linear layers and LM head: q/o, k/v, gate/up, down, lm_head.
-const GEMM_SHAPES: [(usize, usize); 5] = [
+/// (K, N) of Llama-3.1-8B's linear layers and LM head: q/o, k/v, gate/up, down, lm_head, and
+/// the GPU's stacked q/k/v (4096 + 2 x 1024) and gate/up (2 x 14336).
+const GEMM_SHAPES: [(usize, usize); 7] = [
     (4096, 4096),
     (4096, 1024),
     (4096, 14336),
     (14336, 4096),
     (4096, 128256),
+    (4096, 6144),
+    (4096, 28672),
 ];
 const GEMM_MS: [usize; 13] = [1, 2, 3, 4, 8, 16, 24, 32, 64, 128, 256, 512, 1024];
 

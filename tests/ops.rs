@@ -12,7 +12,7 @@ use detspec::ops::{
 
 #[path = "common/kernels.rs"]
 mod kernels;
-use kernels::{bits, in_pool, randn};
+use kernels::{assert_fused_ops_match_unfused, bits, in_pool, randn};
 
 const PAGE: usize = 4;
 const KVH: usize = 2;
@@ -240,6 +240,15 @@ fn rms_norm_and_rope_are_row_local_and_thread_invariant() {
             let want = wv[i] as f64 * xs[i] as f64 / (ms + 1e-5).sqrt();
             assert!((nv[row * D + i] as f64 - want).abs() < 1e-5);
         }
+    }
+}
+
+#[test]
+fn fused_ops_give_their_unfused_pairs_bits_at_every_thread_count() {
+    for threads in [1, 2, 3] {
+        in_pool(threads, || {
+            assert_fused_ops_match_unfused(&Device::Cpu, candle_core::DType::F32)
+        });
     }
 }
 

@@ -14,7 +14,7 @@ use crate::error::{DetspecError, Result};
 use crate::kv::KvPool;
 use crate::ops::{self, AttentionMetadata};
 
-use super::linear::{GemmOptions, Linear, LinearWeight};
+use super::linear::{GemmOptions, Linear, LinearWeight, Projection};
 use super::loader::WeightLoader;
 use super::params::ParamHashes;
 use super::weights::Checkpoint;
@@ -39,15 +39,14 @@ pub struct ForwardBatch {
 #[derive(Debug)]
 pub(super) struct Layer {
     pub(super) input_norm: Tensor,
-    pub(super) q: Linear,
-    pub(super) k: Linear,
-    pub(super) v: Linear,
+    /// q, k, v (stacked on a GPU unless q/k are normed before rope).
+    pub(super) qkv: Projection,
     pub(super) o: Linear,
     pub(super) q_norm: Option<Tensor>,
     pub(super) k_norm: Option<Tensor>,
     pub(super) post_norm: Tensor,
-    pub(super) gate: Linear,
-    pub(super) up: Linear,
+    /// gate, up (stacked on a GPU).
+    pub(super) gate_up: Projection,
     pub(super) down: Linear,
 }
 
@@ -112,31 +111,33 @@ impl Model {
         let (hs, is) = (cfg.hidden_size, cfg.intermediate_size);
         let embed = ld.load_matrix("model.embed_tokens.weight", &[cfg.vocab_size, hs])?;
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        // A GPU stacks the projections that share an input (`Projection`); q and k stay apart
+        // where they are normed before rope (Qwen3).
+        let stack = !device.is_cpu();
         for i in 0..cfg.num_hidden_layers {
             let p = format!("model.layers.{i}");
-            let attn = |name: &str, i: usize, o: usize, bias: bool| {
-                ld.linear(&format!("{p}.self_attn.{name}"), i, o, bias)
-            };
-            let mlp = |name: &str, i: usize, o: usize| {
-                ld.linear(&format!("{p}.mlp.{name}"), i, o, cfg.mlp_bias)
-            };
+            let attn = |name: &str| format!("{p}.self_attn.{name}");
+            let mlp = |name: &str| format!("{p}.mlp.{name}");
             let qk_norm = |name: &str| {
                 cfg.qk_norm
                     .then(|| ld.load(&format!("{p}.self_attn.{name}.weight"), &[d]))
                     .transpose()
             };
+            let qkv = [
+                (attn("q_proj"), h * d),
+                (attn("k_proj"), kvh * d),
+                (attn("v_proj"), kvh * d),
+            ];
+            let gate_up = [(mlp("gate_proj"), is), (mlp("up_proj"), is)];
             layers.push(Layer {
                 input_norm: ld.load(&format!("{p}.input_layernorm.weight"), &[hs])?,
-                q: attn("q_proj", hs, h * d, cfg.qkv_bias)?,
-                k: attn("k_proj", hs, kvh * d, cfg.qkv_bias)?,
-                v: attn("v_proj", hs, kvh * d, cfg.qkv_bias)?,
-                o: attn("o_proj", h * d, hs, cfg.o_bias)?,
+                qkv: ld.projection(&qkv, hs, cfg.qkv_bias, stack && !cfg.qk_norm)?,
+                o: ld.linear(&attn("o_proj"), h * d, hs, cfg.o_bias)?,
                 q_norm: qk_norm("q_norm")?,
                 k_norm: qk_norm("k_norm")?,
                 post_norm: ld.load(&format!("{p}.post_attention_layernorm.weight"), &[hs])?,
-                gate: mlp("gate_proj", hs, is)?,
-                up: mlp("up_proj", hs, is)?,
-                down: mlp("down_proj", is, hs)?,
+                gate_up: ld.projection(&gate_up, hs, cfg.mlp_bias, stack)?,
+                down: ld.linear(&mlp("down_proj"), is, hs, cfg.mlp_bias)?,
             });
         }
         let norm = ld.load("model.norm.weight", &[hs])?;
@@ -260,28 +261,54 @@ impl Model {
         let eps = cfg.rms_norm_eps;
 
         let inv = self.gemm_options(batch);
+        // The residual stream `x` and `hn`, the norm of it the next sublayer reads: each
+        // residual add runs fused with the norm after it (the next layer's input norm, the
+        // final norm after the last).
         let mut x = self.embed.index_select(&ids, 0)?.to_dtype(self.act_dtype)?;
+        let first_norm = self.layers.first().map_or(&self.norm, |l| &l.input_norm);
+        let mut hn = ops::rms_norm(&x, first_norm, eps)?;
         for (li, layer) in self.layers.iter().enumerate() {
             let (k_cache, v_cache) = kv.layer(li).ok_or_else(|| {
                 DetspecError::param("num_layers", format!("KV pool has no layer {li}"))
             })?;
-            let hn = ops::rms_norm(&x, &layer.input_norm, eps)?;
-            let mut q = layer.q.apply(&hn, inv)?.reshape((n, h, d))?;
-            let mut k = layer.k.apply(&hn, inv)?.reshape((n, kvh, d))?;
-            let v = layer.v.apply(&hn, inv)?.reshape((n, kvh, d))?;
-            if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
-                q = ops::rms_norm(&q, qn, eps)?;
-                k = ops::rms_norm(&k, kn, eps)?;
-            }
-            let q = ops::apply_rope(&q, &cos, &sin)?;
-            let k = ops::apply_rope(&k, &cos, &sin)?;
+            let (q, k, v) = match &layer.qkv {
+                Projection::Stacked { linear, .. } => {
+                    ops::rope_qkv(&linear.apply(&hn, inv)?, &cos, &sin, h, kvh)?
+                }
+                Projection::Apart(qkv) => {
+                    let [q, k, v] = qkv.as_slice() else {
+                        return Err(DetspecError::param("weights", "q/k/v are three layers"));
+                    };
+                    let mut q = q.apply(&hn, inv)?.reshape((n, h, d))?;
+                    let mut k = k.apply(&hn, inv)?.reshape((n, kvh, d))?;
+                    let v = v.apply(&hn, inv)?.reshape((n, kvh, d))?;
+                    if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
+                        q = ops::rms_norm(&q, qn, eps)?;
+                        k = ops::rms_norm(&k, kn, eps)?;
+                    }
+                    let q = ops::apply_rope(&q, &cos, &sin)?;
+                    (q, ops::apply_rope(&k, &cos, &sin)?, v)
+                }
+            };
             ops::write_k(k_cache, &k, slots.clone())?;
             ops::write_kv(v_cache, &v, slots.clone())?;
             let attn = ops::paged_attention(&q, k_cache, v_cache, meta.clone(), scale)?;
-            x = ops::add(&x, &layer.o.apply(&attn.reshape((n, h * d))?, inv)?)?;
-            let hn = ops::rms_norm(&x, &layer.post_norm, eps)?;
-            let act = ops::swiglu(&layer.gate.apply(&hn, inv)?, &layer.up.apply(&hn, inv)?)?;
-            x = ops::add(&x, &layer.down.apply(&act, inv)?)?;
+            let o = layer.o.apply(&attn.reshape((n, h * d))?, inv)?;
+            (x, hn) = ops::add_rms_norm(&x, &o, &layer.post_norm, eps)?;
+            let act = match &layer.gate_up {
+                Projection::Stacked { linear, .. } => ops::swiglu_halves(&linear.apply(&hn, inv)?)?,
+                Projection::Apart(gate_up) => {
+                    let [gate, up] = gate_up.as_slice() else {
+                        return Err(DetspecError::param("weights", "gate/up are two layers"));
+                    };
+                    ops::swiglu(&gate.apply(&hn, inv)?, &up.apply(&hn, inv)?)?
+                }
+            };
+            let next_norm = self
+                .layers
+                .get(li + 1)
+                .map_or(&self.norm, |l| &l.input_norm);
+            (x, hn) = ops::add_rms_norm(&x, &layer.down.apply(&act, inv)?, next_norm, eps)?;
         }
         if batch.logit_rows.is_empty() {
             // A chunk that samples nothing ran for its KV writes. A GPU cannot launch over zero
@@ -289,8 +316,7 @@ impl Model {
             return Ok(no_rows(cfg.hidden_size)?);
         }
         let rows = Tensor::from_slice(&batch.logit_rows, batch.logit_rows.len(), dev)?;
-        let x = x.index_select(&rows, 0)?;
-        Ok(ops::rms_norm(&x, &self.norm, eps)?)
+        Ok(hn.index_select(&rows, 0)?)
     }
 }
 

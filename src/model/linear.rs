@@ -90,6 +90,81 @@ pub(super) struct GemmOptions {
     pub(super) amx: bool,
 }
 
+/// Linear layers that read the same input (q/k/v, gate/up): apart, or stacked into one GEMM
+/// whose output holds theirs side by side, in their order, along its columns. Stacked on a GPU:
+/// each GEMM there is a library call whose host-side cost, at batch-1 decode, outweighs the
+/// GPU's time on it, so three calls a layer become one (two become one).
+#[derive(Debug, Clone)]
+pub(super) enum Projection {
+    Apart(Vec<Linear>),
+    Stacked {
+        linear: Linear,
+        /// Output width of each stacked layer, in order.
+        widths: Vec<usize>,
+    },
+}
+
+impl Projection {
+    /// Replaces layer `part`'s `[out, in]` weight.
+    pub(super) fn set_weight(&mut self, part: usize, w: &Tensor, bf16_act: bool) -> Result<()> {
+        match self {
+            Self::Apart(layers) => {
+                layers[part].weight = LinearWeight::new(w, bf16_act)?;
+            }
+            Self::Stacked { linear, widths } => {
+                let LinearWeight::Dense(stacked) = &linear.weight else {
+                    return Err(DetspecError::param(
+                        "weights",
+                        "a stacked projection holds a dense weight",
+                    ));
+                };
+                // Dense is `[in, out]`: the part's columns.
+                let new = replace_part(stacked, 1, widths, part, &w.t()?)?.contiguous()?;
+                linear.weight = LinearWeight::Dense(new);
+            }
+        }
+        Ok(())
+    }
+
+    /// Replaces layer `part`'s bias (the model has biases on these layers).
+    pub(super) fn set_bias(&mut self, part: usize, b: Tensor) -> Result<()> {
+        match self {
+            Self::Apart(layers) => layers[part].bias = Some(b),
+            Self::Stacked { linear, widths } => {
+                let Some(stacked) = &linear.bias else {
+                    return Err(DetspecError::param(
+                        "weights",
+                        "this model's stacked projection has no bias to replace",
+                    ));
+                };
+                linear.bias = Some(replace_part(stacked, 0, widths, part, &b)?);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `stacked` with part `part` (of `widths` along `dim`) replaced by `new`.
+fn replace_part(
+    stacked: &Tensor,
+    dim: usize,
+    widths: &[usize],
+    part: usize,
+    new: &Tensor,
+) -> candle_core::Result<Tensor> {
+    let mut pieces = Vec::with_capacity(widths.len());
+    let mut at = 0;
+    for (i, &w) in widths.iter().enumerate() {
+        pieces.push(if i == part {
+            new.clone()
+        } else {
+            stacked.narrow(dim, at, w)?
+        });
+        at += w;
+    }
+    Tensor::cat(&pieces, dim)
+}
+
 impl Linear {
     pub(super) fn apply(&self, x: &Tensor, gemm: GemmOptions) -> candle_core::Result<Tensor> {
         let y = self.weight.matmul(x, gemm)?;

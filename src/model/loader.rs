@@ -10,7 +10,7 @@ use candle_core::{DType, Device, Tensor};
 use crate::error::{DetspecError, Result};
 use crate::ops::{PackedWeightAbf16, PackedWeightBf16};
 
-use super::linear::{Linear, LinearWeight};
+use super::linear::{Linear, LinearWeight, Projection};
 use super::params::{bf16_hash, tensor_hash, ParamHashes};
 use super::weights::Checkpoint;
 
@@ -72,6 +72,43 @@ impl<'a> WeightLoader<'a> {
             None
         };
         Ok(Linear { weight, bias })
+    }
+
+    /// The linear layers `prefixes` (name, output width), which all read an input of `in_dim`:
+    /// apart, or `stacked` into one (see [`Projection`]). Each is hashed under its own name.
+    pub(super) fn projection(
+        &self,
+        prefixes: &[(String, usize)],
+        in_dim: usize,
+        bias: bool,
+        stacked: bool,
+    ) -> Result<Projection> {
+        if !stacked {
+            return Ok(Projection::Apart(
+                prefixes
+                    .iter()
+                    .map(|(p, out)| self.linear(p, in_dim, *out, bias))
+                    .collect::<Result<_>>()?,
+            ));
+        }
+        let weights = prefixes
+            .iter()
+            .map(|(p, out)| self.load_matrix(&format!("{p}.weight"), &[*out, in_dim]))
+            .collect::<Result<Vec<_>>>()?;
+        let weight = LinearWeight::new(&Tensor::cat(&weights, 0)?, self.bf16_act)?;
+        let bias = if bias {
+            let biases = prefixes
+                .iter()
+                .map(|(p, out)| self.load(&format!("{p}.bias"), &[*out]))
+                .collect::<Result<Vec<_>>>()?;
+            Some(Tensor::cat(&biases, 0)?)
+        } else {
+            None
+        };
+        Ok(Projection::Stacked {
+            linear: Linear { weight, bias },
+            widths: prefixes.iter().map(|(_, out)| *out).collect(),
+        })
     }
 
     /// A linear layer's `[out, in]` weight in the form the device's GEMM wants. A bf16 weight

@@ -6,7 +6,7 @@ use candle_core::{DType, Tensor};
 use crate::error::Result;
 
 use super::decoder::Model;
-use super::linear::LinearWeight;
+use super::linear::{LinearWeight, Projection};
 use super::params::{check_update, tensor_hash, unknown};
 
 /// Where a named parameter lives in the model.
@@ -14,6 +14,10 @@ enum Slot<'a> {
     Vector(&'a mut Tensor),
     Bias(&'a mut Option<Tensor>),
     Linear(&'a mut LinearWeight),
+    /// Weight of layer `.1` of a projection (apart or stacked).
+    PartWeight(&'a mut Projection, usize),
+    /// Bias of layer `.1` of a projection.
+    PartBias(&'a mut Projection, usize),
     Embedding,
 }
 
@@ -63,6 +67,16 @@ impl Model {
                     *w = LinearWeight::new(&t, bf16_act)?;
                     t
                 }
+                Slot::PartWeight(p, part) => {
+                    let t = t.to_dtype(matrix)?;
+                    p.set_weight(part, &t, bf16_act)?;
+                    t
+                }
+                Slot::PartBias(p, part) => {
+                    let t = t.to_dtype(matrix)?.to_dtype(vector)?;
+                    p.set_bias(part, t.clone())?;
+                    t
+                }
                 Slot::Embedding => {
                     let t = t.to_dtype(matrix)?;
                     if tied {
@@ -94,21 +108,31 @@ impl Model {
         if module == "post_attention_layernorm" && kind == "weight" {
             return Some(Slot::Vector(&mut layer.post_norm));
         }
-        let linear = match module {
-            "self_attn.q_proj" => &mut layer.q,
-            "self_attn.k_proj" => &mut layer.k,
-            "self_attn.v_proj" => &mut layer.v,
-            "self_attn.o_proj" => &mut layer.o,
-            "mlp.gate_proj" => &mut layer.gate,
-            "mlp.up_proj" => &mut layer.up,
-            "mlp.down_proj" => &mut layer.down,
+        let (projection, part) = match module {
+            "self_attn.q_proj" => (&mut layer.qkv, 0),
+            "self_attn.k_proj" => (&mut layer.qkv, 1),
+            "self_attn.v_proj" => (&mut layer.qkv, 2),
+            "mlp.gate_proj" => (&mut layer.gate_up, 0),
+            "mlp.up_proj" => (&mut layer.gate_up, 1),
+            "self_attn.o_proj" | "mlp.down_proj" => {
+                let linear = if module == "self_attn.o_proj" {
+                    &mut layer.o
+                } else {
+                    &mut layer.down
+                };
+                return match kind {
+                    "weight" => Some(Slot::Linear(&mut linear.weight)),
+                    "bias" => Some(Slot::Bias(&mut linear.bias)),
+                    _ => None,
+                };
+            }
             "self_attn.q_norm" => return layer.q_norm.as_mut().map(Slot::Vector),
             "self_attn.k_norm" => return layer.k_norm.as_mut().map(Slot::Vector),
             _ => return None,
         };
         match kind {
-            "weight" => Some(Slot::Linear(&mut linear.weight)),
-            "bias" => Some(Slot::Bias(&mut linear.bias)),
+            "weight" => Some(Slot::PartWeight(projection, part)),
+            "bias" => Some(Slot::PartBias(projection, part)),
             _ => None,
         }
     }

@@ -8,7 +8,7 @@
 
 use std::mem::MaybeUninit;
 
-use candle_core::{bail, CpuStorage, CustomOp2, Layout, Shape, Tensor};
+use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
 use super::isa::isa_kernel;
@@ -20,7 +20,7 @@ use super::{contiguous_f32, filled_f32};
 const CHUNK: usize = 1 << 14;
 
 isa_kernel! {
-    fn add_into(isa: CpuIsa, out: &mut [MaybeUninit<f32>], a: &[f32], b: &[f32]) {
+    pub(super) fn add_into(isa: CpuIsa, out: &mut [MaybeUninit<f32>], a: &[f32], b: &[f32]) {
         for ((o, &x), &y) in out.iter_mut().zip(a).zip(b) {
             o.write(x + y);
         }
@@ -139,6 +139,81 @@ impl CustomOp2 for Binary {
             ))
         })
     }
+}
+
+/// SwiGLU of the stacked gate/up projection's output `[rows, 2 · width]` (per row the gate,
+/// then up): on a GPU one launch reading both halves where they lie, with [`swiglu`]'s bits.
+struct SwigluHalves;
+
+impl SwigluHalves {
+    /// `(rows, width)` of the input.
+    fn dims(l: &Layout) -> candle_core::Result<(usize, usize)> {
+        match l.dims() {
+            [rows, w2] if w2 % 2 == 0 && *w2 > 0 => Ok((*rows, w2 / 2)),
+            dims => bail!("swiglu_halves: expected [rows, 2 x width], got {dims:?}"),
+        }
+    }
+}
+
+impl CustomOp1 for SwigluHalves {
+    fn name(&self) -> &'static str {
+        "detspec-swiglu-halves"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let gu = contiguous_f32(s, l, self.name())?;
+        let (rows, width) = Self::dims(l)?;
+        // Every element is written: row by row, from that row's two halves.
+        let out = filled_f32(rows * width, |out| {
+            out.par_chunks_mut(width)
+                .zip(gu.par_chunks(2 * width))
+                .for_each(|(o, row)| {
+                    let (gate, up) = row.split_at(width);
+                    swiglu_into(CpuIsa::detect(), o, gate, up);
+                })
+        });
+        Ok((CpuStorage::F32(out), Shape::from((rows, width))))
+    }
+
+    /// `cuda/elementwise.cu`'s `swiglu_halves`.
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        use super::cuda::{self, with_float_type};
+        use candle_core::backend::BackendStorage;
+        use candle_core::cuda::cudarc::driver::PushKernelArg;
+        use candle_core::cuda::WrapErr;
+
+        let (rows, width) = Self::dims(l)?;
+        let n = rows * width;
+        let dev = s.device();
+        let f = cuda::kernel(dev, &cuda::ELEMENTWISE, "swiglu_halves", s.dtype())?;
+        with_float_type!(s.dtype(), self.name(), |T| {
+            let gu = cuda::view::<T>(s, l, self.name())?;
+            // SAFETY: the kernel writes every element.
+            let mut out = unsafe { dev.alloc::<T>(n.max(1))? };
+            if n > 0 {
+                let stream = dev.cuda_stream();
+                let mut launch = stream.launch_builder(&f);
+                launch.arg(&gu).arg(&mut out).arg(&rows).arg(&width);
+                // SAFETY: argument types and order match `swiglu_halves_*` in
+                // cuda/elementwise.cu; `gu` holds rows x 2 width elements.
+                unsafe { launch.launch(cuda::grid_1d(n)) }.w()?;
+            }
+            Ok((
+                candle_core::CudaStorage::wrap_cuda_slice(out, dev.clone()),
+                Shape::from((rows, width)),
+            ))
+        })
+    }
+}
+
+/// `silu(gate) * up` of the stacked gate/up projection's output `[rows, 2 · width]`.
+pub fn swiglu_halves(gate_up: &Tensor) -> candle_core::Result<Tensor> {
+    gate_up.contiguous()?.apply_op1_no_bwd(&SwigluHalves)
 }
 
 /// `a + b` (same shape).

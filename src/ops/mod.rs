@@ -27,7 +27,7 @@ pub use attention_plan::{AttentionMetadata, AttentionSchedule};
 pub use cache_write::{write_k, write_kv};
 #[cfg(feature = "cuda")]
 pub use cuda::multiprocessors as cuda_multiprocessors;
-pub use elementwise::{add, swiglu};
+pub use elementwise::{add, swiglu, swiglu_halves};
 pub use gemm::{
     matmul_packed, matmul_packed_profiled, packed_matmul, packed_matmul_reduced,
     packed_matmul_with, split_k_parts, PackedWeight, Reduction,
@@ -47,8 +47,8 @@ pub use math::{bf16_bits, bf16_to_f32, exp_nonpositive, silu};
 pub use matmul::{invariant_matmul, INVARIANT_GEMM_ROWS};
 pub use page_copy::copy_pages;
 pub use paged_attention::{paged_attention, paged_attention_with_isa};
-pub use rms_norm::rms_norm;
-pub use rope::apply_rope;
+pub use rms_norm::{add_rms_norm, rms_norm};
+pub use rope::{apply_rope, rope_qkv};
 
 use std::mem::MaybeUninit;
 

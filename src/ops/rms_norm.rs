@@ -1,10 +1,11 @@
-//! RMSNorm over the last dimension.
+//! RMSNorm over the last dimension, alone or fused with the residual add before it.
 
 use std::mem::MaybeUninit;
 
-use candle_core::{bail, CpuStorage, CustomOp2, Layout, Shape, Tensor};
+use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
+use super::elementwise::add_into;
 use super::isa::isa_kernel;
 use super::CpuIsa;
 use super::{contiguous_f32, filled_f32};
@@ -79,7 +80,7 @@ impl CustomOp2 for RmsNorm {
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
         use super::cuda::{self, with_float_type};
         use candle_core::backend::BackendStorage;
-        use candle_core::cuda::cudarc::driver::{LaunchConfig, PushKernelArg};
+        use candle_core::cuda::cudarc::driver::PushKernelArg;
         use candle_core::cuda::WrapErr;
 
         let dim = wl.shape().elem_count();
@@ -100,7 +101,6 @@ impl CustomOp2 for RmsNorm {
         let dev = xs.device();
         let f = cuda::kernel(dev, &cuda::RMS_NORM, "rms_norm", xs.dtype())?;
         let dim_arg = cuda::arg_i32(dim, "rms_norm dim")?;
-        let grid = u32::try_from(rows.max(1)).or_else(|_| bail!("rms_norm: {rows} rows"))?;
         with_float_type!(xs.dtype(), "rms_norm", |T| {
             let x = cuda::view::<T>(xs, xl, "rms_norm input")?;
             let w = cuda::view::<T>(ws, wl, "rms_norm weight")?;
@@ -110,13 +110,8 @@ impl CustomOp2 for RmsNorm {
                 let stream = dev.cuda_stream();
                 let mut b = stream.launch_builder(&f);
                 b.arg(&x).arg(&w).arg(&mut out).arg(&dim_arg).arg(&self.eps);
-                let cfg = LaunchConfig {
-                    grid_dim: (grid, 1, 1),
-                    block_dim: (256, 1, 1),
-                    shared_mem_bytes: 0,
-                };
                 // SAFETY: argument types and order match `rms_norm_*` in cuda/rms_norm.cu.
-                unsafe { b.launch(cfg) }.w()?;
+                unsafe { b.launch(row_blocks(rows)?) }.w()?;
             }
             Ok((
                 candle_core::CudaStorage::wrap_cuda_slice(out, dev.clone()),
@@ -124,6 +119,158 @@ impl CustomOp2 for RmsNorm {
             ))
         })
     }
+}
+
+/// The residual add and the norm after it in one op: `x + delta` (each element rounded as
+/// [`super::add`] rounds it) and its RMSNorm (as [`rms_norm`] computes it), as one `[2, ..]`
+/// tensor. On a GPU one launch instead of two: decode at batch 1 is bound by the host's time
+/// issuing kernels, and this pair runs twice per layer.
+struct AddRmsNorm {
+    eps: f32,
+}
+
+/// The width of the rows of `x`, after checking `delta` and the norm weight against it.
+fn add_norm_dim(xl: &Layout, dl: &Layout, wl: &Layout) -> candle_core::Result<usize> {
+    let dim = wl.shape().elem_count();
+    if dim == 0 || xl.dims().last() != Some(&dim) || xl.dims() != dl.dims() {
+        bail!(
+            "add_rms_norm: input {:?}, delta {:?} and weight of {dim} elements do not match",
+            xl.dims(),
+            dl.dims()
+        );
+    }
+    Ok(dim)
+}
+
+/// `[2, ..dims]`: the sum, then the normed sum.
+fn stacked_shape(xl: &Layout) -> Shape {
+    let mut dims = vec![2];
+    dims.extend_from_slice(xl.dims());
+    Shape::from(dims)
+}
+
+impl CustomOp3 for AddRmsNorm {
+    fn name(&self) -> &'static str {
+        "detspec-add-rms-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        ds: &CpuStorage,
+        dl: &Layout,
+        ws: &CpuStorage,
+        wl: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let x = contiguous_f32(xs, xl, "add_rms_norm input")?;
+        let delta = contiguous_f32(ds, dl, "add_rms_norm delta")?;
+        let w = contiguous_f32(ws, wl, "add_rms_norm weight")?;
+        let dim = add_norm_dim(xl, dl, wl)?;
+        let (eps, len, chunk) = (self.eps, x.len(), dim * ROWS_PER_TASK);
+        // Every element is written: each task adds its rows into `sums`, then normalises them
+        // into `normed`.
+        let out = filled_f32(2 * len, |out| {
+            let (sums, normed) = out.split_at_mut(len);
+            sums.par_chunks_mut(chunk)
+                .zip(normed.par_chunks_mut(chunk))
+                .zip(x.par_chunks(chunk).zip(delta.par_chunks(chunk)))
+                .for_each(|((s, o), (a, b))| {
+                    let isa = CpuIsa::detect();
+                    add_into(isa, s, a, b);
+                    // SAFETY: `add_into` wrote every element of `s`; `MaybeUninit<f32>` has
+                    // f32's layout.
+                    let s = unsafe { &*(s as *const [MaybeUninit<f32>] as *const [f32]) };
+                    norm_rows(isa, o, s, w, eps);
+                })
+        });
+        Ok((CpuStorage::F32(out), stacked_shape(xl)))
+    }
+
+    /// `cuda/rms_norm.cu`'s `add_rms_norm`: one block per row, the sum and the norm from the
+    /// functions `add` and `rms_norm` use.
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        xs: &candle_core::CudaStorage,
+        xl: &Layout,
+        ds: &candle_core::CudaStorage,
+        dl: &Layout,
+        ws: &candle_core::CudaStorage,
+        wl: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        use super::cuda::{self, with_float_type};
+        use candle_core::backend::BackendStorage;
+        use candle_core::cuda::cudarc::driver::PushKernelArg;
+        use candle_core::cuda::WrapErr;
+
+        let dim = add_norm_dim(xl, dl, wl)?;
+        if xs.dtype() != ds.dtype() || xs.dtype() != ws.dtype() {
+            bail!(
+                "add_rms_norm: input {:?}, delta {:?} and weight {:?} dtypes differ",
+                xs.dtype(),
+                ds.dtype(),
+                ws.dtype()
+            );
+        }
+        let n = xl.shape().elem_count();
+        let rows = n / dim;
+        let dev = xs.device();
+        let f = cuda::kernel(dev, &cuda::RMS_NORM, "add_rms_norm", xs.dtype())?;
+        let dim_arg = cuda::arg_i32(dim, "add_rms_norm dim")?;
+        with_float_type!(xs.dtype(), "add_rms_norm", |T| {
+            let x = cuda::view::<T>(xs, xl, "add_rms_norm input")?;
+            let delta = cuda::view::<T>(ds, dl, "add_rms_norm delta")?;
+            let w = cuda::view::<T>(ws, wl, "add_rms_norm weight")?;
+            // SAFETY: the kernel writes every element of both halves.
+            let mut out = unsafe { dev.alloc::<T>((2 * n).max(1))? };
+            if rows > 0 {
+                let (mut sums, mut normed) = out.split_at_mut(n);
+                let stream = dev.cuda_stream();
+                let mut b = stream.launch_builder(&f);
+                b.arg(&x)
+                    .arg(&delta)
+                    .arg(&w)
+                    .arg(&mut sums)
+                    .arg(&mut normed);
+                b.arg(&dim_arg).arg(&self.eps);
+                // SAFETY: argument types and order match `add_rms_norm_*` in
+                // cuda/rms_norm.cu; one block per row of `dim` elements.
+                unsafe { b.launch(row_blocks(rows)?) }.w()?;
+            }
+            Ok((
+                candle_core::CudaStorage::wrap_cuda_slice(out, dev.clone()),
+                stacked_shape(xl),
+            ))
+        })
+    }
+}
+
+/// One block of the kernels' 256 threads per row.
+#[cfg(feature = "cuda")]
+fn row_blocks(rows: usize) -> candle_core::Result<candle_core::cuda::cudarc::driver::LaunchConfig> {
+    let grid = u32::try_from(rows.max(1)).or_else(|_| bail!("rms_norm: {rows} rows"))?;
+    Ok(candle_core::cuda::cudarc::driver::LaunchConfig {
+        grid_dim: (grid, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    })
+}
+
+/// `(x + delta, rms_norm(x + delta, weight))`, bit for bit what [`super::add`] then
+/// [`rms_norm`] give, from one op.
+pub fn add_rms_norm(
+    x: &Tensor,
+    delta: &Tensor,
+    weight: &Tensor,
+    eps: f64,
+) -> candle_core::Result<(Tensor, Tensor)> {
+    let both = x.contiguous()?.apply_op3_no_bwd(
+        &delta.contiguous()?,
+        weight,
+        &AddRmsNorm { eps: eps as f32 },
+    )?;
+    Ok((both.get(0)?, both.get(1)?))
 }
 
 /// `x * rsqrt(mean(x^2) + eps) * weight` over the last dimension of `x`.

@@ -122,6 +122,154 @@ fn rope_dims(xl: &Layout, cl: &Layout, sl: &Layout) -> candle_core::Result<(usiz
     Ok((t, h, d))
 }
 
+/// The stacked q/k/v projection's output `[tokens, (q_heads + 2 kv_heads) · head_dim]` (per
+/// token its q heads, k heads, v heads) split into q and k rotated and v copied, as three
+/// contiguous planes of one tensor: on a GPU one launch where the separate projections took a
+/// rope each for q and k.
+struct RopeQkv {
+    q_heads: usize,
+    kv_heads: usize,
+}
+
+impl RopeQkv {
+    /// `(tokens, head_dim)`, after checking `qkv` and cos/sin against them.
+    fn dims(&self, xl: &Layout, cl: &Layout, sl: &Layout) -> candle_core::Result<(usize, usize)> {
+        let (t, half) = match cl.dims() {
+            [t, half] => (*t, *half),
+            dims => bail!("rope_qkv: cos must be [tokens, head_dim/2], got {dims:?}"),
+        };
+        let d = 2 * half;
+        let width = (self.q_heads + 2 * self.kv_heads) * d;
+        if xl.dims() != [t, width] || sl.dims() != cl.dims() || half == 0 || self.kv_heads == 0 {
+            bail!(
+                "rope_qkv: qkv {:?} is not [{t}, ({} + 2 x {}) x {d}] or sin {:?} is not cos's {:?}",
+                xl.dims(),
+                self.q_heads,
+                self.kv_heads,
+                sl.dims(),
+                cl.dims()
+            );
+        }
+        Ok((t, d))
+    }
+}
+
+impl CustomOp3 for RopeQkv {
+    fn name(&self) -> &'static str {
+        "detspec-rope-qkv"
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        cs: &CpuStorage,
+        cl: &Layout,
+        ss: &CpuStorage,
+        sl: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let x = contiguous_f32(xs, xl, "rope_qkv input")?;
+        let cos = contiguous_f32(cs, cl, "rope_qkv cos")?;
+        let sin = contiguous_f32(ss, sl, "rope_qkv sin")?;
+        let (t, d) = self.dims(xl, cl, sl)?;
+        let (half, q, kv) = (d / 2, self.q_heads * d, self.kv_heads * d);
+        // Every element is written: per token, its q and k heads rotated into their planes
+        // and its v heads copied into theirs.
+        let out = filled_f32(x.len(), |out| {
+            let (q_plane, rest) = out.split_at_mut(t * q);
+            let (k_plane, v_plane) = rest.split_at_mut(t * kv);
+            q_plane
+                .par_chunks_mut(q)
+                .zip(k_plane.par_chunks_mut(kv))
+                .zip(v_plane.par_chunks_mut(kv))
+                .zip(x.par_chunks(q + 2 * kv))
+                .enumerate()
+                .for_each(|(row, (((qo, ko), vo), xr))| {
+                    let c = &cos[row * half..(row + 1) * half];
+                    let s = &sin[row * half..(row + 1) * half];
+                    let isa = CpuIsa::detect();
+                    rotate_row(isa, qo, &xr[..q], c, s);
+                    rotate_row(isa, ko, &xr[q..q + kv], c, s);
+                    for (o, &v) in vo.iter_mut().zip(&xr[q + kv..]) {
+                        o.write(v);
+                    }
+                })
+        });
+        Ok((CpuStorage::F32(out), Shape::from(x.len())))
+    }
+
+    /// `cuda/rope.cu`'s `rope_qkv`: each pair rotated by the function `rope` uses.
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        xs: &candle_core::CudaStorage,
+        xl: &Layout,
+        cs: &candle_core::CudaStorage,
+        cl: &Layout,
+        ss: &candle_core::CudaStorage,
+        sl: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        use super::cuda::{self, with_float_type};
+        use candle_core::backend::BackendStorage;
+        use candle_core::cuda::cudarc::driver::PushKernelArg;
+        use candle_core::cuda::WrapErr;
+
+        let (t, d) = self.dims(xl, cl, sl)?;
+        let n = xl.shape().elem_count();
+        let dev = xs.device();
+        let f = cuda::kernel(dev, &cuda::ROPE, "rope_qkv", xs.dtype())?;
+        let cos = cuda::view::<f32>(cs, cl, "rope_qkv cos")?;
+        let sin = cuda::view::<f32>(ss, sl, "rope_qkv sin")?;
+        let args = [
+            cuda::arg_i32(t, "rope_qkv tokens")?,
+            cuda::arg_i32(self.q_heads, "rope_qkv q_heads")?,
+            cuda::arg_i32(self.kv_heads, "rope_qkv kv_heads")?,
+            cuda::arg_i32(d, "rope_qkv head_dim")?,
+        ];
+        with_float_type!(xs.dtype(), "rope_qkv", |T| {
+            let x = cuda::view::<T>(xs, xl, "rope_qkv input")?;
+            // SAFETY: the kernel writes every element (both halves of every head).
+            let mut out = unsafe { dev.alloc::<T>(n.max(1))? };
+            if n > 0 {
+                let stream = dev.cuda_stream();
+                let mut b = stream.launch_builder(&f);
+                b.arg(&x).arg(&cos).arg(&sin).arg(&mut out);
+                for a in &args {
+                    b.arg(a);
+                }
+                // SAFETY: argument types and order match `rope_qkv_*` in cuda/rope.cu.
+                unsafe { b.launch(cuda::grid_1d(n / 2)) }.w()?;
+            }
+            Ok((
+                candle_core::CudaStorage::wrap_cuda_slice(out, dev.clone()),
+                Shape::from(n),
+            ))
+        })
+    }
+}
+
+/// The stacked q/k/v projection's output `qkv` `[tokens, (q_heads + 2 kv_heads) · head_dim]`
+/// split into `(q, k, v)` (`[tokens, heads, head_dim]` each, contiguous), q and k rotated as
+/// [`apply_rope`] rotates them.
+pub fn rope_qkv(
+    qkv: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    q_heads: usize,
+    kv_heads: usize,
+) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
+    let (t, d) = (qkv.dim(0)?, 2 * cos.dim(1)?);
+    let planes = qkv
+        .contiguous()?
+        .apply_op3_no_bwd(cos, sin, &RopeQkv { q_heads, kv_heads })?;
+    let (q, kv) = (t * q_heads * d, t * kv_heads * d);
+    Ok((
+        planes.narrow(0, 0, q)?.reshape((t, q_heads, d))?,
+        planes.narrow(0, q, kv)?.reshape((t, kv_heads, d))?,
+        planes.narrow(0, q + kv, kv)?.reshape((t, kv_heads, d))?,
+    ))
+}
+
 /// Rotates `x` `[tokens, heads, head_dim]` by per-token angles; `cos`/`sin` are `[tokens, head_dim/2]`
 /// (already gathered at each token's absolute position).
 pub fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> candle_core::Result<Tensor> {

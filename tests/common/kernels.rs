@@ -81,3 +81,81 @@ pub fn sampled_columns(n: usize) -> Vec<usize> {
     cols.retain(|&j| j < n);
     cols
 }
+
+/// The fused decoder ops give their unfused pairs' bits on `dev` in `dtype` (the models'
+/// shapes and odd ones): `add_rms_norm` = `add` then `rms_norm`; `rope_qkv` = the stacked
+/// projection's q/k columns through `apply_rope` and its v columns as they are;
+/// `swiglu_halves` = `swiglu` of the two halves.
+pub fn assert_fused_ops_match_unfused(dev: &candle_core::Device, dtype: DType) {
+    use detspec::ops::{add, add_rms_norm, apply_rope, rms_norm, rope_qkv, swiglu, swiglu_halves};
+    let tensor = |seed: u64, shape: &[usize], scale: f32, dtype: DType| {
+        let n = shape.iter().product();
+        let values = randn(seed, n).into_iter().map(|v| v * scale).collect();
+        Tensor::from_vec(values, shape, &candle_core::Device::Cpu)
+            .and_then(|t| t.to_dtype(dtype))
+            .and_then(|t| t.to_device(dev))
+            .expect("test tensor")
+    };
+    let part = |t: &Tensor, at: usize, width: usize, shape: (usize, usize, usize)| {
+        t.narrow(1, at, width)
+            .and_then(|p| p.contiguous())
+            .and_then(|p| p.reshape(shape))
+            .expect("part")
+    };
+    // (rows, q heads, kv heads, head_dim, intermediate)
+    for (i, &(rows, h, kvh, d, is)) in
+        [(1, 32, 8, 128, 14336), (7, 4, 2, 8, 24), (33, 6, 3, 64, 96)]
+            .iter()
+            .enumerate()
+    {
+        let seed = 100 * i as u64;
+        let hs = h * d;
+        let (x, delta) = (
+            tensor(seed, &[rows, hs], 4.0, dtype),
+            tensor(seed + 1, &[rows, hs], 1.0, dtype),
+        );
+        let w = tensor(seed + 2, &[hs], 1.0, dtype);
+        let (sum, normed) = add_rms_norm(&x, &delta, &w, 1e-5).expect("add_rms_norm");
+        let sum_ref = add(&x, &delta).expect("add");
+        let normed_ref = rms_norm(&sum_ref, &w, 1e-5).expect("rms_norm");
+        assert_eq!(
+            bits(&sum),
+            bits(&sum_ref),
+            "add_rms_norm sum, case {i} {dtype:?}"
+        );
+        assert_eq!(
+            bits(&normed),
+            bits(&normed_ref),
+            "add_rms_norm norm, case {i} {dtype:?}"
+        );
+
+        let qkv = tensor(seed + 3, &[rows, (h + 2 * kvh) * d], 2.0, dtype);
+        let cos = tensor(seed + 4, &[rows, d / 2], 1.0, DType::F32);
+        let sin = tensor(seed + 5, &[rows, d / 2], 1.0, DType::F32);
+        let (q, k, v) = rope_qkv(&qkv, &cos, &sin, h, kvh).expect("rope_qkv");
+        let q_ref = apply_rope(&part(&qkv, 0, h * d, (rows, h, d)), &cos, &sin).expect("rope q");
+        let k_ref =
+            apply_rope(&part(&qkv, h * d, kvh * d, (rows, kvh, d)), &cos, &sin).expect("rope k");
+        let v_ref = part(&qkv, (h + kvh) * d, kvh * d, (rows, kvh, d));
+        assert_eq!(
+            (q.dims(), k.dims(), v.dims()),
+            (q_ref.dims(), k_ref.dims(), v_ref.dims())
+        );
+        assert_eq!(bits(&q), bits(&q_ref), "rope_qkv q, case {i} {dtype:?}");
+        assert_eq!(bits(&k), bits(&k_ref), "rope_qkv k, case {i} {dtype:?}");
+        assert_eq!(bits(&v), bits(&v_ref), "rope_qkv v, case {i} {dtype:?}");
+
+        let gu = tensor(seed + 6, &[rows, 2 * is], 6.0, dtype);
+        let act = swiglu_halves(&gu).expect("swiglu_halves");
+        let act_ref = swiglu(
+            &gu.narrow(1, 0, is).expect("gate"),
+            &gu.narrow(1, is, is).expect("up"),
+        )
+        .expect("swiglu");
+        assert_eq!(
+            bits(&act),
+            bits(&act_ref),
+            "swiglu_halves, case {i} {dtype:?}"
+        );
+    }
+}
