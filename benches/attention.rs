@@ -78,8 +78,12 @@ fn attention(c: &mut Criterion) {
     let mut g = c.benchmark_group("attention_decode");
     g.sample_size(30);
     for seqs in [1usize, 16, 64] {
-        let schedule =
-            AttentionSchedule::split_kv_for_batch(seqs, seqs, HEADS, &candle_core::Device::Cpu);
+        let schedule = AttentionSchedule::split_kv_for_batch(
+            seqs,
+            seqs,
+            (HEADS, KV_HEADS),
+            &candle_core::Device::Cpu,
+        );
         let s = setup(seqs, ctx, 1, schedule);
         g.throughput(Throughput::Elements((seqs * ctx) as u64));
         g.bench_with_input(BenchmarkId::new("fast", seqs), &seqs, |b, _| {

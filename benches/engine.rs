@@ -108,7 +108,8 @@ fn step(bench: &Bench, b: &ForwardBatch) -> usize {
 
 fn engine(c: &mut Criterion) {
     let bench = setup();
-    let heads = bench.model.config().num_attention_heads;
+    let cfg = bench.model.config();
+    let heads = (cfg.num_attention_heads, cfg.num_key_value_heads);
     let mut g = c.benchmark_group("decode_step");
     g.sample_size(10);
     for n in [1usize, 16, 64] {

@@ -30,16 +30,17 @@ __device__ void swiglu(const T* __restrict__ gate, const T* __restrict__ up, T* 
 }
 
 // The stacked gate/up projection's output gu [rows, 2 width] (per row: gate, then up) -> out
-// [rows, width].
+// [rows, width]. A 2-D grid (columns x rows): no 64-bit division per element.
 template <typename T>
-__device__ void swiglu_halves(const T* __restrict__ gu, T* __restrict__ out, size_t rows,
-                              size_t width) {
-    size_t n = rows * width;
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
-         i += (size_t)gridDim.x * blockDim.x) {
-        size_t r = i / width, c = i % width;
-        const T* row = gu + r * 2 * width;
-        out[i] = swiglu_one(row[c], row[width + c]);
+__device__ void swiglu_halves(const T* __restrict__ gu, T* __restrict__ out, int rows,
+                              int width) {
+    for (int r = blockIdx.y; r < rows; r += gridDim.y) {
+        const T* row = gu + (size_t)r * 2 * width;
+        T* orow = out + (size_t)r * width;
+        for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < width;
+             c += gridDim.x * blockDim.x) {
+            orow[c] = swiglu_one(row[c], row[width + c]);
+        }
     }
 }
 
@@ -50,8 +51,8 @@ __device__ void swiglu_halves(const T* __restrict__ gu, T* __restrict__ out, siz
     extern "C" __global__ void swiglu_##NAME(const T* gate, const T* up, T* out, size_t n) { \
         swiglu<T>(gate, up, out, n);                                                         \
     }                                                                                        \
-    extern "C" __global__ void swiglu_halves_##NAME(const T* gu, T* out, size_t rows,        \
-                                                    size_t width) {                          \
+    extern "C" __global__ void swiglu_halves_##NAME(const T* gu, T* out, int rows,           \
+                                                    int width) {                             \
         swiglu_halves<T>(gu, out, rows, width);                                              \
     }
 DETSPEC_FOR_DTYPES(ELEMENTWISE)

@@ -1,17 +1,15 @@
 // Causal attention of a flat varlen batch (prefill chunks and decode rows) against the paged KV
 // cache; the layouts and semantics of src/ops/paged_attention.rs.
 //
-// One block of ATTN_THREADS threads computes one (row, head, split): grid (rows, heads, splits). It walks its keys in blocks
-// of SOFTMAX_BLOCK positions aligned to absolute positions, with an online softmax; within a block
-// 8 lanes per key reduce the dot product in a fixed butterfly, and every accumulation over keys is
-// sequential in position order. So a (row, head)'s bits depend only on its own query, its keys
-// and its split count: not on the batch, the paging, or which other rows run.
+// One block of ATTN_THREADS threads computes one (row, group of query heads, split): grid (rows,
+// heads / heads_per_block, splits), the group's heads sharing one KV head (grouped-query
+// attention), so the block reads each key and value once for all of them. It walks its keys in
+// blocks of SOFTMAX_BLOCK positions aligned to absolute positions, with an online softmax per
+// head; within a block 8 lanes per key reduce each head's dot product in a fixed butterfly, and
+// every accumulation over keys is sequential in position order. So a (row, head)'s bits depend
+// only on its own query, its keys and its split count: not on the batch, the paging, which
+// other rows run, or which heads share its block.
 //
-// Split count per row (`row_splits`): 1 is the verify schedule (the fixed reduction order; the
-// result is written directly). More than 1 is flash-decoding: the key range is cut into that many
-// runs of whole 16-key blocks, computed in parallel, and merged by `attention_merge` in split
-// order. The host picks the count from the batch size (batch-variant on purpose) and forces 1
-// for every row of a deterministic sequence.
 #include "common.cuh"
 
 constexpr int ATTN_THREADS = 128;
@@ -19,6 +17,7 @@ constexpr int SOFTMAX_BLOCK = 16;
 constexpr int LANES_PER_KEY = ATTN_THREADS / SOFTMAX_BLOCK;  // 8
 constexpr int MAX_DIM = 256;
 constexpr int DIMS_PER_THREAD = MAX_DIM / ATTN_THREADS;     // 2
+constexpr int MAX_GROUP = 8;  // query heads per block (the host picks a divisor of the group)
 
 struct AttnArgs {
     const uint32_t* positions;   // [rows]
@@ -26,20 +25,24 @@ struct AttnArgs {
     const uint32_t* bt_offsets;  // [seqs + 1]: sequence s's pages are bt_pages[off[s]..off[s+1]]
     const uint32_t* bt_pages;
     const uint32_t* row_splits;  // [rows], >= 1
-    int heads, kv_heads, dim, page_size, window, max_splits;
+    int heads, kv_heads, dim, page_size, window, max_splits, heads_per_block;
     float scale;
 };
 
+// Per-head arrays are MAX_GROUP long and every loop over them is unrolled with a `g < group`
+// guard, so they stay in registers.
 template <typename T>
 __device__ void attention_split(const T* __restrict__ q, const T* __restrict__ k_cache,
                                 const T* __restrict__ v_cache, T* __restrict__ out,
                                 float* __restrict__ partial_acc, float* __restrict__ partial_ml,
                                 const AttnArgs a) {
-    const int row = blockIdx.x, head = blockIdx.y, split = blockIdx.z;
+    const int row = blockIdx.x, split = blockIdx.z;
     const int splits = (int)a.row_splits[row];
     if (split >= splits) return;
     const int tid = threadIdx.x;
-    const int kvh = head / (a.heads / a.kv_heads);
+    const int group = a.heads_per_block;
+    const int head0 = blockIdx.y * group;
+    const int kvh = head0 / (a.heads / a.kv_heads);
     const int dim = a.dim;
     const uint32_t* bt = a.bt_pages + a.bt_offsets[a.row_seq[row]];
 
@@ -52,81 +55,129 @@ __device__ void attention_split(const T* __restrict__ q, const T* __restrict__ k
     const int lo = max(start, (b0 + split * per_split) * SOFTMAX_BLOCK);
     const int hi = min(end, (b0 + (split + 1) * per_split) * SOFTMAX_BLOCK);
 
-    __shared__ float qs[MAX_DIM];
-    __shared__ float scores[SOFTMAX_BLOCK];
-    __shared__ float probs[SOFTMAX_BLOCK];
-    const T* qrow = q + ((size_t)row * a.heads + head) * dim;
-    for (int d = tid; d < dim; d += ATTN_THREADS) qs[d] = to_f32(qrow[d]);
+    __shared__ float qs[MAX_GROUP][MAX_DIM];
+    __shared__ float scores[MAX_GROUP][SOFTMAX_BLOCK];
+    __shared__ float probs[MAX_GROUP][SOFTMAX_BLOCK];
+    for (int g = 0; g < group; ++g) {
+        const T* qrow = q + ((size_t)row * a.heads + head0 + g) * dim;
+        for (int d = tid; d < dim; d += ATTN_THREADS) qs[g][d] = to_f32(qrow[d]);
+    }
     __syncthreads();
 
     const int key = tid / LANES_PER_KEY, lane = tid % LANES_PER_KEY;
-    float m = -INFINITY, l = 0.f;
-    float acc[DIMS_PER_THREAD];
+    float m[MAX_GROUP], l[MAX_GROUP], acc[MAX_GROUP][DIMS_PER_THREAD];
 #pragma unroll
-    for (int i = 0; i < DIMS_PER_THREAD; ++i) acc[i] = 0.f;
+    for (int g = 0; g < MAX_GROUP; ++g) {
+        m[g] = -INFINITY;
+        l[g] = 0.f;
+#pragma unroll
+        for (int t = 0; t < DIMS_PER_THREAD; ++t) acc[g][t] = 0.f;
+    }
 
     for (int j0 = lo; j0 < hi;) {
         const int j1 = min(hi, (j0 / SOFTMAX_BLOCK + 1) * SOFTMAX_BLOCK);
         const int n = j1 - j0;
-        float dot = 0.f;
+        float dot[MAX_GROUP];
+#pragma unroll
+        for (int g = 0; g < MAX_GROUP; ++g) dot[g] = 0.f;
         if (key < n) {
             const int j = j0 + key;
             const size_t page = bt[j / a.page_size], in_page = j % a.page_size;
             const T* k = k_cache + (page * a.kv_heads + kvh) * dim * a.page_size + in_page;
-            for (int d = lane; d < dim; d += LANES_PER_KEY) dot += qs[d] * to_f32(k[(size_t)d * a.page_size]);
+            for (int d = lane; d < dim; d += LANES_PER_KEY) {
+                const float kd = to_f32(k[(size_t)d * a.page_size]);
+#pragma unroll
+                for (int g = 0; g < MAX_GROUP; ++g) {
+                    if (g < group) dot[g] += qs[g][d] * kd;
+                }
+            }
         }
         // Every lane of the warp takes part (absent keys with zeros); the butterfly gives all 8
         // lanes of a key the same sum (each step adds the same two values, in either order).
-        dot += __shfl_xor_sync(0xffffffff, dot, 4);
-        dot += __shfl_xor_sync(0xffffffff, dot, 2);
-        dot += __shfl_xor_sync(0xffffffff, dot, 1);
-        if (lane == 0 && key < n) scores[key] = dot * a.scale;
+#pragma unroll
+        for (int g = 0; g < MAX_GROUP; ++g) {
+            if (g < group) {
+                dot[g] += __shfl_xor_sync(0xffffffff, dot[g], 4);
+                dot[g] += __shfl_xor_sync(0xffffffff, dot[g], 2);
+                dot[g] += __shfl_xor_sync(0xffffffff, dot[g], 1);
+                if (lane == 0 && key < n) scores[g][key] = dot[g] * a.scale;
+            }
+        }
         __syncthreads();
-        float m_new = m;
-        for (int i = 0; i < n; ++i) m_new = fmaxf(m_new, scores[i]);
-        if (lane == 0 && key < n) probs[key] = expf(scores[key] - m_new);
+        float m_new[MAX_GROUP];
+#pragma unroll
+        for (int g = 0; g < MAX_GROUP; ++g) {
+            m_new[g] = m[g];
+            if (g < group) {
+                for (int i = 0; i < n; ++i) m_new[g] = fmaxf(m_new[g], scores[g][i]);
+                if (lane == 0 && key < n) probs[g][key] = expf(scores[g][key] - m_new[g]);
+            }
+        }
         __syncthreads();
-        const float alpha = expf(m - m_new);
-        float block_sum = 0.f;
-        for (int i = 0; i < n; ++i) block_sum += probs[i];
-        l = l * alpha + block_sum;
+        float alpha[MAX_GROUP];
+#pragma unroll
+        for (int g = 0; g < MAX_GROUP; ++g) {
+            alpha[g] = 1.f;
+            if (g < group) {
+                alpha[g] = expf(m[g] - m_new[g]);
+                float block_sum = 0.f;
+                for (int i = 0; i < n; ++i) block_sum += probs[g][i];
+                l[g] = l[g] * alpha[g] + block_sum;
+            }
+        }
 #pragma unroll
         for (int t = 0; t < DIMS_PER_THREAD; ++t) {
             const int d = tid + t * ATTN_THREADS;
             if (d < dim) {
-                float s = 0.f;
+                float s[MAX_GROUP];
+#pragma unroll
+                for (int g = 0; g < MAX_GROUP; ++g) s[g] = 0.f;
+#pragma unroll 4
                 for (int i = 0; i < n; ++i) {
                     const int j = j0 + i;
                     const size_t page = bt[j / a.page_size], in_page = j % a.page_size;
                     const T* v = v_cache + ((page * a.page_size + in_page) * a.kv_heads + kvh) * dim;
-                    s += probs[i] * to_f32(v[d]);
+                    const float vd = to_f32(v[d]);
+#pragma unroll
+                    for (int g = 0; g < MAX_GROUP; ++g) {
+                        if (g < group) s[g] += probs[g][i] * vd;
+                    }
                 }
-                acc[t] = acc[t] * alpha + s;
+#pragma unroll
+                for (int g = 0; g < MAX_GROUP; ++g) {
+                    if (g < group) acc[g][t] = acc[g][t] * alpha[g] + s[g];
+                }
             }
         }
-        m = m_new;
+#pragma unroll
+        for (int g = 0; g < MAX_GROUP; ++g) m[g] = m_new[g];
         j0 = j1;
         __syncthreads();  // scores/probs are rewritten by the next block
     }
 
-    if (splits == 1) {
-        T* o = out + ((size_t)row * a.heads + head) * dim;
+#pragma unroll
+    for (int g = 0; g < MAX_GROUP; ++g) {
+        if (g >= group) continue;
+        const size_t head_row = (size_t)row * a.heads + head0 + g;
+        if (splits == 1) {
+            T* o = out + head_row * dim;
+#pragma unroll
+            for (int t = 0; t < DIMS_PER_THREAD; ++t) {
+                const int d = tid + t * ATTN_THREADS;
+                if (d < dim) o[d] = from_f32<T>(acc[g][t] / l[g]);
+            }
+            continue;
+        }
+        const size_t slot = head_row * a.max_splits + split;
 #pragma unroll
         for (int t = 0; t < DIMS_PER_THREAD; ++t) {
             const int d = tid + t * ATTN_THREADS;
-            if (d < dim) o[d] = from_f32<T>(acc[t] / l);
+            if (d < dim) partial_acc[slot * dim + d] = acc[g][t];
         }
-        return;
-    }
-    const size_t slot = ((size_t)row * a.heads + head) * a.max_splits + split;
-#pragma unroll
-    for (int t = 0; t < DIMS_PER_THREAD; ++t) {
-        const int d = tid + t * ATTN_THREADS;
-        if (d < dim) partial_acc[slot * dim + d] = acc[t];
-    }
-    if (tid == 0) {
-        partial_ml[2 * slot] = m;
-        partial_ml[2 * slot + 1] = l;
+        if (tid == 0) {
+            partial_ml[2 * slot] = m[g];
+            partial_ml[2 * slot + 1] = l[g];
+        }
     }
 }
 
@@ -160,10 +211,10 @@ __device__ void attention_merge(T* __restrict__ out, const float* __restrict__ p
 #define ATTN_PARAMS                                                                          \
     const uint32_t *positions, const uint32_t *row_seq, const uint32_t *bt_offsets,          \
         const uint32_t *bt_pages, const uint32_t *row_splits, int heads, int kv_heads,       \
-        int dim, int page_size, int window, int max_splits, float scale
+        int dim, int page_size, int window, int max_splits, int heads_per_block, float scale
 #define ATTN_ARGS                                                                            \
     AttnArgs{positions, row_seq, bt_offsets, bt_pages, row_splits, heads, kv_heads, dim,     \
-             page_size, window, max_splits, scale}
+             page_size, window, max_splits, heads_per_block, scale}
 
 #define ATTENTION(NAME, T)                                                                   \
     extern "C" __global__ void __launch_bounds__(ATTN_THREADS) paged_attention_##NAME(      \

@@ -281,8 +281,8 @@ fn split_kv_matches_fixed_closely_but_not_bitwise() {
     );
     // The heuristic depends on the batch: one sequence splits, many do not.
     assert_ne!(
-        AttentionSchedule::split_kv_for_batch(1, 1, H, &candle_core::Device::Cpu),
-        AttentionSchedule::split_kv_for_batch(64, 64, H, &candle_core::Device::Cpu)
+        AttentionSchedule::split_kv_for_batch(1, 1, (H, KVH), &candle_core::Device::Cpu),
+        AttentionSchedule::split_kv_for_batch(64, 64, (H, KVH), &candle_core::Device::Cpu)
     );
 }
 

@@ -833,7 +833,10 @@ impl EngineCore {
                 schedule: AttentionSchedule::split_kv_for_batch(
                     entries.len(),
                     entries.iter().map(|e| e.len).sum(),
-                    self.info.config.num_attention_heads,
+                    (
+                        self.info.config.num_attention_heads,
+                        self.info.config.num_key_value_heads,
+                    ),
                     self.model.device(),
                 ),
                 ..Default::default()

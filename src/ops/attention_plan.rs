@@ -41,23 +41,26 @@ pub enum AttentionSchedule {
 impl AttentionSchedule {
     /// The fast path's heuristic: enough (row, head, split) tasks to occupy every CPU thread a
     /// few times over, or every GPU multiprocessor twice. Depends on the batch, hence
-    /// batch-variant. The GPU counts query rows (a block per row, head and split: one prompt's
-    /// thousands of prefill rows fill it unsplit, where splitting them would only add a merge
-    /// and rows × heads × splits partial results); the CPU counts sequences, the measure its
-    /// speed was tuned with (which also splits a lone prompt's prefill, the prefill batch
-    /// variance the CPU's negative controls detect).
+    /// batch-variant. The GPU counts query rows times KV heads (a block per row, KV head's
+    /// group of query heads and split: one prompt's thousands of prefill rows fill it unsplit,
+    /// where splitting them would only add a merge and partial results); the CPU counts
+    /// sequences times query heads, the measure its speed was tuned with (which also splits a
+    /// lone prompt's prefill, the prefill batch variance the CPU's negative controls detect).
     pub fn split_kv_for_batch(
         num_seqs: usize,
         num_rows: usize,
-        num_heads: usize,
+        (num_heads, num_kv_heads): (usize, usize),
         device: &Device,
     ) -> Self {
-        let (target_tasks, units) = if device.is_cpu() {
-            (4 * rayon::current_num_threads().max(1), num_seqs)
+        let (target_tasks, tasks) = if device.is_cpu() {
+            (
+                4 * rayon::current_num_threads().max(1),
+                num_seqs * num_heads,
+            )
         } else {
-            (2 * gpu_multiprocessors(device), num_rows)
+            (2 * gpu_multiprocessors(device), num_rows * num_kv_heads)
         };
-        let tasks = (units * num_heads).max(1);
+        let tasks = tasks.max(1);
         let splits = target_tasks.div_ceil(tasks).clamp(1, 16);
         if splits <= 1 {
             AttentionSchedule::Fixed

@@ -12,10 +12,22 @@ use candle_core::{bail, CudaDevice, CudaStorage, Layout};
 use super::attention_plan::{AttentionMetadata, AttentionSchedule, AttentionShape, SOFTMAX_BLOCK};
 use super::cuda::{self, with_float_type, UploadCache};
 
-/// Threads per (row, head, split) block; `cuda/paged_attention.cu`'s `ATTN_THREADS`.
+/// Threads per (row, head group, split) block; `cuda/paged_attention.cu`'s `ATTN_THREADS`.
 const ATTN_THREADS: u32 = 128;
 /// Largest head_dim the kernel holds (`MAX_DIM`).
 const MAX_DIM: usize = 256;
+/// Most query heads one block attends for (`MAX_GROUP`).
+const MAX_GROUP: usize = 8;
+
+/// Query heads per block: the largest divisor of the heads sharing a KV head that the kernel
+/// holds, so a block's heads share one KV head and every head is in exactly one block.
+fn heads_per_block(heads: usize, kv_heads: usize) -> usize {
+    let group = (heads / kv_heads.max(1)).max(1);
+    (1..=group.min(MAX_GROUP))
+        .rev()
+        .find(|g| group % g == 0)
+        .unwrap_or(1)
+}
 
 /// The metadata as the kernel reads it.
 struct DeviceMetadata {
@@ -112,6 +124,7 @@ pub(super) fn paged_attention(
         unsafe { dev.alloc::<f32>(if split_rows { partial * shape.dim } else { 1 })? };
     // SAFETY: as above.
     let partial_ml = unsafe { dev.alloc::<f32>(if split_rows { partial * 2 } else { 1 })? };
+    let per_block = heads_per_block(shape.heads, shape.kv_heads);
     let ints = [
         cuda::arg_i32(shape.heads, "paged_attention heads")?,
         cuda::arg_i32(shape.kv_heads, "paged_attention kv_heads")?,
@@ -122,6 +135,7 @@ pub(super) fn paged_attention(
             "paged_attention sliding_window",
         )?,
         cuda::arg_i32(md.max_splits, "paged_attention splits")?,
+        cuda::arg_i32(per_block, "paged_attention heads_per_block")?,
     ];
     let (rows, heads) = (
         u32::try_from(shape.rows).or_else(|_| bail!("paged_attention: {} rows", shape.rows))?,
@@ -142,7 +156,7 @@ pub(super) fn paged_attention(
             b.arg(&partial_acc).arg(&partial_ml);
             push_metadata(&mut b, &md, &ints, &scale);
             let cfg = LaunchConfig {
-                grid_dim: (rows, heads, md.max_splits as u32),
+                grid_dim: (rows, heads / per_block as u32, md.max_splits as u32),
                 block_dim: (ATTN_THREADS, 1, 1),
                 shared_mem_bytes: 0,
             };
@@ -170,7 +184,7 @@ pub(super) fn paged_attention(
 fn push_metadata<'a>(
     b: &mut candle_core::cuda::cudarc::driver::LaunchArgs<'a>,
     md: &'a DeviceMetadata,
-    ints: &'a [i32; 6],
+    ints: &'a [i32; 7],
     scale: &'a f32,
 ) {
     b.arg(&md.positions)
@@ -213,6 +227,17 @@ mod tests {
         assert_eq!(row_splits(&m), [1, 4]);
         let m = meta(vec![500], AttentionSchedule::Fixed, vec![]);
         assert_eq!(row_splits(&m), [1]);
+    }
+
+    #[test]
+    fn head_groups_divide_the_heads_sharing_a_kv_head() {
+        assert_eq!(heads_per_block(32, 8), 4); // Llama-3-8B
+        assert_eq!(heads_per_block(64, 8), 8); // Llama-3-70B
+        assert_eq!(heads_per_block(28, 4), 7); // Qwen2-7B
+        assert_eq!(heads_per_block(32, 2), 8); // 16 per KV head: two blocks
+        assert_eq!(heads_per_block(40, 4), 5);
+        assert_eq!(heads_per_block(36, 3), 6); // 12 per KV head
+        assert_eq!(heads_per_block(32, 32), 1); // multi-head attention
     }
 
     #[test]

@@ -184,13 +184,27 @@ impl CustomOp1 for SwigluHalves {
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
         use super::cuda::{self, with_float_type};
         use candle_core::backend::BackendStorage;
-        use candle_core::cuda::cudarc::driver::PushKernelArg;
+        use candle_core::cuda::cudarc::driver::{LaunchConfig, PushKernelArg};
         use candle_core::cuda::WrapErr;
 
         let (rows, width) = Self::dims(l)?;
         let n = rows * width;
         let dev = s.device();
         let f = cuda::kernel(dev, &cuda::ELEMENTWISE, "swiglu_halves", s.dtype())?;
+        let args = [
+            cuda::arg_i32(rows, "swiglu_halves rows")?,
+            cuda::arg_i32(width, "swiglu_halves width")?,
+        ];
+        // Columns by 256-thread blocks, one grid row per row (both strided past 65,535).
+        let cfg = LaunchConfig {
+            grid_dim: (
+                width.div_ceil(256).clamp(1, 65_535) as u32,
+                rows.clamp(1, 65_535) as u32,
+                1,
+            ),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
         with_float_type!(s.dtype(), self.name(), |T| {
             let gu = cuda::view::<T>(s, l, self.name())?;
             // SAFETY: the kernel writes every element.
@@ -198,10 +212,10 @@ impl CustomOp1 for SwigluHalves {
             if n > 0 {
                 let stream = dev.cuda_stream();
                 let mut launch = stream.launch_builder(&f);
-                launch.arg(&gu).arg(&mut out).arg(&rows).arg(&width);
+                launch.arg(&gu).arg(&mut out).arg(&args[0]).arg(&args[1]);
                 // SAFETY: argument types and order match `swiglu_halves_*` in
                 // cuda/elementwise.cu; `gu` holds rows x 2 width elements.
-                unsafe { launch.launch(cuda::grid_1d(n)) }.w()?;
+                unsafe { launch.launch(cfg) }.w()?;
             }
             Ok((
                 candle_core::CudaStorage::wrap_cuda_slice(out, dev.clone()),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -92,6 +93,8 @@ def test_weight_updates_of_stacked_projections_equal_a_fresh_load(model_zoo, tmp
     }
     updated = copy.deepcopy(case.model)
     updated.load_state_dict({**state, **partial})
+    # The checkpoint's tokenizer too: the fingerprint names it.
+    shutil.copytree(case.path, tmp_path / "updated")
     updated.save_pretrained(tmp_path / "updated")
     fresh = detspec.LLM(str(tmp_path / "updated"), device="cuda", dtype="float32")
     llm.update_weights(partial.items())

@@ -95,7 +95,10 @@ impl EngineCore {
             AttentionSchedule::split_kv_for_batch(
                 seqs.len(),
                 seqs.iter().map(Vec::len).sum(),
-                self.info.config.num_attention_heads,
+                (
+                    self.info.config.num_attention_heads,
+                    self.info.config.num_key_value_heads,
+                ),
                 self.model.device(),
             )
         };
