@@ -133,8 +133,8 @@ fn row_wise_kernels_are_batch_and_position_invariant() {
         for op in [
             "rms_norm",
             "rope",
-            "swiglu (candle)",
-            "residual add (candle)",
+            "swiglu",
+            "residual add",
         ] {
             table(op, dtype, "batch- and position-invariant", true, &detail);
         }

@@ -6,7 +6,7 @@ use candle_core::{DType, Tensor};
 use crate::error::Result;
 
 use super::decoder::Model;
-use super::linear::{LinearWeight, Projection};
+use super::linear::{Linear, LinearWeight, Projection};
 use super::params::{check_update, tensor_hash, unknown};
 
 /// Where a named parameter lives in the model.
@@ -114,18 +114,8 @@ impl Model {
             "self_attn.v_proj" => (&mut layer.qkv, 2),
             "mlp.gate_proj" => (&mut layer.gate_up, 0),
             "mlp.up_proj" => (&mut layer.gate_up, 1),
-            "self_attn.o_proj" | "mlp.down_proj" => {
-                let linear = if module == "self_attn.o_proj" {
-                    &mut layer.o
-                } else {
-                    &mut layer.down
-                };
-                return match kind {
-                    "weight" => Some(Slot::Linear(&mut linear.weight)),
-                    "bias" => Some(Slot::Bias(&mut linear.bias)),
-                    _ => None,
-                };
-            }
+            "self_attn.o_proj" => return linear_slot(&mut layer.o, kind),
+            "mlp.down_proj" => return linear_slot(&mut layer.down, kind),
             "self_attn.q_norm" => return layer.q_norm.as_mut().map(Slot::Vector),
             "self_attn.k_norm" => return layer.k_norm.as_mut().map(Slot::Vector),
             _ => return None,
@@ -135,5 +125,14 @@ impl Model {
             "bias" => Some(Slot::PartBias(projection, part)),
             _ => None,
         }
+    }
+}
+
+/// The weight or bias (`kind`) of a linear layer that stands alone.
+fn linear_slot<'a>(linear: &'a mut Linear, kind: &str) -> Option<Slot<'a>> {
+    match kind {
+        "weight" => Some(Slot::Linear(&mut linear.weight)),
+        "bias" => Some(Slot::Bias(&mut linear.bias)),
+        _ => None,
     }
 }
