@@ -130,12 +130,7 @@ fn row_wise_kernels_are_batch_and_position_invariant() {
             }
         }
         let detail = format!("{checked} (M, row) placements, M in {ROWS:?}, 8B widths");
-        for op in [
-            "rms_norm",
-            "rope",
-            "swiglu",
-            "residual add",
-        ] {
+        for op in ["rms_norm", "rope", "swiglu", "residual add"] {
             table(op, dtype, "batch- and position-invariant", true, &detail);
         }
     }

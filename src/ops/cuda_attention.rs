@@ -25,7 +25,7 @@ fn heads_per_block(heads: usize, kv_heads: usize) -> usize {
     let group = (heads / kv_heads.max(1)).max(1);
     (1..=group.min(MAX_GROUP))
         .rev()
-        .find(|g| group % g == 0)
+        .find(|&g| group.is_multiple_of(g))
         .unwrap_or(1)
 }
 
