@@ -31,7 +31,9 @@ use crate::error::{DetspecError, Result};
 /// 3: SwiGLU's `exp` is that polynomial too (`ops::silu`), not libm's `expf`.
 /// 4: the rope tables' `sin`/`cos`/`pow` come from the `libm` crate (the same code on every
 /// machine), not from the C library, whose variant glibc picks by CPU at run time.
-pub const KERNEL_VERSION: u32 = 4;
+/// 5: a GPU runs q/k/v and gate/up as one stacked GEMM each, and cuBLAS picks its kernel (and
+/// so the bits) by shape; the CPU's bits are version 4's.
+pub const KERNEL_VERSION: u32 = 5;
 
 /// Files of a model directory whose content changes what a request's text or tokens become.
 const TOKENIZER_FILES: [&str; 4] = [
