@@ -21,7 +21,8 @@ what it measured):
   ``deterministic=True`` (0 % first and last; the reference is their mean), relative
   throughput next to LLM-42's 0.99/0.96/0.87/0.78 (W = 64, B = 8), with verify passes,
   rollbacks per verify pass and per 1,000 deterministic tokens, recomputed tokens, and the
-  steps' time by phase.
+  steps' time by phase; fixed windows (``verify_window_adaptive=False``, LLM-42's protocol)
+  unless ``--verify-window-adaptive``.
 * ``dvr_adaptive`` (last): the same at ``--adaptive-shares`` on a second engine with
   ``verify_window_adaptive=True`` (shorter windows after rollbacks), relative to the ``dvr``
   part's 0 % reference (measured here too when that part did not run).
@@ -61,7 +62,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--verify-window-adaptive",
         action="store_true",
-        help="shorter verify windows after rollbacks (the engine setting)",
+        help="the first engine with shorter verify windows after rollbacks (the engine's "
+        "default; without this flag it runs fixed windows)",
     )
     return p.parse_args()
 

@@ -129,7 +129,7 @@ ENGINE_SETTINGS: tuple[EngineSetting, ...] = (
     EngineSetting(
         "verify_window_adaptive",
         bool,
-        False,
+        True,
         "after a rollback, verify that request after fewer speculative tokens (at least W/8), "
         "doubling back to W after clean windows; never changes output",
     ),

@@ -174,7 +174,7 @@ impl PyEngine {
 #[pymethods]
 impl PyEngine {
     #[new]
-    #[pyo3(signature = (model_dir, *, device="cpu", dtype="auto", kv_cache_dtype="auto", page_size=16, num_kv_pages=None, kv_cache_bytes=None, max_num_seqs=256, max_num_batched_tokens=512, max_model_len=None, max_prefill_chunk=None, determinism="dvr", verify_window=64, verify_group=8, verify_strategy="auto", kernel_profile="invariant", activation_dtype="auto", verify_finish_wait=0, verify_window_adaptive=false, fault_injection=0.0, enable_prefix_caching=true, num_threads=None))]
+    #[pyo3(signature = (model_dir, *, device="cpu", dtype="auto", kv_cache_dtype="auto", page_size=16, num_kv_pages=None, kv_cache_bytes=None, max_num_seqs=256, max_num_batched_tokens=512, max_model_len=None, max_prefill_chunk=None, determinism="dvr", verify_window=64, verify_group=8, verify_strategy="auto", kernel_profile="invariant", activation_dtype="auto", verify_finish_wait=0, verify_window_adaptive=true, fault_injection=0.0, enable_prefix_caching=true, num_threads=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
