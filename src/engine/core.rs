@@ -66,7 +66,9 @@ pub struct EngineStats {
     pub preemptions: usize,
     /// A weight update is waiting for the requests in flight to finish.
     pub weight_update_pending: bool,
-    /// Where the engine's steps spent their time.
+    /// Steps that ran a forward (the engine's step clock).
+    pub steps: u64,
+    /// Where those steps spent their time.
     pub times: StepTimes,
 }
 
@@ -75,8 +77,6 @@ pub struct EngineStats {
 /// them lands in `sample`, which starts with copying the logits to the host.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct StepTimes {
-    /// Steps that ran a forward (the engine's step clock).
-    pub steps: u64,
     /// Building the batch and issuing the forward(s), seconds.
     pub forward_s: f64,
     /// Waiting for the logits, copying them to the host and sampling every row, seconds.
@@ -291,10 +291,8 @@ impl EngineCore {
             padded_rows: v.padded_rows,
             preemptions: self.preemptions,
             weight_update_pending: false,
-            times: StepTimes {
-                steps: self.steps,
-                ..self.times
-            },
+            steps: self.steps,
+            times: self.times,
         }
     }
 

@@ -620,7 +620,7 @@ impl PyEngine {
         d.set_item("num_padded_rows", s.padded_rows)?;
         d.set_item("num_preemptions", s.preemptions)?;
         d.set_item("weight_update_pending", s.weight_update_pending)?;
-        d.set_item("num_steps", s.times.steps)?;
+        d.set_item("num_steps", s.steps)?;
         d.set_item("time_forward_s", s.times.forward_s)?;
         d.set_item("time_sample_s", s.times.sample_s)?;
         d.set_item("time_verify_s", s.times.verify_s)?;
