@@ -4,12 +4,14 @@ N random 128-token prompts -> 64 greedy tokens each (``ignore_eos``) on the benc
 docs/architecture.md (written to ``/tmp/benchmodel`` on first use), after a warm-up of the same size
 (so the timed runs find the allocator and the KV pages already touched, as a server does);
 prints output tokens per second and the process's CPU time per run. ``--runs R`` times R
-batches of fresh prompts; ``--max-tokens 1`` times the prefill alone. Extra ``key=value``
-arguments go to ``LLM`` (integers and true/false parsed).
+batches of fresh prompts; ``--max-tokens 1`` times the prefill alone; ``--temperature T``
+(and ``--top-p P``) sample with seed 0 instead of greedy decoding (RL rollouts, evals). Extra
+``key=value`` arguments go to ``LLM`` (integers and true/false parsed).
 
     python benches/offline_throughput.py 64
     python benches/offline_throughput.py 64 --runs 3 --max-tokens 1
     python benches/offline_throughput.py 64 max_num_batched_tokens=8192 enable_prefix_caching=false
+    python benches/offline_throughput.py 64 --temperature 1.0
     perf record -F 999 -g python benches/offline_throughput.py 64
 """
 
@@ -28,7 +30,7 @@ from detspec import LLM, SamplingParams
 def main(argv: list[str]) -> None:
     model = str(bench_model(os.environ.get("DETSPEC_BENCH_MODEL", "/tmp/benchmodel"), "bench"))
     n = int(argv[0])
-    runs, max_tokens = 1, 64
+    runs, max_tokens, temperature, top_p = 1, 64, 0.0, 1.0
     kw: dict[str, int | str | bool] = {}
     args = iter(argv[1:])
     for a in args:
@@ -36,12 +38,18 @@ def main(argv: list[str]) -> None:
             runs = int(next(args))
         elif a == "--max-tokens":
             max_tokens = int(next(args))
+        elif a == "--temperature":
+            temperature = float(next(args))
+        elif a == "--top-p":
+            top_p = float(next(args))
         else:
             k, v = a.split("=", 1)
             kw[k] = int(v) if v.isdigit() else {"true": True, "false": False}.get(v, v)
     llm = LLM(model, **kw)
     rng = np.random.default_rng(0)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=0, ignore_eos=True
+    )
 
     def batch() -> list[list[int]]:
         return [[int(x) for x in rng.integers(3, 30000, 128)] for _ in range(n)]
@@ -55,7 +63,8 @@ def main(argv: list[str]) -> None:
         toks = sum(len(o.outputs[0].token_ids) for o in outs)
         rate = (n * 128 / dt, "prompt") if max_tokens == 1 else (toks / dt, "output")
         print(
-            f"run {r} n={n} {kw} {rate[0]:.1f} {rate[1]} tok/s ({dt:.2f}s; "
+            f"run {r} n={n} T={temperature} top_p={top_p} {kw} "
+            f"{rate[0]:.1f} {rate[1]} tok/s ({dt:.2f}s; "
             f"user {c1.user - c0.user:.2f}s sys {c1.system - c0.system:.2f}s) "
             f"load={os.getloadavg()[0]:.2f}"
         )

@@ -7,6 +7,8 @@ use std::sync::OnceLock;
 /// says `mul_add`): this only changes speed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CpuIsa {
+    /// AVX-512 F and DQ (every AVX-512 CPU since Skylake-SP and Zen 4; DQ brings the 64-bit
+    /// integer multiply the sampler's noise hash uses).
     Avx512,
     Avx2Fma,
     Portable,
@@ -19,7 +21,9 @@ impl CpuIsa {
         *ISA.get_or_init(|| {
             #[cfg(target_arch = "x86_64")]
             {
-                if std::arch::is_x86_feature_detected!("avx512f") {
+                if std::arch::is_x86_feature_detected!("avx512f")
+                    && std::arch::is_x86_feature_detected!("avx512dq")
+                {
                     return CpuIsa::Avx512;
                 }
                 if std::arch::is_x86_feature_detected!("avx2")
@@ -55,7 +59,9 @@ impl CpuIsa {
             {
                 all.push(CpuIsa::Avx2Fma);
             }
-            if std::arch::is_x86_feature_detected!("avx512f") {
+            if std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("avx512dq")
+            {
                 all.push(CpuIsa::Avx512);
             }
         }
@@ -83,7 +89,7 @@ macro_rules! isa_kernel {
             fn body($($arg: $ty),*) $(-> $ret)? $body
 
             #[cfg(target_arch = "x86_64")]
-            #[target_feature(enable = "avx512f,avx2,fma")]
+            #[target_feature(enable = "avx512f,avx512dq,avx2,fma")]
             unsafe fn avx512($($arg: $ty),*) $(-> $ret)? {
                 body($($arg),*)
             }

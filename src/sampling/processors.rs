@@ -27,26 +27,34 @@ pub(crate) fn rank_desc(logits: &[f32], a: u32, b: u32) -> Ordering {
         .then(a.cmp(&b))
 }
 
-/// The ids of the tokens still alive (logit above `-inf`, so not NaN), in [`rank_desc`] order. Each id is packed with
-/// its rank key into one `u64` (the descending `total_cmp` key above the id), so the sort
-/// compares plain integers instead of loading two logits per comparison; the keys are distinct,
-/// so the order is the one `rank_desc` defines, bit for bit.
-fn alive_ids_by_rank(logits: &[f32]) -> Vec<u32> {
-    let mut packed: Vec<u64> = logits
-        .iter()
-        .enumerate()
-        .filter(|&(_, &l)| l > f32::NEG_INFINITY)
-        .map(|(t, &l)| {
-            // `total_cmp`'s order as an unsigned key, inverted for "larger first".
-            let bits = l.to_bits();
-            let ascending = if bits >> 31 == 1 {
-                !bits
-            } else {
-                bits | 1 << 31
-            };
-            (u64::from(!ascending) << 32) | t as u64
-        })
-        .collect();
+/// Token `t` with logit `l` as one integer whose ascending order is [`rank_desc`]'s: the
+/// descending `total_cmp` key of the logit above the id.
+#[inline]
+fn rank_key(t: usize, l: f32) -> u64 {
+    let bits = l.to_bits();
+    let ascending = if bits >> 31 == 1 {
+        !bits
+    } else {
+        bits | 1 << 31
+    };
+    (u64::from(!ascending) << 32) | t as u64
+}
+
+/// The ids of the tokens still alive (logit above `-inf`, so not NaN) for which `keep` holds,
+/// in [`rank_desc`] order. Each id is packed with its rank key into one `u64` ([`rank_key`]), so
+/// the sort compares plain integers instead of loading two logits per comparison; the keys are
+/// distinct, so the order is the one `rank_desc` defines, bit for bit.
+fn alive_ids_by_rank(logits: &[f32], keep: impl Fn(f32) -> bool) -> Vec<u32> {
+    // Written without a branch per token (every key is stored, the length advances only for
+    // the kept ones): which tokens are kept is data, and a mispredicted branch per token cost
+    // more than the rest of the packing.
+    let mut packed = vec![0u64; logits.len()];
+    let mut len = 0;
+    for (t, &l) in logits.iter().enumerate() {
+        packed[len] = rank_key(t, l);
+        len += usize::from(l > f32::NEG_INFINITY && keep(l));
+    }
+    packed.truncate(len);
     packed.sort_unstable();
     packed.into_iter().map(|k| k as u32).collect()
 }
@@ -159,12 +167,16 @@ pub fn apply_top_k(logits: &mut [f32], k: i32) {
         return;
     }
     let k = k as usize;
-    let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
-    // With a total order the k smallest elements form a unique set, so the unstable selection
+    let mut keys: Vec<u64> = logits
+        .iter()
+        .enumerate()
+        .map(|(t, &l)| rank_key(t, l))
+        .collect();
+    // The keys are distinct, so the k smallest form a unique set and the unstable selection
     // is still deterministic.
-    idx.select_nth_unstable_by(k - 1, |&a, &b| rank_desc(logits, a, b));
-    for &t in &idx[k..] {
-        logits[t as usize] = f32::NEG_INFINITY;
+    keys.select_nth_unstable(k - 1);
+    for &key in &keys[k..] {
+        logits[key as u32 as usize] = f32::NEG_INFINITY;
     }
 }
 
@@ -176,15 +188,23 @@ pub fn apply_top_k(logits: &mut [f32], k: i32) {
 /// renormalised distribution, as in vLLM and HF). The total is the last prefix sum of the same
 /// sequential loop, so the comparison `prefix >= top_p * total` is guaranteed to succeed by the
 /// last token without a separate normalisation step.
+///
+/// Tokens more than [`TOP_P_NEGLIGIBLE`] below the maximum are left out of the sort and the sum:
+/// their weights are below 2^-54 and come after the maximum's weight of exactly 1, so adding
+/// them cannot change a prefix sum (each is under half an ulp of anything >= 1), and the prefix
+/// reaches `top_p * total` before them: they are always dropped. The result is the one over
+/// every alive token, bit for bit, with less to sort.
 pub fn apply_top_p(logits: &mut [f32], top_p: f32) {
     if top_p >= 1.0 {
         return;
     }
-    let idx = alive_ids_by_rank(logits);
-    if idx.is_empty() {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    if max == f32::NEG_INFINITY {
         return;
     }
-    let max = f64::from(logits[idx[0] as usize]);
+    let max = f64::from(max);
+    let negligible = |l: f32| f64::from(l) - max < -TOP_P_NEGLIGIBLE;
+    let idx = alive_ids_by_rank(logits, |l| !negligible(l));
     let weights: Vec<f64> = idx
         .iter()
         .map(|&t| (f64::from(logits[t as usize]) - max).exp())
@@ -203,7 +223,16 @@ pub fn apply_top_p(logits: &mut [f32], top_p: f32) {
     for &t in &idx[keep..] {
         logits[t as usize] = f32::NEG_INFINITY;
     }
+    for l in logits.iter_mut() {
+        if negligible(*l) {
+            *l = f32::NEG_INFINITY;
+        }
+    }
 }
+
+/// How far below the maximum (in logits) a token's nucleus weight `exp(l - max)` is below
+/// 2^-54: `exp(-38) < 3.2e-17 < 2^-54 = 5.6e-17`.
+const TOP_P_NEGLIGIBLE: f64 = 38.0;
 
 /// Min-p filter: drops tokens whose probability is below `min_p` times the largest probability.
 /// `min_p <= 0` disables it.
@@ -219,8 +248,24 @@ pub fn apply_min_p(logits: &mut [f32], min_p: f32) {
         return;
     }
     let (max, min_p) = (f64::from(max), f64::from(min_p));
+    // `exp(d) < min_p` is `d < ln(min_p)` but for the rounding of `exp` and `ln` (relative
+    // 1e-16, absolute below 1e-13 here): a logit further than `MARGIN` from the cut is decided by
+    // the comparison, and only the few near it need the `exp` that defines the filter.
+    const MARGIN: f64 = 1e-9;
+    let cut = min_p.ln();
     for l in logits.iter_mut() {
-        if *l > f32::NEG_INFINITY && (f64::from(*l) - max).exp() < min_p {
+        if *l == f32::NEG_INFINITY {
+            continue;
+        }
+        let d = f64::from(*l) - max;
+        let below = if d < cut - MARGIN {
+            true
+        } else if d > cut + MARGIN {
+            false
+        } else {
+            d.exp() < min_p
+        };
+        if below {
             *l = f32::NEG_INFINITY;
         }
     }
@@ -301,11 +346,131 @@ mod tests {
             let mut want: Vec<u32> = (0..n as u32).collect();
             want.sort_unstable_by(|&a, &b| rank_desc(&logits, a, b));
             want.retain(|&t| logits[t as usize] > f32::NEG_INFINITY);
-            assert_eq!(alive_ids_by_rank(&logits), want, "n={n}");
+            assert_eq!(alive_ids_by_rank(&logits, |_| true), want, "n={n}");
         }
     }
 
     const NEG: f32 = f32::NEG_INFINITY;
+
+    /// The nucleus filter as first written: every alive token sorted and summed.
+    fn top_p_over_every_token(logits: &mut [f32], top_p: f32) {
+        let idx = alive_ids_by_rank(logits, |_| true);
+        if top_p >= 1.0 || idx.is_empty() {
+            return;
+        }
+        let max = f64::from(logits[idx[0] as usize]);
+        let weights: Vec<f64> = idx
+            .iter()
+            .map(|&t| (f64::from(logits[t as usize]) - max).exp())
+            .collect();
+        let total: f64 = weights.iter().fold(0.0, |acc, &w| acc + w);
+        let threshold = f64::from(top_p) * total;
+        let mut prefix = 0.0f64;
+        let mut keep = idx.len();
+        for (i, &w) in weights.iter().enumerate() {
+            prefix += w;
+            if prefix >= threshold {
+                keep = i + 1;
+                break;
+            }
+        }
+        for &t in &idx[keep..] {
+            logits[t as usize] = NEG;
+        }
+    }
+
+    /// The min-p filter by its definition: `exp` of every alive token.
+    fn min_p_by_exp(logits: &mut [f32], min_p: f32) {
+        let max = logits.iter().copied().fold(NEG, f32::max);
+        if min_p <= 0.0 || max == NEG {
+            return;
+        }
+        for l in logits.iter_mut() {
+            if *l > NEG && (f64::from(*l) - f64::from(max)).exp() < f64::from(min_p) {
+                *l = NEG;
+            }
+        }
+    }
+
+    fn bits(logits: &[f32]) -> Vec<u32> {
+        logits.iter().map(|l| l.to_bits()).collect()
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::test_runner::Config::with_cases(400))]
+
+        /// Spreads from a few logits to hundreds (so that many tokens are negligible), ties,
+        /// ±0, masks; `top_p` near 1 too, where the tail decides.
+        #[test]
+        fn top_p_is_the_filter_over_every_token(
+            values in proptest::collection::vec(-4000i32..4000, 1..2000),
+            scale in proptest::sample::select(vec![1e-3f32, 0.01, 0.05, 0.2, 1.0]),
+            masked_every in 0usize..4,
+            top_p in proptest::sample::select(vec![0.01f32, 0.5, 0.9, 0.95, 0.999, 0.999_999_9]),
+        ) {
+            let mut logits: Vec<f32> = values.iter().map(|&v| v as f32 * scale).collect();
+            if masked_every > 0 {
+                for l in logits.iter_mut().step_by(masked_every) {
+                    *l = NEG;
+                }
+            }
+            let mut want = logits.clone();
+            top_p_over_every_token(&mut want, top_p);
+            apply_top_p(&mut logits, top_p);
+            proptest::prop_assert_eq!(bits(&logits), bits(&want));
+        }
+
+        /// Ties, ±0, NaN-free masks; every k from 1 to past the row.
+        #[test]
+        fn top_k_keeps_the_k_first_in_rank_order(
+            values in proptest::collection::vec(-6i32..6, 1..600),
+            k in 1i32..700,
+            masked_every in 0usize..4,
+        ) {
+            let mut logits: Vec<f32> = values
+                .iter()
+                .map(|&v| match v {
+                    0 => -0.0,
+                    1 => 0.0,
+                    _ => v as f32 * 0.25,
+                })
+                .collect();
+            if masked_every > 0 {
+                for l in logits.iter_mut().step_by(masked_every) {
+                    *l = NEG;
+                }
+            }
+            let mut want = logits.clone();
+            if (k as usize) < want.len() {
+                let mut ids: Vec<u32> = (0..want.len() as u32).collect();
+                ids.sort_by(|&a, &b| rank_desc(&want, a, b));
+                for &t in &ids[k as usize..] {
+                    want[t as usize] = NEG;
+                }
+            }
+            apply_top_k(&mut logits, k);
+            proptest::prop_assert_eq!(bits(&logits), bits(&want));
+        }
+
+        /// Logits placed on the cut `max + ln(min_p)` and a few ulps either side, among others.
+        #[test]
+        fn min_p_is_its_definition(
+            values in proptest::collection::vec(-2000i32..2000, 1..500),
+            near in proptest::collection::vec(-4i32..=4, 0..50),
+            min_p in proptest::sample::select(vec![1e-30f32, 1e-4, 0.05, 0.1, 0.3333, 0.9, 1.0]),
+        ) {
+            let mut logits: Vec<f32> = values.iter().map(|&v| v as f32 * 0.01).collect();
+            let max = logits.iter().copied().fold(NEG, f32::max);
+            let cut = (f64::from(max) + f64::from(min_p).ln()) as f32;
+            for &k in &near {
+                logits.push(f32::from_bits((cut.to_bits() as i32 + k) as u32));
+            }
+            let mut want = logits.clone();
+            min_p_by_exp(&mut want, min_p);
+            apply_min_p(&mut logits, min_p);
+            proptest::prop_assert_eq!(bits(&logits), bits(&want));
+        }
+    }
 
     fn kept(logits: &[f32]) -> Vec<usize> {
         (0..logits.len()).filter(|&i| logits[i] > NEG).collect()

@@ -24,6 +24,7 @@
 use std::collections::hash_map::RandomState;
 use std::hash::{BuildHasher, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 /// Domain-separation constants (odd, from the golden ratio and SplitMix64), one per input word so
@@ -58,10 +59,8 @@ pub fn mix64(mut z: u64) -> u64 {
 /// Hashes the three counter words into 64 well-mixed bits.
 #[inline]
 fn hash3(seed: u64, position: u64, index: u64) -> u64 {
-    let mut h = mix64(seed.wrapping_add(K_SEED));
-    h = mix64(h ^ mix64(position.wrapping_add(K_POSITION)));
-    h = mix64(h ^ mix64(index.wrapping_add(K_INDEX)));
-    h
+    let h = RowNoise::new(seed, position).row;
+    mix64(h ^ mix64(index.wrapping_add(K_INDEX)))
 }
 
 /// A uniform random number in the open interval (0, 1), a pure function of its inputs.
@@ -70,7 +69,12 @@ fn hash3(seed: u64, position: u64, index: u64) -> u64 {
 /// never 0 and never 1 (both would make [`gumbel`] infinite), and symmetric about 1/2.
 #[inline]
 pub fn uniform(seed: u64, position: u64, index: u64) -> f64 {
-    let k = hash3(seed, position, index) >> 12;
+    uniform_of_grid(hash3(seed, position, index) >> 12)
+}
+
+/// The uniform value of grid point `k < 2^52` (see [`uniform`]).
+#[inline]
+fn uniform_of_grid(k: u64) -> f64 {
     (k as f64 + 0.5) * TWO_POW_M52
 }
 
@@ -81,7 +85,82 @@ pub fn uniform(seed: u64, position: u64, index: u64) -> f64 {
 /// index, with no cumulative sum whose order would matter.
 #[inline]
 pub fn gumbel(seed: u64, position: u64, index: u64) -> f64 {
-    -(-uniform(seed, position, index).ln()).ln()
+    gumbel_of_grid(hash3(seed, position, index) >> 12)
+}
+
+#[inline]
+fn gumbel_of_grid(k: u64) -> f64 {
+    -(-uniform_of_grid(k).ln()).ln()
+}
+
+/// The noise of one row, `(seed, position)`: the same values as [`gumbel`], with the part of
+/// the hash that does not depend on the vocab index computed once, and cheap bounds that let the
+/// sampler rule out most tokens without the two logarithms.
+#[derive(Debug, Clone, Copy)]
+pub struct RowNoise {
+    row: u64,
+    bounds: &'static [(f64, f64); 1 << BUCKET_BITS],
+}
+
+/// The bounds table has one entry per `2^BUCKET_BITS`-th of the unit interval.
+const BUCKET_BITS: u32 = 10;
+
+/// Added to (subtracted from) each bucket's edge values: far above the error of `ln` (about
+/// 1e-14 on values below 40), so the bounds hold for the computed noise, not only the exact one.
+const BOUND_MARGIN: f64 = 1e-9;
+
+/// `[lower, upper]` bounds on [`gumbel_of_grid`] over each bucket of grid points.
+fn gumbel_bounds() -> &'static [(f64, f64); 1 << BUCKET_BITS] {
+    static BOUNDS: OnceLock<[(f64, f64); 1 << BUCKET_BITS]> = OnceLock::new();
+    BOUNDS.get_or_init(|| {
+        let shift = 52 - BUCKET_BITS;
+        std::array::from_fn(|j| {
+            let first = (j as u64) << shift;
+            let last = first + (1u64 << shift) - 1;
+            // The noise increases with the grid point: the bucket's first and last points bound
+            // every point in between.
+            (
+                gumbel_of_grid(first) - BOUND_MARGIN,
+                gumbel_of_grid(last) + BOUND_MARGIN,
+            )
+        })
+    })
+}
+
+impl RowNoise {
+    /// The noise of the token at `position` of a request seeded with `seed`.
+    pub fn new(seed: u64, position: u64) -> Self {
+        let h = mix64(seed.wrapping_add(K_SEED));
+        Self {
+            row: mix64(h ^ mix64(position.wrapping_add(K_POSITION))),
+            bounds: gumbel_bounds(),
+        }
+    }
+
+    #[inline]
+    fn grid(&self, index: u64) -> u64 {
+        mix64(self.row ^ mix64(index.wrapping_add(K_INDEX))) >> 12
+    }
+
+    /// `gumbel(seed, position, index)`, bit for bit.
+    #[inline]
+    pub fn gumbel(&self, index: u64) -> f64 {
+        gumbel_of_grid(self.grid(index))
+    }
+
+    /// Which of the bounds table's buckets `index`'s noise falls in (see [`Self::bounds`]).
+    #[inline]
+    pub fn bucket(&self, index: u64) -> u32 {
+        (self.grid(index) >> (52 - BUCKET_BITS)) as u32
+    }
+
+    /// `(lower, upper)` with `lower <= self.gumbel(index) <= upper` for every `index` whose
+    /// [`Self::bucket`] is `bucket`; the two are within a few thousandths of each other for all
+    /// but the extreme buckets.
+    #[inline]
+    pub fn bounds(&self, bucket: u32) -> (f64, f64) {
+        self.bounds[bucket as usize & ((1 << BUCKET_BITS) - 1)]
+    }
 }
 
 /// A strict upper bound on any value [`gumbel`] can return.
@@ -162,6 +241,30 @@ mod tests {
         let mean = (0..n).map(|i| gumbel(3, i, 5)).sum::<f64>() / n as f64;
         // Gumbel(0,1) mean = 0.5772, sd = 1.2825, so the standard error is ~0.0029.
         assert!((mean - 0.577_215_66).abs() < 0.015, "mean {mean}");
+    }
+
+    #[test]
+    fn row_noise_is_gumbel_and_within_its_bounds() {
+        for (seed, pos) in [(0u64, 0u64), (7, 130), (u64::MAX, 1 << 40)] {
+            let noise = RowNoise::new(seed, pos);
+            for i in 0..50_000u64 {
+                let g = noise.gumbel(i);
+                assert_eq!(g.to_bits(), gumbel(seed, pos, i).to_bits());
+                let (lo, hi) = noise.bounds(noise.bucket(i));
+                assert!(lo <= g && g <= hi, "{lo} <= {g} <= {hi}");
+            }
+        }
+        // Every bucket's edges, and the grid's extremes, as the sampler's proof needs them.
+        let shift = 52 - BUCKET_BITS;
+        for (j, &(lo, hi)) in gumbel_bounds().iter().enumerate() {
+            let first = (j as u64) << shift;
+            let last = first + (1 << shift) - 1;
+            for k in [first, first + 1, last - 1, last] {
+                let g = gumbel_of_grid(k);
+                assert!(lo <= g && g <= hi, "bucket {j}: {lo} <= {g} <= {hi}");
+            }
+            assert!(hi < GUMBEL_MAX && hi - lo > 0.0);
+        }
     }
 
     #[test]

@@ -15,7 +15,7 @@ use std::borrow::Cow;
 
 use super::params::SamplingParams;
 use super::processors::{changes_greedy_logits, process_logits, rank_desc};
-use super::rng::{gumbel, GUMBEL_MAX};
+use super::rng::{RowNoise, GUMBEL_MAX};
 use crate::ops::{exp_nonpositive, isa_kernel, CpuIsa};
 use crate::output::TokenLogprobs;
 use crate::{DetspecError, Result};
@@ -238,28 +238,81 @@ isa_kernel! {
 
 /// Gumbel-max over the finite logits, lowest id on ties; `None` if all are `-inf`.
 ///
-/// Tokens whose logit plus the largest possible Gumbel value cannot beat the current best are
-/// skipped without drawing noise. Rounding is monotone, so `l + g <= l + GUMBEL_MAX <= best` for
-/// every skipped token and a later id never wins a tie: the result is identical to evaluating
-/// every token, only faster when the logits are spread out.
+/// The same token as scoring every finite logit `l + gumbel(seed, position, i)` (in f64) and
+/// taking the first maximum, with the two logarithms of the noise computed for only a few
+/// tokens. One pass bounds every token's score from a table ([`RowNoise::bounds`]): `floor`
+/// is the best lower bound so far, a lower bound on the winning score, and a token whose upper
+/// bound is below it cannot win or tie. The tokens that survive the pass are then filtered
+/// against the final `floor` and scored exactly. Adding a logit is monotone in f64, so
+/// `l + lower <= l + g <= l + upper` holds after rounding too, and every token that reaches the
+/// maximum score survives: the lowest id among them is the sequential scan's choice.
 fn gumbel_argmax(logits: &[f32], seed: u64, position: u64) -> Option<u32> {
+    let noise = RowNoise::new(seed, position);
+    let survivors = gumbel_survivors(CpuIsa::detect(), logits, &noise);
+    let floor = survivors.floor;
     let mut best: Option<(u32, f64)> = None;
-    for (i, &l) in logits.iter().enumerate() {
-        if l == f32::NEG_INFINITY {
+    for (i, upper) in survivors.tokens {
+        if upper < floor {
             continue;
         }
-        let l = f64::from(l);
-        if let Some((_, b)) = best {
-            if l + GUMBEL_MAX <= b {
-                continue;
-            }
-        }
-        let score = l + gumbel(seed, position, i as u64);
+        let score = f64::from(logits[i as usize]) + noise.gumbel(u64::from(i));
         if best.is_none_or(|(_, b)| score > b) {
-            best = Some((i as u32, score));
+            best = Some((i, score));
         }
     }
     best.map(|(i, _)| i)
+}
+
+/// The tokens [`gumbel_argmax`]'s bounding pass keeps, each with its upper bound, and the
+/// pass's final `floor`.
+struct GumbelSurvivors {
+    tokens: Vec<(u32, f64)>,
+    floor: f64,
+}
+
+/// Tokens are bounded this many at a time: the bounds of a chunk are computed without branches
+/// (so they compile to vector code), and only a chunk whose best upper bound reaches `floor` is
+/// looked at token by token.
+const NOISE_CHUNK: usize = 32;
+
+isa_kernel! {
+    fn gumbel_survivors(isa: CpuIsa, logits: &[f32], noise: &RowNoise) -> GumbelSurvivors {
+        let mut floor = f64::NEG_INFINITY;
+        let mut tokens: Vec<(u32, f64)> = Vec::new();
+        let mut lower = [0f64; NOISE_CHUNK];
+        let mut upper = [0f64; NOISE_CHUNK];
+        for (c, chunk) in logits.chunks(NOISE_CHUNK).enumerate() {
+            // A chunk filtered out (all `-inf`) or far below `floor` needs no noise at all.
+            let top = f64::from(max_in_lanes(chunk));
+            if top == f64::NEG_INFINITY || top + GUMBEL_MAX < floor {
+                continue;
+            }
+            let base = c * NOISE_CHUNK;
+            let mut bucket = [0u32; NOISE_CHUNK];
+            for (j, b) in bucket.iter_mut().enumerate() {
+                *b = noise.bucket((base + j) as u64);
+            }
+            let mut reach = f64::NEG_INFINITY;
+            for (j, &l) in chunk.iter().enumerate() {
+                let (lo, hi) = noise.bounds(bucket[j]);
+                // `-inf` logits get `-inf` bounds and never survive.
+                lower[j] = f64::from(l) + lo;
+                upper[j] = f64::from(l) + hi;
+                reach = reach.max(upper[j]);
+            }
+            if reach < floor {
+                continue;
+            }
+            for j in 0..chunk.len() {
+                if upper[j] < floor || upper[j] == f64::NEG_INFINITY {
+                    continue;
+                }
+                floor = floor.max(lower[j]);
+                tokens.push(((base + j) as u32, upper[j]));
+            }
+        }
+        GumbelSurvivors { tokens, floor }
+    }
 }
 
 isa_kernel! {
@@ -326,24 +379,33 @@ fn log_sum_exp_in_lanes(logits: &[f32]) -> f64 {
 /// tokens at `-inf` are left out.
 ///
 /// A single pass with a small sorted buffer: `n <= 20`, so this is O(vocab) with no allocation
-/// proportional to the vocabulary.
+/// proportional to the vocabulary; once the buffer is full, whole chunks below its last entry
+/// are passed over after one vector maximum.
 fn top_n(logits: &[f32], n: usize) -> Vec<u32> {
     let n = n.min(logits.len());
     let mut top: Vec<u32> = Vec::with_capacity(n + 1);
     if n == 0 {
         return top;
     }
-    for t in 0..logits.len() as u32 {
-        // A token masked to -inf (a structured output's disallowed ones) is no alternative.
-        if logits[t as usize] == f32::NEG_INFINITY {
+    for (c, chunk) in logits.chunks(SCAN_CHUNK).enumerate() {
+        // Once `n` are held, a chunk whose values are all strictly below the `n`-th cannot
+        // enter (equal values go the slow way: ties and -0/+0 are `rank_desc`'s to decide).
+        if top.len() == n && row_max(CpuIsa::detect(), chunk) < logits[top[n - 1] as usize] {
             continue;
         }
-        if top.len() == n && rank_desc(logits, t, top[n - 1]).is_gt() {
-            continue;
+        let base = (c * SCAN_CHUNK) as u32;
+        for t in base..base + chunk.len() as u32 {
+            // A token masked to -inf (a structured output's disallowed ones) is no alternative.
+            if logits[t as usize] == f32::NEG_INFINITY {
+                continue;
+            }
+            if top.len() == n && rank_desc(logits, t, top[n - 1]).is_gt() {
+                continue;
+            }
+            let at = top.partition_point(|&u| rank_desc(logits, u, t).is_lt());
+            top.insert(at, t);
+            top.truncate(n);
         }
-        let at = top.partition_point(|&u| rank_desc(logits, u, t).is_lt());
-        top.insert(at, t);
-        top.truncate(n);
     }
     top
 }
@@ -741,6 +803,22 @@ mod tests {
         }
     }
 
+    /// Scores every finite logit exactly and takes the first maximum: what [`gumbel_argmax`]
+    /// must return.
+    fn exhaustive_gumbel_argmax(logits: &[f32], seed: u64, pos: u64) -> Option<u32> {
+        let mut best: Option<(u32, f64)> = None;
+        for (i, &l) in logits.iter().enumerate() {
+            if l == f32::NEG_INFINITY {
+                continue;
+            }
+            let score = f64::from(l) + crate::sampling::rng::gumbel(seed, pos, i as u64);
+            if best.is_none_or(|(_, b)| score > b) {
+                best = Some((i as u32, score));
+            }
+        }
+        best.map(|(i, _)| i)
+    }
+
     #[test]
     fn gumbel_pruning_matches_exhaustive_argmax() {
         let logits: Vec<f32> = (0..3000)
@@ -748,16 +826,83 @@ mod tests {
             .collect();
         let p = params(1.0);
         for pos in 0..50 {
-            let exhaustive = (0..logits.len())
-                .map(|i| (i, logits[i] as f64 + gumbel(4, pos, i as u64)))
-                .fold(
-                    (0usize, f64::NEG_INFINITY),
-                    |b, x| if x.1 > b.1 { x } else { b },
-                )
-                .0 as u32;
             assert_eq!(
-                sample(&input(&logits, &p, 4, pos)).unwrap().token,
-                exhaustive
+                Some(sample(&input(&logits, &p, 4, pos)).unwrap().token),
+                exhaustive_gumbel_argmax(&logits, 4, pos)
+            );
+        }
+    }
+
+    /// The `n` best by a full sort in `rank_desc` order: what [`top_n`] must return.
+    fn top_n_by_sort(logits: &[f32], n: usize) -> Vec<u32> {
+        let mut ids: Vec<u32> = (0..logits.len() as u32)
+            .filter(|&t| logits[t as usize] > f32::NEG_INFINITY)
+            .collect();
+        ids.sort_by(|&a, &b| rank_desc(logits, a, b));
+        ids.truncate(n);
+        ids
+    }
+
+    #[test]
+    fn top_n_sees_plus_zero_after_a_chunk_of_minus_zeros() {
+        // +0 ranks ahead of -0 (`total_cmp`) although the two compare equal.
+        let mut logits = vec![-0.0f32; 300];
+        logits[150] = 0.0;
+        assert_eq!(top_n(&logits, 5), vec![150, 0, 1, 2, 3]);
+        assert_eq!(top_n(&logits, 5), top_n_by_sort(&logits, 5));
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::test_runner::Config::with_cases(300))]
+
+        /// Ties (few distinct values), ±0 and masks across chunk boundaries.
+        #[test]
+        fn top_n_is_the_sorted_prefix(
+            values in proptest::collection::vec(-4i32..4, 1..1500),
+            n in 1usize..25,
+            masked_every in 0usize..4,
+        ) {
+            let mut logits: Vec<f32> = values
+                .iter()
+                .map(|&v| match v {
+                    0 => -0.0,
+                    1 => 0.0,
+                    _ => v as f32 * 0.5,
+                })
+                .collect();
+            if masked_every > 0 {
+                for l in logits.iter_mut().step_by(masked_every) {
+                    *l = f32::NEG_INFINITY;
+                }
+            }
+            proptest::prop_assert_eq!(top_n(&logits, n), top_n_by_sort(&logits, n));
+        }
+
+        /// Rows of every spread (all within one noise bucket's width of each other, up to far
+        /// beyond `GUMBEL_MAX`), sorted either way or not, with ties and `-inf` masks.
+        #[test]
+        fn bounded_gumbel_argmax_is_the_exhaustive_one(
+            values in proptest::collection::vec(-1000i32..1000, 1..3000),
+            scale in proptest::sample::select(vec![1e-6f32, 1e-3, 0.01, 0.1, 1.0, 5.0, 100.0]),
+            order in 0u8..3,
+            masked_every in 0usize..5,
+            seed in proptest::prelude::any::<u64>(),
+            pos in 0u64..100_000,
+        ) {
+            let mut logits: Vec<f32> = values.iter().map(|&v| v as f32 * scale).collect();
+            match order {
+                1 => logits.sort_by(f32::total_cmp),
+                2 => logits.sort_by(|a, b| b.total_cmp(a)),
+                _ => {}
+            }
+            if masked_every > 0 {
+                for l in logits.iter_mut().step_by(masked_every) {
+                    *l = f32::NEG_INFINITY;
+                }
+            }
+            proptest::prop_assert_eq!(
+                gumbel_argmax(&logits, seed, pos),
+                exhaustive_gumbel_argmax(&logits, seed, pos)
             );
         }
     }
