@@ -12,6 +12,9 @@ what it measured):
   non-deterministic request.
 * ``offline``: output tok/s at batch 1/16/64 (128-token random prompts -> 128 greedy tokens,
   ``ignore_eos``).
+* ``sampled``: the same batches sampled as RL rollouts and evals do (T = 1; T = 0.6 with
+  top-p 0.95; seeded), next to ``offline``'s greedy rows: what the host sampler costs per step
+  (its rows run in parallel on the host after the logits are copied back).
 * ``invariant``: ``--num-requests`` requests at once on the dvr engine (none deterministic),
   then the same in ``determinism="batch_invariant"`` (a second engine: every GEMM in 16-row
   blocks), and the ratio.
@@ -29,6 +32,9 @@ what it measured):
 
     python benches/write_random_llama.py --shape llama3-8b --out /tmp/llama3-8b
     python benches/gpu_bench.py --model-dir /tmp/llama3-8b --out gpu_bench.json
+
+``--device cpu`` runs the engine parts on the CPU (no ``bandwidth`` or ``hf``): a dry run of
+the script on a small model before spending GPU time on it.
 """
 
 from __future__ import annotations
@@ -49,7 +55,10 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model-dir", type=Path, required=True)
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--parts", default="bandwidth,decode,offline,invariant,hf,dvr,dvr_adaptive")
+    p.add_argument(
+        "--parts", default="bandwidth,decode,offline,sampled,invariant,hf,dvr,dvr_adaptive"
+    )
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--batches", default="1,16,64")
@@ -141,7 +150,7 @@ def engine(args, determinism: str = "dvr", adaptive: bool | None = None):
     t = time.perf_counter()
     llm = LLM(
         str(args.model_dir),
-        device="cuda",
+        device=args.device,
         determinism=determinism,
         num_kv_pages=args.num_kv_pages,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -249,6 +258,8 @@ def hf_generate(args, res: Results, torch, vocab: int) -> None:
 def main() -> None:
     args = parse_args()
     parts = set(args.parts.split(","))
+    if args.device == "cpu":
+        parts -= {"bandwidth", "hf"}
     res = Results(args.out)
     import torch
 
@@ -256,20 +267,23 @@ def main() -> None:
 
     cfg = json.loads((args.model_dir / "config.json").read_text())
     vocab = cfg["vocab_size"]
+    on_gpu = args.device == "cuda"
     res.put(
         "gpu",
         {
-            "name": torch.cuda.get_device_name(0),
+            "name": torch.cuda.get_device_name(0) if on_gpu else "cpu",
             "driver": os.popen("nvidia-smi --query-gpu=driver_version --format=csv,noheader")
             .read()
-            .strip(),
+            .strip()
+            if on_gpu
+            else None,
             "model": str(args.model_dir),
             "load_avg": os.getloadavg(),
         },
     )
-    total, per_token = weight_bytes(args.model_dir)
     bound = None
     if "bandwidth" in parts:
+        total, per_token = weight_bytes(args.model_dir)
         bw = bandwidth(torch)
         bound = bw * 1e9 / per_token
         res.put(
@@ -285,7 +299,7 @@ def main() -> None:
     greedy = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     warm = SamplingParams(max_tokens=16, ignore_eos=True)
     llm = None
-    if parts & {"decode", "offline", "invariant", "dvr"}:
+    if parts & {"decode", "offline", "sampled", "invariant", "dvr"}:
         llm, load_s = engine(args)
         res.put("engine", {"load_s": round(load_s, 2), "fingerprint": llm.fingerprint})
         llm.generate(prompts(4, 64, 99, vocab), warm, use_tqdm=False)
@@ -326,6 +340,25 @@ def main() -> None:
             }
             res.put(f"offline_{n}", rows[n])
         res.put("offline", rows)
+
+    if "sampled" in parts:
+        settings = {
+            "t1": {"temperature": 1.0},
+            "t0.6_p0.95": {"temperature": 0.6, "top_p": 0.95},
+        }
+        rows = {}
+        for name, kw in settings.items():
+            params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, seed=0, **kw)
+            for n in [int(x) for x in args.batches.split(",")]:
+                before = llm.stats()
+                dt, toks = timed_generate(llm, prompts(n, args.prompt_len, 10 + n, vocab), params)
+                rows[f"{name}_{n}"] = {
+                    "tok_s": round(toks / dt, 1),
+                    "seconds": round(dt, 2),
+                    "phases": phases(before, llm.stats()),
+                }
+                res.put(f"sampled_{name}_{n}", rows[f"{name}_{n}"])
+        res.put("sampled", rows)
 
     n = args.num_requests
     if "invariant" in parts:
