@@ -26,7 +26,8 @@ pub const MAX_LOGPROBS: usize = 20;
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct SamplingParams {
-    /// Number of completions per prompt. Only 1 is supported for now.
+    /// Number of completions of the prompt (1..=256): each is its own sequence, sampled with
+    /// its own seed ([`super::completion_seed`]), so the `n` differ and each is reproducible.
     pub n: usize,
     /// Softmax temperature; `< 1e-5` means greedy.
     pub temperature: f32,
