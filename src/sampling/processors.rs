@@ -189,7 +189,7 @@ pub fn apply_top_k(logits: &mut [f32], k: i32) {
 /// sequential loop, so the comparison `prefix >= top_p * total` is guaranteed to succeed by the
 /// last token without a separate normalisation step.
 ///
-/// Tokens more than [`TOP_P_NEGLIGIBLE`] below the maximum are left out of the sort and the sum:
+/// Tokens more than `TOP_P_NEGLIGIBLE` (38) below the maximum are left out of the sort and the sum:
 /// their weights are below 2^-54 and come after the maximum's weight of exactly 1, so adding
 /// them cannot change a prefix sum (each is under half an ulp of anything >= 1), and the prefix
 /// reaches `top_p * total` before them: they are always dropped. The result is the one over
