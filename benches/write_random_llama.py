@@ -14,6 +14,24 @@ tensor at a time (no torch needed). Either way: sharded safetensors with an inde
 embedding weights N(0, 0.02), norms 1, ``--seed`` makes it reproducible.
 
     python benches/write_random_llama.py --shape llama3-8b --streaming --out /tmp/llama3-8b-bf16
+
+``--peaked`` writes a model with a trained model's kind of confidence instead (for DVR, whose
+cost depends on how often the fast path and the verifier disagree on a token): every token
+``t`` has a planted successor ``perm1[t]`` whose logit is ``--top-logit`` (default 20) while
+the others are N(0, (top-logit / sqrt(hidden))^2) (0.3^2 at hidden 4096), so greedy decoding
+is sure of nearly every token; a ``--choice-fraction`` of the tokens also have a second
+successor ``perm2[t]`` whose logit is below the first by N(0, ``--choice-gap``^2) (default
+1.5): the choice points, where a near-tie can be decided differently by two reduction orders.
+How: the embedding is N(0, 1), the attention and MLP output projections are scaled by
+``--residual-scale`` (default 0.02) so the last hidden state is mostly the current token's
+embedding plus a context-dependent remainder, and ``lm_head`` row ``perm1[t]`` is ``E[t]``
+scaled to the top logit. ``planted.npz`` beside the weights holds ``perm1`` and ``perm2``
+(-1 where none). On ``llama3-tiny`` in float32 with ``--choice-fraction 0.1`` (16 prompts, 64
+greedy tokens each, detspec on the CPU): 95.0 % of tokens follow ``perm1``, 5.0 % ``perm2``,
+the chosen token's median logprob is -7e-4 and 6.7 % of tokens have one below -0.1.
+
+    python benches/write_random_llama.py --shape llama3-8b --peaked --choice-fraction 0.1 \\
+        --out /tmp/llama3-8b-peaked
 """
 
 from __future__ import annotations
@@ -30,6 +48,15 @@ SHAPES = {
         num_hidden_layers=32,
         num_attention_heads=32,
         num_key_value_heads=8,
+        tie_word_embeddings=False,
+    ),
+    # A small model of the same kind (full vocabulary) for dry runs on a CPU.
+    "llama3-tiny": dict(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
         tie_word_embeddings=False,
     ),
     "llama3-1b": dict(
@@ -189,6 +216,7 @@ def write_torch(args: argparse.Namespace) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator(device=device).manual_seed(args.seed)
     shards = shard_plan(cfg, dtype.itemsize)
+    planted = Planted(args, cfg, gen, device) if args.peaked else None
     weight_map: dict[str, str] = {}
     total = 0
     for si, shard in enumerate(shards):
@@ -197,6 +225,8 @@ def write_torch(args: argparse.Namespace) -> None:
         for name, shape in shard:
             if len(shape) == 1:
                 t = torch.ones(shape, dtype=dtype)
+            elif planted is not None:
+                t = planted.tensor(name, shape).to(dtype)
             else:
                 t = torch.randn(shape, generator=gen, device=device, dtype=dtype) * 0.02
             tensors[name] = t.cpu()
@@ -206,6 +236,60 @@ def write_torch(args: argparse.Namespace) -> None:
     index = {"metadata": {"total_size": total * dtype.itemsize}, "weight_map": weight_map}
     (args.out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
     print(f"wrote {args.out}: {total / 1e9:.2f}B parameters, {args.dtype} ({device})")
+
+
+class Planted:
+    """The ``--peaked`` model's tensors (see the module's doc): drawn in float32 on ``device``,
+    the embedding kept until ``lm_head`` is built from it."""
+
+    def __init__(self, args: argparse.Namespace, cfg: dict, gen, device: str) -> None:
+        import numpy as np
+        import torch
+
+        self.torch, self.gen, self.device = torch, gen, device
+        self.hs = cfg["hidden_size"]
+        self.residual_scale = args.residual_scale
+        # <E[t], E[t]> ~ hs, so the planted logit is beta * hs and an unrelated row's
+        # beta * sqrt(hs) * N(0, 1).
+        self.beta = args.top_logit / self.hs
+        rng = np.random.default_rng(args.seed)
+        self.perm1 = rng.permutation(VOCAB)
+        self.perm2 = np.full(VOCAB, -1)
+        choice = rng.choice(VOCAB, size=round(args.choice_fraction * VOCAB), replace=False)
+        # A second successor other than the first.
+        second = (self.perm1[choice] + rng.integers(1, VOCAB, len(choice))) % VOCAB
+        self.perm2[choice] = second
+        # The second successor's logit sits below the first's by N(0, gap^2) (its share of the
+        # row: 1 - gap / top_logit).
+        self.second_weight = 1.0 - rng.standard_normal(len(choice)) * (
+            args.choice_gap / args.top_logit
+        )
+        self.choice = choice
+        self.embedding = None
+        np.savez(args.out / "planted.npz", perm1=self.perm1, perm2=self.perm2)
+
+    def randn(self, shape: tuple[int, ...]):
+        return self.torch.randn(shape, generator=self.gen, device=self.device)
+
+    def tensor(self, name: str, shape: tuple[int, ...]):
+        torch = self.torch
+        if name == "model.embed_tokens.weight":
+            self.embedding = self.randn(shape)
+            return self.embedding
+        if name == "lm_head.weight":
+            if self.embedding is None:
+                raise SystemExit("--peaked: lm_head before the embedding")
+            e = self.embedding
+            head = torch.zeros(shape, device=self.device)
+            idx = lambda a: torch.as_tensor(a, device=self.device)  # noqa: E731
+            head[idx(self.perm1)] = e
+            w = torch.as_tensor(self.second_weight, device=self.device, dtype=e.dtype)
+            head.index_add_(0, idx(self.perm2[self.choice]), e[idx(self.choice)] * w[:, None])
+            return head * self.beta
+        w = self.randn(shape) * 0.02
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            w *= self.residual_scale
+        return w
 
 
 def main() -> None:
@@ -220,7 +304,15 @@ def main() -> None:
         action="store_true",
         help="numpy only, one tensor at a time (for checkpoints larger than memory in float32)",
     )
+    p.add_argument("--peaked", action="store_true", help="planted successors (module doc)")
+    p.add_argument("--top-logit", type=float, default=20.0)
+    p.add_argument("--choice-fraction", type=float, default=0.0)
+    p.add_argument("--choice-gap", type=float, default=1.5)
+    p.add_argument("--residual-scale", type=float, default=0.02)
     args = p.parse_args()
+    if args.peaked and (args.streaming or SHAPES[args.shape]["tie_word_embeddings"]):
+        raise SystemExit("--peaked needs the torch writer and an untied lm_head")
+    args.out.mkdir(parents=True, exist_ok=True)
     if args.streaming:
         write_streaming(args)
         return

@@ -4,7 +4,7 @@
 #
 #   scripts/build-cuda-wheel.sh        # -> dist-cuda/detspec-*.whl and dist-cuda/cuda_ops.xz
 #   # device run, carry ["dist-cuda"]:
-#   scripts/gpu-session.sh [PHASE ...]   # phases: smoke ops tests bench profile
+#   scripts/gpu-session.sh [PHASE ...]   # phases: smoke ops tests bench profile dvr_peaked
 #                                        # (default: smoke ops tests bench)
 #
 # smoke: installs the wheel (no dependencies: torch and its CUDA 13 libraries are there),
@@ -15,6 +15,10 @@
 # bench: writes a Llama-3.1-8B-shaped bf16 model, runs benches/gpu_bench.py.
 # profile: the same model's decode steps at batch 1 and 64 under torch's profiler (CUPTI: every
 #        kernel of the process, cuBLAS's included), benches/gpu_profile.py -> $OUT/profile.txt.
+# dvr_peaked: the DVR parts of gpu_bench.py on an 8B-shaped model with planted, confident
+#        successors and 10 % choice points (write_random_llama.py --peaked): DVR's cost where the
+#        fast path and the verifier rarely disagree, as on a trained model (random weights roll
+#        back every ~13 deterministic tokens) -> $OUT/gpu_bench_peaked.json.
 #
 # Each phase runs under its own time limit (DETSPEC_GPU_<PHASE>_S seconds) and a failing phase
 # does not stop the next. Everything printed lands in $OUT (or /tmp/detspec-gpu).
@@ -85,7 +89,15 @@ run_profile() {
     grep -v '^-' "$out/profile.txt" | cut -c1-60,100-230 | head -60
 }
 
-declare -A default_s=([smoke]=60 [ops]=120 [tests]=240 [bench]=300 [profile]=120)
+run_dvr_peaked() {
+    local model=/tmp/llama3-8b-peaked
+    [ -f "$model/config.json" ] || python3 benches/write_random_llama.py --shape llama3-8b \
+        --peaked --choice-fraction 0.1 --out "$model"
+    python3 benches/gpu_bench.py --model-dir "$model" --out "$out/gpu_bench_peaked.json" \
+        --parts "${DETSPEC_GPU_PEAKED_PARTS:-dvr,dvr_adaptive}"
+}
+
+declare -A default_s=([smoke]=60 [ops]=120 [tests]=240 [bench]=300 [profile]=120 [dvr_peaked]=240)
 for phase in "${phases[@]}"; do
     s="$(limit "$phase" "${default_s[$phase]:-300}")"
     echo "=== $phase (limit ${s}s) $(date +%T)"
