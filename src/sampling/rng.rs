@@ -59,8 +59,20 @@ pub fn mix64(mut z: u64) -> u64 {
 /// Hashes the three counter words into 64 well-mixed bits.
 #[inline]
 fn hash3(seed: u64, position: u64, index: u64) -> u64 {
-    let h = RowNoise::new(seed, position).row;
-    mix64(h ^ mix64(index.wrapping_add(K_INDEX)))
+    index_hash(row_hash(seed, position), index)
+}
+
+/// The part of [`hash3`] that depends on the row only.
+#[inline]
+fn row_hash(seed: u64, position: u64) -> u64 {
+    let h = mix64(seed.wrapping_add(K_SEED));
+    mix64(h ^ mix64(position.wrapping_add(K_POSITION)))
+}
+
+/// [`hash3`] from its row part.
+#[inline]
+fn index_hash(row: u64, index: u64) -> u64 {
+    mix64(row ^ mix64(index.wrapping_add(K_INDEX)))
 }
 
 /// A uniform random number in the open interval (0, 1), a pure function of its inputs.
@@ -130,16 +142,15 @@ fn gumbel_bounds() -> &'static [(f64, f64); 1 << BUCKET_BITS] {
 impl RowNoise {
     /// The noise of the token at `position` of a request seeded with `seed`.
     pub fn new(seed: u64, position: u64) -> Self {
-        let h = mix64(seed.wrapping_add(K_SEED));
         Self {
-            row: mix64(h ^ mix64(position.wrapping_add(K_POSITION))),
+            row: row_hash(seed, position),
             bounds: gumbel_bounds(),
         }
     }
 
     #[inline]
     fn grid(&self, index: u64) -> u64 {
-        mix64(self.row ^ mix64(index.wrapping_add(K_INDEX))) >> 12
+        index_hash(self.row, index) >> 12
     }
 
     /// `gumbel(seed, position, index)`, bit for bit.
