@@ -268,6 +268,9 @@ class Planted:
         self.embedding = None
         np.savez(args.out / "planted.npz", perm1=self.perm1, perm2=self.perm2)
 
+    def on_device(self, a):
+        return self.torch.as_tensor(a, device=self.device)
+
     def randn(self, shape: tuple[int, ...]):
         return self.torch.randn(shape, generator=self.gen, device=self.device)
 
@@ -281,10 +284,10 @@ class Planted:
                 raise SystemExit("--peaked: lm_head before the embedding")
             e = self.embedding
             head = torch.zeros(shape, device=self.device)
-            idx = lambda a: torch.as_tensor(a, device=self.device)  # noqa: E731
-            head[idx(self.perm1)] = e
+            head[self.on_device(self.perm1)] = e
             w = torch.as_tensor(self.second_weight, device=self.device, dtype=e.dtype)
-            head.index_add_(0, idx(self.perm2[self.choice]), e[idx(self.choice)] * w[:, None])
+            second, choice = self.on_device(self.perm2[self.choice]), self.on_device(self.choice)
+            head.index_add_(0, second, e[choice] * w[:, None])
             return head * self.beta
         w = self.randn(shape) * 0.02
         if name.endswith(("o_proj.weight", "down_proj.weight")):
