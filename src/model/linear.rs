@@ -106,11 +106,18 @@ pub(super) enum Projection {
 }
 
 impl Projection {
+    fn part(layers: &mut [Linear], part: usize) -> Result<&mut Linear> {
+        let n = layers.len();
+        layers
+            .get_mut(part)
+            .ok_or_else(|| DetspecError::param("weights", format!("projection part {part} of {n}")))
+    }
+
     /// Replaces layer `part`'s `[out, in]` weight.
     pub(super) fn set_weight(&mut self, part: usize, w: &Tensor, bf16_act: bool) -> Result<()> {
         match self {
             Self::Apart(layers) => {
-                layers[part].weight = LinearWeight::new(w, bf16_act)?;
+                Self::part(layers, part)?.weight = LinearWeight::new(w, bf16_act)?;
             }
             Self::Stacked { linear, widths } => {
                 let LinearWeight::Dense(stacked) = &linear.weight else {
@@ -130,7 +137,7 @@ impl Projection {
     /// Replaces layer `part`'s bias (the model has biases on these layers).
     pub(super) fn set_bias(&mut self, part: usize, b: Tensor) -> Result<()> {
         match self {
-            Self::Apart(layers) => layers[part].bias = Some(b),
+            Self::Apart(layers) => Self::part(layers, part)?.bias = Some(b),
             Self::Stacked { linear, widths } => {
                 let Some(stacked) = &linear.bias else {
                     return Err(DetspecError::param(
@@ -153,6 +160,9 @@ fn replace_part(
     part: usize,
     new: &Tensor,
 ) -> candle_core::Result<Tensor> {
+    if part >= widths.len() {
+        candle_core::bail!("projection part {part} of {}", widths.len());
+    }
     let mut pieces = Vec::with_capacity(widths.len());
     let mut at = 0;
     for (i, &w) in widths.iter().enumerate() {

@@ -11,6 +11,8 @@ pub mod processors;
 pub mod rng;
 pub mod sampler;
 pub mod structured;
+#[cfg(test)]
+mod test_rows;
 
 pub use next_token::sample_next;
 pub use params::{SamplingParams, GREEDY_TEMPERATURE_EPS, MAX_LOGIT_BIAS, MAX_LOGPROBS};

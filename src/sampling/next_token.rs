@@ -3,7 +3,7 @@
 
 use super::params::SamplingParams;
 use super::processors::mask_disallowed;
-use super::sampler::{rank_of, sample, SampleInput};
+use super::sampler::{sample, SampleInput};
 use crate::output::TokenLogprobs;
 use crate::Result;
 
@@ -50,7 +50,7 @@ pub fn sample_next(
     Ok(TokenLogprobs {
         token: s.token,
         logprob: s.logprob,
-        rank: rank_of(row, s.token),
+        rank: s.rank,
         top: s.top_logprobs,
     })
 }

@@ -322,6 +322,7 @@ pub fn process_logits(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::sampling::test_rows::{mask_every, tied_logits};
 
     #[test]
     fn alive_ids_by_rank_is_the_rank_desc_sort() {
@@ -400,11 +401,7 @@ mod tests {
             top_p in proptest::sample::select(vec![0.01f32, 0.5, 0.9, 0.95, 0.999, 0.999_999_94]),
         ) {
             let mut logits: Vec<f32> = values.iter().map(|&v| v as f32 * scale).collect();
-            if masked_every > 0 {
-                for l in logits.iter_mut().step_by(masked_every) {
-                    *l = NEG;
-                }
-            }
+            mask_every(&mut logits, masked_every);
             let mut want = logits.clone();
             top_p_over_every_token(&mut want, top_p);
             apply_top_p(&mut logits, top_p);
@@ -418,19 +415,8 @@ mod tests {
             k in 1i32..700,
             masked_every in 0usize..4,
         ) {
-            let mut logits: Vec<f32> = values
-                .iter()
-                .map(|&v| match v {
-                    0 => -0.0,
-                    1 => 0.0,
-                    _ => v as f32 * 0.25,
-                })
-                .collect();
-            if masked_every > 0 {
-                for l in logits.iter_mut().step_by(masked_every) {
-                    *l = NEG;
-                }
-            }
+            let mut logits = tied_logits(&values, 0.25);
+            mask_every(&mut logits, masked_every);
             let mut want = logits.clone();
             if (k as usize) < want.len() {
                 let mut ids: Vec<u32> = (0..want.len() as u32).collect();

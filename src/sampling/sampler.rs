@@ -47,6 +47,8 @@ pub struct SampledToken {
     pub token: u32,
     /// `log_softmax(raw logits)[token]`.
     pub logprob: f32,
+    /// 1-based rank of `token` under the raw logits (1 + how many are larger).
+    pub rank: u32,
     /// The `params.logprobs` most likely tokens under the raw logits with their logprobs, most
     /// likely first, ties by lower id.
     pub top_logprobs: Vec<(u32, f32)>,
@@ -127,6 +129,7 @@ pub fn sample(input: &SampleInput) -> Result<SampledToken> {
     Ok(SampledToken {
         token,
         logprob: logprob_of(token),
+        rank: rank_under(logits, token, max),
         top_logprobs,
     })
 }
@@ -147,7 +150,7 @@ pub fn score_token(logits: &[f32], token: u32, top_n_count: usize) -> Result<Tok
     Ok(TokenLogprobs {
         token,
         logprob: logprob_of(token),
-        rank: rank_of(logits, token),
+        rank: rank_under(logits, token, max),
         top: top_n(logits, top_n_count)
             .into_iter()
             .map(|t| (t, logprob_of(t)))
@@ -162,6 +165,17 @@ pub fn rank_of(logits: &[f32], token: u32) -> u32 {
         .copied()
         .unwrap_or(f32::NEG_INFINITY);
     1 + count_greater(CpuIsa::detect(), logits, chosen)
+}
+
+/// [`rank_of`] for a token inside a row whose maximum `max` is known: the most likely token
+/// (every greedy one) needs no pass over the row.
+fn rank_under(logits: &[f32], token: u32, max: f32) -> u32 {
+    let chosen = logits[token as usize];
+    if chosen == max {
+        1
+    } else {
+        1 + count_greater(CpuIsa::detect(), logits, chosen)
+    }
 }
 
 isa_kernel! {
@@ -458,6 +472,7 @@ fn top_n(logits: &[f32], n: usize) -> Vec<u32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::sampling::test_rows::{mask_every, tied_logits};
 
     #[test]
     fn argmax_is_the_first_strictly_greatest_finite_logit() {
@@ -874,11 +889,12 @@ mod tests {
             .collect();
         let p = params(1.0);
         for pos in 0..50 {
-            assert_eq!(
-                Some(sample(&input(&logits, &p, 4, pos)).unwrap().token),
-                exhaustive_gumbel_argmax(&logits, 4, pos)
-            );
+            let s = sample(&input(&logits, &p, 4, pos)).unwrap();
+            assert_eq!(Some(s.token), exhaustive_gumbel_argmax(&logits, 4, pos));
+            assert_eq!(s.rank, rank_of(&logits, s.token));
         }
+        let greedy = sample(&input(&logits, &params(0.0), 4, 0)).unwrap();
+        assert_eq!((greedy.rank, rank_of(&logits, greedy.token)), (1, 1));
     }
 
     /// The `n` best by a full sort in `rank_desc` order: what [`top_n`] must return.
@@ -943,19 +959,8 @@ mod tests {
             n in 1usize..25,
             masked_every in 0usize..4,
         ) {
-            let mut logits: Vec<f32> = values
-                .iter()
-                .map(|&v| match v {
-                    0 => -0.0,
-                    1 => 0.0,
-                    _ => v as f32 * 0.5,
-                })
-                .collect();
-            if masked_every > 0 {
-                for l in logits.iter_mut().step_by(masked_every) {
-                    *l = f32::NEG_INFINITY;
-                }
-            }
+            let mut logits = tied_logits(&values, 0.5);
+            mask_every(&mut logits, masked_every);
             proptest::prop_assert_eq!(top_n(&logits, n), top_n_by_sort(&logits, n));
         }
 
@@ -976,11 +981,7 @@ mod tests {
                 2 => logits.sort_by(|a, b| b.total_cmp(a)),
                 _ => {}
             }
-            if masked_every > 0 {
-                for l in logits.iter_mut().step_by(masked_every) {
-                    *l = f32::NEG_INFINITY;
-                }
-            }
+            mask_every(&mut logits, masked_every);
             proptest::prop_assert_eq!(
                 gumbel_argmax(&logits, seed, pos),
                 exhaustive_gumbel_argmax(&logits, seed, pos)
