@@ -26,6 +26,10 @@ what it measured):
   rollbacks per verify pass and per 1,000 deterministic tokens, recomputed tokens, and the
   steps' time by phase; fixed windows (``verify_window_adaptive=False``, LLM-42's protocol)
   unless ``--verify-window-adaptive``.
+* ``scoring``: deterministic prompt logprobs (an eval harness's loglikelihood requests) of
+  ``--num-requests`` prompts in one call, in the shapes a deterministic generation runs at
+  (prefill passes of W rows, verify passes of B x W rows, several prompts to a pass), next to
+  generating one token from each prompt.
 * ``dvr_adaptive`` (last): the same at ``--adaptive-shares`` on a second engine with
   ``verify_window_adaptive=True`` (shorter windows after rollbacks), relative to the ``dvr``
   part's 0 % reference (measured here too when that part did not run).
@@ -56,7 +60,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--model-dir", type=Path, required=True)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument(
-        "--parts", default="bandwidth,decode,offline,sampled,invariant,hf,dvr,dvr_adaptive"
+        "--parts",
+        default="bandwidth,decode,offline,sampled,invariant,hf,dvr,scoring,dvr_adaptive",
     )
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--prompt-len", type=int, default=128)
@@ -299,7 +304,7 @@ def main() -> None:
     greedy = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     warm = SamplingParams(max_tokens=16, ignore_eos=True)
     llm = None
-    if parts & {"decode", "offline", "sampled", "invariant", "dvr"}:
+    if parts & {"decode", "offline", "sampled", "invariant", "dvr", "scoring"}:
         llm, load_s = engine(args)
         res.put("engine", {"load_s": round(load_s, 2), "fingerprint": llm.fingerprint})
         llm.generate(prompts(4, 64, 99, vocab), warm, use_tqdm=False)
@@ -389,6 +394,26 @@ def main() -> None:
     if "dvr" in parts:
         shares = [int(x) for x in args.shares.split(",")]
         base = dvr_shares(args, res, llm, vocab, shares, "dvr")
+
+    if "scoring" in parts:
+        batch = prompts(n, args.prompt_len, 2000, vocab)
+        llm.prompt_logprobs(batch[:4], 1)  # warm-up
+        t = time.perf_counter()
+        llm.prompt_logprobs(batch, 1)
+        dt = time.perf_counter() - t
+        dt_gen, _ = timed_generate(
+            llm, batch, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        )
+        res.put(
+            "scoring",
+            {
+                "prompts": n,
+                "prompt_len": args.prompt_len,
+                "prompt_logprobs_s": round(dt, 3),
+                "prompts_per_s": round(n / dt, 1),
+                "generate_1_token_s": round(dt_gen, 3),
+            },
+        )
 
     if llm is not None:
         llm.shutdown()

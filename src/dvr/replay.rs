@@ -111,11 +111,13 @@ pub fn build_replay_batch(
     })
 }
 
-/// `batch` (rows of one sequence, its block table first) cut into passes of exactly `rows`
-/// rows, padded on the pad page, every row projected: the deterministic prefill on GEMMs whose
-/// bits depend on M. Each row's KV and logits are then computed at M = `rows` whoever runs the
-/// prompt and wherever its chunks begin, so its pages are the same bits for every request
-/// with that prefix. Returns each pass with the index of `batch`'s logit row (if any) in it.
+/// `batch` (rows of one or more sequences, in order, with their block tables) cut into passes
+/// of exactly `rows` rows, padded on the pad page, every row projected: the deterministic
+/// prefill on GEMMs whose bits depend on M. Each row's KV and logits are then computed at M =
+/// `rows` whoever runs the prompt, wherever its chunks begin and whatever rows share its pass,
+/// so its pages are the same bits for every request with that prefix. Row `r` of `batch` is
+/// row `r % rows` of pass `r / rows`. Returns each pass with the index of `batch`'s first logit
+/// row (if any) in it.
 pub fn fixed_shape_passes(
     batch: &ForwardBatch,
     rows: usize,
@@ -124,19 +126,17 @@ pub fn fixed_shape_passes(
 ) -> Vec<(ForwardBatch, Option<usize>)> {
     let n = batch.tokens.len();
     let sampled = batch.logit_rows.first().map(|&r| r as usize);
-    let table = batch
-        .attention
-        .block_tables
-        .first()
-        .cloned()
-        .unwrap_or_default();
-    let mut passes = Vec::with_capacity(n.div_ceil(rows));
+    // Padding rows attend through a table of their own, after the sequences'.
+    let mut tables = batch.attention.block_tables.clone();
+    let pad_seq = tables.len() as u32;
+    tables.push(vec![pad_page]);
+    let mut passes = Vec::with_capacity(n.div_ceil(rows.max(1)));
     for start in (0..n).step_by(rows.max(1)) {
         let end = (start + rows).min(n);
         let mut pass = ForwardBatch::default();
         pass.attention.sliding_window = batch.attention.sliding_window;
         pass.attention.schedule = AttentionSchedule::Fixed;
-        pass.attention.block_tables = vec![table.clone(), vec![pad_page]];
+        pass.attention.block_tables = tables.clone();
         pass.tokens.extend_from_slice(&batch.tokens[start..end]);
         pass.slots.extend_from_slice(&batch.slots[start..end]);
         pass.attention
@@ -144,9 +144,9 @@ pub fn fixed_shape_passes(
             .extend_from_slice(&batch.attention.positions[start..end]);
         pass.attention
             .row_seq
-            .extend(std::iter::repeat_n(0, end - start));
+            .extend_from_slice(&batch.attention.row_seq[start..end]);
         for _ in end - start..rows {
-            push_pad_row(&mut pass, pad_page * page_size as u32, 1);
+            push_pad_row(&mut pass, pad_page * page_size as u32, pad_seq);
         }
         pass.logit_rows = (0..rows as u32).collect();
         let row = sampled

@@ -274,6 +274,55 @@ def test_score_of_a_deterministic_generation_equals_its_logprobs(flat_model, pro
         assert bits(scored) == bits(c.token_logprobs), f"haystack {seed}"
 
 
+def _prompt_logprob_bits(entries) -> list:
+    return [
+        None if e is None else sorted((t, bits([lp.logprob])[0], lp.rank) for t, lp in e.items())
+        for e in entries
+    ]
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_scoring_many_pairs_in_one_call_equals_each_generation(flat_model, profile):
+    """One ``score`` call over many pairs shares forward passes between them (under replay on
+    shape-dependent GEMMs: fixed-shape passes that several sequences fill, as the requests of a
+    verify pass do, instead of one padded pass per sequence); every pair still scores to its
+    own generation's logprobs bit for bit, audits clean, and prompt logprobs of many prompts
+    equal each prompt's alone."""
+    kernel_profile, strategy = profile
+    llm = detspec.LLM(
+        flat_model,
+        verify_strategy=strategy,
+        kernel_profile=kernel_profile,
+        verify_window=8,
+        verify_group=4,
+        num_kv_pages=1024,
+    )
+    rng = np.random.default_rng(5)
+    prompts = [
+        [int(x) for x in rng.integers(3, 900, size=int(k))] for k in rng.integers(1, 60, size=9)
+    ]
+    params = [
+        SamplingParams(
+            temperature=0.8,
+            seed=i,
+            max_tokens=int(rng.integers(1, 30)),
+            ignore_eos=True,
+            deterministic=True,
+        )
+        for i in range(len(prompts))
+    ]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    scored = llm.score(prompts, [o.outputs[0].token_ids for o in outs])
+    for i, (o, s) in enumerate(zip(outs, scored, strict=True)):
+        assert bits(s) == bits(o.outputs[0].token_logprobs), f"pair {i}"
+    for o in outs:
+        assert llm.audit(o).ok
+    together = llm.prompt_logprobs(prompts, 2)
+    for i, (p, t) in enumerate(zip(prompts, together, strict=True)):
+        (alone,) = llm.prompt_logprobs([p], 2)
+        assert _prompt_logprob_bits(t) == _prompt_logprob_bits(alone), f"prompt {i}"
+
+
 async def test_async_score_under_concurrent_load_equals_generation(flat_model):
     engine = AsyncLLM(flat_model, num_kv_pages=1024)
     rng = np.random.default_rng(9)

@@ -196,83 +196,154 @@ impl EngineCore {
                 pad_page,
             } if fixed => {
                 self.check_sequences(&seqs)?;
-                seqs.iter()
-                    .zip(pairs)
-                    .map(|(seq, (prompt, completion))| {
-                        if completion.is_empty() {
-                            return Ok(Vec::new());
-                        }
-                        self.logits_as_generated(
-                            seq,
-                            prompt.len(),
-                            (prefill_rows, verify_rows),
-                            pad_page,
-                        )
-                    })
-                    .collect()
+                // An empty completion has no row to score.
+                let scored: Vec<usize> = (0..pairs.len())
+                    .filter(|&i| !pairs[i].1.is_empty())
+                    .collect();
+                let group_seqs: Vec<&[u32]> = scored.iter().map(|&i| seqs[i].as_slice()).collect();
+                let prompt_lens: Vec<usize> = scored.iter().map(|&i| pairs[i].0.len()).collect();
+                let logits = self.logits_as_generated(
+                    &group_seqs,
+                    &prompt_lens,
+                    (prefill_rows, verify_rows),
+                    pad_page,
+                )?;
+                let mut out = vec![Vec::new(); pairs.len()];
+                for (&i, rows) in scored.iter().zip(logits) {
+                    out[i] = rows;
+                }
+                Ok(out)
             }
             _ => self.forward_sequences(&seqs, &wanted, ForwardKind::Logits, fixed),
         }
     }
 
-    /// The logits of rows `prompt_len - 1..` of `seq` (a prompt and the completion tokens fed
-    /// after it), `[rows × vocab]`, computed in the shapes a deterministic generation of them
-    /// ran at under replay: the prompt in passes of `prefill_rows` rows (the isolated
-    /// prefill), then the completion in passes of `verify_rows` rows (the verify passes). A
-    /// row's bits depend only on its own sequence at a fixed shape, so where the generation's
-    /// windows began does not matter.
+    /// The logits of rows `prompt_lens[i] - 1..` of each sequence `seqs[i]` (a prompt and the
+    /// completion tokens fed after it), `[rows × vocab]` each, computed in the shapes a
+    /// deterministic generation of them ran at under replay: the prompts in passes of exactly
+    /// `prefill_rows` rows (the isolated prefill), then the completions in passes of exactly
+    /// `verify_rows` rows (the verify passes). At a fixed shape a row's bits depend only on its
+    /// own sequence, so sequences share passes, as the requests of a verify pass do, and where
+    /// a generation's chunks or windows began does not matter. Sequences run in groups of at
+    /// most `max_num_batched_tokens` tokens (or one verify pass) that the free pages hold (one
+    /// sequence at least).
     fn logits_as_generated(
         &mut self,
-        seq: &[u32],
-        prompt_len: usize,
+        seqs: &[&[u32]],
+        prompt_lens: &[usize],
+        shapes: (usize, usize),
+        pad_page: u32,
+    ) -> Result<Vec<Vec<f32>>> {
+        let ps = self.cfg.page_size;
+        let budget = self.cfg.max_num_batched_tokens.max(shapes.1);
+        let mut out = Vec::with_capacity(seqs.len());
+        let mut start = 0;
+        while start < seqs.len() {
+            let mut tables: Vec<BlockTable> = Vec::new();
+            let mut tokens = 0;
+            let mut refused = None;
+            for seq in &seqs[start..] {
+                if !tables.is_empty() && tokens + seq.len() > budget {
+                    break;
+                }
+                let mut table = BlockTable::new();
+                if let Err(e) = table.reserve(seq.len(), ps, self.alloc.as_ref()) {
+                    table.free(self.alloc.as_ref());
+                    refused = Some(e);
+                    break;
+                }
+                tables.push(table);
+                tokens += seq.len();
+            }
+            let end = start + tables.len();
+            let result = match refused {
+                Some(e) if tables.is_empty() => Err(e),
+                _ => self.packed_logits(
+                    &seqs[start..end],
+                    &prompt_lens[start..end],
+                    &tables,
+                    shapes,
+                    pad_page,
+                ),
+            };
+            for mut table in tables {
+                table.free(self.alloc.as_ref());
+            }
+            out.extend(result?);
+            start = end;
+        }
+        Ok(out)
+    }
+
+    /// [`Self::logits_as_generated`] of sequences whose KV pages `tables` holds, in one group.
+    fn packed_logits(
+        &self,
+        seqs: &[&[u32]],
+        prompt_lens: &[usize],
+        tables: &[BlockTable],
         (prefill_rows, verify_rows): (usize, usize),
         pad_page: u32,
-    ) -> Result<Vec<f32>> {
+    ) -> Result<Vec<Vec<f32>>> {
         let ps = self.cfg.page_size;
         let vocab = self.info.config.vocab_size;
-        let mut table = BlockTable::new();
-        let reserved = table.reserve(seq.len(), ps, self.alloc.as_ref());
-        let result = (|| {
-            reserved?;
-            // Rows `range` of `seq`, the last one's logits wanted when `last_logits`.
-            let rows = |range: Range<usize>, last_logits: bool| -> Result<ForwardBatch> {
-                let mut batch = ForwardBatch::default();
-                batch.attention.sliding_window = self.info.config.sliding_window;
-                batch.attention.block_tables = vec![table.pages().to_vec()];
-                for pos in range {
+        // Rows `part(i)` of every sequence `i`, in order, as one batch.
+        let rows = |part: &dyn Fn(usize) -> Range<usize>| -> Result<ForwardBatch> {
+            let mut batch = ForwardBatch::default();
+            batch.attention.sliding_window = self.info.config.sliding_window;
+            batch.attention.block_tables = tables.iter().map(|t| t.pages().to_vec()).collect();
+            for (si, (seq, table)) in seqs.iter().zip(tables).enumerate() {
+                for pos in part(si) {
                     let slot = table.slot(pos, ps).ok_or_else(|| {
                         DetspecError::param("page_size", "slot missing after reserve")
                     })?;
                     batch.tokens.push(seq[pos]);
                     batch.slots.push(slot);
                     batch.attention.positions.push(pos as u32);
-                    batch.attention.row_seq.push(0);
-                }
-                if last_logits {
-                    batch.logit_rows = vec![(batch.tokens.len() - 1) as u32];
-                }
-                Ok(batch)
-            };
-            let mut out = Vec::with_capacity((seq.len() + 1 - prompt_len) * vocab);
-            let prompt = rows(0..prompt_len, true)?;
-            for (pass, row) in fixed_shape_passes(&prompt, prefill_rows, pad_page, ps) {
-                let logits = self.forward_f32(&pass)?;
-                if let Some(r) = row {
-                    out.extend_from_slice(&logits[r * vocab..(r + 1) * vocab]);
+                    batch.attention.row_seq.push(si as u32);
                 }
             }
-            if seq.len() > prompt_len {
-                let completion = rows(prompt_len..seq.len(), false)?;
-                for (pass, _) in fixed_shape_passes(&completion, verify_rows, pad_page, ps) {
-                    let real = pass.attention.row_seq.iter().filter(|&&s| s == 0).count();
-                    let logits = self.forward_f32(&pass)?;
-                    out.extend_from_slice(&logits[..real * vocab]);
-                }
+            Ok(batch)
+        };
+        let mut out: Vec<Vec<f32>> = seqs
+            .iter()
+            .zip(prompt_lens)
+            .map(|(seq, &p)| Vec::with_capacity((seq.len() + 1 - p) * vocab))
+            .collect();
+        // The prompts: each one's last row predicts its first completion token.
+        let prompts = rows(&|si| 0..prompt_lens[si])?;
+        let mut last_rows = prompt_lens.iter().scan(0, |end, &p| {
+            *end += p;
+            Some(*end - 1)
+        });
+        let mut next_last = last_rows.next();
+        for (k, (pass, _)) in fixed_shape_passes(&prompts, prefill_rows, pad_page, ps)
+            .iter()
+            .enumerate()
+        {
+            let logits = self.forward_f32(pass)?;
+            while let Some(r) = next_last.filter(|r| r / prefill_rows == k) {
+                let si = prompts.attention.row_seq[r] as usize;
+                out[si].extend_from_slice(logits_row(&logits, r % prefill_rows, vocab)?);
+                next_last = last_rows.next();
             }
-            Ok(out)
-        })();
-        table.free(self.alloc.as_ref());
-        result
+        }
+        // The completions fed after them: every row is wanted.
+        let completions = rows(&|si| prompt_lens[si]..seqs[si].len())?;
+        for (k, (pass, _)) in fixed_shape_passes(&completions, verify_rows, pad_page, ps)
+            .iter()
+            .enumerate()
+        {
+            let logits = self.forward_f32(pass)?;
+            let first = k * verify_rows;
+            let real = completions.tokens.len().min(first + verify_rows) - first;
+            for (row, &si) in completions.attention.row_seq[first..first + real]
+                .iter()
+                .enumerate()
+            {
+                out[si as usize].extend_from_slice(logits_row(&logits, row, vocab)?);
+            }
+        }
+        Ok(out)
     }
 
     /// The logits of a batch's logit rows, flattened.
@@ -389,6 +460,13 @@ impl EngineCore {
             })
             .collect()
     }
+}
+
+/// Row `row` of a pass's flattened logits.
+fn logits_row(logits: &[f32], row: usize, vocab: usize) -> Result<&[f32]> {
+    logits.get(row * vocab..(row + 1) * vocab).ok_or_else(|| {
+        candle_core::Error::Msg(format!("a fixed-shape pass returned no logits row {row}")).into()
+    })
 }
 
 fn invalid(message: String) -> DetspecError {
