@@ -39,8 +39,7 @@ pub struct AuditInput {
 
 impl EngineCore {
     /// Runs each sequence and returns, per sequence, the rows of `wanted[i]` flattened
-    /// (`rows × width`, width = vocab or hidden). Sequences run in groups of at most
-    /// `max_num_batched_tokens` tokens (one sequence at least).
+    /// (`rows × width`, width = vocab or hidden).
     pub fn forward_sequences(
         &mut self,
         seqs: &[Vec<u32>],
@@ -48,9 +47,28 @@ impl EngineCore {
         kind: ForwardKind,
         fixed: bool,
     ) -> Result<Vec<Vec<f32>>> {
+        let mut out = vec![Vec::new(); seqs.len()];
+        self.for_each_row(seqs, wanted, kind, fixed, &mut |i, row| {
+            out[i].extend_from_slice(row);
+            Ok(())
+        })?;
+        Ok(out)
+    }
+
+    /// Runs each sequence and hands `visit` each row of `wanted[i]` as `(i, row)`, a sequence's
+    /// rows in order. Sequences run in groups of at most `max_num_batched_tokens` tokens (one
+    /// sequence at least), and a group's rows are handed over before the next group runs, so
+    /// what is held at once is one group's rows, not every row of the call.
+    fn for_each_row(
+        &mut self,
+        seqs: &[Vec<u32>],
+        wanted: &[Range<usize>],
+        kind: ForwardKind,
+        fixed: bool,
+        visit: RowVisitor<'_>,
+    ) -> Result<()> {
         self.check_sequences(seqs)?;
         let budget = self.cfg.max_num_batched_tokens.max(1);
-        let mut out = Vec::with_capacity(seqs.len());
         let mut start = 0;
         while start < seqs.len() {
             let mut end = start + 1;
@@ -59,10 +77,16 @@ impl EngineCore {
                 tokens += seqs[end].len();
                 end += 1;
             }
-            out.extend(self.forward_group(&seqs[start..end], &wanted[start..end], kind, fixed)?);
+            let (width, rows) =
+                self.forward_group(&seqs[start..end], &wanted[start..end], kind, fixed)?;
+            for (i, flat) in (start..end).zip(rows) {
+                for row in flat.chunks_exact(width.max(1)) {
+                    visit(i, row)?;
+                }
+            }
             start = end;
         }
-        Ok(out)
+        Ok(())
     }
 
     /// Every sequence fits the context and the vocabulary.
@@ -81,13 +105,15 @@ impl EngineCore {
         Ok(())
     }
 
+    /// One group's forward: the width of a row (vocab or hidden) and, per sequence, its
+    /// wanted rows flattened.
     fn forward_group(
         &mut self,
         seqs: &[Vec<u32>],
         wanted: &[Range<usize>],
         kind: ForwardKind,
         fixed: bool,
-    ) -> Result<Vec<Vec<f32>>> {
+    ) -> Result<(usize, Vec<Vec<f32>>)> {
         let ps = self.cfg.page_size;
         let schedule = if fixed {
             AttentionSchedule::Fixed
@@ -134,7 +160,7 @@ impl EngineCore {
                 batch.attention.block_tables.push(bt.pages().to_vec());
             }
             if batch.logit_rows.is_empty() {
-                return Ok(vec![Vec::new(); seqs.len()]);
+                return Ok((0, vec![Vec::new(); seqs.len()]));
             }
             let t = match kind {
                 ForwardKind::Logits => self.model.forward(&batch, &self.kv)?,
@@ -150,7 +176,7 @@ impl EngineCore {
                 out.push(mine.to_vec());
                 rest = tail;
             }
-            Ok(out)
+            Ok((width, out))
         })();
         for mut bt in tables {
             bt.free(self.alloc.as_ref());
@@ -171,14 +197,15 @@ impl EngineCore {
         self.forward_sequences(prompts, &wanted, ForwardKind::Hidden, true)
     }
 
-    /// Logits of the rows that predict each completion's tokens (the row at position p
-    /// predicts the token at p + 1, so the last completion token is predicted, never fed),
-    /// flattened `[len(completion) × vocab]`.
-    fn completion_logits(
+    /// Hands `visit` the logits of the rows that predict each completion's tokens, as
+    /// `(pair, row)`, a pair's rows in order (the row at position p predicts the token at
+    /// p + 1, so the last completion token is predicted, never fed).
+    fn for_each_completion_row(
         &mut self,
         pairs: &[(Vec<u32>, Vec<u32>)],
         fixed: bool,
-    ) -> Result<Vec<Vec<f32>>> {
+        visit: RowVisitor<'_>,
+    ) -> Result<()> {
         let mut seqs = Vec::with_capacity(pairs.len());
         let mut wanted = Vec::with_capacity(pairs.len());
         for (i, (prompt, completion)) in pairs.iter().enumerate() {
@@ -200,26 +227,22 @@ impl EngineCore {
                 let scored: Vec<usize> = (0..pairs.len())
                     .filter(|&i| !pairs[i].1.is_empty())
                     .collect();
-                let group_seqs: Vec<&[u32]> = scored.iter().map(|&i| seqs[i].as_slice()).collect();
+                let seqs: Vec<&[u32]> = scored.iter().map(|&i| seqs[i].as_slice()).collect();
                 let prompt_lens: Vec<usize> = scored.iter().map(|&i| pairs[i].0.len()).collect();
-                let logits = self.logits_as_generated(
-                    &group_seqs,
+                self.logits_as_generated(
+                    &seqs,
                     &prompt_lens,
                     (prefill_rows, verify_rows),
                     pad_page,
-                )?;
-                let mut out = vec![Vec::new(); pairs.len()];
-                for (&i, rows) in scored.iter().zip(logits) {
-                    out[i] = rows;
-                }
-                Ok(out)
+                    &mut |i, row| visit(scored[i], row),
+                )
             }
-            _ => self.forward_sequences(&seqs, &wanted, ForwardKind::Logits, fixed),
+            _ => self.for_each_row(&seqs, &wanted, ForwardKind::Logits, fixed, visit),
         }
     }
 
-    /// The logits of rows `prompt_lens[i] - 1..` of each sequence `seqs[i]` (a prompt and the
-    /// completion tokens fed after it), `[rows × vocab]` each, computed in the shapes a
+    /// Hands `visit` the logits of rows `prompt_lens[i] - 1..` of each sequence `seqs[i]` (a
+    /// prompt and the completion tokens fed after it), as `(i, row)`, computed in the shapes a
     /// deterministic generation of them ran at under replay: the prompts in passes of exactly
     /// `prefill_rows` rows (the isolated prefill), then the completions in passes of exactly
     /// `verify_rows` rows (the verify passes). At a fixed shape a row's bits depend only on its
@@ -233,10 +256,10 @@ impl EngineCore {
         prompt_lens: &[usize],
         shapes: (usize, usize),
         pad_page: u32,
-    ) -> Result<Vec<Vec<f32>>> {
+        visit: RowVisitor<'_>,
+    ) -> Result<()> {
         let ps = self.cfg.page_size;
         let budget = self.cfg.max_num_batched_tokens.max(shapes.1);
-        let mut out = Vec::with_capacity(seqs.len());
         let mut start = 0;
         while start < seqs.len() {
             let mut tables: Vec<BlockTable> = Vec::new();
@@ -264,18 +287,20 @@ impl EngineCore {
                     &tables,
                     shapes,
                     pad_page,
+                    &mut |i, row| visit(start + i, row),
                 ),
             };
             for mut table in tables {
                 table.free(self.alloc.as_ref());
             }
-            out.extend(result?);
+            result?;
             start = end;
         }
-        Ok(out)
+        Ok(())
     }
 
-    /// [`Self::logits_as_generated`] of sequences whose KV pages `tables` holds, in one group.
+    /// [`Self::logits_as_generated`] of sequences whose KV pages `tables` holds, in one group;
+    /// each pass's rows are handed over before the next pass runs.
     fn packed_logits(
         &self,
         seqs: &[&[u32]],
@@ -283,7 +308,8 @@ impl EngineCore {
         tables: &[BlockTable],
         (prefill_rows, verify_rows): (usize, usize),
         pad_page: u32,
-    ) -> Result<Vec<Vec<f32>>> {
+        visit: RowVisitor<'_>,
+    ) -> Result<()> {
         let ps = self.cfg.page_size;
         let vocab = self.info.config.vocab_size;
         // Rows `part(i)` of every sequence `i`, in order, as one batch.
@@ -304,11 +330,6 @@ impl EngineCore {
             }
             Ok(batch)
         };
-        let mut out: Vec<Vec<f32>> = seqs
-            .iter()
-            .zip(prompt_lens)
-            .map(|(seq, &p)| Vec::with_capacity((seq.len() + 1 - p) * vocab))
-            .collect();
         // The prompts: each one's last row predicts its first completion token.
         let prompts = rows(&|si| 0..prompt_lens[si])?;
         let mut last_rows = prompt_lens.iter().scan(0, |end, &p| {
@@ -323,7 +344,7 @@ impl EngineCore {
             let logits = self.forward_f32(pass)?;
             while let Some(r) = next_last.filter(|r| r / prefill_rows == k) {
                 let si = prompts.attention.row_seq[r] as usize;
-                out[si].extend_from_slice(logits_row(&logits, r % prefill_rows, vocab)?);
+                visit(si, logits_row(&logits, r % prefill_rows, vocab)?)?;
                 next_last = last_rows.next();
             }
         }
@@ -340,10 +361,10 @@ impl EngineCore {
                 .iter()
                 .enumerate()
             {
-                out[si as usize].extend_from_slice(logits_row(&logits, row, vocab)?);
+                visit(si as usize, logits_row(&logits, row, vocab)?)?;
             }
         }
-        Ok(out)
+        Ok(())
     }
 
     /// The logits of a batch's logit rows, flattened.
@@ -360,19 +381,18 @@ impl EngineCore {
         top_n: usize,
         fixed: bool,
     ) -> Result<Vec<Vec<TokenLogprobs>>> {
-        let rows = self.completion_logits(pairs, fixed)?;
-        let vocab = self.info.config.vocab_size;
-        pairs
+        let mut out: Vec<Vec<TokenLogprobs>> = pairs
             .iter()
-            .zip(rows)
-            .map(|((_, completion), flat)| {
-                completion
-                    .iter()
-                    .zip(flat.chunks_exact(vocab))
-                    .map(|(&t, row)| sampling::score_token(row, t, top_n))
-                    .collect()
-            })
-            .collect()
+            .map(|(_, c)| Vec::with_capacity(c.len()))
+            .collect();
+        self.for_each_completion_row(pairs, fixed, &mut |i, row| {
+            let token = pairs[i].1.get(out[i].len()).copied().ok_or_else(|| {
+                candle_core::Error::Msg(format!("pair {i}: a row past its completion"))
+            })?;
+            out[i].push(sampling::score_token(row, token, top_n)?);
+            Ok(())
+        })?;
+        Ok(out)
     }
 
     /// vLLM's prompt logprobs: for positions 1.. of each prompt, the logprob of the prompt's
@@ -421,46 +441,49 @@ impl EngineCore {
             .iter()
             .map(|it| (it.prompt.clone(), it.token_ids.clone()))
             .collect();
-        let rows = self.completion_logits(&pairs, true)?;
-        let vocab = self.info.config.vocab_size;
         let eos = self.info.eos_token_ids.clone();
         let grammars = self.grammars().clone();
-        items
+        // A structured output is re-run under its grammar, which follows the stored tokens as
+        // the sampler's history does.
+        let mut constraints = items
             .iter()
-            .zip(seeds)
-            .zip(rows)
-            .map(|((it, seed), flat)| {
-                // A structured output is re-run under its grammar, which follows the stored
-                // tokens as the sampler's history does.
-                let mut constraint = it
-                    .params
+            .map(|it| {
+                it.params
                     .structured_outputs
                     .as_ref()
                     .map(|so| grammars.compile(so))
-                    .transpose()?;
-                flat.chunks_exact(vocab)
-                    .enumerate()
-                    .map(|(j, row)| {
-                        let before = it.token_ids.get(..j).unwrap_or_default();
-                        let mask = match constraint.as_mut() {
-                            Some(c) => Some(c.mask_after(before)?),
-                            None => None,
-                        };
-                        sampling::sample_next(
-                            &it.params,
-                            seed,
-                            &it.prompt,
-                            before,
-                            row,
-                            &eos,
-                            mask.as_deref(),
-                        )
-                    })
-                    .collect()
+                    .transpose()
             })
-            .collect()
+            .collect::<Result<Vec<_>>>()?;
+        let mut out: Vec<Vec<TokenLogprobs>> = items
+            .iter()
+            .map(|it| Vec::with_capacity(it.token_ids.len()))
+            .collect();
+        self.for_each_completion_row(&pairs, true, &mut |i, row| {
+            let it = &items[i];
+            let before = it.token_ids.get(..out[i].len()).unwrap_or_default();
+            let mask = match constraints[i].as_mut() {
+                Some(c) => Some(c.mask_after(before)?),
+                None => None,
+            };
+            let drawn = sampling::sample_next(
+                &it.params,
+                seeds[i],
+                &it.prompt,
+                before,
+                row,
+                &eos,
+                mask.as_deref(),
+            )?;
+            out[i].push(drawn);
+            Ok(())
+        })?;
+        Ok(out)
     }
 }
+
+/// What a standalone forward hands each wanted row to: `(sequence index, row)`.
+type RowVisitor<'a> = &'a mut dyn FnMut(usize, &[f32]) -> Result<()>;
 
 /// Row `row` of a pass's flattened logits.
 fn logits_row(logits: &[f32], row: usize, vocab: usize) -> Result<&[f32]> {
