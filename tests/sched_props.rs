@@ -76,13 +76,15 @@ proptest! {
             prop_assert!(plan.num_tokens() <= budget);
             prop_assert!(s.num_running() <= max_num_seqs);
             let mut seen = std::collections::HashSet::new();
-            if let Some(iso) = &plan.isolated {
+            for iso in &plan.isolated {
                 let q = s.get(iso.seq).expect("isolated sequence is running");
                 prop_assert!(q.deterministic && iso.start == 0 && iso.len == q.prompt.len(), "isolated = whole prompt");
             }
+            let isolated_rows: usize = plan.isolated.iter().map(|e| e.len).sum();
+            prop_assert!(plan.isolated.len() <= 1 || isolated_rows <= budget, "isolated prefills within their budget");
             for e in plan.entries.iter().chain(&plan.isolated) {
                 prop_assert!(seen.insert(e.seq), "sequence planned twice");
-                prop_assert!(e.len >= 1 && (e.len <= chunk || Some(e) == plan.isolated.as_ref()));
+                prop_assert!(e.len >= 1 && (e.len <= chunk || plan.isolated.contains(e)));
                 let q = s.get(e.seq).expect("planned sequences are running");
                 prop_assert_eq!(e.start, q.num_computed);
                 prop_assert!(q.block_table.capacity(page_size) >= e.start + e.len, "pages reserved");
@@ -127,4 +129,38 @@ proptest! {
         prop_assert_eq!(finished + failed + aborted, next as usize);
         prop_assert_eq!(alloc.num_free(), pages, "every page returned");
     }
+}
+
+/// Deterministic prompts prefill apart from the shared batch, several in one step as long as
+/// their rows fit the step's budget (the first one whatever its length), in arrival order.
+#[test]
+fn isolated_prefills_share_a_step_within_the_budget() {
+    let alloc = SimpleAllocator::new(64);
+    let limits = SchedulerLimits {
+        max_num_seqs: 8,
+        max_num_batched_tokens: 24,
+        page_size: 4,
+        max_prefill_chunk: 16,
+        isolate_deterministic_prefill: true,
+    };
+    let mut s = Scheduler::new(limits);
+    for (id, len) in [(0, 30), (1, 10), (2, 10), (3, 10), (4, 5)] {
+        s.add(seq(id, len, 4, true));
+    }
+    let planned = |s: &mut Scheduler| -> Vec<(u64, usize)> {
+        let plan = s.plan(&alloc, &|_, _| Vec::new());
+        s.mark_computed(&plan);
+        for e in plan.entries.iter().chain(&plan.isolated) {
+            s.get_mut(e.seq)
+                .expect("planned sequences run")
+                .output
+                .push(1);
+        }
+        plan.isolated.iter().map(|e| (e.seq, e.len)).collect()
+    };
+    // Over the budget alone: it runs alone. Then two of 10 fit 24, the third waits (and so
+    // does the short one behind it: arrival order).
+    assert_eq!(planned(&mut s), vec![(0, 30)]);
+    assert_eq!(planned(&mut s), vec![(1, 10), (2, 10)]);
+    assert_eq!(planned(&mut s), vec![(3, 10), (4, 5)]);
 }

@@ -184,15 +184,16 @@ impl DeterminismPolicy {
         }
     }
 
-    /// The forward passes of an isolated deterministic prefill (`batch`: one sequence's
-    /// prompt rows), each with the index of the sampled row among its logit rows. Invariant
-    /// attention; on GEMMs whose bits depend on M, passes of exactly W rows
-    /// ([`super::replay::fixed_shape_passes`]), so the prompt's KV is the same for every
-    /// request that shares it; otherwise one pass.
+    /// The forward passes of the isolated deterministic prefills (`batch`: the prompt rows of
+    /// one or more sequences), each with the indices among its logits of the batch's logit
+    /// rows it computes, in order. Invariant attention; on GEMMs whose bits depend on M,
+    /// passes of exactly W rows ([`super::replay::fixed_shape_passes`]), so a prompt's KV is
+    /// the same for every request that shares it, whatever shares its passes; otherwise one
+    /// pass.
     pub fn isolated_prefill_passes(
         &self,
         mut batch: ForwardBatch,
-    ) -> Vec<(ForwardBatch, Option<usize>)> {
+    ) -> Vec<(ForwardBatch, Vec<usize>)> {
         batch.attention.schedule = AttentionSchedule::Fixed;
         batch.invariant_gemm = matches!(self.strategy, Strategy::BatchInvariant);
         match &self.strategy {
@@ -203,7 +204,7 @@ impl DeterminismPolicy {
                 v.shape().page_size,
             ),
             _ => {
-                let sampled = (!batch.logit_rows.is_empty()).then_some(0);
+                let sampled = (0..batch.logit_rows.len()).collect();
                 vec![(batch, sampled)]
             }
         }

@@ -116,16 +116,15 @@ pub fn build_replay_batch(
 /// prefill on GEMMs whose bits depend on M. Each row's KV and logits are then computed at M =
 /// `rows` whoever runs the prompt, wherever its chunks begin and whatever rows share its pass,
 /// so its pages are the same bits for every request with that prefix. Row `r` of `batch` is
-/// row `r % rows` of pass `r / rows`. Returns each pass with the index of `batch`'s first logit
-/// row (if any) in it.
+/// row `r % rows` of pass `r / rows`. Returns each pass with the indices in it of `batch`'s
+/// logit rows that fall in it, in order.
 pub fn fixed_shape_passes(
     batch: &ForwardBatch,
     rows: usize,
     pad_page: u32,
     page_size: usize,
-) -> Vec<(ForwardBatch, Option<usize>)> {
+) -> Vec<(ForwardBatch, Vec<usize>)> {
     let n = batch.tokens.len();
-    let sampled = batch.logit_rows.first().map(|&r| r as usize);
     // Padding rows attend through a table of their own, after the sequences'.
     let mut tables = batch.attention.block_tables.clone();
     let pad_seq = tables.len() as u32;
@@ -149,10 +148,14 @@ pub fn fixed_shape_passes(
             push_pad_row(&mut pass, pad_page * page_size as u32, pad_seq);
         }
         pass.logit_rows = (0..rows as u32).collect();
-        let row = sampled
+        let wanted = batch
+            .logit_rows
+            .iter()
+            .map(|&r| r as usize)
             .filter(|r| (start..end).contains(r))
-            .map(|r| r - start);
-        passes.push((pass, row));
+            .map(|r| r - start)
+            .collect();
+        passes.push((pass, wanted));
     }
     passes
 }

@@ -582,10 +582,8 @@ impl EngineCore {
             self.policy.prepare_shared_batch(&mut batch, deterministic);
             Some((batch, ids))
         };
-        let isolated = plan
-            .isolated
-            .as_ref()
-            .map(|iso| self.build_batch(std::slice::from_ref(iso)))
+        let isolated = (!plan.isolated.is_empty())
+            .then(|| self.build_batch(&plan.isolated))
             .transpose()?;
         let sampling_ids: Vec<SequenceId> = shared
             .iter()
@@ -662,7 +660,7 @@ impl EngineCore {
         Ok(events)
     }
 
-    /// The forwards of a step: the shared batch, then the isolated deterministic prefill.
+    /// The forwards of a step: the shared batch, then the isolated deterministic prefills.
     /// Returns (sequences that sample, their logits `[sequences, vocab]`) of each.
     fn run_forwards(
         &self,
@@ -674,16 +672,17 @@ impl EngineCore {
             forwards.push((ids, self.model.forward(&batch, &self.kv)?));
         }
         if let Some((batch, ids)) = isolated {
-            // Alone, on invariant kernels: a pure function of the prompt.
-            let mut sampled = None;
-            for (pass, row) in self.policy.isolated_prefill_passes(batch) {
+            // Apart from the shared batch, on invariant kernels: each row a pure function of
+            // its own prompt.
+            let mut sampled = Vec::with_capacity(ids.len());
+            for (pass, rows) in self.policy.isolated_prefill_passes(batch) {
                 let logits = self.model.forward(&pass, &self.kv)?;
-                if let Some(row) = row {
-                    sampled = Some(logits.narrow(0, row, 1)?);
+                for row in rows {
+                    sampled.push(logits.narrow(0, row, 1)?);
                 }
             }
-            if let Some(logits) = sampled {
-                forwards.push((ids, logits));
+            if !sampled.is_empty() {
+                forwards.push((ids, candle_core::Tensor::cat(&sampled, 0)?));
             }
         }
         Ok(forwards)

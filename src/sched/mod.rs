@@ -33,9 +33,11 @@ pub struct PlanEntry {
 #[derive(Debug, Default)]
 pub struct StepPlan {
     pub entries: Vec<PlanEntry>,
-    /// A deterministic request's prompt, prefilled alone and unchunked in its own forward pass
-    /// so its KV and first token depend on nothing but the prompt (the replay strategy).
-    pub isolated: Option<PlanEntry>,
+    /// Deterministic requests' prompts, unchunked, prefilled apart from the shared batch in
+    /// passes whose shapes do not depend on what else runs, so their KV and first tokens
+    /// depend on nothing but the prompts (the replay strategy). Several per step, within a
+    /// budget of `max_num_batched_tokens` rows of their own (one prompt at least).
+    pub isolated: Vec<PlanEntry>,
     /// Sequences preempted while planning (already requeued).
     pub preempted: Vec<SequenceId>,
     /// Sequences that can never run (they do not fit in the whole pool), removed.
@@ -49,7 +51,7 @@ impl StepPlan {
     }
 
     pub fn is_empty(&self) -> bool {
-        self.entries.is_empty() && self.isolated.is_none()
+        self.entries.is_empty() && self.isolated.is_empty()
     }
 }
 
@@ -193,14 +195,12 @@ impl Scheduler {
             i += 1;
         }
         // Admit waiting sequences, unless this step already had to preempt.
+        let mut isolated_budget = l.max_num_batched_tokens;
         while budget > 0 && plan.preempted.is_empty() && self.running.len() < l.max_num_seqs {
             let Some(seq) = self.waiting.front_mut() else {
                 break;
             };
             if l.isolate_deterministic_prefill && seq.deterministic && seq.num_computed == 0 {
-                if plan.isolated.is_some() {
-                    break; // one isolated prefill per step; keep arrival order
-                }
                 let prompt_len = seq.prompt.len();
                 if seq.block_table.pages().is_empty() {
                     // The prompt only: the isolated prefill computes no output token.
@@ -208,6 +208,12 @@ impl Scheduler {
                     adopt_cached_prefix(seq, &prompt, lookup_prefix, l.page_size);
                 }
                 let start = seq.num_computed;
+                if !plan.isolated.is_empty() && prompt_len - start > isolated_budget {
+                    // Next step's; keep arrival order.
+                    seq.block_table.free(alloc);
+                    seq.num_computed = 0;
+                    break;
+                }
                 if seq
                     .block_table
                     .reserve(prompt_len, l.page_size, alloc)
@@ -226,12 +232,13 @@ impl Scheduler {
                 let Some(seq) = self.waiting.pop_front() else {
                     break;
                 };
-                plan.isolated = Some(PlanEntry {
+                plan.isolated.push(PlanEntry {
                     seq: seq.id,
                     start,
                     len: prompt_len - start,
                     sample: prompt_len == seq.len(),
                 });
+                isolated_budget = isolated_budget.saturating_sub(prompt_len - start);
                 self.running.push(seq);
                 continue;
             }

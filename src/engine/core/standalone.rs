@@ -331,37 +331,27 @@ impl EngineCore {
             Ok(batch)
         };
         // The prompts: each one's last row predicts its first completion token.
-        let prompts = rows(&|si| 0..prompt_lens[si])?;
-        let mut last_rows = prompt_lens.iter().scan(0, |end, &p| {
-            *end += p;
-            Some(*end - 1)
-        });
-        let mut next_last = last_rows.next();
-        for (k, (pass, _)) in fixed_shape_passes(&prompts, prefill_rows, pad_page, ps)
+        let mut prompts = rows(&|si| 0..prompt_lens[si])?;
+        prompts.logit_rows = prompt_lens
             .iter()
-            .enumerate()
-        {
-            let logits = self.forward_f32(pass)?;
-            while let Some(r) = next_last.filter(|r| r / prefill_rows == k) {
-                let si = prompts.attention.row_seq[r] as usize;
-                visit(si, logits_row(&logits, r % prefill_rows, vocab)?)?;
-                next_last = last_rows.next();
-            }
-        }
+            .scan(0u32, |end, &p| {
+                *end += p as u32;
+                Some(*end - 1)
+            })
+            .collect();
         // The completions fed after them: every row is wanted.
-        let completions = rows(&|si| prompt_lens[si]..seqs[si].len())?;
-        for (k, (pass, _)) in fixed_shape_passes(&completions, verify_rows, pad_page, ps)
-            .iter()
-            .enumerate()
-        {
-            let logits = self.forward_f32(pass)?;
-            let first = k * verify_rows;
-            let real = completions.tokens.len().min(first + verify_rows) - first;
-            for (row, &si) in completions.attention.row_seq[first..first + real]
-                .iter()
-                .enumerate()
-            {
-                visit(si as usize, logits_row(&logits, row, vocab)?)?;
+        let mut completions = rows(&|si| prompt_lens[si]..seqs[si].len())?;
+        completions.logit_rows = (0..completions.tokens.len() as u32).collect();
+        for (batch, pass_rows) in [(&prompts, prefill_rows), (&completions, verify_rows)] {
+            let passes = fixed_shape_passes(batch, pass_rows, pad_page, ps);
+            for (k, (pass, wanted)) in passes.iter().enumerate() {
+                let logits = self.forward_f32(pass)?;
+                for &row in wanted {
+                    let Some(&si) = batch.attention.row_seq.get(k * pass_rows + row) else {
+                        continue; // (every wanted row is a batch row)
+                    };
+                    visit(si as usize, logits_row(&logits, row, vocab)?)?;
+                }
             }
         }
         Ok(())
