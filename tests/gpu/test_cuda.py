@@ -212,6 +212,46 @@ def test_score_equals_generation_logprobs_bitwise_on_gpu(flat_model, dtype, temp
     llm.shutdown()
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_many_pairs_scored_in_one_call_equal_their_generations_on_gpu(flat_model, dtype):
+    """One ``score`` call packs several sequences into each fixed-shape pass (as a verify pass
+    packs requests), and several deterministic prompts share a step's isolated prefill passes:
+    on cuBLAS each row must still be a function of its own sequence alone."""
+    llm = flat_llm(flat_model, dtype)
+    rng = np.random.default_rng(7)
+    prompts = [
+        [int(x) for x in rng.integers(3, 900, size=int(k))] for k in rng.integers(1, 150, 12)
+    ]
+    params = [
+        SamplingParams(
+            temperature=0.8,
+            seed=i,
+            max_tokens=int(rng.integers(1, 90)),
+            ignore_eos=True,
+            deterministic=True,
+        )
+        for i in range(len(prompts))
+    ]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    scored = llm.score(prompts, [o.outputs[0].token_ids for o in outs], deterministic=True)
+    for i, (o, s) in enumerate(zip(outs, scored, strict=True)):
+        assert [struct.pack("<f", x) for x in s] == [
+            struct.pack("<f", x) for x in o.outputs[0].token_logprobs
+        ], f"pair {i}"
+
+    def prompt_bits(entries, prompt):
+        return [
+            None if e is None else struct.pack("<f", e[t].logprob)
+            for e, t in zip(entries, prompt, strict=True)
+        ]
+
+    together = llm.prompt_logprobs(prompts, 1)
+    for i, p in enumerate(prompts[:4]):
+        (alone,) = llm.prompt_logprobs([p], 1)
+        assert prompt_bits(together[i], p) == prompt_bits(alone, p), f"prompt {i}"
+    llm.shutdown()
+
+
 def generated(llm: detspec.LLM, params: SamplingParams, seed: int):
     rng = np.random.default_rng(seed)
     n = int(rng.integers(4, 17))
