@@ -255,11 +255,11 @@ PROFILES = [
 ]
 
 
-@pytest.mark.parametrize("profile", PROFILES)
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_score_of_a_deterministic_generation_equals_its_logprobs(flat_model, profile, temperature):
+def replay_llm(flat_model: str, profile: tuple[str, str]) -> detspec.LLM:
+    """An engine of `profile` (kernel profile, verify strategy) with short windows and groups,
+    so a few dozen tokens span several verify passes."""
     kernel_profile, strategy = profile
-    llm = detspec.LLM(
+    return detspec.LLM(
         flat_model,
         verify_strategy=strategy,
         kernel_profile=kernel_profile,
@@ -267,6 +267,12 @@ def test_score_of_a_deterministic_generation_equals_its_logprobs(flat_model, pro
         verify_group=4,
         num_kv_pages=1024,
     )
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_score_of_a_deterministic_generation_equals_its_logprobs(flat_model, profile, temperature):
+    llm = replay_llm(flat_model, profile)
     for seed in range(4):
         out = in_haystack(llm, sampled(temperature), seed)
         c = out.outputs[0]
@@ -288,15 +294,7 @@ def test_scoring_many_pairs_in_one_call_equals_each_generation(flat_model, profi
     verify pass do, instead of one padded pass per sequence); every pair still scores to its
     own generation's logprobs bit for bit, audits clean, and prompt logprobs of many prompts
     equal each prompt's alone."""
-    kernel_profile, strategy = profile
-    llm = detspec.LLM(
-        flat_model,
-        verify_strategy=strategy,
-        kernel_profile=kernel_profile,
-        verify_window=8,
-        verify_group=4,
-        num_kv_pages=1024,
-    )
+    llm = replay_llm(flat_model, profile)
     rng = np.random.default_rng(5)
     prompts = [
         [int(x) for x in rng.integers(3, 900, size=int(k))] for k in rng.integers(1, 60, size=9)
