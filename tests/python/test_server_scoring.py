@@ -257,3 +257,31 @@ def test_deterministic_by_default_needs_a_deterministic_engine(demo_model_dir) -
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert r.returncode == 1 and "--deterministic-by-default" in r.stderr
+
+
+async def test_score_batcher_coalesces_and_isolates_a_refused_prompt() -> None:
+    """Concurrent prompt-logprob calls share one engine call; if the engine refuses it, each
+    prompt is retried alone, so only the one at fault gets the error and the others their
+    results (one bad request never fails its neighbours)."""
+    from detspec.server.score_batcher import ScoreBatcher
+
+    calls: list[int] = []
+
+    class Engine:
+        async def prompt_logprobs(self, prompts, k, deterministic):
+            calls.append(len(prompts))
+            await asyncio.sleep(0)
+            if any(999 in p for p in prompts):
+                raise ValueError("token 999 refused")
+            return [[None, {p[1]: k}] for p in prompts]
+
+    batcher = ScoreBatcher(Engine())  # type: ignore[arg-type]
+    got = await asyncio.gather(
+        batcher.prompt_logprobs([1, 2], 1, True),
+        batcher.prompt_logprobs([3, 999], 1, True),
+        batcher.prompt_logprobs([5, 6], 1, True),
+        return_exceptions=True,
+    )
+    assert got[0] == [None, {2: 1}] and got[2] == [None, {6: 1}]
+    assert isinstance(got[1], ValueError)
+    assert calls == [3, 1, 1, 1], "one call for all three, then one per prompt"

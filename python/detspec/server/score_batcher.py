@@ -1,7 +1,8 @@
 """``ScoreBatcher``: the scoring twin of continuous batching. Concurrent prompt-logprob
 requests (``echo`` in ``scoring_routes``) are coalesced into one engine call, so a plain
 request's bits depend on what it was batched with, as a plain generation's do; a
-deterministic one's do not. The server owns one (``OpenAIServer.score_batcher``)."""
+deterministic one's do not. A call the engine refuses is retried prompt by prompt, so only
+the request at fault gets the error. The server owns one (``OpenAIServer.score_batcher``)."""
 
 from __future__ import annotations
 
@@ -39,17 +40,22 @@ class ScoreBatcher:
                 groups.setdefault((item[1], item[2]), []).append(item)
             for (k, det), items in groups.items():
                 live = [it for it in items if not it[3].done()]  # cancelled: client left
-                if not live:
-                    continue
-                try:
-                    res = await self._engine.prompt_logprobs(
-                        [it[0] for it in live], k, deterministic=det
-                    )
-                except Exception as e:  # every caller of this group gets the error
-                    for it in live:
-                        if not it[3].done():
-                            it[3].set_exception(e)
-                    continue
-                for it, r in zip(live, res, strict=True):
-                    if not it[3].done():
-                        it[3].set_result(r)
+                if live:
+                    await self._score(live, k, det)
+
+    async def _score(self, items: list[Any], k: int, det: bool) -> None:
+        """One engine call for `items`; if it fails, each alone, so a request the engine
+        refuses gets its own error and the others their results."""
+        try:
+            res = await self._engine.prompt_logprobs([it[0] for it in items], k, deterministic=det)
+        except Exception as e:
+            if len(items) > 1:
+                for it in items:
+                    await self._score([it], k, det)
+                return
+            if not items[0][3].done():
+                items[0][3].set_exception(e)
+            return
+        for it, r in zip(items, res, strict=True):
+            if not it[3].done():
+                it[3].set_result(r)

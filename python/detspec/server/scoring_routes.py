@@ -175,9 +175,7 @@ async def echo_completions(
         return Response(status_code=499)
     except InvalidRequestError as e:
         raise constraint_invalid(e, constraint) from None
-    if req.prompt_logprobs is not None:
-        for j in jobs:
-            j.prompt_logprobs = await server.prompt_logprobs(j.prompt_ids, req.prompt_logprobs)
+    await server.attach_prompt_logprobs(jobs, req.prompt_logprobs)
 
     choices: list[dict[str, Any]] = []
     completion_tokens = 0

@@ -278,9 +278,18 @@ class OpenAIServer:
 
     async def prompt_logprobs(self, ids: list[int], k: int) -> list[dict[str, Any] | None]:
         """vLLM's ``prompt_logprobs`` as JSON: the engine's numbers, bit for bit those of
-        ``LLM.generate`` (verify-path kernels)."""
-        (entries,) = await self.engine.prompt_logprobs([ids], k)
+        ``LLM.generate`` (verify-path kernels). Through the score batcher, so concurrent
+        calls (a request's prompts, other requests) share one engine call."""
+        entries = await self.score_batcher.prompt_logprobs(ids, k, True)
         return LogprobShaper.prompt(entries)
+
+    async def attach_prompt_logprobs(self, jobs: list[Job], k: int | None) -> None:
+        """Each job's ``prompt_logprobs`` (vLLM's field), all asked for at once."""
+        if k is None:
+            return
+        found = await asyncio.gather(*(self.prompt_logprobs(j.prompt_ids, k) for j in jobs))
+        for j, plp in zip(jobs, found, strict=True):
+            j.prompt_logprobs = plp
 
     # ---------------------------------------------------------------- generation
 
@@ -371,9 +380,7 @@ class OpenAIServer:
                     constraint,
                 )
             )
-        if req.prompt_logprobs is not None:
-            for j in jobs:
-                j.prompt_logprobs = await self.prompt_logprobs(j.prompt_ids, req.prompt_logprobs)
+        await self.attach_prompt_logprobs(jobs, req.prompt_logprobs)
         return await self._respond(req, request, jobs, base, model, chat=False)
 
     # ---------------------------------------------------------------- chat
