@@ -481,3 +481,25 @@ def test_rl_example_runs_exactly_and_reproducibly(model_zoo):
     steps = [line for line in r.stdout.splitlines() if line.startswith("step ")]
     assert len(steps) == 4 and all("sampler == scorer: True" in s for s in steps)
     assert "identical" in r.stdout
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_scoring_more_than_the_free_pages_hold_runs_in_smaller_groups(flat_model, profile):
+    """A scoring call whose sequences together need more KV pages than are free runs them in
+    groups the pages hold (each sequence fitting alone), with the bits of each alone."""
+    kernel_profile, strategy = profile
+    llm = detspec.LLM(
+        flat_model,
+        verify_strategy=strategy,
+        kernel_profile=kernel_profile,
+        verify_window=8,
+        verify_group=4,
+        num_kv_pages=24,
+        max_num_batched_tokens=2048,
+    )
+    rng = np.random.default_rng(11)
+    prompts = [[int(x) for x in rng.integers(3, 900, size=150)] for _ in range(5)]
+    together = llm.prompt_logprobs(prompts, 1)
+    for i, p in enumerate(prompts):
+        (alone,) = llm.prompt_logprobs([p], 1)
+        assert _prompt_logprob_bits(together[i]) == _prompt_logprob_bits(alone), f"prompt {i}"

@@ -56,9 +56,9 @@ impl EngineCore {
     }
 
     /// Runs each sequence and hands `visit` each row of `wanted[i]` as `(i, row)`, a sequence's
-    /// rows in order. Sequences run in groups of at most `max_num_batched_tokens` tokens (one
-    /// sequence at least), and a group's rows are handed over before the next group runs, so
-    /// what is held at once is one group's rows, not every row of the call.
+    /// rows in order. Sequences run in groups ([`Self::reserve_group`]), and a group's rows are
+    /// handed over before the next group runs, so what is held at once is one group's rows,
+    /// not every row of the call.
     fn for_each_row(
         &mut self,
         seqs: &[Vec<u32>],
@@ -68,22 +68,31 @@ impl EngineCore {
         visit: RowVisitor<'_>,
     ) -> Result<()> {
         self.check_sequences(seqs)?;
+        let lens: Vec<usize> = seqs.iter().map(Vec::len).collect();
         let budget = self.cfg.max_num_batched_tokens.max(1);
-        let mut start = 0;
-        while start < seqs.len() {
-            let mut end = start + 1;
-            let mut tokens = seqs[start].len();
-            while end < seqs.len() && tokens + seqs[end].len() <= budget {
-                tokens += seqs[end].len();
-                end += 1;
-            }
+        self.in_groups(&lens, budget, &mut |core, group, tables| {
+            let start = group.start;
             let (width, rows) =
-                self.forward_group(&seqs[start..end], &wanted[start..end], kind, fixed)?;
-            for (i, flat) in (start..end).zip(rows) {
+                core.forward_group(&seqs[group.clone()], &wanted[group], tables, kind, fixed)?;
+            for (i, flat) in (start..).zip(rows) {
                 for row in flat.chunks_exact(width.max(1)) {
                     visit(i, row)?;
                 }
             }
+            Ok(())
+        })
+    }
+
+    /// Runs `run` on consecutive groups of the sequences of lengths `lens`, each with KV pages
+    /// reserved for its sequences ([`Self::reserve_group`]) and given back after.
+    fn in_groups(&mut self, lens: &[usize], budget: usize, run: GroupRun<'_>) -> Result<()> {
+        let mut start = 0;
+        while start < lens.len() {
+            let tables = self.reserve_group(lens[start..].iter().copied(), budget)?;
+            let end = start + tables.len();
+            let result = run(self, start..end, &tables);
+            self.free_group(tables);
+            result?;
             start = end;
         }
         Ok(())
@@ -105,12 +114,48 @@ impl EngineCore {
         Ok(())
     }
 
-    /// One group's forward: the width of a row (vocab or hidden) and, per sequence, its
-    /// wanted rows flattened.
+    /// KV pages for the sequences of lengths `lens`, in order: as many sequences as fit
+    /// `budget` tokens and the free pages (one at least, else the reason it cannot run).
+    /// [`Self::free_group`] gives them back.
+    fn reserve_group(
+        &self,
+        lens: impl Iterator<Item = usize>,
+        budget: usize,
+    ) -> Result<Vec<BlockTable>> {
+        let alloc = self.alloc.as_ref();
+        let mut tables: Vec<BlockTable> = Vec::new();
+        let mut tokens = 0;
+        for len in lens {
+            if !tables.is_empty() && tokens + len > budget {
+                break;
+            }
+            let mut table = BlockTable::new();
+            if let Err(e) = table.reserve(len, self.cfg.page_size, alloc) {
+                table.free(alloc);
+                if tables.is_empty() {
+                    return Err(e);
+                }
+                break;
+            }
+            tables.push(table);
+            tokens += len;
+        }
+        Ok(tables)
+    }
+
+    fn free_group(&self, tables: Vec<BlockTable>) {
+        for mut table in tables {
+            table.free(self.alloc.as_ref());
+        }
+    }
+
+    /// One group's forward on the pages `tables` holds: the width of a row (vocab or hidden)
+    /// and, per sequence, its wanted rows flattened.
     fn forward_group(
-        &mut self,
+        &self,
         seqs: &[Vec<u32>],
         wanted: &[Range<usize>],
+        tables: &[BlockTable],
         kind: ForwardKind,
         fixed: bool,
     ) -> Result<(usize, Vec<Vec<f32>>)> {
@@ -137,51 +182,39 @@ impl EngineCore {
             invariant_gemm: fixed,
             ..Default::default()
         };
-        let mut tables: Vec<BlockTable> = Vec::with_capacity(seqs.len());
-        let result = (|| {
-            for (si, (p, rows)) in seqs.iter().zip(wanted).enumerate() {
-                let mut bt = BlockTable::new();
-                let reserved = bt.reserve(p.len(), ps, self.alloc.as_ref());
-                tables.push(bt);
-                reserved?;
-                let bt = &tables[si];
-                for (pos, &t) in p.iter().enumerate() {
-                    let slot = bt.slot(pos, ps).ok_or_else(|| {
-                        DetspecError::param("page_size", "slot missing after reserve")
-                    })?;
-                    if rows.contains(&pos) {
-                        batch.logit_rows.push(batch.tokens.len() as u32);
-                    }
-                    batch.tokens.push(t);
-                    batch.slots.push(slot);
-                    batch.attention.positions.push(pos as u32);
-                    batch.attention.row_seq.push(si as u32);
+        for (si, ((p, rows), bt)) in seqs.iter().zip(wanted).zip(tables).enumerate() {
+            for (pos, &t) in p.iter().enumerate() {
+                let slot = bt.slot(pos, ps).ok_or_else(|| {
+                    DetspecError::param("page_size", "slot missing after reserve")
+                })?;
+                if rows.contains(&pos) {
+                    batch.logit_rows.push(batch.tokens.len() as u32);
                 }
-                batch.attention.block_tables.push(bt.pages().to_vec());
+                batch.tokens.push(t);
+                batch.slots.push(slot);
+                batch.attention.positions.push(pos as u32);
+                batch.attention.row_seq.push(si as u32);
             }
-            if batch.logit_rows.is_empty() {
-                return Ok((0, vec![Vec::new(); seqs.len()]));
-            }
-            let t = match kind {
-                ForwardKind::Logits => self.model.forward(&batch, &self.kv)?,
-                ForwardKind::Hidden => self.model.final_hidden(&batch, &self.kv)?,
-            };
-            let width = t.dim(1)?;
-            let flat = ops::to_f32_vec(&t)?;
-            let mut rest = flat.as_slice();
-            let mut out = Vec::with_capacity(seqs.len());
-            for (p, rows) in seqs.iter().zip(wanted) {
-                let n = rows.end.min(p.len()).saturating_sub(rows.start) * width;
-                let (mine, tail) = rest.split_at(n.min(rest.len()));
-                out.push(mine.to_vec());
-                rest = tail;
-            }
-            Ok((width, out))
-        })();
-        for mut bt in tables {
-            bt.free(self.alloc.as_ref());
+            batch.attention.block_tables.push(bt.pages().to_vec());
         }
-        result
+        if batch.logit_rows.is_empty() {
+            return Ok((0, vec![Vec::new(); seqs.len()]));
+        }
+        let t = match kind {
+            ForwardKind::Logits => self.model.forward(&batch, &self.kv)?,
+            ForwardKind::Hidden => self.model.final_hidden(&batch, &self.kv)?,
+        };
+        let width = t.dim(1)?;
+        let flat = ops::to_f32_vec(&t)?;
+        let mut rest = flat.as_slice();
+        let mut out = Vec::with_capacity(seqs.len());
+        for (p, rows) in seqs.iter().zip(wanted) {
+            let n = rows.end.min(p.len()).saturating_sub(rows.start) * width;
+            let (mine, tail) = rest.split_at(n.min(rest.len()));
+            out.push(mine.to_vec());
+            rest = tail;
+        }
+        Ok((width, out))
     }
 
     /// Per-position logits of each prompt, flattened `[len_i × vocab]`, on the verify-path
@@ -247,9 +280,8 @@ impl EngineCore {
     /// `prefill_rows` rows (the isolated prefill), then the completions in passes of exactly
     /// `verify_rows` rows (the verify passes). At a fixed shape a row's bits depend only on its
     /// own sequence, so sequences share passes, as the requests of a verify pass do, and where
-    /// a generation's chunks or windows began does not matter. Sequences run in groups of at
-    /// most `max_num_batched_tokens` tokens (or one verify pass) that the free pages hold (one
-    /// sequence at least).
+    /// a generation's chunks or windows began does not matter. Sequences run in groups
+    /// ([`Self::reserve_group`]) of up to `max_num_batched_tokens` tokens or one verify pass.
     fn logits_as_generated(
         &mut self,
         seqs: &[&[u32]],
@@ -258,45 +290,19 @@ impl EngineCore {
         pad_page: u32,
         visit: RowVisitor<'_>,
     ) -> Result<()> {
-        let ps = self.cfg.page_size;
+        let lens: Vec<usize> = seqs.iter().map(|s| s.len()).collect();
         let budget = self.cfg.max_num_batched_tokens.max(shapes.1);
-        let mut start = 0;
-        while start < seqs.len() {
-            let mut tables: Vec<BlockTable> = Vec::new();
-            let mut tokens = 0;
-            let mut refused = None;
-            for seq in &seqs[start..] {
-                if !tables.is_empty() && tokens + seq.len() > budget {
-                    break;
-                }
-                let mut table = BlockTable::new();
-                if let Err(e) = table.reserve(seq.len(), ps, self.alloc.as_ref()) {
-                    table.free(self.alloc.as_ref());
-                    refused = Some(e);
-                    break;
-                }
-                tables.push(table);
-                tokens += seq.len();
-            }
-            let end = start + tables.len();
-            let result = match refused {
-                Some(e) if tables.is_empty() => Err(e),
-                _ => self.packed_logits(
-                    &seqs[start..end],
-                    &prompt_lens[start..end],
-                    &tables,
-                    shapes,
-                    pad_page,
-                    &mut |i, row| visit(start + i, row),
-                ),
-            };
-            for mut table in tables {
-                table.free(self.alloc.as_ref());
-            }
-            result?;
-            start = end;
-        }
-        Ok(())
+        self.in_groups(&lens, budget, &mut |core, group, tables| {
+            let start = group.start;
+            core.packed_logits(
+                &seqs[group.clone()],
+                &prompt_lens[group],
+                tables,
+                shapes,
+                pad_page,
+                &mut |i, row| visit(start + i, row),
+            )
+        })
     }
 
     /// [`Self::logits_as_generated`] of sequences whose KV pages `tables` holds, in one group;
@@ -471,6 +477,9 @@ impl EngineCore {
         Ok(out)
     }
 }
+
+/// What runs one group of sequences: `(engine, the group's indices, its pages)`.
+type GroupRun<'a> = &'a mut dyn FnMut(&EngineCore, Range<usize>, &[BlockTable]) -> Result<()>;
 
 /// What a standalone forward hands each wanted row to: `(sequence index, row)`.
 type RowVisitor<'a> = &'a mut dyn FnMut(usize, &[f32]) -> Result<()>;
