@@ -60,7 +60,7 @@ impl EngineCore {
     /// handed over before the next group runs, so what is held at once is one group's rows,
     /// not every row of the call.
     fn for_each_row(
-        &mut self,
+        &self,
         seqs: &[Vec<u32>],
         wanted: &[Range<usize>],
         kind: ForwardKind,
@@ -85,7 +85,7 @@ impl EngineCore {
 
     /// Runs `run` on consecutive groups of the sequences of lengths `lens`, each with KV pages
     /// reserved for its sequences ([`Self::reserve_group`]) and given back after.
-    fn in_groups(&mut self, lens: &[usize], budget: usize, run: GroupRun<'_>) -> Result<()> {
+    fn in_groups(&self, lens: &[usize], budget: usize, run: GroupRun<'_>) -> Result<()> {
         let mut start = 0;
         while start < lens.len() {
             let tables = self.reserve_group(lens[start..].iter().copied(), budget)?;
@@ -234,7 +234,7 @@ impl EngineCore {
     /// `(pair, row)`, a pair's rows in order (the row at position p predicts the token at
     /// p + 1, so the last completion token is predicted, never fed).
     fn for_each_completion_row(
-        &mut self,
+        &self,
         pairs: &[(Vec<u32>, Vec<u32>)],
         fixed: bool,
         visit: RowVisitor<'_>,
@@ -283,7 +283,7 @@ impl EngineCore {
     /// a generation's chunks or windows began does not matter. Sequences run in groups
     /// ([`Self::reserve_group`]) of up to `max_num_batched_tokens` tokens or one verify pass.
     fn logits_as_generated(
-        &mut self,
+        &self,
         seqs: &[&[u32]],
         prompt_lens: &[usize],
         shapes: (usize, usize),
