@@ -112,10 +112,11 @@ pub fn build_replay_batch(
 }
 
 /// `batch` (rows of one or more sequences, in order, with their block tables) cut into passes
-/// of exactly `rows` rows, padded on the pad page, every row projected: the deterministic
-/// prefill on GEMMs whose bits depend on M. Each row's KV and logits are then computed at M =
-/// `rows` whoever runs the prompt, wherever its chunks begin and whatever rows share its pass,
-/// so its pages are the same bits for every request with that prefix. Row `r` of `batch` is
+/// of exactly `rows` rows, padded on the pad page, every row projected in a pass that holds
+/// one of `batch`'s logit rows (the others skip the LM head): the deterministic prefill on
+/// GEMMs whose bits depend on M. Each row's KV and logits are then computed at M = `rows`
+/// whoever runs the prompt, wherever its chunks begin and whatever rows share its pass, so
+/// its pages are the same bits for every request with that prefix. Row `r` of `batch` is
 /// row `r % rows` of pass `r / rows`. Returns each pass with the indices in it of `batch`'s
 /// logit rows that fall in it, in order.
 pub fn fixed_shape_passes(
@@ -147,14 +148,18 @@ pub fn fixed_shape_passes(
         for _ in end - start..rows {
             push_pad_row(&mut pass, pad_page * page_size as u32, pad_seq);
         }
-        pass.logit_rows = (0..rows as u32).collect();
-        let wanted = batch
+        let wanted: Vec<usize> = batch
             .logit_rows
             .iter()
             .map(|&r| r as usize)
             .filter(|r| (start..end).contains(r))
             .map(|r| r - start)
             .collect();
+        // A pass none of whose logits are wanted skips the LM head: its KV (all a later pass
+        // reads) does not depend on it.
+        if !wanted.is_empty() {
+            pass.logit_rows = (0..rows as u32).collect();
+        }
         passes.push((pass, wanted));
     }
     passes
