@@ -208,20 +208,18 @@ impl Scheduler {
                     adopt_cached_prefix(seq, &prompt, lookup_prefix, l.page_size);
                 }
                 let start = seq.num_computed;
-                if !plan.isolated.is_empty() && prompt_len - start > isolated_budget {
-                    // Next step's; keep arrival order.
-                    seq.block_table.free(alloc);
-                    seq.num_computed = 0;
-                    break;
-                }
-                if seq
-                    .block_table
-                    .reserve(prompt_len, l.page_size, alloc)
-                    .is_err()
+                // Past the isolated budget (the first prompt of a step always fits it): next
+                // step's, keeping arrival order.
+                let over_budget = !plan.isolated.is_empty() && prompt_len - start > isolated_budget;
+                if over_budget
+                    || seq
+                        .block_table
+                        .reserve(prompt_len, l.page_size, alloc)
+                        .is_err()
                 {
                     seq.block_table.free(alloc);
                     seq.num_computed = 0;
-                    if self.running.is_empty() {
+                    if !over_budget && self.running.is_empty() {
                         if let Some(seq) = self.waiting.pop_front() {
                             fail_out_of_pages(&mut plan, seq, prompt_len, l.page_size, alloc);
                         }

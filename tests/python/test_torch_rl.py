@@ -255,17 +255,13 @@ PROFILES = [
 ]
 
 
-def replay_llm(flat_model: str, profile: tuple[str, str]) -> detspec.LLM:
+def replay_llm(flat_model: str, profile: tuple[str, str], **kw) -> detspec.LLM:
     """An engine of `profile` (kernel profile, verify strategy) with short windows and groups,
-    so a few dozen tokens span several verify passes."""
+    so a few dozen tokens span several verify passes; `kw` overrides engine settings."""
     kernel_profile, strategy = profile
+    settings = {"verify_window": 8, "verify_group": 4, "num_kv_pages": 1024, **kw}
     return detspec.LLM(
-        flat_model,
-        verify_strategy=strategy,
-        kernel_profile=kernel_profile,
-        verify_window=8,
-        verify_group=4,
-        num_kv_pages=1024,
+        flat_model, verify_strategy=strategy, kernel_profile=kernel_profile, **settings
     )
 
 
@@ -487,16 +483,7 @@ def test_rl_example_runs_exactly_and_reproducibly(model_zoo):
 def test_scoring_more_than_the_free_pages_hold_runs_in_smaller_groups(flat_model, profile):
     """A scoring call whose sequences together need more KV pages than are free runs them in
     groups the pages hold (each sequence fitting alone), with the bits of each alone."""
-    kernel_profile, strategy = profile
-    llm = detspec.LLM(
-        flat_model,
-        verify_strategy=strategy,
-        kernel_profile=kernel_profile,
-        verify_window=8,
-        verify_group=4,
-        num_kv_pages=24,
-        max_num_batched_tokens=2048,
-    )
+    llm = replay_llm(flat_model, profile, num_kv_pages=24, max_num_batched_tokens=2048)
     rng = np.random.default_rng(11)
     prompts = [[int(x) for x in rng.integers(3, 900, size=150)] for _ in range(5)]
     together = llm.prompt_logprobs(prompts, 1)

@@ -353,10 +353,16 @@ impl EngineCore {
             for (k, (pass, wanted)) in passes.iter().enumerate() {
                 let logits = self.forward_f32(pass)?;
                 for &row in wanted {
-                    let Some(&si) = batch.attention.row_seq.get(k * pass_rows + row) else {
-                        continue; // (every wanted row is a batch row)
-                    };
-                    visit(si as usize, logits_row(&logits, row, vocab)?)?;
+                    let si = batch
+                        .attention
+                        .row_seq
+                        .get(k * pass_rows + row)
+                        .ok_or_else(|| {
+                            candle_core::Error::Msg(format!(
+                                "pass {k} wants row {row}, past the batch"
+                            ))
+                        })?;
+                    visit(*si as usize, logits_row(&logits, row, vocab)?)?;
                 }
             }
         }
