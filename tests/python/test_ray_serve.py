@@ -359,9 +359,10 @@ def wait_for_replacement(handle, victim: str, timeout: float = 120) -> set[str]:
     return now
 
 
-async def stream_outcome(client: httpx.AsyncClient, i: int, on_replica) -> str:
+async def stream_outcome(client: httpx.AsyncClient, i: int, in_flight: dict[str, int]) -> str:
     """One streamed request: "ok", "error <status>", "cut" (the stream ended without
-    ``[DONE]``) or "dropped" (the connection failed)."""
+    ``[DONE]``) or "dropped" (the connection failed). ``in_flight`` counts, per replica, the
+    streams started and not yet ended."""
     body = {
         "model": SERVED,
         "prompt": [3 + (7 * i + j) % 800 for j in range(40)],
@@ -373,10 +374,14 @@ async def stream_outcome(client: httpx.AsyncClient, i: int, on_replica) -> str:
         async with client.stream("POST", "/v1/completions", json=body) as r:
             if r.status_code != 200:
                 return f"error {r.status_code}"
-            on_replica(r.headers[REPLICA_HEADER])
+            replica = r.headers[REPLICA_HEADER]
+            in_flight[replica] = in_flight.get(replica, 0) + 1
             done = False
-            async for line in r.aiter_lines():
-                done = done or line == "data: [DONE]"
+            try:
+                async for line in r.aiter_lines():
+                    done = done or line == "data: [DONE]"
+            finally:
+                in_flight[replica] -= 1
             return "ok" if done else "cut"
     except httpx.HTTPError:
         return "dropped"
@@ -406,19 +411,19 @@ def test_killed_replica_fails_cleanly_and_its_replacement_agrees(two_replicas) -
 
     async def run() -> tuple[list[str], str, list[dict]]:
         async with httpx.AsyncClient(base_url=base_url, timeout=90) as client:
-            seen: dict[str, int] = {}
-
-            def on_replica(r: str) -> None:
-                seen[r] = seen.get(r, 0) + 1
-
-            streams = [
-                asyncio.create_task(stream_outcome(client, i, on_replica)) for i in range(12)
-            ]
+            in_flight: dict[str, int] = {}
+            streams = [asyncio.create_task(stream_outcome(client, i, in_flight)) for i in range(12)]
+            # Kill the busiest replica once both have started streams, while it has some in
+            # flight (waiting on a clock instead let fast runs finish every stream first).
             deadline = time.monotonic() + 60
-            while len(seen) < 2 and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            assert seen, "no stream started"
-            victim = max(seen, key=lambda r: seen[r])
+            busy: dict[str, int] = {}
+            while time.monotonic() < deadline:
+                busy = {r: n for r, n in in_flight.items() if n > 0}
+                if len(in_flight) >= 2 and busy:
+                    break
+                await asyncio.sleep(0.01)
+            assert busy, f"no stream in flight to cut: {in_flight}"
+            victim = max(busy, key=lambda r: busy[r])
             ray.kill(replica_actor(APP, victim), no_restart=True)
             # Requests sent right after the kill, by a client that retries.
             retried = await asyncio.gather(
