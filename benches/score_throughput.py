@@ -4,6 +4,13 @@ profiles (the invariant one, where any grouping gives the same bits, and the sha
 one, where scoring runs in the shapes a deterministic generation ran at, as on a GPU), with a
 plain ``generate`` of one token per prompt beside them for scale.
 
+Two cases run with the prefix cache (emptied before every timed call), where scoring and
+generation share the prompt's KV pages: ``eval_loglikelihood``, lm-eval's request to vLLM
+(``prompt_logprobs=1`` with ``max_tokens=1``: the prompt logprobs are computed first and the
+generation reads their pages), and ``score_after_generate``, an RL step's ``score`` of the
+completions a deterministic ``generate`` just sampled (only the ``score`` is timed; it reads
+the generated prompts' pages).
+
     python benches/score_throughput.py                         # bench model, ~1 min on 2 cores
     python benches/score_throughput.py --prompts 64 --model tiny
 """
@@ -47,22 +54,59 @@ def main() -> None:
         for _ in prompts
     ]
     one_token = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    loglikelihood = SamplingParams(
+        temperature=0.0, max_tokens=1, ignore_eos=True, prompt_logprobs=1, deterministic=True
+    )
+    rollout = SamplingParams(
+        temperature=0.8,
+        seed=1,
+        max_tokens=args.max_completion,
+        ignore_eos=True,
+        deterministic=True,
+    )
     rows = []
     for profile in args.profiles.split(","):
         # No prefix cache: every timed call computes its prompts again.
         llm = LLM(str(model_dir), kernel_profile=profile, enable_prefix_caching=False)
+        cached = LLM(str(model_dir), kernel_profile=profile)
+        sampled: list[list[int]] = []
+
+        def rollouts(llm: LLM = cached, sampled: list[list[int]] = sampled) -> None:
+            llm.reset_prefix_cache()
+            outs = llm.generate(prompts, rollout, use_tqdm=False)
+            sampled[:] = [list(o.outputs[0].token_ids) for o in outs]
+
+        # (engine, untimed set-up before each call, the timed call)
         cases = {
-            "prompt_logprobs": lambda llm=llm: llm.prompt_logprobs(prompts, 1),
-            "score": lambda llm=llm: llm.score(prompts, completions),
-            "generate_1_token": lambda llm=llm: llm.generate(prompts, one_token, use_tqdm=False),
+            "prompt_logprobs": (llm, None, lambda llm=llm: llm.prompt_logprobs(prompts, 1)),
+            "score": (llm, None, lambda llm=llm: llm.score(prompts, completions)),
+            "generate_1_token": (
+                llm,
+                None,
+                lambda llm=llm: llm.generate(prompts, one_token, use_tqdm=False),
+            ),
+            "eval_loglikelihood": (
+                cached,
+                cached.reset_prefix_cache,
+                lambda llm=cached: llm.generate(prompts, loglikelihood, use_tqdm=False),
+            ),
+            "score_after_generate": (
+                cached,
+                rollouts,
+                lambda llm=cached, sampled=sampled: llm.score(prompts, sampled),
+            ),
         }
-        for name, run in cases.items():
-            run()  # warm-up
+        for name, (engine, prepare, run) in cases.items():
             times = []
-            for _ in range(args.repeats):
+            for i in range(args.repeats + 1):  # the first is a warm-up
+                if prepare is not None:
+                    prepare()
+                hits = engine.kv_stats()["prefix_hits"]
                 start = time.perf_counter()
                 run()
-                times.append(time.perf_counter() - start)
+                if i > 0:
+                    times.append(time.perf_counter() - start)
+                hits = engine.kv_stats()["prefix_hits"] - hits
             best = min(times)
             row = {
                 "profile": profile,
@@ -70,12 +114,14 @@ def main() -> None:
                 "case": name,
                 "prompts": len(prompts),
                 "prompt_tokens": int(lens.sum()),
+                "prefix_hit_tokens": int(hits),
                 "best_s": round(best, 4),
                 "prompts_per_s": round(len(prompts) / best, 2),
             }
             rows.append(row)
             print(json.dumps(row), flush=True)
         llm.shutdown()
+        cached.shutdown()
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1))
 

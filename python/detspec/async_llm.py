@@ -79,6 +79,9 @@ class AsyncLLM(_EngineClient):
         (p,) = _normalise_prompts([prompt])
         params = sampling_params or SamplingParams()
         rid = request_id if request_id is not None else self._new_request_id()
+        prompt_logprobs = None
+        if params.prompt_logprobs is not None:
+            (prompt_logprobs,) = await asyncio.to_thread(self._prompt_logprobs_first, [p], [params])
         q: asyncio.Queue[Any] = asyncio.Queue()
         # Submitted under the lock the dispatcher takes to find a request's consumer, so no
         # output arrives before the consumer is registered; the engine refuses a duplicate
@@ -89,7 +92,6 @@ class AsyncLLM(_EngineClient):
             self._streams[rid] = (asyncio.get_running_loop(), q)
         self._ensure_dispatcher()
         finished = False
-        prompt_logprobs = None
         try:
             while True:
                 item = await q.get()
@@ -98,11 +100,7 @@ class AsyncLLM(_EngineClient):
                     raise item
                 out = self._to_output(item, params)
                 finished = out.finished
-                if params.prompt_logprobs is not None:
-                    if prompt_logprobs is None:
-                        await asyncio.to_thread(self._attach_prompt_logprobs, [out], [params])
-                        prompt_logprobs = out.prompt_logprobs
-                    out.prompt_logprobs = prompt_logprobs
+                out.prompt_logprobs = prompt_logprobs
                 yield out
                 if finished:
                     return

@@ -255,8 +255,10 @@ class _EngineClient:
         self, prompts: Sequence[Sequence[int]], k: int, deterministic: bool
     ) -> list[list[dict[int, Any] | None]]:
         ids = [[int(t) for t in p] for p in prompts]
-        pairs = [(p[:1], p[1:]) for p in ids]
-        raws = self._engine.score(pairs, k, deterministic)
+        if deterministic:
+            raws = self._engine.prompt_logprobs(ids, k)
+        else:
+            raws = self._engine.score([(p[:1], p[1:]) for p in ids], k, False)
         return [prompt_logprobs_to_py(raw, self._decode_token) for raw in raws]
 
     def _update_weights(self, named_tensors: Any, in_flight: str) -> None:
@@ -284,18 +286,26 @@ class _EngineClient:
         ]
         return compare(output, self._engine.audit(items))
 
-    def _attach_prompt_logprobs(
-        self, outs: list[RequestOutput], params: Sequence[SamplingParams]
-    ) -> None:
-        # One engine call (batched forwards) per distinct k.
-        by_k: dict[int, list[RequestOutput]] = {}
-        for o, sp in zip(outs, params, strict=True):
+    def _prompt_logprobs_first(
+        self, prompts: Sequence[str | list[int]], params: Sequence[SamplingParams]
+    ) -> list[list[dict[int, Any] | None] | None]:
+        """Each request's ``prompt_logprobs`` (``None`` where not asked for), computed before
+        its generation is submitted: their forward leaves the prompt's KV pages in the prefix
+        cache, so the generation does not compute the prompt again (vLLM computes them in the
+        prefill). One engine call per distinct k; a request is first checked as submitting it
+        would check it, so a bad one fails with the same error."""
+        out: list[list[dict[int, Any] | None] | None] = [None] * len(prompts)
+        by_k: dict[int, list[tuple[int, list[int]]]] = {}
+        for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
             if sp.prompt_logprobs is not None:
-                by_k.setdefault(sp.prompt_logprobs, []).append(o)
+                (ids,) = self._token_ids([p])
+                self.validate_request(ids, sp)
+                by_k.setdefault(sp.prompt_logprobs, []).append((i, ids))
         for k, group in by_k.items():
-            raws = self._engine.prompt_logprobs([o.prompt_token_ids for o in group], k)
-            for o, raw in zip(group, raws, strict=True):
-                o.prompt_logprobs = prompt_logprobs_to_py(raw, self._decode_token)
+            found = self._prompt_logprobs([ids for _, ids in group], k, True)
+            for (i, _), plp in zip(group, found, strict=True):
+                out[i] = plp
+        return out
 
     def reset_prefix_cache(self) -> int:
         """Drops the prefix cache (pages of running requests stay theirs); returns how many
@@ -347,6 +357,7 @@ class LLM(_EngineClient):
         in prompt order. If any request fails, the others are aborted and the error raised."""
         plist = _normalise_prompts(prompts)
         params = _as_params_list(sampling_params, len(plist))
+        prompt_logprobs = self._prompt_logprobs_first(plist, params)
         queue = _core.OutputQueue()
         ids: list[str] = []
         results: dict[str, dict[str, Any]] = {}
@@ -369,7 +380,8 @@ class LLM(_EngineClient):
                     self._engine.abort(rid)
             raise
         outs = [self._to_output(results[rid], sp) for rid, sp in zip(ids, params, strict=True)]
-        self._attach_prompt_logprobs(outs, params)
+        for o, plp in zip(outs, prompt_logprobs, strict=True):
+            o.prompt_logprobs = plp
         return outs
 
     def chat(
@@ -475,8 +487,10 @@ class LLM(_EngineClient):
         """vLLM's ``prompt_logprobs`` of token-id prompts, as ``SamplingParams(prompt_logprobs=k)``
         returns them: ``None`` for the first token, then ``{token: Logprob}`` with the prompt
         token and the top ``k``. ``deterministic=True`` (verify-path kernels): bit for bit
-        ``generate``'s prompt logprobs and ``score``'s values. ``False``: the fast path, whose
-        bits depend on the prompts computed together in this call."""
+        ``generate``'s prompt logprobs, computed as a deterministic prefill computes the prompt
+        (on invariant kernels, as on the CPU by default, also ``score(p[:1], p[1:])``'s
+        values); the prompt's KV pages stay in the prefix cache for its generation. ``False``:
+        the fast path, whose bits depend on the prompts computed together in this call."""
         return self._prompt_logprobs(prompts, k, deterministic)
 
     def audit(

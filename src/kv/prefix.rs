@@ -71,8 +71,8 @@ fn fmix64(mut k: u64) -> u64 {
     k ^ (k >> 33)
 }
 
-/// How a cached page's KV was computed. Pages of one class are only found by lookups of that
-/// class: each class's chains start from their own root.
+/// How a cached page's KV was computed. Each class's chains start from their own root; a
+/// lookup reads the classes [`PageClass::readable`] names.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum PageClass {
     /// By the batch-variant fast path: its bits depend on what else ran.
@@ -82,6 +82,19 @@ pub enum PageClass {
     /// function of the tokens, the same whoever computed them. Deterministic requests read only
     /// these.
     Invariant,
+}
+
+impl PageClass {
+    /// The classes a lookup of this class may read. A request with no reproducibility promise
+    /// reads either: an invariant page holds exact KV of its tokens too, and a prompt scored
+    /// deterministically (prompt logprobs before a generation, what eval harnesses send) is
+    /// then not computed twice. A deterministic request reads invariant pages only.
+    pub fn readable(self) -> &'static [PageClass] {
+        match self {
+            PageClass::Fast => &[PageClass::Fast, PageClass::Invariant],
+            PageClass::Invariant => &[PageClass::Invariant],
+        }
+    }
 }
 
 /// Key of the (empty) prefix before page 0. Includes the page size so that caches with different
@@ -244,7 +257,8 @@ impl PrefixCache {
         self.lookup_class(tokens, page_size, PageClass::Fast, alloc)
     }
 
-    /// [`Self::lookup`] among the pages of `class`.
+    /// [`Self::lookup`] for a request of `class`: the longest run among the chains of the
+    /// classes it may read ([`PageClass::readable`]).
     pub fn lookup_class(
         &mut self,
         tokens: &[u32],
@@ -258,17 +272,17 @@ impl PrefixCache {
         self.tick += 1;
         self.lookups += 1;
         self.query_tokens += tokens.len() as u64;
-        let mut pages = Vec::new();
-        let mut key = root_hash_of(page_size, class);
-        let mut parent_id = 0;
-        for chunk in tokens.chunks_exact(page_size) {
-            key = chain_hash(key, chunk);
+        let run = class
+            .readable()
+            .iter()
+            .map(|&c| self.cached_run(tokens, page_size, c))
+            .max_by_key(Vec::len)
+            .unwrap_or_default();
+        let mut pages = Vec::with_capacity(run.len());
+        for key in run {
             let Some(e) = self.entries.get_mut(&key) else {
                 break;
             };
-            if e.parent_id != parent_id || *e.tokens != *chunk {
-                break;
-            }
             if alloc.try_share(e.page).is_err() {
                 // The cache's own reference is missing: some holder released one reference
                 // too many. Treat as a miss rather than hand out a page that may be reused.
@@ -280,11 +294,28 @@ impl PrefixCache {
                 e.in_lru = false;
             }
             e.last_used = self.tick;
-            parent_id = e.id;
             pages.push(e.page);
         }
         self.hit_tokens += (pages.len() * page_size) as u64;
         pages
+    }
+
+    /// The keys of the cached pages `tokens` starts with in `class`'s chain, in order.
+    fn cached_run(&self, tokens: &[u32], page_size: usize, class: PageClass) -> Vec<u64> {
+        let mut run = Vec::new();
+        let mut key = root_hash_of(page_size, class);
+        let mut parent_id = 0;
+        for chunk in tokens.chunks_exact(page_size) {
+            key = chain_hash(key, chunk);
+            match self.entries.get(&key) {
+                Some(e) if e.parent_id == parent_id && *e.tokens == *chunk => {
+                    parent_id = e.id;
+                    run.push(key);
+                }
+                _ => break,
+            }
+        }
+        run
     }
 
     /// Registers the full pages of a sequence whose KV for `tokens` lives in `pages` (its block
@@ -519,6 +550,44 @@ mod tests {
         // Second page's tokens match but the first page's do not.
         assert!(c.lookup(&[9, 9, 2, 2], 2, &a).is_empty());
         assert_eq!(c.lookup(&[1, 1, 2, 2], 2, &a), p);
+    }
+
+    #[test]
+    fn invariant_pages_serve_every_request_fast_pages_only_fast_ones() {
+        let a = AtomicAllocator::new(8);
+        let mut c = PrefixCache::new(8);
+        let fast: Vec<PageId> = (0..2).map(|_| a.allocate().unwrap()).collect();
+        let inv: Vec<PageId> = (0..3).map(|_| a.allocate().unwrap()).collect();
+        c.insert_class(&[1, 1, 2, 2], &fast, 2, PageClass::Fast, &a);
+        c.insert_class(&[1, 1, 2, 2, 3, 3], &inv, 2, PageClass::Invariant, &a);
+        // A deterministic lookup reads the invariant chain.
+        assert_eq!(
+            c.lookup_class(&[1, 1, 2, 2, 3, 3], 2, PageClass::Invariant, &a),
+            inv
+        );
+        // A fast lookup takes the longer run: here the invariant one.
+        assert_eq!(
+            c.lookup_class(&[1, 1, 2, 2, 3, 3], 2, PageClass::Fast, &a),
+            inv
+        );
+        // Each lookup took a reference on the pages it handed out (two lookups); the fast
+        // chain's pages have the allocation's and the cache's only.
+        assert_eq!(a.ref_count(fast[0]), 2);
+        assert_eq!(a.ref_count(inv[2]), 4);
+        let inv_only: Vec<PageId> = (0..1).map(|_| a.allocate().unwrap()).collect();
+        c.insert_class(&[7, 7], &inv_only, 2, PageClass::Invariant, &a);
+        assert_eq!(c.lookup_class(&[7, 7, 8], 2, PageClass::Fast, &a), inv_only);
+        let fast_only: Vec<PageId> = (0..1).map(|_| a.allocate().unwrap()).collect();
+        c.insert_class(&[9, 9], &fast_only, 2, PageClass::Fast, &a);
+        assert!(c
+            .lookup_class(&[9, 9, 8], 2, PageClass::Invariant, &a)
+            .is_empty());
+        assert_eq!(
+            c.lookup_class(&[9, 9, 8], 2, PageClass::Fast, &a),
+            fast_only
+        );
+        let s = c.stats();
+        assert_eq!(s.hit_tokens, 6 + 6 + 2 + 2);
     }
 
     #[test]

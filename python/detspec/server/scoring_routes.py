@@ -145,37 +145,33 @@ async def echo_completions(
     batcher: ScoreBatcher = server.score_batcher
 
     async def work() -> tuple[dict[int, RequestOutput], list[PromptLogprobs | None]]:
-        # The prompts are scored while the completions are generated.
-        scoring = [
-            asyncio.ensure_future(
+        # The prompts are scored first: the scoring forward leaves their KV pages in the
+        # prefix cache, so the generation after it does not compute them again.
+        plps = await asyncio.gather(
+            *(
                 batcher.prompt_logprobs(j.prompt_ids, req.logprobs, det)
                 if req.logprobs is not None
                 else _none()
+                for j in jobs
             )
-            for j in jobs
-        ]
+        )
         last: dict[int, RequestOutput] = {}
-        try:
-            if generate:
-                agen = server.run(jobs)
-                try:
-                    async for job, out in agen:
-                        last[job.index] = out
-                finally:
-                    await agen.aclose()  # type: ignore[attr-defined]
-            plps = list(await asyncio.gather(*scoring))
-        finally:
-            for t in scoring:
-                t.cancel()
-        return last, plps
+        if generate:
+            agen = server.run(jobs)
+            try:
+                async for job, out in agen:
+                    last[job.index] = out
+            finally:
+                await agen.aclose()  # type: ignore[attr-defined]
+        return last, list(plps)
 
+    await server.attach_prompt_logprobs(jobs, req.prompt_logprobs)
     try:
         last, plps = await until_disconnect(request, work())
     except ClientGone:
         return Response(status_code=499)
     except InvalidRequestError as e:
         raise constraint_invalid(e, constraint) from None
-    await server.attach_prompt_logprobs(jobs, req.prompt_logprobs)
 
     choices: list[dict[str, Any]] = []
     completion_tokens = 0

@@ -6,12 +6,18 @@
 //! GEMM is invariant to the row count), so every row is a function of its own sequence alone:
 //! the numbers equal, bit for bit, those a deterministic request computes for the same tokens
 //! however it was batched, chunked or rolled back.
+//!
+//! They share KV with the prefix cache as a prefill does ([`PrefixUse`]): rows before a
+//! sequence's first wanted one come from cached pages where they can, and the pages computed
+//! are registered once the forward is done, so a prompt scored first (prompt logprobs, echo,
+//! what eval harnesses send) is not computed again by its generation, nor a generated prompt
+//! again by `score`.
 
 use std::ops::Range;
 
 use crate::dvr::{replay::fixed_shape_passes, ScoringShape};
 use crate::error::{DetspecError, Result};
-use crate::kv::BlockTable;
+use crate::kv::{BlockTable, PageClass};
 use crate::model::ForwardBatch;
 use crate::ops::{self, AttentionMetadata, AttentionSchedule};
 use crate::output::TokenLogprobs;
@@ -68,9 +74,18 @@ impl EngineCore {
         visit: RowVisitor<'_>,
     ) -> Result<()> {
         self.check_sequences(seqs)?;
+        let refs: Vec<&[u32]> = seqs.iter().map(Vec::as_slice).collect();
+        let first_wanted: Vec<usize> = wanted.iter().map(|w| w.start).collect();
         let lens: Vec<usize> = seqs.iter().map(Vec::len).collect();
+        let prefix = match (fixed, self.policy.scoring_shape()) {
+            (false, _) => PrefixUse::new(PageClass::Fast, &first_wanted, &lens),
+            (true, ScoringShape::Any) => PrefixUse::new(PageClass::Invariant, &first_wanted, &lens),
+            // Where GEMM bits depend on the row count these rows run at a shape no generation
+            // runs at: their KV is not a deterministic prefill's, nor theirs a cached page's.
+            (true, ScoringShape::Generation { .. }) => PrefixUse::NONE,
+        };
         let budget = self.cfg.max_num_batched_tokens.max(1);
-        self.in_groups(&lens, budget, &mut |core, group, tables| {
+        self.in_groups(&refs, &prefix, budget, &mut |core, group, tables| {
             let start = group.start;
             let (width, rows) =
                 core.forward_group(&seqs[group.clone()], &wanted[group], tables, kind, fixed)?;
@@ -83,14 +98,30 @@ impl EngineCore {
         })
     }
 
-    /// Runs `run` on consecutive groups of the sequences of lengths `lens`, each with KV pages
-    /// reserved for its sequences ([`Self::reserve_group`]) and given back after.
-    fn in_groups(&self, lens: &[usize], budget: usize, run: GroupRun<'_>) -> Result<()> {
+    /// Runs `run` on consecutive groups of `seqs`, each with KV pages reserved for its
+    /// sequences ([`Self::reserve_group`], cached prefixes read as `prefix` allows) and given
+    /// back after, the pages `prefix` names registered in the prefix cache first.
+    fn in_groups(
+        &self,
+        seqs: &[&[u32]],
+        prefix: &PrefixUse<'_>,
+        budget: usize,
+        run: GroupRun<'_>,
+    ) -> Result<()> {
         let mut start = 0;
-        while start < lens.len() {
-            let tables = self.reserve_group(lens[start..].iter().copied(), budget)?;
+        while start < seqs.len() {
+            let tables = self.reserve_group(seqs, start, prefix, budget)?;
             let end = start + tables.len();
             let result = run(self, start..end, &tables);
+            if result.is_ok() {
+                for (i, table) in (start..end).zip(&tables) {
+                    if let Some(keep) = prefix.cacheable.get(i) {
+                        let tokens = &seqs[i][..(*keep).min(seqs[i].len())];
+                        self.alloc
+                            .insert_prefix_of(tokens, table.pages(), prefix.class);
+                    }
+                }
+            }
             self.free_group(tables);
             result?;
             start = end;
@@ -114,23 +145,35 @@ impl EngineCore {
         Ok(())
     }
 
-    /// KV pages for the sequences of lengths `lens`, in order: as many sequences as fit
-    /// `budget` tokens and the free pages (one at least, else the reason it cannot run).
-    /// [`Self::free_group`] gives them back.
+    /// KV pages for `seqs[start..]`, in order: as many sequences as fit `budget` tokens to
+    /// compute and the free pages (one at least, else the reason it cannot run). A table
+    /// starts with the cached pages `prefix` lets its sequence read (its `num_tokens`: the
+    /// positions not to compute). [`Self::free_group`] gives them back.
     fn reserve_group(
         &self,
-        lens: impl Iterator<Item = usize>,
+        seqs: &[&[u32]],
+        start: usize,
+        prefix: &PrefixUse<'_>,
         budget: usize,
     ) -> Result<Vec<BlockTable>> {
         let alloc = self.alloc.as_ref();
+        let ps = self.cfg.page_size;
         let mut tables: Vec<BlockTable> = Vec::new();
         let mut tokens = 0;
-        for len in lens {
-            if !tables.is_empty() && tokens + len > budget {
+        for (i, seq) in seqs.iter().enumerate().skip(start) {
+            // At least the last row is computed, so a wanted row is never a cached one.
+            let readable = prefix.readable(i).min(seq.len().saturating_sub(1));
+            let cached = match readable >= ps {
+                true => self.alloc.lookup_prefix_of(&seq[..readable], prefix.class),
+                false => Vec::new(),
+            };
+            let mut table = BlockTable::from_shared_pages(cached, ps);
+            let computed = seq.len() - table.num_tokens();
+            if !tables.is_empty() && tokens + computed > budget {
+                table.free(alloc);
                 break;
             }
-            let mut table = BlockTable::new();
-            if let Err(e) = table.reserve(len, self.cfg.page_size, alloc) {
+            if let Err(e) = table.reserve(seq.len(), ps, alloc) {
                 table.free(alloc);
                 if tables.is_empty() {
                     return Err(e);
@@ -138,7 +181,7 @@ impl EngineCore {
                 break;
             }
             tables.push(table);
-            tokens += len;
+            tokens += computed;
         }
         Ok(tables)
     }
@@ -183,7 +226,7 @@ impl EngineCore {
             ..Default::default()
         };
         for (si, ((p, rows), bt)) in seqs.iter().zip(wanted).zip(tables).enumerate() {
-            for (pos, &t) in p.iter().enumerate() {
+            for (pos, &t) in p.iter().enumerate().skip(bt.num_tokens()) {
                 let slot = bt.slot(pos, ps).ok_or_else(|| {
                     DetspecError::param("page_size", "slot missing after reserve")
                 })?;
@@ -262,9 +305,11 @@ impl EngineCore {
                     .collect();
                 let seqs: Vec<&[u32]> = scored.iter().map(|&i| seqs[i].as_slice()).collect();
                 let prompt_lens: Vec<usize> = scored.iter().map(|&i| pairs[i].0.len()).collect();
+                // Each prompt's last row predicts its completion's first token.
+                let first_wanted: Vec<usize> = prompt_lens.iter().map(|p| p - 1).collect();
                 self.logits_as_generated(
                     &seqs,
-                    &prompt_lens,
+                    (&prompt_lens, &first_wanted),
                     (prefill_rows, verify_rows),
                     pad_page,
                     &mut |i, row| visit(scored[i], row),
@@ -274,29 +319,32 @@ impl EngineCore {
         }
     }
 
-    /// Hands `visit` the logits of rows `prompt_lens[i] - 1..` of each sequence `seqs[i]` (a
-    /// prompt and the completion tokens fed after it), as `(i, row)`, computed in the shapes a
-    /// deterministic generation of them ran at under replay: the prompts in passes of exactly
-    /// `prefill_rows` rows (the isolated prefill), then the completions in passes of exactly
-    /// `verify_rows` rows (the verify passes). At a fixed shape a row's bits depend only on its
-    /// own sequence, so sequences share passes, as the requests of a verify pass do, and where
-    /// a generation's chunks or windows began does not matter. Sequences run in groups
+    /// Hands `visit` the logits of rows `first_wanted[i]..` of each sequence `seqs[i]` (a
+    /// prompt of `prompt_lens[i]` tokens and the completion tokens fed after it; the wanted
+    /// rows start in the prompt), as `(i, row)`, computed in the shapes a deterministic
+    /// generation of them ran at under replay: the prompts in passes of exactly `prefill_rows`
+    /// rows (the isolated prefill), then the completions in passes of exactly `verify_rows`
+    /// rows (the verify passes). At a fixed shape a row's bits depend only on its own
+    /// sequence, so sequences share passes, as the requests of a verify pass do, and where a
+    /// generation's chunks or windows began does not matter; for the same reason a prompt's
+    /// rows before the first wanted one come from the prefix cache where a deterministic
+    /// prefill left them, and the prompt pages computed here go there. Sequences run in groups
     /// ([`Self::reserve_group`]) of up to `max_num_batched_tokens` tokens or one verify pass.
     fn logits_as_generated(
         &self,
         seqs: &[&[u32]],
-        prompt_lens: &[usize],
+        (prompt_lens, first_wanted): (&[usize], &[usize]),
         shapes: (usize, usize),
         pad_page: u32,
         visit: RowVisitor<'_>,
     ) -> Result<()> {
-        let lens: Vec<usize> = seqs.iter().map(|s| s.len()).collect();
+        let prefix = PrefixUse::new(PageClass::Invariant, first_wanted, prompt_lens);
         let budget = self.cfg.max_num_batched_tokens.max(shapes.1);
-        self.in_groups(&lens, budget, &mut |core, group, tables| {
+        self.in_groups(seqs, &prefix, budget, &mut |core, group, tables| {
             let start = group.start;
             core.packed_logits(
                 &seqs[group.clone()],
-                &prompt_lens[group],
+                (&prompt_lens[group.clone()], &first_wanted[group]),
                 tables,
                 shapes,
                 pad_page,
@@ -310,7 +358,7 @@ impl EngineCore {
     fn packed_logits(
         &self,
         seqs: &[&[u32]],
-        prompt_lens: &[usize],
+        (prompt_lens, first_wanted): (&[usize], &[usize]),
         tables: &[BlockTable],
         (prefill_rows, verify_rows): (usize, usize),
         pad_page: u32,
@@ -336,15 +384,17 @@ impl EngineCore {
             }
             Ok(batch)
         };
-        // The prompts: each one's last row predicts its first completion token.
-        let mut prompts = rows(&|si| 0..prompt_lens[si])?;
-        prompts.logit_rows = prompt_lens
-            .iter()
-            .scan(0u32, |end, &p| {
-                *end += p as u32;
-                Some(*end - 1)
-            })
-            .collect();
+        // The prompts past their cached pages, which end before the first wanted row.
+        let mut prompts = rows(&|si| tables[si].num_tokens()..prompt_lens[si])?;
+        let mut first_row = 0;
+        for (si, table) in tables.iter().enumerate() {
+            let cached = table.num_tokens();
+            let wanted = first_wanted[si].max(cached)..prompt_lens[si];
+            prompts
+                .logit_rows
+                .extend(wanted.map(|pos| (first_row + pos - cached) as u32));
+            first_row += prompt_lens[si] - cached;
+        }
         // The completions fed after them: every row is wanted.
         let mut completions = rows(&|si| prompt_lens[si]..seqs[si].len())?;
         completions.logit_rows = (0..completions.tokens.len() as u32).collect();
@@ -404,6 +454,15 @@ impl EngineCore {
         prompts: &[Vec<u32>],
         top_n: usize,
     ) -> Result<Vec<Vec<TokenLogprobs>>> {
+        if let ScoringShape::Generation {
+            prefill_rows,
+            verify_rows,
+            pad_page,
+        } = self.policy.scoring_shape()
+        {
+            let shapes = (prefill_rows, verify_rows);
+            return self.prompt_logprobs_as_prefilled(prompts, top_n, shapes, pad_page);
+        }
         let pairs: Vec<(Vec<u32>, Vec<u32>)> = prompts
             .iter()
             .map(|p| {
@@ -414,6 +473,46 @@ impl EngineCore {
             })
             .collect();
         self.score(&pairs, top_n, true)
+    }
+
+    /// [`Self::prompt_logprobs`] where GEMM bits depend on the row count: every row computed
+    /// as a deterministic prefill computes the prompt, in its `prefill_rows`-row passes, so
+    /// the prompt pages left in the prefix cache are the ones its generation reads. (On
+    /// invariant kernels any shape gives these bits, and the pairs of `prompt_logprobs` do.)
+    fn prompt_logprobs_as_prefilled(
+        &self,
+        prompts: &[Vec<u32>],
+        top_n: usize,
+        shapes: (usize, usize),
+        pad_page: u32,
+    ) -> Result<Vec<Vec<TokenLogprobs>>> {
+        self.check_sequences(prompts)?;
+        // Row j predicts the prompt's token j + 1: the last token is not fed, and a one-token
+        // prompt has no row to score.
+        let scored: Vec<usize> = (0..prompts.len())
+            .filter(|&i| prompts[i].len() > 1)
+            .collect();
+        let seqs: Vec<&[u32]> = scored
+            .iter()
+            .map(|&i| &prompts[i][..prompts[i].len() - 1])
+            .collect();
+        let lens: Vec<usize> = seqs.iter().map(|s| s.len()).collect();
+        let mut out = vec![Vec::new(); prompts.len()];
+        self.logits_as_generated(
+            &seqs,
+            (&lens, &vec![0; seqs.len()]),
+            shapes,
+            pad_page,
+            &mut |k, row| {
+                let i = scored[k];
+                let token = prompts[i].get(out[i].len() + 1).copied().ok_or_else(|| {
+                    candle_core::Error::Msg(format!("prompt {i}: a row past its end"))
+                })?;
+                out[i].push(sampling::score_token(row, token, top_n)?);
+                Ok(())
+            },
+        )?;
+        Ok(out)
     }
 
     /// Re-runs stored outputs on the verify-path kernels with their tokens fed back (teacher
@@ -481,6 +580,38 @@ impl EngineCore {
             Ok(())
         })?;
         Ok(out)
+    }
+}
+
+/// How a standalone forward shares KV with the prefix cache: sequence `i` may read cached
+/// pages of `class` (and those [`PageClass::readable`] adds) before its first wanted row
+/// `first_wanted[i]`, and registers its pages of its first `cacheable[i]` tokens once computed.
+/// A page is registered as `class` only where its rows ran as that class's prefills run them.
+struct PrefixUse<'a> {
+    class: PageClass,
+    first_wanted: &'a [usize],
+    cacheable: &'a [usize],
+}
+
+impl<'a> PrefixUse<'a> {
+    /// Neither read nor register.
+    const NONE: PrefixUse<'static> = PrefixUse {
+        class: PageClass::Fast,
+        first_wanted: &[],
+        cacheable: &[],
+    };
+
+    fn new(class: PageClass, first_wanted: &'a [usize], cacheable: &'a [usize]) -> Self {
+        Self {
+            class,
+            first_wanted,
+            cacheable,
+        }
+    }
+
+    /// How many of sequence `i`'s first tokens may come from the cache.
+    fn readable(&self, i: usize) -> usize {
+        self.first_wanted.get(i).copied().unwrap_or(0)
     }
 }
 
