@@ -265,6 +265,39 @@ def generated(llm: detspec.LLM, params: SamplingParams, seed: int):
     return llm.generate(prompts, others, use_tqdm=False)[pos].outputs[0]
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_scoring_and_generation_share_the_prompt_pages_on_gpu(flat_model, dtype):
+    """Prompt logprobs run first, in the deterministic prefill's passes, and leave the prompt's
+    pages for the generation; `score` reads the pages a deterministic generation left. Both
+    equal an engine without a prefix cache bit for bit (tokens, logprobs, prompt logprobs,
+    scores), and `get_logits` (a shape no generation uses) leaves nothing a deterministic
+    request reads."""
+    rng = np.random.default_rng(5)
+    prompt = [int(x) for x in rng.integers(3, 900, size=150)]
+    full_pages = (len(prompt) - 1) // 16 * 16
+    sp = target(0.8, True)
+    sp.prompt_logprobs = 1
+
+    def run(llm: detspec.LLM):
+        hits = llm.kv_stats()["prefix_hits"]
+        out = llm.generate([prompt], sp, use_tqdm=False)[0]
+        plp = [e[t].logprob for e, t in zip(out.prompt_logprobs[1:], prompt[1:], strict=True)]
+        scored = llm.score([prompt], [out.outputs[0].token_ids], deterministic=True)[0]
+        return bits(out), [struct.pack("<f", x) for x in plp + scored], hits
+
+    cached = flat_llm(flat_model, dtype)
+    uncached = flat_llm(flat_model, dtype, enable_prefix_caching=False)
+    got, ref = run(cached), run(uncached)
+    assert got[:2] == ref[:2]
+    assert cached.kv_stats()["prefix_hits"] - got[2] == 2 * full_pages
+    solo = bits(uncached.generate([prompt], target(0.8, True), use_tqdm=False)[0])
+    fresh = flat_llm(flat_model, dtype)
+    fresh.get_logits([prompt])
+    assert bits(fresh.generate([prompt], target(0.8, True), use_tqdm=False)[0]) == solo
+    for llm in (cached, uncached, fresh):
+        llm.shutdown()
+
+
 def test_audit_passes_and_pinpoints_tampering_on_gpu(flat_model):
     llm = flat_llm(flat_model, "bfloat16")
     rng = np.random.default_rng(3)

@@ -171,7 +171,7 @@ def test_a_scored_prompt_is_not_computed_again_by_its_generation(flat_model: str
     for deterministic in (True, False):
         llm = engine(flat_model, profile)
         llm.prompt_logprobs([prompt], 1)
-        out, hits = hits_of(llm, lambda d=deterministic: gen(llm, prompt, params(d)))
+        out, hits = hits_of(llm, lambda llm=llm, d=deterministic: gen(llm, prompt, params(d)))
         assert hits == PROMPT_PAGES * PAGE, f"deterministic={deterministic}: no page was read"
         if deterministic:
             fresh = uncached_engine(flat_model, profile)
@@ -190,7 +190,7 @@ def test_logits_and_hidden_states_leave_only_pages_a_prefill_would_compute(
     for forward in ("compute_logits", "encode"):
         llm = engine(flat_model, profile)
         getattr(llm, forward)([prompt])
-        out, hits = hits_of(llm, lambda: gen(llm, prompt, params()))
+        out, hits = hits_of(llm, lambda llm=llm: gen(llm, prompt, params()))
         assert bits(out) == fresh, forward
         assert hits == (PROMPT_PAGES * PAGE if profile[0] == "invariant" else 0), forward
 
