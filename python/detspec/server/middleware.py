@@ -9,10 +9,18 @@ import json
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from detspec.server.errors import error_body
+from detspec.server.native_routes import NATIVE_PATHS
 from detspec.server.rl_routes import RL_PATHS, WEIGHT_UPLOAD_PATHS
 
 # Paths that need the API key when one is set (vLLM protects /v1; the tokenizer routes too).
-PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize", "/tokenizer_info", *RL_PATHS)
+PROTECTED_PREFIXES = (
+    "/v1",
+    "/tokenize",
+    "/detokenize",
+    "/tokenizer_info",
+    *RL_PATHS,
+    *NATIVE_PATHS,
+)
 
 
 class GuardMiddleware:

@@ -139,7 +139,6 @@ def build_rl_router(server: OpenAIServer) -> APIRouter:
     """The routes above, on ``server``'s engine."""
     router = APIRouter()
     engine = server.engine
-    labels: dict[str, str | None] = {"weight_version": None}
 
     def ok(message: str, **extra: Any) -> JSONResponse:
         return JSONResponse(
@@ -167,7 +166,7 @@ def build_rl_router(server: OpenAIServer) -> APIRouter:
             await engine.update_weights_from_disk(path, in_flight=in_flight, complete=complete)
         except DetspecError as e:
             return _engine_error(e, "model_path")
-        labels["weight_version"] = label
+        server.weight_version_label = label
         return ok(f"weights updated from {path}", num_paused_requests=0)
 
     @router.post("/update_weights_from_disk")
@@ -216,7 +215,7 @@ def build_rl_router(server: OpenAIServer) -> APIRouter:
             await engine.update_weights_from_safetensors(data, in_flight=mode)
         except DetspecError as e:
             return _engine_error(e, "body")
-        labels["weight_version"] = weight_version
+        server.weight_version_label = weight_version
         return ok("weights updated from the request's tensors", num_bytes=len(data))
 
     async def pause(mode: str) -> JSONResponse:
@@ -351,9 +350,8 @@ def build_rl_router(server: OpenAIServer) -> APIRouter:
 
     @router.get("/get_weight_version")
     async def get_weight_version() -> dict[str, Any]:
-        label = labels["weight_version"]
         return {
-            "weight_version": label if label is not None else str(engine.weight_version),
+            "weight_version": server.weight_version_name(),
             "num_updates": engine.weight_version,
             "fingerprint": server.fingerprint,
         }

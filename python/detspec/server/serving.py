@@ -91,6 +91,8 @@ class OpenAIServer:
                 "--determinism dvr or batch_invariant"
             )
         self.score_batcher = ScoreBatcher(engine)
+        # The label the last weight update gave its weights (SGLang's ``weight_version``).
+        self.weight_version_label: str | None = None
         self.created = int(time.time())
         self.inflight_seqs = 0
         self.draining = False
@@ -105,6 +107,12 @@ class OpenAIServer:
         """The engine's current fingerprint (it moves when the weights are updated), with
         ``+det-default-seed<N>`` under --deterministic-by-default."""
         return self.engine.fingerprint + self.defaults.fingerprint_suffix()
+
+    def weight_version_name(self) -> str:
+        """The weights' version as SGLang reports it: the last update's label, else the
+        number of updates."""
+        label = self.weight_version_label
+        return label if label is not None else str(self.engine.weight_version)
 
     # ---------------------------------------------------------------- bookkeeping
 
