@@ -9,7 +9,9 @@ generation share the prompt's KV pages: ``eval_loglikelihood``, lm-eval's reques
 (``prompt_logprobs=1`` with ``max_tokens=1``: the prompt logprobs are computed first and the
 generation reads their pages), and ``score_after_generate``, an RL step's ``score`` of the
 completions a deterministic ``generate`` just sampled (only the ``score`` is timed; it reads
-the generated prompts' pages).
+the generated prompts' pages). A third, ``score_shared_prompts``, scores ``--group``
+completions of each of a quarter of the prompts in one call (a GRPO group, DPO's pairs): the
+first pair of each prompt computes it, the others read its pages.
 
     python benches/score_throughput.py                         # bench model, ~1 min on 2 cores
     python benches/score_throughput.py --prompts 64 --model tiny
@@ -34,6 +36,8 @@ def main() -> None:
     p.add_argument("--max-len", type=int, default=128)
     p.add_argument("--max-completion", type=int, default=16)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--group", type=int, default=4, help="completions per shared prompt")
+    p.add_argument("--cases", default=None, help="only these cases, comma-separated")
     p.add_argument(
         "--profiles", default="invariant,shape_dependent", help="kernel profiles, comma-separated"
     )
@@ -52,6 +56,12 @@ def main() -> None:
     completions = [
         [int(x) for x in rng.integers(3, vocab, size=int(rng.integers(1, args.max_completion + 1)))]
         for _ in prompts
+    ]
+    shared = prompts[: max(1, len(prompts) // 4)]
+    group_prompts = [p for p in shared for _ in range(args.group)]
+    group_completions = [
+        [int(x) for x in rng.integers(3, vocab, size=int(rng.integers(1, args.max_completion + 1)))]
+        for _ in group_prompts
     ]
     one_token = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     loglikelihood = SamplingParams(
@@ -95,8 +105,14 @@ def main() -> None:
                 rollouts,
                 lambda llm=cached, sampled=sampled: llm.score(prompts, sampled),
             ),
+            "score_shared_prompts": (
+                cached,
+                cached.reset_prefix_cache,
+                lambda llm=cached: llm.score(group_prompts, group_completions),
+            ),
         }
-        for name, (engine, prepare, run) in cases.items():
+        chosen = args.cases.split(",") if args.cases else list(cases)
+        for name, (engine, prepare, run) in ((n, cases[n]) for n in chosen):
             times = []
             for i in range(args.repeats + 1):  # the first is a warm-up
                 if prepare is not None:
@@ -108,15 +124,17 @@ def main() -> None:
                     times.append(time.perf_counter() - start)
                 hits = engine.kv_stats()["prefix_hits"] - hits
             best = min(times)
+            called = group_prompts if name == "score_shared_prompts" else prompts
+            row_prompts = len(called)
             row = {
                 "profile": profile,
                 "fingerprint": llm.fingerprint,
                 "case": name,
-                "prompts": len(prompts),
-                "prompt_tokens": int(lens.sum()),
+                "prompts": row_prompts,
+                "prompt_tokens": sum(len(p) for p in called),
                 "prefix_hit_tokens": int(hits),
                 "best_s": round(best, 4),
-                "prompts_per_s": round(len(prompts) / best, 2),
+                "prompts_per_s": round(row_prompts / best, 2),
             }
             rows.append(row)
             print(json.dumps(row), flush=True)

@@ -218,6 +218,24 @@ def test_score_reads_the_pages_of_the_prompt_it_generated_from(flat_model: str, 
     assert hits == 0, "deterministic scoring read pages of the fast path"
 
 
+@pytest.mark.parametrize("profile", PROFILES)
+def test_completions_of_one_prompt_scored_together_compute_it_once(flat_model: str, profile):
+    """GRPO's group of completions, DPO's chosen and rejected: pairs of one `score` call
+    that share a prompt compute it once (the first pair of each prompt runs first, the
+    others read its pages), interleaved or not, and every score equals an uncached engine's
+    bit for bit."""
+    other = OTHER * 4
+    prompts = [PREFIX, other, PREFIX, PREFIX, other]
+    completions = [[5 + i, 7, 9 + i] for i in range(len(prompts))]
+    llm = engine(flat_model, profile)
+    scored, hits = hits_of(llm, lambda: llm.score(prompts, completions, deterministic=True))
+    pages = lambda p: (len(p) - 1) // PAGE * PAGE  # noqa: E731
+    assert hits == 2 * pages(PREFIX) + pages(other), "a shared prompt was computed again"
+    ref = uncached_engine(flat_model, profile).score(prompts, completions, deterministic=True)
+    as_bits = lambda xs: [struct.pack("<f", x).hex() for x in xs]  # noqa: E731
+    assert [as_bits(x) for x in scored] == [as_bits(x) for x in ref]
+
+
 def bits_of(c: detspec.CompletionOutput) -> tuple[list[int], list[str]]:
     return list(c.token_ids), [
         struct.pack("<f", lp[t].logprob).hex()

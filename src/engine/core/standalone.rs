@@ -86,10 +86,10 @@ impl EngineCore {
         };
         let budget = self.cfg.max_num_batched_tokens.max(1);
         self.in_groups(&refs, &prefix, budget, &mut |core, group, tables| {
-            let start = group.start;
-            let (width, rows) =
-                core.forward_group(&seqs[group.clone()], &wanted[group], tables, kind, fixed)?;
-            for (i, flat) in (start..).zip(rows) {
+            let seqs: Vec<&[u32]> = group.iter().map(|&i| refs[i]).collect();
+            let wanted: Vec<Range<usize>> = group.iter().map(|&i| wanted[i].clone()).collect();
+            let (width, rows) = core.forward_group(&seqs, &wanted, tables, kind, fixed)?;
+            for (&i, flat) in group.iter().zip(rows) {
                 for row in flat.chunks_exact(width.max(1)) {
                     visit(i, row)?;
                 }
@@ -98,9 +98,11 @@ impl EngineCore {
         })
     }
 
-    /// Runs `run` on consecutive groups of `seqs`, each with KV pages reserved for its
+    /// Runs `run` on groups of `seqs` (their indices), each with KV pages reserved for its
     /// sequences ([`Self::reserve_group`], cached prefixes read as `prefix` allows) and given
-    /// back after, the pages `prefix` names registered in the prefix cache first.
+    /// back after, the pages `prefix` names registered in the prefix cache first. Sequences
+    /// that start like an earlier one run after all the others ([`Self::sharing_order`]), so
+    /// they read its pages instead of computing them beside it.
     fn in_groups(
         &self,
         seqs: &[&[u32]],
@@ -108,25 +110,46 @@ impl EngineCore {
         budget: usize,
         run: GroupRun<'_>,
     ) -> Result<()> {
-        let mut start = 0;
-        while start < seqs.len() {
-            let tables = self.reserve_group(seqs, start, prefix, budget)?;
-            let end = start + tables.len();
-            let result = run(self, start..end, &tables);
-            if result.is_ok() {
-                for (i, table) in (start..end).zip(&tables) {
-                    if let Some(keep) = prefix.cacheable.get(i) {
-                        let tokens = &seqs[i][..(*keep).min(seqs[i].len())];
-                        self.alloc
-                            .insert_prefix_of(tokens, table.pages(), prefix.class);
+        for order in self.sharing_order(seqs, prefix) {
+            let mut start = 0;
+            while start < order.len() {
+                let tables = self.reserve_group(seqs, &order[start..], prefix, budget)?;
+                let group = &order[start..start + tables.len()];
+                let result = run(self, group, &tables);
+                if result.is_ok() {
+                    for (&i, table) in group.iter().zip(&tables) {
+                        if let Some(&keep) = prefix.cacheable.get(i) {
+                            let tokens = &seqs[i][..keep.min(seqs[i].len())];
+                            self.alloc
+                                .insert_prefix_of(tokens, table.pages(), prefix.class);
+                        }
                     }
                 }
+                self.free_group(tables);
+                result?;
+                start += group.len();
             }
-            self.free_group(tables);
-            result?;
-            start = end;
         }
         Ok(())
+    }
+
+    /// `seqs` in two runs: the first sequence of each prompt (by its first page, where it may
+    /// read cached pages), then the others, which read the first one's pages once it has
+    /// run (a GRPO group's completions, DPO's chosen and rejected, `n` samples).
+    fn sharing_order(&self, seqs: &[&[u32]], prefix: &PrefixUse<'_>) -> [Vec<usize>; 2] {
+        let ps = self.cfg.page_size;
+        let reads = self.alloc.prefix_caching_enabled();
+        let mut firsts = std::collections::HashSet::new();
+        let (mut leaders, mut followers) = (Vec::new(), Vec::new());
+        for (i, seq) in seqs.iter().enumerate() {
+            let page = (reads && prefix.readable(i).min(seq.len().saturating_sub(1)) >= ps)
+                .then(|| &seq[..ps]);
+            match page {
+                Some(page) if !firsts.insert(page) => followers.push(i),
+                _ => leaders.push(i),
+            }
+        }
+        [leaders, followers]
     }
 
     /// Every sequence fits the context and the vocabulary.
@@ -145,14 +168,14 @@ impl EngineCore {
         Ok(())
     }
 
-    /// KV pages for `seqs[start..]`, in order: as many sequences as fit `budget` tokens to
-    /// compute and the free pages (one at least, else the reason it cannot run). A table
-    /// starts with the cached pages `prefix` lets its sequence read (its `num_tokens`: the
-    /// positions not to compute). [`Self::free_group`] gives them back.
+    /// KV pages for the sequences `seqs[i]`, `i` in `order`, in order: as many as fit
+    /// `budget` tokens to compute and the free pages (one at least, else the reason it cannot
+    /// run). A table starts with the cached pages `prefix` lets its sequence read (its
+    /// `num_tokens`: the positions not to compute). [`Self::free_group`] gives them back.
     fn reserve_group(
         &self,
         seqs: &[&[u32]],
-        start: usize,
+        order: &[usize],
         prefix: &PrefixUse<'_>,
         budget: usize,
     ) -> Result<Vec<BlockTable>> {
@@ -160,7 +183,8 @@ impl EngineCore {
         let ps = self.cfg.page_size;
         let mut tables: Vec<BlockTable> = Vec::new();
         let mut tokens = 0;
-        for (i, seq) in seqs.iter().enumerate().skip(start) {
+        for &i in order {
+            let seq = seqs[i];
             // At least the last row is computed, so a wanted row is never a cached one.
             let readable = prefix.readable(i).min(seq.len().saturating_sub(1));
             let cached = match readable >= ps {
@@ -196,7 +220,7 @@ impl EngineCore {
     /// and, per sequence, its wanted rows flattened.
     fn forward_group(
         &self,
-        seqs: &[Vec<u32>],
+        seqs: &[&[u32]],
         wanted: &[Range<usize>],
         tables: &[BlockTable],
         kind: ForwardKind,
@@ -208,7 +232,7 @@ impl EngineCore {
         } else {
             AttentionSchedule::split_kv_for_batch(
                 seqs.len(),
-                seqs.iter().map(Vec::len).sum(),
+                seqs.iter().map(|s| s.len()).sum(),
                 (
                     self.info.config.num_attention_heads,
                     self.info.config.num_key_value_heads,
@@ -341,14 +365,15 @@ impl EngineCore {
         let prefix = PrefixUse::new(PageClass::Invariant, first_wanted, prompt_lens);
         let budget = self.cfg.max_num_batched_tokens.max(shapes.1);
         self.in_groups(seqs, &prefix, budget, &mut |core, group, tables| {
-            let start = group.start;
+            let pick = |of: &[usize]| group.iter().map(|&i| of[i]).collect::<Vec<_>>();
+            let group_seqs: Vec<&[u32]> = group.iter().map(|&i| seqs[i]).collect();
             core.packed_logits(
-                &seqs[group.clone()],
-                (&prompt_lens[group.clone()], &first_wanted[group]),
+                &group_seqs,
+                (&pick(prompt_lens), &pick(first_wanted)),
                 tables,
                 shapes,
                 pad_page,
-                &mut |i, row| visit(start + i, row),
+                &mut |k, row| visit(group[k], row),
             )
         })
     }
@@ -615,8 +640,8 @@ impl<'a> PrefixUse<'a> {
     }
 }
 
-/// What runs one group of sequences: `(engine, the group's indices, its pages)`.
-type GroupRun<'a> = &'a mut dyn FnMut(&EngineCore, Range<usize>, &[BlockTable]) -> Result<()>;
+/// What runs one group of sequences: `(engine, the group's sequence indices, their pages)`.
+type GroupRun<'a> = &'a mut dyn FnMut(&EngineCore, &[usize], &[BlockTable]) -> Result<()>;
 
 /// What a standalone forward hands each wanted row to: `(sequence index, row)`.
 type RowVisitor<'a> = &'a mut dyn FnMut(usize, &[f32]) -> Result<()>;
