@@ -94,6 +94,9 @@ pub struct RequestMetrics {
     pub num_output_tokens: usize,
     /// Times the request was preempted (its KV freed and later recomputed).
     pub num_preemptions: usize,
+    /// Prompt tokens read from the prefix cache instead of computed (at first admission; with
+    /// `n` > 1, the most any one completion read).
+    pub num_cached_tokens: usize,
     /// Decode–verify–rollback: verify passes, rollbacks and tokens discarded by rollbacks.
     pub num_verify_passes: usize,
     pub num_rollbacks: usize,

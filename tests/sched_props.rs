@@ -25,6 +25,7 @@ fn seq(id: u64, prompt_len: usize, max_tokens: usize, deterministic: bool) -> Se
         stop_reason: None,
         max_len: prompt_len + max_tokens,
         num_preemptions: 0,
+        num_cached_tokens: 0,
         deterministic,
         verified: 0,
         emitted: 0,

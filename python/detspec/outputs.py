@@ -60,6 +60,8 @@ class RequestOutput:
     position ``{token_id: Logprob}`` for the prompt token and the top-k)."""
     sampling_params: Any = None
     """The ``SamplingParams`` the request ran with (what ``LLM.audit`` re-runs)."""
+    num_cached_tokens: int = 0
+    """Prompt tokens read from the prefix cache instead of computed (vLLM's field)."""
 
     def to_torch(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``CompletionOutput.to_torch()`` of each completion, in order."""
@@ -107,4 +109,5 @@ def request_output_from_dict(
         finished=d["finished"],
         fingerprint=d["fingerprint"],
         metrics=dict(d.get("metrics") or {}),
+        num_cached_tokens=int((d.get("metrics") or {}).get("num_cached_tokens", 0)),
     )

@@ -144,6 +144,7 @@ impl OutputAccumulator {
                 m.first_scheduled_time = m.first_scheduled_time.or(metrics.first_scheduled_time);
                 m.first_token_time = m.first_token_time.or(metrics.first_token_time);
                 m.num_preemptions = m.num_preemptions.max(metrics.num_preemptions);
+                m.num_cached_tokens = m.num_cached_tokens.max(metrics.num_cached_tokens);
                 m.num_verify_passes = m.num_verify_passes.max(metrics.num_verify_passes);
                 m.num_rollbacks = m.num_rollbacks.max(metrics.num_rollbacks);
                 m.num_rolled_back_tokens =

@@ -351,6 +351,9 @@ fn adopt_cached_prefix(
     page_size: usize,
 ) {
     let pages = lookup_prefix(seq, &tokens[..tokens.len().saturating_sub(1)]);
+    if seq.num_preemptions == 0 {
+        seq.num_cached_tokens = pages.len() * page_size;
+    }
     if !pages.is_empty() {
         seq.num_computed = pages.len() * page_size;
         seq.block_table = BlockTable::from_shared_pages(pages, page_size);

@@ -28,6 +28,9 @@ pub struct Sequence {
     /// Longest this sequence may grow (prompt + output), from max_tokens and max_model_len.
     pub max_len: usize,
     pub num_preemptions: usize,
+    /// Prompt tokens read from the prefix cache when it was first admitted (vLLM's
+    /// `num_cached_tokens`).
+    pub num_cached_tokens: usize,
     /// The request asked for bitwise-reproducible output (`SamplingParams::deterministic`,
     /// accepted by the determinism policy); how it gets it is the policy's business.
     pub deterministic: bool,

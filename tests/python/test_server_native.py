@@ -77,6 +77,8 @@ def test_deterministic_generate_equals_completions_bit_for_bit(server) -> None:
     assert meta["finish_reason"] == {"type": "length", "length": 24}
     assert (meta["prompt_tokens"], meta["completion_tokens"]) == (len(PROMPTS[0]), 24)
     assert meta["dvr_metrics"]["deterministic"] is True
+    # Its prompt was scored first; the generation read the scored pages.
+    assert meta["cached_tokens"] == (len(PROMPTS[0]) - 1) // 16 * 16 > 0
     models = httpx.get(server.base_url + "/v1/models", timeout=10).json()
     assert meta["fingerprint"] == models["data"][0]["fingerprint"]
     assert meta["weight_version"] == "0"

@@ -400,7 +400,7 @@ class _Shaper:
             "finish_reason": _finish_reason(c),
             "prompt_tokens": len(job.prompt_ids),
             "completion_tokens": len(ids),
-            "cached_tokens": 0,
+            "cached_tokens": out.num_cached_tokens if out is not None else 0,
             "e2e_latency": time.perf_counter() - self.start,
             "weight_version": self.server.weight_version_name(),
             "fingerprint": self.server.fingerprint,
