@@ -62,10 +62,13 @@ proptest! {
         max_num_seqs in 1usize..6,
         budget in 8usize..80,
         chunk in 4usize..64,
+        defer_shared_prefills in any::<bool>(),
     ) {
         let page_size = 4;
         let alloc = SimpleAllocator::new(pages);
-        let limits = SchedulerLimits { max_num_seqs, max_num_batched_tokens: budget, page_size, max_prefill_chunk: chunk, isolate_deterministic_prefill: true };
+        // Every prompt here starts with the same page: with deferral on, a prompt waits
+        // while another one's prefill runs, and still everything completes.
+        let limits = SchedulerLimits { max_num_seqs, max_num_batched_tokens: budget, page_size, max_prefill_chunk: chunk, isolate_deterministic_prefill: true, defer_shared_prefills };
         let mut s = Scheduler::new(limits);
         let mut next = 0u64;
         let mut finished = 0usize;
@@ -143,6 +146,7 @@ fn isolated_prefills_share_a_step_within_the_budget() {
         page_size: 4,
         max_prefill_chunk: 16,
         isolate_deterministic_prefill: true,
+        defer_shared_prefills: false,
     };
     let mut s = Scheduler::new(limits);
     for (id, len) in [(0, 30), (1, 10), (2, 10), (3, 10), (4, 5)] {
@@ -164,4 +168,69 @@ fn isolated_prefills_share_a_step_within_the_budget() {
     assert_eq!(planned(&mut s), vec![(0, 30)]);
     assert_eq!(planned(&mut s), vec![(1, 10), (2, 10)]);
     assert_eq!(planned(&mut s), vec![(3, 10), (4, 5)]);
+}
+
+/// With a prefix cache, a prompt that starts like one still being prefilled waits for that
+/// prefill (the `n` samples of a request), while prompts behind it that start otherwise are
+/// admitted; once it is done the waiting ones come in together, reading its pages.
+#[test]
+fn prompts_sharing_a_prefill_wait_for_it() {
+    use std::cell::RefCell;
+
+    let alloc = SimpleAllocator::new(64);
+    let limits = SchedulerLimits {
+        max_num_seqs: 8,
+        max_num_batched_tokens: 16,
+        page_size: 4,
+        max_prefill_chunk: 16,
+        isolate_deterministic_prefill: false,
+        defer_shared_prefills: true,
+    };
+    let mut s = Scheduler::new(limits);
+    let shared = seq(0, 20, 4, false).prompt;
+    // Three samples of one 20-token prompt (two steps of prefill at 16 tokens), then another
+    // prompt, and a short one (a page: nothing to share).
+    for id in 0..3 {
+        s.add(seq(id, 20, 4, false));
+    }
+    let mut other = seq(9, 6, 4, false);
+    other.prompt = vec![7; 6];
+    s.add(other);
+    s.add(seq(10, 4, 4, false));
+    // The prefix cache, as far as the scheduler sees it: the first sample's four full prompt
+    // pages once its prefill is done.
+    let cache: RefCell<Vec<u32>> = RefCell::new(Vec::new());
+    let lookup = |_: &Sequence, tokens: &[u32]| -> Vec<u32> {
+        let pages = cache.borrow();
+        if pages.is_empty() || tokens.len() < 16 || tokens[..16] != shared[..16] {
+            return Vec::new();
+        }
+        for &p in pages.iter() {
+            alloc.share(p);
+        }
+        pages.clone()
+    };
+    let planned = |s: &mut Scheduler| -> Vec<(u64, usize)> {
+        let plan = s.plan(&alloc, &lookup);
+        s.mark_computed(&plan);
+        for e in plan.entries.iter().filter(|e| e.sample) {
+            s.get_mut(e.seq)
+                .expect("planned sequences run")
+                .output
+                .push(1);
+        }
+        plan.entries.iter().map(|e| (e.seq, e.len)).collect()
+    };
+    // The first sample takes the whole budget; its siblings wait.
+    assert_eq!(planned(&mut s), vec![(0, 16)]);
+    // Its last 4 prompt tokens; the siblings still wait, the other prompts come in.
+    assert_eq!(planned(&mut s), vec![(0, 4), (9, 6), (10, 4)]);
+    let first = s.get(0).expect("running").block_table.pages()[..4].to_vec();
+    *cache.borrow_mut() = first;
+    // Done: both siblings come in at once, each computing only its prompt past the pages.
+    assert_eq!(
+        planned(&mut s),
+        vec![(0, 1), (9, 1), (10, 1), (1, 4), (2, 4)]
+    );
+    assert_eq!(s.get(1).expect("running").num_cached_tokens, 16);
 }

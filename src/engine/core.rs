@@ -236,6 +236,7 @@ impl EngineCore {
             page_size: cfg.page_size,
             max_prefill_chunk: cfg.max_prefill_chunk.unwrap_or(cfg.max_num_batched_tokens),
             isolate_deterministic_prefill: policy.isolates_deterministic_prefill(),
+            defer_shared_prefills: cfg.enable_prefix_caching,
         });
         tracing::info!(model = %dir.display(), num_pages, page_size = cfg.page_size, "engine loaded");
         let grammars = Arc::new(Grammars::new(tokenizer.clone(), mc.vocab_size, eos.clone()));

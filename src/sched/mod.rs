@@ -12,7 +12,7 @@ mod sequence;
 
 pub use sequence::{DvrState, Sequence, SequenceId};
 
-use std::collections::VecDeque;
+use std::collections::{HashSet, VecDeque};
 
 use crate::error::DetspecError;
 use crate::kv::{BlockTable, PageAllocator, PageId};
@@ -65,6 +65,11 @@ pub struct SchedulerLimits {
     pub max_prefill_chunk: usize,
     /// Prefill deterministic requests alone (DVR mode).
     pub isolate_deterministic_prefill: bool,
+    /// Hold back a waiting prompt that starts like one still being prefilled (the `n`
+    /// samples of a request, a GRPO group) until that prefill is done, so that it reads the
+    /// pages from the prefix cache instead of computing them beside it. For engines with a
+    /// prefix cache.
+    pub defer_shared_prefills: bool,
 }
 
 /// The continuous-batching scheduler.
@@ -194,12 +199,24 @@ impl Scheduler {
             budget -= len;
             i += 1;
         }
-        // Admit waiting sequences, unless this step already had to preempt.
+        // Admit waiting sequences, unless this step already had to preempt; skip those that
+        // wait for a prefill of the same prompt start.
         let mut isolated_budget = l.max_num_batched_tokens;
+        let mut prefilling = self.prompts_in_prefill();
+        let mut w = 0;
         while budget > 0 && plan.preempted.is_empty() && self.running.len() < l.max_num_seqs {
-            let Some(seq) = self.waiting.front_mut() else {
+            let Some(seq) = self.waiting.get_mut(w) else {
                 break;
             };
+            let fresh = seq.num_computed == 0 && seq.block_table.pages().is_empty();
+            if l.defer_shared_prefills && fresh {
+                if let Some(key) = prefill_key(seq, l.page_size) {
+                    if prefilling.contains(&key) {
+                        w += 1;
+                        continue;
+                    }
+                }
+            }
             if l.isolate_deterministic_prefill && seq.deterministic && seq.num_computed == 0 {
                 let prompt_len = seq.prompt.len();
                 if seq.block_table.pages().is_empty() {
@@ -220,14 +237,14 @@ impl Scheduler {
                     seq.block_table.free(alloc);
                     seq.num_computed = 0;
                     if !over_budget && self.running.is_empty() {
-                        if let Some(seq) = self.waiting.pop_front() {
+                        if let Some(seq) = self.waiting.remove(w) {
                             fail_out_of_pages(&mut plan, seq, prompt_len, l.page_size, alloc);
                         }
                         continue;
                     }
                     break;
                 }
-                let Some(seq) = self.waiting.pop_front() else {
+                let Some(seq) = self.waiting.remove(w) else {
                     break;
                 };
                 plan.isolated.push(PlanEntry {
@@ -237,6 +254,7 @@ impl Scheduler {
                     sample: prompt_len == seq.len(),
                 });
                 isolated_budget = isolated_budget.saturating_sub(prompt_len - start);
+                prefilling.extend(leader_key(&seq, l.page_size));
                 self.running.push(seq);
                 continue;
             }
@@ -255,14 +273,14 @@ impl Scheduler {
                 seq.block_table.free(alloc);
                 seq.num_computed = 0;
                 if self.running.is_empty() {
-                    if let Some(seq) = self.waiting.pop_front() {
+                    if let Some(seq) = self.waiting.remove(w) {
                         fail_out_of_pages(&mut plan, seq, len, l.page_size, alloc);
                     }
                     continue;
                 }
                 break;
             }
-            let Some(seq) = self.waiting.pop_front() else {
+            let Some(seq) = self.waiting.remove(w) else {
                 break;
             };
             plan.entries.push(PlanEntry {
@@ -272,9 +290,23 @@ impl Scheduler {
                 sample: len == remaining,
             });
             budget -= len;
+            prefilling.extend(leader_key(&seq, l.page_size));
             self.running.push(seq);
         }
         plan
+    }
+
+    /// [`leader_key`]s of the running sequences whose prompts are still being prefilled.
+    fn prompts_in_prefill(&self) -> HashSet<(bool, Vec<u32>)> {
+        if !self.limits.defer_shared_prefills {
+            return HashSet::new();
+        }
+        let ps = self.limits.page_size;
+        self.running
+            .iter()
+            .filter(|s| s.num_computed < s.prompt.len())
+            .filter_map(|s| leader_key(s, ps))
+            .collect()
     }
 
     /// Marks the planned rows computed (their KV is now in the cache).
@@ -340,6 +372,23 @@ impl Scheduler {
         }
         out
     }
+}
+
+/// What makes two prompts share a prefill: the same first full page, both deterministic or
+/// both not (the two read different page classes). `None`: a prompt of a page or less, which
+/// reads nothing from the cache.
+fn prefill_key(seq: &Sequence, page_size: usize) -> Option<(bool, Vec<u32>)> {
+    (seq.prompt.len() > page_size).then(|| (seq.deterministic, seq.prompt[..page_size].to_vec()))
+}
+
+/// [`prefill_key`] of a sequence whose prefill computes prompt pages others could read: more
+/// full pages than it read from the cache. (A sequence that read them all leaves nothing new,
+/// so the prompts behind it need not wait for it.)
+fn leader_key(seq: &Sequence, page_size: usize) -> Option<(bool, Vec<u32>)> {
+    let readable = seq.prompt.len().saturating_sub(1) / page_size.max(1) * page_size;
+    (readable >= seq.num_cached_tokens + page_size)
+        .then(|| prefill_key(seq, page_size))
+        .flatten()
 }
 
 /// Starts `seq` (holding no pages) from the cached pages of `tokens`' longest cached prefix

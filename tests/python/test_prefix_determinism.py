@@ -48,7 +48,7 @@ def bits(out: detspec.RequestOutput) -> tuple[list[int], list[str]]:
     return bits_of(out.outputs[0])
 
 
-def engine(model: str, profile: tuple[str, str]) -> detspec.LLM:
+def engine(model: str, profile: tuple[str, str], **kw) -> detspec.LLM:
     kernel_profile, strategy = profile
     return detspec.LLM(
         model,
@@ -57,6 +57,7 @@ def engine(model: str, profile: tuple[str, str]) -> detspec.LLM:
         verify_window=8,
         verify_group=4,
         num_kv_pages=512,
+        **kw,
     )
 
 
@@ -88,27 +89,24 @@ def test_prefix_prefilled_by_anyone_gives_fresh_bits(flat_model: str, profile) -
     assert got == bits(gen(engine(flat_model, profile), turn2_prompt, params(seed=6)))
 
 
-@pytest.mark.parametrize("profile", PROFILES[1:])
-def test_n_samples_of_one_prompt_prefill_it_once(flat_model: str, profile) -> None:
-    """Under replay each sample's prompt is prefilled alone: the first computes it, the other
-    seven read its pages. Every sample equals, bit for bit, the same sample on an engine
-    without a prefix cache."""
-    sp = params(seed=21)
+@pytest.mark.parametrize("profile", PROFILES)
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_n_samples_of_one_prompt_prefill_it_once(flat_model: str, profile, deterministic) -> None:
+    """The first sample computes the prompt; the other seven wait for its prefill and read its
+    pages (they would otherwise be admitted beside it and compute it too). Every
+    deterministic sample equals, bit for bit, the same sample on an engine without a prefix
+    cache."""
+    sp = params(deterministic=deterministic, seed=21)
     sp.n = 8
     llm = engine(flat_model, profile)
     out = llm.generate([PREFIX], sp, use_tqdm=False)[0]
     stats = llm.kv_stats()
-    assert stats["prefix_hits"] >= 7, stats
-    kernel_profile, strategy = profile
-    uncached = detspec.LLM(
-        flat_model,
-        kernel_profile=kernel_profile,
-        verify_strategy=strategy,
-        verify_window=8,
-        verify_group=4,
-        num_kv_pages=512,
-        enable_prefix_caching=False,
-    )
+    full = (len(PREFIX) - 1) // PAGE * PAGE
+    assert stats["prefix_hits"] == 7 * full, stats
+    assert out.num_cached_tokens == full
+    if not deterministic:
+        return  # a plain sample's bits depend on what it ran beside
+    uncached = uncached_engine(flat_model, profile)
     ref = uncached.generate([PREFIX], sp, use_tqdm=False)[0]
     assert uncached.kv_stats()["prefix_hits"] == 0
     for i in range(8):
@@ -120,16 +118,7 @@ PROMPT_PAGES = (len(PREFIX + SUFFIX) - 1) // PAGE  # the full pages a generation
 
 
 def uncached_engine(model: str, profile: tuple[str, str]) -> detspec.LLM:
-    kernel_profile, strategy = profile
-    return detspec.LLM(
-        model,
-        kernel_profile=kernel_profile,
-        verify_strategy=strategy,
-        verify_window=8,
-        verify_group=4,
-        num_kv_pages=512,
-        enable_prefix_caching=False,
-    )
+    return engine(model, profile, enable_prefix_caching=False)
 
 
 def hits_of(llm: detspec.LLM, run) -> tuple[object, int]:

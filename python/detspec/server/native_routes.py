@@ -253,7 +253,7 @@ async def _generate(server: OpenAIServer, req: GenerateRequest, request: Request
             # errors are HTTP errors rather than a broken stream.
             first = await until_disconnect(request, first_output(agen)) if agen else None
             return _stream(shape, jobs, generating, (agen, first))
-        last = await until_disconnect(request, _collect(server, generating))
+        last = await until_disconnect(request, server.last_outputs(generating))
     except BaseException as e:
         if agen is not None:
             await agen.aclose()  # type: ignore[attr-defined]
@@ -319,19 +319,6 @@ async def _input_logprobs(
             )
         )
     )
-
-
-async def _collect(server: OpenAIServer, jobs: list[Job]) -> dict[int, RequestOutput]:
-    last: dict[int, RequestOutput] = {}
-    if not jobs:
-        return last
-    agen = server.run(jobs)
-    try:
-        async for job, out in agen:
-            last[job.index] = out
-    finally:
-        await agen.aclose()  # type: ignore[attr-defined]
-    return last
 
 
 def _stream(

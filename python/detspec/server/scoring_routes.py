@@ -155,14 +155,7 @@ async def echo_completions(
                 for j in jobs
             )
         )
-        last: dict[int, RequestOutput] = {}
-        if generate:
-            agen = server.run(jobs)
-            try:
-                async for job, out in agen:
-                    last[job.index] = out
-            finally:
-                await agen.aclose()  # type: ignore[attr-defined]
+        last = await server.last_outputs(jobs) if generate else {}
         return last, list(plps)
 
     await server.attach_prompt_logprobs(jobs, req.prompt_logprobs)

@@ -358,6 +358,19 @@ class OpenAIServer:
         finally:
             self.inflight_seqs -= nseqs
 
+    async def last_outputs(self, jobs: list[Job]) -> dict[int, RequestOutput]:
+        """Runs ``jobs`` to the end; the last output of each, by ``Job.index``."""
+        last: dict[int, RequestOutput] = {}
+        if not jobs:
+            return last
+        agen = self.run(jobs)
+        try:
+            async for job, out in agen:
+                last[job.index] = out
+        finally:
+            await agen.aclose()  # type: ignore[attr-defined]
+        return last
+
     # ---------------------------------------------------------------- completions
 
     async def completions(self, req: P.CompletionRequest, request: Request) -> Response:
