@@ -234,3 +234,27 @@ fn prompts_sharing_a_prefill_wait_for_it() {
     );
     assert_eq!(s.get(1).expect("running").num_cached_tokens, 16);
 }
+
+/// A prompt that shares only its first page with a long prefill is not held back for it: the
+/// wait would save a page, not the prompt.
+#[test]
+fn a_prompt_sharing_little_with_a_prefill_does_not_wait() {
+    let alloc = SimpleAllocator::new(64);
+    let limits = SchedulerLimits {
+        max_num_seqs: 8,
+        max_num_batched_tokens: 32,
+        page_size: 4,
+        max_prefill_chunk: 16,
+        isolate_deterministic_prefill: false,
+        defer_shared_prefills: true,
+    };
+    let mut s = Scheduler::new(limits);
+    s.add(seq(0, 20, 4, false));
+    s.add(seq(1, 20, 4, false)); // a second sample: waits
+    let mut little = seq(2, 20, 4, false);
+    little.prompt[4..].fill(9); // shares tokens 0..4 only
+    s.add(little);
+    let plan = s.plan(&alloc, &|_, _| Vec::new());
+    let planned: Vec<(u64, usize)> = plan.entries.iter().map(|e| (e.seq, e.len)).collect();
+    assert_eq!(planned, vec![(0, 16), (2, 16)]);
+}

@@ -12,7 +12,7 @@ mod sequence;
 
 pub use sequence::{DvrState, Sequence, SequenceId};
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 
 use crate::error::DetspecError;
 use crate::kv::{BlockTable, PageAllocator, PageId};
@@ -65,10 +65,10 @@ pub struct SchedulerLimits {
     pub max_prefill_chunk: usize,
     /// Prefill deterministic requests alone (DVR mode).
     pub isolate_deterministic_prefill: bool,
-    /// Hold back a waiting prompt that starts like one still being prefilled (the `n`
-    /// samples of a request, a GRPO group) until that prefill is done, so that it reads the
-    /// pages from the prefix cache instead of computing them beside it. For engines with a
-    /// prefix cache.
+    /// Hold back a waiting prompt that shares at least half of itself with one still being
+    /// prefilled (the `n` samples of a request, a GRPO group) until that prefill is done, so
+    /// that it reads the pages from the prefix cache instead of computing them beside it. For
+    /// engines with a prefix cache.
     pub defer_shared_prefills: bool,
 }
 
@@ -210,11 +210,10 @@ impl Scheduler {
             };
             let fresh = seq.num_computed == 0 && seq.block_table.pages().is_empty();
             if l.defer_shared_prefills && fresh {
-                if let Some(key) = prefill_key(seq, l.page_size) {
-                    if prefilling.contains(&key) {
-                        w += 1;
-                        continue;
-                    }
+                let leader = prefill_key(seq, l.page_size).and_then(|k| prefilling.get(&k));
+                if leader.is_some_and(|p| worth_waiting_for(&seq.prompt, p, l.page_size)) {
+                    w += 1;
+                    continue;
                 }
             }
             if l.isolate_deterministic_prefill && seq.deterministic && seq.num_computed == 0 {
@@ -254,7 +253,7 @@ impl Scheduler {
                     sample: prompt_len == seq.len(),
                 });
                 isolated_budget = isolated_budget.saturating_sub(prompt_len - start);
-                prefilling.extend(leader_key(&seq, l.page_size));
+                prefilling.extend(leader_entry(&seq, l.page_size));
                 self.running.push(seq);
                 continue;
             }
@@ -290,22 +289,22 @@ impl Scheduler {
                 sample: len == remaining,
             });
             budget -= len;
-            prefilling.extend(leader_key(&seq, l.page_size));
+            prefilling.extend(leader_entry(&seq, l.page_size));
             self.running.push(seq);
         }
         plan
     }
 
-    /// [`leader_key`]s of the running sequences whose prompts are still being prefilled.
-    fn prompts_in_prefill(&self) -> HashSet<(bool, Vec<u32>)> {
+    /// [`leader_entry`]s of the running sequences whose prompts are still being prefilled.
+    fn prompts_in_prefill(&self) -> HashMap<PrefillKey, Vec<u32>> {
         if !self.limits.defer_shared_prefills {
-            return HashSet::new();
+            return HashMap::new();
         }
         let ps = self.limits.page_size;
         self.running
             .iter()
             .filter(|s| s.num_computed < s.prompt.len())
-            .filter_map(|s| leader_key(s, ps))
+            .filter_map(|s| leader_entry(s, ps))
             .collect()
     }
 
@@ -374,21 +373,37 @@ impl Scheduler {
     }
 }
 
-/// What makes two prompts share a prefill: the same first full page, both deterministic or
-/// both not (the two read different page classes). `None`: a prompt of a page or less, which
-/// reads nothing from the cache.
-fn prefill_key(seq: &Sequence, page_size: usize) -> Option<(bool, Vec<u32>)> {
+/// What makes two prompts candidates to share a prefill: the same first full page, both
+/// deterministic or both not (the two read different page classes).
+type PrefillKey = (bool, Vec<u32>);
+
+/// `None`: a prompt of a page or less, which reads nothing from the cache.
+fn prefill_key(seq: &Sequence, page_size: usize) -> Option<PrefillKey> {
     (seq.prompt.len() > page_size).then(|| (seq.deterministic, seq.prompt[..page_size].to_vec()))
 }
 
-/// [`prefill_key`] of a sequence whose prefill computes prompt pages others could read: more
-/// full pages than it read from the cache. (A sequence that read them all leaves nothing new,
-/// so the prompts behind it need not wait for it.)
-fn leader_key(seq: &Sequence, page_size: usize) -> Option<(bool, Vec<u32>)> {
+/// [`prefill_key`] and prompt of a sequence whose prefill computes prompt pages others could
+/// read: more full pages than it read from the cache. (A sequence that read them all leaves
+/// nothing new, so the prompts behind it need not wait for it.)
+fn leader_entry(seq: &Sequence, page_size: usize) -> Option<(PrefillKey, Vec<u32>)> {
     let readable = seq.prompt.len().saturating_sub(1) / page_size.max(1) * page_size;
-    (readable >= seq.num_cached_tokens + page_size)
-        .then(|| prefill_key(seq, page_size))
-        .flatten()
+    if readable < seq.num_cached_tokens + page_size {
+        return None;
+    }
+    prefill_key(seq, page_size).map(|k| (k, seq.prompt.clone()))
+}
+
+/// Whether `prompt` gains enough by waiting for `leader`'s prefill: the full pages they share
+/// cover at least half of it. (A long prefill sharing only a short system prompt is not
+/// worth the wait.)
+fn worth_waiting_for(prompt: &[u32], leader: &[u32], page_size: usize) -> bool {
+    let common = prompt
+        .iter()
+        .zip(leader)
+        .take_while(|(a, b)| a == b)
+        .count();
+    let pages = common.min(prompt.len().saturating_sub(1)) / page_size.max(1) * page_size;
+    2 * pages >= prompt.len()
 }
 
 /// Starts `seq` (holding no pages) from the cached pages of `tokens`' longest cached prefix
