@@ -352,6 +352,27 @@ def test_prompt_logprobs(client, llm) -> None:
     assert len(chat.model_extra["prompt_logprobs"]) == len(chat.model_extra["prompt_token_ids"])
 
 
+def test_usage_counts_prompt_tokens_read_from_the_prefix_cache(client) -> None:
+    """OpenAI's ``usage.prompt_tokens_details.cached_tokens``: 0 the first time a prompt runs,
+    every full page but the last token's after (JSON and the stream's last chunk)."""
+    prompt = [int(x) for x in np.random.default_rng(99).integers(3, 900, size=50)]
+    first = client.completions.create(model=SERVED_NAME, prompt=prompt, max_tokens=2)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    again = client.completions.create(model=SERVED_NAME, prompt=prompt, max_tokens=2)
+    full_pages = (len(prompt) - 1) // 16 * 16
+    assert again.usage.prompt_tokens_details.cached_tokens == full_pages
+    chunks = list(
+        client.completions.create(
+            model=SERVED_NAME,
+            prompt=[prompt, prompt],
+            max_tokens=2,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 2 * full_pages
+
+
 def test_skip_special_tokens_false(client, llm) -> None:
     r = client.completions.create(
         model=SERVED_NAME,

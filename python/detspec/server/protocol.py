@@ -234,10 +234,16 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    # OpenAI's: prompt tokens read from the prefix cache instead of computed.
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class DvrMetrics(BaseModel):

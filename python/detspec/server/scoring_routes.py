@@ -216,7 +216,11 @@ async def echo_completions(
         "model": model,
         "system_fingerprint": server.fingerprint,
         "choices": choices,
-        "usage": usage(sum(len(j.prompt_ids) for j in jobs), completion_tokens),
+        "usage": usage(
+            sum(len(j.prompt_ids) for j in jobs),
+            completion_tokens,
+            sum(o.num_cached_tokens for o in last.values()) if generate else None,
+        ),
     }
     return JSONResponse(P.CompletionResponse(**body).model_dump(exclude_unset=True))
 

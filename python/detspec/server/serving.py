@@ -512,7 +512,11 @@ class OpenAIServer:
             "model": model,
             "system_fingerprint": self.fingerprint,
             "choices": choices,
-            "usage": usage(sum(len(j.prompt_ids) for j in jobs), completion_tokens),
+            "usage": usage(
+                sum(len(j.prompt_ids) for j in jobs),
+                completion_tokens,
+                sum(last[j.index].num_cached_tokens for j in jobs),
+            ),
         }
         if chat:
             if req.return_token_ids:

@@ -16,12 +16,19 @@ from detspec.server.jobs import Job
 from detspec.server.logprobs import LogprobShaper
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> P.UsageInfo:
-    return P.UsageInfo(
+def usage(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None
+) -> P.UsageInfo:
+    """OpenAI's token counts; ``cached_tokens``: prompt tokens read from the prefix cache
+    (``RequestOutput.num_cached_tokens`` summed over the request's prompts)."""
+    counts = P.UsageInfo(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
     )
+    if cached_tokens is not None:
+        counts.prompt_tokens_details = P.PromptTokensDetails(cached_tokens=cached_tokens)
+    return counts
 
 
 def dvr_metrics(out: RequestOutput, params: SamplingParams) -> P.DvrMetrics:

@@ -142,6 +142,7 @@ async def sse_body(
     states: dict[int, _ChoiceState] = {}
     prompt_tokens = sum(len(j.prompt_ids) for j in jobs)
     completion_tokens: dict[int, int] = {}
+    cached: dict[int, int] = {}  # per job: prompt tokens read from the prefix cache
     first_extra: dict[str, Any] = {}
     if chat and req.return_token_ids:
         first_extra["prompt_token_ids"] = jobs[0].prompt_ids
@@ -165,6 +166,9 @@ async def sse_body(
         cls = P.ChatCompletionChunk if chat else P.CompletionChunk
         body = cls(**fields).model_dump(exclude_unset=True)
         return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+    def counts() -> P.UsageInfo:
+        return usage(prompt_tokens, sum(completion_tokens.values()), sum(cached.values()))
 
     def events(job: Job, out: RequestOutput) -> list[bytes]:
         res = []
@@ -194,7 +198,8 @@ async def sse_body(
             st.text_len += len(c.text)
             st.ntok += len(c.token_ids)
             completion_tokens[index] = st.ntok
-            so_far = usage(prompt_tokens, sum(completion_tokens.values())) if continuous else None
+            cached[job.index] = out.num_cached_tokens
+            so_far = counts() if continuous else None
             res.append(chunk([choice], so_far))
         return res
 
@@ -209,7 +214,7 @@ async def sse_body(
         except DetspecError as e:
             yield b"data: " + json.dumps(stream_error_body(e)).encode() + b"\n\n"
         if include_usage:
-            yield chunk([], usage(prompt_tokens, sum(completion_tokens.values())))
+            yield chunk([], counts())
         yield b"data: [DONE]\n\n"
     finally:
         await agen.aclose()  # type: ignore[attr-defined]
