@@ -1,0 +1,151 @@
+//! Where a standalone forward's KV pages come from: its sequences run in groups that fit the
+//! token budget and the free pages; each sequence reads the cached pages before its first
+//! wanted row, and the pages a group computed are registered in the prefix cache before they
+//! are given back ([`PrefixUse`] says which, and as which class).
+
+use std::collections::HashSet;
+
+use crate::error::Result;
+use crate::kv::{BlockTable, PageClass};
+
+use super::super::EngineCore;
+
+impl EngineCore {
+    /// Runs `run` on groups of `seqs` (their indices), each with KV pages reserved for its
+    /// sequences ([`Self::reserve_group`], cached prefixes read as `prefix` allows) and given
+    /// back after, the pages `prefix` names registered in the prefix cache first. Sequences
+    /// that start like an earlier one run after all the others ([`Self::sharing_order`]), so
+    /// they read its pages instead of computing them beside it.
+    pub(super) fn in_groups(
+        &self,
+        seqs: &[&[u32]],
+        prefix: &PrefixUse<'_>,
+        budget: usize,
+        run: GroupRun<'_>,
+    ) -> Result<()> {
+        for order in self.sharing_order(seqs, prefix) {
+            let mut start = 0;
+            while start < order.len() {
+                let tables = self.reserve_group(seqs, &order[start..], prefix, budget)?;
+                let group = &order[start..start + tables.len()];
+                let result = run(self, group, &tables);
+                if result.is_ok() {
+                    for (&i, table) in group.iter().zip(&tables) {
+                        if let Some(&keep) = prefix.cacheable.get(i) {
+                            let tokens = &seqs[i][..keep.min(seqs[i].len())];
+                            self.alloc
+                                .insert_prefix_of(tokens, table.pages(), prefix.class);
+                        }
+                    }
+                }
+                self.free_group(tables);
+                result?;
+                start += group.len();
+            }
+        }
+        Ok(())
+    }
+
+    /// `seqs` in two runs: the first sequence of each prompt (by its first page, where it may
+    /// read cached pages), then the others, which read the first one's pages once it has
+    /// run (a GRPO group's completions, DPO's chosen and rejected, `n` samples).
+    fn sharing_order(&self, seqs: &[&[u32]], prefix: &PrefixUse<'_>) -> [Vec<usize>; 2] {
+        let ps = self.cfg.page_size;
+        let reads = self.alloc.prefix_caching_enabled();
+        let mut firsts = HashSet::new();
+        let (mut leaders, mut followers) = (Vec::new(), Vec::new());
+        for (i, seq) in seqs.iter().enumerate() {
+            let page = (reads && prefix.readable(i).min(seq.len().saturating_sub(1)) >= ps)
+                .then(|| &seq[..ps]);
+            match page {
+                Some(page) if !firsts.insert(page) => followers.push(i),
+                _ => leaders.push(i),
+            }
+        }
+        [leaders, followers]
+    }
+
+    /// KV pages for the sequences `seqs[i]`, `i` in `order`, in order: as many as fit
+    /// `budget` tokens to compute and the free pages (one at least, else the reason it cannot
+    /// run). A table starts with the cached pages `prefix` lets its sequence read (its
+    /// `num_tokens`: the positions not to compute). [`Self::free_group`] gives them back.
+    fn reserve_group(
+        &self,
+        seqs: &[&[u32]],
+        order: &[usize],
+        prefix: &PrefixUse<'_>,
+        budget: usize,
+    ) -> Result<Vec<BlockTable>> {
+        let alloc = self.alloc.as_ref();
+        let ps = self.cfg.page_size;
+        let mut tables: Vec<BlockTable> = Vec::new();
+        let mut tokens = 0;
+        for &i in order {
+            let seq = seqs[i];
+            // At least the last row is computed, so a wanted row is never a cached one.
+            let readable = prefix.readable(i).min(seq.len().saturating_sub(1));
+            let cached = match readable >= ps {
+                true => self.alloc.lookup_prefix_of(&seq[..readable], prefix.class),
+                false => Vec::new(),
+            };
+            let mut table = BlockTable::from_shared_pages(cached, ps);
+            let computed = seq.len() - table.num_tokens();
+            if !tables.is_empty() && tokens + computed > budget {
+                table.free(alloc);
+                break;
+            }
+            if let Err(e) = table.reserve(seq.len(), ps, alloc) {
+                table.free(alloc);
+                if tables.is_empty() {
+                    return Err(e);
+                }
+                break;
+            }
+            tables.push(table);
+            tokens += computed;
+        }
+        Ok(tables)
+    }
+
+    fn free_group(&self, tables: Vec<BlockTable>) {
+        for mut table in tables {
+            table.free(self.alloc.as_ref());
+        }
+    }
+}
+
+/// How a standalone forward shares KV with the prefix cache: sequence `i` may read cached
+/// pages of `class` (and those [`PageClass::readable`] adds) before its first wanted row
+/// `first_wanted[i]`, and registers its pages of its first `cacheable[i]` tokens once computed.
+/// A page is registered as `class` only where its rows ran as that class's prefills run them.
+pub(super) struct PrefixUse<'a> {
+    class: PageClass,
+    first_wanted: &'a [usize],
+    cacheable: &'a [usize],
+}
+
+impl<'a> PrefixUse<'a> {
+    /// Neither read nor register.
+    pub(super) const NONE: PrefixUse<'static> = PrefixUse {
+        class: PageClass::Fast,
+        first_wanted: &[],
+        cacheable: &[],
+    };
+
+    pub(super) fn new(class: PageClass, first_wanted: &'a [usize], cacheable: &'a [usize]) -> Self {
+        Self {
+            class,
+            first_wanted,
+            cacheable,
+        }
+    }
+
+    /// How many of sequence `i`'s first tokens may come from the cache.
+    fn readable(&self, i: usize) -> usize {
+        self.first_wanted.get(i).copied().unwrap_or(0)
+    }
+}
+
+/// What runs one group of sequences: `(engine, the group's sequence indices, their pages)`.
+pub(super) type GroupRun<'a> =
+    &'a mut dyn FnMut(&EngineCore, &[usize], &[BlockTable]) -> Result<()>;
