@@ -29,7 +29,10 @@ what it measured):
 * ``scoring``: deterministic prompt logprobs (an eval harness's loglikelihood requests) of
   ``--num-requests`` prompts in one call, in the shapes a deterministic generation runs at
   (prefill passes of W rows, verify passes of B x W rows, several prompts to a pass), next to
-  generating one token from each prompt.
+  generating one token from each prompt; then, with the prefix cache emptied before each,
+  lm-eval's request (``prompt_logprobs=1`` with ``max_tokens=1``: the generation reads the
+  scored prompt's pages) and ``score`` of 32 tokens a deterministic generation just sampled
+  (it reads the generated prompts' pages), with the prompt tokens read from the cache.
 * ``dvr_adaptive`` (last): the same at ``--adaptive-shares`` on a second engine with
   ``verify_window_adaptive=True`` (shorter windows after rollbacks), relative to the ``dvr``
   part's 0 % reference (measured here too when that part did not run).
@@ -149,7 +152,9 @@ def phases(before: dict, after: dict) -> dict:
     }
 
 
-def engine(args, determinism: str = "dvr", adaptive: bool | None = None):
+def engine(
+    args, determinism: str = "dvr", adaptive: bool | None = None, prefix_caching: bool = False
+):
     from detspec import LLM
 
     t = time.perf_counter()
@@ -159,7 +164,7 @@ def engine(args, determinism: str = "dvr", adaptive: bool | None = None):
         determinism=determinism,
         num_kv_pages=args.num_kv_pages,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=False,
+        enable_prefix_caching=prefix_caching,
         verify_window_adaptive=args.verify_window_adaptive if adaptive is None else adaptive,
     )
     return llm, time.perf_counter() - t
@@ -404,6 +409,29 @@ def main() -> None:
         dt_gen, _ = timed_generate(
             llm, batch, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
         )
+        # The same engine with a prefix cache, for what shares pages (one engine at a time:
+        # an 8B model's weights twice may not fit).
+        llm.shutdown()
+        del llm
+        gc.collect()
+        llm, _ = engine(args, prefix_caching=True)
+        llm.prompt_logprobs(batch[:4], 1)  # warm-up
+        llm.reset_prefix_cache()
+        hits = llm.kv_stats()["prefix_hits"]
+        loglikelihood = SamplingParams(
+            temperature=0.0, max_tokens=1, ignore_eos=True, prompt_logprobs=1, deterministic=True
+        )
+        dt_eval, _ = timed_generate(llm, batch, loglikelihood)
+        eval_hits = llm.kv_stats()["prefix_hits"] - hits
+        llm.reset_prefix_cache()
+        rollout = SamplingParams(
+            temperature=0.8, seed=1, max_tokens=32, ignore_eos=True, deterministic=True
+        )
+        outs = llm.generate(batch, rollout, use_tqdm=False)
+        hits = llm.kv_stats()["prefix_hits"]
+        t = time.perf_counter()
+        llm.score(batch, [list(o.outputs[0].token_ids) for o in outs], deterministic=True)
+        dt_score = time.perf_counter() - t
         res.put(
             "scoring",
             {
@@ -412,6 +440,10 @@ def main() -> None:
                 "prompt_logprobs_s": round(dt, 3),
                 "prompts_per_s": round(n / dt, 1),
                 "generate_1_token_s": round(dt_gen, 3),
+                "eval_loglikelihood_s": round(dt_eval, 3),
+                "eval_prefix_hit_tokens": int(eval_hits),
+                "score_after_generate_s": round(dt_score, 3),
+                "score_prefix_hit_tokens": int(llm.kv_stats()["prefix_hits"] - hits),
             },
         )
 
