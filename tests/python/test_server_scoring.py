@@ -248,6 +248,18 @@ def test_deterministic_by_default(det_server, inline_server) -> None:
         {"prompt": PROMPTS[0], "max_tokens": 0, "echo": True, "logprobs": 0, "deterministic": True},
     )
     assert echo["choices"][0]["logprobs"] == det_echo["choices"][0]["logprobs"]
+    # SGLang's native /generate too: the same request, the same seed, the same bits.
+    native = httpx.post(
+        det_server.base_url + "/generate",
+        json={"input_ids": PROMPTS[1], "return_logprob": True,
+              "sampling_params": {"max_new_tokens": 16, "temperature": 0.8, "ignore_eos": True}},
+        timeout=60,
+    ).json()  # fmt: skip
+    assert native["meta_info"]["dvr_metrics"]["deterministic"] is True
+    assert native["text"] == got["choices"][0]["text"]
+    assert bits([lp for lp, _, _ in native["meta_info"]["output_token_logprobs"]]) == bits(
+        got["choices"][0]["logprobs"]["token_logprobs"]
+    )
 
 
 def test_deterministic_by_default_needs_a_deterministic_engine(demo_model_dir) -> None:
