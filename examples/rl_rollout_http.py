@@ -1,6 +1,7 @@
 """An RL rollout client over HTTP: a GRPO-shaped loop against ``detspec serve``.
 
-Each step: ``n = 8`` seeded, deterministic samples per prompt (``/v1/completions``), a reward
+Each step: ``n = 8`` seeded, deterministic samples per prompt (``/v1/completions``, or with
+``--api sglang`` SGLang's native ``/generate`` as slime-style trainers send it), a reward
 per sample, group-relative advantages, a toy policy step on the output embedding (numpy), then
 the new weights go to the server as safetensors bytes (``/update_weights_from_tensor``) between
 ``/pause_generation`` and ``/continue_generation``, and every step's full checkpoint is stored.
@@ -11,6 +12,7 @@ ids and logprob bits at every step.
     python examples/rl_rollout_http.py                     # starts its own server (built-in model)
     python examples/rl_rollout_http.py --url http://127.0.0.1:8000 --model-dir MODEL_DIR
     python examples/rl_rollout_http.py --check-replay
+    python examples/rl_rollout_http.py --api sglang --check-replay
 
 Needs ``pip install '.[serve]' safetensors``.
 """
@@ -89,6 +91,38 @@ def post(url: str, path: str, **kw) -> dict:
     return r.json()
 
 
+def sample_bits(ids: list[int], logprobs: list[float]) -> tuple[tuple[int, ...], tuple[bytes, ...]]:
+    return tuple(ids), tuple(struct.pack("<f", x) for x in logprobs)
+
+
+def rollouts_sglang(url: str, step: int) -> list[dict]:
+    """``rollouts`` through SGLang's native ``/generate``: one batched call, token ids and the
+    sampled tokens' logprobs in ``meta_info``."""
+    seeds = [1000 * step + i for i in range(len(PROMPTS))]
+    body = {
+        "text": PROMPTS,
+        "sampling_params": [
+            {"n": GROUP, "max_new_tokens": 12, "temperature": 1.0, "sampling_seed": seed,
+             "no_stop_trim": True, "skip_special_tokens": False}
+            for seed in seeds
+        ],
+        "return_logprob": True,
+        "deterministic": True,
+    }  # fmt: skip
+    outs = post(url, "/generate", json=body)
+    groups = []
+    for i, seed in enumerate(seeds):
+        mine = outs[i * GROUP : (i + 1) * GROUP]
+        samples = [
+            sample_bits(o["output_ids"], [t[0] for t in o["meta_info"]["output_token_logprobs"]])
+            for o in mine
+        ]
+        groups.append(
+            {"seed": seed, "samples": samples, "fingerprint": mine[0]["meta_info"]["fingerprint"]}
+        )
+    return groups
+
+
 def rollouts(url: str, step: int) -> list[dict]:
     """GROUP samples per prompt, all prompts concurrently; seeds derived from the step."""
 
@@ -106,10 +140,9 @@ def rollouts(url: str, step: int) -> list[dict]:
         }
         out = post(url, "/v1/completions", json=body)
         samples = [
-            (tuple(c["token_ids"]),
-             tuple(struct.pack("<f", x) for x in c["logprobs"]["token_logprobs"]))
+            sample_bits(c["token_ids"], c["logprobs"]["token_logprobs"])
             for c in sorted(out["choices"], key=lambda c: c["index"])
-        ]  # fmt: skip
+        ]
         return {"seed": seed, "samples": samples, "fingerprint": out["system_fingerprint"]}
 
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
@@ -136,7 +169,9 @@ def main() -> int:
     ap.add_argument("--model-dir", help="its model directory (default: the built-in model)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--check-replay", action="store_true")
+    ap.add_argument("--api", choices=["openai", "sglang"], default="openai")
     args = ap.parse_args()
+    sample = rollouts_sglang if args.api == "sglang" else rollouts
     if args.model_dir is None:
         from detspec.default_model import default_model_dir
 
@@ -148,7 +183,7 @@ def main() -> int:
     with contextlib.ExitStack() as stack:
         url = args.url or stack.enter_context(server(args.model_dir))
         for step in range(args.steps):
-            groups = rollouts(url, step)
+            groups = sample(url, step)
             mean = np.mean([reward(ids) for g in groups for ids, _ in g["samples"]])
             weights = {**weights, head: policy_step(weights[head], groups)}
             ckpt = store / f"step{step}"
@@ -166,7 +201,7 @@ def main() -> int:
         return 0
     with server(args.model_dir) as url:
         for step, (groups, ckpt) in enumerate(log):
-            again = rollouts(url, step)
+            again = sample(url, step)
             same = all(a["samples"] == b["samples"] for a, b in zip(groups, again, strict=True))
             print(f"replay step {step}: {'identical' if same else 'DIFFERENT'}")
             if not same:
