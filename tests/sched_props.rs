@@ -258,3 +258,43 @@ fn a_prompt_sharing_little_with_a_prefill_does_not_wait() {
     let planned: Vec<(u64, usize)> = plan.entries.iter().map(|e| (e.seq, e.len)).collect();
     assert_eq!(planned, vec![(0, 16), (2, 16)]);
 }
+
+/// Chat requests behind a cached system prompt: each computes only its own message, so none
+/// waits for another (their shared part is in the cache already), although every one of them
+/// shares most of itself with the others.
+#[test]
+fn prompts_whose_shared_part_is_cached_do_not_wait() {
+    let alloc = SimpleAllocator::new(64);
+    let limits = SchedulerLimits {
+        max_num_seqs: 8,
+        max_num_batched_tokens: 64,
+        page_size: 4,
+        max_prefill_chunk: 64,
+        isolate_deterministic_prefill: false,
+        defer_shared_prefills: true,
+    };
+    let mut s = Scheduler::new(limits);
+    let system: Vec<u32> = (100..116).collect(); // 16 tokens, cached
+    for id in 0..3u64 {
+        let mut chat = seq(id, 24, 4, false);
+        chat.prompt = system
+            .iter()
+            .copied()
+            .chain(id as u32 * 10..id as u32 * 10 + 8)
+            .collect();
+        s.add(chat);
+    }
+    let cached: Vec<u32> = (0..4).filter_map(|_| alloc.allocate()).collect();
+    let lookup = |_: &Sequence, tokens: &[u32]| -> Vec<u32> {
+        if tokens.len() < 16 || tokens[..16] != system[..] {
+            return Vec::new();
+        }
+        for &p in &cached {
+            alloc.share(p);
+        }
+        cached.clone()
+    };
+    let plan = s.plan(&alloc, &lookup);
+    let planned: Vec<(u64, usize)> = plan.entries.iter().map(|e| (e.seq, e.len)).collect();
+    assert_eq!(planned, vec![(0, 8), (1, 8), (2, 8)]);
+}

@@ -65,10 +65,10 @@ pub struct SchedulerLimits {
     pub max_prefill_chunk: usize,
     /// Prefill deterministic requests alone (DVR mode).
     pub isolate_deterministic_prefill: bool,
-    /// Hold back a waiting prompt that shares at least half of itself with one still being
-    /// prefilled (the `n` samples of a request, a GRPO group) until that prefill is done, so
-    /// that it reads the pages from the prefix cache instead of computing them beside it. For
-    /// engines with a prefix cache.
+    /// Hold back a waiting prompt while a prefill still running computes pages covering at
+    /// least half of it (the `n` samples of a request, a GRPO group), so that it reads them
+    /// from the prefix cache instead of computing them beside it. For engines with a prefix
+    /// cache.
     pub defer_shared_prefills: bool,
 }
 
@@ -296,7 +296,7 @@ impl Scheduler {
     }
 
     /// [`leader_entry`]s of the running sequences whose prompts are still being prefilled.
-    fn prompts_in_prefill(&self) -> HashMap<PrefillKey, Vec<u32>> {
+    fn prompts_in_prefill(&self) -> HashMap<PrefillKey, Leader> {
         if !self.limits.defer_shared_prefills {
             return HashMap::new();
         }
@@ -382,28 +382,39 @@ fn prefill_key(seq: &Sequence, page_size: usize) -> Option<PrefillKey> {
     (seq.prompt.len() > page_size).then(|| (seq.deterministic, seq.prompt[..page_size].to_vec()))
 }
 
-/// [`prefill_key`] and prompt of a sequence whose prefill computes prompt pages others could
-/// read: more full pages than it read from the cache. (A sequence that read them all leaves
-/// nothing new, so the prompts behind it need not wait for it.)
-fn leader_entry(seq: &Sequence, page_size: usize) -> Option<(PrefillKey, Vec<u32>)> {
+/// A prefill others may wait for: its prompt, and the prompt tokens it read from the cache
+/// (which it does not compute, so waiting for it gains nothing there).
+struct Leader {
+    prompt: Vec<u32>,
+    cached: usize,
+}
+
+/// [`prefill_key`] and [`Leader`] of a sequence whose prefill computes prompt pages others
+/// could read: more full pages than it read from the cache.
+fn leader_entry(seq: &Sequence, page_size: usize) -> Option<(PrefillKey, Leader)> {
     let readable = seq.prompt.len().saturating_sub(1) / page_size.max(1) * page_size;
     if readable < seq.num_cached_tokens + page_size {
         return None;
     }
-    prefill_key(seq, page_size).map(|k| (k, seq.prompt.clone()))
+    let leader = Leader {
+        prompt: seq.prompt.clone(),
+        cached: seq.num_cached_tokens,
+    };
+    prefill_key(seq, page_size).map(|k| (k, leader))
 }
 
 /// Whether `prompt` gains enough by waiting for `leader`'s prefill: the full pages they share
-/// cover at least half of it. (A long prefill sharing only a short system prompt is not
-/// worth the wait.)
-fn worth_waiting_for(prompt: &[u32], leader: &[u32], page_size: usize) -> bool {
+/// that the leader computes (not those it read from the cache) cover at least half of it. (A
+/// long prefill sharing only a short system prompt is not worth the wait; nor is one whose
+/// shared part was cached already, as the system prompt of a chat's later requests.)
+fn worth_waiting_for(prompt: &[u32], leader: &Leader, page_size: usize) -> bool {
     let common = prompt
         .iter()
-        .zip(leader)
+        .zip(&leader.prompt)
         .take_while(|(a, b)| a == b)
         .count();
     let pages = common.min(prompt.len().saturating_sub(1)) / page_size.max(1) * page_size;
-    2 * pages >= prompt.len()
+    2 * pages.saturating_sub(leader.cached) >= prompt.len()
 }
 
 /// Starts `seq` (holding no pages) from the cached pages of `tokens`' longest cached prefix
