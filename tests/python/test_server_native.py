@@ -193,6 +193,25 @@ def test_stream_events_add_up_to_the_output(server) -> None:
         assert last[i]["meta_info"]["finish_reason"] == {"type": "length", "length": 24}
 
 
+def test_rescoring_a_rollout_as_a_prompt_gives_its_logprobs(server) -> None:
+    """What slime does for old logprobs: the rollout sent back as a prompt with
+    ``max_new_tokens: 0`` and ``logprob_start_len`` at the completion; on invariant kernels
+    (this server's) the prompt logprobs are the sampled ones, bit for bit."""
+    body = {"input_ids": PROMPTS[1], "sampling_params": sampled(), "return_logprob": True,
+            "deterministic": True}  # fmt: skip
+    out = generate(server, body)
+    again = generate(
+        server,
+        {"input_ids": PROMPTS[1] + out["output_ids"], "return_logprob": True,
+         "logprob_start_len": len(PROMPTS[1]), "deterministic": True,
+         "sampling_params": {"max_new_tokens": 0}},
+    )  # fmt: skip
+    inputs = again["meta_info"]["input_token_logprobs"]
+    assert [t for _, t, _ in inputs] == out["output_ids"]
+    sampled_lps = [f32(lp) for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+    assert [f32(lp) for lp, _, _ in inputs] == sampled_lps
+
+
 def test_prompt_logprobs_only_and_text_prompts(server) -> None:
     out = generate(
         server,
