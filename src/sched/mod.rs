@@ -9,13 +9,16 @@
 //! The scheduler owns sequence state and KV reservations but never touches tensors.
 
 mod sequence;
+mod sharing;
 
 pub use sequence::{DvrState, Sequence, SequenceId};
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 
 use crate::error::DetspecError;
 use crate::kv::{BlockTable, PageAllocator, PageId};
+
+use sharing::SharedPrefills;
 
 /// One sequence's share of a step: rows `start..start + len` of its tokens.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -202,19 +205,15 @@ impl Scheduler {
         // Admit waiting sequences, unless this step already had to preempt; skip those that
         // wait for a prefill of the same prompt start.
         let mut isolated_budget = l.max_num_batched_tokens;
-        let mut prefilling = self.prompts_in_prefill();
+        let mut prefilling = SharedPrefills::new(&self.running, &l);
         let mut w = 0;
         while budget > 0 && plan.preempted.is_empty() && self.running.len() < l.max_num_seqs {
             let Some(seq) = self.waiting.get_mut(w) else {
                 break;
             };
-            let fresh = seq.num_computed == 0 && seq.block_table.pages().is_empty();
-            if l.defer_shared_prefills && fresh {
-                let leader = prefill_key(seq, l.page_size).and_then(|k| prefilling.get(&k));
-                if leader.is_some_and(|p| worth_waiting_for(&seq.prompt, p, l.page_size)) {
-                    w += 1;
-                    continue;
-                }
+            if prefilling.holds_back(seq) {
+                w += 1;
+                continue;
             }
             if l.isolate_deterministic_prefill && seq.deterministic && seq.num_computed == 0 {
                 let prompt_len = seq.prompt.len();
@@ -253,7 +252,7 @@ impl Scheduler {
                     sample: prompt_len == seq.len(),
                 });
                 isolated_budget = isolated_budget.saturating_sub(prompt_len - start);
-                prefilling.extend(leader_entry(&seq, l.page_size));
+                prefilling.admitted(&seq);
                 self.running.push(seq);
                 continue;
             }
@@ -289,23 +288,10 @@ impl Scheduler {
                 sample: len == remaining,
             });
             budget -= len;
-            prefilling.extend(leader_entry(&seq, l.page_size));
+            prefilling.admitted(&seq);
             self.running.push(seq);
         }
         plan
-    }
-
-    /// [`leader_entry`]s of the running sequences whose prompts are still being prefilled.
-    fn prompts_in_prefill(&self) -> HashMap<PrefillKey, Leader> {
-        if !self.limits.defer_shared_prefills {
-            return HashMap::new();
-        }
-        let ps = self.limits.page_size;
-        self.running
-            .iter()
-            .filter(|s| s.num_computed < s.prompt.len())
-            .filter_map(|s| leader_entry(s, ps))
-            .collect()
     }
 
     /// Marks the planned rows computed (their KV is now in the cache).
@@ -371,50 +357,6 @@ impl Scheduler {
         }
         out
     }
-}
-
-/// What makes two prompts candidates to share a prefill: the same first full page, both
-/// deterministic or both not (the two read different page classes).
-type PrefillKey = (bool, Vec<u32>);
-
-/// `None`: a prompt of a page or less, which reads nothing from the cache.
-fn prefill_key(seq: &Sequence, page_size: usize) -> Option<PrefillKey> {
-    (seq.prompt.len() > page_size).then(|| (seq.deterministic, seq.prompt[..page_size].to_vec()))
-}
-
-/// A prefill others may wait for: its prompt, and the prompt tokens it read from the cache
-/// (which it does not compute, so waiting for it gains nothing there).
-struct Leader {
-    prompt: Vec<u32>,
-    cached: usize,
-}
-
-/// [`prefill_key`] and [`Leader`] of a sequence whose prefill computes prompt pages others
-/// could read: more full pages than it read from the cache.
-fn leader_entry(seq: &Sequence, page_size: usize) -> Option<(PrefillKey, Leader)> {
-    let readable = seq.prompt.len().saturating_sub(1) / page_size.max(1) * page_size;
-    if readable < seq.num_cached_tokens + page_size {
-        return None;
-    }
-    let leader = Leader {
-        prompt: seq.prompt.clone(),
-        cached: seq.num_cached_tokens,
-    };
-    prefill_key(seq, page_size).map(|k| (k, leader))
-}
-
-/// Whether `prompt` gains enough by waiting for `leader`'s prefill: the full pages they share
-/// that the leader computes (not those it read from the cache) cover at least half of it. (A
-/// long prefill sharing only a short system prompt is not worth the wait; nor is one whose
-/// shared part was cached already, as the system prompt of a chat's later requests.)
-fn worth_waiting_for(prompt: &[u32], leader: &Leader, page_size: usize) -> bool {
-    let common = prompt
-        .iter()
-        .zip(&leader.prompt)
-        .take_while(|(a, b)| a == b)
-        .count();
-    let pages = common.min(prompt.len().saturating_sub(1)) / page_size.max(1) * page_size;
-    2 * pages.saturating_sub(leader.cached) >= prompt.len()
 }
 
 /// Starts `seq` (holding no pages) from the cached pages of `tokens`' longest cached prefix

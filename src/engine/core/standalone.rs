@@ -132,9 +132,13 @@ impl EngineCore {
         let schedule = if fixed {
             AttentionSchedule::Fixed
         } else {
+            // The rows this group computes: none of those read from the prefix cache.
             AttentionSchedule::split_kv_for_batch(
                 seqs.len(),
-                seqs.iter().map(|s| s.len()).sum(),
+                seqs.iter()
+                    .zip(tables)
+                    .map(|(s, t)| s.len() - t.num_tokens())
+                    .sum(),
                 (
                     self.info.config.num_attention_heads,
                     self.info.config.num_key_value_heads,

@@ -1,0 +1,93 @@
+//! Which waiting prompts wait for a prefill still running, so that they read its pages from
+//! the prefix cache instead of computing them beside it
+//! ([`super::SchedulerLimits::defer_shared_prefills`]): the `n` samples of a request, a GRPO
+//! group. SGLang's scheduler deprioritises in-batch shared prefixes the same way.
+
+use std::collections::HashMap;
+
+use super::{SchedulerLimits, Sequence};
+
+/// The prefills of one step's planning that waiting prompts may wait for: the running ones
+/// still prefilling, then each one admitted. Empty (holding nobody back) when deferral is off.
+pub(super) struct SharedPrefills {
+    leaders: Option<HashMap<PrefillKey, Leader>>,
+    page_size: usize,
+}
+
+impl SharedPrefills {
+    pub(super) fn new(running: &[Sequence], limits: &SchedulerLimits) -> Self {
+        let page_size = limits.page_size.max(1);
+        let leaders = limits.defer_shared_prefills.then(|| {
+            running
+                .iter()
+                .filter(|s| s.num_computed < s.prompt.len())
+                .filter_map(|s| leader_entry(s, page_size))
+                .collect()
+        });
+        Self { leaders, page_size }
+    }
+
+    /// Whether the waiting `seq`, holding no pages yet, waits for a running prefill that
+    /// computes full pages covering at least half of its prompt.
+    pub(super) fn holds_back(&self, seq: &Sequence) -> bool {
+        let Some(leaders) = &self.leaders else {
+            return false;
+        };
+        let fresh = seq.num_computed == 0 && seq.block_table.pages().is_empty();
+        fresh
+            && prefill_key(seq, self.page_size)
+                .and_then(|k| leaders.get(&k))
+                .is_some_and(|l| worth_waiting_for(&seq.prompt, l, self.page_size))
+    }
+
+    /// `seq` was admitted: the prompts behind it may wait for its prefill.
+    pub(super) fn admitted(&mut self, seq: &Sequence) {
+        if let Some(leaders) = &mut self.leaders {
+            leaders.extend(leader_entry(seq, self.page_size));
+        }
+    }
+}
+
+/// What makes two prompts candidates to share a prefill: the same first full page, both
+/// deterministic or both not (the two read different page classes).
+type PrefillKey = (bool, Vec<u32>);
+
+/// `None`: a prompt of a page or less, which reads nothing from the cache.
+fn prefill_key(seq: &Sequence, page_size: usize) -> Option<PrefillKey> {
+    (seq.prompt.len() > page_size).then(|| (seq.deterministic, seq.prompt[..page_size].to_vec()))
+}
+
+/// A prefill others may wait for: its prompt, and the prompt tokens it read from the cache
+/// (which it does not compute, so waiting for it gains nothing there).
+struct Leader {
+    prompt: Vec<u32>,
+    cached: usize,
+}
+
+/// [`prefill_key`] and [`Leader`] of a sequence whose prefill computes prompt pages others
+/// could read: more full pages than it read from the cache.
+fn leader_entry(seq: &Sequence, page_size: usize) -> Option<(PrefillKey, Leader)> {
+    let readable = seq.prompt.len().saturating_sub(1) / page_size * page_size;
+    if readable < seq.num_cached_tokens + page_size {
+        return None;
+    }
+    let leader = Leader {
+        prompt: seq.prompt.clone(),
+        cached: seq.num_cached_tokens,
+    };
+    prefill_key(seq, page_size).map(|k| (k, leader))
+}
+
+/// Whether `prompt` gains enough by waiting for `leader`'s prefill: the full pages they share
+/// that the leader computes (not those it read from the cache) cover at least half of it. (A
+/// long prefill sharing only a short system prompt is not worth the wait; nor is one whose
+/// shared part was cached already, as the system prompt of a chat's later requests.)
+fn worth_waiting_for(prompt: &[u32], leader: &Leader, page_size: usize) -> bool {
+    let common = prompt
+        .iter()
+        .zip(&leader.prompt)
+        .take_while(|(a, b)| a == b)
+        .count();
+    let pages = common.min(prompt.len().saturating_sub(1)) / page_size * page_size;
+    2 * pages.saturating_sub(leader.cached) >= prompt.len()
+}
