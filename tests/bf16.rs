@@ -596,8 +596,8 @@ fn cpu_dtype_choices_and_errors() {
 fn a_model_too_large_for_memory_fails_before_loading_and_says_how_much_it_needs() {
     // A config for ~17 T parameters and no weights at all: the check runs on the config alone,
     // before the checkpoint is opened or anything allocated.
-    let dir = std::env::temp_dir().join(format!("detspec-huge-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("dir");
+    let scratch = tempfile::tempdir().expect("dir");
+    let dir = scratch.path();
     let cfg_json = serde_json::json!({
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -612,7 +612,7 @@ fn a_model_too_large_for_memory_fails_before_loading_and_says_how_much_it_needs(
         "torch_dtype": "bfloat16"
     });
     std::fs::write(dir.join("config.json"), cfg_json.to_string()).expect("config");
-    let err = load_err(&dir, EngineConfig::default());
+    let err = load_err(dir, EngineConfig::default());
     assert!(
         err.contains("GiB of memory") && err.contains("bf16"),
         "{err}"

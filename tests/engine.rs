@@ -253,13 +253,12 @@ fn prompt_logits_match_the_generation_path() {
     assert_eq!(out[0].outputs[0].token_ids[0], argmax as u32);
 }
 
-fn copy_dir(src: &Path, name: &str) -> PathBuf {
-    let dst =
-        std::env::temp_dir().join(format!("detspec-engine-test-{}-{name}", std::process::id()));
-    std::fs::create_dir_all(&dst).unwrap();
+/// A copy of `src` in a directory removed when the guard drops.
+fn copy_dir(src: &Path) -> tempfile::TempDir {
+    let dst = tempfile::tempdir().unwrap();
     for f in std::fs::read_dir(src).unwrap() {
         let f = f.unwrap();
-        std::fs::copy(f.path(), dst.join(f.file_name())).unwrap();
+        std::fs::copy(f.path(), dst.path().join(f.file_name())).unwrap();
     }
     dst
 }
@@ -282,42 +281,46 @@ fn load_errors_name_the_culprit() {
     let missing = std::env::temp_dir().join("detspec-no-such-model-dir");
     assert!(load_err(&missing).contains("detspec-no-such-model-dir"));
 
-    let dir = copy_dir(model_dir(), "truncated");
+    let copy = copy_dir(model_dir());
+    let dir = copy.path();
     let st = dir.join("model.safetensors");
     let bytes = std::fs::read(&st).unwrap();
     std::fs::write(&st, &bytes[..bytes.len() / 2]).unwrap();
-    let err = load_err(&dir);
+    let err = load_err(dir);
     assert!(err.contains("model.safetensors"), "{err}");
 
-    let dir = copy_dir(model_dir(), "arch");
+    let copy = copy_dir(model_dir());
+    let dir = copy.path();
     let cfg = std::fs::read_to_string(dir.join("config.json")).unwrap();
     std::fs::write(
         dir.join("config.json"),
         cfg.replace("LlamaForCausalLM", "GPT2LMHeadModel"),
     )
     .unwrap();
-    let err = load_err(&dir);
+    let err = load_err(dir);
     assert!(
         err.contains("GPT2LMHeadModel") && err.contains("config.json"),
         "{err}"
     );
 
-    let dir = copy_dir(model_dir(), "shape");
+    let copy = copy_dir(model_dir());
+    let dir = copy.path();
     let cfg = std::fs::read_to_string(dir.join("config.json")).unwrap();
     std::fs::write(
         dir.join("config.json"),
         cfg.replace("\"intermediate_size\": 128", "\"intermediate_size\": 96"),
     )
     .unwrap();
-    let err = load_err(&dir);
+    let err = load_err(dir);
     assert!(
         err.contains("mlp.gate_proj.weight") && err.contains("shape"),
         "{err}"
     );
 
-    let dir = copy_dir(model_dir(), "noconfig");
+    let copy = copy_dir(model_dir());
+    let dir = copy.path();
     std::fs::remove_file(dir.join("config.json")).unwrap();
-    assert!(load_err(&dir).contains("config.json"));
+    assert!(load_err(dir).contains("config.json"));
     let _: Option<DetspecError> = None;
 }
 

@@ -154,8 +154,8 @@ fn kv_memory_is_released_and_restored() {
 fn complete_checkpoints_and_safetensors_buffers() {
     let e = engine();
     let fp = e.fingerprint();
-    let dir = std::env::temp_dir().join(format!("detspec-control-partial-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let scratch = tempfile::tempdir().unwrap();
+    let dir = scratch.path();
     let t =
         candle_core::Tensor::ones(64, candle_core::DType::F32, &candle_core::Device::Cpu).unwrap();
     let path = dir.join("model.safetensors");
@@ -165,7 +165,7 @@ fn complete_checkpoints_and_safetensors_buffers() {
     )
     .unwrap();
     let err = e
-        .update_weights_from_checkpoint(&dir, InFlight::Finish, true)
+        .update_weights_from_checkpoint(dir, InFlight::Finish, true)
         .unwrap_err();
     assert!(matches!(err, DetspecError::MissingTensor { .. }), "{err}");
     assert_eq!(e.fingerprint(), fp);

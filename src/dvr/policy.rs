@@ -152,6 +152,19 @@ impl DeterminismPolicy {
         }
     }
 
+    /// The class of the pages holding a finished sequence's answer. A deterministic answer's
+    /// KV was written by inline rows or by the verifier; where every kernel is
+    /// shape-invariant that is what a prefill of the same tokens writes, so its pages are
+    /// [`PageClass::Invariant`] and a deterministic next turn reads them. Where GEMMs depend on
+    /// M the verifier's B × W passes differ from a prefill's W-row passes: they serve plain
+    /// requests only ([`PageClass::Fast`], continuing the invariant prompt pages).
+    pub fn output_page_class(&self, seq: &Sequence) -> PageClass {
+        match (self.page_class(seq), self.scoring_shape()) {
+            (PageClass::Invariant, ScoringShape::Any) => PageClass::Invariant,
+            _ => PageClass::Fast,
+        }
+    }
+
     /// A sequence was preempted (its KV freed, requeued for recompute). Under replay its
     /// speculative tokens are dropped; committed ones stay (they were emitted) and are
     /// re-verified after the prompt's isolated re-prefill, which rebuilds the exact KV.

@@ -747,6 +747,7 @@ impl EngineCore {
                 events.push(ev);
             }
         }
+        self.cache_output_pages();
         for s in self.sched.take_finished(self.alloc.as_ref()) {
             self.extra.remove(&s.id);
         }
@@ -774,6 +775,40 @@ impl EngineCore {
                         .insert_prefix_of(&seq.prompt[..full * ps], pages, class);
                 }
             }
+        }
+    }
+
+    /// Registers the full pages of finished sequences' committed output in the prefix cache,
+    /// after their prompt pages, so the next turn of a conversation (prompt + answer + new
+    /// message; an agent's rollout after a tool call) reads the answer instead of computing it
+    /// again. Only positions whose KV is final count: those before the last committed token
+    /// (its own KV may be missing, or a rejected guess's). The class is the policy's: where a
+    /// deterministic answer's KV is what a prefill of the same tokens writes, `Invariant`.
+    fn cache_output_pages(&self) {
+        if !self.cfg.enable_prefix_caching {
+            return;
+        }
+        let ps = self.cfg.page_size;
+        for seq in self.sched.running().iter().filter(|s| s.is_done()) {
+            let final_kv = (seq.prompt.len() + seq.verified)
+                .saturating_sub(1)
+                .min(seq.num_computed);
+            let full = final_kv / ps;
+            if full <= seq.prompt.len() / ps {
+                continue; // no page past the prompt's, which were registered after prefill
+            }
+            let Some(pages) = seq.block_table.pages().get(..full) else {
+                continue;
+            };
+            let tokens: Vec<u32> = seq
+                .prompt
+                .iter()
+                .chain(&seq.output)
+                .take(full * ps)
+                .copied()
+                .collect();
+            let class = self.policy.output_page_class(seq);
+            self.alloc.insert_prefix_of(&tokens, pages, class);
         }
     }
 

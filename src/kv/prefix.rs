@@ -4,8 +4,11 @@
 //! # Keys
 //!
 //! Page `i` of a sequence is keyed by `chain_hash(key(i - 1), tokens of page i)`, the root being
-//! a constant derived from the page size. Because the key covers the whole prefix, equal keys mean
-//! equal KV (the model is deterministic on a given path). The hash is FNV-1a with its standard
+//! a constant derived from the page size and the page's class ([`PageClass`]). Because the key
+//! covers the whole prefix, equal keys mean equal KV (the model is deterministic on a given
+//! path). A `Fast` page may follow `Invariant` ones (a plain request that read a deterministic
+//! prefix and went on past it): its key starts from its parent's key marked as a change of
+//! class, so it never takes the key an `Invariant` continuation would have. The hash is FNV-1a with its standard
 //! fixed offset basis and prime, followed by a fixed 64-bit finaliser, so keys are the same in
 //! every process and on every run: a randomly seeded hasher (`RandomState`) would make hits
 //! depend on the process, which breaks reproducibility of page ids and of hit statistics.
@@ -71,8 +74,13 @@ fn fmix64(mut k: u64) -> u64 {
     k ^ (k >> 33)
 }
 
-/// How a cached page's KV was computed. Each class's chains start from their own root; a
-/// lookup reads the classes [`PageClass::readable`] names.
+/// How a cached page's KV was computed. Each class's chains start from their own root.
+///
+/// A deterministic request reads `Invariant` pages only. A request with no reproducibility
+/// promise reads either, and `Fast` pages that continue `Invariant` ones: an invariant page
+/// holds exact KV of its tokens too, so a prompt scored deterministically (prompt logprobs
+/// before a generation, what eval harnesses send) is not computed twice, and a plain
+/// conversation that began on a deterministic prefix caches its own turns after it.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum PageClass {
     /// By the batch-variant fast path: its bits depend on what else ran.
@@ -82,19 +90,6 @@ pub enum PageClass {
     /// function of the tokens, the same whoever computed them. Deterministic requests read only
     /// these.
     Invariant,
-}
-
-impl PageClass {
-    /// The classes a lookup of this class may read. A request with no reproducibility promise
-    /// reads either: an invariant page holds exact KV of its tokens too, and a prompt scored
-    /// deterministically (prompt logprobs before a generation, what eval harnesses send) is
-    /// then not computed twice. A deterministic request reads invariant pages only.
-    pub fn readable(self) -> &'static [PageClass] {
-        match self {
-            PageClass::Fast => &[PageClass::Fast, PageClass::Invariant],
-            PageClass::Invariant => &[PageClass::Invariant],
-        }
-    }
 }
 
 /// Key of the (empty) prefix before page 0. Includes the page size so that caches with different
@@ -124,6 +119,30 @@ pub fn chain_hash(parent: u64, tokens: &[u32]) -> u64 {
     fmix64(h.finish())
 }
 
+/// The cached entry a page chains from.
+#[derive(Debug, Clone, Copy)]
+struct Link {
+    key: u64,
+    id: u64,
+    class: PageClass,
+}
+
+/// What a page of `class` after `parent` (`None`: the first page) hashes its tokens onto: the
+/// class's root, the parent's key within a class, and the parent's key marked where a `Fast`
+/// page follows an `Invariant` one, so the two continuations of a page never share a key.
+fn chain_base(page_size: usize, parent: Option<Link>, class: PageClass) -> u64 {
+    match parent {
+        None => root_hash_of(page_size, class),
+        Some(p) if p.class == class => p.key,
+        Some(p) => {
+            let mut h = FnvHasher::default();
+            h.write(b"class-change");
+            h.write(&p.key.to_le_bytes());
+            fmix64(h.finish())
+        }
+    }
+}
+
 type FixedState = BuildHasherDefault<FnvHasher>;
 
 /// LRU order: oldest `last_used` first, then deepest first, then page id (for uniqueness).
@@ -137,6 +156,7 @@ struct Entry {
     /// Key of the parent entry (meaningless for depth 0).
     parent_key: u64,
     page: PageId,
+    class: PageClass,
     tokens: Box<[u32]>,
     depth: u32,
     last_used: u64,
@@ -146,6 +166,14 @@ struct Entry {
 impl Entry {
     fn lru_key(&self) -> LruKey {
         (self.last_used, u32::MAX - self.depth, self.page)
+    }
+
+    fn link(&self, key: u64) -> Link {
+        Link {
+            key,
+            id: self.id,
+            class: self.class,
+        }
     }
 }
 
@@ -257,8 +285,8 @@ impl PrefixCache {
         self.lookup_class(tokens, page_size, PageClass::Fast, alloc)
     }
 
-    /// [`Self::lookup`] for a request of `class`: the longest run among the chains of the
-    /// classes it may read ([`PageClass::readable`]).
+    /// [`Self::lookup`] for a request of `class`: the longest run it may read (see
+    /// [`PageClass`]).
     pub fn lookup_class(
         &mut self,
         tokens: &[u32],
@@ -272,12 +300,7 @@ impl PrefixCache {
         self.tick += 1;
         self.lookups += 1;
         self.query_tokens += tokens.len() as u64;
-        let run = class
-            .readable()
-            .iter()
-            .map(|&c| self.cached_run(tokens, page_size, c))
-            .max_by_key(Vec::len)
-            .unwrap_or_default();
+        let run = self.cached_run(tokens, page_size, class);
         let mut pages = Vec::with_capacity(run.len());
         for key in run {
             let Some(e) = self.entries.get_mut(&key) else {
@@ -300,22 +323,59 @@ impl PrefixCache {
         pages
     }
 
-    /// The keys of the cached pages `tokens` starts with in `class`'s chain, in order.
+    /// The keys of the longest run of cached pages `tokens` starts with that a request of
+    /// `class` may read, in order: an `Invariant` chain, or for `Fast` requests the longest of
+    /// `Invariant` pages followed by `Fast` ones (none of either included).
     fn cached_run(&self, tokens: &[u32], page_size: usize, class: PageClass) -> Vec<u64> {
-        let mut run = Vec::new();
-        let mut key = root_hash_of(page_size, class);
-        let mut parent_id = 0;
-        for chunk in tokens.chunks_exact(page_size) {
-            key = chain_hash(key, chunk);
-            match self.entries.get(&key) {
-                Some(e) if e.parent_id == parent_id && *e.tokens == *chunk => {
-                    parent_id = e.id;
-                    run.push(key);
+        let invariant = self.chain(tokens, page_size, None, PageClass::Invariant);
+        let mut best: Vec<Link> = invariant.clone();
+        if class == PageClass::Fast {
+            for split in 0..=invariant.len() {
+                let head = &invariant[..split];
+                let rest = &tokens[split * page_size..];
+                let tail = self.chain(rest, page_size, head.last().copied(), PageClass::Fast);
+                if split + tail.len() > best.len() {
+                    best = head.iter().copied().chain(tail).collect();
                 }
-                _ => break,
+            }
+        }
+        best.into_iter().map(|l| l.key).collect()
+    }
+
+    /// The cached pages of `class` that continue `parent` with `tokens`' full pages, in order.
+    fn chain(
+        &self,
+        tokens: &[u32],
+        page_size: usize,
+        mut parent: Option<Link>,
+        class: PageClass,
+    ) -> Vec<Link> {
+        let mut run = Vec::new();
+        for chunk in tokens.chunks_exact(page_size) {
+            match self.child(parent, chunk, page_size, class) {
+                Some(link) => {
+                    run.push(link);
+                    parent = Some(link);
+                }
+                None => break,
             }
         }
         run
+    }
+
+    /// The cached page of `class` holding `chunk` after `parent`, if any: the hash is checked
+    /// against the entry's parent, tokens and class, so a collision or an orphan is a miss.
+    fn child(
+        &self,
+        parent: Option<Link>,
+        chunk: &[u32],
+        page_size: usize,
+        class: PageClass,
+    ) -> Option<Link> {
+        let key = chain_hash(chain_base(page_size, parent, class), chunk);
+        let e = self.entries.get(&key)?;
+        let parent_id = parent.map_or(0, |p| p.id);
+        (e.parent_id == parent_id && e.class == class && *e.tokens == *chunk).then(|| e.link(key))
     }
 
     /// Registers the full pages of a sequence whose KV for `tokens` lives in `pages` (its block
@@ -336,7 +396,9 @@ impl PrefixCache {
         self.insert_class(tokens, pages, page_size, PageClass::Fast, alloc)
     }
 
-    /// [`Self::insert`] as pages of `class`.
+    /// [`Self::insert`] as pages of `class`. A `Fast` sequence's pages continue the
+    /// `Invariant` pages it read, so a plain conversation that began on a deterministic prefix
+    /// caches its own turns after it.
     pub fn insert_class(
         &mut self,
         tokens: &[u32],
@@ -351,41 +413,25 @@ impl PrefixCache {
         self.tick += 1;
         let tick = self.tick;
         let mut added = 0;
-        let mut key = root_hash_of(page_size, class);
-        let mut parent_key = 0;
-        let mut parent_id = 0;
+        let mut parent: Option<Link> = None;
         for (depth, (chunk, &page)) in tokens.chunks_exact(page_size).zip(pages).enumerate() {
-            key = chain_hash(key, chunk);
-            let existing = self.entries.get(&key).map(|e| {
-                let same = e.parent_id == parent_id && *e.tokens == *chunk;
-                let orphan = e.depth > 0
-                    && self.entries.get(&e.parent_key).map(|p| p.id) != Some(e.parent_id);
-                (same, orphan)
-            });
-            match existing {
-                Some((true, _)) => {
-                    // Already cached (this page or an identical one): refresh and go deeper.
-                    if let Some(e) = self.entries.get_mut(&key) {
-                        if e.in_lru {
-                            self.lru.remove(&e.lru_key());
-                            e.last_used = tick;
-                            self.lru.insert(e.lru_key());
-                        } else {
-                            e.last_used = tick;
-                        }
-                        parent_id = e.id;
-                    }
-                    parent_key = key;
-                    continue;
-                }
+            if let Some(link) = self.cached_child(parent, chunk, page, page_size, class) {
+                // Already cached (this page or an identical one): refresh and go deeper.
+                self.touch(link.key, tick);
+                parent = Some(link);
+                continue;
+            }
+            let key = chain_hash(chain_base(page_size, parent, class), chunk);
+            if let Some(e) = self.entries.get(&key) {
                 // The key is taken by another chain. An orphan (its parent was evicted) can never
                 // be hit again: drop it and reuse the key. Otherwise it is a genuine 64-bit
                 // collision: stop caching this sequence here.
-                Some((false, true)) => {
-                    self.remove_entry(key, alloc);
+                let orphan = e.depth > 0
+                    && self.entries.get(&e.parent_key).map(|p| p.id) != Some(e.parent_id);
+                if !orphan {
+                    break;
                 }
-                Some((false, false)) => break,
-                None => {}
+                self.remove_entry(key, alloc);
             }
             if self.by_page.get(page as usize) != Some(&None) {
                 // Out of range, or this page is already cached under another key (its contents
@@ -401,9 +447,10 @@ impl PrefixCache {
                 key,
                 Entry {
                     id,
-                    parent_id,
-                    parent_key,
+                    parent_id: parent.map_or(0, |p| p.id),
+                    parent_key: parent.map_or(0, |p| p.key),
                     page,
+                    class,
                     tokens: chunk.into(),
                     depth: depth as u32,
                     last_used: tick,
@@ -417,10 +464,49 @@ impl PrefixCache {
             fence(Ordering::SeqCst);
             self.on_sole_holder(page, alloc);
             added += 1;
-            parent_key = key;
-            parent_id = id;
+            parent = Some(Link { key, id, class });
         }
         added
+    }
+
+    /// The cached page that already holds `chunk` after `parent` for a sequence writing pages of
+    /// `class`: `page` itself where it is cached there (the sequence read it from the cache),
+    /// else an identical one, `Invariant` first (exact KV, readable by every request). A `Fast`
+    /// sequence may pass through `Invariant` pages (those it read); an `Invariant` one only
+    /// through its own class.
+    fn cached_child(
+        &self,
+        parent: Option<Link>,
+        chunk: &[u32],
+        page: PageId,
+        page_size: usize,
+        class: PageClass,
+    ) -> Option<Link> {
+        let after_invariant = parent.is_none_or(|p| p.class == PageClass::Invariant);
+        let classes: &[PageClass] = match class {
+            PageClass::Invariant => &[PageClass::Invariant],
+            PageClass::Fast if after_invariant => &[PageClass::Invariant, PageClass::Fast],
+            PageClass::Fast => &[PageClass::Fast],
+        };
+        let found: Vec<Link> = classes
+            .iter()
+            .filter_map(|&c| self.child(parent, chunk, page_size, c))
+            .collect();
+        let is_this_page = |l: &&Link| self.entries.get(&l.key).is_some_and(|e| e.page == page);
+        found.iter().find(is_this_page).or(found.first()).copied()
+    }
+
+    /// Marks the entry at `key` used at `tick` (its place in the LRU moves with it).
+    fn touch(&mut self, key: u64, tick: u64) {
+        if let Some(e) = self.entries.get_mut(&key) {
+            if e.in_lru {
+                self.lru.remove(&e.lru_key());
+                e.last_used = tick;
+                self.lru.insert(e.lru_key());
+            } else {
+                e.last_used = tick;
+            }
+        }
     }
 
     /// Notification that `page`'s reference count may have dropped to 1; if it is cached and only

@@ -317,7 +317,7 @@ impl Scheduler {
     pub fn take_finished(&mut self, alloc: &dyn PageAllocator) -> Vec<Sequence> {
         let (done, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut self.running)
             .into_iter()
-            .partition(|s| s.finish.is_some() && s.verified == s.output.len());
+            .partition(Sequence::is_done);
         self.running = keep;
         done.into_iter()
             .map(|mut s| {

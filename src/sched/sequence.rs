@@ -68,6 +68,11 @@ impl Sequence {
         self.len() == 0
     }
 
+    /// Finished with every output token verified: nothing of it will change again.
+    pub fn is_done(&self) -> bool {
+        self.finish.is_some() && self.verified == self.output.len()
+    }
+
     /// Speculative (not yet verified) output tokens.
     pub fn num_speculative(&self) -> usize {
         self.output.len() - self.verified

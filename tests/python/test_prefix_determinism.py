@@ -81,12 +81,19 @@ def test_prefix_prefilled_by_anyone_gives_fresh_bits(flat_model: str, profile) -
     gen(llm, PREFIX + OTHER, params(deterministic=False, seed=9))
     assert bits(gen(llm, PREFIX + SUFFIX, params())) == fresh
 
-    # (c) turn 2 of a conversation after turn 1 on the same engine.
+    # (c) turn 2 of a conversation after turn 1 on the same engine. Turn 2 reads turn 1's
+    # answer too where its KV is what a prefill writes (every kernel shape-invariant); where
+    # GEMMs depend on M the verifier wrote it, and turn 2 reads only the prompt's pages.
     llm = engine(flat_model, profile)
     turn1 = gen(llm, PREFIX, params(seed=5))
-    turn2_prompt = PREFIX + list(turn1.outputs[0].token_ids) + SUFFIX
-    got = bits(gen(llm, turn2_prompt, params(seed=6)))
-    assert got == bits(gen(engine(flat_model, profile), turn2_prompt, params(seed=6)))
+    answer = list(turn1.outputs[0].token_ids)
+    turn2_prompt = PREFIX + answer + SUFFIX
+    turn2 = gen(llm, turn2_prompt, params(seed=6))
+    assert bits(turn2) == bits(gen(engine(flat_model, profile), turn2_prompt, params(seed=6)))
+    if profile[0] == "invariant":
+        assert turn2.num_cached_tokens == (len(PREFIX) + len(answer) - 1) // PAGE * PAGE
+    else:
+        assert turn2.num_cached_tokens == len(PREFIX) // PAGE * PAGE
 
 
 @pytest.mark.parametrize("profile", PROFILES)
@@ -166,6 +173,33 @@ def test_a_scored_prompt_is_not_computed_again_by_its_generation(flat_model: str
         if deterministic:
             fresh = uncached_engine(flat_model, profile)
             assert bits(out) == bits(gen(fresh, prompt, params()))
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_a_plain_conversation_on_a_deterministic_prefix_caches_its_own_turns(
+    flat_model: str, profile
+) -> None:
+    """A plain request that read a deterministic request's pages registers the pages it
+    computed after them, its answer's included, so the next turn of its conversation reads
+    the whole of turn 1 (it used to stop at the deterministic prefix), while a deterministic
+    request with the same tokens still reads only the invariant pages and keeps its
+    fresh-engine bits."""
+    llm = engine(flat_model, profile)
+    gen(llm, PREFIX, params(seed=9))  # deterministic: the prefix's pages are invariant
+    turn1_prompt = PREFIX + SUFFIX + OTHER
+    turn1 = gen(llm, turn1_prompt, params(deterministic=False, seed=5))
+    assert turn1.num_cached_tokens == len(PREFIX) // PAGE * PAGE
+    turn2_prompt = turn1_prompt + list(turn1.outputs[0].token_ids) + SUFFIX
+    turn2 = gen(llm, turn2_prompt, params(deterministic=False, seed=6))
+    # every full page before turn 1's last token, whose KV turn 1 never computed
+    read = (len(turn1_prompt) + len(turn1.outputs[0].token_ids) - 1) // PAGE * PAGE
+    assert turn2.num_cached_tokens == read, "turn 2 did not read turn 1's own pages"
+
+    det = gen(llm, turn2_prompt, params(seed=6))
+    assert det.num_cached_tokens == len(PREFIX) // PAGE * PAGE
+    assert bits(det) == bits(
+        gen(uncached_engine(flat_model, profile), turn2_prompt, params(seed=6))
+    )
 
 
 @pytest.mark.parametrize("profile", PROFILES)

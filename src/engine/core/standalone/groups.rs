@@ -115,7 +115,7 @@ impl EngineCore {
 }
 
 /// How a standalone forward shares KV with the prefix cache: sequence `i` may read cached
-/// pages of `class` (and those [`PageClass::readable`] adds) before its first wanted row
+/// pages a request of `class` may read (see [`PageClass`]) before its first wanted row
 /// `first_wanted[i]`, and registers its pages of its first `cacheable[i]` tokens once computed.
 /// A page is registered as `class` only where its rows ran as that class's prefills run them.
 pub(super) struct PrefixUse<'a> {
