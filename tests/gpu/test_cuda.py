@@ -298,6 +298,28 @@ def test_scoring_and_generation_share_the_prompt_pages_on_gpu(flat_model, dtype)
         llm.shutdown()
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_conversation_reads_its_earlier_turns_on_gpu(flat_model, dtype):
+    """A finished answer's pages enter the prefix cache. Where GEMMs depend on M (cuBLAS) a
+    deterministic answer's KV came from verify passes, not a prefill's passes, so its pages
+    are for plain requests only: a deterministic turn 2 reads turn 1's prompt pages and equals
+    a fresh engine bit for bit; a plain turn 2 reads the answer too."""
+    rng = np.random.default_rng(9)
+    turn1_prompt = [int(x) for x in rng.integers(3, 900, size=100)]
+    llm = flat_llm(flat_model, dtype)
+    turn1 = llm.generate([turn1_prompt], target(0.8, True), use_tqdm=False)[0]
+    answer = list(turn1.outputs[0].token_ids)
+    turn2_prompt = turn1_prompt + answer + [int(x) for x in rng.integers(3, 900, size=9)]
+    det = llm.generate([turn2_prompt], target(0.8, True), use_tqdm=False)[0]
+    assert det.num_cached_tokens == len(turn1_prompt) // 16 * 16
+    fresh = flat_llm(flat_model, dtype)
+    assert bits(det) == bits(fresh.generate([turn2_prompt], target(0.8, True), use_tqdm=False)[0])
+    plain = llm.generate([turn2_prompt], target(0.8, False), use_tqdm=False)[0]
+    assert plain.num_cached_tokens == (len(turn1_prompt) + len(answer) - 1) // 16 * 16
+    for engine in (llm, fresh):
+        engine.shutdown()
+
+
 def test_audit_passes_and_pinpoints_tampering_on_gpu(flat_model):
     llm = flat_llm(flat_model, "bfloat16")
     rng = np.random.default_rng(3)
