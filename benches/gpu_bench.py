@@ -33,9 +33,14 @@ what it measured):
   lm-eval's request (``prompt_logprobs=1`` with ``max_tokens=1``: the generation reads the
   scored prompt's pages) and ``score`` of 32 tokens a deterministic generation just sampled
   (it reads the generated prompts' pages), with the prompt tokens read from the cache.
-* ``dvr_adaptive`` (last): the same at ``--adaptive-shares`` on a second engine with
+* ``dvr_adaptive``: the same at ``--adaptive-shares`` on a second engine with
   ``verify_window_adaptive=True`` (shorter windows after rollbacks), relative to the ``dvr``
   part's 0 % reference (measured here too when that part did not run).
+* ``dvr_groups`` (last; not in the default parts): the ``dvr`` part at ``--group-shares`` on
+  engines with ``verify_group`` B in ``--groups``: a pass is B x W rows whatever it carries,
+  so fewer windows a pass cost less where few requests are deterministic (on the CPU's
+  shape-dependent profile B = 1 measured 1.4-1.8x B = 8 at every share), until a pass's rows
+  no longer ride on the weights' read.
 
     python benches/write_random_llama.py --shape llama3-8b --out /tmp/llama3-8b
     python benches/gpu_bench.py --model-dir /tmp/llama3-8b --out gpu_bench.json
@@ -73,9 +78,18 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--num-requests", type=int, default=128)
     p.add_argument("--shares", default="0,2,10,50,100")
     p.add_argument("--adaptive-shares", default="2,10,100")
+    p.add_argument("--groups", default="1,2,4", help="B of the dvr_groups part's engines")
+    p.add_argument("--group-shares", default="2,10,100")
     p.add_argument("--hf-new-tokens", type=int, default=32)
     p.add_argument("--num-kv-pages", type=int, default=8192)
     p.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    p.add_argument(
+        "--verify-group",
+        type=int,
+        default=8,
+        help="B: windows per verify pass, every pass B x W rows (LLM-42: 8). Fewer rows a pass "
+        "cost less where few requests are deterministic, more passes where many are",
+    )
     p.add_argument(
         "--verify-window-adaptive",
         action="store_true",
@@ -153,7 +167,11 @@ def phases(before: dict, after: dict) -> dict:
 
 
 def engine(
-    args, determinism: str = "dvr", adaptive: bool | None = None, prefix_caching: bool = False
+    args,
+    determinism: str = "dvr",
+    adaptive: bool | None = None,
+    prefix_caching: bool = False,
+    verify_group: int | None = None,
 ):
     from detspec import LLM
 
@@ -166,6 +184,7 @@ def engine(
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=prefix_caching,
         verify_window_adaptive=args.verify_window_adaptive if adaptive is None else adaptive,
+        verify_group=args.verify_group if verify_group is None else verify_group,
     )
     return llm, time.perf_counter() - t
 
@@ -458,6 +477,14 @@ def main() -> None:
         shares = [int(x) for x in args.adaptive_shares.split(",")]
         dvr_shares(args, res, adaptive, vocab, shares, "dvr_adaptive", base)
         adaptive.shutdown()
+
+    if "dvr_groups" in parts:
+        for b in [int(x) for x in args.groups.split(",")]:
+            grouped, _ = engine(args, verify_group=b)
+            grouped.generate(prompts(4, 64, 99, vocab), warm, use_tqdm=False)
+            shares = [int(x) for x in args.group_shares.split(",")]
+            base = dvr_shares(args, res, grouped, vocab, shares, f"dvr_b{b}", base)
+            grouped.shutdown()
     res.put("finished", time.strftime("%Y-%m-%d %H:%M:%S"))
 
 

@@ -5,6 +5,7 @@
 #   scripts/build-cuda-wheel.sh        # -> dist-cuda/detspec-*.whl and dist-cuda/cuda_ops.xz
 #   # device run, carry ["dist-cuda"]:
 #   scripts/gpu-session.sh [PHASE ...]   # phases: smoke ops tests bench profile dvr_peaked
+#                                        #   dvr_groups
 #                                        # (default: smoke ops tests bench)
 #
 # smoke: installs the wheel (no dependencies: torch and its CUDA 13 libraries are there),
@@ -19,6 +20,9 @@
 #        successors and 10 % choice points (write_random_llama.py --peaked): DVR's cost where the
 #        fast path and the verifier rarely disagree, as on a trained model (random weights roll
 #        back every ~13 deterministic tokens) -> $OUT/gpu_bench_peaked.json.
+# dvr_groups: the DVR part on the random 8B-shaped model with verify_group B = 1, 2, 4 (the
+#        bench phase's dvr rows are B = 8): which B a pass's cost favours on this GPU
+#        -> $OUT/gpu_bench_groups.json.
 #
 # Each phase runs under its own time limit (DETSPEC_GPU_<PHASE>_S seconds) and a failing phase
 # does not stop the next. Everything printed lands in $OUT (or /tmp/detspec-gpu).
@@ -97,7 +101,15 @@ run_dvr_peaked() {
         --parts "${DETSPEC_GPU_PEAKED_PARTS:-dvr,dvr_adaptive}"
 }
 
-declare -A default_s=([smoke]=60 [ops]=120 [tests]=240 [bench]=300 [profile]=120 [dvr_peaked]=240)
+run_dvr_groups() {
+    local model=/tmp/llama3-8b-random
+    [ -f "$model/config.json" ] || python3 benches/write_random_llama.py --shape llama3-8b --out "$model"
+    python3 benches/gpu_bench.py --model-dir "$model" --out "$out/gpu_bench_groups.json" \
+        --parts dvr_groups --groups "${DETSPEC_GPU_GROUPS:-1,2,4}"
+}
+
+declare -A default_s=([smoke]=60 [ops]=120 [tests]=240 [bench]=300 [profile]=120 [dvr_peaked]=240
+    [dvr_groups]=300)
 for phase in "${phases[@]}"; do
     s="$(limit "$phase" "${default_s[$phase]:-300}")"
     echo "=== $phase (limit ${s}s) $(date +%T)"
