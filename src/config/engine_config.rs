@@ -310,6 +310,8 @@ pub struct EngineConfig {
     /// speculative ones), so a pass commits at most W tokens per request.
     pub verify_window: usize,
     /// B: requests per verify pass (topped up with dummies), so every pass has B×W rows.
+    /// Where rows cost arithmetic (the CPU) a smaller B wastes fewer rows on padding; on a GPU
+    /// a pass's rows ride on the weights' read, and fuller passes may win (docs/performance.md).
     pub verify_group: usize,
     /// How `dvr` mode verifies deterministic requests.
     pub verify_strategy: VerifyStrategy,
