@@ -8,10 +8,12 @@
 //! covers the whole prefix, equal keys mean equal KV (the model is deterministic on a given
 //! path). A `Fast` page may follow `Invariant` ones (a plain request that read a deterministic
 //! prefix and went on past it): its key starts from its parent's key marked as a change of
-//! class, so it never takes the key an `Invariant` continuation would have. The hash is FNV-1a with its standard
-//! fixed offset basis and prime, followed by a fixed 64-bit finaliser, so keys are the same in
-//! every process and on every run: a randomly seeded hasher (`RandomState`) would make hits
-//! depend on the process, which breaks reproducibility of page ids and of hit statistics.
+//! class, so it never takes the key an `Invariant` continuation would have.
+//!
+//! The hash is FNV-1a with its standard fixed offset basis and prime, followed by a fixed
+//! 64-bit finaliser, so keys are the same in every process and on every run: a randomly seeded
+//! hasher (`RandomState`) would make hits depend on the process, which breaks reproducibility
+//! of page ids and of hit statistics.
 //!
 //! A hit is never trusted on the hash alone: each entry stores its page's tokens and the id of
 //! the entry it was chained from, and lookups compare both. A 64-bit collision, or an orphan whose
