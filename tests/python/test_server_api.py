@@ -372,6 +372,22 @@ def test_usage_counts_prompt_tokens_read_from_the_prefix_cache(client) -> None:
     )
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 2 * full_pages
 
+    # A conversation's next turn, sent as ids (prompt + answer + more), reads the answer's
+    # pages too: every full page before the answer's last token.
+    turn1 = client.completions.create(
+        model=SERVED_NAME,
+        prompt=prompt,
+        max_tokens=30,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
+    answer = turn1.choices[0].model_extra["token_ids"]
+    assert len(answer) == 30
+    turn2 = client.completions.create(
+        model=SERVED_NAME, prompt=prompt + answer + [5, 6, 7], max_tokens=2
+    )
+    read = (len(prompt) + len(answer) - 1) // 16 * 16
+    assert turn2.usage.prompt_tokens_details.cached_tokens == read
+
 
 def test_skip_special_tokens_false(client, llm) -> None:
     r = client.completions.create(
