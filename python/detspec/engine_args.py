@@ -143,7 +143,8 @@ ENGINE_SETTINGS: tuple[EngineSetting, ...] = (
         "enable_prefix_caching",
         bool,
         True,
-        "reuse KV pages of shared prompt prefixes (never for deterministic requests)",
+        "reuse KV pages of shared prefixes, earlier prompts and answers (deterministic requests "
+        "read only pages computed as a deterministic prefill computes them)",
     ),
     EngineSetting(
         "num_threads",

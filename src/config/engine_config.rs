@@ -340,8 +340,9 @@ pub struct EngineConfig {
     /// (or `RAYON_NUM_THREADS`). Every engine has its own pool, so several engines working at
     /// once in one process should split the cores between them.
     pub num_threads: Option<usize>,
-    /// Reuse KV pages of earlier prompts with the same prefix. A deterministic request reads
-    /// only pages computed on invariant kernels (`kv::PageClass`), so its bits do not change.
+    /// Reuse KV pages of earlier prompts and answers with the same prefix. A deterministic
+    /// request reads only pages computed as a deterministic prefill computes them
+    /// (`kv::PageClass`), so its bits do not change.
     pub enable_prefix_caching: bool,
 }
 
