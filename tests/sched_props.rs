@@ -34,6 +34,18 @@ fn seq(id: u64, prompt_len: usize, max_tokens: usize, deterministic: bool) -> Se
     }
 }
 
+/// The examples' scheduler: up to 8 sequences, pages of 4 tokens.
+fn example_scheduler(budget: usize, chunk: usize, isolate: bool, defer: bool) -> Scheduler {
+    Scheduler::new(SchedulerLimits {
+        max_num_seqs: 8,
+        max_num_batched_tokens: budget,
+        page_size: 4,
+        max_prefill_chunk: chunk,
+        isolate_deterministic_prefill: isolate,
+        defer_shared_prefills: defer,
+    })
+}
+
 #[derive(Debug, Clone)]
 enum Op {
     Arrive {
@@ -140,15 +152,7 @@ proptest! {
 #[test]
 fn isolated_prefills_share_a_step_within_the_budget() {
     let alloc = SimpleAllocator::new(64);
-    let limits = SchedulerLimits {
-        max_num_seqs: 8,
-        max_num_batched_tokens: 24,
-        page_size: 4,
-        max_prefill_chunk: 16,
-        isolate_deterministic_prefill: true,
-        defer_shared_prefills: false,
-    };
-    let mut s = Scheduler::new(limits);
+    let mut s = example_scheduler(24, 16, true, false);
     for (id, len) in [(0, 30), (1, 10), (2, 10), (3, 10), (4, 5)] {
         s.add(seq(id, len, 4, true));
     }
@@ -178,15 +182,7 @@ fn prompts_sharing_a_prefill_wait_for_it() {
     use std::cell::RefCell;
 
     let alloc = SimpleAllocator::new(64);
-    let limits = SchedulerLimits {
-        max_num_seqs: 8,
-        max_num_batched_tokens: 16,
-        page_size: 4,
-        max_prefill_chunk: 16,
-        isolate_deterministic_prefill: false,
-        defer_shared_prefills: true,
-    };
-    let mut s = Scheduler::new(limits);
+    let mut s = example_scheduler(16, 16, false, true);
     let shared = seq(0, 20, 4, false).prompt;
     // Three samples of one 20-token prompt (two steps of prefill at 16 tokens), then another
     // prompt, and a short one (a page: nothing to share).
@@ -240,15 +236,7 @@ fn prompts_sharing_a_prefill_wait_for_it() {
 #[test]
 fn a_prompt_sharing_little_with_a_prefill_does_not_wait() {
     let alloc = SimpleAllocator::new(64);
-    let limits = SchedulerLimits {
-        max_num_seqs: 8,
-        max_num_batched_tokens: 32,
-        page_size: 4,
-        max_prefill_chunk: 16,
-        isolate_deterministic_prefill: false,
-        defer_shared_prefills: true,
-    };
-    let mut s = Scheduler::new(limits);
+    let mut s = example_scheduler(32, 16, false, true);
     s.add(seq(0, 20, 4, false));
     s.add(seq(1, 20, 4, false)); // a second sample: waits
     let mut little = seq(2, 20, 4, false);
@@ -265,15 +253,7 @@ fn a_prompt_sharing_little_with_a_prefill_does_not_wait() {
 #[test]
 fn prompts_whose_shared_part_is_cached_do_not_wait() {
     let alloc = SimpleAllocator::new(64);
-    let limits = SchedulerLimits {
-        max_num_seqs: 8,
-        max_num_batched_tokens: 64,
-        page_size: 4,
-        max_prefill_chunk: 64,
-        isolate_deterministic_prefill: false,
-        defer_shared_prefills: true,
-    };
-    let mut s = Scheduler::new(limits);
+    let mut s = example_scheduler(64, 64, false, true);
     let system: Vec<u32> = (100..116).collect(); // 16 tokens, cached
     for id in 0..3u64 {
         let mut chat = seq(id, 24, 4, false);

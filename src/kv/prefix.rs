@@ -330,18 +330,28 @@ impl PrefixCache {
     /// `Invariant` pages followed by `Fast` ones (none of either included).
     fn cached_run(&self, tokens: &[u32], page_size: usize, class: PageClass) -> Vec<u64> {
         let invariant = self.chain(tokens, page_size, None, PageClass::Invariant);
-        let mut best: Vec<Link> = invariant.clone();
-        if class == PageClass::Fast {
-            for split in 0..=invariant.len() {
-                let head = &invariant[..split];
-                let rest = &tokens[split * page_size..];
-                let tail = self.chain(rest, page_size, head.last().copied(), PageClass::Fast);
-                if split + tail.len() > best.len() {
-                    best = head.iter().copied().chain(tail).collect();
-                }
+        let keys = |links: &[Link]| links.iter().map(|l| l.key).collect::<Vec<u64>>();
+        if class == PageClass::Invariant {
+            return keys(&invariant);
+        }
+        // The longest of: the first `split` invariant pages, then fast ones.
+        let mut best = (invariant.len(), Vec::new());
+        for split in 0..=invariant.len() {
+            let rest = &tokens[split * page_size..];
+            let tail = self.chain(
+                rest,
+                page_size,
+                split.checked_sub(1).map(|j| invariant[j]),
+                PageClass::Fast,
+            );
+            if split + tail.len() > best.0 + best.1.len() {
+                best = (split, tail);
             }
         }
-        best.into_iter().map(|l| l.key).collect()
+        let (split, tail) = best;
+        let mut run = keys(&invariant[..split]);
+        run.extend(keys(&tail));
+        run
     }
 
     /// The cached pages of `class` that continue `parent` with `tokens`' full pages, in order.
@@ -490,12 +500,17 @@ impl PrefixCache {
             PageClass::Fast if after_invariant => &[PageClass::Invariant, PageClass::Fast],
             PageClass::Fast => &[PageClass::Fast],
         };
-        let found: Vec<Link> = classes
+        let mut first = None;
+        for link in classes
             .iter()
             .filter_map(|&c| self.child(parent, chunk, page_size, c))
-            .collect();
-        let is_this_page = |l: &&Link| self.entries.get(&l.key).is_some_and(|e| e.page == page);
-        found.iter().find(is_this_page).or(found.first()).copied()
+        {
+            if self.entries.get(&link.key).is_some_and(|e| e.page == page) {
+                return Some(link);
+            }
+            first.get_or_insert(link);
+        }
+        first
     }
 
     /// Marks the entry at `key` used at `tick` (its place in the LRU moves with it).
