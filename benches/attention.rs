@@ -1,7 +1,8 @@
 //! Paged attention at the bench model's shapes (8 query heads, 4 KV heads, head_dim 64, 16-slot
 //! pages scattered over the pool): decode of 1 / 16 / 64 sequences at 160 keys, and a prefill of
 //! 4 × 128 rows (the offline benchmark's chunked prefill); decode also with a bf16 KV cache
-//! (`fixed_bf16`: half the bytes, widened as loaded).
+//! (`fixed_bf16`: half the bytes, widened as loaded), and at 64 over eight layers' caches in
+//! turn (`fixed_bf16_8_layers`: the engine's working set, which no L3 holds).
 //!
 //! `cargo bench --bench attention`
 
@@ -101,6 +102,31 @@ fn attention(c: &mut Criterion) {
         g.bench_with_input(BenchmarkId::new("fixed_bf16", seqs), &seqs, |b, _| {
             b.iter(|| run(&s))
         });
+        if seqs == 64 {
+            // The engine's working set: eight layers' caches read in turn (84 MB in bf16, past
+            // this CPU's share of L3), where `fixed_bf16` rereads one layer's 10.5 MB.
+            let layers: Vec<Setup> = (0..8)
+                .map(|_| {
+                    let s = setup(seqs, ctx, 1, AttentionSchedule::Fixed);
+                    Setup {
+                        k: s.k.to_dtype(DType::BF16).expect("k bf16"),
+                        v: s.v.to_dtype(DType::BF16).expect("v bf16"),
+                        ..s
+                    }
+                })
+                .collect();
+            let mut next = 0;
+            g.bench_with_input(
+                BenchmarkId::new("fixed_bf16_8_layers", seqs),
+                &seqs,
+                |b, _| {
+                    b.iter(|| {
+                        next = (next + 1) % layers.len();
+                        run(&layers[next])
+                    })
+                },
+            );
+        }
     }
     g.finish();
     let mut g = c.benchmark_group("attention_prefill");
