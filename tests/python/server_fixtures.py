@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -204,3 +205,30 @@ def sse_events(resp: httpx.Response) -> list[dict | str]:
             data = line[6:]
             out.append(data if data == "[DONE]" else json.loads(data))
     return out
+
+
+# A Hermes-style chat template (written for the tests): renders the tools, earlier calls and
+# `tool` messages, as the hermes tool-call parser reads them back.
+HERMES_TEMPLATE = (
+    "{% if tools %}<s>system\nYou may call these tools:\n"
+    "{% for t in tools %}{{ t | tojson }}\n{% endfor %}</s>\n{% endif %}"
+    "{% for m in messages %}<s>{{ m['role'] }}\n"
+    "{% if m['tool_calls'] %}"
+    "{% for c in m['tool_calls'] %}<tool_call>\n"
+    "{{ {'name': c['function']['name'], 'arguments': c['function']['arguments']} | tojson }}\n"
+    "</tool_call>\n{% endfor %}"
+    "{% elif m['role'] == 'tool' %}<tool_response>\n{{ m['content'] }}\n</tool_response>\n"
+    "{% else %}{{ m['content'] | trim }}\n{% endif %}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def tool_model_dir(demo_model_dir, tmp_path_factory) -> str:
+    d = Path(tmp_path_factory.mktemp("tool-model")) / "m"
+    shutil.copytree(demo_model_dir, d)
+    cfg_path = d / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = HERMES_TEMPLATE
+    cfg_path.write_text(json.dumps(cfg))
+    return str(d)

@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 import struct
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import jsonschema
@@ -34,19 +32,7 @@ from server_fixtures import (  # noqa: F401
     demo_model_dir,
     server,
     start_server,
-)
-
-HERMES_TEMPLATE = (
-    "{% if tools %}<s>system\nYou may call these tools:\n"
-    "{% for t in tools %}{{ t | tojson }}\n{% endfor %}</s>\n{% endif %}"
-    "{% for m in messages %}<s>{{ m['role'] }}\n"
-    "{% if m['tool_calls'] %}"
-    "{% for c in m['tool_calls'] %}<tool_call>\n"
-    "{{ {'name': c['function']['name'], 'arguments': c['function']['arguments']} | tojson }}\n"
-    "</tool_call>\n{% endfor %}"
-    "{% elif m['role'] == 'tool' %}<tool_response>\n{{ m['content'] }}\n</tool_response>\n"
-    "{% else %}{{ m['content'] | trim }}\n{% endif %}</s>\n{% endfor %}"
-    "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+    tool_model_dir,
 )
 
 CITY_SCHEMA = {
@@ -87,17 +73,6 @@ DET = {"deterministic": True, "return_token_ids": True}
 
 def f32(x: float) -> bytes:
     return struct.pack("<f", x)
-
-
-@pytest.fixture(scope="module")
-def tool_model_dir(demo_model_dir, tmp_path_factory) -> str:
-    d = Path(tmp_path_factory.mktemp("tool-model")) / "m"
-    shutil.copytree(demo_model_dir, d)
-    cfg_path = d / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg["chat_template"] = HERMES_TEMPLATE
-    cfg_path.write_text(json.dumps(cfg))
-    return str(d)
 
 
 @pytest.fixture(scope="module")

@@ -2,10 +2,10 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON, or SSE ending in
 ``data: [DONE]``), ``GET /v1/models``, ``GET /health``, ``GET /metrics``, ``GET /version``,
-``POST /tokenize``, ``POST /detokenize``; ``echo`` and ``GET /tokenizer_info`` in
-``scoring_routes``, the RL control routes in ``rl_routes``, SGLang's native ``POST
-/generate`` in ``native_routes``, server-wide determinism in
-``defaults`` (docs/serving.md lists them all).
+``POST /tokenize``, ``POST /detokenize``; ``POST /v1/responses`` in ``responses_routes``;
+``echo`` and ``GET /tokenizer_info`` in ``scoring_routes``, the RL control routes in
+``rl_routes``, SGLang's native ``POST /generate`` in ``native_routes``, server-wide
+determinism in ``defaults`` (docs/serving.md lists them all).
 
 The rooms: ``errors`` (OpenAI's error body, exception handlers), ``middleware`` (API key,
 size limit), ``serving`` (validation, admission, generation, response bodies), ``jobs`` (a
@@ -31,6 +31,7 @@ from detspec.server.errors import ERROR_RESPONSES, ApiError, add_exception_handl
 from detspec.server.metrics import CONTENT_TYPE
 from detspec.server.middleware import GuardMiddleware
 from detspec.server.native_routes import build_native_router
+from detspec.server.responses_routes import build_responses_router
 from detspec.server.rl_routes import build_rl_router
 from detspec.server.scoring_routes import build_scoring_router, echo_completions
 from detspec.server.serving import OpenAIServer, ServerConfig
@@ -125,6 +126,7 @@ def build_app(
     app.include_router(build_scoring_router(server))
     app.include_router(build_rl_router(server))
     app.include_router(build_native_router(server))
+    app.include_router(build_responses_router(server))
     app.add_middleware(GuardMiddleware, api_key=config.api_key, max_bytes=config.max_request_bytes)
     return app
 

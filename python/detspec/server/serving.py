@@ -407,6 +407,12 @@ class OpenAIServer:
     # ---------------------------------------------------------------- chat
 
     async def chat(self, req: P.ChatCompletionRequest, request: Request) -> Response:
+        job, base, model = await self.chat_job(req, "chatcmpl-")
+        return await self._respond(req, request, [job], base, model, chat=True)
+
+    async def chat_job(self, req: P.ChatCompletionRequest, prefix: str) -> tuple[Job, str, str]:
+        """A chat request's engine request, checked and rendered: (the job, the response id,
+        which starts with ``prefix``, the model name). ``/v1/responses`` runs on it too."""
         self.defaults.apply(req)
         model = self.check_model(req.model)
         self.common_checks(req)
@@ -432,13 +438,13 @@ class OpenAIServer:
         else:
             max_tokens, max_param = req.max_tokens, "max_tokens"
         k = (req.top_logprobs or 0) if req.logprobs else None
-        base = f"chatcmpl-{uuid.uuid4().hex}"
+        base = f"{prefix}{uuid.uuid4().hex}"
         job = self.job(
             req, 0, f"{base}-0", ids, "messages", max_tokens, max_param, k, constraint, tools
         )
         if req.prompt_logprobs is not None:
             job.prompt_logprobs = await self.prompt_logprobs(ids, req.prompt_logprobs)
-        return await self._respond(req, request, [job], base, model, chat=True)
+        return job, base, model
 
     # ---------------------------------------------------------------- common response path
 
