@@ -320,12 +320,10 @@ class _Answer:
     finish_reason: str | None = None
     num_tokens: int = 0
 
-    def feed(self, fields: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
-        """Adds a chunk's shaped choice (``choice_fields(..., stream=True)``); returns its
-        text and its ``tool_calls`` deltas."""
+    def feed(self, fields: dict[str, Any]) -> None:
+        """Adds a chunk's shaped choice (``choice_fields(..., stream=True)``)."""
         delta = fields["delta"]
-        text = delta.get("content") or ""
-        self.text += text
+        self.text += delta.get("content") or ""
         if fields.get("logprobs"):
             self.logprobs += fields["logprobs"]["content"]
         for d in delta.get("tool_calls") or []:
@@ -343,7 +341,6 @@ class _Answer:
             self.calls[d["index"]]["arguments"] += d["function"].get("arguments") or ""
         if fields.get("finish_reason") is not None:
             self.finish_reason = fields["finish_reason"]
-        return text, delta.get("tool_calls") or []
 
     @property
     def has_message(self) -> bool:
@@ -439,9 +436,10 @@ class _Shaper:
             body["dvr_metrics"] = dvr_metrics(out, self.job.params).model_dump()
         return body
 
-    def feed(self, answer: _Answer, out: RequestOutput, first: bool) -> None:
+    def feed(self, answer: _Answer, out: RequestOutput) -> None:
         """Adds a delta output to ``answer``, shaped as a streamed chat choice."""
         (c,) = out.outputs
+        first = answer.num_tokens == 0
         answer.num_tokens += len(c.token_ids)
         fields = choice_fields(self.server.logprobs, self.chat, self.job, c, chat=True,
                                first=first, stream=True)  # fmt: skip
@@ -507,7 +505,7 @@ async def _drain(
     last = None
     async with contextlib.aclosing(outs):  # type: ignore[type-var]
         async for out in outs:
-            shaper.feed(answer, out, last is None)
+            shaper.feed(answer, out)
             last = out
     return last
 
@@ -556,7 +554,7 @@ async def _events(shaper: _Shaper, outs: AsyncIterator[RequestOutput]) -> AsyncI
         out: RequestOutput | None = None
         try:
             async for out in outs:
-                shaper.feed(answer, out, sent_text == 0 and not opened)
+                shaper.feed(answer, out)
                 for ev in text_events(False):
                     yield ev
         except DetspecError as e:
