@@ -232,3 +232,29 @@ def tool_model_dir(demo_model_dir, tmp_path_factory) -> str:
     cfg["chat_template"] = HERMES_TEMPLATE
     cfg_path.write_text(json.dumps(cfg))
     return str(d)
+
+
+@pytest.fixture(scope="session")
+def tool_server(tmp_path_factory, tool_model_dir) -> Iterator[ServerProcess]:
+    """The Hermes template and tool parser (tools default to ``auto``); DVR that verifies
+    and rolls back within short outputs. Chat's tool tests and the Responses API's share it."""
+    s = start_server(
+        tmp_path_factory,
+        "tools",
+        tool_model_dir,
+        "--max-model-len",
+        "1024",
+        "--verify-strategy",
+        "replay",
+        "--verify-window",
+        "8",
+        "--verify-group",
+        "4",
+        "--num-kv-pages",
+        "1024",
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+    )
+    yield s
+    assert s.stop() == 0, s.log()

@@ -22,17 +22,15 @@ import random
 import struct
 import threading
 import time
-from collections.abc import Iterator
 
 import jsonschema
 import openai
 import pytest
 from server_fixtures import (  # noqa: F401
     SERVED_NAME,
-    ServerProcess,
     demo_model_dir,
-    start_server,
     tool_model_dir,
+    tool_server,
 )
 
 CITY_SCHEMA = {
@@ -53,36 +51,8 @@ WORDS = ["city", "rain", "sun", "map", "river"]
 
 
 @pytest.fixture(scope="module")
-def responses_server(tmp_path_factory, tool_model_dir) -> Iterator[ServerProcess]:
-    """Replay DVR with short windows (verify passes and rollbacks within short outputs); the
-    Hermes parser, so that tools default to ``auto`` as on chat."""
-    s = start_server(
-        tmp_path_factory,
-        "responses",
-        tool_model_dir,
-        "--max-model-len",
-        "1024",
-        "--verify-strategy",
-        "replay",
-        "--verify-window",
-        "8",
-        "--verify-group",
-        "4",
-        "--num-kv-pages",
-        "1024",
-        "--enable-auto-tool-choice",
-        "--tool-call-parser",
-        "hermes",
-    )
-    yield s
-    assert s.stop() == 0, s.log()
-
-
-@pytest.fixture(scope="module")
-def client(responses_server) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=responses_server.base_url + "/v1", api_key="unused", max_retries=0
-    )
+def client(tool_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=tool_server.base_url + "/v1", api_key="unused", max_retries=0)
 
 
 def f32(x: float) -> bytes:
@@ -249,18 +219,18 @@ def target(deterministic: bool) -> dict:
     )
 
 
-def test_deterministic_response_is_bitwise_identical_under_load(client, responses_server) -> None:
+def test_deterministic_response_is_bitwise_identical_under_load(client, tool_server) -> None:
     kw = target(True)
     solo = bits(client.responses.create(**kw))
-    for i, got in enumerate(under_load(responses_server.base_url, kw, seed=1)):
+    for i, got in enumerate(under_load(tool_server.base_url, kw, seed=1)):
         assert got == solo, f"a deterministic response changed under load (repeat {i})"
 
 
-def test_negative_control_plain_responses_differ_under_load(client, responses_server) -> None:
+def test_negative_control_plain_responses_differ_under_load(client, tool_server) -> None:
     kw = target(False)
     solo = bits(client.responses.create(**kw))
     for seed in range(4):
-        if any(got[:2] != solo[:2] for got in under_load(responses_server.base_url, kw, seed)):
+        if any(got[:2] != solo[:2] for got in under_load(tool_server.base_url, kw, seed)):
             return
     pytest.fail("plain responses under load were all bitwise identical to the solo one")
 

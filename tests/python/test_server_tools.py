@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import json
 import struct
-from collections.abc import Iterator
 
 import httpx
 import jsonschema
@@ -28,11 +27,10 @@ import openai
 import pytest
 from server_fixtures import (  # noqa: F401
     SERVED_NAME,
-    ServerProcess,
     demo_model_dir,
     server,
-    start_server,
     tool_model_dir,
+    tool_server,
 )
 
 CITY_SCHEMA = {
@@ -73,31 +71,6 @@ DET = {"deterministic": True, "return_token_ids": True}
 
 def f32(x: float) -> bytes:
     return struct.pack("<f", x)
-
-
-@pytest.fixture(scope="module")
-def tool_server(tmp_path_factory, tool_model_dir) -> Iterator[ServerProcess]:
-    """Hermes tool parser; DVR that verifies and rolls back within short outputs."""
-    s = start_server(
-        tmp_path_factory,
-        "tools",
-        tool_model_dir,
-        "--max-model-len",
-        "1024",
-        "--verify-strategy",
-        "replay",
-        "--verify-window",
-        "8",
-        "--verify-group",
-        "4",
-        "--num-kv-pages",
-        "1024",
-        "--enable-auto-tool-choice",
-        "--tool-call-parser",
-        "hermes",
-    )
-    yield s
-    assert s.stop() == 0, s.log()
 
 
 @pytest.fixture(scope="module")
