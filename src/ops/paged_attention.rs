@@ -13,6 +13,7 @@
 //!   engine picks `splits` from the batch size to keep all threads busy when few sequences
 //!   decode, which makes results depend on the batch: fast, and batch-variant on purpose.
 
+use std::mem::MaybeUninit;
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -20,7 +21,7 @@ use candle_core::{bail, CpuStorage, CustomOp3, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
 use super::attention_plan::{AttentionMetadata, AttentionSchedule, AttentionShape, SOFTMAX_BLOCK};
-use super::{contiguous_f32, exp_nonpositive, filled_f32, zeroed, CpuIsa};
+use super::{contiguous_f32, exp_nonpositive, zeroed, CpuIsa};
 
 /// The op: one batch's plan and scale, and the instruction set the CPU body runs with.
 struct PagedAttention {
@@ -414,6 +415,75 @@ impl<'a, E: KvElem> AttentionArgs<'a, E> {
     }
 }
 
+impl<E: KvElem> AttentionArgs<'_, E> {
+    /// Whether the fixed schedule runs each decode row as one task over all its KV heads
+    /// ([`Self::row_task`]) rather than a task per KV head. One task a row reads a page's
+    /// keys (and values) of every KV head as one run and keeps a core's misses in flight on
+    /// one row; a task per KV head spreads a lone long row over the threads. So: whenever
+    /// there are rows for every thread, or the rows are short enough that a task's start-up
+    /// outweighs its work (measurements in docs/performance.md).
+    fn row_tasks(&self, tiles: &[Range<usize>]) -> bool {
+        const SHORT_ROW_KEYS: usize = 4096;
+        self.group() <= MAX_QUERIES
+            && (tiles.len() >= rayon::current_num_threads()
+                || (0..self.rows).all(|r| self.key_range(r).len() <= SHORT_ROW_KEYS))
+    }
+
+    /// One decode row × every query head, normalised into `out` (`[head][dim]`, zeroed by
+    /// the caller): blocks outer, KV heads inner. Each query's arithmetic is
+    /// [`Self::tile_task`]'s (the same blocks, folded in the same order).
+    #[inline(always)]
+    fn row_task<V: Lanes>(&self, row: usize, out: &mut [f32]) {
+        macro_rules! by_group {
+            ($($n:literal)*) => {
+                match self.group() {
+                    $($n => self.row_fold::<V, $n>(row, out),)*
+                    _ => unreachable!("row tasks run for groups of 1..=MAX_QUERIES heads"),
+                }
+            };
+        }
+        by_group!(1 2 3 4 5 6 7 8);
+    }
+
+    #[inline(always)]
+    fn row_fold<V: Lanes, const G: usize>(&self, row: usize, out: &mut [f32]) {
+        let (dim, kv_heads) = (self.dim, self.kv_heads);
+        let range = self.key_range(row);
+        let bt = self.block_table(row);
+        let qs: Vec<[&[f32]; G]> = (0..kv_heads)
+            .map(|kvh| std::array::from_fn(|i| self.query(row, kvh * G + i)))
+            .collect();
+        let mut state = vec![(f32::NEG_INFINITY, 0f32); self.heads];
+        let mut scratch = Gathered::default();
+        let block_end = |j: usize| ((j / SOFTMAX_BLOCK + 1) * SOFTMAX_BLOCK).min(range.end);
+        let mut j = range.start;
+        while j < range.end {
+            let end = block_end(j);
+            for kvh in 0..kv_heads {
+                self.prefetch_block(bt, kvh, end..block_end(end));
+            }
+            for (kvh, qs) in qs.iter().enumerate() {
+                let block = self.block(bt, kvh, j..end, &mut scratch);
+                // SAFETY: the caller runs on a CPU with `V`'s instruction set.
+                unsafe {
+                    fold_block::<V, E, G>(
+                        qs,
+                        &mut out[kvh * G * dim..(kvh + 1) * G * dim],
+                        &mut state[kvh * G..(kvh + 1) * G],
+                        &block,
+                        dim,
+                        self.scale,
+                    )
+                };
+            }
+            j = end;
+        }
+        for (o, &(_, denom)) in out.chunks_mut(dim).zip(&state) {
+            normalise(o, denom);
+        }
+    }
+}
+
 /// Most queries (query heads of one KV head, over one or more rows) folded together: they share
 /// each block's key and value loads, and their accumulators fit the vector registers.
 const MAX_QUERIES: usize = 8;
@@ -774,7 +844,13 @@ fn normalise(o: &mut [f32], denom: f32) {
 // compiled for baseline x86-64, so the vectorised work must sit behind a function that carries
 // the target features (the arithmetic is the same in every build).
 macro_rules! isa_entry_points {
-    ($($features:literal, $lanes:ty => $tile:ident, $split:ident;)*) => {$(
+    ($($features:literal, $lanes:ty => $tile:ident, $split:ident, $row:ident;)*) => {$(
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = $features)]
+        unsafe fn $row<E: KvElem>(a: &AttentionArgs<E>, row: usize, out: &mut [f32]) {
+            a.row_task::<$lanes>(row, out)
+        }
+
         #[cfg(target_arch = "x86_64")]
         #[target_feature(enable = $features)]
         unsafe fn $tile<E: KvElem>(
@@ -801,11 +877,25 @@ macro_rules! isa_entry_points {
 }
 
 isa_entry_points! {
-    "avx512f,avx2,fma", x86::Avx512 => tile_task_avx512, split_task_avx512;
-    "avx2,fma", x86::Avx2 => tile_task_avx2, split_task_avx2;
+    "avx512f,avx2,fma", x86::Avx512 => tile_task_avx512, split_task_avx512, row_task_avx512;
+    "avx2,fma", x86::Avx2 => tile_task_avx2, split_task_avx2, row_task_avx2;
 }
 
 impl<E: KvElem> AttentionArgs<'_, E> {
+    /// [`Self::row_task`] with instruction set `isa` (one this CPU has).
+    fn row_task_isa(&self, isa: CpuIsa, row: usize, out: &mut [f32]) {
+        // SAFETY: `isa` is one this CPU has (checked by `paged_attention_with_isa`).
+        unsafe {
+            match isa {
+                #[cfg(target_arch = "x86_64")]
+                CpuIsa::Avx512 => row_task_avx512(self, row, out),
+                #[cfg(target_arch = "x86_64")]
+                CpuIsa::Avx2Fma => row_task_avx2(self, row, out),
+                _ => self.row_task::<Portable>(row, out),
+            }
+        }
+    }
+
     /// [`Self::tile_task`] with instruction set `isa` (one this CPU has).
     fn tile_task_isa(&self, isa: CpuIsa, kvh: usize, rows: Range<usize>, out: &mut [f32]) {
         // SAFETY: `isa` is one this CPU has (checked by `paged_attention_with_isa`).
@@ -864,53 +954,69 @@ impl<E: KvElem> AttentionArgs<'_, E> {
     }
 }
 
+/// A task of the fixed schedule, with the part of the output it writes.
+enum FixedTask<'o> {
+    /// A decode row over all its KV heads (`[head][dim]`).
+    Row(usize, &'o mut [MaybeUninit<f32>]),
+    /// One KV head of a tile of rows (`[row][head of the group][dim]`).
+    Head(usize, Range<usize>, &'o mut [MaybeUninit<f32>]),
+}
+
 /// Runs the batch's schedule on the rayon pool with instruction set `isa` (one this CPU has).
 fn attention<E: KvElem>(a: &AttentionArgs<E>, isa: CpuIsa) -> Vec<f32> {
     let (dim, heads, meta) = (a.dim, a.heads, a.meta);
     match meta.schedule {
         AttentionSchedule::Fixed => {
-            // One task per (KV head, tile of rows): the query heads sharing a KV head, and the
-            // rows of a prefill chunk, load each block once. Tasks write `[kv head][row][head of
-            // the group][dim]`, transposed into place afterwards.
+            // Tiles are runs of consecutive rows, in order, so each tile's part of the output
+            // is one range of it. A decode row (a tile of one) is one task over all its KV
+            // heads, block by block, writing its row in place; the rows of a prefill tile are
+            // a task per KV head (they share each block's loads), written KV head by KV head
+            // into the tile's range and put in row order afterwards.
             let g = a.group();
             let tiles = a.tiles();
-            // Each task zeroes its own part (a whole-buffer zeroing ran on one thread alone).
-            let mut by_kv_head: Vec<f32> = Vec::with_capacity(a.q.len());
+            let by_row = a.row_tasks(&tiles);
+            let row_len = heads * dim;
+            let mut out: Vec<f32> = Vec::with_capacity(a.q.len());
             let mut tasks = Vec::with_capacity(a.kv_heads * tiles.len());
-            let mut rest = &mut by_kv_head.spare_capacity_mut()[..a.q.len()];
-            for kvh in 0..a.kv_heads {
-                for rows in &tiles {
-                    let (o, tail) = rest.split_at_mut(rows.len() * g * dim);
-                    tasks.push((kvh, rows.clone(), o));
-                    rest = tail;
+            let mut rest = &mut out.spare_capacity_mut()[..a.q.len()];
+            for rows in &tiles {
+                let (tile, tail) = rest.split_at_mut(rows.len() * row_len);
+                rest = tail;
+                if by_row && rows.len() == 1 {
+                    tasks.push(FixedTask::Row(rows.start, tile));
+                } else {
+                    for (kvh, o) in tile.chunks_mut(rows.len() * g * dim).enumerate() {
+                        tasks.push(FixedTask::Head(kvh, rows.clone(), o));
+                    }
                 }
             }
-            // Run them row-major: a row's KV heads one after another on one thread read
-            // neighbouring memory (the K heads of a page are adjacent, and so are the V heads
-            // of a slot). Criterion, decode at batch 64, alternating on a noisy machine:
-            // 0.79–1.29 ms per layer against 1.23–1.38 KV-head-major (interleaving the KV
-            // heads block by block was slower).
-            tasks.sort_by_key(|(kvh, rows, _)| (rows.start, *kvh));
-            tasks
-                .into_par_iter()
-                .for_each(|(kvh, rows, o)| a.tile_task_isa(isa, kvh, rows, zeroed(o)));
-            // SAFETY: the tiles cover every row once, for every KV head: the tasks' slices
-            // are all of the buffer, and each task zeroed its slice.
-            unsafe { by_kv_head.set_len(a.q.len()) };
-            let per_kv_head = a.rows * g * dim;
-            // Every element is written: rows of `heads` = kv_heads · g heads of `dim` values.
-            filled_f32(a.q.len(), |out| {
-                out.par_chunks_mut(heads * dim)
-                    .enumerate()
-                    .for_each(|(row, o)| {
-                        for (kvh, o) in o.chunks_mut(g * dim).enumerate() {
-                            let at = kvh * per_kv_head + row * g * dim;
-                            for (o, &x) in o.iter_mut().zip(&by_kv_head[at..at + g * dim]) {
-                                o.write(x);
-                            }
-                        }
-                    })
-            })
+            // Each task zeroes its own part (a whole-buffer zeroing ran on one thread alone).
+            tasks.into_par_iter().for_each(|task| match task {
+                FixedTask::Row(row, o) => a.row_task_isa(isa, row, zeroed(o)),
+                FixedTask::Head(kvh, rows, o) => a.tile_task_isa(isa, kvh, rows, zeroed(o)),
+            });
+            // SAFETY: the tiles cover every row once, and each tile's range is covered by its
+            // tasks' slices, each zeroed by its task.
+            unsafe { out.set_len(a.q.len()) };
+            let mut several = Vec::new();
+            let mut rest = &mut out[..];
+            for rows in &tiles {
+                let (tile, tail) = rest.split_at_mut(rows.len() * row_len);
+                rest = tail;
+                if rows.len() > 1 {
+                    several.push((rows.len(), tile));
+                }
+            }
+            let part = g * dim;
+            several.into_par_iter().for_each(|(n, tile)| {
+                let by_head = tile.to_vec(); // [kv head][row][head of the group][dim]
+                for (kvh, rows) in by_head.chunks(n * part).enumerate() {
+                    for (r, x) in rows.chunks(part).enumerate() {
+                        tile[(r * a.kv_heads + kvh) * part..][..part].copy_from_slice(x);
+                    }
+                }
+            });
+            out
         }
         AttentionSchedule::SplitKv { splits } => {
             let mut out = vec![0f32; a.q.len()];
@@ -959,7 +1065,11 @@ fn attention<E: KvElem>(a: &AttentionArgs<E>, isa: CpuIsa) -> Vec<f32> {
     }
 }
 
-/// Hints the CPU to load `data[off..off + len]` into cache (a no-op elsewhere).
+/// Hints the CPU to load `data[off..off + len]` into cache (a no-op elsewhere), as
+/// `prefetcht2`: a block's 64 lines asked for into L1 (`prefetcht0`) stalled the core on its
+/// few L1 miss buffers (a quarter of the kernel's samples sat behind the prefetches), the
+/// outer levels take them without waiting (decode at batch 64 over the engine's working set:
+/// 1.3–1.5× with the row tasks, docs/performance.md).
 #[inline(always)]
 fn prefetch<T>(data: &[T], off: usize, len: usize) {
     #[cfg(target_arch = "x86_64")]
@@ -969,7 +1079,7 @@ fn prefetch<T>(data: &[T], off: usize, len: usize) {
         while i < (off + len).min(data.len()) {
             // SAFETY: a prefetch never faults; the address is inside `data`.
             unsafe {
-                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T2 }>(
                     data.as_ptr().add(i) as *const i8,
                 )
             };
