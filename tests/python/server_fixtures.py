@@ -223,6 +223,15 @@ HERMES_TEMPLATE = (
 )
 
 
+# The tools' parameters in the tool tests (chat's and the Responses API's).
+CITY_SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+
+
 @pytest.fixture(scope="session")
 def tool_model_dir(demo_model_dir, tmp_path_factory) -> str:
     d = Path(tmp_path_factory.mktemp("tool-model")) / "m"

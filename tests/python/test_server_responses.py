@@ -27,18 +27,13 @@ import jsonschema
 import openai
 import pytest
 from server_fixtures import (  # noqa: F401
+    CITY_SCHEMA,
     SERVED_NAME,
     demo_model_dir,
     tool_model_dir,
     tool_server,
 )
 
-CITY_SCHEMA = {
-    "type": "object",
-    "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]}},
-    "required": ["city"],
-    "additionalProperties": False,
-}
 TOOL = {
     "type": "function",
     "name": "get_weather",

@@ -26,6 +26,7 @@ import jsonschema
 import openai
 import pytest
 from server_fixtures import (  # noqa: F401
+    CITY_SCHEMA,
     SERVED_NAME,
     demo_model_dir,
     server,
@@ -33,12 +34,6 @@ from server_fixtures import (  # noqa: F401
     tool_server,
 )
 
-CITY_SCHEMA = {
-    "type": "object",
-    "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]}},
-    "required": ["city"],
-    "additionalProperties": False,
-}
 TOOLS = [
     {
         "type": "function",
