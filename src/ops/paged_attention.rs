@@ -384,34 +384,29 @@ impl<'a, E: KvElem> AttentionArgs<'a, E> {
         }
     }
 
-    /// Split `split` of `splits` of query `idx` (= row · heads + head), unnormalised;
-    /// `(max, denom)`. One split is the whole fixed fold.
+    /// Split `split` of `splits` of `row`'s query heads of KV head `kvh`, unnormalised into
+    /// `acc` (`[head of the group][dim]`) and `state` (`(max, denom)` a head; both reset
+    /// here). The heads share each block's loads, never the arithmetic. One split is the
+    /// whole fixed fold.
     #[inline(always)]
     fn split_task<V: Lanes>(
         &self,
-        idx: usize,
-        split: usize,
-        splits: usize,
+        row: usize,
+        kvh: usize,
+        (split, splits): (usize, usize),
         acc: &mut [f32],
-    ) -> (f32, f32) {
-        let (row, head) = (idx / self.heads, idx % self.heads);
+        state: &mut [(f32, f32)],
+    ) {
         let range = self.key_range(row);
         let blocks = range.len().div_ceil(SOFTMAX_BLOCK);
         let chunk = blocks.div_ceil(splits) * SOFTMAX_BLOCK;
         let lo = (range.start + split * chunk).min(range.end);
         let hi = (lo + chunk).min(range.end);
-        let mut state = [(f32::NEG_INFINITY, 0f32)];
         acc.fill(0.0);
-        self.fold_range::<V, 1>(
-            self.block_table(row),
-            head / self.group(),
-            &[self.query(row, head)],
-            acc,
-            &mut state,
-            lo..hi,
-            &mut Gathered::default(),
-        );
-        state[0]
+        state.fill((f32::NEG_INFINITY, 0.0));
+        let queries = 0..self.group();
+        let scratch = &mut Gathered::default();
+        self.fold_queries::<V>(kvh, row, queries, acc, state, lo..hi, scratch);
     }
 }
 
@@ -866,12 +861,13 @@ macro_rules! isa_entry_points {
         #[target_feature(enable = $features)]
         unsafe fn $split<E: KvElem>(
             a: &AttentionArgs<E>,
-            idx: usize,
-            split: usize,
-            splits: usize,
+            row: usize,
+            kvh: usize,
+            split: (usize, usize),
             acc: &mut [f32],
-        ) -> (f32, f32) {
-            a.split_task::<$lanes>(idx, split, splits, acc)
+            state: &mut [(f32, f32)],
+        ) {
+            a.split_task::<$lanes>(row, kvh, split, acc, state)
         }
     )*};
 }
@@ -914,19 +910,19 @@ impl<E: KvElem> AttentionArgs<'_, E> {
     fn split_task_isa(
         &self,
         isa: CpuIsa,
-        idx: usize,
-        split: usize,
-        splits: usize,
+        (row, kvh): (usize, usize),
+        split: (usize, usize),
         acc: &mut [f32],
-    ) -> (f32, f32) {
+        state: &mut [(f32, f32)],
+    ) {
         // SAFETY: as above.
         unsafe {
             match isa {
                 #[cfg(target_arch = "x86_64")]
-                CpuIsa::Avx512 => split_task_avx512(self, idx, split, splits, acc),
+                CpuIsa::Avx512 => split_task_avx512(self, row, kvh, split, acc, state),
                 #[cfg(target_arch = "x86_64")]
-                CpuIsa::Avx2Fma => split_task_avx2(self, idx, split, splits, acc),
-                _ => self.split_task::<Portable>(idx, split, splits, acc),
+                CpuIsa::Avx2Fma => split_task_avx2(self, row, kvh, split, acc, state),
+                _ => self.split_task::<Portable>(row, kvh, split, acc, state),
             }
         }
     }
@@ -1019,46 +1015,56 @@ fn attention<E: KvElem>(a: &AttentionArgs<E>, isa: CpuIsa) -> Vec<f32> {
             out
         }
         AttentionSchedule::SplitKv { splits } => {
-            let mut out = vec![0f32; a.q.len()];
-            // Partial (max, denominator, accumulator) per (row, head, split), then an
-            // in-order merge per (row, head). Rows of fixed sequences (DVR's inline rows)
-            // take the fixed schedule itself.
-            let is_fixed = |idx: usize| {
-                let seq = meta.row_seq[idx / heads] as usize;
+            // Partial (max, denominator, accumulator) per (row, split, head), each task a
+            // KV head's query heads (sharing the loads), then an in-order merge per (row,
+            // head). Rows of fixed sequences (DVR's inline rows) take the fixed schedule
+            // itself.
+            let g = a.group();
+            let is_fixed = |row: usize| {
+                let seq = meta.row_seq[row] as usize;
                 meta.fixed_seqs.get(seq).copied().unwrap_or(false)
             };
             let mut accs = vec![0f32; a.q.len() * splits];
             let mut stats = vec![(f32::NEG_INFINITY, 0f32); a.rows * heads * splits];
-            accs.par_chunks_mut(dim)
-                .zip(stats.par_iter_mut())
+            accs.par_chunks_mut(g * dim)
+                .zip(stats.par_chunks_mut(g))
                 .enumerate()
                 .for_each(|(t, (acc, st))| {
-                    let (idx, split) = (t / splits, t % splits);
-                    if !is_fixed(idx) {
-                        *st = a.split_task_isa(isa, idx, split, splits, acc);
+                    let (row_split, kvh) = (t / a.kv_heads, t % a.kv_heads);
+                    let (row, split) = (row_split / splits, row_split % splits);
+                    if !is_fixed(row) {
+                        a.split_task_isa(isa, (row, kvh), (split, splits), acc, st);
                     }
                 });
-            out.par_chunks_mut(dim).enumerate().for_each(|(idx, o)| {
-                if is_fixed(idx) {
-                    let (_, denom) = a.split_task_isa(isa, idx, 0, 1, o);
-                    normalise(o, denom);
+            let mut out = vec![0f32; a.q.len()];
+            out.par_chunks_mut(g * dim).enumerate().for_each(|(t, o)| {
+                let (row, kvh) = (t / a.kv_heads, t % a.kv_heads);
+                if is_fixed(row) {
+                    let mut state = vec![(f32::NEG_INFINITY, 0f32); g];
+                    a.split_task_isa(isa, (row, kvh), (0, 1), o, &mut state);
+                    for (o, &(_, denom)) in o.chunks_mut(dim).zip(&state) {
+                        normalise(o, denom);
+                    }
                     return;
                 }
-                let parts = &stats[idx * splits..(idx + 1) * splits];
-                let m = parts.iter().fold(f32::NEG_INFINITY, |a, p| a.max(p.0));
-                let mut denom = 0f32;
-                for (s, &(pm, pd)) in parts.iter().enumerate() {
-                    if pd == 0.0 {
-                        continue;
+                for (i, o) in o.chunks_mut(dim).enumerate() {
+                    let head = kvh * g + i;
+                    let part = |s: usize| (row * splits + s) * heads + head;
+                    let m = (0..splits).fold(f32::NEG_INFINITY, |m, s| m.max(stats[part(s)].0));
+                    let mut denom = 0f32;
+                    for s in 0..splits {
+                        let (pm, pd) = stats[part(s)];
+                        if pd == 0.0 {
+                            continue;
+                        }
+                        let w = exp_nonpositive(pm - m);
+                        denom += pd * w;
+                        for (o, &a) in o.iter_mut().zip(&accs[part(s) * dim..][..dim]) {
+                            *o += a * w;
+                        }
                     }
-                    let w = exp_nonpositive(pm - m);
-                    denom += pd * w;
-                    let acc = &accs[(idx * splits + s) * dim..(idx * splits + s + 1) * dim];
-                    for (o, &a) in o.iter_mut().zip(acc) {
-                        *o += a * w;
-                    }
+                    normalise(o, denom);
                 }
-                normalise(o, denom);
             });
             out
         }
