@@ -46,16 +46,17 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import Field
 
-from detspec.errors import DetspecError, InvalidRequestError
+from detspec.errors import DetspecError
 from detspec.outputs import CompletionOutput, RequestOutput
 from detspec.server import protocol as P
-from detspec.server.errors import ERROR_RESPONSES, ApiError, engine_error, stream_error_body
+from detspec.server.errors import ERROR_RESPONSES, ApiError, stream_error_body
 from detspec.server.jobs import Job
 from detspec.server.logprobs import json_logprob, split_logprobs
 from detspec.server.score_batcher import PromptLogprobs
+from detspec.server.serving import failed
 from detspec.server.shaping import dvr_metrics
-from detspec.server.streaming import ClientGone, first_output, until_disconnect
-from detspec.server.structured import constraint_invalid, request_constraints, single
+from detspec.server.streaming import first_output, until_disconnect
+from detspec.server.structured import request_constraints, single
 
 if TYPE_CHECKING:
     from detspec.server.serving import OpenAIServer
@@ -257,17 +258,8 @@ async def _generate(server: OpenAIServer, req: GenerateRequest, request: Request
     except BaseException as e:
         if agen is not None:
             await agen.aclose()  # type: ignore[attr-defined]
-        if isinstance(e, ClientGone):
-            return Response(status_code=499)
-        if not isinstance(e, DetspecError):
-            raise
-        if isinstance(e, InvalidRequestError):
-            with _renamed(None):
-                raise constraint_invalid(e, jobs[0].constraint) from None
-        err = engine_error(e)
-        if err is None:
-            raise
-        raise err from None
+        with _renamed(None):
+            return failed(e, jobs[0])
     items = []
     for job in jobs:
         out = last.get(job.index)

@@ -31,14 +31,14 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ConfigDict, Discriminator, Field, Tag
 
-from detspec.errors import DetspecError, InvalidRequestError
+from detspec.errors import DetspecError
 from detspec.outputs import RequestOutput
 from detspec.server import protocol as P
-from detspec.server.errors import ERROR_RESPONSES, ApiError, engine_error, stream_error_body
+from detspec.server.errors import ERROR_RESPONSES, ApiError, stream_error_body
 from detspec.server.jobs import Job
-from detspec.server.serving import OpenAIServer
+from detspec.server.serving import OpenAIServer, failed
 from detspec.server.shaping import choice_fields, dvr_metrics
-from detspec.server.streaming import ClientGone, first_output, until_disconnect
+from detspec.server.streaming import first_output, until_disconnect
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
@@ -60,29 +60,30 @@ class OutputText(P.OpenAIBaseModel):
     logprobs: list[Any] | None = None
 
 
-class MessageItem(P.OpenAIBaseModel):
-    type: Literal["message"] = "message"
-    role: Literal["user", "system", "developer", "assistant"]
-    content: list[Annotated[InputText | OutputText, Field(discriminator="type")]] | str
+class _Item(P.OpenAIBaseModel):
+    """What an output item sent back as input carries beside its content (not read)."""
+
     id: str | None = None
     status: str | None = None
 
 
-class FunctionCallItem(P.OpenAIBaseModel):
+class MessageItem(_Item):
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: list[Annotated[InputText | OutputText, Field(discriminator="type")]] | str
+
+
+class FunctionCallItem(_Item):
     type: Literal["function_call"]
     call_id: str
     name: str
     arguments: str
-    id: str | None = None
-    status: str | None = None
 
 
-class FunctionCallOutputItem(P.OpenAIBaseModel):
+class FunctionCallOutputItem(_Item):
     type: Literal["function_call_output"]
     call_id: str
     output: str
-    id: str | None = None
-    status: str | None = None
 
 
 def _item_kind(v: Any) -> str | None:
@@ -464,17 +465,8 @@ async def create_response(
             out = await until_disconnect(request, _drain(shaper, answer, _chain(None, agen)))
     except BaseException as e:
         await agen.aclose()  # type: ignore[attr-defined]
-        if isinstance(e, ClientGone):
-            return Response(status_code=499)
-        if not isinstance(e, DetspecError):
-            raise
-        if isinstance(e, InvalidRequestError):
-            with _renamed():
-                raise job.invalid(e) from None
-        err = engine_error(e)
-        if err is None:
-            raise
-        raise err from None
+        with _renamed():
+            return failed(e, job)
     if req.stream:
         return StreamingResponse(
             _events(shaper, _chain(first, agen)),

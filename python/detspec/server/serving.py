@@ -464,20 +464,9 @@ class OpenAIServer:
                     request, self._collect(req, agen, jobs, rid, model, chat)
                 )
             first = await until_disconnect(request, first_output(agen))
-        except ClientGone:
-            await agen.aclose()
-            return Response(status_code=499)
-        except DetspecError as e:
-            await agen.aclose()
-            if isinstance(e, InvalidRequestError):
-                raise jobs[0].invalid(e) from None
-            err = engine_error(e)
-            if err is None:
-                raise
-            raise err from None
-        except BaseException:
-            await agen.aclose()
-            raise
+        except BaseException as e:
+            await agen.aclose()  # type: ignore[attr-defined]
+            return failed(e, jobs[0])
         return StreamingResponse(
             sse_body(
                 lambda: self.fingerprint, self.logprobs, req, agen, first, jobs, rid, model, chat
@@ -568,6 +557,22 @@ class OpenAIServer:
         except InvalidRequestError as e:
             raise invalid(e, "tokens") from None
         return P.DetokenizeResponse(prompt=text)
+
+
+def failed(e: BaseException, job: Job) -> Response:
+    """The answer to a request whose run failed before its response began (its generation
+    already closed): 499 for a client that left, the HTTP error of an engine error (a 400
+    naming ``job``'s field for a bad request); anything else is raised again."""
+    if isinstance(e, ClientGone):
+        return Response(status_code=499)
+    if not isinstance(e, DetspecError):
+        raise e
+    if isinstance(e, InvalidRequestError):
+        raise job.invalid(e) from None
+    err = engine_error(e)
+    if err is None:
+        raise e
+    raise err from None
 
 
 def check_max_tokens(req: P.CompletionRequest) -> None:
