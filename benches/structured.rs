@@ -154,7 +154,7 @@ fn bench(c: &mut Criterion) {
         let mut walker = grammars.compile(&so).unwrap();
         let mut path: Vec<u32> = Vec::new();
         while path.len() < 64 {
-            let mask = walker.mask_after(&path).unwrap();
+            let mask = walker.mask_after(&path).unwrap().expect("ungated");
             let next =
                 (0..VOCAB as u32).find(|&t| t != eos && mask[t as usize / 32] >> (t % 32) & 1 == 1);
             match next {
@@ -182,7 +182,7 @@ fn bench(c: &mut Criterion) {
         .map(|i| ((i * 7919) % 1000) as f32 / 100.0)
         .collect();
     let mut c0 = grammars.compile(&constraints()[0].1).unwrap();
-    let mask = c0.mask_after(&[]).unwrap();
+    let mask = c0.mask_after(&[]).unwrap().expect("ungated");
     let params = SamplingParams {
         temperature: 0.8,
         seed: Some(1),

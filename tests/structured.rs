@@ -52,6 +52,13 @@ fn json_schema() -> StructuredOutputs {
     }
 }
 
+/// The mask of a constraint that has started.
+fn mask(c: &mut TokenConstraint, prefix: &[u32]) -> detspec::sampling::TokenMask {
+    c.mask_after(prefix)
+        .unwrap()
+        .expect("the constraint has started")
+}
+
 fn allowed(mask: &[u32]) -> Vec<u32> {
     (0..VOCAB as u32)
         .filter(|&t| mask[t as usize / 32] >> (t % 32) & 1 == 1)
@@ -65,7 +72,7 @@ fn walk(c: &mut TokenConstraint, seed: u64, max: usize) -> Vec<u32> {
     let mut out = Vec::new();
     let mut x = seed | 1;
     while out.len() < max {
-        let ok = allowed(&c.mask_after(&out).unwrap());
+        let ok = allowed(&mask(c, &out));
         assert!(!ok.is_empty(), "the mask allows nothing after {out:?}");
         let non_eos: Vec<u32> = ok.iter().copied().filter(|t| !eos.contains(t)).collect();
         if non_eos.is_empty() {
@@ -90,10 +97,7 @@ fn walks_under_a_json_schema_mask_are_valid_json_of_the_schema() {
     for seed in 0..20u64 {
         let mut c = grammars().compile(&json_schema()).unwrap();
         let out = walk(&mut c, seed.wrapping_mul(0x9e37_79b9_7f4a_7c15), 400);
-        if !c
-            .mask_after(&out)
-            .map(|m| allowed(&m))
-            .unwrap()
+        if !allowed(&mask(&mut c, &out))
             .iter()
             .any(|t| eos().contains(t))
         {
@@ -166,7 +170,7 @@ fn regex_choice_and_grammar_constrain_the_text() {
         for seed in 1..17u64 {
             let mut c = grammars().compile(&so).unwrap();
             let out = walk(&mut c, seed * 7919, 400);
-            let ends = allowed(&c.mask_after(&out).unwrap())
+            let ends = allowed(&mask(&mut c, &out))
                 .iter()
                 .any(|t| eos().contains(t));
             if !ends {
@@ -199,10 +203,46 @@ proptest! {
         for (q, which) in queries {
             let p = if which % 2 == 0 { &path } else { &branch };
             let len = q % (p.len() + 1);
-            let got = c.mask_after(&p[..len]).unwrap();
+            let got = mask(&mut c, &p[..len]);
             let mut fresh = grammars().compile(&json_schema()).unwrap();
-            let want = fresh.mask_after(&p[..len]).unwrap();
+            let want = mask(&mut fresh, &p[..len]);
             prop_assert_eq!(&got[..], &want[..], "prefix of {} tokens", len);
+        }
+    }
+
+    /// `starts_after`: no mask until the gate token is in the prefix; after its first
+    /// occurrence, the mask of the ungated constraint over what follows it, whatever was
+    /// asked before (free tokens, the gate rolled back and reached again elsewhere).
+    #[test]
+    fn a_gated_constraint_is_free_before_its_token_and_the_constraint_after_it(
+        seed in 1u64..u64::MAX,
+        free in proptest::collection::vec(0u32..VOCAB as u32, 0..12),
+        queries in proptest::collection::vec((0usize..1000, 0usize..1000), 1..24),
+    ) {
+        const GATE: u32 = 300;
+        let free: Vec<u32> = free.into_iter().filter(|&t| t != GATE).collect();
+        let gated_so = StructuredOutputs { starts_after: Some(GATE), ..json_schema() };
+        let mut gated = grammars().compile(&gated_so).unwrap();
+        let mut walker = grammars().compile(&json_schema()).unwrap();
+        let answer = walk(&mut walker, seed, 40);
+        // Two outputs: the gate after the free tokens, and after only part of them.
+        let cut = free.len() / 2;
+        let paths = [
+            [&free[..], &[GATE], &answer[..]].concat(),
+            [&free[..cut], &[GATE], &answer[..]].concat(),
+        ];
+        for (q, which) in queries {
+            let p = &paths[which % 2];
+            let len = q % (p.len() + 1);
+            let got = gated.mask_after(&p[..len]).unwrap();
+            match p[..len].iter().position(|&t| t == GATE) {
+                None => prop_assert!(got.is_none(), "a mask before the gate ({} tokens)", len),
+                Some(at) => {
+                    let mut fresh = grammars().compile(&json_schema()).unwrap();
+                    let want = mask(&mut fresh, &p[at + 1..len]);
+                    prop_assert_eq!(&got.unwrap()[..], &want[..], "prefix of {} tokens", len);
+                }
+            }
         }
     }
 }
@@ -262,6 +302,18 @@ fn bad_constraints_are_refused_with_the_field_named() {
     });
     assert_eq!(e.param_name(), Some("structured_outputs.choice"));
     let e = compile(StructuredOutputs::default());
+    assert_eq!(e.param_name(), Some("structured_outputs"));
+    let e = compile(StructuredOutputs {
+        starts_after: Some(VOCAB as u32),
+        ..json_schema()
+    });
+    assert_eq!(e.param_name(), Some("structured_outputs.starts_after"));
+    assert!(e.to_string().contains("512"), "{e}");
+    // A gate alone is no constraint.
+    let e = compile(StructuredOutputs {
+        starts_after: Some(3),
+        ..Default::default()
+    });
     assert_eq!(e.param_name(), Some("structured_outputs"));
 }
 
@@ -351,6 +403,21 @@ fn constrained(deterministic: bool) -> Request {
     Request::new("target", vec![3, 1, 4, 1, 5, 9, 2, 6], params)
 }
 
+/// The end-of-thinking token of [`gated`] (a reasoning model's `</think>`).
+const THINK_END: u32 = 300;
+
+/// Free tokens until [`THINK_END`] (made likely by a bias), then the JSON schema.
+fn gated(deterministic: bool) -> Request {
+    let mut r = constrained(deterministic);
+    r.params.max_tokens = 90;
+    r.params.structured_outputs = Some(StructuredOutputs {
+        starts_after: Some(THINK_END),
+        ..json_schema()
+    });
+    r.params.logit_bias.insert(THINK_END, 3.0);
+    r
+}
+
 /// `target` among `others` unconstrained and constrained neighbours; returns its bits.
 fn in_batch(e: &Engine, target: &Request, others: usize, salt: u64) -> Bits {
     let mut streams = Vec::new();
@@ -406,6 +473,37 @@ fn a_constrained_deterministic_request_is_bitwise_identical_alone_and_in_a_batch
     }
     let stats = e.stats().unwrap();
     assert!(stats.rollbacks > 0, "no rollback was exercised");
+}
+
+#[test]
+fn a_gated_deterministic_request_thinks_freely_then_follows_the_schema_in_any_batch() {
+    let t = gated(true);
+    let alone = Engine::from_model_dir(model_dir(), cfg(DeterminismMode::Dvr)).unwrap();
+    let want = bits(&alone.generate(vec![t.clone()]).unwrap()[0]);
+    let at = want
+        .0
+        .iter()
+        .position(|&x| x == THINK_END)
+        .expect("the biased end-of-thinking token was sampled");
+    assert!(at >= 2, "free tokens before the gate: {:?}", want.0);
+    let answer = &want.0[at + 1..];
+    if want.0.len() < 90 {
+        let text = tokenizer().decode(answer, true).unwrap();
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        assert!(v["tags"].is_array(), "{text}");
+    }
+    // The free part is not JSON of the schema: no '{' opens it.
+    let thinking = tokenizer().decode(&want.0[..at], true).unwrap();
+    assert!(!thinking.starts_with('{'), "{thinking:?}");
+    let e = Engine::from_model_dir(model_dir(), cfg(DeterminismMode::Dvr)).unwrap();
+    for salt in 0..4 {
+        let got = in_batch(&e, &t, 4 + salt as usize * 5, salt);
+        assert_eq!(got, want, "salt {salt}");
+    }
+    assert!(
+        e.stats().unwrap().rollbacks > 0,
+        "no rollback was exercised"
+    );
 }
 
 #[test]

@@ -231,7 +231,7 @@ fn predict(
             // The fast path's own mask, from the constraint's cache, as the prefix before this
             // position is the one it sampled after.
             let mask = match seq.constraint.as_mut() {
-                Some(c) => Some(c.mask_after(&seq.output[..v + j])?),
+                Some(c) => c.mask_after(&seq.output[..v + j])?,
                 None => None,
             };
             rows.push((wi, j, mask));

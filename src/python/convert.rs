@@ -223,6 +223,7 @@ fn structured_from_dict(py: Python<'_>, d: &Bound<'_, PyDict>) -> PyResult<Struc
             "grammar" => so.grammar = Some(v.extract().map_err(|_| wrong("a string"))?),
             "choice" => so.choice = Some(v.extract().map_err(|_| wrong("a list of strings"))?),
             "json_object" => so.json_object = v.extract().map_err(|_| wrong("a bool"))?,
+            "starts_after" => so.starts_after = Some(v.extract().map_err(|_| wrong("a token id"))?),
             _ => {
                 return Err(to_pyerr(
                     py,

@@ -312,7 +312,8 @@ def test_text_format_json_schema(client) -> None:
         ({"max_output_tokens": 5000}, "max_output_tokens"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
         ({"input": []}, "input"),
-        ({"input": [{"type": "reasoning", "summary": []}]}, "input[0]"),
+        ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "input[0]"),
+        ({"input": [{"type": "reasoning", "summary": []}]}, "input"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image"}]}]},
             "input[0].content[0]",

@@ -19,7 +19,8 @@ RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "add_generation_prompt", "
 
 def conversation(messages: list[P.ChatMessage]) -> list[dict[str, Any]]:
     """Messages as the chat template reads them: content parts joined into one string, a
-    call's ``arguments`` parsed into a dict (as vLLM and transformers' templates expect)."""
+    call's ``arguments`` parsed into a dict (as vLLM and transformers' templates expect), an
+    answer's reasoning as ``reasoning_content`` (Qwen3's templates read it)."""
     conv = []
     for i, m in enumerate(messages):
         if isinstance(m.content, list):
@@ -33,6 +34,9 @@ def conversation(messages: list[P.ChatMessage]) -> list[dict[str, Any]]:
             d["tool_call_id"] = m.tool_call_id
         if m.tool_calls:
             d["tool_calls"] = [_template_call(i, j, c) for j, c in enumerate(m.tool_calls)]
+        reasoning = m.reasoning if m.reasoning is not None else m.reasoning_content
+        if reasoning is not None:
+            d["reasoning_content"] = reasoning
         conv.append(d)
     return conv
 

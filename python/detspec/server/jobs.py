@@ -11,6 +11,7 @@ from typing import Any
 from detspec.errors import InvalidRequestError
 from detspec.sampling_params import SamplingParams
 from detspec.server.errors import ApiError
+from detspec.server.reasoning import ReasoningPlan, ReasoningSplit
 from detspec.server.structured import Constraint, constraint_invalid
 from detspec.server.tools import CallIds, ChoiceTools, ToolPlan
 
@@ -28,6 +29,9 @@ class Job:
     # chat with tools: how the output becomes tool calls, and each choice's state
     tools: ToolPlan | None = None
     choice_tools: dict[int, ChoiceTools] = field(default_factory=dict)
+    # chat with --reasoning-parser: how the output splits, and each choice's split
+    reasoning: ReasoningPlan | None = None
+    choice_reasoning: dict[int, ReasoningSplit] = field(default_factory=dict)
 
     def invalid(self, e: InvalidRequestError, default_param: str | None = None) -> ApiError:
         """A 400 for an engine error, naming the request field behind it."""
@@ -43,6 +47,35 @@ class Job:
             ids = CallIds(bool(self.params.deterministic), self.params.seed, self.prompt_ids, short)
             t = self.choice_tools[choice] = ChoiceTools(self.tools, ids, choice)
         return t
+
+    def reasoning_of(self, choice: int) -> ReasoningSplit | None:
+        """The reasoning split of one choice (None: no reasoning parser)."""
+        plan = self.reasoning
+        if plan is None:
+            return None
+        s = self.choice_reasoning.get(choice)
+        if s is None:
+            s = self.choice_reasoning[choice] = ReasoningSplit(plan.parser, plan.thinking)
+        return s
+
+    def reasoning_tokens(self) -> int | None:
+        """Completion tokens inside thinking blocks, over the choices so far (None: no
+        reasoning parser)."""
+        if self.reasoning is None:
+            return None
+        return sum(s.num_tokens for s in self.choice_reasoning.values())
+
+    @property
+    def keeps_special_tokens(self) -> bool:
+        return keeps_special_tokens(self.tools, self.reasoning)
+
+
+def keeps_special_tokens(tools: ToolPlan | None, reasoning: ReasoningPlan | None) -> bool:
+    """Whether special tokens are decoded for a parser (a tool call's or reasoning's markers
+    are special tokens); the stop token's text then comes off the answer."""
+    if tools is not None and tools.keeps_special_tokens:
+        return True
+    return reasoning is not None and reasoning.parser.special
 
 
 def completion_prompts(p: str | list[int] | list[str] | list[list[int]]) -> list[str | list[int]]:

@@ -158,6 +158,10 @@ class ChatMessage(OpenAIBaseModel):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    # An earlier answer's reasoning, sent back (vLLM's current name and its older one,
+    # SGLang's); the chat template reads it as ``reasoning_content``.
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class FunctionDefinition(OpenAIBaseModel):
@@ -197,6 +201,9 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[ChatTool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # With --reasoning-parser: return the reasoning (vLLM), split it off at all (SGLang).
+    include_reasoning: bool = True
+    separate_reasoning: bool = True
 
 
 class TokenizeCompletionRequest(OpenAIBaseModel):
@@ -238,12 +245,18 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     # OpenAI's: prompt tokens read from the prefix cache instead of computed.
     prompt_tokens_details: PromptTokensDetails | None = None
+    # OpenAI's: completion tokens inside thinking blocks (with --reasoning-parser).
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class DvrMetrics(BaseModel):

@@ -86,6 +86,26 @@ class FunctionCallOutputItem(_Item):
     output: str
 
 
+class ReasoningText(P.OpenAIBaseModel):
+    type: Literal["reasoning_text", "summary_text"]
+    text: str
+
+
+class ReasoningItem(_Item):
+    """An earlier answer's reasoning, sent back: it goes to the chat template with the
+    assistant message after it (as ``reasoning_content``); a summary is read if there is
+    no content."""
+
+    type: Literal["reasoning"]
+    summary: list[ReasoningText] = Field(default_factory=list)
+    content: list[ReasoningText] | None = None
+    encrypted_content: str | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(part.text for part in self.content or self.summary)
+
+
 def _item_kind(v: Any) -> str | None:
     """An input item's tag (a message may leave out its ``type``); capitalised, so that an
     error's path skips it (``input[1].call_id``)."""
@@ -94,18 +114,20 @@ def _item_kind(v: Any) -> str | None:
         "message": "Message",
         "function_call": "FunctionCall",
         "function_call_output": "FunctionCallOutput",
+        "reasoning": "Reasoning",
     }.get(t)
 
 
 InputItem = Annotated[
     Annotated[MessageItem, Tag("Message")]
     | Annotated[FunctionCallItem, Tag("FunctionCall")]
-    | Annotated[FunctionCallOutputItem, Tag("FunctionCallOutput")],
+    | Annotated[FunctionCallOutputItem, Tag("FunctionCallOutput")]
+    | Annotated[ReasoningItem, Tag("Reasoning")],
     Discriminator(
         _item_kind,
         custom_error_type="invalid_item",
-        custom_error_message="an input item is a message, a function_call or a "
-        "function_call_output (other item types are not supported)",
+        custom_error_message="an input item is a message, a function_call, a "
+        "function_call_output or a reasoning item (other item types are not supported)",
     ),
 ]
 
@@ -170,6 +192,7 @@ class ResponsesRequest(P.OpenAIBaseModel):
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
     @property
@@ -179,14 +202,19 @@ class ResponsesRequest(P.OpenAIBaseModel):
 
 def _messages(req: ResponsesRequest) -> list[P.ChatMessage]:
     """``instructions`` and ``input`` as chat messages: a function call joins the assistant
-    message before it (or makes one), its output is a ``tool`` message."""
+    message before it (or makes one), its output is a ``tool`` message; a reasoning item is
+    the ``reasoning`` of the assistant message it precedes."""
     messages: list[P.ChatMessage] = []
     if req.instructions is not None:
         messages.append(P.ChatMessage(role="system", content=req.instructions))
     items = req.input
     if isinstance(items, str):
         items = [MessageItem(role="user", content=items)]
+    reasoning: str | None = None  # of the next assistant message
     for it in items:
+        if isinstance(it, ReasoningItem):
+            reasoning = (reasoning or "") + it.text
+            continue
         if isinstance(it, MessageItem):
             content = it.content
             if not isinstance(content, str):
@@ -197,12 +225,17 @@ def _messages(req: ResponsesRequest) -> list[P.ChatMessage]:
                 id=it.call_id, function=P.FunctionCall(name=it.name, arguments=it.arguments)
             )
             last = messages[-1] if messages else None
-            if last is not None and last.role == "assistant":
+            if last is not None and last.role == "assistant" and reasoning is None:
                 last.tool_calls = [*(last.tool_calls or []), call]
             else:
                 messages.append(P.ChatMessage(role="assistant", tool_calls=[call]))
         else:
             messages.append(P.ChatMessage(role="tool", tool_call_id=it.call_id, content=it.output))
+        if reasoning is not None and messages[-1].role == "assistant":
+            messages[-1].reasoning = reasoning
+            reasoning = None
+    if not messages:
+        raise ApiError(400, "input holds no message, only reasoning items", "input")
     return messages
 
 
@@ -259,6 +292,7 @@ def chat_request(req: ResponsesRequest) -> P.ChatCompletionRequest:
         repetition_penalty=req.repetition_penalty,
         presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty,
+        logit_bias=req.logit_bias,
         logprobs=logprobs,
         top_logprobs=(req.top_logprobs or 0) if logprobs else None,
         tools=tools,
@@ -315,6 +349,8 @@ class _Answer:
     """One response's output as it grows: the message's text and logprobs, the calls."""
 
     msg_id: str = field(default_factory=lambda: f"msg_{uuid.uuid4().hex}")
+    rs_id: str = field(default_factory=lambda: f"rs_{uuid.uuid4().hex}")
+    reasoning: str | None = None  # None: no reasoning item
     text: str = ""
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     calls: list[dict[str, Any]] = field(default_factory=list)  # function_call items
@@ -324,6 +360,8 @@ class _Answer:
     def feed(self, fields: dict[str, Any]) -> None:
         """Adds a chunk's shaped choice (``choice_fields(..., stream=True)``)."""
         delta = fields["delta"]
+        if delta.get("reasoning"):
+            self.reasoning = (self.reasoning or "") + delta["reasoning"]
         self.text += delta.get("content") or ""
         if fields.get("logprobs"):
             self.logprobs += fields["logprobs"]["content"]
@@ -345,9 +383,9 @@ class _Answer:
 
     @property
     def has_message(self) -> bool:
-        """A message item, as chat's: unless there are calls and only whitespace beside
-        them."""
-        return not self.calls or bool(self.text.strip())
+        """A message item, as chat's: unless there are calls or reasoning and only
+        whitespace beside them."""
+        return bool(self.text.strip()) or (not self.calls and self.reasoning is None)
 
     def part(self, with_logprobs: bool) -> dict[str, Any]:
         part: dict[str, Any] = {"type": "output_text", "text": self.text, "annotations": []}
@@ -364,9 +402,21 @@ class _Answer:
             "content": [self.part(with_logprobs)] if status != "in_progress" else [],
         }
 
+    def reasoning_item(self, status: str) -> dict[str, Any]:
+        text = self.reasoning if status != "in_progress" else ""
+        return {
+            "type": "reasoning",
+            "id": self.rs_id,
+            "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}],
+            "status": status,
+        }
+
     def items(self, with_logprobs: bool) -> list[dict[str, Any]]:
         status = "incomplete" if self.finish_reason == "length" else "completed"
-        head = [self.message(status, with_logprobs)] if self.has_message else []
+        head = [self.reasoning_item(status)] if self.reasoning is not None else []
+        if self.has_message:
+            head.append(self.message(status, with_logprobs))
         return head + self.calls
 
 
@@ -431,7 +481,7 @@ class _Shaper:
                 "input_tokens": prompt_tokens,
                 "input_tokens_details": {"cached_tokens": out.num_cached_tokens},
                 "output_tokens": output_tokens,
-                "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens_details": {"reasoning_tokens": self.job.reasoning_tokens() or 0},
                 "total_tokens": prompt_tokens + output_tokens,
             }
             body["dvr_metrics"] = dvr_metrics(out, self.job.params).model_dump()
@@ -503,9 +553,10 @@ async def _drain(
 
 
 async def _events(shaper: _Shaper, outs: AsyncIterator[RequestOutput]) -> AsyncIterator[bytes]:
-    """The Responses stream: created, in_progress, the message item and its text deltas as
-    they come (held back while only whitespace came, as it may turn out to sit beside tool
-    calls), the function calls when they end, then completed (or incomplete)."""
+    """The Responses stream: created, in_progress, the reasoning item and its text deltas
+    (with a reasoning parser), the message item and its text deltas as they come (held back
+    while only whitespace came, as it may turn out to sit beside tool calls), the function
+    calls when they end, then completed (or incomplete)."""
     seq = 0
     answer = _Answer()
     with_lp = shaper.req.wants_logprobs
@@ -516,17 +567,42 @@ async def _events(shaper: _Shaper, outs: AsyncIterator[RequestOutput]) -> AsyncI
         seq += 1
         return f"event: {kind}\ndata: {json.dumps(body)}\n\n".encode()
 
+    rs = {"item_id": answer.rs_id, "output_index": 0}
     msg = {"item_id": answer.msg_id, "output_index": 0}
-    opened = False
+    thinking = closed = opened = False
+    sent_reasoning = 0  # of answer.reasoning
     sent_text = 0  # of answer.text
     sent_lp = 0  # of answer.logprobs
 
+    def reasoning_events(final: bool) -> Iterator[bytes]:
+        nonlocal thinking, closed, sent_reasoning
+        text = answer.reasoning
+        if text is None or closed:
+            return
+        if not thinking:
+            thinking = True
+            msg["output_index"] = 1
+            item = answer.reasoning_item("in_progress")
+            yield event("response.output_item.added", output_index=0, item=item)
+        if len(text) > sent_reasoning:
+            delta = text[sent_reasoning:]
+            yield event("response.reasoning_text.delta", content_index=0, delta=delta, **rs)
+            sent_reasoning = len(text)
+        if final or answer.text or answer.calls:
+            closed = True
+            yield event("response.reasoning_text.done", content_index=0, text=text, **rs)
+            status = "incomplete" if answer.finish_reason == "length" else "completed"
+            item = answer.reasoning_item(status)
+            yield event("response.output_item.done", output_index=0, item=item)
+
     def text_events(final: bool) -> Iterator[bytes]:
         nonlocal opened, sent_text, sent_lp
+        yield from reasoning_events(final)
         if not opened and (answer.text.strip() or (final and answer.has_message)):
             opened = True
             item = answer.message("in_progress", with_lp)
-            yield event("response.output_item.added", output_index=0, item=item)
+            index = msg["output_index"]
+            yield event("response.output_item.added", output_index=index, item=item)
             part = {"type": "output_text", "text": "", "annotations": []}
             yield event("response.content_part.added", content_index=0, part=part, **msg)
         if opened and (len(answer.text) > sent_text or len(answer.logprobs) > sent_lp):
@@ -556,7 +632,7 @@ async def _events(shaper: _Shaper, outs: AsyncIterator[RequestOutput]) -> AsyncI
         for ev in text_events(True):
             yield ev
         items = answer.items(with_lp)
-        index = 0
+        index = msg["output_index"]
         if opened:
             yield event(
                 "response.output_text.done",
@@ -567,8 +643,8 @@ async def _events(shaper: _Shaper, outs: AsyncIterator[RequestOutput]) -> AsyncI
             )
             part = answer.part(with_lp)
             yield event("response.content_part.done", content_index=0, part=part, **msg)
-            yield event("response.output_item.done", output_index=0, item=items[0])
-            index = 1
+            yield event("response.output_item.done", output_index=index, item=items[index])
+            index += 1
         for call in answer.calls:
             item = {**call, "arguments": "", "status": "in_progress"}
             yield event("response.output_item.added", output_index=index, item=item)

@@ -17,6 +17,7 @@ from collections.abc import Generator
 from typing import Any
 
 from detspec.engine_args import SETTINGS_BY_NAME, add_engine_arguments, engine_settings_from_args
+from detspec.server.reasoning import PARSERS as REASONING_PARSERS
 from detspec.server.tool_parsers import PARSERS
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -88,6 +89,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="the model's tool-call format: hermes (<tool_call> JSON: Qwen2/Qwen3, Hermes), "
         "llama3_json (Llama 3.1+ JSON calls), mistral ([TOOL_CALLS])",
     )
+    p.add_argument(
+        "--reasoning-parser",
+        choices=sorted(REASONING_PARSERS),
+        default=None,
+        help="a thinking model's format: deepseek_r1 (DeepSeek-R1 and distills, QwQ), qwen3; "
+        "chat answers then carry `reasoning` (and `reasoning_content`) beside `content`, and "
+        "output constraints apply after the thinking",
+    )
     p.add_argument("--uvicorn-log-level", default="info")
     p.add_argument("--disable-uvicorn-access-log", action="store_true")
     add_engine_arguments(p)
@@ -145,8 +154,13 @@ def serve(args: argparse.Namespace) -> int:
         default_seed=args.default_seed,
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
+        reasoning_parser=args.reasoning_parser,
     )
-    app = build_app(engine, config)
+    try:
+        app = build_app(engine, config)
+    except ValueError as e:  # a setting the model cannot have (a parser's tags)
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     uv_config = uvicorn.Config(
         app,
         host=args.host,

@@ -3,8 +3,8 @@ through ``AsyncLLM.validate_request``), sampling parameters, generation and the 
 response bodies (``protocol``'s response models). A request's jobs are in ``jobs``, the
 fields every body shares in ``shaping``, streaming in ``streaming``, logprob shapes in
 ``logprobs``, chat rendering in ``chat``, constraints and ``logit_bias`` in ``structured``,
-tool calls in ``tools`` (and ``tool_parsers``). ``echo`` (``scoring_routes``) builds on this
-module, not this one on it."""
+tool calls in ``tools`` (and ``tool_parsers``), a thinking model's reasoning in
+``reasoning``. ``echo`` (``scoring_routes``) builds on this module, not this one on it."""
 
 from __future__ import annotations
 
@@ -27,9 +27,10 @@ from detspec.server import protocol as P
 from detspec.server.chat import render_chat
 from detspec.server.defaults import DEFAULT_SEED, RequestDefaults
 from detspec.server.errors import RETRY_AFTER, ApiError, engine_error, invalid
-from detspec.server.jobs import Job, completion_prompts
+from detspec.server.jobs import Job, completion_prompts, keeps_special_tokens
 from detspec.server.logprobs import LogprobShaper
 from detspec.server.metrics import ServerMetrics
+from detspec.server.reasoning import ReasoningPlan, generation_prompt, reasoning_parser
 from detspec.server.score_batcher import ScoreBatcher
 from detspec.server.shaping import choice_fields, dvr_metrics, usage
 from detspec.server.streaming import ClientGone, first_output, merge, sse_body, until_disconnect
@@ -63,6 +64,9 @@ class ServerConfig:
     # --tool-call-parser); "auto" needs both (--enable-auto-tool-choice).
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
+    # A thinking model's format (vLLM's --reasoning-parser): chat answers split into
+    # reasoning and content, output constraints applied after the thinking.
+    reasoning_parser: str | None = None
 
 
 class OpenAIServer:
@@ -84,6 +88,11 @@ class OpenAIServer:
         if config.enable_auto_tool_choice and config.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
         self.tool_parser = config.tool_call_parser if config.enable_auto_tool_choice else None
+        self.reasoning_parser = (
+            reasoning_parser(config.reasoning_parser, self.tokenizer)
+            if config.reasoning_parser is not None
+            else None
+        )
         self.determinism = config.determinism or engine.determinism
         if self.defaults.deterministic_by_default and self.determinism == "off":
             raise ValueError(
@@ -203,16 +212,15 @@ class OpenAIServer:
         max_tokens: int,
         logprobs: int | None,
         constraint: Constraint | None = None,
-        tools: ToolPlan | None = None,
+        keep_special_tokens: bool = False,
     ) -> SamplingParams:
-        """The engine's parameters of ``req``, with its output constraint."""
+        """The engine's parameters of ``req``, with its output constraint;
+        ``keep_special_tokens``: a parser reads markers that are special tokens (as vLLM)."""
         extra: dict[str, Any] = {}
         bias = logit_bias(req.logit_bias)
         if bias is not None:
             extra["logit_bias"] = bias
-        skip_special = req.skip_special_tokens
-        if tools is not None and tools.keeps_special_tokens:
-            skip_special = False  # the parser's marker is a special token (as vLLM)
+        skip_special = req.skip_special_tokens and not keep_special_tokens
         try:
             if constraint is not None:
                 extra["structured_outputs"] = constraint.engine_params()
@@ -253,13 +261,15 @@ class OpenAIServer:
         logprobs: int | None,
         constraint: Constraint | None = None,
         tools: ToolPlan | None = None,
+        reasoning: ReasoningPlan | None = None,
     ) -> Job:
         """One engine request, validated: the prompt, then ``max_tokens`` against the
         context, then the sampling parameters."""
         self.validate(ids, None, param)
         n = self.max_tokens(max_tokens, len(ids), max_tokens_param)
-        params = self.sampling_params(req, n, logprobs, constraint, tools)
-        job = Job(index, rid, ids, params, constraint=constraint, tools=tools)
+        keep = keeps_special_tokens(tools, reasoning)
+        params = self.sampling_params(req, n, logprobs, constraint, keep)
+        job = Job(index, rid, ids, params, constraint=constraint, tools=tools, reasoning=reasoning)
         self.validate(None, params, param, job)
         return job
 
@@ -433,6 +443,13 @@ class OpenAIServer:
         ids = await self.render_chat(
             req.messages, req.add_generation_prompt, req.chat_template_kwargs, tools.tools
         )
+        reasoning = None
+        if self.reasoning_parser is not None:
+            reasoning = await self.reasoning_plan(req, ids, tools.tools)
+            if reasoning.thinking and constraint is not None:
+                constraint = constraint.after_token(reasoning.parser.end_id)
+            if not req.separate_reasoning:
+                reasoning = None
         if req.max_completion_tokens is not None:
             max_tokens, max_param = req.max_completion_tokens, "max_completion_tokens"
         else:
@@ -440,11 +457,36 @@ class OpenAIServer:
         k = (req.top_logprobs or 0) if req.logprobs else None
         base = f"{prefix}{uuid.uuid4().hex}"
         job = self.job(
-            req, 0, f"{base}-0", ids, "messages", max_tokens, max_param, k, constraint, tools
+            req,
+            0,
+            f"{base}-0",
+            ids,
+            "messages",
+            max_tokens,
+            max_param,
+            k,
+            constraint,
+            tools,
+            reasoning,
         )
         if req.prompt_logprobs is not None:
             job.prompt_logprobs = await self.prompt_logprobs(ids, req.prompt_logprobs)
         return job, base, model
+
+    async def reasoning_plan(
+        self, req: P.ChatCompletionRequest, ids: list[int], tools: list[dict[str, Any]] | None
+    ) -> ReasoningPlan:
+        """Whether the answer to ``ids`` (``req`` rendered) begins inside a thinking block:
+        the generation prompt's tags decide, so the conversation is rendered once more
+        without it."""
+        parser = self.reasoning_parser
+        assert parser is not None
+        gen: list[int] = []
+        if req.add_generation_prompt:
+            without = await self.render_chat(req.messages, False, req.chat_template_kwargs, tools)
+            gen = list(generation_prompt(ids, without))
+        thinking = parser.thinks(gen, req.chat_template_kwargs or {})
+        return ReasoningPlan(parser, thinking, req.include_reasoning)
 
     # ---------------------------------------------------------------- common response path
 
@@ -511,6 +553,7 @@ class OpenAIServer:
                 sum(len(j.prompt_ids) for j in jobs),
                 completion_tokens,
                 sum(last[j.index].num_cached_tokens for j in jobs),
+                jobs[0].reasoning_tokens(),
             ),
         }
         if chat:

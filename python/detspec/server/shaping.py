@@ -17,10 +17,14 @@ from detspec.server.logprobs import LogprobShaper
 
 
 def usage(
-    prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None
+    prompt_tokens: int,
+    completion_tokens: int,
+    cached_tokens: int | None = None,
+    reasoning_tokens: int | None = None,
 ) -> P.UsageInfo:
     """OpenAI's token counts; ``cached_tokens``: prompt tokens read from the prefix cache
-    (``RequestOutput.num_cached_tokens`` summed over the request's prompts)."""
+    (``RequestOutput.num_cached_tokens`` summed over the request's prompts);
+    ``reasoning_tokens``: completion tokens inside thinking blocks (``Job.reasoning_tokens``)."""
     counts = P.UsageInfo(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
@@ -28,6 +32,10 @@ def usage(
     )
     if cached_tokens is not None:
         counts.prompt_tokens_details = P.PromptTokensDetails(cached_tokens=cached_tokens)
+    if reasoning_tokens is not None:
+        counts.completion_tokens_details = P.CompletionTokensDetails(
+            reasoning_tokens=reasoning_tokens
+        )
     return counts
 
 
@@ -63,23 +71,42 @@ def choice_fields(
     finish_reason = c.finish_reason
     if chat:
         tools = job.tools_of(c.index)
+        split = job.reasoning_of(c.index)
         text = c.text
-        if tools is not None and tools.plan.keeps_special_tokens:
+        if job.keeps_special_tokens:
             text = strip_stop_token(text, c, logprobs.decode_token)
-        content, calls = (text, []) if tools is None else tools.feed(text)
+        reasoning = ""
+        if split is not None:
+            reasoning, text = split.feed(text, c.token_ids)
+            if finish_reason is not None:
+                reasoning += split.finish()
+        content, calls = text, []
+        # A tool reader sees the answer only (a named tool's call opens with its first text).
+        if tools is not None and (split is None or not split.thinking):
+            content, calls = tools.feed(text)
         if tools is not None and finish_reason is not None:
             more, more_calls, finish_reason = tools.finish(finish_reason)
             content += more
             calls += more_calls
+        show = split is not None and job.reasoning is not None and job.reasoning.include
         if stream:
             fields["delta"] = {"role": "assistant"} if first else {}
-            fields["delta"]["content"] = content
+            if show and reasoning:
+                fields["delta"]["reasoning"] = fields["delta"]["reasoning_content"] = reasoning
+            if content or "reasoning" not in fields["delta"]:
+                fields["delta"]["content"] = content
             if calls:
                 fields["delta"]["tool_calls"] = calls
-        elif tools is not None:
-            fields["message"] = tools.message()
         else:
-            fields["message"] = {"role": "assistant", "content": content}
+            if tools is not None:
+                fields["message"] = tools.message()
+            else:
+                fields["message"] = {"role": "assistant", "content": content}
+            if split is not None:
+                if not fields["message"]["content"]:
+                    fields["message"]["content"] = None
+                said = split.reasoning if show and split.began_thinking else None
+                fields["message"]["reasoning"] = fields["message"]["reasoning_content"] = said
         fields["logprobs"] = logprobs.chat(lps, k, as_ids) if k is not None else None
     else:
         fields["text"] = c.text

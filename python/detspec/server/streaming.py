@@ -168,7 +168,10 @@ async def sse_body(
         return b"data: " + json.dumps(body).encode() + b"\n\n"
 
     def counts() -> P.UsageInfo:
-        return usage(prompt_tokens, sum(completion_tokens.values()), sum(cached.values()))
+        reasoning = jobs[0].reasoning_tokens() if chat else None
+        return usage(
+            prompt_tokens, sum(completion_tokens.values()), sum(cached.values()), reasoning
+        )
 
     def events(job: Job, out: RequestOutput) -> list[bytes]:
         res = []

@@ -11,6 +11,7 @@ client sent.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,9 +40,15 @@ class Constraint:
     params: dict[str, str]
     # what the client sent (for the "more than one" error)
     source: str
+    # the constraint starts after this token (a reasoning model's end of thinking)
+    starts_after: int | None = None
 
     def engine_params(self) -> StructuredOutputsParams:
-        return StructuredOutputsParams(**self.fields)
+        return StructuredOutputsParams(**self.fields, starts_after=self.starts_after)
+
+    def after_token(self, token: int) -> Constraint:
+        """This constraint, applied to the output after ``token`` only."""
+        return dataclasses.replace(self, starts_after=token)
 
     def http_param(self, engine_param: str | None) -> str:
         """The request field behind an engine error's ``param``."""

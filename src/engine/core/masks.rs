@@ -15,7 +15,8 @@ struct MaskJob {
     constraint: TokenConstraint,
     /// The output so far: the mask is of the token after it.
     prefix: Vec<u32>,
-    mask: Option<Result<TokenMask>>,
+    /// `Ok(None)`: the constraint has not started (any token may come).
+    mask: Option<Result<Option<TokenMask>>>,
 }
 
 /// The masks of one step by sequence, and the sequences whose mask could not be computed.
@@ -92,11 +93,11 @@ impl EngineCore {
                 seq.constraint = Some(job.constraint);
             }
             match job.mask {
-                Some(Ok(mask)) => {
+                Some(Ok(Some(mask))) => {
                     masks.by_seq.insert(job.seq, mask);
                 }
                 Some(Err(e)) => masks.failed.push((job.seq, e)),
-                None => {}
+                Some(Ok(None)) | None => {}
             }
         }
         (out, masks)

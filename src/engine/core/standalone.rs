@@ -495,7 +495,7 @@ impl EngineCore {
             let it = &items[i];
             let before = it.token_ids.get(..out[i].len()).unwrap_or_default();
             let mask = match constraints[i].as_mut() {
-                Some(c) => Some(c.mask_after(before)?),
+                Some(c) => c.mask_after(before)?,
                 None => None,
             };
             let drawn = sampling::sample_next(

@@ -43,6 +43,10 @@ pub struct StructuredOutputs {
     pub grammar: Option<String>,
     /// Any JSON object.
     pub json_object: bool,
+    /// When set, the constraint applies to the output after the first occurrence of this
+    /// token, which the model reaches freely (a reasoning model's end-of-thinking token:
+    /// the thinking is free, the answer is constrained). Not a constraint of its own.
+    pub starts_after: Option<u32>,
 }
 
 /// Separators and whitespace of generated JSON: compact, one space after `,` and `:` (what
@@ -327,6 +331,17 @@ impl Grammars {
     }
 
     fn compile_uncached(&self, constraint: &StructuredOutputs) -> Result<TokenConstraint> {
+        if let Some(t) = constraint.starts_after {
+            if t as usize >= self.vocab_size {
+                return Err(DetspecError::param(
+                    "structured_outputs.starts_after",
+                    format!(
+                        "token id {t} is outside the vocabulary (size {})",
+                        self.vocab_size
+                    ),
+                ));
+            }
+        }
         let grammar = constraint.to_grammar()?;
         let factory = self.factory()?;
         let param = constraint.param_name();
@@ -341,6 +356,10 @@ impl Grammars {
         if let Some(e) = matcher.get_error() {
             return Err(DetspecError::param(param, e));
         }
-        Ok(TokenConstraint::new(matcher, self.vocab_size))
+        Ok(TokenConstraint::new(
+            matcher,
+            self.vocab_size,
+            constraint.starts_after,
+        ))
     }
 }

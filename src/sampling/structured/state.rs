@@ -29,6 +29,9 @@ pub struct TokenConstraint {
     /// Masks by output index (`(i, mask after the first i tokens)`), of prefixes of `fed`.
     masks: VecDeque<(usize, TokenMask)>,
     vocab_size: usize,
+    /// The constraint starts after this token's first occurrence (`StructuredOutputs::
+    /// starts_after`); the parser sees only the output after it.
+    starts_after: Option<u32>,
 }
 
 impl std::fmt::Debug for TokenConstraint {
@@ -48,21 +51,26 @@ impl Clone for TokenConstraint {
             fed: self.fed.clone(),
             masks: self.masks.clone(),
             vocab_size: self.vocab_size,
+            starts_after: self.starts_after,
         }
     }
 }
 
 impl TokenConstraint {
-    pub(super) fn new(matcher: Matcher, vocab_size: usize) -> Self {
+    pub(super) fn new(matcher: Matcher, vocab_size: usize, starts_after: Option<u32>) -> Self {
         Self {
             matcher,
             fed: Vec::new(),
             masks: VecDeque::new(),
             vocab_size,
+            starts_after,
         }
     }
 
-    /// The tokens allowed after `prefix` (a sequence's output so far, or a prefix of it).
+    /// The tokens allowed after `prefix` (a sequence's output so far, or a prefix of it);
+    /// `None` while the constraint has not started (`starts_after` not yet in `prefix`:
+    /// any token may come). The gate is a function of the prefix too, so a rollback past
+    /// the gate token closes it again.
     ///
     /// Once the grammar is complete only EOS is allowed (the sequence then ends by the usual
     /// EOS rule); tokens after that are not fed to the parser.
@@ -71,7 +79,14 @@ impl TokenConstraint {
     /// `InvalidParameter` naming `structured_outputs` when `prefix` holds a token the grammar
     /// does not allow (it was not sampled under this constraint) or the parser gives up (its
     /// step limits).
-    pub fn mask_after(&mut self, prefix: &[u32]) -> Result<TokenMask> {
+    pub fn mask_after(&mut self, prefix: &[u32]) -> Result<Option<TokenMask>> {
+        let prefix = match self.starts_after {
+            None => prefix,
+            Some(gate) => match prefix.iter().position(|&t| t == gate) {
+                Some(at) => &prefix[at + 1..],
+                None => return Ok(None),
+            },
+        };
         let common = self
             .fed
             .iter()
@@ -81,7 +96,7 @@ impl TokenConstraint {
         self.masks.retain(|(i, _)| *i <= common);
         let target = prefix.len();
         if let Some((_, mask)) = self.masks.iter().find(|(i, _)| *i == target) {
-            return Ok(mask.clone());
+            return Ok(Some(mask.clone()));
         }
         if common < self.fed.len() {
             self.matcher
@@ -111,7 +126,7 @@ impl TokenConstraint {
             self.masks.pop_front();
         }
         self.masks.push_back((target, mask.clone()));
-        Ok(mask)
+        Ok(Some(mask))
     }
 
     /// Whether the grammar has reached its end (only EOS may follow).

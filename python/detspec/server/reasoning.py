@@ -1,0 +1,145 @@
+"""Reasoning outputs (vLLM's and SGLang's ``--reasoning-parser``): a thinking model's output
+split into its reasoning, the ``<think> ... </think>`` block, and its answer, the content.
+
+Two formats, by vLLM's names; both use ``<think>`` and ``</think>``, which must be single
+tokens of the tokenizer (checked when the server starts):
+
+* ``deepseek_r1`` -- DeepSeek-R1 and its distills, QwQ: the output begins inside the block
+  (the template may have opened it, or the model opens it itself);
+* ``qwen3`` -- the same, except that ``chat_template_kwargs: {"enable_thinking": false}``
+  means no thinking when the template does not say otherwise.
+
+Whether the output begins inside the block is read off the generation prompt (what the chat
+template appended after the last message): its last tag decides (``<think>``: inside;
+``</think>``, as Qwen3's template writes an empty block when thinking is off: outside);
+without one, the format's default above. Earlier turns' tags do not count.
+
+The split is on tokens: reasoning ends at the ``</think>`` token, not at text that ordinary
+tokens happen to spell (the piece of output that holds the token splits at the tag's text), and
+the same token opens a request's output constraint (``response_format``,
+``structured_outputs``, a required or named tool): the engine applies it after that token
+only (``StructuredOutputsParams.starts_after``), so a model thinks freely and then answers in
+the schema. A reasoning request is as reproducible as any other: the split and the gate are
+functions of the output tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from detspec.llm import Tokenizer
+
+START, END = "<think>", "</think>"
+
+# name -> the chat_template_kwargs switch that turns thinking off (None: none)
+PARSERS: dict[str, str | None] = {"deepseek_r1": None, "qwen3": "enable_thinking"}
+
+
+@dataclass(frozen=True)
+class ReasoningParser:
+    """A reasoning format on one tokenizer."""
+
+    name: str
+    start_id: int
+    end_id: int
+    # The tags are special tokens, which a decode with skip_special_tokens drops.
+    special: bool
+
+    def thinks(self, generation_prompt: Sequence[int], template_kwargs: dict[str, Any]) -> bool:
+        """Whether the output begins inside the thinking block."""
+        for t in reversed(generation_prompt):
+            if t == self.end_id:
+                return False
+            if t == self.start_id:
+                return True
+        switch = PARSERS[self.name]
+        return not (switch is not None and template_kwargs.get(switch) is False)
+
+
+def reasoning_parser(name: str, tokenizer: Tokenizer | None) -> ReasoningParser:
+    """The parser ``name`` on ``tokenizer``; ``ValueError`` when unknown or when its tags
+    are not single tokens."""
+    if name not in PARSERS:
+        raise ValueError(f"unknown reasoning parser {name!r} (known: {', '.join(PARSERS)})")
+    if tokenizer is None:
+        raise ValueError(f"the {name} reasoning parser needs the model's tokenizer")
+    ids = {}
+    for tag in (START, END):
+        found = tokenizer.encode(tag, False)
+        if len(found) != 1:
+            raise ValueError(
+                f"the {name} reasoning parser needs {tag!r} as one token of the tokenizer; it "
+                f"encodes to {len(found)} tokens {found}"
+            )
+        ids[tag] = found[0]
+    special = tokenizer.decode([ids[END]], True) != END
+    return ReasoningParser(name, ids[START], ids[END], special)
+
+
+@dataclass(frozen=True)
+class ReasoningPlan:
+    """What one chat request's output does with reasoning."""
+
+    parser: ReasoningParser
+    thinking: bool  # the output begins inside the block
+    include: bool  # the reasoning is returned (vLLM's ``include_reasoning``)
+
+
+def generation_prompt(with_prompt: Sequence[int], without: Sequence[int]) -> Sequence[int]:
+    """What the chat template appended for the answer: ``with_prompt`` past its common
+    prefix with the rendering without the generation prompt."""
+    n = 0
+    for a, b in zip(with_prompt, without, strict=False):
+        if a != b:
+            break
+        n += 1
+    return with_prompt[n:]
+
+
+class ReasoningSplit:
+    """One choice's output, fed as it comes (all at once when not streamed), split into
+    reasoning and content. A ``<think>`` opening the reasoning (after whitespace) is
+    dropped; text is held back while it may still be that tag."""
+
+    def __init__(self, parser: ReasoningParser, thinking: bool) -> None:
+        self.parser = parser
+        self.thinking = thinking  # inside the block now
+        self.began_thinking = thinking
+        self.reasoning = ""  # all reasoning so far
+        self.num_tokens = 0  # reasoning tokens (the tags not counted)
+        self._head: str | None = "" if thinking else None  # held back; None: settled
+
+    def feed(self, text: str, token_ids: Sequence[int]) -> tuple[str, str]:
+        """(reasoning, content) of the next piece of output."""
+        if not self.thinking:
+            return "", text
+        ids = list(token_ids)
+        p = self.parser
+        if p.end_id not in ids:
+            self.num_tokens += sum(t != p.start_id for t in ids)
+            return self._reasoning(text, final=False), ""
+        k = ids.index(p.end_id)
+        self.num_tokens += sum(t != p.start_id for t in ids[:k])
+        self.thinking = False
+        at = text.find(END)
+        if at < 0:  # the tag's text was not decoded: all of this piece is reasoning
+            return self._reasoning(text, final=True), ""
+        return self._reasoning(text[:at], final=True), text[at + len(END) :]
+
+    def finish(self) -> str:
+        """Reasoning still held back when the output ends."""
+        return self._reasoning("", final=True) if self._head is not None else ""
+
+    def _reasoning(self, text: str, final: bool) -> str:
+        if self._head is not None:
+            self._head += text
+            head = self._head.lstrip()
+            if not final and START.startswith(head):
+                return ""
+            text = head[len(START) :] if head.startswith(START) else self._head
+            self._head = None
+        self.reasoning += text
+        return text
