@@ -339,4 +339,6 @@ def test_bad_input_is_a_400_naming_the_field(client, kw, param) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         ask(client, **args)
     assert e.value.body["param"] == param, e.value.body
-    assert ask(client, input="still serving", max_output_tokens=2).status == "incomplete"
+    # still serving (sampled without a seed: it may also end by EOS within the two tokens)
+    after = ask(client, input="still serving", max_output_tokens=2)
+    assert after.status in {"incomplete", "completed"} and after.usage.output_tokens >= 1
