@@ -167,6 +167,18 @@ fn text_prompts_stop_strings_and_stop_tokens() {
         assert_eq!(got.finish_reason, Some(FinishReason::Stop));
         assert!(!got.text.contains(&stop));
         assert!(text.starts_with(&got.text));
+        // include_stop_str_in_output: the same tokens, the text up to and with the stop string.
+        let p = SamplingParams {
+            stop: vec![stop.clone()],
+            include_stop_str_in_output: true,
+            ..greedy(12)
+        };
+        let out = e
+            .generate(vec![Request::new("si", "Hello world", p)])
+            .unwrap();
+        let kept = &out[0].outputs[0];
+        assert_eq!(kept.token_ids, got.token_ids);
+        assert_eq!(kept.text, format!("{}{stop}", got.text));
         // Before min_tokens a stop string does not stop generation (vLLM semantics).
         let p = SamplingParams {
             stop: vec![stop],

@@ -64,6 +64,9 @@ class SamplingParams:
     max_tokens: int = 16
     min_tokens: int = 0
     stop: str | list[str] | None = None
+    include_stop_str_in_output: bool = False
+    """Keep the stop string that ended the output at the end of ``text`` (vLLM's); the token
+    ids are the same either way."""
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None

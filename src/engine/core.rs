@@ -397,9 +397,10 @@ impl EngineCore {
             self.extra.insert(
                 id,
                 SeqExtra {
-                    text: self.tokenizer.as_ref().map(|_| {
-                        TextState::new(&prompt, &req.params.stop, req.params.skip_special_tokens)
-                    }),
+                    text: self
+                        .tokenizer
+                        .as_ref()
+                        .map(|_| TextState::new(&prompt, &req.params)),
                     first_scheduled_time: None,
                     first_token_time: None,
                 },

@@ -1,6 +1,7 @@
 //! Per-sequence text: incremental detokenisation and stop strings, streaming-safe.
 
 use crate::error::Result;
+use crate::sampling::SamplingParams;
 use crate::tokenizer::{IncrementalDetokenizer, StopChecker, Tokenizer};
 
 /// Detokenizer, accumulated text and stop-string state of one sequence.
@@ -22,10 +23,13 @@ pub(crate) struct TextUpdate {
 }
 
 impl TextState {
-    pub fn new(prompt: &[u32], stops: &[String], skip_special_tokens: bool) -> Self {
+    /// The text state of a sequence of `prompt` under `params` (its stop strings, whether
+    /// the text keeps them and special tokens).
+    pub fn new(prompt: &[u32], params: &SamplingParams) -> Self {
         Self {
-            detok: IncrementalDetokenizer::new(prompt, skip_special_tokens),
-            stop: StopChecker::new(stops.iter().cloned()),
+            detok: IncrementalDetokenizer::new(prompt, params.skip_special_tokens),
+            stop: StopChecker::new(params.stop.iter().cloned())
+                .include_in_output(params.include_stop_str_in_output),
             text: String::new(),
             emitted: 0,
         }

@@ -110,6 +110,7 @@ pub fn params_from_dict(py: Python<'_>, d: &Bound<'_, PyDict>) -> PyResult<Sampl
         "max_tokens",
         "min_tokens",
         "stop",
+        "include_stop_str_in_output",
         "stop_token_ids",
         "ignore_eos",
         "logprobs",
@@ -144,6 +145,7 @@ pub fn params_from_dict(py: Python<'_>, d: &Bound<'_, PyDict>) -> PyResult<Sampl
     field!(top_k);
     field!(min_p);
     field!(min_tokens);
+    field!(include_stop_str_in_output);
     field!(stop_token_ids);
     field!(ignore_eos);
     field!(presence_penalty);

@@ -45,6 +45,9 @@ pub struct SamplingParams {
     pub min_tokens: usize,
     /// Stop strings; generation ends when the detokenised output contains one.
     pub stop: Vec<String>,
+    /// Keep the stop string that ended the output at the end of its text (vLLM's; the text
+    /// only: the token ids are the same either way).
+    pub include_stop_str_in_output: bool,
     /// Extra token ids that end generation.
     pub stop_token_ids: Vec<u32>,
     /// Keep generating past EOS.
@@ -83,6 +86,7 @@ impl Default for SamplingParams {
             max_tokens: 16,
             min_tokens: 0,
             stop: Vec::new(),
+            include_stop_str_in_output: false,
             stop_token_ids: Vec::new(),
             ignore_eos: false,
             logprobs: None,

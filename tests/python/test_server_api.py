@@ -148,6 +148,15 @@ def test_stop_strings(client, llm) -> None:
     assert ch.finish_reason == "stop"
     assert ch.model_extra["stop_reason"] == stop
     assert ch.text == base.text[: base.text.index(stop)]
+    # vLLM's include_stop_str_in_output: the text keeps the stop string, streamed or not
+    kw = dict(model=SERVED_NAME, prompt=prompt, max_tokens=24, temperature=0.0, stop=[stop])
+    extra = {"ignore_eos": True, "include_stop_str_in_output": True}
+    kept = client.completions.create(**kw, extra_body=extra).choices[0]
+    assert kept.text == ch.text + stop and kept.finish_reason == "stop"
+    streamed = "".join(
+        c.choices[0].text for c in client.completions.create(**kw, extra_body=extra, stream=True)
+    )
+    assert streamed == kept.text
 
 
 def test_batch_prompts_and_n(client, llm) -> None:

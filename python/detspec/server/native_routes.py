@@ -209,6 +209,7 @@ def _completion_request(
         "presence_penalty": sp.presence_penalty,
         "repetition_penalty": sp.repetition_penalty,
         "stop": sp.stop,
+        "include_stop_str_in_output": sp.no_stop_trim,
         "stop_token_ids": sp.stop_token_ids,
         "ignore_eos": sp.ignore_eos,
         "skip_special_tokens": sp.skip_special_tokens,
@@ -432,13 +433,15 @@ class _Shaper:
         return self.server.decode_token(tok) if self.req.return_text_in_logprobs else None
 
     def text(self, job: Job, c: CompletionOutput | None) -> str:
-        """The output text; with ``no_stop_trim`` the stop that ended it stays at its end."""
+        """The output text; with ``no_stop_trim`` the stop that ended it stays at its end (a
+        stop string is kept by the engine, ``include_stop_str_in_output``; a stop token's
+        text is added here)."""
         if c is None:
             return ""
         if not self.sps[job.index].no_stop_trim or c.finish_reason != "stop":
             return c.text
         if isinstance(c.stop_reason, str):
-            return c.text + c.stop_reason
+            return c.text
         tokenizer = self.server.tokenizer
         if c.token_ids and tokenizer is not None:  # a stop token: its text, if shown
             return c.text + tokenizer.decode([c.token_ids[-1]], job.params.skip_special_tokens)

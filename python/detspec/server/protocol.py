@@ -93,6 +93,7 @@ class _SamplingFields(OpenAIBaseModel):
     min_tokens: int = Field(default=0, ge=0, le=2**31 - 1)
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
+    include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     return_token_ids: bool = False

@@ -234,6 +234,7 @@ class OpenAIServer:
                 max_tokens=max_tokens,
                 min_tokens=req.min_tokens,
                 stop=req.stop,
+                include_stop_str_in_output=req.include_stop_str_in_output,
                 stop_token_ids=req.stop_token_ids,
                 ignore_eos=req.ignore_eos,
                 logprobs=logprobs,
