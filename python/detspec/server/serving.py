@@ -30,7 +30,12 @@ from detspec.server.errors import RETRY_AFTER, ApiError, engine_error, invalid
 from detspec.server.jobs import Job, completion_prompts, keeps_special_tokens
 from detspec.server.logprobs import LogprobShaper
 from detspec.server.metrics import ServerMetrics
-from detspec.server.reasoning import ReasoningPlan, generation_prompt, reasoning_parser
+from detspec.server.reasoning import (
+    ReasoningParser,
+    ReasoningPlan,
+    generation_prompt,
+    reasoning_parser,
+)
 from detspec.server.score_batcher import ScoreBatcher
 from detspec.server.shaping import choice_fields, dvr_metrics, usage
 from detspec.server.streaming import ClientGone, first_output, merge, sse_body, until_disconnect
@@ -446,7 +451,7 @@ class OpenAIServer:
         )
         reasoning = None
         if self.reasoning_parser is not None:
-            reasoning = await self.reasoning_plan(req, ids, tools.tools)
+            reasoning = await self.reasoning_plan(self.reasoning_parser, req, ids, tools.tools)
             if reasoning.thinking and constraint is not None:
                 constraint = constraint.after_token(reasoning.parser.end_id)
             if not req.separate_reasoning:
@@ -475,13 +480,15 @@ class OpenAIServer:
         return job, base, model
 
     async def reasoning_plan(
-        self, req: P.ChatCompletionRequest, ids: list[int], tools: list[dict[str, Any]] | None
+        self,
+        parser: ReasoningParser,
+        req: P.ChatCompletionRequest,
+        ids: list[int],
+        tools: list[dict[str, Any]] | None,
     ) -> ReasoningPlan:
         """Whether the answer to ``ids`` (``req`` rendered) begins inside a thinking block:
         the generation prompt's tags decide, so the conversation is rendered once more
         without it."""
-        parser = self.reasoning_parser
-        assert parser is not None
         gen: list[int] = []
         if req.add_generation_prompt:
             without = await self.render_chat(req.messages, False, req.chat_template_kwargs, tools)

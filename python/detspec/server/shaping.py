@@ -70,25 +70,10 @@ def choice_fields(
     fields: dict[str, Any] = {"index": job.index * job.params.n + c.index}
     finish_reason = c.finish_reason
     if chat:
+        reasoning, content, calls, finish_reason = _answer(job, c, logprobs.decode_token)
         tools = job.tools_of(c.index)
         split = job.reasoning_of(c.index)
-        text = c.text
-        if job.keeps_special_tokens:
-            text = strip_stop_token(text, c, logprobs.decode_token)
-        reasoning = ""
-        if split is not None:
-            reasoning, text = split.feed(text, c.token_ids)
-            if finish_reason is not None:
-                reasoning += split.finish()
-        content, calls = text, []
-        # A tool reader sees the answer only (a named tool's call opens with its first text).
-        if tools is not None and (split is None or not split.thinking):
-            content, calls = tools.feed(text)
-        if tools is not None and finish_reason is not None:
-            more, more_calls, finish_reason = tools.finish(finish_reason)
-            content += more
-            calls += more_calls
-        show = split is not None and job.reasoning is not None and job.reasoning.include
+        show = job.reasoning is not None and job.reasoning.include
         if stream:
             fields["delta"] = {"role": "assistant"} if first else {}
             if show and reasoning:
@@ -122,6 +107,36 @@ def choice_fields(
     if req.return_token_ids:
         fields["token_ids"] = list(c.token_ids)
     return fields
+
+
+def _answer(
+    job: Job, c: Any, decode_token: Callable[[int], str]
+) -> tuple[str, str, list[dict[str, Any]], str | None]:
+    """A chat choice's new output (``c``: all of it, or a stream's delta) as its reasoning,
+    its content, its tool-call deltas and its finish reason (``tool_calls`` when calls
+    ended it). The reasoning split comes first; a tool reader sees the answer only (a named
+    tool's call opens with the answer's first text)."""
+    text = c.text
+    if job.keeps_special_tokens:
+        text = strip_stop_token(text, c, decode_token)
+    finish_reason = c.finish_reason
+    reasoning = ""
+    split = job.reasoning_of(c.index)
+    if split is not None:
+        reasoning, text = split.feed(text, c.token_ids)
+        if finish_reason is not None:
+            reasoning += split.finish()
+    tools = job.tools_of(c.index)
+    if tools is None:
+        return reasoning, text, [], finish_reason
+    content, calls = "", []
+    if split is None or not split.thinking:
+        content, calls = tools.feed(text)
+    if finish_reason is not None:
+        more, more_calls, finish_reason = tools.finish(finish_reason)
+        content += more
+        calls += more_calls
+    return reasoning, content, calls, finish_reason
 
 
 def strip_stop_token(text: str, c: Any, decode_token: Callable[[int], str]) -> str:
