@@ -1,6 +1,6 @@
 """``detspec`` command line: ``generate`` from a model directory (or the built-in default
-model), ``serve`` an OpenAI-compatible server, ``bench serve`` a running server, ``demo`` the
-determinism contract on the built-in model."""
+model), ``serve`` an OpenAI-compatible server, ``run-batch`` a file of OpenAI batch requests,
+``bench serve`` a running server, ``demo`` the determinism contract on the built-in model."""
 
 from __future__ import annotations
 
@@ -28,10 +28,18 @@ def main(argv: list[str] | None = None) -> int:
 
     # The server and the benchmark import their dependencies only when run.
     from detspec.bench import add_bench_arguments
+    from detspec.server.run_batch import add_run_batch_arguments
     from detspec.server.serve import add_serve_arguments
 
     s = sub.add_parser("serve", help="run the OpenAI-compatible server (needs detspec[serve])")
     add_serve_arguments(s)
+    add_run_batch_arguments(
+        sub.add_parser(
+            "run-batch",
+            help="answer a file of OpenAI batch requests offline (vLLM's run_batch; needs "
+            "detspec[serve])",
+        )
+    )
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench_cmd", required=True)
     add_bench_arguments(
@@ -58,6 +66,10 @@ def main(argv: list[str] | None = None) -> int:
         from detspec.server.serve import serve
 
         return serve(args)
+    if args.cmd == "run-batch":
+        from detspec.server.run_batch import run_batch
+
+        return run_batch(args)
     if args.cmd == "bench":
         from detspec.bench import bench_serve
 

@@ -23,21 +23,15 @@ from detspec.server.tool_parsers import PARSERS
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    """``vllm serve``'s flag names where one exists; the engine's flags come from
-    ``detspec.engine_args.ENGINE_SETTINGS``."""
+def add_app_arguments(p: argparse.ArgumentParser) -> None:
+    """What the request handling needs, for ``serve`` and ``run-batch``: the model, the
+    served names, server-wide determinism, the output parsers and the engine's flags (from
+    ``detspec.engine_args.ENGINE_SETTINGS``); ``vllm serve``'s names where one exists."""
     p.add_argument(
         "model",
         nargs="?",
         default=None,
         help="HF model directory (default: the built-in default model, detspec-tiny-en)",
-    )
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument(
-        "--api-key",
-        default=None,
-        help="require `Authorization: Bearer KEY` on /v1 routes (or set DETSPEC_API_KEY)",
     )
     p.add_argument(
         "--served-model-name",
@@ -57,24 +51,6 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         default=0,
         help="under --deterministic-by-default, the seed of sampled requests that send none "
         "(default 0)",
-    )
-    p.add_argument(
-        "--max-waiting-requests",
-        type=int,
-        default=None,
-        help="answer 503 (with Retry-After) when more sequences than this would wait",
-    )
-    p.add_argument(
-        "--max-request-bytes",
-        type=int,
-        default=16 * 1024 * 1024,
-        help="answer 413 to larger request bodies (default 16 MiB)",
-    )
-    p.add_argument(
-        "--shutdown-timeout",
-        type=float,
-        default=5.0,
-        help="seconds in-flight requests get to finish after SIGINT/SIGTERM",
     )
     p.add_argument(
         "--enable-auto-tool-choice",
@@ -97,41 +73,104 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "chat answers then carry `reasoning` (and `reasoning_content`) beside `content`, and "
         "output constraints apply after the thinking",
     )
-    p.add_argument("--uvicorn-log-level", default="info")
-    p.add_argument("--disable-uvicorn-access-log", action="store_true")
     add_engine_arguments(p)
 
 
-def serve(args: argparse.Namespace) -> int:
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    """``detspec serve``'s flags: the HTTP server's, then ``add_app_arguments``'."""
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require `Authorization: Bearer KEY` on /v1 routes (or set DETSPEC_API_KEY)",
+    )
+    p.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=None,
+        help="answer 503 (with Retry-After) when more sequences than this would wait",
+    )
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=16 * 1024 * 1024,
+        help="answer 413 to larger request bodies (default 16 MiB)",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=5.0,
+        help="seconds in-flight requests get to finish after SIGINT/SIGTERM",
+    )
+    p.add_argument("--uvicorn-log-level", default="info")
+    p.add_argument("--disable-uvicorn-access-log", action="store_true")
+    add_app_arguments(p)
+
+
+class SetupError(Exception):
+    """A setting that cannot be served; its message is printed as ``error: ...``."""
+
+
+def missing_extra(command: str) -> str | None:
+    """The error when the server extra is not installed."""
     from detspec.server import missing_dependencies
 
     missing = missing_dependencies()
-    if missing:
-        print(
-            f"error: `detspec serve` needs {', '.join(missing)}: "
-            "install the server extra with  pip install 'detspec[serve]'",
-            file=sys.stderr,
-        )
-        return 1
+    if not missing:
+        return None
+    return (
+        f"`detspec {command}` needs {', '.join(missing)}: install the server extra with  "
+        "pip install 'detspec[serve]'"
+    )
 
-    import uvicorn
 
+def build_from_args(args: argparse.Namespace, **config: Any) -> Any:
+    """The engine and the app of ``add_app_arguments``' flags (``config``: more
+    ``ServerConfig`` fields); ``SetupError`` for flags that cannot go together or a model
+    that cannot be served. The app (``app.state.server.engine``: its engine) shuts the
+    engine down at the end of its lifespan."""
     from detspec.async_llm import AsyncLLM
     from detspec.errors import DetspecError
     from detspec.server.app import ServerConfig, build_app
 
-    api_key = args.api_key or os.environ.get("DETSPEC_API_KEY") or None
     settings = engine_settings_from_args(args)
     determinism = settings.get("determinism", SETTINGS_BY_NAME["determinism"].default)
     if args.deterministic_by_default and determinism == "off":
-        print(
-            "error: --deterministic-by-default needs --determinism dvr or batch_invariant",
-            file=sys.stderr,
-        )
-        return 1
+        raise SetupError("--deterministic-by-default needs --determinism dvr or batch_invariant")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
-        print("error: --enable-auto-tool-choice needs --tool-call-parser", file=sys.stderr)
+        raise SetupError("--enable-auto-tool-choice needs --tool-call-parser")
+    try:
+        engine = AsyncLLM(args.model, **settings)
+    except DetspecError as e:
+        raise SetupError(str(e)) from None
+    names = args.served_model_name or [os.path.basename(os.path.normpath(engine.model))]
+    server_config = ServerConfig(
+        served_model_names=names,
+        max_num_seqs=settings.get("max_num_seqs", SETTINGS_BY_NAME["max_num_seqs"].default),
+        deterministic_by_default=args.deterministic_by_default,
+        default_seed=args.default_seed,
+        tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        reasoning_parser=args.reasoning_parser,
+        **config,
+    )
+    try:
+        return build_app(engine, server_config)
+    except ValueError as e:  # a setting the model cannot have (a parser's tags)
+        engine.shutdown()
+        raise SetupError(str(e)) from None
+
+
+def serve(args: argparse.Namespace) -> int:
+    missing = missing_extra("serve")
+    if missing:
+        print(f"error: {missing}", file=sys.stderr)
         return 1
+
+    import uvicorn
+
+    api_key = args.api_key or os.environ.get("DETSPEC_API_KEY") or None
     if args.host not in _LOOPBACK and api_key is None:
         print(
             f"warning: binding {args.host} without an API key: anyone who can reach this port "
@@ -139,28 +178,17 @@ def serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     try:
-        engine = AsyncLLM(args.model, **settings)
-    except DetspecError as e:
+        app = build_from_args(
+            args,
+            api_key=api_key,
+            max_waiting_requests=args.max_waiting_requests,
+            max_request_bytes=args.max_request_bytes,
+        )
+    except SetupError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    names = args.served_model_name or [os.path.basename(os.path.normpath(engine.model))]
-    config = ServerConfig(
-        served_model_names=names,
-        api_key=api_key,
-        max_waiting_requests=args.max_waiting_requests,
-        max_request_bytes=args.max_request_bytes,
-        max_num_seqs=settings.get("max_num_seqs", SETTINGS_BY_NAME["max_num_seqs"].default),
-        deterministic_by_default=args.deterministic_by_default,
-        default_seed=args.default_seed,
-        tool_call_parser=args.tool_call_parser,
-        enable_auto_tool_choice=args.enable_auto_tool_choice,
-        reasoning_parser=args.reasoning_parser,
-    )
-    try:
-        app = build_app(engine, config)
-    except ValueError as e:  # a setting the model cannot have (a parser's tags)
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    state = app.state.server
+    engine = state.engine
     uv_config = uvicorn.Config(
         app,
         host=args.host,
@@ -170,9 +198,9 @@ def serve(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=args.shutdown_timeout,
         timeout_keep_alive=5,
     )
-    server = _Server(uv_config, app.state.server)
+    server = _Server(uv_config, state)
     logging.getLogger("detspec.server").info(
-        "serving %s as %s on http://%s:%d", engine.model, names, args.host, args.port
+        "serving %s as %s on http://%s:%d", engine.model, state.model_names, args.host, args.port
     )
     try:
         server.run()
