@@ -76,9 +76,13 @@ def test_no_server_errors(fuzz_server, mode) -> None:
                  "POST /generate", "POST /v1/responses"):  # fmt: skip
         assert want in seen, seen
     if mode is GenerationMode.POSITIVE:
-        # schema-valid requests do reach generation (not all of them are refused)
-        assert seen["POST /v1/completions"][200] > 0, seen
-        assert seen["POST /v1/chat/completions"][200] > 0, seen
+        # schema-valid requests do reach generation (not all of them are refused). Over the
+        # generation routes together: the generated cases follow the schema (derandomized),
+        # and most of a route's 40 can be refused by rules the schema cannot state (an empty
+        # prompt, a prompt over the 32-token context), so one route alone may get no 200
+        # after an unrelated field is added. A plain valid completion: the test below.
+        routes = ("POST /v1/completions", "POST /v1/chat/completions", "POST /v1/responses")
+        assert sum(seen[r][200] for r in routes) > 0, seen
 
 
 def test_server_healthy_after_fuzzing(fuzz_server) -> None:
