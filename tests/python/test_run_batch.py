@@ -3,7 +3,8 @@ the tiny random model: every line is answered as the server answers it (a bad bo
 naming its field, a line that cannot be sent an ``error``, the rest run); with
 ``--deterministic-by-default`` the answers are bitwise the same whether the lines run one at
 a time or all at once under a small ``--max-num-seqs``, and without it they are not (the
-negative control)."""
+negative control); ``--compare`` finds a rerun the same, and names the answer and the field
+that moved in a tampered earlier file and in a rerun without determinism."""
 
 # ruff: noqa: F811  (pytest fixtures imported from server_fixtures)
 
@@ -47,13 +48,15 @@ def lines() -> list[str]:
     return out
 
 
-def run(model: str, tmp: Path, name: str, *flags: str) -> list[dict]:
+def run(model: str, tmp: Path, name: str, *flags: str, rc: int = 0) -> list[dict]:
+    """The output lines of one run-batch of ``lines()``; its stderr in ``tmp/<name>.err``."""
     src = tmp / "in.jsonl"
     src.write_text("\n".join(lines()) + "\n")
     dst = tmp / f"{name}.jsonl"
     cmd = [sys.executable, "-m", "detspec", "run-batch", "-i", str(src), "-o", str(dst), model]
     p = subprocess.run([*cmd, *flags], capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr
+    (tmp / f"{name}.err").write_text(p.stderr)
+    assert p.returncode == rc, p.stderr
     assert "20 requests, 4 failed" in p.stderr, p.stderr
     return [json.loads(x) for x in dst.read_text().splitlines()]
 
@@ -114,3 +117,26 @@ def test_answers_do_not_depend_on_the_batching(model, tmp_path, deterministic) -
         assert alone == together
     else:  # the fast path's logprobs move with the batch
         assert any(alone[k][2] != together[k][2] for k in alone)
+
+
+def test_compare_audits_a_rerun(model, tmp_path) -> None:
+    det = "--deterministic-by-default"
+    run(model, tmp_path, "first", det, "--max-concurrency", "1")
+    first = str(tmp_path / "first.jsonl")
+    run(model, tmp_path, "again", det, "--max-num-seqs", "5", "--compare", first)
+    assert "19 same, 0 differ" in (tmp_path / "again.err").read_text()
+    # one logprob of q5 moved in the earlier file: found, named, exit status 1
+    outs = [json.loads(x) for x in (tmp_path / "first.jsonl").read_text().splitlines()]
+    (q5,) = [o for o in outs if o["custom_id"] == "q5"]
+    q5["response"]["body"]["choices"][0]["logprobs"]["content"][2]["logprob"] += 1e-6
+    tampered = tmp_path / "tampered.jsonl"
+    tampered.write_text("".join(json.dumps(o) + "\n" for o in outs))
+    run(model, tmp_path, "audit", det, "--compare", str(tampered), rc=1)
+    err = (tmp_path / "audit.err").read_text()
+    assert "q5: differs at body.choices[0].logprobs.content[2].logprob" in err, err
+    assert "18 same, 1 differ" in err, err
+    # without determinism a batched rerun moves (negative control)
+    run(model, tmp_path, "plain", "--max-concurrency", "1")
+    run(model, tmp_path, "plain2", "--max-num-seqs", "5", "--max-num-batched-tokens", "64",
+        "--compare", str(tmp_path / "plain.jsonl"), rc=1)  # fmt: skip
+    assert "logprob" in (tmp_path / "plain2.err").read_text()

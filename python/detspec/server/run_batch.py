@@ -13,6 +13,12 @@ Lines run concurrently (``--max-concurrency`` at a time), so the engine batches 
 server batches its clients; with ``--deterministic-by-default`` (or ``"deterministic": true``
 in a body) every answer is bitwise the same whatever the concurrency, the batch size limits
 or the other lines of the file.
+
+``--compare PREVIOUS`` audits a rerun: each answer is compared with the same ``custom_id``'s in
+an earlier output file, leaving out what may change without the answer changing (ids,
+timestamps, prefix-cache counts, ``dvr_metrics``); the first differing field of each answer
+that moved is printed, and the exit status is 1 if any did (answers of another fingerprint
+are reported as not comparable).
 """
 
 from __future__ import annotations
@@ -32,6 +38,13 @@ def add_run_batch_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("-i", "--input-file", required=True, help="the requests, JSON lines")
     p.add_argument("-o", "--output-file", required=True, help="the answers, JSON lines")
+    p.add_argument(
+        "--compare",
+        default=None,
+        metavar="PREVIOUS",
+        help="an earlier output file of the same requests: report the answers that differ "
+        "from it (exit status 1 if any)",
+    )
     p.add_argument(
         "--max-concurrency",
         type=int,
@@ -109,6 +122,79 @@ async def answer_lines(app: Any, lines: list[str], max_concurrency: int) -> list
         return list(await asyncio.gather(*jobs))
 
 
+# Fields that may change while the answer does not: per body, per choice or item, in usage.
+_VOLATILE = {"id", "created", "created_at", "dvr_metrics"}
+_VOLATILE_USAGE = {"prompt_tokens_details", "input_tokens_details"}
+
+
+def stable_answer(out: dict[str, Any]) -> Any:
+    """An output line's answer without what may change while it does not (the status code
+    and the body; ``error`` for a line that was not sent)."""
+    r = out.get("response")
+    if r is None:
+        return {"error": out.get("error")}
+    body = r.get("body")
+    if isinstance(body, dict):
+        body = {k: v for k, v in body.items() if k not in _VOLATILE}
+        if isinstance(body.get("usage"), dict):
+            body["usage"] = {k: v for k, v in body["usage"].items() if k not in _VOLATILE_USAGE}
+        for key in ("choices", "output"):
+            if isinstance(body.get(key), list):
+                body[key] = [
+                    {k: v for k, v in x.items() if k not in _VOLATILE} if isinstance(x, dict) else x
+                    for x in body[key]
+                ]
+    return {"status_code": r.get("status_code"), "body": body}
+
+
+def first_difference(a: Any, b: Any, path: str = "") -> str | None:
+    """The path of the first field where ``a`` and ``b`` differ (None: equal)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in list(a) + [k for k in b if k not in a]:
+            d = first_difference(a.get(k), b.get(k), f"{path}.{k}" if path else k)
+            if d is not None:
+                return d
+        return None
+    if isinstance(a, list) and isinstance(b, list):
+        for i, (x, y) in enumerate(zip(a, b, strict=False)):
+            d = first_difference(x, y, f"{path}[{i}]")
+            if d is not None:
+                return d
+        return None if len(a) == len(b) else f"{path} (length {len(a)} vs {len(b)})"
+    return None if a == b else (path or "(the line)")
+
+
+def _fingerprint(out: dict[str, Any]) -> str | None:
+    r = out.get("response") or {}
+    body = r.get("body")
+    return body.get("system_fingerprint") if isinstance(body, dict) else None
+
+
+def compare(previous: list[dict[str, Any]], outputs: list[dict[str, Any]]) -> tuple[int, list[str]]:
+    """(the number of answers that differ, a line per answer not found the same)."""
+    before = {o.get("custom_id"): o for o in previous if o.get("custom_id") is not None}
+    report: list[str] = []
+    differ = 0
+    for out in outputs:
+        cid = out.get("custom_id")
+        if cid is None:
+            continue
+        old = before.get(cid)
+        if old is None:
+            report.append(f"{cid}: not in the previous file")
+            differ += 1
+            continue
+        fa, fb = _fingerprint(old), _fingerprint(out)
+        if fa is not None and fb is not None and fa != fb:
+            report.append(f"{cid}: not comparable, fingerprint {fa} then {fb}")
+            continue
+        where = first_difference(stable_answer(old), stable_answer(out))
+        if where is not None:
+            report.append(f"{cid}: differs at {where}")
+            differ += 1
+    return differ, report
+
+
 def run_batch(args: argparse.Namespace) -> int:
     from detspec.server.serve import SetupError, build_from_args, missing_extra
 
@@ -119,8 +205,12 @@ def run_batch(args: argparse.Namespace) -> int:
     try:
         with open(args.input_file, encoding="utf-8") as f:
             lines = f.read().splitlines()
-    except OSError as e:
-        print(f"error: --input-file: {e}", file=sys.stderr)
+        previous = None
+        if args.compare is not None:
+            with open(args.compare, encoding="utf-8") as f:
+                previous = [json.loads(x) for x in f.read().splitlines() if x.strip()]
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
         return 1
     try:
         app = build_from_args(args)
@@ -141,4 +231,11 @@ def run_batch(args: argparse.Namespace) -> int:
         return 1
     failed = sum(o["error"] is not None or o["response"]["status_code"] != 200 for o in outputs)
     print(f"{len(outputs)} requests, {failed} failed -> {args.output_file}", file=sys.stderr)
-    return 0
+    if previous is None:
+        return 0
+    differ, report = compare(previous, outputs)
+    for line in report:
+        print(line, file=sys.stderr)
+    same = sum(o.get("custom_id") is not None for o in outputs) - len(report)
+    print(f"compared with {args.compare}: {same} same, {differ} differ", file=sys.stderr)
+    return 1 if differ else 0
