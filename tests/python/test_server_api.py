@@ -422,6 +422,60 @@ def test_tokenize_detokenize(server, client, llm) -> None:
     assert tc["count"] == r.usage.prompt_tokens
 
 
+@pytest.mark.parametrize("final", ["The answer is", "  Paris, then  ", "say:\n", "x y"])
+def test_continue_final_message(server, client, demo_model_dir, final) -> None:
+    """vLLM's ``continue_final_message``: the prompt ends with the last message's content,
+    as transformers renders it, and the answer continues it (the same bits as a completion
+    of those tokens)."""
+    from transformers import AutoTokenizer
+
+    conv = [{"role": "user", "content": "Where is it?"}, {"role": "assistant", "content": final}]
+    tok = AutoTokenizer.from_pretrained(demo_model_dir)
+    text = tok.apply_chat_template(
+        conv, continue_final_message=True, add_generation_prompt=False, tokenize=False
+    )
+    assert not text.endswith("</s>\n") and final.strip() in text
+    want = tok.encode(text, add_special_tokens=False)
+    body = {"messages": conv, "add_generation_prompt": False, "continue_final_message": True}
+    got = httpx.post(server.base_url + "/tokenize", json=body).json()["tokens"]
+    assert got == list(want)
+    kw = dict(model=SERVED_NAME, max_tokens=6, temperature=0.7, seed=9)
+    extra = {"deterministic": True, "ignore_eos": True, "return_token_ids": True}
+    chat = client.chat.completions.create(
+        messages=conv,
+        logprobs=True,
+        extra_body={**extra, "add_generation_prompt": False, "continue_final_message": True},
+        **kw,
+    ).choices[0]
+    cmpl = client.completions.create(prompt=got, logprobs=0, extra_body=extra, **kw).choices[0]
+    assert chat.model_extra["token_ids"] == cmpl.model_extra["token_ids"]
+    assert [e.logprob for e in chat.logprobs.content] == cmpl.logprobs.token_logprobs
+
+
+def test_continue_final_message_errors(server) -> None:
+    conv = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Well"}]
+    url = server.base_url + "/v1/chat/completions"
+    r = httpx.post(url, json={"messages": conv, "continue_final_message": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
+    # whitespace alone cannot be found in the rendering
+    conv[-1]["content"] = "   "
+    body = {"messages": conv, "continue_final_message": True, "add_generation_prompt": False}
+    r = httpx.post(url, json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[1].content"
+
+
+def test_final_message_cut_keeps_trailing_space_only_where_written_whole() -> None:
+    from detspec.server.chat import _through_final_message
+
+    # a template that writes the message as it is keeps its trailing space
+    assert _through_final_message("A: Hi\nB: The answer is <end>", "The answer is ", 1) == (
+        "A: Hi\nB: The answer is "
+    )
+    # one that trims it, or leading space that changes the match: cut after the text
+    assert _through_final_message("B: x y<end>", "  x y  ", 1) == "B: x y"
+    assert _through_final_message("B:   x y  <end>", "  x y  ", 1) == "B:   x y"
+
+
 def test_metrics_names(server, client) -> None:
     client.completions.create(
         model=SERVED_NAME,

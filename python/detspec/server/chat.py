@@ -60,8 +60,12 @@ async def render_chat(
     add_generation_prompt: bool,
     template_kwargs: dict[str, Any] | None,
     tools: list[dict[str, Any]] | None = None,
+    continue_final_message: bool = False,
 ) -> list[int]:
-    """The token ids of a conversation rendered with the model's chat template."""
+    """The token ids of a conversation rendered with the model's chat template;
+    ``continue_final_message``: cut after the last message's content, so that the model
+    goes on with it (vLLM's and transformers' option: what the template writes after the
+    content, an end-of-turn token, is left out)."""
     if tokenizer is None:
         raise ApiError(400, "this model has no tokenizer: chat is unavailable", "messages")
     kwargs = dict(template_kwargs or {})
@@ -78,15 +82,42 @@ async def render_chat(
                 "chat_template_kwargs",
             )
         kwargs["tools"] = tools
+    if continue_final_message and add_generation_prompt:
+        raise ApiError(
+            400,
+            "continue_final_message continues the last message: send add_generation_prompt="
+            "false with it",
+            "continue_final_message",
+        )
     conv = conversation(messages)
     try:
-        ids = await asyncio.to_thread(
-            tokenizer.apply_chat_template,
-            conv,
-            add_generation_prompt,
-            True,
-            **kwargs,
+        text = await asyncio.to_thread(
+            tokenizer.apply_chat_template, conv, add_generation_prompt, False, **kwargs
         )
+        if continue_final_message:
+            text = _through_final_message(str(text), conv[-1]["content"], len(conv) - 1)
+        ids = await asyncio.to_thread(tokenizer.encode, str(text), False)
     except InvalidRequestError as e:
         raise invalid(e, "messages") from None
-    return list(ids)  # type: ignore[arg-type]
+    return list(ids)
+
+
+def _through_final_message(text: str, content: str, index: int) -> str:
+    """``text`` cut after its last occurrence of the final message's content (found without
+    its surrounding whitespace, which templates often trim)."""
+    core = content.strip()
+    at = text.rfind(core) if core else -1
+    if at < 0:
+        param = f"messages[{index}].content"
+        raise ApiError(
+            400,
+            "continue_final_message: the last message's content does not appear in the "
+            "rendered conversation (the chat template drops or changes it), so it cannot be "
+            "continued",
+            param,
+        )
+    # The message's trailing whitespace stays where the template wrote the whole message
+    # as it is (as transformers decides).
+    whole = content.lstrip()
+    end = at + (len(whole) if text[at : at + len(whole)] == content else len(core))
+    return text[:end]

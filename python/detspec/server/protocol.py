@@ -198,6 +198,8 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    # vLLM's: the model continues the last message (needs add_generation_prompt=false)
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ChatTool] | None = None
     tool_choice: ToolChoice | None = None
@@ -218,6 +220,7 @@ class TokenizeChatRequest(OpenAIBaseModel):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[ChatTool] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
 

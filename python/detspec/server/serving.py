@@ -24,7 +24,7 @@ from detspec.errors import DetspecError, InvalidRequestError
 from detspec.outputs import RequestOutput
 from detspec.sampling_params import SamplingParams
 from detspec.server import protocol as P
-from detspec.server.chat import render_chat
+from detspec.server.chat import conversation, render_chat
 from detspec.server.defaults import DEFAULT_SEED, RequestDefaults
 from detspec.server.errors import RETRY_AFTER, ApiError, engine_error, invalid
 from detspec.server.jobs import Job, completion_prompts, keeps_special_tokens
@@ -295,9 +295,15 @@ class OpenAIServer:
         add_generation_prompt: bool,
         template_kwargs: dict[str, Any] | None,
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
     ) -> list[int]:
         return await render_chat(
-            self.tokenizer, messages, add_generation_prompt, template_kwargs, tools
+            self.tokenizer,
+            messages,
+            add_generation_prompt,
+            template_kwargs,
+            tools,
+            continue_final_message,
         )
 
     async def prompt_logprobs(self, ids: list[int], k: int) -> list[dict[str, Any] | None]:
@@ -447,7 +453,11 @@ class OpenAIServer:
                     "max_completion_tokens",
                 )
         ids = await self.render_chat(
-            req.messages, req.add_generation_prompt, req.chat_template_kwargs, tools.tools
+            req.messages,
+            req.add_generation_prompt,
+            req.chat_template_kwargs,
+            tools.tools,
+            req.continue_final_message,
         )
         reasoning = None
         if self.reasoning_parser is not None:
@@ -490,7 +500,11 @@ class OpenAIServer:
         the generation prompt's tags decide, so the conversation is rendered once more
         without it."""
         gen: list[int] = []
-        if req.add_generation_prompt:
+        if req.continue_final_message and self.tokenizer is not None:
+            # the answer goes on with the last message: its tags decide
+            final = conversation(req.messages[-1:])[0]["content"]
+            gen = await asyncio.to_thread(self.tokenizer.encode, final, False)
+        elif req.add_generation_prompt:
             without = await self.render_chat(req.messages, False, req.chat_template_kwargs, tools)
             gen = list(generation_prompt(ids, without))
         thinking = parser.thinks(gen, req.chat_template_kwargs or {})
@@ -586,7 +600,11 @@ class OpenAIServer:
                 check_tools(req.tools)
                 tools = [t.model_dump(exclude_none=True) for t in req.tools]
             ids = await self.render_chat(
-                req.messages, req.add_generation_prompt, req.chat_template_kwargs, tools
+                req.messages,
+                req.add_generation_prompt,
+                req.chat_template_kwargs,
+                tools,
+                req.continue_final_message,
             )
         else:
             ids = await self.encode(req.prompt, req.add_special_tokens)
