@@ -41,15 +41,30 @@ class Tokenizer:
         conversation: Sequence[ChatMessage],
         add_generation_prompt: bool = True,
         tokenize: bool = False,
+        *,
+        continue_final_message: bool = False,
         **kwargs: Any,
     ) -> str | list[int]:
         """Renders a conversation with the model's chat template (minijinja, in Rust), as
         transformers' ``apply_chat_template`` does; extra keyword arguments (``tools``,
         ``enable_thinking``, ...) become template variables. ``tokenize=True`` returns token
-        ids (encoded without adding special tokens: the template writes them)."""
+        ids (encoded without adding special tokens: the template writes them).
+        ``continue_final_message``: the text ends with the last message's content, as
+        transformers cuts it (what the template writes after it, an end-of-turn token, is
+        left out), so that a model continues it; it needs ``add_generation_prompt=False``."""
+        if continue_final_message and add_generation_prompt:
+            raise InvalidRequestError(
+                "invalid parameter `continue_final_message`: it continues the last message; "
+                "set add_generation_prompt to false with it",
+                param="continue_final_message",
+            )
         try:
+            if continue_final_message:
+                conversation = _marked(conversation)
             messages = json.dumps([dict(m) for m in conversation])
             extra = json.dumps(kwargs) if kwargs else None
+        except InvalidRequestError:
+            raise
         except (TypeError, ValueError) as e:
             raise InvalidRequestError(
                 f"invalid parameter `messages`: each message must be a JSON-serialisable mapping "
@@ -57,7 +72,56 @@ class Tokenizer:
                 param="messages",
             ) from None
         text = self._engine.apply_chat_template(messages, add_generation_prompt, extra)
+        if continue_final_message:
+            text = _cut_at_mark(text, len(conversation) - 1)
         return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+# Appended to the last message for ``continue_final_message``: the rendering is cut where it
+# lands (transformers marks the message the same way).
+_CONTINUE_MARK = "DETSPEC_CONTINUE_FINAL_MESSAGE "
+
+
+def _marked(conversation: Sequence[ChatMessage]) -> list[dict[str, Any]]:
+    """The conversation with the mark after the last message's content (its last text part
+    when the content is a list of parts)."""
+    conv = [dict(m) for m in conversation]
+    if not conv:
+        raise InvalidRequestError(
+            "invalid parameter `messages`: continue_final_message needs a message to continue",
+            param="messages",
+        )
+    last = conv[-1]
+    content = last.get("content")
+    param = f"messages[{len(conv) - 1}].content"
+    if isinstance(content, str):
+        last["content"] = content + _CONTINUE_MARK
+        return conv
+    parts = [dict(p) if isinstance(p, Mapping) else p for p in content or []]
+    for part in reversed(parts):
+        if isinstance(part, dict) and isinstance(part.get("text"), str):
+            part["text"] += _CONTINUE_MARK
+            last["content"] = parts
+            return conv
+    raise InvalidRequestError(
+        f"invalid parameter `{param}`: continue_final_message needs text to continue",
+        param=param,
+    )
+
+
+def _cut_at_mark(text: str, index: int) -> str:
+    """The rendering up to the mark: as written when the template kept the message whole,
+    without trailing whitespace when it trimmed it (the mark's space gone)."""
+    at = text.rfind(_CONTINUE_MARK.strip())
+    if at < 0:
+        param = f"messages[{index}].content"
+        raise InvalidRequestError(
+            f"invalid parameter `{param}`: continue_final_message: the chat template does not "
+            "write the last message's content as given, so it cannot be continued",
+            param=param,
+        )
+    kept = text[at : at + len(_CONTINUE_MARK)] == _CONTINUE_MARK
+    return text[:at] if kept else text[:at].rstrip()
 
 
 def _normalise_prompts(prompts: PromptType | Sequence[PromptType]) -> list[str | list[int]]:
@@ -391,10 +455,15 @@ class LLM(_EngineClient):
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        *,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """Replies to one conversation (a list of ``{"role", "content"}`` messages) or to a
-        batch of them, each rendered with the model's chat template, as vLLM's ``LLM.chat``.
-        Each output's ``prompt`` is the rendered text."""
+        batch of them, each rendered with the model's chat template, as vLLM's ``LLM.chat``
+        (``tools`` reach the template; ``continue_final_message`` continues the last
+        message, with ``add_generation_prompt=False``). Each output's ``prompt`` is the
+        rendered text."""
         if self.tokenizer is None:
             raise InvalidRequestError(f"chat needs a tokenizer: {self.model} has no tokenizer.json")
         if not messages:
@@ -403,10 +472,16 @@ class LLM(_EngineClient):
             )
         single = isinstance(messages[0], Mapping)
         conversations = [messages] if single else list(messages)
+        extra = dict(chat_template_kwargs or {})
+        if tools is not None:
+            extra["tools"] = tools
         texts = [
             str(
                 self.tokenizer.apply_chat_template(
-                    conv, add_generation_prompt, **(chat_template_kwargs or {})
+                    conv,
+                    add_generation_prompt,
+                    continue_final_message=continue_final_message,
+                    **extra,
                 )
             )
             for conv in conversations

@@ -80,6 +80,55 @@ def test_rich_template_from_jinja_file_matches_transformers(copy_model_dir):
         )
         with pytest.raises(InvalidRequestError, match="unknown role robot"):
             tok.apply_chat_template([{"role": "robot", "content": "beep"}])
+        # a template that trims the message (strip()): cut after the trimmed text
+        conv = [*CONVERSATION[:2], {"role": "assistant", "content": "  Three  "}]
+        kw = dict(add_generation_prompt=False, continue_final_message=True)
+        assert tok.apply_chat_template(conv, **kw) == hf_render(d, conv, **kw)
+        # LLM.chat passes tools to the template
+        sp = SamplingParams(temperature=0.0, max_tokens=2)
+        (out,) = llm.chat(CONVERSATION, sp, use_tqdm=False, tools=tools)
+        assert out.prompt == hf_render(d, CONVERSATION, tools=tools)
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("final", ["The lamp is ", "  Three  ", "Done.\n", "x"])
+def test_continue_final_message_matches_transformers(llama_case, llama_llm, final):
+    """transformers' ``continue_final_message``: the text ends inside the last message
+    (its trailing whitespace kept where the template wrote the message whole)."""
+    conv = [*CONVERSATION[:2], {"role": "assistant", "content": final}]
+    kw = dict(add_generation_prompt=False, continue_final_message=True)
+    want = hf_render(llama_case.path, conv, **kw)
+    tok = llama_llm.get_tokenizer()
+    assert tok.apply_chat_template(conv, **kw) == want
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    (out,) = llama_llm.chat(conv, sp, use_tqdm=False, **kw)
+    assert out.prompt == want
+    ids = tok.encode(want, add_special_tokens=False)
+    ref = llama_llm.generate([ids], sp, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+    with pytest.raises(InvalidRequestError, match="add_generation_prompt"):
+        tok.apply_chat_template(conv, continue_final_message=True)
+
+
+def test_continue_final_message_errors_name_the_message(copy_model_dir):
+    d = copy_model_dir("llama")
+    # a template that leaves out the assistant's words cannot continue them
+    drops = "{% for m in messages %}{% if m['role'] != 'assistant' %}{{ m['content'] }}{% endif %}"
+    (d / "chat_template.jinja").write_text(drops + "{% endfor %}")
+    llm = detspec.LLM(d, num_kv_pages=64)
+    try:
+        tok = llm.get_tokenizer()
+        conv = [*CONVERSATION[:2], {"role": "assistant", "content": "Three"}]
+        kw = dict(add_generation_prompt=False, continue_final_message=True)
+        with pytest.raises(InvalidRequestError, match=r"messages\[2\]\.content") as e:
+            tok.apply_chat_template(conv, **kw)
+        assert e.value.param == "messages[2].content"
+        with pytest.raises(InvalidRequestError, match="needs text to continue"):
+            tok.apply_chat_template([{"role": "user", "content": [{"type": "image"}]}], **kw)
+        # content parts: the last text part is continued (this template prints the list)
+        parts = [{"role": "user", "content": [{"type": "text", "text": "Hi "}]}]
+        assert str(tok.apply_chat_template(parts, **kw)).endswith('"text": "Hi ')
     finally:
         llm.shutdown()
 

@@ -14,7 +14,9 @@ from detspec.server import protocol as P
 from detspec.server.errors import ApiError, invalid
 
 # Chat-template variables that are arguments of apply_chat_template itself.
-RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "add_generation_prompt", "tokenize"})
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"conversation", "add_generation_prompt", "tokenize", "continue_final_message"}
+)
 
 
 def conversation(messages: list[P.ChatMessage]) -> list[dict[str, Any]]:
@@ -82,42 +84,16 @@ async def render_chat(
                 "chat_template_kwargs",
             )
         kwargs["tools"] = tools
-    if continue_final_message and add_generation_prompt:
-        raise ApiError(
-            400,
-            "continue_final_message continues the last message: send add_generation_prompt="
-            "false with it",
-            "continue_final_message",
-        )
     conv = conversation(messages)
     try:
-        text = await asyncio.to_thread(
-            tokenizer.apply_chat_template, conv, add_generation_prompt, False, **kwargs
+        ids = await asyncio.to_thread(
+            tokenizer.apply_chat_template,
+            conv,
+            add_generation_prompt,
+            True,
+            continue_final_message=continue_final_message,
+            **kwargs,
         )
-        if continue_final_message:
-            text = _through_final_message(str(text), conv[-1]["content"], len(conv) - 1)
-        ids = await asyncio.to_thread(tokenizer.encode, str(text), False)
     except InvalidRequestError as e:
         raise invalid(e, "messages") from None
-    return list(ids)
-
-
-def _through_final_message(text: str, content: str, index: int) -> str:
-    """``text`` cut after its last occurrence of the final message's content (found without
-    its surrounding whitespace, which templates often trim)."""
-    core = content.strip()
-    at = text.rfind(core) if core else -1
-    if at < 0:
-        param = f"messages[{index}].content"
-        raise ApiError(
-            400,
-            "continue_final_message: the last message's content does not appear in the "
-            "rendered conversation (the chat template drops or changes it), so it cannot be "
-            "continued",
-            param,
-        )
-    # The message's trailing whitespace stays where the template wrote the whole message
-    # as it is (as transformers decides).
-    whole = content.lstrip()
-    end = at + (len(whole) if text[at : at + len(whole)] == content else len(core))
-    return text[:end]
+    return list(ids)  # type: ignore[arg-type]
