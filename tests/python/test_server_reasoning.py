@@ -131,6 +131,23 @@ def test_reasoning_and_content_are_the_text_around_the_end_token(client, seed) -
     assert hidden.model_extra["reasoning"] is None and hidden.content == m.content
 
 
+def test_each_of_n_choices_splits_its_own_output(client, seed) -> None:
+    r = chat(client, seed, n=3)
+    assert len(r.choices) == 3
+    total = 0
+    for ch in r.choices:
+        ids, m = ch.model_extra["token_ids"], ch.message
+        whole = m.model_extra["reasoning"] or ""
+        if END_ID in ids:  # (the content may hold more: the bias stays on)
+            total += ids.index(END_ID)
+        else:
+            total += len(ids)
+            assert m.content is None
+        assert END not in whole
+    assert r.usage.completion_tokens_details.reasoning_tokens == total
+    assert len({ch.message.model_extra["reasoning"] for ch in r.choices}) > 1
+
+
 def collect(stream) -> dict:
     got = {"reasoning": "", "reasoning_content": "", "content": "", "lps": [], "finish": None}
     for chunk in stream:

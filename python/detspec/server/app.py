@@ -12,7 +12,9 @@ size limit), ``serving`` (validation, admission, generation, response bodies), `
 request's engine requests), ``shaping`` (the fields every response body shares),
 ``streaming`` (fan-in, disconnects, SSE), ``score_batcher`` (coalesced prompt scoring),
 ``chat`` (template rendering), ``logprobs`` (their shapes), ``protocol`` (request and
-response models).
+response models), ``structured`` (output constraints), ``tools`` and ``tool_parsers`` (tool
+calls), ``reasoning`` (a thinking model's reasoning split). ``serve`` runs the app under
+uvicorn; ``run_batch`` answers a batch file through it in process.
 """
 
 from __future__ import annotations
