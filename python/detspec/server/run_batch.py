@@ -102,8 +102,11 @@ async def answer_lines(app: Any, lines: list[str], max_concurrency: int) -> list
         assert item is not None
         async with gate:
             r = await client.post(item["url"], json=item["body"])
-        body = r.json()
-        request_id = body.get("id") if r.status_code == 200 else None
+        try:
+            body: Any = r.json()
+        except ValueError:  # not JSON (no route answers so; kept as text if one did)
+            body = r.text
+        request_id = body.get("id") if r.status_code == 200 and isinstance(body, dict) else None
         return {
             "id": f"batch_req_{uuid.uuid4().hex}",
             "custom_id": item.get("custom_id"),
