@@ -7,7 +7,7 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
-use crossbeam::channel::{unbounded, TryRecvError};
+use crossbeam::channel::{unbounded, Receiver, TryRecvError};
 use detspec::engine::{InFlight, PauseMode, StreamEvent};
 use detspec::{DetspecError, Engine, EngineConfig, FinishReason, Request, SamplingParams};
 
@@ -38,9 +38,17 @@ fn det(max_tokens: usize) -> SamplingParams {
     }
 }
 
-fn bits(e: &Engine, id: &str) -> (Vec<u32>, Vec<u32>) {
+/// Long enough that a request is still running after its first tokens, when the keep-mode
+/// test pauses it (a 24-token one could finish before the pause: that race failed it once).
+const IN_FLIGHT_TOKENS: usize = 400;
+
+fn bits(e: &Engine, id: &str, max_tokens: usize) -> (Vec<u32>, Vec<u32>) {
     let out = e
-        .add_request(Request::new(id, (3..40).collect::<Vec<u32>>(), det(24)))
+        .add_request(Request::new(
+            id,
+            (3..40).collect::<Vec<u32>>(),
+            det(max_tokens),
+        ))
         .unwrap()
         .wait()
         .unwrap();
@@ -54,7 +62,7 @@ fn bits(e: &Engine, id: &str) -> (Vec<u32>, Vec<u32>) {
 #[test]
 fn pause_holds_new_requests_and_abort_mode_aborts_in_flight() {
     let e = engine();
-    let solo = bits(&e, "solo");
+    let solo = bits(&e, "solo", 24);
     let running = e
         .add_request(Request::new("long", vec![5, 6, 7], det(500)))
         .unwrap();
@@ -74,9 +82,15 @@ fn pause_holds_new_requests_and_abort_mode_aborts_in_flight() {
     assert!(matches!(rx.try_recv(), Err(TryRecvError::Empty)));
     e.resume().unwrap();
     assert!(!e.is_paused());
+    assert_eq!(tokens_until(&rx, usize::MAX), solo);
+}
+
+/// Token ids and logprob bits from a request's events, until it finishes or at least `n`
+/// tokens came.
+fn tokens_until(rx: &Receiver<StreamEvent>, n: usize) -> (Vec<u32>, Vec<u32>) {
     let mut ids = Vec::new();
     let mut lps = Vec::new();
-    loop {
+    while ids.len() < n {
         match rx.recv().unwrap() {
             StreamEvent::Tokens {
                 token_ids,
@@ -94,16 +108,22 @@ fn pause_holds_new_requests_and_abort_mode_aborts_in_flight() {
             StreamEvent::Failed { error, .. } => panic!("{error}"),
         }
     }
-    assert_eq!((ids, lps), solo);
+    (ids, lps)
 }
 
 #[test]
 fn keep_mode_freezes_in_flight_requests_with_the_same_bits() {
     let e = engine();
-    let solo = bits(&e, "solo");
-    let stream = e
-        .add_request(Request::new("r", (3..40).collect::<Vec<u32>>(), det(24)))
-        .unwrap();
+    let solo = bits(&e, "solo", IN_FLIGHT_TOKENS);
+    let (tx, rx) = unbounded();
+    e.add_request_with_sender(
+        Request::new("r", (3..40).collect::<Vec<u32>>(), det(IN_FLIGHT_TOKENS)),
+        tx,
+    )
+    .unwrap();
+    // Paused once it is running (its first tokens came) and before it can finish.
+    let (mut ids, mut lps) = tokens_until(&rx, 1);
+    assert!(ids.len() < IN_FLIGHT_TOKENS, "it finished before the pause");
     e.pause(PauseMode::Keep).unwrap();
     // It could not finish on the old weights while frozen: refused, nothing changes.
     let fp = e.fingerprint();
@@ -113,12 +133,10 @@ fn keep_mode_freezes_in_flight_requests_with_the_same_bits() {
     assert!(err.to_string().contains("in_flight"), "{err}");
     assert_eq!(e.fingerprint(), fp);
     e.resume().unwrap();
-    let c = stream.wait().unwrap().outputs[0].clone();
-    let got = (
-        c.token_ids,
-        c.logprobs.iter().map(|l| l.logprob.to_bits()).collect(),
-    );
-    assert_eq!(got, solo);
+    let (rest_ids, rest_lps) = tokens_until(&rx, usize::MAX);
+    ids.extend(rest_ids);
+    lps.extend(rest_lps);
+    assert_eq!((ids, lps), solo);
     // Wait mode returns once the request in flight is done.
     let stream = e
         .add_request(Request::new("w", (3..40).collect::<Vec<u32>>(), det(24)))
@@ -132,7 +150,7 @@ fn keep_mode_freezes_in_flight_requests_with_the_same_bits() {
 #[test]
 fn kv_memory_is_released_and_restored() {
     let e = engine();
-    let before = bits(&e, "a");
+    let before = bits(&e, "a", 24);
     let (bytes, released) = e.kv_memory().unwrap();
     assert!(bytes > 0 && !released);
     let err = e.release_kv_memory().unwrap_err();
@@ -147,7 +165,7 @@ fn kv_memory_is_released_and_restored() {
     e.resume_kv_memory().unwrap();
     assert_eq!(e.kv_memory().unwrap(), (bytes, false));
     e.resume().unwrap();
-    assert_eq!(bits(&e, "b"), before);
+    assert_eq!(bits(&e, "b", 24), before);
 }
 
 #[test]
