@@ -76,6 +76,7 @@ def reasoning_server(tmp_path_factory, reasoning_model_dir):
         "--verify-group", "4",
         "--num-kv-pages", "1024",
         "--reasoning-parser", "qwen3",
+        "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
     )  # fmt: skip
     yield s
     assert s.stop() == 0, s.log()
@@ -216,6 +217,24 @@ def test_a_required_tool_call_follows_the_thinking(client, seed) -> None:
         chat(client, seed, tools=[tool], tool_choice="required", max_tokens=200, stream=True)
     )
     assert s["reasoning"] == ch.message.model_extra["reasoning"]
+
+
+def test_the_tool_parser_reads_the_answer_after_the_thinking(client, seed) -> None:
+    """Qwen3's setup (hermes calls, thinking): a call written after ``</think>`` (arranged by
+    a regex, which applies after the thinking) is a tool call; the thinking is reasoning."""
+    call = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "Oslo"\}\}\n</tool_call>'
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": CITY_SCHEMA}}
+    kw = dict(tools=[tool], max_tokens=200, extra={"structured_outputs": {"regex": call}})
+    ch = chat(client, seed, **kw).choices[0]
+    assert ch.finish_reason == "tool_calls" and ch.message.content is None
+    (got,) = ch.message.tool_calls
+    assert (got.function.name, json.loads(got.function.arguments)) == (
+        "get_weather",
+        {"city": "Oslo"},
+    )
+    assert ch.message.model_extra["reasoning"]
+    s = collect(chat(client, seed, stream=True, **kw))
+    assert s["reasoning"] == ch.message.model_extra["reasoning"] and s["content"] == ""
 
 
 async def _round(base_url: str, seed: int, deterministic: bool, load: int) -> tuple:
