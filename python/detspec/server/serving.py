@@ -498,13 +498,14 @@ class OpenAIServer:
     ) -> ReasoningPlan:
         """Whether the answer to ``ids`` (``req`` rendered) begins inside a thinking block:
         the generation prompt's tags decide, so the conversation is rendered once more
-        without it."""
+        without it (only when the prompt holds a tag at all)."""
         gen: list[int] = []
+        tagged = parser.start_id in ids or parser.end_id in ids
         if req.continue_final_message and self.tokenizer is not None:
             # the answer goes on with the last message: its tags decide
             final = conversation(req.messages[-1:])[0]["content"]
             gen = await asyncio.to_thread(self.tokenizer.encode, final, False)
-        elif req.add_generation_prompt:
+        elif req.add_generation_prompt and tagged:
             without = await self.render_chat(req.messages, False, req.chat_template_kwargs, tools)
             gen = list(generation_prompt(ids, without))
         thinking = parser.thinks(gen, req.chat_template_kwargs or {})
