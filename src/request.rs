@@ -1,5 +1,8 @@
 //! What a client submits.
 
+use std::sync::Arc;
+
+use crate::model::LoraAdapter;
 use crate::sampling::SamplingParams;
 
 /// A prompt as text (tokenized by the model's tokenizer) or as token ids.
@@ -34,6 +37,8 @@ pub struct Request {
     pub request_id: String,
     pub prompt: Prompt,
     pub params: SamplingParams,
+    /// The LoRA adapter to run on top of the base model (`None`: the base model).
+    pub lora: Option<Arc<LoraAdapter>>,
 }
 
 impl Request {
@@ -46,6 +51,13 @@ impl Request {
             request_id: request_id.into(),
             prompt: prompt.into(),
             params,
+            lora: None,
         }
+    }
+
+    /// The request run with `adapter` on top of the base model.
+    pub fn with_lora(mut self, adapter: Arc<LoraAdapter>) -> Self {
+        self.lora = Some(adapter);
+        self
     }
 }

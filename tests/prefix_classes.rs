@@ -132,7 +132,7 @@ fn request(
     tokens: &[u32],
     class: PageClass,
 ) -> Option<Vec<PageId>> {
-    let hit = cache.lookup_class(tokens, PS, class, alloc);
+    let hit = cache.lookup_class(tokens, PS, class, 0, alloc);
     for (i, p) in hit.iter().enumerate() {
         let c = &model.computed[p];
         assert_eq!(
@@ -186,7 +186,7 @@ fn request(
         FAST_AFTER_INVARIANT.fetch_add(1, Ordering::Relaxed);
     }
     let before: Vec<PageId> = cache.cached_pages();
-    cache.insert_class(tokens, &pages, PS, class, alloc);
+    cache.insert_class(tokens, &pages, PS, class, 0, alloc);
     let mut parent = 0;
     for (i, &p) in pages.iter().take(full).enumerate() {
         if !before.contains(&p) {
@@ -209,7 +209,7 @@ fn request(
         }
         parent = model.registered[&p].id;
     }
-    let again = cache.lookup_class(tokens, PS, class, alloc);
+    let again = cache.lookup_class(tokens, PS, class, 0, alloc);
     assert_eq!(
         again,
         pages[..full],
@@ -294,38 +294,41 @@ fn plain_turns_after_a_deterministic_prefix_are_cached() {
     let turn2: Vec<u32> = turn1.iter().copied().chain(20..28).collect();
     let det: Vec<PageId> = (0..2).map(|_| alloc.allocate().unwrap()).collect();
     assert_eq!(
-        cache.insert_class(&system, &det, PS, PageClass::Invariant, &alloc),
+        cache.insert_class(&system, &det, PS, PageClass::Invariant, 0, &alloc),
         2
     );
     // Turn 1, plain: reads the system prompt's invariant pages, computes two of its own.
-    let mut t1 = cache.lookup_class(&turn1, PS, PageClass::Fast, &alloc);
+    let mut t1 = cache.lookup_class(&turn1, PS, PageClass::Fast, 0, &alloc);
     assert_eq!(t1, det);
     t1.extend((0..2).map(|_| alloc.allocate().unwrap()));
     assert_eq!(
-        cache.insert_class(&turn1, &t1, PS, PageClass::Fast, &alloc),
+        cache.insert_class(&turn1, &t1, PS, PageClass::Fast, 0, &alloc),
         2
     );
     // Turn 2 reads all four pages of turn 1.
-    assert_eq!(cache.lookup_class(&turn2, PS, PageClass::Fast, &alloc), t1);
+    assert_eq!(
+        cache.lookup_class(&turn2, PS, PageClass::Fast, 0, &alloc),
+        t1
+    );
     // A deterministic request with turn 2's tokens reads only the invariant system prompt.
     assert_eq!(
-        cache.lookup_class(&turn2, PS, PageClass::Invariant, &alloc),
+        cache.lookup_class(&turn2, PS, PageClass::Invariant, 0, &alloc),
         det
     );
     // Its own continuation of the system prompt does not take the plain pages' keys.
     let mut d1 = det.clone();
     d1.extend((0..2).map(|_| alloc.allocate().unwrap()));
     assert_eq!(
-        cache.insert_class(&turn1, &d1, PS, PageClass::Invariant, &alloc),
+        cache.insert_class(&turn1, &d1, PS, PageClass::Invariant, 0, &alloc),
         2
     );
     assert_eq!(
-        cache.lookup_class(&turn1, PS, PageClass::Invariant, &alloc),
+        cache.lookup_class(&turn1, PS, PageClass::Invariant, 0, &alloc),
         d1
     );
     assert_eq!(
         cache
-            .lookup_class(&turn2, PS, PageClass::Fast, &alloc)
+            .lookup_class(&turn2, PS, PageClass::Fast, 0, &alloc)
             .len(),
         4
     );

@@ -31,6 +31,7 @@ fn seq(id: u64, prompt_len: usize, max_tokens: usize, deterministic: bool) -> Se
         emitted: 0,
         dvr: Default::default(),
         constraint: None,
+        lora: None,
     }
 }
 

@@ -344,6 +344,11 @@ pub struct EngineConfig {
     /// request reads only pages computed as a deterministic prefill computes them
     /// (`kv::PageClass`), so its bits do not change.
     pub enable_prefix_caching: bool,
+    /// Most LoRA adapters loaded at once (`Engine::load_lora`); 0 refuses adapters. Rows of
+    /// any number of them share a forward.
+    pub max_loras: usize,
+    /// Largest LoRA rank an adapter may have.
+    pub max_lora_rank: usize,
 }
 
 impl Default for EngineConfig {
@@ -370,6 +375,8 @@ impl Default for EngineConfig {
             fault_injection: 0.0,
             num_threads: None,
             enable_prefix_caching: true,
+            max_loras: 0,
+            max_lora_rank: 64,
         }
     }
 }
@@ -418,6 +425,12 @@ impl EngineConfig {
         }
         if self.max_model_len == Some(0) {
             return Err(DetspecError::param("max_model_len", "must be > 0"));
+        }
+        if self.max_lora_rank == 0 || self.max_lora_rank > 1024 {
+            return Err(DetspecError::param(
+                "max_lora_rank",
+                format!("must be in 1..=1024, got {}", self.max_lora_rank),
+            ));
         }
         Ok(())
     }

@@ -85,6 +85,7 @@ pub fn build_replay_batch(
             push_pad_row(&mut batch, pad_slot, b as u32);
         }
         tables.push(seq.block_table.pages().to_vec());
+        batch.adapters.push(seq.lora.clone());
         windows.push(ReplayWindow {
             seq: id,
             n,
@@ -137,6 +138,7 @@ pub fn fixed_shape_passes(
         pass.attention.sliding_window = batch.attention.sliding_window;
         pass.attention.schedule = AttentionSchedule::Fixed;
         pass.attention.block_tables = tables.clone();
+        pass.adapters = batch.adapters.clone();
         pass.tokens.extend_from_slice(&batch.tokens[start..end]);
         pass.slots.extend_from_slice(&batch.slots[start..end]);
         pass.attention

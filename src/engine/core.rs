@@ -275,6 +275,16 @@ impl EngineCore {
         self.tokenizer.as_ref()
     }
 
+    /// `(max_loras, max_lora_rank)` of its config.
+    pub fn lora_limits(&self) -> (usize, usize) {
+        (self.cfg.max_loras, self.cfg.max_lora_rank)
+    }
+
+    /// The loaded model.
+    pub fn model(&self) -> &Model {
+        &self.model
+    }
+
     pub fn grammars(&self) -> &Arc<Grammars> {
         &self.grammars
     }
@@ -426,6 +436,7 @@ impl EngineCore {
                 emitted: 0,
                 dvr: Default::default(),
                 constraint: constraint.clone(),
+                lora: req.lora.clone(),
             });
         }
         Ok(StreamEvent::Accepted {
@@ -433,7 +444,10 @@ impl EngineCore {
             prompt: prompt_text,
             prompt_token_ids: prompt,
             n: req.params.n,
-            fingerprint: self.info.fingerprint.clone(),
+            fingerprint: match &req.lora {
+                Some(a) => fingerprint::with_adapter(&self.info.fingerprint, a.content_hash()),
+                None => self.info.fingerprint.clone(),
+            },
             arrival_time,
         })
     }
@@ -506,7 +520,7 @@ impl EngineCore {
         let kv = self.alloc.clone();
         let policy = &self.policy;
         let mut plan = self.sched.plan(self.alloc.as_ref(), &|seq, tokens| {
-            kv.lookup_prefix_of(tokens, policy.page_class(seq))
+            kv.lookup_prefix_of(tokens, policy.page_class(seq), seq.cache_namespace())
         });
         for &id in &plan.preempted {
             if let Some(seq) = self.sched.find_mut(id) {
@@ -848,6 +862,7 @@ impl EngineCore {
                 .attention
                 .block_tables
                 .push(seq.block_table.pages().to_vec());
+            batch.adapters.push(seq.lora.clone());
             if e.sample {
                 batch.logit_rows.push((batch.tokens.len() - 1) as u32);
                 sampled.push(e.seq);

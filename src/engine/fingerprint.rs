@@ -15,6 +15,9 @@
 //!   reproducible on AMX-BF16 CPUs only);
 //! - `determinism`: the determinism policy's label (mode, strategy, W and B where they matter).
 //!
+//! A request run with a LoRA adapter reports `detspec-lora<adapter>-<weights>-…`, `adapter`
+//! being the content hash of the adapter's weights as applied ([`with_adapter`]).
+//!
 //! Every hash is xxh3 with its fixed default key: the same inputs give the same fingerprint on
 //! every machine and run.
 
@@ -100,6 +103,15 @@ pub fn tail(
         "m{:08x}-{dtype}-{device}-k{KERNEL_VERSION}{profile}{act}-{determinism}",
         model_digest as u32
     )
+}
+
+/// `fingerprint` of a request run with a LoRA adapter whose content hash is `adapter`: the
+/// adapter's hash after the weights'.
+pub fn with_adapter(fingerprint: &str, adapter: u64) -> String {
+    match fingerprint.strip_prefix("detspec-") {
+        Some(rest) => format!("detspec-lora{adapter:016x}-{rest}"),
+        None => format!("{fingerprint}-lora{adapter:016x}"),
+    }
 }
 
 /// The whole fingerprint.

@@ -9,6 +9,7 @@
 mod core;
 pub mod fingerprint;
 pub mod fpenv;
+mod lora;
 mod stream;
 mod text;
 pub mod validate;
@@ -28,6 +29,7 @@ use crossbeam::channel::{unbounded, Receiver, Sender};
 use crate::config::EngineConfig;
 use crate::error::{DetspecError, Result};
 use crate::kv::KvStats;
+use crate::model::LoraAdapter;
 use crate::output::RequestOutput;
 use crate::request::Request;
 use crate::sampling::{Grammars, SamplingParams};
@@ -124,6 +126,8 @@ pub struct Engine {
     paused: Arc<AtomicBool>,
     /// What a request is checked against (fixed for the engine's life).
     rules: RequestRules,
+    /// Loaded LoRA adapters by name.
+    loras: Arc<lora::LoraRegistry>,
 }
 
 impl Engine {
@@ -154,6 +158,13 @@ impl Engine {
         let tokenizer = core.tokenizer().cloned();
         let grammars = core.grammars().clone();
         let rules = core.request_rules();
+        let loras = Arc::new(lora::LoraRegistry::new(
+            core.info().config.clone(),
+            core.model().device().clone(),
+            core.model().act_dtype(),
+            core.lora_limits().0,
+            core.lora_limits().1,
+        ));
         // The loop itself runs on one of the pool's workers: between kernels its serial work
         // (scheduling, candle's glue ops, sampling bookkeeping) runs on a thread that then
         // takes its share of the next kernel at once, instead of an outside thread that hands
@@ -183,6 +194,7 @@ impl Engine {
             grammars,
             paused,
             rules,
+            loras,
         })
     }
 
@@ -240,6 +252,30 @@ impl Engine {
         let id = request.request_id.clone();
         self.add_request_with_sender(request, tx)?;
         Ok(RequestStream::new(&id, rx))
+    }
+
+    /// Loads the PEFT LoRA adapter in `dir` (`adapter_config.json`,
+    /// `adapter_model.safetensors`) as `name`, for requests to name
+    /// ([`Request::with_lora`] with [`Self::lora`]). A loaded name is refused unless
+    /// `replace`: then requests submitted after get the new adapter, those in flight keep
+    /// theirs.
+    pub fn load_lora(&self, name: &str, dir: &Path, replace: bool) -> Result<Arc<LoraAdapter>> {
+        self.loras.load(name, dir, replace)
+    }
+
+    /// Unloads adapter `name` (requests running with it finish with it).
+    pub fn unload_lora(&self, name: &str) -> Result<()> {
+        self.loras.unload(name)
+    }
+
+    /// The adapter loaded as `name`, or an error naming `lora_name`.
+    pub fn lora(&self, name: &str) -> Result<Arc<LoraAdapter>> {
+        self.loras.get(name)
+    }
+
+    /// Every loaded adapter, by name.
+    pub fn loras(&self) -> Vec<(String, Arc<LoraAdapter>)> {
+        self.loras.list()
     }
 
     /// Aborts a request; its stream ends with finish reason `abort`. Unknown ids are ignored.

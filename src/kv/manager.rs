@@ -101,25 +101,37 @@ impl KvManager {
     /// reference on each (wrap them with [`super::BlockTable::from_shared_pages`]). Pass the
     /// prompt without its last token so at least one token is computed.
     pub fn lookup_prefix(&self, tokens: &[u32]) -> Vec<PageId> {
-        self.lookup_prefix_of(tokens, PageClass::Fast)
+        self.lookup_prefix_of(tokens, PageClass::Fast, 0)
     }
 
-    /// [`Self::lookup_prefix`] among the cached pages of `class`.
-    pub fn lookup_prefix_of(&self, tokens: &[u32], class: PageClass) -> Vec<PageId> {
+    /// [`Self::lookup_prefix`] among the cached pages of `class` in `namespace` (see
+    /// [`super::prefix::root_hash_of`]).
+    pub fn lookup_prefix_of(
+        &self,
+        tokens: &[u32],
+        class: PageClass,
+        namespace: u64,
+    ) -> Vec<PageId> {
         let ps = self.page_size;
-        self.with_cache(|c, a| c.lookup_class(tokens, ps, class, a))
+        self.with_cache(|c, a| c.lookup_class(tokens, ps, class, namespace, a))
     }
 
     /// Registers a sequence's full pages (its block table) for the final tokens `tokens`.
     /// Returns how many pages were newly cached. See [`PrefixCache::insert`].
     pub fn insert_prefix(&self, tokens: &[u32], pages: &[PageId]) -> usize {
-        self.insert_prefix_of(tokens, pages, PageClass::Fast)
+        self.insert_prefix_of(tokens, pages, PageClass::Fast, 0)
     }
 
-    /// [`Self::insert_prefix`] as pages of `class`.
-    pub fn insert_prefix_of(&self, tokens: &[u32], pages: &[PageId], class: PageClass) -> usize {
+    /// [`Self::insert_prefix`] as pages of `class` in `namespace`.
+    pub fn insert_prefix_of(
+        &self,
+        tokens: &[u32],
+        pages: &[PageId],
+        class: PageClass,
+        namespace: u64,
+    ) -> usize {
         let ps = self.page_size;
-        self.with_cache(|c, a| c.insert_class(tokens, pages, ps, class, a))
+        self.with_cache(|c, a| c.insert_class(tokens, pages, ps, class, namespace, a))
     }
 
     /// Frees up to `n` evictable cached pages now (normally unnecessary: `allocate` evicts

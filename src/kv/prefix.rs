@@ -97,16 +97,22 @@ pub enum PageClass {
 /// Key of the (empty) prefix before page 0. Includes the page size so that caches with different
 /// page sizes can never agree on a key.
 pub fn root_hash(page_size: usize) -> u64 {
-    root_hash_of(page_size, PageClass::Fast)
+    root_hash_of(page_size, PageClass::Fast, 0)
 }
 
-/// [`root_hash`] of one page class.
-pub fn root_hash_of(page_size: usize, class: PageClass) -> u64 {
+/// [`root_hash`] of one page class in one namespace: a sequence's KV is cached apart from the
+/// base model's when it was computed otherwise for the same tokens (a LoRA adapter's content
+/// hash; 0: the base model).
+pub fn root_hash_of(page_size: usize, class: PageClass, namespace: u64) -> u64 {
     let mut h = FnvHasher::default();
     h.write(b"detspec-prefix-v1");
     h.write(&(page_size as u64).to_le_bytes());
     if class == PageClass::Invariant {
         h.write(b"invariant");
+    }
+    if namespace != 0 {
+        h.write(b"namespace");
+        h.write(&namespace.to_le_bytes());
     }
     fmix64(h.finish())
 }
@@ -132,9 +138,9 @@ struct Link {
 /// What a page of `class` after `parent` (`None`: the first page) hashes its tokens onto: the
 /// class's root, the parent's key within a class, and the parent's key marked where a `Fast`
 /// page follows an `Invariant` one, so the two continuations of a page never share a key.
-fn chain_base(page_size: usize, parent: Option<Link>, class: PageClass) -> u64 {
+fn chain_base(page_size: usize, parent: Option<Link>, class: PageClass, namespace: u64) -> u64 {
     match parent {
-        None => root_hash_of(page_size, class),
+        None => root_hash_of(page_size, class, namespace),
         Some(p) if p.class == class => p.key,
         Some(p) => {
             let mut h = FnvHasher::default();
@@ -159,6 +165,8 @@ struct Entry {
     parent_key: u64,
     page: PageId,
     class: PageClass,
+    /// See [`root_hash_of`]; a chain's pages all have its root's.
+    namespace: u64,
     tokens: Box<[u32]>,
     depth: u32,
     last_used: u64,
@@ -284,16 +292,17 @@ impl PrefixCache {
         page_size: usize,
         alloc: &dyn PageAllocator,
     ) -> Vec<PageId> {
-        self.lookup_class(tokens, page_size, PageClass::Fast, alloc)
+        self.lookup_class(tokens, page_size, PageClass::Fast, 0, alloc)
     }
 
-    /// [`Self::lookup`] for a request of `class`: the longest run it may read (see
-    /// [`PageClass`]).
+    /// [`Self::lookup`] for a request of `class` in `namespace`: the longest run it may read
+    /// (see [`PageClass`], [`root_hash_of`]).
     pub fn lookup_class(
         &mut self,
         tokens: &[u32],
         page_size: usize,
         class: PageClass,
+        namespace: u64,
         alloc: &dyn PageAllocator,
     ) -> Vec<PageId> {
         if !self.enabled || page_size == 0 {
@@ -302,7 +311,7 @@ impl PrefixCache {
         self.tick += 1;
         self.lookups += 1;
         self.query_tokens += tokens.len() as u64;
-        let run = self.cached_run(tokens, page_size, class);
+        let run = self.cached_run(tokens, page_size, class, namespace);
         let mut pages = Vec::with_capacity(run.len());
         for key in run {
             let Some(e) = self.entries.get_mut(&key) else {
@@ -328,8 +337,14 @@ impl PrefixCache {
     /// The keys of the longest run of cached pages `tokens` starts with that a request of
     /// `class` may read, in order: an `Invariant` chain, or for `Fast` requests the longest of
     /// `Invariant` pages followed by `Fast` ones (none of either included).
-    fn cached_run(&self, tokens: &[u32], page_size: usize, class: PageClass) -> Vec<u64> {
-        let invariant = self.chain(tokens, page_size, None, PageClass::Invariant);
+    fn cached_run(
+        &self,
+        tokens: &[u32],
+        page_size: usize,
+        class: PageClass,
+        namespace: u64,
+    ) -> Vec<u64> {
+        let invariant = self.chain(tokens, page_size, None, PageClass::Invariant, namespace);
         let keys = |links: &[Link]| links.iter().map(|l| l.key).collect::<Vec<u64>>();
         if class == PageClass::Invariant {
             return keys(&invariant);
@@ -343,6 +358,7 @@ impl PrefixCache {
                 page_size,
                 split.checked_sub(1).map(|j| invariant[j]),
                 PageClass::Fast,
+                namespace,
             );
             if split + tail.len() > best.0 + best.1.len() {
                 best = (split, tail);
@@ -361,10 +377,11 @@ impl PrefixCache {
         page_size: usize,
         mut parent: Option<Link>,
         class: PageClass,
+        namespace: u64,
     ) -> Vec<Link> {
         let mut run = Vec::new();
         for chunk in tokens.chunks_exact(page_size) {
-            match self.child(parent, chunk, page_size, class) {
+            match self.child(parent, chunk, page_size, class, namespace) {
                 Some(link) => {
                     run.push(link);
                     parent = Some(link);
@@ -375,19 +392,25 @@ impl PrefixCache {
         run
     }
 
-    /// The cached page of `class` holding `chunk` after `parent`, if any: the hash is checked
-    /// against the entry's parent, tokens and class, so a collision or an orphan is a miss.
+    /// The cached page of `class` in `namespace` holding `chunk` after `parent`, if any: the
+    /// hash is checked against the entry's parent, tokens, class and namespace, so a collision
+    /// or an orphan is a miss.
     fn child(
         &self,
         parent: Option<Link>,
         chunk: &[u32],
         page_size: usize,
         class: PageClass,
+        namespace: u64,
     ) -> Option<Link> {
-        let key = chain_hash(chain_base(page_size, parent, class), chunk);
+        let key = chain_hash(chain_base(page_size, parent, class, namespace), chunk);
         let e = self.entries.get(&key)?;
         let parent_id = parent.map_or(0, |p| p.id);
-        (e.parent_id == parent_id && e.class == class && *e.tokens == *chunk).then(|| e.link(key))
+        (e.parent_id == parent_id
+            && e.class == class
+            && e.namespace == namespace
+            && *e.tokens == *chunk)
+            .then(|| e.link(key))
     }
 
     /// Registers the full pages of a sequence whose KV for `tokens` lives in `pages` (its block
@@ -405,18 +428,19 @@ impl PrefixCache {
         page_size: usize,
         alloc: &dyn PageAllocator,
     ) -> usize {
-        self.insert_class(tokens, pages, page_size, PageClass::Fast, alloc)
+        self.insert_class(tokens, pages, page_size, PageClass::Fast, 0, alloc)
     }
 
     /// [`Self::insert`] as pages of `class`. A `Fast` sequence's pages continue the
     /// `Invariant` pages it read, so a plain conversation that began on a deterministic prefix
-    /// caches its own turns after it.
+    /// caches its own turns after it. `namespace`: see [`root_hash_of`].
     pub fn insert_class(
         &mut self,
         tokens: &[u32],
         pages: &[PageId],
         page_size: usize,
         class: PageClass,
+        namespace: u64,
         alloc: &dyn PageAllocator,
     ) -> usize {
         if !self.enabled || page_size == 0 {
@@ -427,13 +451,14 @@ impl PrefixCache {
         let mut added = 0;
         let mut parent: Option<Link> = None;
         for (depth, (chunk, &page)) in tokens.chunks_exact(page_size).zip(pages).enumerate() {
-            if let Some(link) = self.cached_child(parent, chunk, page, page_size, class) {
+            if let Some(link) = self.cached_child(parent, chunk, page, page_size, class, namespace)
+            {
                 // Already cached (this page or an identical one): refresh and go deeper.
                 self.touch(link.key, tick);
                 parent = Some(link);
                 continue;
             }
-            let key = chain_hash(chain_base(page_size, parent, class), chunk);
+            let key = chain_hash(chain_base(page_size, parent, class, namespace), chunk);
             if let Some(e) = self.entries.get(&key) {
                 // The key is taken by another chain. An orphan (its parent was evicted) can never
                 // be hit again: drop it and reuse the key. Otherwise it is a genuine 64-bit
@@ -463,6 +488,7 @@ impl PrefixCache {
                     parent_key: parent.map_or(0, |p| p.key),
                     page,
                     class,
+                    namespace,
                     tokens: chunk.into(),
                     depth: depth as u32,
                     last_used: tick,
@@ -493,6 +519,7 @@ impl PrefixCache {
         page: PageId,
         page_size: usize,
         class: PageClass,
+        namespace: u64,
     ) -> Option<Link> {
         let after_invariant = parent.is_none_or(|p| p.class == PageClass::Invariant);
         let classes: &[PageClass] = match class {
@@ -503,7 +530,7 @@ impl PrefixCache {
         let mut first = None;
         for link in classes
             .iter()
-            .filter_map(|&c| self.child(parent, chunk, page_size, c))
+            .filter_map(|&c| self.child(parent, chunk, page_size, c, namespace))
         {
             if self.entries.get(&link.key).is_some_and(|e| e.page == page) {
                 return Some(link);
@@ -661,16 +688,16 @@ mod tests {
         let mut c = PrefixCache::new(8);
         let fast: Vec<PageId> = (0..2).map(|_| a.allocate().unwrap()).collect();
         let inv: Vec<PageId> = (0..3).map(|_| a.allocate().unwrap()).collect();
-        c.insert_class(&[1, 1, 2, 2], &fast, 2, PageClass::Fast, &a);
-        c.insert_class(&[1, 1, 2, 2, 3, 3], &inv, 2, PageClass::Invariant, &a);
+        c.insert_class(&[1, 1, 2, 2], &fast, 2, PageClass::Fast, 0, &a);
+        c.insert_class(&[1, 1, 2, 2, 3, 3], &inv, 2, PageClass::Invariant, 0, &a);
         // A deterministic lookup reads the invariant chain.
         assert_eq!(
-            c.lookup_class(&[1, 1, 2, 2, 3, 3], 2, PageClass::Invariant, &a),
+            c.lookup_class(&[1, 1, 2, 2, 3, 3], 2, PageClass::Invariant, 0, &a),
             inv
         );
         // A fast lookup takes the longer run: here the invariant one.
         assert_eq!(
-            c.lookup_class(&[1, 1, 2, 2, 3, 3], 2, PageClass::Fast, &a),
+            c.lookup_class(&[1, 1, 2, 2, 3, 3], 2, PageClass::Fast, 0, &a),
             inv
         );
         // Each lookup took a reference on the pages it handed out (two lookups); the fast
@@ -678,19 +705,50 @@ mod tests {
         assert_eq!(a.ref_count(fast[0]), 2);
         assert_eq!(a.ref_count(inv[2]), 4);
         let inv_only: Vec<PageId> = (0..1).map(|_| a.allocate().unwrap()).collect();
-        c.insert_class(&[7, 7], &inv_only, 2, PageClass::Invariant, &a);
-        assert_eq!(c.lookup_class(&[7, 7, 8], 2, PageClass::Fast, &a), inv_only);
+        c.insert_class(&[7, 7], &inv_only, 2, PageClass::Invariant, 0, &a);
+        assert_eq!(
+            c.lookup_class(&[7, 7, 8], 2, PageClass::Fast, 0, &a),
+            inv_only
+        );
         let fast_only: Vec<PageId> = (0..1).map(|_| a.allocate().unwrap()).collect();
-        c.insert_class(&[9, 9], &fast_only, 2, PageClass::Fast, &a);
+        c.insert_class(&[9, 9], &fast_only, 2, PageClass::Fast, 0, &a);
         assert!(c
-            .lookup_class(&[9, 9, 8], 2, PageClass::Invariant, &a)
+            .lookup_class(&[9, 9, 8], 2, PageClass::Invariant, 0, &a)
             .is_empty());
         assert_eq!(
-            c.lookup_class(&[9, 9, 8], 2, PageClass::Fast, &a),
+            c.lookup_class(&[9, 9, 8], 2, PageClass::Fast, 0, &a),
             fast_only
         );
         let s = c.stats();
         assert_eq!(s.hit_tokens, 6 + 6 + 2 + 2);
+    }
+
+    #[test]
+    fn namespaces_never_share_pages() {
+        let a = AtomicAllocator::new(8);
+        let mut c = PrefixCache::new(8);
+        let base: Vec<PageId> = (0..2).map(|_| a.allocate().unwrap()).collect();
+        c.insert_class(&[1, 1, 2, 2], &base, 2, PageClass::Invariant, 0, &a);
+        // An adapter's request finds nothing of the base model's, and the reverse.
+        for class in [PageClass::Invariant, PageClass::Fast] {
+            assert!(c.lookup_class(&[1, 1, 2, 2, 3], 2, class, 7, &a).is_empty());
+        }
+        let lora: Vec<PageId> = (0..2).map(|_| a.allocate().unwrap()).collect();
+        assert_eq!(
+            c.insert_class(&[1, 1, 2, 2], &lora, 2, PageClass::Fast, 7, &a),
+            2
+        );
+        assert_eq!(
+            c.lookup_class(&[1, 1, 2, 2, 3], 2, PageClass::Fast, 7, &a),
+            lora
+        );
+        assert_eq!(
+            c.lookup_class(&[1, 1, 2, 2, 3], 2, PageClass::Fast, 0, &a),
+            base
+        );
+        assert!(c
+            .lookup_class(&[1, 1, 2, 2, 3], 2, PageClass::Fast, 8, &a)
+            .is_empty());
     }
 
     #[test]

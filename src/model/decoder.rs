@@ -16,6 +16,7 @@ use crate::ops::{self, AttentionMetadata};
 
 use super::linear::{GemmOptions, Linear, LinearWeight, Projection};
 use super::loader::WeightLoader;
+use super::lora::{LoraAdapter, LoraRows, LoraTarget};
 use super::params::ParamHashes;
 use super::weights::Checkpoint;
 
@@ -33,6 +34,9 @@ pub struct ForwardBatch {
     /// Run every GEMM on fixed-size row blocks so a row's result never depends on how many
     /// rows the batch has (the `batch_invariant` mode).
     pub invariant_gemm: bool,
+    /// The LoRA adapter of each sequence, by sequence index (`attention.row_seq`); rows of a
+    /// sequence past its end (padding) or with `None` run the base model alone.
+    pub adapters: Vec<Option<Arc<LoraAdapter>>>,
 }
 
 /// One decoder layer's parameters.
@@ -261,6 +265,8 @@ impl Model {
         let eps = cfg.rms_norm_eps;
 
         let inv = self.gemm_options(batch);
+        let lora = LoraRows::of(batch, dev)?;
+        let (hs, is) = (cfg.hidden_size, cfg.intermediate_size);
         // The residual stream `x` and `hn`, the norm of it the next sublayer reads: each
         // residual add runs fused with the norm after it (the next layer's input norm, the
         // final norm after the last).
@@ -271,17 +277,28 @@ impl Model {
             let (k_cache, v_cache) = kv.layer(li).ok_or_else(|| {
                 DetspecError::param("num_layers", format!("KV pool has no layer {li}"))
             })?;
+            // A linear layer's output with the rows' adapters' deltas added.
+            let with_lora = |y: Tensor, x: &Tensor, targets: &[(LoraTarget, usize)]| match &lora {
+                Some(l) => l.add(y, x, li, targets),
+                None => Ok(y),
+            };
             let (q, k, v) = match &layer.qkv {
                 Projection::Stacked { linear, .. } => {
-                    ops::rope_qkv(&linear.apply(&hn, inv)?, &cos, &sin, h, kvh)?
+                    let targets = [LoraTarget::Q, LoraTarget::K, LoraTarget::V];
+                    let widths = [h * d, kvh * d, kvh * d];
+                    let y = with_lora(linear.apply(&hn, inv)?, &hn, &pair_up(&targets, &widths))?;
+                    ops::rope_qkv(&y, &cos, &sin, h, kvh)?
                 }
                 Projection::Apart(qkv) => {
                     let [q, k, v] = qkv.as_slice() else {
                         return Err(DetspecError::param("weights", "q/k/v are three layers"));
                     };
-                    let mut q = q.apply(&hn, inv)?.reshape((n, h, d))?;
-                    let mut k = k.apply(&hn, inv)?.reshape((n, kvh, d))?;
-                    let v = v.apply(&hn, inv)?.reshape((n, kvh, d))?;
+                    let q = with_lora(q.apply(&hn, inv)?, &hn, &[(LoraTarget::Q, h * d)])?;
+                    let k = with_lora(k.apply(&hn, inv)?, &hn, &[(LoraTarget::K, kvh * d)])?;
+                    let v = with_lora(v.apply(&hn, inv)?, &hn, &[(LoraTarget::V, kvh * d)])?;
+                    let mut q = q.reshape((n, h, d))?;
+                    let mut k = k.reshape((n, kvh, d))?;
+                    let v = v.reshape((n, kvh, d))?;
                     if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
                         q = ops::rms_norm(&q, qn, eps)?;
                         k = ops::rms_norm(&k, kn, eps)?;
@@ -293,22 +310,33 @@ impl Model {
             ops::write_k(k_cache, &k, slots.clone())?;
             ops::write_kv(v_cache, &v, slots.clone())?;
             let attn = ops::paged_attention(&q, k_cache, v_cache, meta.clone(), scale)?;
-            let o = layer.o.apply(&attn.reshape((n, h * d))?, inv)?;
+            let attn = attn.reshape((n, h * d))?;
+            let o = with_lora(layer.o.apply(&attn, inv)?, &attn, &[(LoraTarget::O, hs)])?;
             (x, hn) = ops::add_rms_norm(&x, &o, &layer.post_norm, eps)?;
             let act = match &layer.gate_up {
-                Projection::Stacked { linear, .. } => ops::swiglu_halves(&linear.apply(&hn, inv)?)?,
+                Projection::Stacked { linear, .. } => {
+                    let targets = pair_up(&[LoraTarget::Gate, LoraTarget::Up], &[is, is]);
+                    ops::swiglu_halves(&with_lora(linear.apply(&hn, inv)?, &hn, &targets)?)?
+                }
                 Projection::Apart(gate_up) => {
                     let [gate, up] = gate_up.as_slice() else {
                         return Err(DetspecError::param("weights", "gate/up are two layers"));
                     };
-                    ops::swiglu(&gate.apply(&hn, inv)?, &up.apply(&hn, inv)?)?
+                    let gate = with_lora(gate.apply(&hn, inv)?, &hn, &[(LoraTarget::Gate, is)])?;
+                    let up = with_lora(up.apply(&hn, inv)?, &hn, &[(LoraTarget::Up, is)])?;
+                    ops::swiglu(&gate, &up)?
                 }
             };
             let next_norm = self
                 .layers
                 .get(li + 1)
                 .map_or(&self.norm, |l| &l.input_norm);
-            (x, hn) = ops::add_rms_norm(&x, &layer.down.apply(&act, inv)?, next_norm, eps)?;
+            let down = with_lora(
+                layer.down.apply(&act, inv)?,
+                &act,
+                &[(LoraTarget::Down, hs)],
+            )?;
+            (x, hn) = ops::add_rms_norm(&x, &down, next_norm, eps)?;
         }
         if batch.logit_rows.is_empty() {
             // A chunk that samples nothing ran for its KV writes. A GPU cannot launch over zero
@@ -318,6 +346,15 @@ impl Model {
         let rows = Tensor::from_slice(&batch.logit_rows, batch.logit_rows.len(), dev)?;
         Ok(hn.index_select(&rows, 0)?)
     }
+}
+
+/// Each target beside its output width.
+fn pair_up(targets: &[LoraTarget], widths: &[usize]) -> Vec<(LoraTarget, usize)> {
+    targets
+        .iter()
+        .copied()
+        .zip(widths.iter().copied())
+        .collect()
 }
 
 /// `[0, width]` f32 rows on the host: the result of a forward with no logit rows, on any device.

@@ -3,12 +3,14 @@
 mod decoder;
 mod linear;
 mod loader;
+mod lora;
 mod memory;
 mod params;
 mod update;
 mod weights;
 
 pub use decoder::{ForwardBatch, Model};
+pub use lora::LoraAdapter;
 pub use memory::{available_memory, check_fits, weight_bytes};
 pub use params::{check_update, param_shapes};
 pub use weights::Checkpoint;

@@ -1,6 +1,9 @@
 //! The scheduler's view of one request's completion.
 
+use std::sync::Arc;
+
 use crate::kv::BlockTable;
+use crate::model::LoraAdapter;
 use crate::output::{FinishReason, StopReason, TokenLogprobs};
 use crate::sampling::{SamplingParams, TokenConstraint};
 
@@ -43,6 +46,8 @@ pub struct Sequence {
     /// The grammar state of a structured output (`params.structured_outputs`); it follows
     /// whatever output prefix it is asked about, so rollbacks need no hook.
     pub constraint: Option<TokenConstraint>,
+    /// The LoRA adapter it runs with (held until it ends, whatever is loaded by then).
+    pub lora: Option<Arc<LoraAdapter>>,
 }
 
 /// Decode–verify–rollback counters and state of one sequence (owned by `crate::dvr`).
@@ -76,6 +81,12 @@ impl Sequence {
     /// Speculative (not yet verified) output tokens.
     pub fn num_speculative(&self) -> usize {
         self.output.len() - self.verified
+    }
+
+    /// The prefix-cache namespace of its KV: pages computed with an adapter hold other
+    /// values than the base model's for the same tokens (0: the base model).
+    pub fn cache_namespace(&self) -> u64 {
+        self.lora.as_ref().map_or(0, |a| a.content_hash())
     }
 
     /// Token at absolute position `pos`.

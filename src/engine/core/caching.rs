@@ -24,8 +24,12 @@ impl EngineCore {
                 let full = l / ps;
                 if let Some(pages) = seq.block_table.pages().get(..full) {
                     let class = self.policy.page_class(seq);
-                    self.alloc
-                        .insert_prefix_of(&seq.prompt[..full * ps], pages, class);
+                    self.alloc.insert_prefix_of(
+                        &seq.prompt[..full * ps],
+                        pages,
+                        class,
+                        seq.cache_namespace(),
+                    );
                 }
             }
         }
@@ -61,7 +65,8 @@ impl EngineCore {
                 .copied()
                 .collect();
             let class = self.policy.output_page_class(seq);
-            self.alloc.insert_prefix_of(&tokens, pages, class);
+            self.alloc
+                .insert_prefix_of(&tokens, pages, class, seq.cache_namespace());
         }
     }
 }

@@ -34,7 +34,7 @@ impl EngineCore {
                         if let Some(&keep) = prefix.cacheable.get(i) {
                             let tokens = &seqs[i][..keep.min(seqs[i].len())];
                             self.alloc
-                                .insert_prefix_of(tokens, table.pages(), prefix.class);
+                                .insert_prefix_of(tokens, table.pages(), prefix.class, 0);
                         }
                     }
                 }
@@ -85,7 +85,9 @@ impl EngineCore {
             // At least the last row is computed, so a wanted row is never a cached one.
             let readable = prefix.readable(i).min(seq.len().saturating_sub(1));
             let cached = match readable >= ps {
-                true => self.alloc.lookup_prefix_of(&seq[..readable], prefix.class),
+                true => self
+                    .alloc
+                    .lookup_prefix_of(&seq[..readable], prefix.class, 0),
                 false => Vec::new(),
             };
             let mut table = BlockTable::from_shared_pages(cached, ps);

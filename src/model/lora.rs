@@ -1,0 +1,446 @@
+//! LoRA adapters: PEFT's `adapter_config.json` + `adapter_model.safetensors`, applied per
+//! request on top of the base model (vLLM's multi-LoRA serving).
+//!
+//! A targeted linear layer computes `x W^T + ((x A^T) B^T) · s`, `s` = `lora_alpha / r`
+//! (`/ √r` with `use_rslora`), as PEFT does; `s` is folded into `B` at load. Rows of different
+//! adapters (and rows of none) share a forward: the base GEMM runs over every row, and each
+//! adapter's two small GEMMs over its own rows, on the invariant kernels (the CPU's packed
+//! fixed-order GEMM, fixed row blocks elsewhere), added to the base output row by row. A row's
+//! delta is so a function of that row alone, and the sum is one rounding per element: an
+//! adapter keeps the determinism contract of the base model, whatever else shares the batch.
+//!
+//! An adapter is immutable once loaded and shared by `Arc`: a request holds the adapter it
+//! started with until it ends, so unloading or replacing one by name never changes a running
+//! request. Its content hash names it in the request's fingerprint and keeps its KV pages
+//! apart from the base model's in the prefix cache.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor};
+use safetensors::{Dtype as StDtype, SafeTensors};
+use xxhash_rust::xxh3::Xxh3;
+
+use crate::config::{KernelProfile, ModelConfig};
+use crate::error::{DetspecError, Result};
+
+use super::decoder::ForwardBatch;
+use super::linear::{GemmOptions, LinearWeight};
+
+/// The linear layers of a decoder layer an adapter may target, in the order the decoder runs
+/// them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LoraTarget {
+    Q,
+    K,
+    V,
+    O,
+    Gate,
+    Up,
+    Down,
+}
+
+impl LoraTarget {
+    const ALL: [LoraTarget; 7] = [
+        Self::Q,
+        Self::K,
+        Self::V,
+        Self::O,
+        Self::Gate,
+        Self::Up,
+        Self::Down,
+    ];
+
+    /// The module path inside a layer, as in Hugging Face checkpoints.
+    fn module(self) -> &'static str {
+        match self {
+            Self::Q => "self_attn.q_proj",
+            Self::K => "self_attn.k_proj",
+            Self::V => "self_attn.v_proj",
+            Self::O => "self_attn.o_proj",
+            Self::Gate => "mlp.gate_proj",
+            Self::Up => "mlp.up_proj",
+            Self::Down => "mlp.down_proj",
+        }
+    }
+
+    /// `(in, out)` of the base layer.
+    fn dims(self, cfg: &ModelConfig) -> (usize, usize) {
+        let (hs, is) = (cfg.hidden_size, cfg.intermediate_size);
+        let (q, kv) = (
+            cfg.num_attention_heads * cfg.head_dim,
+            cfg.num_key_value_heads * cfg.head_dim,
+        );
+        match self {
+            Self::Q => (hs, q),
+            Self::K | Self::V => (hs, kv),
+            Self::O => (q, hs),
+            Self::Gate | Self::Up => (hs, is),
+            Self::Down => (is, hs),
+        }
+    }
+}
+
+/// One targeted layer's low-rank pair, held as the device's GEMM wants it.
+#[derive(Debug)]
+struct LoraPair {
+    /// `A`, `[r, in]`: `x → x A^T`.
+    down: LinearWeight,
+    /// `B · s`, `[out, r]`.
+    up: LinearWeight,
+}
+
+/// `(lora_A, lora_B)` of one layer as read so far.
+type HalfPair = (Option<Tensor>, Option<Tensor>);
+
+/// A loaded LoRA adapter.
+#[derive(Debug)]
+pub struct LoraAdapter {
+    dir: PathBuf,
+    rank: usize,
+    /// Per decoder layer, per [`LoraTarget`] (in `ALL`'s order): the pair, where targeted.
+    layers: Vec<[Option<LoraPair>; 7]>,
+    /// Content hash of the scaled pairs (xxh3 over names and f32 values).
+    hash: u64,
+}
+
+/// The PEFT config fields detspec reads; the others that would change the forward are refused.
+#[derive(Debug, serde::Deserialize)]
+struct AdapterConfig {
+    #[serde(default)]
+    peft_type: Option<String>,
+    r: usize,
+    lora_alpha: f64,
+    #[serde(default)]
+    use_rslora: bool,
+    #[serde(default)]
+    use_dora: bool,
+    #[serde(default)]
+    bias: Option<String>,
+    #[serde(default)]
+    fan_in_fan_out: bool,
+    #[serde(default)]
+    modules_to_save: Option<serde_json::Value>,
+    #[serde(default)]
+    alpha_pattern: Option<serde_json::Map<String, serde_json::Value>>,
+}
+
+impl LoraAdapter {
+    /// Loads the adapter in `dir` for a base model of `cfg`, its pairs on `device` in `dtype`
+    /// (the activations' dtype). `max_rank`: the largest rank accepted.
+    pub fn load(
+        dir: &Path,
+        cfg: &ModelConfig,
+        device: &Device,
+        dtype: DType,
+        max_rank: usize,
+    ) -> Result<Self> {
+        let config_path = dir.join("adapter_config.json");
+        let text =
+            std::fs::read_to_string(&config_path).map_err(|e| DetspecError::io(&config_path, e))?;
+        let config: AdapterConfig = serde_json::from_str(&text)
+            .map_err(|e| DetspecError::file(&config_path, format!("not a LoRA config: {e}")))?;
+        check_config(&config, &config_path, max_rank)?;
+        let weights_path = dir.join("adapter_model.safetensors");
+        let bytes = std::fs::read(&weights_path).map_err(|e| DetspecError::io(&weights_path, e))?;
+        let st = SafeTensors::deserialize(&bytes).map_err(|e| {
+            DetspecError::file(&weights_path, format!("not a valid safetensors file: {e}"))
+        })?;
+        let mut pairs: Vec<[Option<HalfPair>; 7]> = (0..cfg.num_hidden_layers)
+            .map(|_| Default::default())
+            .collect();
+        let mut names: Vec<&str> = st.names();
+        names.sort_unstable();
+        for name in &names {
+            let bad = |message: String| DetspecError::BadTensor {
+                name: name.to_string(),
+                path: weights_path.clone(),
+                message,
+            };
+            let (layer, target, is_a) = parse_name(name, cfg.num_hidden_layers).map_err(bad)?;
+            let view = st
+                .tensor(name)
+                .map_err(|e| bad(format!("cannot read: {e}")))?;
+            let (din, dout) = target.dims(cfg);
+            let rank = *view.shape().first().unwrap_or(&0);
+            let expected = if is_a {
+                vec![rank, din]
+            } else {
+                vec![dout, *view.shape().get(1).unwrap_or(&0)]
+            };
+            let r = if is_a { rank } else { expected[1] };
+            if view.shape() != expected.as_slice() || r == 0 || r > max_rank {
+                return Err(bad(format!(
+                    "expected shape {} for {} of this model (rank 1..={max_rank}), found {:?}",
+                    if is_a { "[r, in]" } else { "[out, r]" },
+                    target.module(),
+                    view.shape()
+                )));
+            }
+            let dtype_in = match view.dtype() {
+                StDtype::F32 => DType::F32,
+                StDtype::F16 => DType::F16,
+                StDtype::BF16 => DType::BF16,
+                other => return Err(bad(format!("expected a float tensor, found {other:?}"))),
+            };
+            let t = Tensor::from_raw_buffer(view.data(), dtype_in, view.shape(), &Device::Cpu)
+                .map_err(|e| bad(format!("cannot convert: {e}")))?
+                .to_dtype(DType::F32)?;
+            let slot = pairs[layer][target_index(target)].get_or_insert((None, None));
+            if is_a {
+                slot.0 = Some(t);
+            } else {
+                slot.1 = Some(t);
+            }
+        }
+        let mut hash = Xxh3::new();
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        let mut any = false;
+        for (li, layer) in pairs.into_iter().enumerate() {
+            let mut out: [Option<LoraPair>; 7] = Default::default();
+            for (ti, slot) in layer.into_iter().enumerate() {
+                let Some(slot) = slot else { continue };
+                let target = LoraTarget::ALL[ti];
+                let name = format!("layers.{li}.{}", target.module());
+                let (Some(a), Some(b)) = slot else {
+                    return Err(DetspecError::file(
+                        &weights_path,
+                        format!("{name} has only one of lora_A and lora_B"),
+                    ));
+                };
+                let r = a.dim(0)?;
+                if b.dim(1)? != r {
+                    return Err(DetspecError::file(
+                        &weights_path,
+                        format!(
+                            "{name}: lora_A has rank {r}, lora_B {}",
+                            b.dim(1).unwrap_or(0)
+                        ),
+                    ));
+                }
+                let scale = if config.use_rslora {
+                    config.lora_alpha / (r as f64).sqrt()
+                } else {
+                    config.lora_alpha / r as f64
+                };
+                let b = (b * scale)?;
+                hash.update(name.as_bytes());
+                for t in [&a, &b] {
+                    let v = t.flatten_all()?.to_vec1::<f32>()?;
+                    hash.update(bytemuck::cast_slice(&v));
+                }
+                let place = |t: Tensor| -> Result<LinearWeight> {
+                    LinearWeight::new(&t.to_dtype(dtype)?.to_device(device)?, false)
+                };
+                out[ti] = Some(LoraPair {
+                    down: place(a)?,
+                    up: place(b)?,
+                });
+                any = true;
+            }
+            layers.push(out);
+        }
+        if !any {
+            return Err(DetspecError::file(
+                &weights_path,
+                "holds no lora_A/lora_B pair of a decoder layer",
+            ));
+        }
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            rank: config.r,
+            layers,
+            hash: hash.digest(),
+        })
+    }
+
+    /// The directory it was loaded from.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Its `r` (`adapter_config.json`).
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Content hash of its weights as applied (names the adapter in fingerprints and keeps its
+    /// prefix-cache pages apart).
+    pub fn content_hash(&self) -> u64 {
+        self.hash
+    }
+
+    fn pair(&self, layer: usize, target: LoraTarget) -> Option<&LoraPair> {
+        self.layers.get(layer)?[target_index(target)].as_ref()
+    }
+}
+
+fn target_index(target: LoraTarget) -> usize {
+    LoraTarget::ALL
+        .iter()
+        .position(|&t| t == target)
+        .unwrap_or_default()
+}
+
+/// Refuses what would change the forward beyond `x A^T B^T s`.
+fn check_config(c: &AdapterConfig, path: &Path, max_rank: usize) -> Result<()> {
+    let refuse = |field: &str, message: String| {
+        Err(DetspecError::InvalidConfig {
+            path: path.to_path_buf(),
+            field: field.to_string(),
+            message,
+        })
+    };
+    if let Some(t) = c.peft_type.as_deref().filter(|t| *t != "LORA") {
+        return refuse(
+            "peft_type",
+            format!("\"{t}\": only LORA adapters are served"),
+        );
+    }
+    if c.r == 0 || c.r > max_rank {
+        return refuse(
+            "r",
+            format!("{}: the rank must be 1..={max_rank} (max_lora_rank)", c.r),
+        );
+    }
+    if c.use_dora {
+        return refuse("use_dora", "DoRA adapters are not supported".into());
+    }
+    if let Some(b) = c.bias.as_deref().filter(|b| *b != "none") {
+        return refuse(
+            "bias",
+            format!("\"{b}\": adapters that train biases are not supported"),
+        );
+    }
+    if c.fan_in_fan_out {
+        return refuse(
+            "fan_in_fan_out",
+            "Conv1D-layout adapters (GPT-2) are not supported".into(),
+        );
+    }
+    if c.modules_to_save
+        .as_ref()
+        .is_some_and(|m| !m.is_null() && m.as_array().is_none_or(|a| !a.is_empty()))
+    {
+        return refuse(
+            "modules_to_save",
+            "adapters that replace whole modules are not supported".into(),
+        );
+    }
+    if c.alpha_pattern.as_ref().is_some_and(|p| !p.is_empty()) {
+        return refuse(
+            "alpha_pattern",
+            "per-module lora_alpha is not supported".into(),
+        );
+    }
+    Ok(())
+}
+
+/// `(layer, target, is lora_A)` of a PEFT tensor name
+/// (`base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight`), or why not.
+fn parse_name(
+    name: &str,
+    num_layers: usize,
+) -> std::result::Result<(usize, LoraTarget, bool), String> {
+    let unsupported = || {
+        "not a lora_A/lora_B weight of a decoder layer's q/k/v/o/gate/up/down projection \
+         (adapters of embeddings, the LM head or other modules are not supported)"
+            .to_string()
+    };
+    let rest = name
+        .split_once("layers.")
+        .map(|(_, r)| r)
+        .ok_or_else(unsupported)?;
+    let (layer, rest) = rest.split_once('.').ok_or_else(unsupported)?;
+    let layer: usize = layer.parse().map_err(|_| unsupported())?;
+    if layer >= num_layers {
+        return Err(format!(
+            "layer {layer}, but the model has {num_layers} layers"
+        ));
+    }
+    for target in LoraTarget::ALL {
+        for (suffix, is_a) in [(".lora_A.weight", true), (".lora_B.weight", false)] {
+            if rest.strip_suffix(suffix) == Some(target.module()) {
+                return Ok((layer, target, is_a));
+            }
+        }
+    }
+    Err(unsupported())
+}
+
+/// The adapters of one forward's rows, grouped: built once per forward, and `None` when no row
+/// has one (the base model's forward is then exactly what it was without adapters).
+pub(super) struct LoraRows {
+    groups: Vec<(Arc<LoraAdapter>, Tensor)>,
+}
+
+impl LoraRows {
+    /// Groups `batch`'s rows by the adapter of their sequence (`batch.adapters`, by
+    /// `row_seq`); row indices on `device`.
+    pub(super) fn of(batch: &ForwardBatch, device: &Device) -> Result<Option<Self>> {
+        if batch.adapters.iter().all(Option::is_none) {
+            return Ok(None);
+        }
+        let mut groups: Vec<(Arc<LoraAdapter>, Vec<u32>)> = Vec::new();
+        for (row, &si) in batch.attention.row_seq.iter().enumerate() {
+            let Some(Some(adapter)) = batch.adapters.get(si as usize) else {
+                continue;
+            };
+            match groups.iter_mut().find(|(a, _)| Arc::ptr_eq(a, adapter)) {
+                Some((_, rows)) => rows.push(row as u32),
+                None => groups.push((adapter.clone(), vec![row as u32])),
+            }
+        }
+        let groups = groups
+            .into_iter()
+            .map(|(a, rows)| {
+                let n = rows.len();
+                Ok((a, Tensor::from_vec(rows, n, device)?))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Some(Self { groups }))
+    }
+
+    /// `y` (the base output of `x` through `targets`' layers, side by side along its columns
+    /// with widths `widths` when stacked) plus each group's deltas on its rows.
+    pub(super) fn add(
+        &self,
+        y: Tensor,
+        x: &Tensor,
+        layer: usize,
+        targets: &[(LoraTarget, usize)],
+    ) -> candle_core::Result<Tensor> {
+        // The adapters' GEMMs always run on the invariant kernels: a row's delta is then the
+        // same on the fast and the verify path, whatever the batch.
+        let gemm = GemmOptions {
+            profile: KernelProfile::Invariant,
+            invariant: true,
+            amx: false,
+        };
+        let mut y = y;
+        for (adapter, rows) in &self.groups {
+            if targets
+                .iter()
+                .all(|&(t, _)| adapter.pair(layer, t).is_none())
+            {
+                continue;
+            }
+            let xs = x.index_select(rows, 0)?;
+            let m = xs.dim(0)?;
+            let mut parts = Vec::with_capacity(targets.len());
+            for &(target, width) in targets {
+                parts.push(match adapter.pair(layer, target) {
+                    Some(p) => p.up.matmul(&p.down.matmul(&xs, gemm)?, gemm)?,
+                    None => Tensor::zeros((m, width), y.dtype(), y.device())?,
+                });
+            }
+            let delta = if parts.len() == 1 {
+                parts.swap_remove(0)
+            } else {
+                Tensor::cat(&parts, 1)?
+            };
+            y = y.index_add(rows, &delta.to_dtype(y.dtype())?, 0)?;
+        }
+        Ok(y)
+    }
+}
