@@ -7,7 +7,8 @@ cd "$(dirname "$0")/.."
 command -v cargo >/dev/null || { echo "cargo not found: install Rust (rustup) first" >&2; exit 1; }
 python3 -m pip install -q --upgrade "maturin>=1.7,<2"
 python3 -m pip install -q "numpy>=1.26" "tqdm>=4.60" "pytest>=8" "pytest-asyncio>=0.23" \
-    "hypothesis>=6" "torch>=2.2" "transformers>=4.45" "tokenizers>=0.20" "safetensors>=0.4"
+    "hypothesis>=6" "torch>=2.2" "transformers>=4.45" "tokenizers>=0.20" "safetensors>=0.4" \
+    "peft>=0.13"
 # the server extra (detspec[serve]) and what its tests drive it with
 python3 -m pip install -q "fastapi>=0.110" "uvicorn>=0.30" "prometheus-client>=0.20" "pydantic>=2.5" \
     "httpx>=0.27" "openai>=1.40" "schemathesis>=4.0"

@@ -413,7 +413,7 @@ fn scoring_a_deterministic_completion_returns_its_generation_logprobs() {
         .zip(&outs)
         .map(|(p, (tokens, _))| (p, tokens.clone()))
         .collect();
-    let scored = e.with_core(move |c| c.score(&pairs, 0, true)).unwrap();
+    let scored = e.with_core(move |c| c.score(&pairs, 0, true, &[])).unwrap();
     for (s, (_, bits)) in scored.iter().zip(&outs) {
         let got: Vec<u32> = s.iter().map(|l| l.logprob.to_bits()).collect();
         assert_eq!(&got, bits);

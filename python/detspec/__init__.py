@@ -19,6 +19,7 @@ from detspec.errors import (
     ModelLoadError,
 )
 from detspec.llm import LLM, Tokenizer
+from detspec.lora import LoRARequest
 from detspec.outputs import CompletionOutput, Logprob, RequestOutput
 from detspec.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -30,6 +31,7 @@ __all__ = [
     "EngineStoppedError",
     "InvalidRequestError",
     "Logprob",
+    "LoRARequest",
     "ModelLoadError",
     "RequestOutput",
     "SamplingParams",

@@ -11,6 +11,7 @@ from typing import Any
 from detspec import _core
 from detspec.errors import DetspecError, EngineStoppedError
 from detspec.llm import PromptType, _EngineClient, _normalise_prompts
+from detspec.lora import LoRAType
 from detspec.outputs import RequestOutput
 from detspec.sampling_params import SamplingParams
 from detspec.scoring import AuditReport
@@ -69,26 +70,35 @@ class AsyncLLM(_EngineClient):
         request_id: str | None = None,
         *,
         delta: bool = False,
+        lora_request: LoRAType = None,
     ) -> AsyncIterator[RequestOutput]:
         """Streams the outputs of one request: cumulative snapshots, or with ``delta=True``
         (vLLM's ``RequestOutputKind.DELTA``) only what is new in each (``token_ids``,
         ``text`` and ``logprobs`` of each completion; finish and stop reasons, the
-        cumulative logprob and metrics as in a snapshot)."""
+        cumulative logprob and metrics as in a snapshot). ``lora_request``: the LoRA adapter
+        it runs with (a ``LoRARequest`` is loaded the first time its name is used)."""
         if self._closed:
             raise EngineStoppedError("engine is shut down")
         (p,) = _normalise_prompts([prompt])
         params = sampling_params or SamplingParams()
         rid = request_id if request_id is not None else self._new_request_id()
+        lora = (
+            await asyncio.to_thread(self._lora_name, lora_request)
+            if lora_request is not None
+            else None
+        )
         prompt_logprobs = None
         if params.prompt_logprobs is not None:
-            (prompt_logprobs,) = await asyncio.to_thread(self._prompt_logprobs_first, [p], [params])
+            (prompt_logprobs,) = await asyncio.to_thread(
+                self._prompt_logprobs_first, [p], [params], [lora]
+            )
         q: asyncio.Queue[Any] = asyncio.Queue()
         # Submitted under the lock the dispatcher takes to find a request's consumer, so no
         # output arrives before the consumer is registered; the engine refuses a duplicate
         # id before anything is registered, so the running request with that id is neither
         # detached from its consumer nor aborted.
         with self._lock:
-            self._engine.add_request(self._queue, rid, p, params.to_dict(), delta)
+            self._engine.add_request(self._queue, rid, p, params.to_dict(), delta, lora)
             self._streams[rid] = (asyncio.get_running_loop(), q)
         self._ensure_dispatcher()
         finished = False
@@ -120,9 +130,13 @@ class AsyncLLM(_EngineClient):
         prompts: PromptType | Sequence[PromptType],
         completions: Sequence[str | Sequence[int]],
         deterministic: bool = True,
+        *,
+        lora_request: LoRAType = None,
     ) -> list[list[float]]:
         """``LLM.score``, awaitable: runs between engine steps while other requests stream."""
-        return await asyncio.to_thread(self._score, prompts, completions, deterministic)
+        return await asyncio.to_thread(
+            self._score, prompts, completions, deterministic, lora_request
+        )
 
     async def update_weights(self, named_tensors: Any, *, in_flight: str = "finish") -> None:
         """``LLM.update_weights``, awaitable: with ``in_flight="finish"`` it returns once the
@@ -144,10 +158,17 @@ class AsyncLLM(_EngineClient):
         await asyncio.to_thread(self._engine.update_weights_from_safetensors, data, in_flight)
 
     async def prompt_logprobs(
-        self, prompts: Sequence[Sequence[int]], k: int = 0, *, deterministic: bool = True
+        self,
+        prompts: Sequence[Sequence[int]],
+        k: int = 0,
+        *,
+        deterministic: bool = True,
+        lora_request: LoRAType = None,
     ) -> list[list[dict[int, Any] | None]]:
         """``LLM.prompt_logprobs``, awaitable (one engine call for all ``prompts``)."""
-        return await asyncio.to_thread(self._prompt_logprobs, prompts, k, deterministic)
+        return await asyncio.to_thread(
+            self._prompt_logprobs, prompts, k, deterministic, lora_request
+        )
 
     async def pause(self, mode: str = "abort") -> None:
         """Pauses generation: requests (and scoring calls) submitted from now on wait until
@@ -189,10 +210,14 @@ class AsyncLLM(_EngineClient):
         return int(n), bool(released)
 
     async def audit(
-        self, output: RequestOutput, sampling_params: SamplingParams | None = None
+        self,
+        output: RequestOutput,
+        sampling_params: SamplingParams | None = None,
+        *,
+        lora_request: LoRAType = None,
     ) -> AuditReport:
         """``LLM.audit``, awaitable."""
-        return await asyncio.to_thread(self._audit, output, sampling_params)
+        return await asyncio.to_thread(self._audit, output, sampling_params, lora_request)
 
     async def abort(self, request_id: str) -> None:
         """Aborts a request; its stream ends with finish_reason "abort"."""

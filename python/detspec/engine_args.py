@@ -153,6 +153,14 @@ ENGINE_SETTINGS: tuple[EngineSetting, ...] = (
         "engine CPU threads (default: one per core)",
         optional=True,
     ),
+    EngineSetting(
+        "enable_lora",
+        bool,
+        False,
+        "serve LoRA adapters (PEFT directories) on top of the base model, per request",
+    ),
+    EngineSetting("max_loras", int, 8, "most LoRA adapters loaded at once (with enable_lora)"),
+    EngineSetting("max_lora_rank", int, 64, "largest LoRA rank an adapter may have"),
 )
 
 SETTINGS_BY_NAME: dict[str, EngineSetting] = {s.name: s for s in ENGINE_SETTINGS}

@@ -13,6 +13,7 @@ import numpy as np
 from detspec import _core
 from detspec.engine_args import ENGINE_SETTINGS, engine_settings_doc, resolve_engine_settings
 from detspec.errors import InvalidRequestError
+from detspec.lora import LoRARequest, LoRAType
 from detspec.outputs import RequestOutput, request_output_from_dict
 from detspec.sampling_params import SamplingParams, _as_params_list
 from detspec.scoring import AuditReport, compare, params_for_audit, prompt_logprobs_to_py
@@ -170,6 +171,7 @@ class _EngineClient:
 
             model = default_model_dir()
         self.model = os.fspath(model)
+        self.enable_lora = bool(settings["enable_lora"])
         self._engine = _core.Engine(self.model, **settings)
         self.tokenizer = Tokenizer(self._engine) if self._engine.has_tokenizer() else None
         self._next_id = 0
@@ -299,11 +301,67 @@ class _EngineClient:
                 )
         return out
 
+    def load_lora(
+        self, name: str, path: str | os.PathLike[str], *, replace: bool = False
+    ) -> dict[str, Any]:
+        """Loads the PEFT LoRA adapter in ``path`` (``adapter_config.json``,
+        ``adapter_model.safetensors``) as ``name`` for requests to name (the engine needs
+        ``enable_lora=True``). A loaded name is refused unless ``replace``: then requests
+        submitted after get the new adapter, those in flight keep theirs (an RL trainer's new
+        adapter each step). Returns its ``path``, ``rank`` and ``content_hash`` (the hash its
+        requests' fingerprints carry)."""
+        return dict(self._engine.load_lora(name, os.fspath(path), replace))
+
+    def unload_lora(self, name: str) -> None:
+        """Unloads adapter ``name``; requests running with it finish with it."""
+        self._engine.unload_lora(name)
+
+    def list_loras(self) -> dict[str, dict[str, Any]]:
+        """``{name: {path, rank, content_hash}}`` of every loaded adapter."""
+        return {k: dict(v) for k, v in self._engine.list_loras().items()}
+
+    def _lora_name(self, lora: LoRAType) -> str | None:
+        """The loaded adapter name ``lora`` means, loading a ``LoRARequest``'s path the first
+        time its name is used (as vLLM does)."""
+        if lora is None or isinstance(lora, str):
+            return lora
+        if not isinstance(lora, LoRARequest):
+            raise InvalidRequestError(
+                "invalid parameter `lora_request`: expected a LoRARequest or an adapter name, "
+                f"got {type(lora).__name__}",
+                param="lora_request",
+            )
+        if lora.path and lora.lora_name not in self._engine.list_loras():
+            try:
+                self.load_lora(lora.lora_name, lora.path)
+            except InvalidRequestError:
+                # Loaded meanwhile by another caller: use it; anything else is this call's.
+                if lora.lora_name not in self._engine.list_loras():
+                    raise
+        return lora.lora_name
+
+    def _lora_names(self, lora: LoRAType | Sequence[LoRAType], n: int) -> list[str | None]:
+        """One adapter name (or None) per request of ``n``: ``lora`` for all, or a list."""
+        if lora is None or isinstance(lora, str | LoRARequest):
+            return [self._lora_name(lora)] * n
+        loras = list(lora)
+        if len(loras) != n:
+            raise InvalidRequestError(
+                f"invalid parameter `lora_request`: got {len(loras)} for {n} prompts",
+                param="lora_request",
+            )
+        return [self._lora_name(x) for x in loras]
+
+    def lora_fingerprint(self, lora: LoRAType = None) -> str:
+        """The fingerprint of requests run with ``lora`` (the engine's, for ``None``)."""
+        return str(self._engine.fingerprint(self._lora_name(lora)))
+
     def _score(
         self,
         prompts: PromptType | Sequence[PromptType],
         completions: Sequence[str | Sequence[int]],
         deterministic: bool,
+        lora: LoRAType = None,
     ) -> list[list[float]]:
         ids = self._token_ids(prompts)
         comp = self._completion_ids(completions)
@@ -312,29 +370,43 @@ class _EngineClient:
                 f"invalid parameter `completions`: got {len(comp)} for {len(ids)} prompts",
                 param="completions",
             )
-        scored = self._engine.score(list(zip(ids, comp, strict=True)), 0, deterministic)
+        pairs = list(zip(ids, comp, strict=True))
+        scored = self._engine.score(pairs, 0, deterministic, self._lora_name(lora))
         return [[lp for _, lp, _, _ in s] for s in scored]
 
     def _prompt_logprobs(
-        self, prompts: Sequence[Sequence[int]], k: int, deterministic: bool
+        self,
+        prompts: Sequence[Sequence[int]],
+        k: int,
+        deterministic: bool,
+        lora: LoRAType = None,
     ) -> list[list[dict[int, Any] | None]]:
         ids = [[int(t) for t in p] for p in prompts]
+        name = self._lora_name(lora)
         if deterministic:
-            raws = self._engine.prompt_logprobs(ids, k)
+            raws = self._engine.prompt_logprobs(ids, k, name)
         else:
-            raws = self._engine.score([(p[:1], p[1:]) for p in ids], k, False)
+            raws = self._engine.score([(p[:1], p[1:]) for p in ids], k, False, name)
         return [prompt_logprobs_to_py(raw, self._decode_token) for raw in raws]
 
     def _update_weights(self, named_tensors: Any, in_flight: str) -> None:
         items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
         self._engine.update_weights(list(items), in_flight)
 
-    def _audit(self, output: RequestOutput, sampling_params: SamplingParams | None) -> AuditReport:
-        if output.fingerprint != self.fingerprint:
+    def _audit(
+        self,
+        output: RequestOutput,
+        sampling_params: SamplingParams | None,
+        lora: LoRAType = None,
+    ) -> AuditReport:
+        name = self._lora_name(lora)
+        expected = str(self._engine.fingerprint(name))
+        if output.fingerprint != expected:
             raise InvalidRequestError(
                 f"invalid parameter `output`: it was generated under fingerprint "
-                f"{output.fingerprint}, this engine's is {self.fingerprint}; an audit can only "
-                "re-run an output on the engine build and weights that produced it",
+                f"{output.fingerprint}, this engine's is {expected}; an audit can only "
+                "re-run an output on the engine build, weights and LoRA adapter that produced "
+                "it (pass the adapter as `lora_request`)",
                 param="output",
             )
         params = params_for_audit(output, sampling_params)
@@ -348,10 +420,13 @@ class _EngineClient:
             (list(output.prompt_token_ids), params.to_dict(), c.index, list(c.token_ids))
             for c in output.outputs
         ]
-        return compare(output, self._engine.audit(items))
+        return compare(output, self._engine.audit(items, name))
 
     def _prompt_logprobs_first(
-        self, prompts: Sequence[str | list[int]], params: Sequence[SamplingParams]
+        self,
+        prompts: Sequence[str | list[int]],
+        params: Sequence[SamplingParams],
+        loras: Sequence[str | None],
     ) -> list[list[dict[int, Any] | None] | None]:
         """Each request's ``prompt_logprobs`` (``None`` where not asked for), computed before
         its generation is submitted: their forward leaves the prompt's KV pages in the prefix
@@ -359,14 +434,14 @@ class _EngineClient:
         prefill). One engine call per distinct k; a request is first checked as submitting it
         would check it, so a bad one fails with the same error."""
         out: list[list[dict[int, Any] | None] | None] = [None] * len(prompts)
-        by_k: dict[int, list[tuple[int, list[int]]]] = {}
-        for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+        by_k: dict[tuple[int, str | None], list[tuple[int, list[int]]]] = {}
+        for i, (p, sp, lora) in enumerate(zip(prompts, params, loras, strict=True)):
             if sp.prompt_logprobs is not None:
                 (ids,) = self._token_ids([p])
                 self.validate_request(ids, sp)
-                by_k.setdefault(sp.prompt_logprobs, []).append((i, ids))
-        for k, group in by_k.items():
-            found = self._prompt_logprobs([ids for _, ids in group], k, True)
+                by_k.setdefault((sp.prompt_logprobs, lora), []).append((i, ids))
+        for (k, lora), group in by_k.items():
+            found = self._prompt_logprobs([ids for _, ids in group], k, True, lora)
             for (i, _), plp in zip(group, found, strict=True):
                 out[i] = plp
         return out
@@ -416,19 +491,23 @@ class LLM(_EngineClient):
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRAType | Sequence[LoRAType] = None,
     ) -> list[RequestOutput]:
         """Generates a completion for every prompt with continuous batching; returns outputs
-        in prompt order. If any request fails, the others are aborted and the error raised."""
+        in prompt order. If any request fails, the others are aborted and the error raised.
+        ``lora_request``: a ``LoRARequest`` (or loaded adapter name) for every prompt, or one
+        per prompt."""
         plist = _normalise_prompts(prompts)
         params = _as_params_list(sampling_params, len(plist))
-        prompt_logprobs = self._prompt_logprobs_first(plist, params)
+        loras = self._lora_names(lora_request, len(plist))
+        prompt_logprobs = self._prompt_logprobs_first(plist, params, loras)
         queue = _core.OutputQueue()
         ids: list[str] = []
         results: dict[str, dict[str, Any]] = {}
         try:
-            for p, sp in zip(plist, params, strict=True):
+            for p, sp, lora in zip(plist, params, loras, strict=True):
                 rid = self._new_request_id()
-                self._engine.add_request(queue, rid, p, sp.to_dict())
+                self._engine.add_request(queue, rid, p, sp.to_dict(), False, lora)
                 ids.append(rid)
             with _progress(len(ids), use_tqdm) as bar:
                 while len(results) < len(ids):
@@ -458,6 +537,7 @@ class LLM(_EngineClient):
         *,
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
+        lora_request: LoRAType | Sequence[LoRAType] = None,
     ) -> list[RequestOutput]:
         """Replies to one conversation (a list of ``{"role", "content"}`` messages) or to a
         batch of them, each rendered with the model's chat template, as vLLM's ``LLM.chat``
@@ -487,7 +567,7 @@ class LLM(_EngineClient):
             for conv in conversations
         ]
         prompts = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
-        outs = self.generate(prompts, sampling_params, use_tqdm)
+        outs = self.generate(prompts, sampling_params, use_tqdm, lora_request)
         for out, text in zip(outs, texts, strict=True):
             out.prompt = text
         return outs
@@ -525,12 +605,15 @@ class LLM(_EngineClient):
         prompts: PromptType | Sequence[PromptType],
         completions: Sequence[str | Sequence[int]],
         deterministic: bool = True,
+        *,
+        lora_request: LoRAType = None,
     ) -> list[list[float]]:
         """The logprob of each completion token given its prompt (raw logits, as the sampler
         reports them), one list per (prompt, completion) pair. ``deterministic=True`` computes
         them on the verify-path kernels: a deterministic request's generated completion scores
-        to exactly the logprobs it was generated with, bit for bit."""
-        return self._score(prompts, completions, deterministic)
+        to exactly the logprobs it was generated with, bit for bit (with its
+        ``lora_request``)."""
+        return self._score(prompts, completions, deterministic, lora_request)
 
     def update_weights(self, named_tensors: Any, *, in_flight: str = "finish") -> None:
         """Replaces weights by Hugging Face parameter name, e.g.
@@ -557,7 +640,12 @@ class LLM(_EngineClient):
         self._engine.update_weights_from_safetensors(data, in_flight)
 
     def prompt_logprobs(
-        self, prompts: Sequence[Sequence[int]], k: int = 0, *, deterministic: bool = True
+        self,
+        prompts: Sequence[Sequence[int]],
+        k: int = 0,
+        *,
+        deterministic: bool = True,
+        lora_request: LoRAType = None,
     ) -> list[list[dict[int, Any] | None]]:
         """vLLM's ``prompt_logprobs`` of token-id prompts, as ``SamplingParams(prompt_logprobs=k)``
         returns them: ``None`` for the first token, then ``{token: Logprob}`` with the prompt
@@ -566,16 +654,21 @@ class LLM(_EngineClient):
         (on invariant kernels, as on the CPU by default, also ``score(p[:1], p[1:])``'s
         values); the prompt's KV pages stay in the prefix cache for its generation. ``False``:
         the fast path, whose bits depend on the prompts computed together in this call."""
-        return self._prompt_logprobs(prompts, k, deterministic)
+        return self._prompt_logprobs(prompts, k, deterministic, lora_request)
 
     def audit(
-        self, output: RequestOutput, sampling_params: SamplingParams | None = None
+        self,
+        output: RequestOutput,
+        sampling_params: SamplingParams | None = None,
+        *,
+        lora_request: LoRAType = None,
     ) -> AuditReport:
         """Re-runs a stored output (prompt, parameters, seed, token ids) under this engine and
         reports whether every token id and logprob matches bit for bit, and the first
         position that differs if not. Refuses an output whose fingerprint is not this
-        engine's. ``sampling_params`` defaults to the ones recorded on the output."""
-        return self._audit(output, sampling_params)
+        engine's. ``sampling_params`` defaults to the ones recorded on the output; an output
+        generated with an adapter is audited with it (``lora_request``)."""
+        return self._audit(output, sampling_params, lora_request)
 
 
 class _progress:

@@ -10,7 +10,7 @@ mod logging;
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::PathBuf;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crossbeam::channel::{unbounded, Receiver, Sender};
@@ -25,6 +25,7 @@ use crate::config::{
 };
 use crate::engine::{AuditInput, Engine, InFlight, OutputAccumulator, PauseMode, StreamEvent};
 use crate::error::DetspecError;
+use crate::model::LoraAdapter;
 use crate::request::Request;
 use crate::tokenizer::ChatTemplate;
 
@@ -169,12 +170,29 @@ impl PyEngine {
         let e = &self.inner;
         run_detached(py, || f(e))
     }
+
+    /// The loaded adapter `name` (`None`: the base model), or an error naming `lora_name`.
+    fn lora(&self, py: Python<'_>, name: Option<&str>) -> PyResult<Option<Arc<LoraAdapter>>> {
+        name.map(|n| self.inner.lora(n))
+            .transpose()
+            .map_err(|e| to_pyerr(py, e))
+    }
+}
+
+/// An adapter's description: `path`, `rank` and `content_hash` (16 hex digits, as in the
+/// fingerprints of its requests).
+fn lora_dict(py: Python<'_>, adapter: &LoraAdapter) -> PyResult<Py<PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("path", adapter.dir().to_string_lossy())?;
+    d.set_item("rank", adapter.rank())?;
+    d.set_item("content_hash", format!("{:016x}", adapter.content_hash()))?;
+    Ok(d.unbind())
 }
 
 #[pymethods]
 impl PyEngine {
     #[new]
-    #[pyo3(signature = (model_dir, *, device="cpu", dtype="auto", kv_cache_dtype="auto", page_size=16, num_kv_pages=None, kv_cache_bytes=None, max_num_seqs=256, max_num_batched_tokens=512, max_model_len=None, max_prefill_chunk=None, determinism="dvr", verify_window=64, verify_group=8, verify_strategy="auto", kernel_profile="invariant", activation_dtype="auto", verify_finish_wait=0, verify_window_adaptive=true, fault_injection=0.0, enable_prefix_caching=true, num_threads=None))]
+    #[pyo3(signature = (model_dir, *, device="cpu", dtype="auto", kv_cache_dtype="auto", page_size=16, num_kv_pages=None, kv_cache_bytes=None, max_num_seqs=256, max_num_batched_tokens=512, max_model_len=None, max_prefill_chunk=None, determinism="dvr", verify_window=64, verify_group=8, verify_strategy="auto", kernel_profile="invariant", activation_dtype="auto", verify_finish_wait=0, verify_window_adaptive=true, fault_injection=0.0, enable_prefix_caching=true, num_threads=None, enable_lora=false, max_loras=8, max_lora_rank=64))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -200,6 +218,9 @@ impl PyEngine {
         fault_injection: f64,
         enable_prefix_caching: bool,
         num_threads: Option<usize>,
+        enable_lora: bool,
+        max_loras: usize,
+        max_lora_rank: usize,
     ) -> PyResult<Self> {
         let determinism = DeterminismMode::parse(determinism).map_err(|e| to_pyerr(py, e))?;
         let verify_strategy =
@@ -238,6 +259,9 @@ impl PyEngine {
             fault_injection,
             enable_prefix_caching,
             num_threads,
+            // Off, the engine refuses adapters (0 may be loaded).
+            max_loras: if enable_lora { max_loras } else { 0 },
+            max_lora_rank,
             ..Default::default()
         };
         if let Some(b) = kv_cache_bytes {
@@ -249,7 +273,8 @@ impl PyEngine {
 
     /// Submits a request whose outputs arrive on `queue`: cumulative snapshots, or with
     /// `delta` what is new since the last output of this request.
-    #[pyo3(signature = (queue, request_id, prompt, params, delta=false))]
+    #[pyo3(signature = (queue, request_id, prompt, params, delta=false, lora_name=None))]
+    #[allow(clippy::too_many_arguments)]
     fn add_request(
         &self,
         py: Python<'_>,
@@ -258,11 +283,13 @@ impl PyEngine {
         prompt: &Bound<'_, PyAny>,
         params: &Bound<'_, PyDict>,
         delta: bool,
+        lora_name: Option<&str>,
     ) -> PyResult<()> {
         let request = Request {
             request_id: request_id.clone(),
             prompt: prompt_from_py(py, prompt)?,
             params: params_from_dict(py, params)?,
+            lora: self.lora(py, lora_name)?,
         };
         // Take the accumulator lock without the GIL: `next_outputs` holds it while building
         // Python objects, where the GIL can pass to another thread (a GC callback runs
@@ -325,40 +352,51 @@ impl PyEngine {
     }
 
     /// Per completion token `(token, logprob, rank, top)` given its prompt; `deterministic`
-    /// runs the verify-path kernels.
+    /// runs the verify-path kernels; `lora_name`: a loaded adapter they all run with.
+    #[pyo3(signature = (pairs, top_n, deterministic, lora_name=None))]
     fn score(
         &self,
         py: Python<'_>,
         pairs: Vec<(Vec<u32>, Vec<u32>)>,
         top_n: usize,
         deterministic: bool,
+        lora_name: Option<&str>,
     ) -> PyResult<Vec<Vec<LogprobTuple>>> {
+        let loras = vec![self.lora(py, lora_name)?; pairs.len()];
         let scored = self.call(py, move |e| {
-            e.with_core(move |c| c.score(&pairs, top_n, deterministic))
+            e.with_core(move |c| c.score(&pairs, top_n, deterministic, &loras))
         })?;
         Ok(scored.iter().map(|s| logprob_tuples(s)).collect())
     }
 
-    /// vLLM's prompt logprobs: `(token, logprob, rank, top)` for prompt positions 1...
+    /// vLLM's prompt logprobs: `(token, logprob, rank, top)` for prompt positions 1...;
+    /// `lora_name`: a loaded adapter they all run with.
+    #[pyo3(signature = (prompts, top_n, lora_name=None))]
     fn prompt_logprobs(
         &self,
         py: Python<'_>,
         prompts: Vec<Vec<u32>>,
         top_n: usize,
+        lora_name: Option<&str>,
     ) -> PyResult<Vec<Vec<LogprobTuple>>> {
+        let loras = vec![self.lora(py, lora_name)?; prompts.len()];
         let scored = self.call(py, move |e| {
-            e.with_core(move |c| c.prompt_logprobs(&prompts, top_n))
+            e.with_core(move |c| c.prompt_logprobs(&prompts, top_n, &loras))
         })?;
         Ok(scored.iter().map(|s| logprob_tuples(s)).collect())
     }
 
     /// Re-runs stored outputs `(prompt, params dict, completion index, token ids)` with their
-    /// tokens fed back; returns what the sampler draws at each position.
+    /// tokens fed back (with the loaded adapter `lora_name`); returns what the sampler draws
+    /// at each position.
+    #[pyo3(signature = (items, lora_name=None))]
     fn audit(
         &self,
         py: Python<'_>,
         items: Vec<StoredOutput<'_>>,
+        lora_name: Option<&str>,
     ) -> PyResult<Vec<Vec<LogprobTuple>>> {
+        let lora = self.lora(py, lora_name)?;
         let inputs = items
             .into_iter()
             .map(|(prompt, params, completion_index, token_ids)| {
@@ -367,11 +405,40 @@ impl PyEngine {
                     params: params_from_dict(py, &params)?,
                     completion_index,
                     token_ids,
+                    lora: lora.clone(),
                 })
             })
             .collect::<PyResult<Vec<_>>>()?;
         let redrawn = self.call(py, move |e| e.with_core(move |c| c.audit(&inputs)))?;
         Ok(redrawn.iter().map(|s| logprob_tuples(s)).collect())
+    }
+
+    /// Loads the PEFT LoRA adapter in `path` as `name` (`replace`: a loaded name gets the new
+    /// adapter for requests submitted after); returns its description.
+    #[pyo3(signature = (name, path, replace=false))]
+    fn load_lora(
+        &self,
+        py: Python<'_>,
+        name: String,
+        path: PathBuf,
+        replace: bool,
+    ) -> PyResult<Py<PyDict>> {
+        let adapter = self.call(py, move |e| e.load_lora(&name, &path, replace))?;
+        lora_dict(py, &adapter)
+    }
+
+    /// Unloads adapter `name`; requests running with it finish with it.
+    fn unload_lora(&self, py: Python<'_>, name: String) -> PyResult<()> {
+        self.call(py, move |e| e.unload_lora(&name))
+    }
+
+    /// `{name: description}` of every loaded adapter.
+    fn list_loras(&self, py: Python<'_>) -> PyResult<Py<PyDict>> {
+        let out = PyDict::new(py);
+        for (name, adapter) in self.inner.loras() {
+            out.set_item(name, lora_dict(py, &adapter)?)?;
+        }
+        Ok(out.unbind())
     }
 
     /// Replaces named parameters; returns `(fingerprint, weight_version)`.
@@ -583,8 +650,14 @@ impl PyEngine {
         self.inner.info().eos_token_ids.clone()
     }
 
-    fn fingerprint(&self) -> String {
-        self.inner.fingerprint().to_string()
+    /// The engine's fingerprint; with `lora_name`, that of its requests run with the adapter.
+    #[pyo3(signature = (lora_name=None))]
+    fn fingerprint(&self, py: Python<'_>, lora_name: Option<&str>) -> PyResult<String> {
+        let fp = self.inner.fingerprint();
+        Ok(match self.lora(py, lora_name)? {
+            Some(a) => crate::engine::fingerprint::with_adapter(&fp, a.content_hash()),
+            None => fp,
+        })
     }
 
     /// `(free, total)` KV pages.

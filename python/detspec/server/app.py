@@ -30,6 +30,7 @@ import detspec
 from detspec.async_llm import AsyncLLM
 from detspec.server import protocol as P
 from detspec.server.errors import ERROR_RESPONSES, ApiError, add_exception_handlers, error_body
+from detspec.server.lora_routes import build_lora_router
 from detspec.server.metrics import CONTENT_TYPE
 from detspec.server.middleware import GuardMiddleware
 from detspec.server.native_routes import build_native_router
@@ -82,24 +83,29 @@ def build_app(
     @app.get("/v1/models", response_model=P.ModelList, responses=ERROR_RESPONSES)
     async def models() -> P.ModelList:
         defaults = server.defaults
-        return P.ModelList(
-            data=[
-                P.ModelCard(
-                    id=name,
-                    created=server.created,
-                    owned_by="detspec",
-                    root=engine.model,
-                    max_model_len=server.max_model_len,
-                    fingerprint=server.fingerprint,
-                    deterministic_by_default=defaults.deterministic_by_default,
-                    default_seed=(
-                        defaults.default_seed if defaults.deterministic_by_default else None
-                    ),
-                    weight_version=engine.weight_version,
-                )
-                for name in server.model_names
-            ]
-        )
+        suffix = defaults.fingerprint_suffix()
+
+        def card(name: str, root: str, fingerprint: str, parent: str | None) -> P.ModelCard:
+            return P.ModelCard(
+                id=name,
+                created=server.created,
+                owned_by="detspec",
+                root=root,
+                parent=parent,
+                max_model_len=server.max_model_len,
+                fingerprint=fingerprint + suffix,
+                deterministic_by_default=defaults.deterministic_by_default,
+                default_seed=defaults.default_seed if defaults.deterministic_by_default else None,
+                weight_version=engine.weight_version,
+            )
+
+        base = [card(name, engine.model, engine.fingerprint, None) for name in server.model_names]
+        # vLLM lists each LoRA adapter as a model whose parent is the base model.
+        adapters = [
+            card(name, info["path"], engine.lora_fingerprint(name), server.model_names[0])
+            for name, info in engine.list_loras().items()
+        ]
+        return P.ModelList(data=base + adapters)
 
     @app.post("/v1/completions", response_model=P.CompletionResponse, responses=ERROR_RESPONSES)
     async def completions(req: P.CompletionRequest, request: Request) -> Response:
@@ -128,6 +134,7 @@ def build_app(
     app.include_router(build_scoring_router(server))
     app.include_router(build_rl_router(server))
     app.include_router(build_native_router(server))
+    app.include_router(build_lora_router(server))
     app.include_router(build_responses_router(server))
     app.add_middleware(GuardMiddleware, api_key=config.api_key, max_bytes=config.max_request_bytes)
     return app

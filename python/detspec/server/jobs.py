@@ -32,6 +32,10 @@ class Job:
     # chat with --reasoning-parser: how the output splits, and each choice's split
     reasoning: ReasoningPlan | None = None
     choice_reasoning: dict[int, ReasoningSplit] = field(default_factory=dict)
+    # the LoRA adapter it runs with (its `model` names a loaded one), and the fingerprint the
+    # engine gave it (which names the adapter's weights)
+    lora: str | None = None
+    fingerprint: str | None = None
 
     def invalid(self, e: InvalidRequestError, default_param: str | None = None) -> ApiError:
         """A 400 for an engine error, naming the request field behind it."""

@@ -9,6 +9,7 @@ import json
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from detspec.server.errors import error_body
+from detspec.server.lora_routes import LORA_PATHS
 from detspec.server.native_routes import NATIVE_PATHS
 from detspec.server.rl_routes import RL_PATHS, WEIGHT_UPLOAD_PATHS
 
@@ -20,6 +21,7 @@ PROTECTED_PREFIXES = (
     "/tokenizer_info",
     *RL_PATHS,
     *NATIVE_PATHS,
+    *LORA_PATHS,
 )
 
 

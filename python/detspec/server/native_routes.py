@@ -111,8 +111,10 @@ class GenerateRequest(P.OpenAIBaseModel):
     return_hidden_states: Literal[False] = False
     return_routed_experts: Literal[False] = False
     image_data: None = None
-    lora_path: None = None
     custom_logit_processor: None = None
+    # SGLang's adapter field: the name of a loaded LoRA adapter (--lora-modules,
+    # /load_lora_adapter), one for every prompt or one per prompt.
+    lora_path: str | list[str | None] | None = None
 
 
 # OpenAI field (what serving's checks and the engine name) -> this API's.
@@ -234,6 +236,7 @@ async def _generate(server: OpenAIServer, req: GenerateRequest, request: Request
     given = req.sampling_params or NativeSamplingParams()
     sps: list[NativeSamplingParams] = _per_prompt(given, len(prompts), "sampling_params")
     rids = _per_prompt(req.rid, len(prompts), "rid")
+    loras = _per_prompt(req.lora_path, len(prompts), "lora_path")
     base = uuid.uuid4().hex
     jobs: list[Job] = []
     for i, (pr, sp) in enumerate(zip(prompts, sps, strict=True)):
@@ -243,7 +246,7 @@ async def _generate(server: OpenAIServer, req: GenerateRequest, request: Request
             raise ApiError(400, f"{param} is empty", param)
         rid = rids[i] if rids[i] is not None else f"{base}-{i}"
         with _renamed(i if isinstance(req.sampling_params, list) else None):
-            jobs.append(_job(server, req, sp, i, rid, ids, param))
+            jobs.append(_job(server, req, sp, i, rid, ids, param, loras[i]))
     generating = [j for j in jobs if sps[j.index].max_new_tokens > 0]
     start = time.perf_counter()
     agen = server.run(generating) if req.stream and generating else None
@@ -277,9 +280,20 @@ def _job(
     rid: str,
     ids: list[int],
     param: str,
+    lora: str | None,
 ) -> Job:
-    """One prompt's engine request, checked as ``/v1/completions`` checks it."""
+    """One prompt's engine request, checked as ``/v1/completions`` checks it; ``lora``: the
+    adapter it runs with (its name is the OpenAI request's ``model``)."""
+    if lora is not None and server.lora_of(lora) is None:
+        raise ApiError(
+            400,
+            f"no LoRA adapter named `{lora}` is loaded (loaded: "
+            f"{', '.join(server.engine.list_loras()) or 'none'})",
+            "lora_path",
+        )
     creq = _completion_request(req, sp, ids)
+    if lora is not None:
+        creq.model = lora
     server.defaults.apply(creq)
     server.common_checks(creq)
     constraint = single(request_constraints(creq))
@@ -290,7 +304,7 @@ def _job(
         )  # fmt: skip
     # Only the prompt's logprobs: the parameters are checked; nothing is generated.
     params = server.sampling_params(creq, 1, creq.logprobs, constraint)
-    job = Job(index, rid, ids, params, constraint=constraint)
+    job = Job(index, rid, ids, params, constraint=constraint, lora=lora)
     server.validate(ids, params, param, job)
     return job
 
@@ -306,7 +320,7 @@ async def _input_logprobs(
         await asyncio.gather(
             *(
                 server.score_batcher.prompt_logprobs(
-                    j.prompt_ids, req.top_logprobs_num, bool(j.params.deterministic)
+                    j.prompt_ids, req.top_logprobs_num, bool(j.params.deterministic), j.lora
                 )
                 for j in jobs
             )
@@ -383,7 +397,7 @@ class _Shaper:
             "cached_tokens": out.num_cached_tokens if out is not None else 0,
             "e2e_latency": time.perf_counter() - self.start,
             "weight_version": self.server.weight_version_name(),
-            "fingerprint": self.server.fingerprint,
+            "fingerprint": self.server.fingerprint_of(job),
         }
         if out is not None:
             meta["dvr_metrics"] = dvr_metrics(out, job.params).model_dump()

@@ -344,6 +344,8 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str
     root: str
+    # A LoRA adapter's base model (vLLM's field); None for the base model itself.
+    parent: str | None = None
     max_model_len: int
     # The engine's determinism fingerprint: replicas that report the same one return the
     # same bits for a deterministic request (detspec.ray.check_replicas compares them).

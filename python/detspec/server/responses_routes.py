@@ -174,7 +174,7 @@ class _Shaper:
             "metadata": req.metadata or {},
             "user": req.user,
             "usage": None,
-            "system_fingerprint": self.server.fingerprint,
+            "system_fingerprint": self.server.fingerprint_of(self.job),
         }
         if out is not None and answer is not None:
             output_tokens = answer.num_tokens

@@ -13,21 +13,26 @@ from detspec.async_llm import AsyncLLM
 from detspec.outputs import Logprob
 
 PromptLogprobs = list[dict[int, Logprob] | None]
+# What one engine call shares: (k, deterministic, LoRA adapter).
+_Key = tuple[int, bool, str | None]
 
 
 class ScoreBatcher:
     """Coalesces concurrent prompt-logprob computations: a call that arrives while the engine
     scores others waits for the next engine call, which takes everything queued by then (one
-    call per ``(k, deterministic)``). A call that arrives alone runs alone at once."""
+    call per ``(k, deterministic, LoRA adapter)``). A call that arrives alone runs alone at
+    once."""
 
     def __init__(self, engine: AsyncLLM) -> None:
         self._engine = engine
-        self._queue: list[tuple[list[int], int, bool, asyncio.Future[PromptLogprobs]]] = []
+        self._queue: list[tuple[list[int], _Key, asyncio.Future[PromptLogprobs]]] = []
         self._worker: asyncio.Task[None] | None = None
 
-    async def prompt_logprobs(self, ids: list[int], k: int, deterministic: bool) -> PromptLogprobs:
+    async def prompt_logprobs(
+        self, ids: list[int], k: int, deterministic: bool, lora: str | None = None
+    ) -> PromptLogprobs:
         fut: asyncio.Future[PromptLogprobs] = asyncio.get_running_loop().create_future()
-        self._queue.append((ids, k, deterministic, fut))
+        self._queue.append((ids, (k, deterministic, lora), fut))
         if self._worker is None or self._worker.done():
             self._worker = asyncio.ensure_future(self._run())
         return await fut
@@ -35,27 +40,30 @@ class ScoreBatcher:
     async def _run(self) -> None:
         while self._queue:
             batch, self._queue = self._queue, []
-            groups: dict[tuple[int, bool], list[Any]] = {}
+            groups: dict[_Key, list[Any]] = {}
             for item in batch:
-                groups.setdefault((item[1], item[2]), []).append(item)
-            for (k, det), items in groups.items():
-                live = [it for it in items if not it[3].done()]  # cancelled: client left
+                groups.setdefault(item[1], []).append(item)
+            for key, items in groups.items():
+                live = [it for it in items if not it[2].done()]  # cancelled: client left
                 if live:
-                    await self._score(live, k, det)
+                    await self._score(live, key)
 
-    async def _score(self, items: list[Any], k: int, det: bool) -> None:
+    async def _score(self, items: list[Any], key: _Key) -> None:
         """One engine call for `items`; if it fails, each alone, so a request the engine
         refuses gets its own error and the others their results."""
+        k, det, lora = key
         try:
-            res = await self._engine.prompt_logprobs([it[0] for it in items], k, deterministic=det)
+            res = await self._engine.prompt_logprobs(
+                [it[0] for it in items], k, deterministic=det, lora_request=lora
+            )
         except Exception as e:
             if len(items) > 1:
                 for it in items:
-                    await self._score([it], k, det)
+                    await self._score([it], key)
                 return
-            if not items[0][3].done():
-                items[0][3].set_exception(e)
+            if not items[0][2].done():
+                items[0][2].set_exception(e)
             return
         for it, r in zip(items, res, strict=True):
-            if not it[3].done():
-                it[3].set_result(r)
+            if not it[2].done():
+                it[2].set_result(r)

@@ -136,7 +136,7 @@ async def echo_completions(
             _check_scorable(server, ids, param)
             # The parameters are validated; nothing is generated.
             params = server.sampling_params(req, 1, req.logprobs, constraint)
-            job = Job(i, rid, ids, params, constraint=constraint)
+            job = Job(i, rid, ids, params, constraint=constraint, lora=server.lora_of(req.model))
             server.validate(None, params, param, job)
             jobs.append(job)
         texts.append(pr if isinstance(pr, str) else None)
@@ -149,7 +149,7 @@ async def echo_completions(
         # prefix cache, so the generation after it does not compute them again.
         plps = await asyncio.gather(
             *(
-                batcher.prompt_logprobs(j.prompt_ids, req.logprobs, det)
+                batcher.prompt_logprobs(j.prompt_ids, req.logprobs, det, j.lora)
                 if req.logprobs is not None
                 else _none()
                 for j in jobs
@@ -214,7 +214,7 @@ async def echo_completions(
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,
-        "system_fingerprint": server.fingerprint,
+        "system_fingerprint": server.fingerprint_of(jobs[0]),
         "choices": choices,
         "usage": usage(
             sum(len(j.prompt_ids) for j in jobs),

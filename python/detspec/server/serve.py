@@ -73,7 +73,39 @@ def add_app_arguments(p: argparse.ArgumentParser) -> None:
         "chat answers then carry `reasoning` (and `reasoning_content`) beside `content`, and "
         "output constraints apply after the thinking",
     )
+    p.add_argument(
+        "--lora-modules",
+        "--lora-paths",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT directories) to load at start-up, each served under its "
+        'NAME as a model (`name=path`, or vLLM\'s JSON {"name": ..., "path": ...}); needs '
+        "--enable-lora (more at run time: POST /v1/load_lora_adapter)",
+    )
     add_engine_arguments(p)
+
+
+def lora_modules(specs: list[str] | None) -> list[tuple[str, str]]:
+    """``--lora-modules``' ``(name, path)`` pairs; ``SetupError`` for a malformed one."""
+    import json
+
+    out = []
+    for spec in specs or []:
+        if spec.lstrip().startswith("{"):
+            try:
+                d = json.loads(spec)
+                out.append((str(d["name"]), str(d["path"])))
+            except (ValueError, KeyError, TypeError):
+                raise SetupError(
+                    f"--lora-modules {spec!r}: expected JSON with `name` and `path`"
+                ) from None
+            continue
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise SetupError(f"--lora-modules {spec!r}: expected NAME=PATH")
+        out.append((name, path))
+    return out
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -140,11 +172,22 @@ def build_from_args(args: argparse.Namespace, **config: Any) -> Any:
         raise SetupError("--deterministic-by-default needs --determinism dvr or batch_invariant")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise SetupError("--enable-auto-tool-choice needs --tool-call-parser")
+    adapters = lora_modules(args.lora_modules)
+    if adapters and not settings.get("enable_lora"):
+        raise SetupError("--lora-modules needs --enable-lora")
     try:
         engine = AsyncLLM(args.model, **settings)
     except DetspecError as e:
         raise SetupError(str(e)) from None
     names = args.served_model_name or [os.path.basename(os.path.normpath(engine.model))]
+    for name, path in adapters:
+        try:
+            if name in names:
+                raise SetupError(f"--lora-modules {name}: the base model is served as {name}")
+            engine.load_lora(name, os.path.expanduser(path))
+        except (DetspecError, SetupError) as e:
+            engine.shutdown()
+            raise SetupError(f"--lora-modules {name}={path}: {e}") from None
     server_config = ServerConfig(
         served_model_names=names,
         max_num_seqs=settings.get("max_num_seqs", SETTINGS_BY_NAME["max_num_seqs"].default),

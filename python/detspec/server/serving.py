@@ -122,6 +122,13 @@ class OpenAIServer:
         ``+det-default-seed<N>`` under --deterministic-by-default."""
         return self.engine.fingerprint + self.defaults.fingerprint_suffix()
 
+    def fingerprint_of(self, job: Job) -> str:
+        """The fingerprint of ``job``'s answer: the one the engine gave the request (the
+        weights it ran on, its LoRA adapter's), else that of its adapter now; with the
+        server's suffix."""
+        fp = job.fingerprint or self.engine.lora_fingerprint(job.lora)
+        return fp + self.defaults.fingerprint_suffix()
+
     def weight_version_name(self) -> str:
         """The weights' version as SGLang reports it: the last update's label, else the
         number of updates."""
@@ -153,15 +160,24 @@ class OpenAIServer:
         self.inflight_seqs += nseqs
 
     def check_model(self, name: str | None) -> str:
+        """The model a request names: a served name of the base model, or a loaded LoRA
+        adapter's (as vLLM serves them)."""
         if name is None:
             return self.model_names[0]
-        if name not in self.model_names:
+        if name not in self.model_names and self.lora_of(name) is None:
+            served = [*self.model_names, *self.engine.list_loras()]
             raise ApiError(
                 404,
-                f"The model `{name}` does not exist (served: {', '.join(self.model_names)}).",
+                f"The model `{name}` does not exist (served: {', '.join(served)}).",
                 "model",
             )
         return name
+
+    def lora_of(self, model: str | None) -> str | None:
+        """The LoRA adapter a request's ``model`` names (None: the base model)."""
+        if model is None or model in self.model_names or not self.engine.enable_lora:
+            return None
+        return model if model in self.engine.list_loras() else None
 
     def decode_token(self, t: int) -> str:
         s = self._decode_cache.get(t)
@@ -275,7 +291,16 @@ class OpenAIServer:
         n = self.max_tokens(max_tokens, len(ids), max_tokens_param)
         keep = keeps_special_tokens(tools, reasoning)
         params = self.sampling_params(req, n, logprobs, constraint, keep)
-        job = Job(index, rid, ids, params, constraint=constraint, tools=tools, reasoning=reasoning)
+        job = Job(
+            index,
+            rid,
+            ids,
+            params,
+            constraint=constraint,
+            tools=tools,
+            reasoning=reasoning,
+            lora=self.lora_of(req.model),
+        )
         self.validate(None, params, param, job)
         return job
 
@@ -306,18 +331,21 @@ class OpenAIServer:
             continue_final_message,
         )
 
-    async def prompt_logprobs(self, ids: list[int], k: int) -> list[dict[str, Any] | None]:
+    async def prompt_logprobs(
+        self, ids: list[int], k: int, lora: str | None = None
+    ) -> list[dict[str, Any] | None]:
         """vLLM's ``prompt_logprobs`` as JSON: the engine's numbers, bit for bit those of
-        ``LLM.generate`` (verify-path kernels). Through the score batcher, so concurrent
-        calls (a request's prompts, other requests) share one engine call."""
-        entries = await self.score_batcher.prompt_logprobs(ids, k, True)
+        ``LLM.generate`` (verify-path kernels; with the LoRA adapter ``lora``). Through the
+        score batcher, so concurrent calls (a request's prompts, other requests) share one
+        engine call."""
+        entries = await self.score_batcher.prompt_logprobs(ids, k, True, lora)
         return LogprobShaper.prompt(entries)
 
     async def attach_prompt_logprobs(self, jobs: list[Job], k: int | None) -> None:
         """Each job's ``prompt_logprobs`` (vLLM's field), all asked for at once."""
         if k is None:
             return
-        found = await asyncio.gather(*(self.prompt_logprobs(j.prompt_ids, k) for j in jobs))
+        found = await asyncio.gather(*(self.prompt_logprobs(j.prompt_ids, k, j.lora) for j in jobs))
         for j, plp in zip(jobs, found, strict=True):
             j.prompt_logprobs = plp
 
@@ -335,10 +363,13 @@ class OpenAIServer:
         if job.params.deterministic:
             m.deterministic_requests.inc()
         out: RequestOutput | None = None
-        stream = self.engine.generate(job.prompt_ids, job.params, request_id=job.rid, delta=delta)
+        stream = self.engine.generate(
+            job.prompt_ids, job.params, request_id=job.rid, delta=delta, lora_request=job.lora
+        )
         try:
             async with contextlib.aclosing(stream):
                 async for out in stream:
+                    job.fingerprint = out.fingerprint
                     now = time.perf_counter()
                     count = sum(len(c.token_ids) for c in out.outputs)
                     new = count if delta else count - ntok
@@ -486,7 +517,7 @@ class OpenAIServer:
             reasoning,
         )
         if req.prompt_logprobs is not None:
-            job.prompt_logprobs = await self.prompt_logprobs(ids, req.prompt_logprobs)
+            job.prompt_logprobs = await self.prompt_logprobs(ids, req.prompt_logprobs, job.lora)
         return job, base, model
 
     async def reasoning_plan(
@@ -534,7 +565,15 @@ class OpenAIServer:
             return failed(e, jobs[0])
         return StreamingResponse(
             sse_body(
-                lambda: self.fingerprint, self.logprobs, req, agen, first, jobs, rid, model, chat
+                lambda: self.fingerprint_of(jobs[0]),
+                self.logprobs,
+                req,
+                agen,
+                first,
+                jobs,
+                rid,
+                model,
+                chat,
             ),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
@@ -570,7 +609,7 @@ class OpenAIServer:
             "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()),
             "model": model,
-            "system_fingerprint": self.fingerprint,
+            "system_fingerprint": self.fingerprint_of(jobs[0]),
             "choices": choices,
             "usage": usage(
                 sum(len(j.prompt_ids) for j in jobs),

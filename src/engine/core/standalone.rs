@@ -14,11 +14,12 @@
 //! again by `score`.
 
 use std::ops::Range;
+use std::sync::Arc;
 
 use crate::dvr::{replay::fixed_shape_passes, ScoringShape};
 use crate::error::{DetspecError, Result};
 use crate::kv::{BlockTable, PageClass};
-use crate::model::ForwardBatch;
+use crate::model::{ForwardBatch, LoraAdapter};
 use crate::ops::{self, AttentionMetadata, AttentionSchedule};
 use crate::output::TokenLogprobs;
 use crate::sampling::{self, SamplingParams};
@@ -38,27 +39,47 @@ pub enum ForwardKind {
     Hidden,
 }
 
-/// A stored output to re-run: its prompt, parameters, completion index and token ids.
+/// A stored output to re-run: its prompt, parameters, completion index, token ids and the
+/// LoRA adapter it ran with.
 #[derive(Debug, Clone)]
 pub struct AuditInput {
     pub prompt: Vec<u32>,
     pub params: SamplingParams,
     pub completion_index: usize,
     pub token_ids: Vec<u32>,
+    pub lora: Option<Arc<LoraAdapter>>,
+}
+
+/// The LoRA adapter each sequence of a standalone forward runs with, by index (shorter than
+/// the sequences, or empty: the base model for the rest).
+pub type Loras<'a> = &'a [Option<Arc<LoraAdapter>>];
+
+/// Sequence `i`'s adapter in `loras`.
+pub(super) fn lora_of(loras: Loras<'_>, i: usize) -> Option<Arc<LoraAdapter>> {
+    loras.get(i).cloned().flatten()
+}
+
+/// The prefix-cache namespace of sequence `i`'s KV (see `Sequence::cache_namespace`).
+pub(super) fn namespace_of(loras: Loras<'_>, i: usize) -> u64 {
+    loras
+        .get(i)
+        .and_then(Option::as_ref)
+        .map_or(0, |a| a.content_hash())
 }
 
 impl EngineCore {
-    /// Runs each sequence and returns, per sequence, the rows of `wanted[i]` flattened
-    /// (`rows × width`, width = vocab or hidden).
+    /// Runs each sequence (with its adapter in `loras`) and returns, per sequence, the rows of
+    /// `wanted[i]` flattened (`rows × width`, width = vocab or hidden).
     pub fn forward_sequences(
         &mut self,
         seqs: &[Vec<u32>],
         wanted: &[Range<usize>],
         kind: ForwardKind,
         fixed: bool,
+        loras: Loras<'_>,
     ) -> Result<Vec<Vec<f32>>> {
         let mut out = vec![Vec::new(); seqs.len()];
-        self.for_each_row(seqs, wanted, kind, fixed, &mut |i, row| {
+        self.for_each_row(seqs, wanted, (kind, fixed), loras, &mut |i, row| {
             out[i].extend_from_slice(row);
             Ok(())
         })?;
@@ -73,8 +94,8 @@ impl EngineCore {
         &self,
         seqs: &[Vec<u32>],
         wanted: &[Range<usize>],
-        kind: ForwardKind,
-        fixed: bool,
+        (kind, fixed): (ForwardKind, bool),
+        loras: Loras<'_>,
         visit: RowVisitor<'_>,
     ) -> Result<()> {
         self.check_sequences(seqs)?;
@@ -89,10 +110,12 @@ impl EngineCore {
             (true, ScoringShape::Generation { .. }) => PrefixUse::NONE,
         };
         let budget = self.cfg.max_num_batched_tokens.max(1);
-        self.in_groups(&refs, &prefix, budget, &mut |core, group, tables| {
+        self.in_groups(&refs, &prefix, loras, budget, &mut |core, group, tables| {
             let seqs: Vec<&[u32]> = group.iter().map(|&i| refs[i]).collect();
             let wanted: Vec<Range<usize>> = group.iter().map(|&i| wanted[i].clone()).collect();
-            let (width, rows) = core.forward_group(&seqs, &wanted, tables, kind, fixed)?;
+            let group_loras: Vec<_> = group.iter().map(|&i| lora_of(loras, i)).collect();
+            let (width, rows) =
+                core.forward_group(&seqs, &wanted, tables, (kind, fixed), &group_loras)?;
             for (&i, flat) in group.iter().zip(rows) {
                 for row in flat.chunks_exact(width.max(1)) {
                     visit(i, row)?;
@@ -125,8 +148,8 @@ impl EngineCore {
         seqs: &[&[u32]],
         wanted: &[Range<usize>],
         tables: &[BlockTable],
-        kind: ForwardKind,
-        fixed: bool,
+        (kind, fixed): (ForwardKind, bool),
+        loras: Loras<'_>,
     ) -> Result<(usize, Vec<Vec<f32>>)> {
         let ps = self.cfg.page_size;
         let schedule = if fixed {
@@ -169,6 +192,7 @@ impl EngineCore {
                 batch.attention.row_seq.push(si as u32);
             }
             batch.attention.block_tables.push(bt.pages().to_vec());
+            batch.adapters.push(lora_of(loras, si));
         }
         if batch.logit_rows.is_empty() {
             return Ok((0, vec![Vec::new(); seqs.len()]));
@@ -194,13 +218,13 @@ impl EngineCore {
     /// kernels.
     pub fn prompt_logits(&mut self, prompts: &[Vec<u32>]) -> Result<Vec<Vec<f32>>> {
         let wanted: Vec<Range<usize>> = prompts.iter().map(|p| 0..p.len()).collect();
-        self.forward_sequences(prompts, &wanted, ForwardKind::Logits, true)
+        self.forward_sequences(prompts, &wanted, ForwardKind::Logits, true, &[])
     }
 
     /// Last-layer hidden states (after the final norm) of each prompt, `[len_i × hidden]`.
     pub fn hidden_states(&mut self, prompts: &[Vec<u32>]) -> Result<Vec<Vec<f32>>> {
         let wanted: Vec<Range<usize>> = prompts.iter().map(|p| 0..p.len()).collect();
-        self.forward_sequences(prompts, &wanted, ForwardKind::Hidden, true)
+        self.forward_sequences(prompts, &wanted, ForwardKind::Hidden, true, &[])
     }
 
     /// Hands `visit` the logits of the rows that predict each completion's tokens, as
@@ -210,6 +234,7 @@ impl EngineCore {
         &self,
         pairs: &[(Vec<u32>, Vec<u32>)],
         fixed: bool,
+        loras: Loras<'_>,
         visit: RowVisitor<'_>,
     ) -> Result<()> {
         let mut seqs = Vec::with_capacity(pairs.len());
@@ -237,15 +262,17 @@ impl EngineCore {
                 let prompt_lens: Vec<usize> = scored.iter().map(|&i| pairs[i].0.len()).collect();
                 // Each prompt's last row predicts its completion's first token.
                 let first_wanted: Vec<usize> = prompt_lens.iter().map(|p| p - 1).collect();
+                let scored_loras: Vec<_> = scored.iter().map(|&i| lora_of(loras, i)).collect();
                 self.logits_as_generated(
                     &seqs,
                     (&prompt_lens, &first_wanted),
                     (prefill_rows, verify_rows),
                     pad_page,
+                    &scored_loras,
                     &mut |i, row| visit(scored[i], row),
                 )
             }
-            _ => self.for_each_row(&seqs, &wanted, ForwardKind::Logits, fixed, visit),
+            _ => self.for_each_row(&seqs, &wanted, (ForwardKind::Logits, fixed), loras, visit),
         }
     }
 
@@ -266,17 +293,19 @@ impl EngineCore {
         (prompt_lens, first_wanted): (&[usize], &[usize]),
         shapes: (usize, usize),
         pad_page: u32,
+        loras: Loras<'_>,
         visit: RowVisitor<'_>,
     ) -> Result<()> {
         let prefix = PrefixUse::new(PageClass::Invariant, first_wanted, prompt_lens);
         let budget = self.cfg.max_num_batched_tokens.max(shapes.1);
-        self.in_groups(seqs, &prefix, budget, &mut |core, group, tables| {
+        self.in_groups(seqs, &prefix, loras, budget, &mut |core, group, tables| {
             let pick = |of: &[usize]| group.iter().map(|&i| of[i]).collect::<Vec<_>>();
             let group_seqs: Vec<&[u32]> = group.iter().map(|&i| seqs[i]).collect();
+            let group_loras: Vec<_> = group.iter().map(|&i| lora_of(loras, i)).collect();
             core.packed_logits(
                 &group_seqs,
                 (&pick(prompt_lens), &pick(first_wanted)),
-                tables,
+                (tables, &group_loras),
                 shapes,
                 pad_page,
                 &mut |k, row| visit(group[k], row),
@@ -290,7 +319,7 @@ impl EngineCore {
         &self,
         seqs: &[&[u32]],
         (prompt_lens, first_wanted): (&[usize], &[usize]),
-        tables: &[BlockTable],
+        (tables, loras): (&[BlockTable], Loras<'_>),
         (prefill_rows, verify_rows): (usize, usize),
         pad_page: u32,
         visit: RowVisitor<'_>,
@@ -302,6 +331,7 @@ impl EngineCore {
             let mut batch = ForwardBatch::default();
             batch.attention.sliding_window = self.info.config.sliding_window;
             batch.attention.block_tables = tables.iter().map(|t| t.pages().to_vec()).collect();
+            batch.adapters = (0..tables.len()).map(|si| lora_of(loras, si)).collect();
             for (si, (seq, table)) in seqs.iter().zip(tables).enumerate() {
                 for pos in part(si) {
                     let slot = table.slot(pos, ps).ok_or_else(|| {
@@ -358,17 +388,19 @@ impl EngineCore {
     /// The logprob of every token of each completion given its prompt (the sampler's raw
     /// logprobs), with rank and the `top_n` most likely tokens. `fixed`: on the verify-path
     /// kernels, equal to what a deterministic request generating these tokens reported.
+    /// `loras`: each pair's adapter.
     pub fn score(
         &mut self,
         pairs: &[(Vec<u32>, Vec<u32>)],
         top_n: usize,
         fixed: bool,
+        loras: Loras<'_>,
     ) -> Result<Vec<Vec<TokenLogprobs>>> {
         let mut out: Vec<Vec<TokenLogprobs>> = pairs
             .iter()
             .map(|(_, c)| Vec::with_capacity(c.len()))
             .collect();
-        self.for_each_completion_row(pairs, fixed, &mut |i, row| {
+        self.for_each_completion_row(pairs, fixed, loras, &mut |i, row| {
             let token = pairs[i].1.get(out[i].len()).copied().ok_or_else(|| {
                 candle_core::Error::Msg(format!("pair {i}: a row past its completion"))
             })?;
@@ -380,10 +412,12 @@ impl EngineCore {
 
     /// vLLM's prompt logprobs: for positions 1.. of each prompt, the logprob of the prompt's
     /// token there with its rank and the `top_n` most likely tokens (position 0 has none).
+    /// `loras`: each prompt's adapter.
     pub fn prompt_logprobs(
         &mut self,
         prompts: &[Vec<u32>],
         top_n: usize,
+        loras: Loras<'_>,
     ) -> Result<Vec<Vec<TokenLogprobs>>> {
         if let ScoringShape::Generation {
             prefill_rows,
@@ -392,7 +426,7 @@ impl EngineCore {
         } = self.policy.scoring_shape()
         {
             let shapes = (prefill_rows, verify_rows);
-            return self.prompt_logprobs_as_prefilled(prompts, top_n, shapes, pad_page);
+            return self.prompt_logprobs_as_prefilled(prompts, top_n, shapes, pad_page, loras);
         }
         let pairs: Vec<(Vec<u32>, Vec<u32>)> = prompts
             .iter()
@@ -403,7 +437,7 @@ impl EngineCore {
                 )
             })
             .collect();
-        self.score(&pairs, top_n, true)
+        self.score(&pairs, top_n, true, loras)
     }
 
     /// [`Self::prompt_logprobs`] where GEMM bits depend on the row count: every row computed
@@ -416,6 +450,7 @@ impl EngineCore {
         top_n: usize,
         shapes: (usize, usize),
         pad_page: u32,
+        loras: Loras<'_>,
     ) -> Result<Vec<Vec<TokenLogprobs>>> {
         self.check_sequences(prompts)?;
         // Row j predicts the prompt's token j + 1: the last token is not fed, and a one-token
@@ -428,12 +463,14 @@ impl EngineCore {
             .map(|&i| &prompts[i][..prompts[i].len() - 1])
             .collect();
         let lens: Vec<usize> = seqs.iter().map(|s| s.len()).collect();
+        let scored_loras: Vec<_> = scored.iter().map(|&i| lora_of(loras, i)).collect();
         let mut out = vec![Vec::new(); prompts.len()];
         self.logits_as_generated(
             &seqs,
             (&lens, &vec![0; seqs.len()]),
             shapes,
             pad_page,
+            &scored_loras,
             &mut |k, row| {
                 let i = scored[k];
                 let token = prompts[i].get(out[i].len() + 1).copied().ok_or_else(|| {
@@ -491,7 +528,8 @@ impl EngineCore {
             .iter()
             .map(|it| Vec::with_capacity(it.token_ids.len()))
             .collect();
-        self.for_each_completion_row(&pairs, true, &mut |i, row| {
+        let loras: Vec<_> = items.iter().map(|it| it.lora.clone()).collect();
+        self.for_each_completion_row(&pairs, true, &loras, &mut |i, row| {
             let it = &items[i];
             let before = it.token_ids.get(..out[i].len()).unwrap_or_default();
             let mask = match constraints[i].as_mut() {

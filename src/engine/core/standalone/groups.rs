@@ -9,32 +9,39 @@ use crate::error::Result;
 use crate::kv::{BlockTable, PageClass};
 
 use super::super::EngineCore;
+use super::{namespace_of, Loras};
 
 impl EngineCore {
     /// Runs `run` on groups of `seqs` (their indices), each with KV pages reserved for its
     /// sequences ([`Self::reserve_group`], cached prefixes read as `prefix` allows) and given
     /// back after, the pages `prefix` names registered in the prefix cache first. Sequences
     /// that start like an earlier one run after all the others ([`Self::sharing_order`]), so
-    /// they read its pages instead of computing them beside it.
+    /// they read its pages instead of computing them beside it. A sequence's pages are those
+    /// of its adapter in `loras` (their own namespace in the cache).
     pub(super) fn in_groups(
         &self,
         seqs: &[&[u32]],
         prefix: &PrefixUse<'_>,
+        loras: Loras<'_>,
         budget: usize,
         run: GroupRun<'_>,
     ) -> Result<()> {
-        for order in self.sharing_order(seqs, prefix) {
+        for order in self.sharing_order(seqs, prefix, loras) {
             let mut start = 0;
             while start < order.len() {
-                let tables = self.reserve_group(seqs, &order[start..], prefix, budget)?;
+                let tables = self.reserve_group(seqs, &order[start..], prefix, loras, budget)?;
                 let group = &order[start..start + tables.len()];
                 let result = run(self, group, &tables);
                 if result.is_ok() {
                     for (&i, table) in group.iter().zip(&tables) {
                         if let Some(&keep) = prefix.cacheable.get(i) {
                             let tokens = &seqs[i][..keep.min(seqs[i].len())];
-                            self.alloc
-                                .insert_prefix_of(tokens, table.pages(), prefix.class, 0);
+                            self.alloc.insert_prefix_of(
+                                tokens,
+                                table.pages(),
+                                prefix.class,
+                                namespace_of(loras, i),
+                            );
                         }
                     }
                 }
@@ -49,14 +56,19 @@ impl EngineCore {
     /// `seqs` in two runs: the first sequence of each prompt (by its first page, where it may
     /// read cached pages), then the others, which read the first one's pages once it has
     /// run (a GRPO group's completions, DPO's chosen and rejected, `n` samples).
-    fn sharing_order(&self, seqs: &[&[u32]], prefix: &PrefixUse<'_>) -> [Vec<usize>; 2] {
+    fn sharing_order(
+        &self,
+        seqs: &[&[u32]],
+        prefix: &PrefixUse<'_>,
+        loras: Loras<'_>,
+    ) -> [Vec<usize>; 2] {
         let ps = self.cfg.page_size;
         let reads = self.alloc.prefix_caching_enabled();
         let mut firsts = HashSet::new();
         let (mut leaders, mut followers) = (Vec::new(), Vec::new());
         for (i, seq) in seqs.iter().enumerate() {
             let page = (reads && prefix.readable(i).min(seq.len().saturating_sub(1)) >= ps)
-                .then(|| &seq[..ps]);
+                .then(|| (namespace_of(loras, i), &seq[..ps]));
             match page {
                 Some(page) if !firsts.insert(page) => followers.push(i),
                 _ => leaders.push(i),
@@ -74,6 +86,7 @@ impl EngineCore {
         seqs: &[&[u32]],
         order: &[usize],
         prefix: &PrefixUse<'_>,
+        loras: Loras<'_>,
         budget: usize,
     ) -> Result<Vec<BlockTable>> {
         let alloc = self.alloc.as_ref();
@@ -85,9 +98,11 @@ impl EngineCore {
             // At least the last row is computed, so a wanted row is never a cached one.
             let readable = prefix.readable(i).min(seq.len().saturating_sub(1));
             let cached = match readable >= ps {
-                true => self
-                    .alloc
-                    .lookup_prefix_of(&seq[..readable], prefix.class, 0),
+                true => self.alloc.lookup_prefix_of(
+                    &seq[..readable],
+                    prefix.class,
+                    namespace_of(loras, i),
+                ),
                 false => Vec::new(),
             };
             let mut table = BlockTable::from_shared_pages(cached, ps);
