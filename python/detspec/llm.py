@@ -344,6 +344,12 @@ class _EngineClient:
         """One adapter name (or None) per request of ``n``: ``lora`` for all, or a list."""
         if lora is None or isinstance(lora, str | LoRARequest):
             return [self._lora_name(lora)] * n
+        if not isinstance(lora, list | tuple):
+            raise InvalidRequestError(
+                "invalid parameter `lora_request`: expected a LoRARequest, an adapter name or a "
+                f"list of them, got {type(lora).__name__}",
+                param="lora_request",
+            )
         loras = list(lora)
         if len(loras) != n:
             raise InvalidRequestError(

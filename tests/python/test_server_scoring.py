@@ -278,10 +278,12 @@ async def test_score_batcher_coalesces_and_isolates_a_refused_prompt() -> None:
     from detspec.server.score_batcher import ScoreBatcher
 
     calls: list[int] = []
+    adapters: list[str | None] = []
 
     class Engine:
-        async def prompt_logprobs(self, prompts, k, deterministic):
+        async def prompt_logprobs(self, prompts, k, deterministic, lora_request=None):
             calls.append(len(prompts))
+            adapters.append(lora_request)
             await asyncio.sleep(0)
             if any(999 in p for p in prompts):
                 raise ValueError("token 999 refused")
@@ -297,3 +299,12 @@ async def test_score_batcher_coalesces_and_isolates_a_refused_prompt() -> None:
     assert got[0] == [None, {2: 1}] and got[2] == [None, {6: 1}]
     assert isinstance(got[1], ValueError)
     assert calls == [3, 1, 1, 1], "one call for all three, then one per prompt"
+    # Prompts of different LoRA adapters never share an engine call.
+    calls.clear()
+    adapters.clear()
+    await asyncio.gather(
+        batcher.prompt_logprobs([1, 2], 1, True, "a"),
+        batcher.prompt_logprobs([3, 4], 1, True, None),
+        batcher.prompt_logprobs([5, 6], 1, True, "a"),
+    )
+    assert sorted(zip(adapters, calls, strict=True), key=str) == [("a", 2), (None, 1)]
