@@ -16,7 +16,7 @@ use crate::ops::{self, AttentionMetadata};
 
 use super::linear::{GemmOptions, Linear, LinearWeight, Projection};
 use super::loader::WeightLoader;
-use super::lora::{LoraAdapter, LoraRows, LoraTarget};
+use super::lora::{LoraAdapter, LoraOutputs, LoraRows, LoraTarget};
 use super::params::ParamHashes;
 use super::weights::Checkpoint;
 
@@ -267,6 +267,20 @@ impl Model {
         let inv = self.gemm_options(batch);
         let lora = LoraRows::of(batch, dev)?;
         let (hs, is) = (cfg.hidden_size, cfg.intermediate_size);
+        // Each linear layer's LoRA target and output width.
+        let [t_q, t_k, t_v, t_o] = [
+            (LoraTarget::Q, h * d),
+            (LoraTarget::K, kvh * d),
+            (LoraTarget::V, kvh * d),
+            (LoraTarget::O, hs),
+        ]
+        .map(|t| [t]);
+        let [t_gate, t_up, t_down] = [
+            (LoraTarget::Gate, is),
+            (LoraTarget::Up, is),
+            (LoraTarget::Down, hs),
+        ]
+        .map(|t| [t]);
         // The residual stream `x` and `hn`, the norm of it the next sublayer reads: each
         // residual add runs fused with the norm after it (the next layer's input norm, the
         // final norm after the last).
@@ -278,24 +292,34 @@ impl Model {
                 DetspecError::param("num_layers", format!("KV pool has no layer {li}"))
             })?;
             // A linear layer's output with the rows' adapters' deltas added.
-            let with_lora = |y: Tensor, x: &Tensor, targets: &[(LoraTarget, usize)]| match &lora {
-                Some(l) => l.add(y, x, li, targets),
-                None => Ok(y),
+            // Linear layers' outputs of one input with the rows' adapters' deltas added.
+            let with_lora = |x: &Tensor, outs: LoraOutputs<'_>| match &lora {
+                Some(l) => l.add(x, li, outs),
+                None => Ok(outs.into_iter().map(|(y, _)| y).collect()),
+            };
+            let one = |x: &Tensor, y: Tensor, t: &[(LoraTarget, usize)]| {
+                with_lora(x, vec![(y, t)])?
+                    .pop()
+                    .ok_or_else(|| candle_core::Error::Msg("LoRA returned no output".into()))
             };
             let (q, k, v) = match &layer.qkv {
                 Projection::Stacked { linear, .. } => {
-                    let targets = [LoraTarget::Q, LoraTarget::K, LoraTarget::V];
-                    let widths = [h * d, kvh * d, kvh * d];
-                    let y = with_lora(linear.apply(&hn, inv)?, &hn, &pair_up(&targets, &widths))?;
+                    let targets = [t_q[0], t_k[0], t_v[0]];
+                    let y = one(&hn, linear.apply(&hn, inv)?, &targets)?;
                     ops::rope_qkv(&y, &cos, &sin, h, kvh)?
                 }
                 Projection::Apart(qkv) => {
                     let [q, k, v] = qkv.as_slice() else {
                         return Err(DetspecError::param("weights", "q/k/v are three layers"));
                     };
-                    let q = with_lora(q.apply(&hn, inv)?, &hn, &[(LoraTarget::Q, h * d)])?;
-                    let k = with_lora(k.apply(&hn, inv)?, &hn, &[(LoraTarget::K, kvh * d)])?;
-                    let v = with_lora(v.apply(&hn, inv)?, &hn, &[(LoraTarget::V, kvh * d)])?;
+                    let outs = vec![
+                        (q.apply(&hn, inv)?, &t_q[..]),
+                        (k.apply(&hn, inv)?, &t_k[..]),
+                        (v.apply(&hn, inv)?, &t_v[..]),
+                    ];
+                    let [q, k, v]: [Tensor; 3] = with_lora(&hn, outs)?
+                        .try_into()
+                        .map_err(|_| DetspecError::param("weights", "q/k/v are three layers"))?;
                     let mut q = q.reshape((n, h, d))?;
                     let mut k = k.reshape((n, kvh, d))?;
                     let v = v.reshape((n, kvh, d))?;
@@ -311,19 +335,24 @@ impl Model {
             ops::write_kv(v_cache, &v, slots.clone())?;
             let attn = ops::paged_attention(&q, k_cache, v_cache, meta.clone(), scale)?;
             let attn = attn.reshape((n, h * d))?;
-            let o = with_lora(layer.o.apply(&attn, inv)?, &attn, &[(LoraTarget::O, hs)])?;
+            let o = one(&attn, layer.o.apply(&attn, inv)?, &t_o)?;
             (x, hn) = ops::add_rms_norm(&x, &o, &layer.post_norm, eps)?;
             let act = match &layer.gate_up {
                 Projection::Stacked { linear, .. } => {
-                    let targets = pair_up(&[LoraTarget::Gate, LoraTarget::Up], &[is, is]);
-                    ops::swiglu_halves(&with_lora(linear.apply(&hn, inv)?, &hn, &targets)?)?
+                    let targets = [t_gate[0], t_up[0]];
+                    ops::swiglu_halves(&one(&hn, linear.apply(&hn, inv)?, &targets)?)?
                 }
                 Projection::Apart(gate_up) => {
                     let [gate, up] = gate_up.as_slice() else {
                         return Err(DetspecError::param("weights", "gate/up are two layers"));
                     };
-                    let gate = with_lora(gate.apply(&hn, inv)?, &hn, &[(LoraTarget::Gate, is)])?;
-                    let up = with_lora(up.apply(&hn, inv)?, &hn, &[(LoraTarget::Up, is)])?;
+                    let outs = vec![
+                        (gate.apply(&hn, inv)?, &t_gate[..]),
+                        (up.apply(&hn, inv)?, &t_up[..]),
+                    ];
+                    let [gate, up]: [Tensor; 2] = with_lora(&hn, outs)?
+                        .try_into()
+                        .map_err(|_| DetspecError::param("weights", "gate/up are two layers"))?;
                     ops::swiglu(&gate, &up)?
                 }
             };
@@ -331,11 +360,7 @@ impl Model {
                 .layers
                 .get(li + 1)
                 .map_or(&self.norm, |l| &l.input_norm);
-            let down = with_lora(
-                layer.down.apply(&act, inv)?,
-                &act,
-                &[(LoraTarget::Down, hs)],
-            )?;
+            let down = one(&act, layer.down.apply(&act, inv)?, &t_down)?;
             (x, hn) = ops::add_rms_norm(&x, &down, next_norm, eps)?;
         }
         if batch.logit_rows.is_empty() {
@@ -346,15 +371,6 @@ impl Model {
         let rows = Tensor::from_slice(&batch.logit_rows, batch.logit_rows.len(), dev)?;
         Ok(hn.index_select(&rows, 0)?)
     }
-}
-
-/// Each target beside its output width.
-fn pair_up(targets: &[LoraTarget], widths: &[usize]) -> Vec<(LoraTarget, usize)> {
-    targets
-        .iter()
-        .copied()
-        .zip(widths.iter().copied())
-        .collect()
 }
 
 /// `[0, width]` f32 rows on the host: the result of a forward with no logit rows, on any device.

@@ -371,8 +371,19 @@ fn parse_name(
 /// The adapters of one forward's rows, grouped: built once per forward, and `None` when no row
 /// has one (the base model's forward is then exactly what it was without adapters).
 pub(super) struct LoraRows {
-    groups: Vec<(Arc<LoraAdapter>, Tensor)>,
+    groups: Vec<LoraGroup>,
 }
+
+/// One adapter's rows of a forward.
+struct LoraGroup {
+    adapter: Arc<LoraAdapter>,
+    /// Row indices on the device; `None`: every row of the batch (one adapter serving all).
+    rows: Option<Tensor>,
+}
+
+/// Some linear layers' outputs of one input, each with the targets it holds side by side
+/// along its columns (one layer, or a stacked projection's parts) and their widths.
+pub(super) type LoraOutputs<'a> = Vec<(Tensor, &'a [(LoraTarget, usize)])>;
 
 impl LoraRows {
     /// Groups `batch`'s rows by the adapter of their sequence (`batch.adapters`, by
@@ -391,25 +402,30 @@ impl LoraRows {
                 None => groups.push((adapter.clone(), vec![row as u32])),
             }
         }
+        let all = batch.attention.row_seq.len();
         let groups = groups
             .into_iter()
-            .map(|(a, rows)| {
+            .map(|(adapter, rows)| {
                 let n = rows.len();
-                Ok((a, Tensor::from_vec(rows, n, device)?))
+                let rows = (n < all)
+                    .then(|| Tensor::from_vec(rows, n, device))
+                    .transpose()?;
+                Ok(LoraGroup { adapter, rows })
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(Some(Self { groups }))
     }
 
-    /// `y` (the base output of `x` through `targets`' layers, side by side along its columns
-    /// with widths `widths` when stacked) plus each group's deltas on its rows.
+    /// `outs` (the base outputs of `x` through decoder layer `layer`'s linear layers) plus
+    /// each group's deltas on its rows. `x`'s rows of a group are gathered once for all of
+    /// `outs`; a group of every row adds its delta to the whole output (the same one f32 add
+    /// per element as adding it row by row).
     pub(super) fn add(
         &self,
-        y: Tensor,
         x: &Tensor,
         layer: usize,
-        targets: &[(LoraTarget, usize)],
-    ) -> candle_core::Result<Tensor> {
+        outs: LoraOutputs<'_>,
+    ) -> candle_core::Result<Vec<Tensor>> {
         // The adapters' GEMMs always run on the invariant kernels: a row's delta is then the
         // same on the fast and the verify path, whatever the batch.
         let gemm = GemmOptions {
@@ -417,30 +433,43 @@ impl LoraRows {
             invariant: true,
             amx: false,
         };
-        let mut y = y;
-        for (adapter, rows) in &self.groups {
-            if targets
-                .iter()
-                .all(|&(t, _)| adapter.pair(layer, t).is_none())
-            {
+        let mut outs = outs;
+        for g in &self.groups {
+            let targeted = |targets: &[(LoraTarget, usize)]| {
+                targets
+                    .iter()
+                    .any(|&(t, _)| g.adapter.pair(layer, t).is_some())
+            };
+            if !outs.iter().any(|(_, targets)| targeted(targets)) {
                 continue;
             }
-            let xs = x.index_select(rows, 0)?;
-            let m = xs.dim(0)?;
-            let mut parts = Vec::with_capacity(targets.len());
-            for &(target, width) in targets {
-                parts.push(match adapter.pair(layer, target) {
-                    Some(p) => p.up.matmul(&p.down.matmul(&xs, gemm)?, gemm)?,
-                    None => Tensor::zeros((m, width), y.dtype(), y.device())?,
-                });
-            }
-            let delta = if parts.len() == 1 {
-                parts.swap_remove(0)
-            } else {
-                Tensor::cat(&parts, 1)?
+            let xs = match &g.rows {
+                Some(rows) => x.index_select(rows, 0)?,
+                None => x.clone(),
             };
-            y = y.index_add(rows, &delta.to_dtype(y.dtype())?, 0)?;
+            let m = xs.dim(0)?;
+            for (y, targets) in outs.iter_mut() {
+                if !targeted(targets) {
+                    continue;
+                }
+                let mut parts = Vec::with_capacity(targets.len());
+                for &(target, width) in targets.iter() {
+                    parts.push(match g.adapter.pair(layer, target) {
+                        Some(p) => p.up.matmul(&p.down.matmul(&xs, gemm)?, gemm)?,
+                        None => Tensor::zeros((m, width), y.dtype(), y.device())?,
+                    });
+                }
+                let delta = match parts.len() {
+                    1 => parts.swap_remove(0),
+                    _ => Tensor::cat(&parts, 1)?,
+                }
+                .to_dtype(y.dtype())?;
+                *y = match &g.rows {
+                    Some(rows) => y.index_add(rows, &delta, 0)?,
+                    None => (&*y + &delta)?,
+                };
+            }
         }
-        Ok(y)
+        Ok(outs.into_iter().map(|(y, _)| y).collect())
     }
 }
