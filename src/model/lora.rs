@@ -142,80 +142,25 @@ impl LoraAdapter {
             .map_err(|e| DetspecError::file(&config_path, format!("not a LoRA config: {e}")))?;
         check_config(&config, &config_path, max_rank)?;
         let weights_path = dir.join("adapter_model.safetensors");
-        let bytes = std::fs::read(&weights_path).map_err(|e| DetspecError::io(&weights_path, e))?;
-        let st = SafeTensors::deserialize(&bytes).map_err(|e| {
-            DetspecError::file(&weights_path, format!("not a valid safetensors file: {e}"))
-        })?;
-        let mut pairs: Vec<[Option<HalfPair>; 7]> = (0..cfg.num_hidden_layers)
-            .map(|_| Default::default())
-            .collect();
-        let mut names: Vec<&str> = st.names();
-        names.sort_unstable();
-        for name in &names {
-            let bad = |message: String| DetspecError::BadTensor {
-                name: name.to_string(),
-                path: weights_path.clone(),
-                message,
-            };
-            let (layer, target, is_a) = parse_name(name, cfg.num_hidden_layers).map_err(bad)?;
-            let view = st
-                .tensor(name)
-                .map_err(|e| bad(format!("cannot read: {e}")))?;
-            let (din, dout) = target.dims(cfg);
-            let rank = *view.shape().first().unwrap_or(&0);
-            let expected = if is_a {
-                vec![rank, din]
-            } else {
-                vec![dout, *view.shape().get(1).unwrap_or(&0)]
-            };
-            let r = if is_a { rank } else { expected[1] };
-            if view.shape() != expected.as_slice() || r == 0 || r > max_rank {
-                return Err(bad(format!(
-                    "expected shape {} for {} of this model (rank 1..={max_rank}), found {:?}",
-                    if is_a { "[r, in]" } else { "[out, r]" },
-                    target.module(),
-                    view.shape()
-                )));
-            }
-            let dtype_in = match view.dtype() {
-                StDtype::F32 => DType::F32,
-                StDtype::F16 => DType::F16,
-                StDtype::BF16 => DType::BF16,
-                other => return Err(bad(format!("expected a float tensor, found {other:?}"))),
-            };
-            let t = Tensor::from_raw_buffer(view.data(), dtype_in, view.shape(), &Device::Cpu)
-                .map_err(|e| bad(format!("cannot convert: {e}")))?
-                .to_dtype(DType::F32)?;
-            let slot = pairs[layer][target_index(target)].get_or_insert((None, None));
-            if is_a {
-                slot.0 = Some(t);
-            } else {
-                slot.1 = Some(t);
-            }
-        }
+        let halves = read_halves(&weights_path, cfg, max_rank)?;
         let mut hash = Xxh3::new();
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
-        let mut any = false;
-        for (li, layer) in pairs.into_iter().enumerate() {
+        for (li, layer) in halves.into_iter().enumerate() {
             let mut out: [Option<LoraPair>; 7] = Default::default();
-            for (ti, slot) in layer.into_iter().enumerate() {
-                let Some(slot) = slot else { continue };
-                let target = LoraTarget::ALL[ti];
-                let name = format!("layers.{li}.{}", target.module());
-                let (Some(a), Some(b)) = slot else {
+            for (ti, half) in layer.into_iter().enumerate() {
+                let Some(half) = half else { continue };
+                let name = format!("layers.{li}.{}", LoraTarget::ALL[ti].module());
+                let (Some(a), Some(b)) = half else {
                     return Err(DetspecError::file(
                         &weights_path,
                         format!("{name} has only one of lora_A and lora_B"),
                     ));
                 };
-                let r = a.dim(0)?;
-                if b.dim(1)? != r {
+                let (r, rb) = (a.dim(0)?, b.dim(1)?);
+                if rb != r {
                     return Err(DetspecError::file(
                         &weights_path,
-                        format!(
-                            "{name}: lora_A has rank {r}, lora_B {}",
-                            b.dim(1).unwrap_or(0)
-                        ),
+                        format!("{name}: lora_A has rank {r}, lora_B {rb}"),
                     ));
                 }
                 let scale = if config.use_rslora {
@@ -226,8 +171,7 @@ impl LoraAdapter {
                 let b = (b * scale)?;
                 hash.update(name.as_bytes());
                 for t in [&a, &b] {
-                    let v = t.flatten_all()?.to_vec1::<f32>()?;
-                    hash.update(bytemuck::cast_slice(&v));
+                    hash.update(bytemuck::cast_slice(&t.flatten_all()?.to_vec1::<f32>()?));
                 }
                 let place = |t: Tensor| -> Result<LinearWeight> {
                     LinearWeight::new(&t.to_dtype(dtype)?.to_device(device)?, false)
@@ -236,11 +180,10 @@ impl LoraAdapter {
                     down: place(a)?,
                     up: place(b)?,
                 });
-                any = true;
             }
             layers.push(out);
         }
-        if !any {
+        if layers.iter().flatten().all(Option::is_none) {
             return Err(DetspecError::file(
                 &weights_path,
                 "holds no lora_A/lora_B pair of a decoder layer",
@@ -273,6 +216,69 @@ impl LoraAdapter {
     fn pair(&self, layer: usize, target: LoraTarget) -> Option<&LoraPair> {
         self.layers.get(layer)?[target_index(target)].as_ref()
     }
+}
+
+/// Every `lora_A` / `lora_B` of the file at `path` as f32, by decoder layer and target (in
+/// `LoraTarget::ALL`'s order), each checked against the base model's shapes and `max_rank`.
+fn read_halves(
+    path: &Path,
+    cfg: &ModelConfig,
+    max_rank: usize,
+) -> Result<Vec<[Option<HalfPair>; 7]>> {
+    let bytes = std::fs::read(path).map_err(|e| DetspecError::io(path, e))?;
+    let st = SafeTensors::deserialize(&bytes)
+        .map_err(|e| DetspecError::file(path, format!("not a valid safetensors file: {e}")))?;
+    let mut halves: Vec<[Option<HalfPair>; 7]> = (0..cfg.num_hidden_layers)
+        .map(|_| Default::default())
+        .collect();
+    let mut names: Vec<&str> = st.names();
+    names.sort_unstable();
+    for name in names {
+        let bad = |message: String| DetspecError::BadTensor {
+            name: name.to_string(),
+            path: path.to_path_buf(),
+            message,
+        };
+        let (layer, target, is_a) = parse_name(name, cfg.num_hidden_layers).map_err(bad)?;
+        let view = st
+            .tensor(name)
+            .map_err(|e| bad(format!("cannot read: {e}")))?;
+        let (din, dout) = target.dims(cfg);
+        let shape = view.shape();
+        // lora_A is [r, in], lora_B [out, r].
+        let (r, fits) = match (is_a, shape) {
+            (true, &[r, i]) => (r, i == din),
+            (false, &[o, r]) => (r, o == dout),
+            _ => (0, false),
+        };
+        if !fits || r == 0 || r > max_rank {
+            return Err(bad(format!(
+                "expected shape {} for {} of this model (rank 1..={max_rank}), found {shape:?}",
+                if is_a {
+                    format!("[r, {din}]")
+                } else {
+                    format!("[{dout}, r]")
+                },
+                target.module(),
+            )));
+        }
+        let dtype = match view.dtype() {
+            StDtype::F32 => DType::F32,
+            StDtype::F16 => DType::F16,
+            StDtype::BF16 => DType::BF16,
+            other => return Err(bad(format!("expected a float tensor, found {other:?}"))),
+        };
+        let t = Tensor::from_raw_buffer(view.data(), dtype, shape, &Device::Cpu)
+            .map_err(|e| bad(format!("cannot convert: {e}")))?
+            .to_dtype(DType::F32)?;
+        let half = halves[layer][target_index(target)].get_or_insert((None, None));
+        if is_a {
+            half.0 = Some(t);
+        } else {
+            half.1 = Some(t);
+        }
+    }
+    Ok(halves)
 }
 
 fn target_index(target: LoraTarget) -> usize {
