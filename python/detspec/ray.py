@@ -60,6 +60,11 @@ class _ServeOptions(BaseModel):
     health_check_period_s: float = 10.0
     # server
     served_model_name: str | None = None
+    lora_modules: dict[str, str] | None = Field(
+        None,
+        description="LoRA adapters every replica loads at start-up, served as models: name -> "
+        "PEFT directory (needs enable_lora=True)",
+    )
     api_key: str | None = None
     max_waiting_requests: int | None = None
 
@@ -116,10 +121,13 @@ class DetspecDeployment:
         model: str | None,
         engine_kwargs: dict[str, Any],
         server: dict[str, Any],
+        lora_modules: dict[str, str] | None = None,
     ) -> None:
         from detspec.async_llm import AsyncLLM
 
         self.engine = AsyncLLM(model, **engine_kwargs)
+        for name, path in (lora_modules or {}).items():
+            self.engine.load_lora(name, path)
         self.server_options = server
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self._state: Any = None
@@ -139,8 +147,14 @@ class DetspecDeployment:
 
     def describe(self) -> dict[str, str]:
         """This replica's id and fingerprint (what :func:`check_replicas` collects). The
-        fingerprint hashes the weight values, so other weights of the same shapes differ."""
-        return {"replica": self.replica_id, "fingerprint": self.engine.fingerprint}
+        fingerprint hashes the weight values, so other weights of the same shapes differ;
+        with LoRA adapters loaded, ``+lora:`` and each adapter's name and content hash follow
+        (replicas that serve a name with other adapter weights disagree)."""
+        fp = self.engine.fingerprint
+        adapters = sorted(self.engine.list_loras().items())
+        if adapters:
+            fp += "+lora:" + ",".join(f"{n}={a['content_hash']}" for n, a in adapters)
+        return {"replica": self.replica_id, "fingerprint": fp}
 
     def check_health(self) -> None:
         """Ray restarts the replica when this raises: the engine is shut down or its engine
@@ -180,8 +194,10 @@ def _build(args: Any) -> serve.Application:
         options["num_replicas"] = args.num_replicas
     if args.routing == "session":
         options["request_router_config"] = RequestRouterConfig(request_router_class=_SESSION_ROUTER)
+    if args.lora_modules and not args.enable_lora:
+        raise ValueError("invalid parameter `lora_modules`: adapters need enable_lora=True")
     deployment = serve.deployment(DetspecDeployment).options(**options)
-    return deployment.bind(args.model, engine_kwargs, server)
+    return deployment.bind(args.model, engine_kwargs, server, args.lora_modules)
 
 
 def build_app(args: DetspecServeArgs | Mapping[str, Any] | None = None, /, **options: Any):

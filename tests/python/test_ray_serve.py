@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from server_fixtures import demo_model_dir, free_port  # noqa: F401
+from server_fixtures import demo_model_dir, free_port, write_adapter  # noqa: F401
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed")
 from ray import serve  # noqa: E402
@@ -86,8 +86,11 @@ def ray_http() -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def two_replicas(ray_http, demo_model_dir):
-    handle = serve.run(build_app(**engine_options(demo_model_dir)), name=APP, route_prefix="/")
+def two_replicas(ray_http, demo_model_dir, tmp_path_factory):
+    """Two replicas of the demo model, each serving the LoRA adapter "a" too."""
+    adapter = write_adapter(tmp_path_factory.mktemp("ray-lora"), "a", 1)
+    opts = engine_options(demo_model_dir, enable_lora=True, lora_modules={"a": adapter})
+    handle = serve.run(build_app(**opts), name=APP, route_prefix="/")
     return ray_http, handle
 
 
@@ -121,7 +124,9 @@ async def post(client: httpx.AsyncClient, body: dict) -> tuple[str, tuple]:
     """(replica that served it, its bits)."""
     r = await client.post("/v1/completions", json=body)
     assert r.status_code == 200, r.text
-    assert r.headers[FINGERPRINT_HEADER] == r.json()["system_fingerprint"]
+    # The replica's engine fingerprint; an adapter's answer names its adapter before it.
+    fp = r.json()["system_fingerprint"]
+    assert fp.endswith(r.headers[FINGERPRINT_HEADER].removeprefix("detspec-")), fp
     return r.headers[REPLICA_HEADER], bits(r.json())
 
 
@@ -192,6 +197,8 @@ def test_builder_takes_serve_run_strings_and_rejects_unknown_options(demo_model_
     assert isinstance(app, serve.Application)
     with pytest.raises(ValueError, match="num_replica"):
         build_app(model=demo_model_dir, num_replica=2)
+    with pytest.raises(ValueError, match="enable_lora"):
+        build_app(model=demo_model_dir, lora_modules={"a": demo_model_dir})
     with pytest.raises(ValueError, match="determinism"):
         build_app(model=demo_model_dir, determinism="sometimes")
 
@@ -283,8 +290,23 @@ def test_models_route_and_check_replicas_report_one_fingerprint(two_replicas) ->
     base_url, handle = two_replicas
     report = check_replicas(handle, raise_on_mismatch=True)
     assert report.agree and report.expected_replicas == 2 and len(report.fingerprints) == 2
-    card = httpx.get(base_url + "/v1/models", timeout=30).json()["data"][0]
-    assert report.majority == card["fingerprint"]
+    card, adapter = httpx.get(base_url + "/v1/models", timeout=30).json()["data"]
+    assert adapter["id"] == "a" and adapter["parent"] == SERVED
+    lora_hash = adapter["fingerprint"].removeprefix("detspec-lora")[:16]
+    assert report.majority == f"{card['fingerprint']}+lora:a={lora_hash}"
+
+
+def test_replicas_serve_a_lora_adapter_bitwise_alike(two_replicas) -> None:
+    """Every replica loaded the deployment's adapter: a deterministic answer of it is the
+    same bits whichever replica serves it, under load, and not the base model's."""
+    base_url, _ = two_replicas
+    body = {**target_body(0.8, deterministic=True), "model": "a"}
+    copies = asyncio.run(targets_under_load(base_url, body, 5, min_copies=8, max_copies=30))
+    assert len({r for r, _ in copies}) == 2, "one replica served every copy"
+    assert all(got == copies[0][1] for _, got in copies)
+    assert copies[0][1][3].startswith("detspec-lora")
+    base = httpx.post(base_url + "/v1/completions", json=target_body(0.8, True), timeout=60)
+    assert tuple(base.json()["choices"][0]["token_ids"]) != copies[0][1][0]
 
 
 def test_check_replicas_reports_a_replica_on_other_weights(ray_http, tmp_path: Path) -> None:

@@ -14,50 +14,20 @@ import json
 import random
 import struct
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import numpy as np
 import openai
 import pytest
-from safetensors.numpy import save_file
-from server_fixtures import SERVED_NAME, ServerProcess, demo_model_dir, start_server  # noqa: F401
+from server_fixtures import (  # noqa: F401
+    SERVED_NAME,
+    ServerProcess,
+    demo_model_dir,
+    start_server,
+    write_adapter,
+)
 
-# The demo model ("tiny"): hidden 128, 4 heads of 32 (2 for K/V), MLP 344, 4 layers.
-SHAPES = {
-    "self_attn.q_proj": (128, 128),
-    "self_attn.k_proj": (128, 64),
-    "self_attn.v_proj": (128, 64),
-    "self_attn.o_proj": (128, 128),
-    "mlp.gate_proj": (128, 344),
-    "mlp.up_proj": (128, 344),
-    "mlp.down_proj": (344, 128),
-}
 PROMPT = [int(x) for x in np.random.default_rng(3).integers(3, 600, size=21)]
-
-
-def write_adapter(root: Path, name: str, seed: int, modules: tuple[str, ...] = tuple(SHAPES)):
-    """A PEFT LoRA directory for the demo model: rank 8, random A and B on ``modules``."""
-    rng = np.random.default_rng(seed)
-    d = root / name
-    d.mkdir()
-    tensors = {}
-    for layer in range(4):
-        for m in modules:
-            din, dout = SHAPES[m]
-            p = f"base_model.model.model.layers.{layer}.{m}"
-            tensors[f"{p}.lora_A.weight"] = (rng.standard_normal((8, din)) * 0.1).astype("f4")
-            tensors[f"{p}.lora_B.weight"] = (rng.standard_normal((dout, 8)) * 0.1).astype("f4")
-    save_file(tensors, str(d / "adapter_model.safetensors"))
-    config = {
-        "peft_type": "LORA",
-        "r": 8,
-        "lora_alpha": 16,
-        "target_modules": [m.split(".")[1] for m in modules],
-        "bias": "none",
-    }
-    (d / "adapter_config.json").write_text(json.dumps(config))
-    return str(d)
 
 
 @pytest.fixture(scope="module")
