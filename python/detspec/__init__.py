@@ -20,7 +20,13 @@ from detspec.errors import (
 )
 from detspec.llm import LLM, Tokenizer
 from detspec.lora import LoRARequest
-from detspec.outputs import CompletionOutput, Logprob, RequestOutput
+from detspec.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    Logprob,
+    RequestOutput,
+)
 from detspec.sampling_params import SamplingParams, StructuredOutputsParams
 
 __all__ = [
@@ -28,6 +34,8 @@ __all__ = [
     "LLM",
     "CompletionOutput",
     "DetspecError",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
     "EngineStoppedError",
     "InvalidRequestError",
     "Logprob",

@@ -12,7 +12,7 @@ from detspec import _core
 from detspec.errors import DetspecError, EngineStoppedError
 from detspec.llm import PromptType, _EngineClient, _normalise_prompts
 from detspec.lora import LoRAType
-from detspec.outputs import RequestOutput
+from detspec.outputs import EmbeddingRequestOutput, RequestOutput
 from detspec.sampling_params import SamplingParams
 from detspec.scoring import AuditReport
 
@@ -136,6 +136,21 @@ class AsyncLLM(_EngineClient):
         """``LLM.score``, awaitable: runs between engine steps while other requests stream."""
         return await asyncio.to_thread(
             self._score, prompts, completions, deterministic, lora_request
+        )
+
+    async def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        *,
+        pooling: str = "last",
+        dimensions: int | None = None,
+        normalize: bool = True,
+        deterministic: bool = True,
+        lora_request: LoRAType | Sequence[LoRAType] = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """``LLM.embed``, awaitable: runs between engine steps while other requests stream."""
+        return await asyncio.to_thread(
+            self._embed, prompts, pooling, dimensions, normalize, deterministic, lora_request
         )
 
     async def update_weights(self, named_tensors: Any, *, in_flight: str = "finish") -> None:

@@ -14,7 +14,12 @@ from detspec import _core
 from detspec.engine_args import ENGINE_SETTINGS, engine_settings_doc, resolve_engine_settings
 from detspec.errors import InvalidRequestError
 from detspec.lora import LoRARequest, LoRAType
-from detspec.outputs import RequestOutput, request_output_from_dict
+from detspec.outputs import (
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+    request_output_from_dict,
+)
 from detspec.sampling_params import SamplingParams, _as_params_list
 from detspec.scoring import AuditReport, compare, params_for_audit, prompt_logprobs_to_py
 
@@ -380,6 +385,37 @@ class _EngineClient:
         scored = self._engine.score(pairs, 0, deterministic, self._lora_name(lora))
         return [[lp for _, lp, _, _ in s] for s in scored]
 
+    def _embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling: str,
+        dimensions: int | None,
+        normalize: bool,
+        deterministic: bool,
+        lora: LoRAType | Sequence[LoRAType],
+    ) -> list[EmbeddingRequestOutput]:
+        ids = self._token_ids(prompts)
+        names = self._lora_names(lora, len(ids))
+        rows: list[list[float]] = [[] for _ in ids]
+        # One engine call per adapter: an embedding depends on its own sequence alone (or,
+        # not deterministic, on the call's other sequences, as vLLM's batch would).
+        for name in dict.fromkeys(names):
+            group = [i for i, n in enumerate(names) if n == name]
+            found = self._engine.embed(
+                [ids[i] for i in group], pooling, dimensions, normalize, deterministic, name
+            )
+            for i, row in zip(group, np.from_dlpack(found).tolist(), strict=True):
+                rows[i] = row
+        return [
+            EmbeddingRequestOutput(
+                request_id=self._new_request_id(),
+                prompt_token_ids=p,
+                outputs=EmbeddingOutput(row),
+                fingerprint=str(self._engine.fingerprint(name)),
+            )
+            for p, row, name in zip(ids, rows, names, strict=True)
+        ]
+
     def _prompt_logprobs(
         self,
         prompts: Sequence[Sequence[int]],
@@ -605,6 +641,25 @@ class LLM(_EngineClient):
         from detspec.torch import to_torch
 
         return [to_torch(a) for a in self._engine.hidden_states(self._token_ids(prompts))]
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        *,
+        pooling: str = "last",
+        dimensions: int | None = None,
+        normalize: bool = True,
+        deterministic: bool = True,
+        lora_request: LoRAType | Sequence[LoRAType] = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt, as vLLM's ``LLM.embed`` of a decoder embedding model
+        (Qwen3-Embedding, e5-mistral, gte-Qwen): the last layer's hidden state after the final
+        norm at the last position (``pooling="mean"``: averaged over the positions), its first
+        ``dimensions`` values (Matryoshka), L2-normalised. The pooling and the norm run in a
+        fixed order in the engine, so with ``deterministic=True`` (the verify-path kernels)
+        an embedding is the same bits whatever else runs, on every instruction set; ``False``:
+        the fast path, whose bits depend on the prompts embedded together."""
+        return self._embed(prompts, pooling, dimensions, normalize, deterministic, lora_request)
 
     def score(
         self,

@@ -68,6 +68,23 @@ class RequestOutput:
         return [c.to_torch() for c in self.outputs]
 
 
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+    """The pooled last-layer hidden state (float32 values), cut and normalised as asked."""
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """One prompt's embedding, shaped like vLLM's ``EmbeddingRequestOutput``."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    fingerprint: str
+    finished: bool = True
+
+
 def _logprobs_to_py(
     raw: list[tuple[int, float, int, list[tuple[int, float]]]],
     num: int | None,

@@ -35,7 +35,7 @@ mod control;
 mod masks;
 mod standalone;
 
-pub use standalone::{AuditInput, ForwardKind};
+pub use standalone::{AuditInput, EmbedOptions, ForwardKind, Pooling};
 
 /// What the engine knows about a model once loaded; shared read-only with API handles.
 #[derive(Debug, Clone)]

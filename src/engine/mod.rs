@@ -14,7 +14,9 @@ mod stream;
 mod text;
 pub mod validate;
 
-pub use self::core::{AuditInput, EngineCore, EngineStats, ForwardKind, ModelInfo, StepTimes};
+pub use self::core::{
+    AuditInput, EmbedOptions, EngineCore, EngineStats, ForwardKind, ModelInfo, Pooling, StepTimes,
+};
 pub use fingerprint::KERNEL_VERSION;
 pub use stream::{OutputAccumulator, RequestStream, StreamEvent};
 pub use validate::RequestRules;

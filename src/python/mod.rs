@@ -23,7 +23,9 @@ use crate::config::{
     ActivationDtype, DTypeSpec, DeterminismMode, DeviceSpec, EngineConfig, KernelProfile,
     VerifyStrategy,
 };
-use crate::engine::{AuditInput, Engine, InFlight, OutputAccumulator, PauseMode, StreamEvent};
+use crate::engine::{
+    AuditInput, EmbedOptions, Engine, InFlight, OutputAccumulator, PauseMode, Pooling, StreamEvent,
+};
 use crate::error::DetspecError;
 use crate::model::LoraAdapter;
 use crate::request::Request;
@@ -349,6 +351,37 @@ impl PyEngine {
         let hidden = self.inner.info().config.hidden_size;
         let rows = self.call(py, move |e| e.with_core(move |c| c.hidden_states(&prompts)))?;
         rows_to_tensors(py, rows, hidden)
+    }
+
+    /// One embedding per prompt, `[prompts, dimensions]`: the last-layer hidden states pooled
+    /// (`"last"` or `"mean"`), cut to `dimensions`, L2-normalised (`normalize`), on the
+    /// verify-path kernels where `deterministic`, with the loaded adapter `lora_name`.
+    #[pyo3(signature = (prompts, pooling="last", dimensions=None, normalize=true, deterministic=true, lora_name=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn embed(
+        &self,
+        py: Python<'_>,
+        prompts: Vec<Vec<u32>>,
+        pooling: &str,
+        dimensions: Option<usize>,
+        normalize: bool,
+        deterministic: bool,
+        lora_name: Option<&str>,
+    ) -> PyResult<dlpack::PyTensor> {
+        let opts = EmbedOptions {
+            pooling: Pooling::parse(pooling).map_err(|e| to_pyerr(py, e))?,
+            dimensions,
+            normalize,
+            deterministic,
+        };
+        let loras = vec![self.lora(py, lora_name)?; prompts.len()];
+        let n = prompts.len();
+        let rows = self.call(py, move |e| {
+            e.with_core(move |c| c.embed(&prompts, opts, &loras))
+        })?;
+        let width = rows.first().map_or(0, Vec::len);
+        dlpack::PyTensor::new(dlpack::Buffer::F32(rows.concat()), vec![n, width])
+            .map_err(|e| to_pyerr(py, e))
     }
 
     /// Per completion token `(token, logprob, rank, top)` given its prompt; `deterministic`

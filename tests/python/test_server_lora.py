@@ -257,3 +257,13 @@ def test_without_enable_lora_adapters_are_refused(tmp_path_factory, demo_model_d
             client(s).completions.create(model="a", prompt=[1, 2], max_tokens=2)
     finally:
         assert s.stop() == 0
+
+
+def test_embeddings_with_an_adapter(lora_server):
+    c = client(lora_server)
+    kw = dict(input=[PROMPT], encoding_format="float", extra_body={"deterministic": True})
+    a = c.embeddings.create(model="a", **kw)
+    base = c.embeddings.create(model=SERVED_NAME, **kw)
+    assert a.data[0].embedding != base.data[0].embedding
+    assert a.model_extra["fingerprint"].startswith("detspec-lora")
+    assert c.embeddings.create(model="a", **kw).data[0].embedding == a.data[0].embedding

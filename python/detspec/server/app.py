@@ -29,6 +29,7 @@ from fastapi.responses import Response
 import detspec
 from detspec.async_llm import AsyncLLM
 from detspec.server import protocol as P
+from detspec.server.embedding_routes import build_embedding_router
 from detspec.server.errors import ERROR_RESPONSES, ApiError, add_exception_handlers, error_body
 from detspec.server.lora_routes import build_lora_router
 from detspec.server.metrics import CONTENT_TYPE
@@ -135,6 +136,7 @@ def build_app(
     app.include_router(build_rl_router(server))
     app.include_router(build_native_router(server))
     app.include_router(build_lora_router(server))
+    app.include_router(build_embedding_router(server))
     app.include_router(build_responses_router(server))
     app.add_middleware(GuardMiddleware, api_key=config.api_key, max_bytes=config.max_request_bytes)
     return app

@@ -27,8 +27,10 @@ use crate::sampling::{self, SamplingParams};
 use super::EngineCore;
 
 mod groups;
+mod pooling;
 
 use groups::PrefixUse;
+pub use pooling::{EmbedOptions, Pooling};
 
 /// What a standalone forward returns for each wanted row.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
