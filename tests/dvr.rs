@@ -3,6 +3,7 @@
 //! preemption, at 1 and 2 threads — and the negative control shows the fast path alone is not.
 
 mod common;
+use common::{bits, Bits, Rng};
 
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
@@ -10,7 +11,7 @@ use std::time::Duration;
 
 use detspec::config::{DeterminismMode, VerifyStrategy};
 use detspec::engine::{EngineCore, StreamEvent};
-use detspec::{Engine, EngineConfig, Request, RequestOutput, SamplingParams};
+use detspec::{Engine, EngineConfig, Request, SamplingParams};
 
 fn model_dir() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
@@ -38,35 +39,6 @@ fn cfg_inline(mode: DeterminismMode, threads: usize) -> EngineConfig {
         max_num_batched_tokens: 256,
         ..Default::default()
     }
-}
-
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-
-    fn prompt(&mut self, len: usize) -> Vec<u32> {
-        (0..len).map(|_| self.below(400) as u32).collect()
-    }
-}
-
-type Bits = (Vec<u32>, Vec<u32>);
-
-fn bits(o: &RequestOutput) -> Bits {
-    let c = &o.outputs[0];
-    (
-        c.token_ids.clone(),
-        c.logprobs.iter().map(|l| l.logprob.to_bits()).collect(),
-    )
 }
 
 fn target(temperature: f32) -> Request {

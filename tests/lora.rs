@@ -4,6 +4,7 @@
 //! is a clear error. (Parity with PEFT on transformers: `tests/python/test_lora.py`.)
 
 mod common;
+use common::{bits, Bits, Rng};
 #[path = "common/kernels.rs"]
 mod kernels;
 
@@ -13,7 +14,7 @@ use std::sync::{Arc, OnceLock};
 
 use candle_core::{Device, Tensor};
 use detspec::config::{DeterminismMode, KernelProfile, VerifyStrategy};
-use detspec::{Engine, EngineConfig, Request, RequestOutput, SamplingParams};
+use detspec::{Engine, EngineConfig, Request, SamplingParams};
 
 const TARGETS: [(&str, usize, usize); 7] = [
     ("self_attn.q_proj", 64, 64),
@@ -111,35 +112,6 @@ fn cfg() -> EngineConfig {
         max_loras: 4,
         ..Default::default()
     }
-}
-
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-
-    fn prompt(&mut self, len: usize) -> Vec<u32> {
-        (0..len).map(|_| self.below(400) as u32).collect()
-    }
-}
-
-type Bits = (Vec<u32>, Vec<u32>);
-
-fn bits(o: &RequestOutput) -> Bits {
-    let c = &o.outputs[0];
-    (
-        c.token_ids.clone(),
-        c.logprobs.iter().map(|l| l.logprob.to_bits()).collect(),
-    )
 }
 
 fn params(deterministic: bool) -> SamplingParams {
