@@ -49,12 +49,19 @@ impl SharedPrefills {
 }
 
 /// What makes two prompts candidates to share a prefill: the same first full page, both
-/// deterministic or both not (the two read different page classes).
-type PrefillKey = (bool, Vec<u32>);
+/// deterministic or both not (the two read different page classes), and the same cache
+/// namespace (a LoRA adapter's pages are its own).
+type PrefillKey = (bool, u64, Vec<u32>);
 
 /// `None`: a prompt of a page or less, which reads nothing from the cache.
 fn prefill_key(seq: &Sequence, page_size: usize) -> Option<PrefillKey> {
-    (seq.prompt.len() > page_size).then(|| (seq.deterministic, seq.prompt[..page_size].to_vec()))
+    (seq.prompt.len() > page_size).then(|| {
+        (
+            seq.deterministic,
+            seq.cache_namespace(),
+            seq.prompt[..page_size].to_vec(),
+        )
+    })
 }
 
 /// A prefill others may wait for: its prompt, and the prompt tokens it read from the cache
