@@ -463,8 +463,16 @@ fn a_prompt_of_another_adapter_does_not_wait_for_a_prefill_it_cannot_read() {
     let config = detspec::ModelConfig::from_model_dir(model_dir()).unwrap();
     let dir = write_adapter("defer", 4, &ALL, 71, 1.0, "", &[]);
     let adapter = Arc::new(
-        detspec::model::LoraAdapter::load(&dir, &config, &Device::Cpu, candle_core::DType::F32, 64)
-            .unwrap(),
+        detspec::model::LoraAdapter::load(
+            &dir,
+            &detspec::model::LoraBase {
+                config: &config,
+                device: &Device::Cpu,
+                dtype: candle_core::DType::F32,
+                max_rank: 64,
+            },
+        )
+        .unwrap(),
     );
     let prompt = Rng(11).prompt(60);
     let first_step = |with_lora: bool| {
@@ -490,4 +498,27 @@ fn a_prompt_of_another_adapter_does_not_wait_for_a_prefill_it_cannot_read() {
     let mut both = first_step(true);
     both.sort();
     assert_eq!(both, vec!["base".to_string(), "other".to_string()]);
+}
+
+#[test]
+fn an_adapter_sent_as_bytes_is_the_adapter_of_its_files() {
+    let e = Engine::from_model_dir(model_dir(), cfg()).unwrap();
+    let dir = write_adapter("bytes", 4, &ALL, 81, 1.0, "", &[]);
+    let from_disk = e.load_lora("disk", &dir, false).unwrap();
+    let config = std::fs::read_to_string(dir.join("adapter_config.json")).unwrap();
+    let weights = std::fs::read(dir.join("adapter_model.safetensors")).unwrap();
+    let sent = e.load_lora_bytes("sent", &config, &weights, false).unwrap();
+    assert_eq!(sent.content_hash(), from_disk.content_hash());
+    let run = |a| {
+        let r = Request::new("r", Rng(4).prompt(20), params(true)).with_lora(a);
+        bits(&e.generate(vec![r]).unwrap()[0])
+    };
+    assert_eq!(run(sent), run(from_disk));
+    // Bad bytes are an error naming the adapter; nothing is registered.
+    let err = e
+        .load_lora_bytes("bad", &config, &weights[..100], false)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("bad") && err.contains("safetensors"), "{err}");
+    assert!(e.lora("bad").is_err());
 }

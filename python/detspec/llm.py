@@ -130,6 +130,26 @@ def _cut_at_mark(text: str, index: int) -> str:
     return text[:at] if kept else text[:at].rstrip()
 
 
+def _safetensors_bytes(tensors: Mapping[str, Any]) -> bytes:
+    """The bytes of a safetensors file holding ``tensors`` (torch tensors or numpy arrays)."""
+    first = next(iter(tensors.values()), None)
+    if first is not None and type(first).__module__.startswith("torch"):
+        from safetensors.torch import save
+
+        return save({k: v.detach().contiguous().cpu() for k, v in tensors.items()})
+    from safetensors.numpy import save as save_numpy
+
+    return save_numpy({k: np.ascontiguousarray(v) for k, v in tensors.items()})
+
+
+def _json_default(value: Any) -> Any:
+    """JSON for what a PEFT config's dict holds besides JSON types (sets of module names,
+    enums)."""
+    if isinstance(value, set | frozenset):
+        return sorted(value)
+    return getattr(value, "value", str(value))
+
+
 def _normalise_prompts(prompts: PromptType | Sequence[PromptType]) -> list[str | list[int]]:
     if isinstance(prompts, str | dict):
         prompts = [prompts]
@@ -316,6 +336,27 @@ class _EngineClient:
         adapter each step). Returns its ``path``, ``rank`` and ``content_hash`` (the hash its
         requests' fingerprints carry)."""
         return dict(self._engine.load_lora(name, os.fspath(path), replace))
+
+    def load_lora_from_tensors(
+        self,
+        name: str,
+        tensors: Mapping[str, Any] | bytes,
+        config: Mapping[str, Any] | Any,
+        *,
+        replace: bool = False,
+    ) -> dict[str, Any]:
+        """``load_lora`` of an adapter held in memory, without a file between a trainer and
+        the engine (an RL step's new LoRA weights): ``tensors`` by PEFT name (what
+        ``peft.get_peft_model_state_dict(model)`` returns; torch tensors or numpy arrays), or
+        the bytes of a safetensors file; ``config`` the adapter's config as a dict or a
+        ``peft.LoraConfig``. The same adapter as ``save_pretrained`` then ``load_lora`` of its
+        directory, bit for bit (its ``content_hash`` too)."""
+        if not isinstance(tensors, bytes | bytearray):
+            tensors = _safetensors_bytes(tensors)
+        if hasattr(config, "to_dict"):
+            config = config.to_dict()
+        text = json.dumps(dict(config), default=_json_default)
+        return dict(self._engine.load_lora_from_bytes(name, text, bytes(tensors), replace))
 
     def unload_lora(self, name: str) -> None:
         """Unloads adapter ``name``; requests running with it finish with it."""

@@ -13,7 +13,7 @@ use candle_core::{DType, Device};
 
 use crate::config::ModelConfig;
 use crate::error::{DetspecError, Result};
-use crate::model::LoraAdapter;
+use crate::model::{LoraAdapter, LoraBase};
 
 /// Loaded adapters and what a new one is checked against.
 pub(super) struct LoraRegistry {
@@ -52,6 +52,31 @@ impl LoraRegistry {
     /// Loads the PEFT adapter in `dir` as `name`. A name already loaded is refused unless
     /// `replace` (then later requests get the new adapter).
     pub(super) fn load(&self, name: &str, dir: &Path, replace: bool) -> Result<Arc<LoraAdapter>> {
+        self.insert(name, replace, |base| LoraAdapter::load(dir, base))
+    }
+
+    /// [`Self::load`] of an adapter sent as its config's JSON and its safetensors bytes.
+    pub(super) fn load_bytes(
+        &self,
+        name: &str,
+        config_json: &str,
+        safetensors: &[u8],
+        replace: bool,
+    ) -> Result<Arc<LoraAdapter>> {
+        let label = Path::new("<memory>").join(name);
+        self.insert(name, replace, |base| {
+            LoraAdapter::from_bytes(&label, config_json, safetensors, base)
+        })
+    }
+
+    /// Checks `name` can be (re)loaded, builds the adapter with `make` (outside the lock: a
+    /// large adapter does not hold up submissions) and registers it.
+    fn insert(
+        &self,
+        name: &str,
+        replace: bool,
+        make: impl FnOnce(&LoraBase<'_>) -> Result<LoraAdapter>,
+    ) -> Result<Arc<LoraAdapter>> {
         if self.max_loras == 0 {
             return Err(DetspecError::param(
                 "enable_lora",
@@ -61,44 +86,46 @@ impl LoraRegistry {
         if name.is_empty() {
             return Err(DetspecError::param("lora_name", "must not be empty"));
         }
-        {
-            let map = self.map();
-            if map.contains_key(name) && !replace {
-                return Err(DetspecError::param(
+        Self::room_in(&self.map(), name, replace, self.max_loras)?;
+        let adapter = Arc::new(make(&LoraBase {
+            config: &self.config,
+            device: &self.device,
+            dtype: self.dtype,
+            max_rank: self.max_rank,
+        })?);
+        let mut map = self.map();
+        // Checked again: another load may have taken the room or the name meanwhile.
+        Self::room_in(&map, name, replace, self.max_loras)?;
+        map.insert(name.to_string(), adapter.clone());
+        Ok(adapter)
+    }
+
+    /// Whether `map` may take `name`: new and under `max_loras`, or loaded and `replace`.
+    fn room_in(
+        map: &BTreeMap<String, Arc<LoraAdapter>>,
+        name: &str,
+        replace: bool,
+        max_loras: usize,
+    ) -> Result<()> {
+        if map.contains_key(name) {
+            return match replace {
+                true => Ok(()),
+                false => Err(DetspecError::param(
                     "lora_name",
                     format!("an adapter named `{name}` is already loaded"),
-                ));
-            }
-            if !map.contains_key(name) && map.len() >= self.max_loras {
-                return Err(DetspecError::param(
-                    "max_loras",
-                    format!(
-                        "{} adapters are loaded, the most this engine holds; unload one first",
-                        map.len()
-                    ),
-                ));
-            }
+                )),
+            };
         }
-        // Outside the lock: reading a large adapter does not hold up submissions.
-        let adapter = Arc::new(LoraAdapter::load(
-            dir,
-            &self.config,
-            &self.device,
-            self.dtype,
-            self.max_rank,
-        )?);
-        let mut map = self.map();
-        if !map.contains_key(name) && map.len() >= self.max_loras {
+        if map.len() >= max_loras {
             return Err(DetspecError::param(
                 "max_loras",
                 format!(
-                    "{} adapters are loaded, the most this engine holds",
+                    "{} adapters are loaded, the most this engine holds; unload one first",
                     map.len()
                 ),
             ));
         }
-        map.insert(name.to_string(), adapter.clone());
-        Ok(adapter)
+        Ok(())
     }
 
     /// Drops `name`; requests running with it finish with it.

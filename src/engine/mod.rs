@@ -265,6 +265,20 @@ impl Engine {
         self.loras.load(name, dir, replace)
     }
 
+    /// [`Self::load_lora`] of an adapter sent as bytes: its `adapter_config.json` text and
+    /// its `adapter_model.safetensors` file's bytes (an RL trainer's new adapter each step,
+    /// without a file between them).
+    pub fn load_lora_bytes(
+        &self,
+        name: &str,
+        config_json: &str,
+        safetensors: &[u8],
+        replace: bool,
+    ) -> Result<Arc<LoraAdapter>> {
+        self.loras
+            .load_bytes(name, config_json, safetensors, replace)
+    }
+
     /// Unloads adapter `name` (requests running with it finish with it).
     pub fn unload_lora(&self, name: &str) -> Result<()> {
         self.loras.unload(name)

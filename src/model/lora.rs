@@ -125,24 +125,51 @@ struct AdapterConfig {
     alpha_pattern: Option<serde_json::Map<String, serde_json::Value>>,
 }
 
+/// What an adapter is loaded for: the base model's config, where its activations live and in
+/// what dtype, and the largest rank accepted.
+#[derive(Debug, Clone, Copy)]
+pub struct LoraBase<'a> {
+    pub config: &'a ModelConfig,
+    pub device: &'a Device,
+    pub dtype: DType,
+    pub max_rank: usize,
+}
+
 impl LoraAdapter {
-    /// Loads the adapter in `dir` for a base model of `cfg`, its pairs on `device` in `dtype`
-    /// (the activations' dtype). `max_rank`: the largest rank accepted.
-    pub fn load(
-        dir: &Path,
-        cfg: &ModelConfig,
-        device: &Device,
-        dtype: DType,
-        max_rank: usize,
-    ) -> Result<Self> {
+    /// Loads the PEFT adapter in `dir` (`adapter_config.json`, `adapter_model.safetensors`).
+    pub fn load(dir: &Path, base: &LoraBase<'_>) -> Result<Self> {
         let config_path = dir.join("adapter_config.json");
         let text =
             std::fs::read_to_string(&config_path).map_err(|e| DetspecError::io(&config_path, e))?;
-        let config: AdapterConfig = serde_json::from_str(&text)
-            .map_err(|e| DetspecError::file(&config_path, format!("not a LoRA config: {e}")))?;
-        check_config(&config, &config_path, max_rank)?;
         let weights_path = dir.join("adapter_model.safetensors");
-        let halves = read_halves(&weights_path, cfg, max_rank)?;
+        let bytes = std::fs::read(&weights_path).map_err(|e| DetspecError::io(&weights_path, e))?;
+        let mut adapter = Self::from_parts((&text, &config_path), (&bytes, &weights_path), base)?;
+        adapter.dir = dir.to_path_buf();
+        Ok(adapter)
+    }
+
+    /// An adapter from its config's JSON text and the bytes of its safetensors file (an RL
+    /// trainer's adapter sent without a file); errors name `label`.
+    pub fn from_bytes(
+        label: &Path,
+        config_json: &str,
+        safetensors: &[u8],
+        base: &LoraBase<'_>,
+    ) -> Result<Self> {
+        Self::from_parts((config_json, label), (safetensors, label), base)
+    }
+
+    /// The adapter of a config (text, the path its errors name) and weights (bytes, path).
+    fn from_parts(
+        (text, config_path): (&str, &Path),
+        (bytes, weights_path): (&[u8], &Path),
+        base: &LoraBase<'_>,
+    ) -> Result<Self> {
+        let (cfg, device, dtype, max_rank) = (base.config, base.device, base.dtype, base.max_rank);
+        let config: AdapterConfig = serde_json::from_str(text)
+            .map_err(|e| DetspecError::file(config_path, format!("not a LoRA config: {e}")))?;
+        check_config(&config, config_path, max_rank)?;
+        let halves = read_halves(bytes, weights_path, cfg, max_rank)?;
         let mut hash = Xxh3::new();
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for (li, layer) in halves.into_iter().enumerate() {
@@ -152,14 +179,14 @@ impl LoraAdapter {
                 let name = format!("layers.{li}.{}", LoraTarget::ALL[ti].module());
                 let (Some(a), Some(b)) = half else {
                     return Err(DetspecError::file(
-                        &weights_path,
+                        weights_path,
                         format!("{name} has only one of lora_A and lora_B"),
                     ));
                 };
                 let (r, rb) = (a.dim(0)?, b.dim(1)?);
                 if rb != r {
                     return Err(DetspecError::file(
-                        &weights_path,
+                        weights_path,
                         format!("{name}: lora_A has rank {r}, lora_B {rb}"),
                     ));
                 }
@@ -185,19 +212,19 @@ impl LoraAdapter {
         }
         if layers.iter().flatten().all(Option::is_none) {
             return Err(DetspecError::file(
-                &weights_path,
+                weights_path,
                 "holds no lora_A/lora_B pair of a decoder layer",
             ));
         }
         Ok(Self {
-            dir: dir.to_path_buf(),
+            dir: weights_path.to_path_buf(),
             rank: config.r,
             layers,
             hash: hash.digest(),
         })
     }
 
-    /// The directory it was loaded from.
+    /// The directory it was loaded from (or the label it was sent under).
     pub fn dir(&self) -> &Path {
         &self.dir
     }
@@ -218,15 +245,16 @@ impl LoraAdapter {
     }
 }
 
-/// Every `lora_A` / `lora_B` of the file at `path` as f32, by decoder layer and target (in
-/// `LoraTarget::ALL`'s order), each checked against the base model's shapes and `max_rank`.
+/// Every `lora_A` / `lora_B` of the safetensors `bytes` (of the file `path`) as f32, by
+/// decoder layer and target (in `LoraTarget::ALL`'s order), each checked against the base
+/// model's shapes and `max_rank`.
 fn read_halves(
+    bytes: &[u8],
     path: &Path,
     cfg: &ModelConfig,
     max_rank: usize,
 ) -> Result<Vec<[Option<HalfPair>; 7]>> {
-    let bytes = std::fs::read(path).map_err(|e| DetspecError::io(path, e))?;
-    let st = SafeTensors::deserialize(&bytes)
+    let st = SafeTensors::deserialize(bytes)
         .map_err(|e| DetspecError::file(path, format!("not a valid safetensors file: {e}")))?;
     let mut halves: Vec<[Option<HalfPair>; 7]> = (0..cfg.num_hidden_layers)
         .map(|_| Default::default())

@@ -10,7 +10,7 @@ mod update;
 mod weights;
 
 pub use decoder::{ForwardBatch, Model};
-pub use lora::LoraAdapter;
+pub use lora::{LoraAdapter, LoraBase};
 pub use memory::{available_memory, check_fits, weight_bytes};
 pub use params::{check_update, param_shapes};
 pub use weights::Checkpoint;

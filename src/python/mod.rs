@@ -460,6 +460,23 @@ impl PyEngine {
         lora_dict(py, &adapter)
     }
 
+    /// `load_lora` of an adapter sent as its config's JSON text and the bytes of its
+    /// safetensors file.
+    #[pyo3(signature = (name, config_json, data, replace=false))]
+    fn load_lora_from_bytes(
+        &self,
+        py: Python<'_>,
+        name: String,
+        config_json: String,
+        data: PyBackedBytes,
+        replace: bool,
+    ) -> PyResult<Py<PyDict>> {
+        let adapter = self.call(py, move |e| {
+            e.load_lora_bytes(&name, &config_json, &data, replace)
+        })?;
+        lora_dict(py, &adapter)
+    }
+
     /// Unloads adapter `name`; requests running with it finish with it.
     fn unload_lora(&self, py: Python<'_>, name: String) -> PyResult<()> {
         self.call(py, move |e| e.unload_lora(&name))

@@ -685,3 +685,42 @@ def test_unsupported_adapters_are_refused_and_the_engine_still_serves(
     (after,) = llm.generate([[5, 6, 7]], sp, use_tqdm=False)
     assert out_bits(after) == out_bits(before)
     llm.shutdown()
+
+
+def test_an_adapter_sent_from_memory_is_the_adapter_saved_to_disk(
+    model_zoo, token_prompts, tmp_path
+):
+    """An RL trainer's adapter pushed without a file (``load_lora_from_tensors`` of
+    ``get_peft_model_state_dict`` and the ``LoraConfig``) is the same adapter, bit for bit, as
+    ``save_pretrained`` + ``load_lora``; a step's new weights replace it in place."""
+    case = model_zoo.get("llama")
+    peft_model = save_adapter(case.model, tmp_path / "disk", seed=9)
+    llm = detspec.LLM(str(case.path), enable_lora=True, num_kv_pages=256)
+    try:
+        disk = llm.load_lora("disk", tmp_path / "disk")
+        state = peft.get_peft_model_state_dict(peft_model)
+        config = peft_model.peft_config["default"]
+        sent = llm.load_lora_from_tensors("sent", state, config)
+        assert sent["content_hash"] == disk["content_hash"]
+        sp = SamplingParams(
+            temperature=0.8, seed=3, max_tokens=12, ignore_eos=True, logprobs=0, deterministic=True
+        )
+        prompt = token_prompts[2]
+        outs = llm.generate([prompt, prompt], sp, use_tqdm=False, lora_request=["disk", "sent"])
+        assert out_bits(outs[0]) == out_bits(outs[1])
+        assert outs[0].fingerprint == outs[1].fingerprint
+        # The next step's weights (numpy this time) under the same name.
+        with torch.no_grad():
+            for name, p in peft_model.named_parameters():
+                if "lora_B" in name:
+                    p.mul_(1.5)
+        step = {k: v.numpy() for k, v in peft.get_peft_model_state_dict(peft_model).items()}
+        replaced = llm.load_lora_from_tensors("sent", step, config.to_dict(), replace=True)
+        assert replaced["content_hash"] != sent["content_hash"]
+        (new,) = llm.generate([prompt], sp, use_tqdm=False, lora_request="sent")
+        assert out_bits(new) != out_bits(outs[1])
+        with pytest.raises(DetspecError, match="safetensors"):
+            llm.load_lora_from_tensors("broken", b"not safetensors", config)
+        assert "broken" not in llm.list_loras()
+    finally:
+        llm.shutdown()
