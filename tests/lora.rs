@@ -375,7 +375,7 @@ fn bad_adapters_are_clear_errors() {
         },
     )
     .unwrap();
-    let cases: Vec<(PathBuf, &str)> = vec![
+    let mut cases: Vec<(PathBuf, &str)> = vec![
         (model_dir().join("nowhere"), "adapter_config.json"),
         (
             write_adapter("rank", 16, &ALL, 1, 1.0, "", &[]),
@@ -435,6 +435,10 @@ fn bad_adapters_are_clear_errors() {
             "layer 7",
         ),
     ];
+    // A config refused for what it asks is refused before the weights are read.
+    let dora_only = write_adapter("dora-only", 4, &ALL, 1, 1.0, ", \"use_dora\": true", &[]);
+    std::fs::remove_file(dora_only.join("adapter_model.safetensors")).unwrap();
+    cases.push((dora_only, "use_dora"));
     for (dir, needle) in cases {
         let err = e.load_lora("x", &dir, false).unwrap_err().to_string();
         assert!(err.contains(needle), "{}: {err}", dir.display());

@@ -141,9 +141,11 @@ impl LoraAdapter {
         let config_path = dir.join("adapter_config.json");
         let text =
             std::fs::read_to_string(&config_path).map_err(|e| DetspecError::io(&config_path, e))?;
+        // The config first: an adapter refused for what it is is not read any further.
+        let config = parse_config(&text, &config_path, base.max_rank)?;
         let weights_path = dir.join("adapter_model.safetensors");
         let bytes = std::fs::read(&weights_path).map_err(|e| DetspecError::io(&weights_path, e))?;
-        let mut adapter = Self::from_parts((&text, &config_path), (&bytes, &weights_path), base)?;
+        let mut adapter = Self::from_parts(&config, (&bytes, &weights_path), base)?;
         adapter.dir = dir.to_path_buf();
         Ok(adapter)
     }
@@ -156,19 +158,17 @@ impl LoraAdapter {
         safetensors: &[u8],
         base: &LoraBase<'_>,
     ) -> Result<Self> {
-        Self::from_parts((config_json, label), (safetensors, label), base)
+        let config = parse_config(config_json, label, base.max_rank)?;
+        Self::from_parts(&config, (safetensors, label), base)
     }
 
-    /// The adapter of a config (text, the path its errors name) and weights (bytes, path).
+    /// The adapter of a checked config and its weights (bytes, the path errors name).
     fn from_parts(
-        (text, config_path): (&str, &Path),
+        config: &AdapterConfig,
         (bytes, weights_path): (&[u8], &Path),
         base: &LoraBase<'_>,
     ) -> Result<Self> {
         let (cfg, device, dtype, max_rank) = (base.config, base.device, base.dtype, base.max_rank);
-        let config: AdapterConfig = serde_json::from_str(text)
-            .map_err(|e| DetspecError::file(config_path, format!("not a LoRA config: {e}")))?;
-        check_config(&config, config_path, max_rank)?;
         let halves = read_halves(bytes, weights_path, cfg, max_rank)?;
         let mut hash = Xxh3::new();
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
@@ -314,6 +314,14 @@ fn target_index(target: LoraTarget) -> usize {
         .iter()
         .position(|&t| t == target)
         .unwrap_or_default()
+}
+
+/// The adapter config in `text` (of the file `path`), checked.
+fn parse_config(text: &str, path: &Path, max_rank: usize) -> Result<AdapterConfig> {
+    let config: AdapterConfig = serde_json::from_str(text)
+        .map_err(|e| DetspecError::file(path, format!("not a LoRA config: {e}")))?;
+    check_config(&config, path, max_rank)?;
+    Ok(config)
 }
 
 /// Refuses what would change the forward beyond `x A^T B^T s`.

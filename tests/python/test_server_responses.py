@@ -30,6 +30,7 @@ from server_fixtures import (  # noqa: F401
     CITY_SCHEMA,
     SERVED_NAME,
     demo_model_dir,
+    start_server,
     tool_model_dir,
     tool_server,
 )
@@ -328,7 +329,7 @@ def test_text_format_json_schema(client) -> None:
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
         ({"top_logprobs": 10_000}, "top_logprobs"),
         ({"include": ["file_search_call.results"]}, "include[0]"),
-        ({"reasoning": {"effort": "high"}}, "reasoning"),
+        ({"reasoning": {"effort": "extreme"}}, "reasoning.effort"),
         ({"truncation": "auto"}, "truncation"),
         ({"temperature": 0.8, "extra_body": {"deterministic": True}}, "seed"),
         ({"extra_body": {"frobnicate": 1}}, "frobnicate"),
@@ -342,3 +343,49 @@ def test_bad_input_is_a_400_naming_the_field(client, kw, param) -> None:
     # still serving (sampled without a seed: it may also end by EOS within the two tokens)
     after = ask(client, input="still serving", max_output_tokens=2)
     assert after.status in {"incomplete", "completed"} and after.usage.output_tokens >= 1
+
+
+def test_reasoning_effort_reaches_the_chat_template(tmp_path_factory, demo_model_dir) -> None:
+    """Chat's ``reasoning_effort`` and the Responses API's ``reasoning.effort`` reach the
+    template as ``reasoning_effort`` (as vLLM passes them), the same prompt as sending it in
+    ``chat_template_kwargs``; an explicit template kwarg wins."""
+    import shutil
+    from pathlib import Path
+
+    d = tmp_path_factory.mktemp("effort-model") / "m"
+    shutil.copytree(demo_model_dir, d)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if reasoning_effort is defined %}effort {{ reasoning_effort }}\n{% endif %}"
+        "assistant:"
+    )
+    (Path(d) / "tokenizer_config.json").write_text(json.dumps(cfg))
+    s = start_server(tmp_path_factory, "effort", str(d), "--max-model-len", "256")
+    try:
+        c = openai.OpenAI(base_url=s.base_url + "/v1", api_key="x", max_retries=0)
+        msgs = [{"role": "user", "content": "hi"}]
+
+        def prompt_ids(**kw) -> list[int]:
+            extra = {"return_token_ids": True, **kw.pop("extra_body", {})}
+            r = c.chat.completions.create(
+                model=SERVED_NAME, messages=msgs, max_tokens=1, extra_body=extra, **kw
+            )
+            return r.model_extra["prompt_token_ids"]
+
+        plain = prompt_ids()
+        high = prompt_ids(reasoning_effort="high")
+        assert high != plain
+        kwarg = prompt_ids(extra_body={"chat_template_kwargs": {"reasoning_effort": "high"}})
+        assert high == kwarg
+        both = prompt_ids(
+            reasoning_effort="high",
+            extra_body={"chat_template_kwargs": {"reasoning_effort": "low"}},
+        )
+        assert both == prompt_ids(reasoning_effort="low")
+        r = c.responses.create(
+            model=SERVED_NAME, input="hi", max_output_tokens=1, reasoning={"effort": "high"}
+        )
+        assert r.usage.input_tokens == len(high)
+    finally:
+        assert s.stop() == 0

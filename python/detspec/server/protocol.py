@@ -21,6 +21,7 @@ from detspec import _core
 
 # Token ids are u32 in the engine; the vocabulary bound is checked against the model.
 TokenId = Annotated[int, Field(ge=0, le=2**32 - 1)]
+ReasoningEffort = Literal["minimal", "low", "medium", "high"]
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 # Engine limit on top logprobs (as vLLM's default max_logprobs).
 MAX_LOGPROBS: int = _core.MAX_LOGPROBS
@@ -207,6 +208,9 @@ class ChatCompletionRequest(_SamplingFields):
     # With --reasoning-parser: return the reasoning (vLLM), split it off at all (SGLang).
     include_reasoning: bool = True
     separate_reasoning: bool = True
+    # OpenAI's; as vLLM, it reaches the chat template as `reasoning_effort` (templates that
+    # read it set how long the model thinks; the others ignore it).
+    reasoning_effort: ReasoningEffort | None = None
 
 
 class TokenizeCompletionRequest(OpenAIBaseModel):

@@ -139,6 +139,16 @@ class TextConfig(P.OpenAIBaseModel):
     verbosity: Literal["medium"] | None = None
 
 
+class ReasoningConfig(P.OpenAIBaseModel):
+    """``reasoning``: ``effort`` reaches the chat template as ``reasoning_effort`` (as chat's
+    field does); a ``summary`` of the reasoning is not produced (the reasoning item carries the
+    reasoning itself)."""
+
+    effort: P.ReasoningEffort | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
+
+
 class ResponsesRequest(P.OpenAIBaseModel):
     model: str | None = None
     # The list first: a bad item's error (the first one reported) names the item.
@@ -161,7 +171,7 @@ class ResponsesRequest(P.OpenAIBaseModel):
     # Accepted at their neutral values only.
     truncation: Literal["disabled"] | None = None
     background: Literal[False] | None = None
-    reasoning: None = None
+    reasoning: ReasoningConfig | None = None
     # vLLM's and detspec's extras, as on chat
     seed: P.Int64 | None = None
     deterministic: bool | None = None
@@ -278,6 +288,7 @@ def chat_request(req: ResponsesRequest) -> P.ChatCompletionRequest:
         parallel_tool_calls=req.parallel_tool_calls,
         response_format=_response_format(req.text),
         chat_template_kwargs=req.chat_template_kwargs,
+        reasoning_effort=req.reasoning.effort if req.reasoning is not None else None,
         stream=req.stream,
         user=req.user,
     )

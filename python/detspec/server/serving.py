@@ -467,6 +467,9 @@ class OpenAIServer:
         """A chat request's engine request, checked and rendered: (the job, the response id,
         which starts with ``prefix``, the model name). ``/v1/responses`` runs on it too."""
         self.defaults.apply(req)
+        if req.reasoning_effort is not None:  # a template kwarg, unless one was sent as such
+            kwargs = {"reasoning_effort": req.reasoning_effort, **(req.chat_template_kwargs or {})}
+            req.chat_template_kwargs = kwargs
         model = self.check_model(req.model)
         self.common_checks(req)
         tools = plan_tools(req, self.tool_parser)
