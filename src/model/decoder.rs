@@ -265,7 +265,7 @@ impl Model {
         let eps = cfg.rms_norm_eps;
 
         let inv = self.gemm_options(batch);
-        let lora = LoraRows::of(batch, dev)?;
+        let lora = LoraRows::of(&batch.attention.row_seq, &batch.adapters, dev)?;
         let (hs, is) = (cfg.hidden_size, cfg.intermediate_size);
         // Each linear layer's LoRA target and output width.
         let [t_q, t_k, t_v, t_o] = [

@@ -24,7 +24,6 @@ use xxhash_rust::xxh3::Xxh3;
 use crate::config::{KernelProfile, ModelConfig};
 use crate::error::{DetspecError, Result};
 
-use super::decoder::ForwardBatch;
 use super::linear::{GemmOptions, LinearWeight};
 
 /// The linear layers of a decoder layer an adapter may target, in the order the decoder runs
@@ -428,15 +427,19 @@ struct LoraGroup {
 pub(super) type LoraOutputs<'a> = Vec<(Tensor, &'a [(LoraTarget, usize)])>;
 
 impl LoraRows {
-    /// Groups `batch`'s rows by the adapter of their sequence (`batch.adapters`, by
-    /// `row_seq`); row indices on `device`.
-    pub(super) fn of(batch: &ForwardBatch, device: &Device) -> Result<Option<Self>> {
-        if batch.adapters.iter().all(Option::is_none) {
+    /// Groups a batch's rows by the adapter of their sequence (`adapters[row_seq[row]]`);
+    /// row indices on `device`.
+    pub(super) fn of(
+        row_seq: &[u32],
+        adapters: &[Option<Arc<LoraAdapter>>],
+        device: &Device,
+    ) -> Result<Option<Self>> {
+        if adapters.iter().all(Option::is_none) {
             return Ok(None);
         }
         let mut groups: Vec<(Arc<LoraAdapter>, Vec<u32>)> = Vec::new();
-        for (row, &si) in batch.attention.row_seq.iter().enumerate() {
-            let Some(Some(adapter)) = batch.adapters.get(si as usize) else {
+        for (row, &si) in row_seq.iter().enumerate() {
+            let Some(Some(adapter)) = adapters.get(si as usize) else {
                 continue;
             };
             match groups.iter_mut().find(|(a, _)| Arc::ptr_eq(a, adapter)) {
@@ -444,7 +447,7 @@ impl LoraRows {
                 None => groups.push((adapter.clone(), vec![row as u32])),
             }
         }
-        let all = batch.attention.row_seq.len();
+        let all = row_seq.len();
         let groups = groups
             .into_iter()
             .map(|(adapter, rows)| {
