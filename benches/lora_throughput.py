@@ -8,6 +8,10 @@ adapters are random PEFT directories of rank R on all seven projections of every
 configuration's ratio to the base model's in the same round.
 
     python benches/lora_throughput.py 16 64 --rank 16 --rounds 2
+    python benches/lora_throughput.py 1 16 64 device=cuda dtype=bfloat16   # engine settings
+
+Extra ``key=value`` arguments go to ``LLM`` (integers and true/false parsed), as in
+``offline_throughput.py``.
 """
 
 from __future__ import annotations
@@ -60,18 +64,22 @@ def write_adapter(dir_: Path, cfg: dict, rank: int, seed: int) -> str:
 
 def main(argv: list[str]) -> None:
     sizes, rank, rounds = [], 16, 2
+    kw: dict[str, int | str | bool] = {}
     args = iter(argv)
     for a in args:
         if a == "--rank":
             rank = int(next(args))
         elif a == "--rounds":
             rounds = int(next(args))
+        elif "=" in a:
+            k, v = a.split("=", 1)
+            kw[k] = int(v) if v.isdigit() else {"true": True, "false": False}.get(v, v)
         else:
             sizes.append(int(a))
     model = str(bench_model(os.environ.get("DETSPEC_BENCH_MODEL", "/tmp/benchmodel"), "bench"))
     cfg = json.loads((Path(model) / "config.json").read_text())
     tmp = Path(tempfile.mkdtemp(prefix="detspec-lora-bench-"))
-    llm = LLM(model, enable_lora=True, max_lora_rank=rank)
+    llm = LLM(model, enable_lora=True, max_lora_rank=rank, **kw)
     for i in range(4):
         llm.load_lora(f"l{i}", write_adapter(tmp / f"l{i}", cfg, rank, i))
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
