@@ -438,6 +438,7 @@ class _EngineClient:
         ids = self._token_ids(prompts)
         names = self._lora_names(lora, len(ids))
         rows: list[list[float]] = [[] for _ in ids]
+        fingerprints = [""] * len(ids)
         # One engine call per adapter: an embedding depends on its own sequence alone (or,
         # not deterministic, on the call's other sequences, as vLLM's batch would).
         for name in dict.fromkeys(names):
@@ -445,16 +446,17 @@ class _EngineClient:
             found = self._engine.embed(
                 [ids[i] for i in group], pooling, dimensions, normalize, deterministic, name
             )
+            fp = str(self._engine.fingerprint(name))
             for i, row in zip(group, np.from_dlpack(found).tolist(), strict=True):
-                rows[i] = row
+                rows[i], fingerprints[i] = row, fp
         return [
             EmbeddingRequestOutput(
                 request_id=self._new_request_id(),
                 prompt_token_ids=p,
                 outputs=EmbeddingOutput(row),
-                fingerprint=str(self._engine.fingerprint(name)),
+                fingerprint=fp,
             )
-            for p, row, name in zip(ids, rows, names, strict=True)
+            for p, row, fp in zip(ids, rows, fingerprints, strict=True)
         ]
 
     def _prompt_logprobs(

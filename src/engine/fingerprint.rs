@@ -108,10 +108,8 @@ pub fn tail(
 /// `fingerprint` of a request run with a LoRA adapter whose content hash is `adapter`: the
 /// adapter's hash after the weights'.
 pub fn with_adapter(fingerprint: &str, adapter: u64) -> String {
-    match fingerprint.strip_prefix("detspec-") {
-        Some(rest) => format!("detspec-lora{adapter:016x}-{rest}"),
-        None => format!("{fingerprint}-lora{adapter:016x}"),
-    }
+    let rest = fingerprint.strip_prefix("detspec-").unwrap_or(fingerprint);
+    format!("detspec-lora{adapter:016x}-{rest}")
 }
 
 /// The whole fingerprint.
