@@ -4,9 +4,11 @@ mod device;
 mod engine_config;
 pub(crate) mod json;
 mod model_config;
+mod moe_config;
 
 pub use device::{cuda_device_count, device_label, DeviceSpec};
 pub use engine_config::{
     ActivationDtype, DTypeSpec, DeterminismMode, EngineConfig, KernelProfile, VerifyStrategy,
 };
 pub use model_config::{Architecture, ModelConfig, RopeConfig, RopeScaling};
+pub use moe_config::{ExpertNaming, MoeConfig};

@@ -1,4 +1,5 @@
-//! Hugging Face `config.json` for the Llama family (Llama, Mistral, Qwen2, Qwen3).
+//! Hugging Face `config.json` for the Llama family (Llama, Mistral, Qwen2, Qwen3) and its
+//! mixture-of-experts relatives (Qwen2-MoE, Qwen3-MoE, Mixtral).
 //!
 //! Both the classic `rope_theta`/`rope_scaling` keys and the newer `rope_parameters` form are
 //! accepted, because checkpoints saved by different `transformers` versions use either.
@@ -9,6 +10,7 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use super::json::{parse_json, TokenIds};
+use super::moe_config::{ExpertNaming, MoeConfig, RawMoe};
 use crate::error::{DetspecError, Result};
 
 /// Architectures detspec implements; all share one decoder with small switches.
@@ -18,14 +20,31 @@ pub enum Architecture {
     Mistral,
     Qwen2,
     Qwen3,
+    Mixtral,
+    Qwen2Moe,
+    Qwen3Moe,
 }
 
 impl Architecture {
-    const SUPPORTED: [(&'static str, Architecture); 4] = [
+    const SUPPORTED: [(&'static str, Architecture); 7] = [
         ("LlamaForCausalLM", Architecture::Llama),
         ("MistralForCausalLM", Architecture::Mistral),
         ("Qwen2ForCausalLM", Architecture::Qwen2),
         ("Qwen3ForCausalLM", Architecture::Qwen3),
+        ("MixtralForCausalLM", Architecture::Mixtral),
+        ("Qwen2MoeForCausalLM", Architecture::Qwen2Moe),
+        ("Qwen3MoeForCausalLM", Architecture::Qwen3Moe),
+    ];
+
+    /// Model types (`model_type`) by architecture, for a config without `architectures`.
+    const MODEL_TYPES: [(&'static str, &'static str); 7] = [
+        ("llama", "LlamaForCausalLM"),
+        ("mistral", "MistralForCausalLM"),
+        ("qwen2", "Qwen2ForCausalLM"),
+        ("qwen3", "Qwen3ForCausalLM"),
+        ("mixtral", "MixtralForCausalLM"),
+        ("qwen2_moe", "Qwen2MoeForCausalLM"),
+        ("qwen3_moe", "Qwen3MoeForCausalLM"),
     ];
 
     fn supported_list() -> String {
@@ -80,6 +99,9 @@ pub struct ModelConfig {
     pub mlp_bias: bool,
     /// Per-head RMSNorm on q and k before rope (Qwen3).
     pub qk_norm: bool,
+    /// The mixture-of-experts settings of a sparse architecture (`None`: every layer's MLP is
+    /// dense).
+    pub moe: Option<MoeConfig>,
     /// Sliding-window attention span, when the checkpoint enables it.
     pub sliding_window: Option<usize>,
     /// `eos_token_id` from config.json (generation_config.json is read by the tokenizer module).
@@ -111,6 +133,8 @@ struct RawConfig {
     max_position_embeddings: Option<usize>,
     attention_bias: Option<bool>,
     mlp_bias: Option<bool>,
+    /// Qwen2-MoE's bias switch for q/k/v.
+    qkv_bias: Option<bool>,
     tie_word_embeddings: Option<bool>,
     use_sliding_window: Option<bool>,
     sliding_window: Option<usize>,
@@ -122,6 +146,8 @@ struct RawConfig {
     /// Newer transformers: `rope_theta` and the scaling in one object.
     rope_parameters: Option<RawRope>,
     rope_scaling: Option<RawRope>,
+    #[serde(flatten)]
+    moe: RawMoe,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -201,12 +227,15 @@ impl ModelConfig {
         let attention_bias = raw.attention_bias.unwrap_or(false);
         let (qkv_bias, o_bias) = match architecture {
             Architecture::Qwen2 => (true, false),
-            Architecture::Qwen3 => (attention_bias, attention_bias),
+            Architecture::Qwen2Moe => (raw.qkv_bias.unwrap_or(true), false),
             _ => (attention_bias, attention_bias),
         };
         let sliding_window = match architecture {
-            Architecture::Mistral => raw.sliding_window,
-            Architecture::Qwen2 | Architecture::Qwen3 => {
+            Architecture::Mistral | Architecture::Mixtral => raw.sliding_window,
+            Architecture::Qwen2
+            | Architecture::Qwen3
+            | Architecture::Qwen2Moe
+            | Architecture::Qwen3Moe => {
                 if raw.use_sliding_window.unwrap_or(false) {
                     raw.sliding_window
                 } else {
@@ -215,6 +244,19 @@ impl ModelConfig {
             }
             Architecture::Llama => None,
         };
+        let num_hidden_layers = positive("num_hidden_layers", raw.num_hidden_layers)?;
+        let intermediate_size = positive("intermediate_size", raw.intermediate_size)?;
+        let moe = match architecture {
+            Architecture::Mixtral => Some((ExpertNaming::Mixtral, false)),
+            Architecture::Qwen2Moe => Some((ExpertNaming::Qwen, true)),
+            Architecture::Qwen3Moe => Some((ExpertNaming::Qwen, false)),
+            _ => None,
+        }
+        .map(|(naming, shared)| {
+            raw.moe
+                .check(path, naming, num_hidden_layers, intermediate_size, shared)
+        })
+        .transpose()?;
         let rope = Self::parse_rope(&raw, path)?;
         let torch_dtype = [&raw.torch_dtype, &raw.dtype]
             .into_iter()
@@ -223,8 +265,8 @@ impl ModelConfig {
         Ok(Self {
             architecture,
             hidden_size,
-            intermediate_size: positive("intermediate_size", raw.intermediate_size)?,
-            num_hidden_layers: positive("num_hidden_layers", raw.num_hidden_layers)?,
+            intermediate_size,
+            num_hidden_layers,
             num_attention_heads,
             num_key_value_heads,
             head_dim,
@@ -236,7 +278,8 @@ impl ModelConfig {
             qkv_bias,
             o_bias,
             mlp_bias: raw.mlp_bias.unwrap_or(false),
-            qk_norm: architecture == Architecture::Qwen3,
+            qk_norm: matches!(architecture, Architecture::Qwen3 | Architecture::Qwen3Moe),
+            moe,
             sliding_window,
             eos_token_ids: raw.eos_token_id.into_vec(),
             bos_token_id: raw.bos_token_id.into_vec().first().copied(),
@@ -250,20 +293,16 @@ impl ModelConfig {
             Some([first, ..]) => first.clone(),
             _ => {
                 // Fall back to model_type, which every HF config has.
-                match raw.model_type.as_deref().unwrap_or("") {
-                    "llama" => "LlamaForCausalLM",
-                    "mistral" => "MistralForCausalLM",
-                    "qwen2" => "Qwen2ForCausalLM",
-                    "qwen3" => "Qwen3ForCausalLM",
-                    _ => {
-                        return Err(DetspecError::InvalidConfig {
-                            path: path.to_path_buf(),
-                            field: "architectures".into(),
-                            message: "missing (and no known model_type)".into(),
-                        })
-                    }
-                }
-                .to_string()
+                let model_type = raw.model_type.as_deref().unwrap_or("");
+                Architecture::MODEL_TYPES
+                    .iter()
+                    .find(|(t, _)| *t == model_type)
+                    .map(|(_, a)| a.to_string())
+                    .ok_or_else(|| DetspecError::InvalidConfig {
+                        path: path.to_path_buf(),
+                        field: "architectures".into(),
+                        message: "missing (and no known model_type)".into(),
+                    })?
             }
         };
         Architecture::SUPPORTED

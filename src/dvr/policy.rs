@@ -187,6 +187,9 @@ impl DeterminismPolicy {
         batch: &mut ForwardBatch,
         deterministic: impl Iterator<Item = bool>,
     ) {
+        // Every mode but batch_invariant runs the experts at their routed row counts: the
+        // inline strategy's GEMMs are row-invariant at any count, and replay verifies.
+        batch.fast_experts = !matches!(self.strategy, Strategy::BatchInvariant);
         match self.strategy {
             Strategy::BatchInvariant => {
                 batch.attention.schedule = AttentionSchedule::Fixed;

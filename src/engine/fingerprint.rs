@@ -5,7 +5,8 @@
 //! - `weights`: the content hash of every parameter as the engine holds it (it follows weight
 //!   updates; restoring old weights restores it);
 //! - `model`: the config values the forward reads (architecture, sizes, head layout, norm eps,
-//!   rope settings, sliding window, biases, q/k norm, tied embeddings), the EOS ids, and the
+//!   rope settings, sliding window, biases, q/k norm, tied embeddings, a sparse model's experts
+//!   and routing), the EOS ids, and the
 //!   bytes of the tokenizer, its config, the chat template and the generation config;
 //! - `dtype`, `device`: what the weights and KV are held in, and where;
 //! - `kernels`: [`KERNEL_VERSION`] plus the CPU kernel profile when it is not the invariant one,
@@ -69,6 +70,10 @@ pub fn model_digest(cfg: &ModelConfig, dir: &Path, eos: &[u32]) -> Result<u64> {
         cfg.sliding_window,
     );
     h.update(forward.as_bytes());
+    // Only sparse models add this, so dense models' fingerprints are what they were.
+    if let Some(moe) = &cfg.moe {
+        h.update(format!("|moe{moe:?}").as_bytes());
+    }
     h.update(format!("|eos{eos:?}").as_bytes());
     for name in TOKENIZER_FILES {
         let path = dir.join(name);

@@ -1,4 +1,5 @@
-//! The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a flat varlen batch.
+//! The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, and with sparse MLPs Mixtral,
+//! Qwen2-MoE, Qwen3-MoE) over a flat varlen batch.
 //!
 //! One call runs any mix of prefill chunks and decode rows from many sequences: the batch is a
 //! flat list of tokens with their absolute positions, and each token's K/V is written to the
@@ -17,6 +18,7 @@ use crate::ops::{self, AttentionMetadata};
 use super::linear::{GemmOptions, Linear, LinearWeight, Projection};
 use super::loader::WeightLoader;
 use super::lora::{LoraAdapter, LoraOutputs, LoraRows, LoraTarget};
+use super::moe::SparseMlp;
 use super::params::ParamHashes;
 use super::weights::Checkpoint;
 
@@ -37,6 +39,11 @@ pub struct ForwardBatch {
     /// The LoRA adapter of each sequence, by sequence index (`attention.row_seq`); rows of a
     /// sequence past its end (padding) or with `None` run the base model alone.
     pub adapters: Vec<Option<Arc<LoraAdapter>>>,
+    /// Mixture-of-experts layers run each expert's GEMMs over the rows routed to it as they
+    /// come (the fast path). When false, on fixed row blocks: a fixed-shape pass (verify,
+    /// isolated prefill, scoring) must not let how its other rows were routed change a
+    /// row's bits where GEMM bits depend on the row count (`model::moe`).
+    pub fast_experts: bool,
 }
 
 /// One decoder layer's parameters.
@@ -49,9 +56,19 @@ pub(super) struct Layer {
     pub(super) q_norm: Option<Tensor>,
     pub(super) k_norm: Option<Tensor>,
     pub(super) post_norm: Tensor,
-    /// gate, up (stacked on a GPU).
-    pub(super) gate_up: Projection,
-    pub(super) down: Linear,
+    pub(super) mlp: Mlp,
+}
+
+/// A decoder layer's MLP.
+#[derive(Debug)]
+pub(super) enum Mlp {
+    Dense {
+        /// gate, up (stacked on a GPU).
+        gate_up: Projection,
+        down: Linear,
+    },
+    /// A mixture of experts (`model::moe`).
+    Sparse(Box<SparseMlp>),
 }
 
 /// A loaded decoder.
@@ -132,7 +149,20 @@ impl Model {
                 (attn("k_proj"), kvh * d),
                 (attn("v_proj"), kvh * d),
             ];
-            let gate_up = [(mlp("gate_proj"), is), (mlp("up_proj"), is)];
+            let mlp = match &cfg.moe {
+                Some(moe) if moe.is_sparse(i) => {
+                    Mlp::Sparse(Box::new(SparseMlp::load(&ld, &cfg, moe, i)?))
+                }
+                _ => Mlp::Dense {
+                    gate_up: ld.projection(
+                        &[(mlp("gate_proj"), is), (mlp("up_proj"), is)],
+                        hs,
+                        cfg.mlp_bias,
+                        stack,
+                    )?,
+                    down: ld.linear(&mlp("down_proj"), is, hs, cfg.mlp_bias)?,
+                },
+            };
             layers.push(Layer {
                 input_norm: ld.load(&format!("{p}.input_layernorm.weight"), &[hs])?,
                 qkv: ld.projection(&qkv, hs, cfg.qkv_bias, stack && !cfg.qk_norm)?,
@@ -140,8 +170,7 @@ impl Model {
                 q_norm: qk_norm("q_norm")?,
                 k_norm: qk_norm("k_norm")?,
                 post_norm: ld.load(&format!("{p}.post_attention_layernorm.weight"), &[hs])?,
-                gate_up: ld.projection(&gate_up, hs, cfg.mlp_bias, stack)?,
-                down: ld.linear(&mlp("down_proj"), is, hs, cfg.mlp_bias)?,
+                mlp,
             });
         }
         let norm = ld.load("model.norm.weight", &[hs])?;
@@ -337,30 +366,39 @@ impl Model {
             let attn = attn.reshape((n, h * d))?;
             let o = one(&attn, layer.o.apply(&attn, inv)?, &t_o)?;
             (x, hn) = ops::add_rms_norm(&x, &o, &layer.post_norm, eps)?;
-            let act = match &layer.gate_up {
-                Projection::Stacked { linear, .. } => {
-                    let targets = [t_gate[0], t_up[0]];
-                    ops::swiglu_halves(&one(&hn, linear.apply(&hn, inv)?, &targets)?)?
-                }
-                Projection::Apart(gate_up) => {
-                    let [gate, up] = gate_up.as_slice() else {
-                        return Err(DetspecError::param("weights", "gate/up are two layers"));
-                    };
-                    let outs = vec![
-                        (gate.apply(&hn, inv)?, &t_gate[..]),
-                        (up.apply(&hn, inv)?, &t_up[..]),
-                    ];
-                    let [gate, up]: [Tensor; 2] = with_lora(&hn, outs)?
-                        .try_into()
-                        .map_err(|_| DetspecError::param("weights", "gate/up are two layers"))?;
-                    ops::swiglu(&gate, &up)?
-                }
-            };
             let next_norm = self
                 .layers
                 .get(li + 1)
                 .map_or(&self.norm, |l| &l.input_norm);
-            let down = one(&act, layer.down.apply(&act, inv)?, &t_down)?;
+            let down = match &layer.mlp {
+                Mlp::Sparse(moe) => moe.forward(&hn, inv, !batch.fast_experts)?,
+                Mlp::Dense { gate_up, down } => {
+                    let act = match gate_up {
+                        Projection::Stacked { linear, .. } => {
+                            let targets = [t_gate[0], t_up[0]];
+                            ops::swiglu_halves(&one(&hn, linear.apply(&hn, inv)?, &targets)?)?
+                        }
+                        Projection::Apart(gate_up) => {
+                            let [gate, up] = gate_up.as_slice() else {
+                                return Err(DetspecError::param(
+                                    "weights",
+                                    "gate/up are two layers",
+                                ));
+                            };
+                            let outs = vec![
+                                (gate.apply(&hn, inv)?, &t_gate[..]),
+                                (up.apply(&hn, inv)?, &t_up[..]),
+                            ];
+                            let [gate, up]: [Tensor; 2] =
+                                with_lora(&hn, outs)?.try_into().map_err(|_| {
+                                    DetspecError::param("weights", "gate/up are two layers")
+                                })?;
+                            ops::swiglu(&gate, &up)?
+                        }
+                    };
+                    one(&act, down.apply(&act, inv)?, &t_down)?
+                }
+            };
             (x, hn) = ops::add_rms_norm(&x, &down, next_norm, eps)?;
         }
         if batch.logit_rows.is_empty() {

@@ -267,6 +267,14 @@ fn read_halves(
             message,
         };
         let (layer, target, is_a) = parse_name(name, cfg.num_hidden_layers).map_err(bad)?;
+        let mlp_target = matches!(target, LoraTarget::Gate | LoraTarget::Up | LoraTarget::Down);
+        if mlp_target && cfg.moe.as_ref().is_some_and(|m| m.is_sparse(layer)) {
+            return Err(bad(format!(
+                "layer {layer}'s MLP is a mixture of experts, which has no {}; adapters of \
+                 experts and routers are not supported",
+                target.module()
+            )));
+        }
         let view = st
             .tensor(name)
             .map_err(|e| bad(format!("cannot read: {e}")))?;
@@ -385,7 +393,8 @@ fn parse_name(
 ) -> std::result::Result<(usize, LoraTarget, bool), String> {
     let unsupported = || {
         "not a lora_A/lora_B weight of a decoder layer's q/k/v/o/gate/up/down projection \
-         (adapters of embeddings, the LM head or other modules are not supported)"
+         (adapters of embeddings, the LM head, MoE experts and routers or other modules are \
+         not supported)"
             .to_string()
     };
     let rest = name

@@ -5,6 +5,7 @@ mod linear;
 mod loader;
 mod lora;
 mod memory;
+mod moe;
 mod params;
 mod update;
 mod weights;

@@ -11,6 +11,8 @@ use crate::config::ModelConfig;
 use crate::error::{DetspecError, Result};
 use crate::ops::{bf16_to_f32, with_bf16_bits, with_f32_values};
 
+use super::moe::sparse_linears;
+
 /// Every parameter name a checkpoint of `cfg` holds, with its shape, in name order.
 /// `lm_head.weight` is listed for tied models too (torch's `state_dict()` yields it); it then
 /// names the embedding matrix.
@@ -37,9 +39,18 @@ pub fn param_shapes(cfg: &ModelConfig) -> BTreeMap<String, Vec<usize>> {
         linear(format!("{p}.self_attn.k_proj"), hs, kvh * d, cfg.qkv_bias);
         linear(format!("{p}.self_attn.v_proj"), hs, kvh * d, cfg.qkv_bias);
         linear(format!("{p}.self_attn.o_proj"), h * d, hs, cfg.o_bias);
-        linear(format!("{p}.mlp.gate_proj"), hs, is, cfg.mlp_bias);
-        linear(format!("{p}.mlp.up_proj"), hs, is, cfg.mlp_bias);
-        linear(format!("{p}.mlp.down_proj"), is, hs, cfg.mlp_bias);
+        match &cfg.moe {
+            Some(moe) if moe.is_sparse(i) => {
+                for (name, [o, i]) in sparse_linears(cfg, moe, i) {
+                    linear(name, i, o, false);
+                }
+            }
+            _ => {
+                linear(format!("{p}.mlp.gate_proj"), hs, is, cfg.mlp_bias);
+                linear(format!("{p}.mlp.up_proj"), hs, is, cfg.mlp_bias);
+                linear(format!("{p}.mlp.down_proj"), is, hs, cfg.mlp_bias);
+            }
+        }
         m.insert(format!("{p}.input_layernorm.weight"), vec![hs]);
         m.insert(format!("{p}.post_attention_layernorm.weight"), vec![hs]);
         if cfg.qk_norm {

@@ -5,8 +5,9 @@ use candle_core::{DType, Tensor};
 
 use crate::error::Result;
 
-use super::decoder::Model;
+use super::decoder::{Mlp, Model};
 use super::linear::{Linear, LinearWeight, Projection};
+use super::moe::parse_sparse_linear;
 use super::params::{check_update, tensor_hash, unknown};
 
 /// Where a named parameter lives in the model.
@@ -102,6 +103,20 @@ impl Model {
         let (index, field) = rest.split_once('.')?;
         let layer = self.layers.get_mut(index.parse::<usize>().ok()?)?;
         let (module, kind) = field.rsplit_once('.')?;
+        let (gate_up, down) = match &mut layer.mlp {
+            Mlp::Dense { gate_up, down } => (Some(gate_up), Some(down)),
+            Mlp::Sparse(moe) => {
+                if let Some(which) = self
+                    .cfg
+                    .moe
+                    .as_ref()
+                    .and_then(|m| parse_sparse_linear(m, module))
+                {
+                    return linear_slot(moe.linear_mut(which)?, kind);
+                }
+                (None, None)
+            }
+        };
         if module == "input_layernorm" && kind == "weight" {
             return Some(Slot::Vector(&mut layer.input_norm));
         }
@@ -112,10 +127,10 @@ impl Model {
             "self_attn.q_proj" => (&mut layer.qkv, 0),
             "self_attn.k_proj" => (&mut layer.qkv, 1),
             "self_attn.v_proj" => (&mut layer.qkv, 2),
-            "mlp.gate_proj" => (&mut layer.gate_up, 0),
-            "mlp.up_proj" => (&mut layer.gate_up, 1),
+            "mlp.gate_proj" => (gate_up?, 0),
+            "mlp.up_proj" => (gate_up?, 1),
             "self_attn.o_proj" => return linear_slot(&mut layer.o, kind),
-            "mlp.down_proj" => return linear_slot(&mut layer.down, kind),
+            "mlp.down_proj" => return linear_slot(down?, kind),
             "self_attn.q_norm" => return layer.q_norm.as_mut().map(Slot::Vector),
             "self_attn.k_norm" => return layer.k_norm.as_mut().map(Slot::Vector),
             _ => return None,

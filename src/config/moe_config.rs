@@ -1,0 +1,137 @@
+//! The mixture-of-experts part of a Hugging Face `config.json` (Qwen2-MoE, Qwen3-MoE, Mixtral):
+//! how many experts, how many each token is routed to, which layers are sparse, and how the
+//! checkpoint names the experts' tensors.
+
+use std::path::Path;
+
+use serde::Deserialize;
+
+use crate::error::{DetspecError, Result};
+
+/// How a checkpoint names a sparse layer's router and experts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ExpertNaming {
+    /// `mlp.gate`, `mlp.experts.{e}.{gate,up,down}_proj` (Qwen2-MoE, Qwen3-MoE).
+    Qwen,
+    /// `block_sparse_moe.gate`, `block_sparse_moe.experts.{e}.{w1,w3,w2}` (Mixtral).
+    Mixtral,
+}
+
+/// A sparse decoder's mixture-of-experts settings, checked.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct MoeConfig {
+    pub num_experts: usize,
+    /// Experts each token runs (`num_experts_per_tok`).
+    pub top_k: usize,
+    /// Each expert's MLP width (`moe_intermediate_size`; Mixtral's `intermediate_size`).
+    pub expert_intermediate_size: usize,
+    /// The top-k routing weights renormalised to sum to one (Mixtral always; Qwen's
+    /// `norm_topk_prob`).
+    pub norm_topk_prob: bool,
+    /// Qwen2-MoE's shared expert: every token runs it, scaled by a sigmoid gate; its width.
+    pub shared_expert_intermediate_size: Option<usize>,
+    /// Per decoder layer: whether its MLP is the sparse block (else a dense MLP of
+    /// `intermediate_size`; Qwen's `mlp_only_layers` and `decoder_sparse_step`).
+    pub sparse_layers: Vec<bool>,
+    pub naming: ExpertNaming,
+}
+
+impl MoeConfig {
+    /// Whether decoder layer `layer`'s MLP is the sparse block.
+    pub fn is_sparse(&self, layer: usize) -> bool {
+        self.sparse_layers.get(layer).copied().unwrap_or(false)
+    }
+}
+
+/// `config.json`'s mixture-of-experts fields as written.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+pub(super) struct RawMoe {
+    num_experts: Option<usize>,
+    num_local_experts: Option<usize>,
+    num_experts_per_tok: Option<usize>,
+    moe_intermediate_size: Option<usize>,
+    norm_topk_prob: Option<bool>,
+    shared_expert_intermediate_size: Option<usize>,
+    decoder_sparse_step: Option<usize>,
+    mlp_only_layers: Option<Vec<usize>>,
+}
+
+impl RawMoe {
+    /// The checked settings of a sparse architecture with `num_layers` decoder layers whose
+    /// dense MLP width is `intermediate_size`; `shared_expert`: the architecture has Qwen2-MoE's
+    /// gated shared expert.
+    pub(super) fn check(
+        &self,
+        path: &Path,
+        naming: ExpertNaming,
+        num_layers: usize,
+        intermediate_size: usize,
+        shared_expert: bool,
+    ) -> Result<MoeConfig> {
+        let err = |field: &str, message: String| DetspecError::InvalidConfig {
+            path: path.to_path_buf(),
+            field: field.to_string(),
+            message,
+        };
+        let (field, num_experts) = match (self.num_experts, self.num_local_experts) {
+            (Some(n), _) => ("num_experts", n),
+            (None, Some(n)) => ("num_local_experts", n),
+            (None, None) => return Err(err("num_experts", "missing".into())),
+        };
+        if num_experts == 0 {
+            return Err(err(field, "must be > 0".into()));
+        }
+        let top_k = self
+            .num_experts_per_tok
+            .ok_or_else(|| err("num_experts_per_tok", "missing".into()))?;
+        if top_k == 0 || top_k > num_experts {
+            return Err(err(
+                "num_experts_per_tok",
+                format!("{top_k} must be in 1..={num_experts} ({field})"),
+            ));
+        }
+        let expert_intermediate_size = match naming {
+            ExpertNaming::Mixtral => intermediate_size,
+            ExpertNaming::Qwen => match self.moe_intermediate_size {
+                Some(0) => return Err(err("moe_intermediate_size", "must be > 0".into())),
+                Some(n) => n,
+                None => return Err(err("moe_intermediate_size", "missing".into())),
+            },
+        };
+        let shared_expert_intermediate_size =
+            match (shared_expert, self.shared_expert_intermediate_size) {
+                (false, _) | (true, Some(0)) => None,
+                (true, Some(n)) => Some(n),
+                (true, None) => {
+                    return Err(err("shared_expert_intermediate_size", "missing".into()))
+                }
+            };
+        let step = self.decoder_sparse_step.unwrap_or(1);
+        if step == 0 {
+            return Err(err("decoder_sparse_step", "must be > 0".into()));
+        }
+        let dense_only = self.mlp_only_layers.clone().unwrap_or_default();
+        if let Some(bad) = dense_only.iter().find(|&&l| l >= num_layers) {
+            return Err(err(
+                "mlp_only_layers",
+                format!("layer {bad}, but the model has {num_layers} layers"),
+            ));
+        }
+        let sparse_layers = (0..num_layers)
+            .map(|l| !dense_only.contains(&l) && (l + 1) % step == 0)
+            .collect();
+        Ok(MoeConfig {
+            num_experts,
+            top_k,
+            expert_intermediate_size,
+            norm_topk_prob: match naming {
+                ExpertNaming::Mixtral => true,
+                ExpertNaming::Qwen => self.norm_topk_prob.unwrap_or(false),
+            },
+            shared_expert_intermediate_size,
+            sparse_layers,
+            naming,
+        })
+    }
+}

@@ -1,0 +1,431 @@
+//! The sparse mixture-of-experts MLP (Qwen2-MoE, Qwen3-MoE, Mixtral): a router picks each
+//! token's top-k experts, each expert runs over the rows routed to it, and a row's output is
+//! its experts' outputs scaled by their routing weights and summed.
+//!
+//! Why it keeps the determinism contract: everything a row's output depends on is a function
+//! of that row alone, computed in a fixed order. The router is a linear layer like any other;
+//! softmax, top-k and renormalisation run on the host in f32 in index order (ties go to the
+//! lower expert); a row's contributions are summed in expert-id order (as transformers'
+//! `index_add_` loop does). The one thing the batch decides is how many rows each expert's
+//! GEMMs see. Where a GEMM's bits depend on its row count (a GPU's, or the CPU's
+//! `shape_dependent` profile) that makes the fast path batch-variant, as a dense layer is,
+//! and replay catches it; but it would also let the *other* rows of a fixed-shape verify or
+//! prefill pass change a row's bits, so those passes run the experts on fixed row blocks
+//! (`fixed_blocks`), which no routing can change.
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::config::{ExpertNaming, ModelConfig, MoeConfig};
+use crate::error::{DetspecError, Result};
+use crate::ops;
+
+use super::linear::{GemmOptions, Linear};
+use super::loader::WeightLoader;
+
+/// One expert: a SwiGLU MLP.
+#[derive(Debug)]
+pub(super) struct Expert {
+    pub(super) gate: Linear,
+    pub(super) up: Linear,
+    pub(super) down: Linear,
+}
+
+impl Expert {
+    fn load(
+        ld: &WeightLoader<'_>,
+        prefix: &str,
+        naming: ExpertNaming,
+        hidden: usize,
+        width: usize,
+    ) -> Result<Self> {
+        let name = |part: ExpertPart| format!("{prefix}.{}", part.name(naming));
+        Ok(Self {
+            gate: ld.linear(&name(ExpertPart::Gate), hidden, width, false)?,
+            up: ld.linear(&name(ExpertPart::Up), hidden, width, false)?,
+            down: ld.linear(&name(ExpertPart::Down), width, hidden, false)?,
+        })
+    }
+
+    fn forward(&self, x: &Tensor, gemm: GemmOptions) -> candle_core::Result<Tensor> {
+        let act = ops::swiglu(&self.gate.apply(x, gemm)?, &self.up.apply(x, gemm)?)?;
+        self.down.apply(&act, gemm)
+    }
+
+    pub(super) fn part_mut(&mut self, part: ExpertPart) -> &mut Linear {
+        match part {
+            ExpertPart::Gate => &mut self.gate,
+            ExpertPart::Up => &mut self.up,
+            ExpertPart::Down => &mut self.down,
+        }
+    }
+}
+
+/// A decoder layer's sparse MLP.
+#[derive(Debug)]
+pub(super) struct SparseMlp {
+    /// `[num_experts, hidden]`: the router's logits.
+    pub(super) router: Linear,
+    pub(super) experts: Vec<Expert>,
+    /// Qwen2-MoE's shared expert and its `[1, hidden]` sigmoid gate.
+    pub(super) shared: Option<(Expert, Linear)>,
+    top_k: usize,
+    norm_topk_prob: bool,
+}
+
+impl SparseMlp {
+    /// Layer `layer`'s sparse MLP, from the checkpoint's names for it.
+    pub(super) fn load(
+        ld: &WeightLoader<'_>,
+        cfg: &ModelConfig,
+        moe: &MoeConfig,
+        layer: usize,
+    ) -> Result<Self> {
+        let hidden = cfg.hidden_size;
+        let root = sparse_root(moe.naming, layer);
+        let router = ld.linear(&format!("{root}.gate"), hidden, moe.num_experts, false)?;
+        let experts = (0..moe.num_experts)
+            .map(|e| {
+                let prefix = format!("{root}.experts.{e}");
+                Expert::load(
+                    ld,
+                    &prefix,
+                    moe.naming,
+                    hidden,
+                    moe.expert_intermediate_size,
+                )
+            })
+            .collect::<Result<_>>()?;
+        let shared = moe
+            .shared_expert_intermediate_size
+            .map(|width| {
+                let expert = Expert::load(
+                    ld,
+                    &format!("{root}.shared_expert"),
+                    moe.naming,
+                    hidden,
+                    width,
+                )?;
+                let gate = ld.linear(&format!("{root}.shared_expert_gate"), hidden, 1, false)?;
+                Ok::<_, DetspecError>((expert, gate))
+            })
+            .transpose()?;
+        Ok(Self {
+            router,
+            experts,
+            shared,
+            top_k: moe.top_k,
+            norm_topk_prob: moe.norm_topk_prob,
+        })
+    }
+
+    /// The MLP's output for `x` (`[n, hidden]`). `fixed_blocks`: run the experts' GEMMs on
+    /// fixed row blocks, so a row's bits never depend on how the other rows were routed.
+    pub(super) fn forward(
+        &self,
+        x: &Tensor,
+        gemm: GemmOptions,
+        fixed_blocks: bool,
+    ) -> Result<Tensor> {
+        let (n, _) = x.dims2()?;
+        let dev = x.device();
+        let logits = host_f32(&self.router.apply(x, gemm)?)?;
+        let routing = Routing::new(&logits, self.experts.len(), self.top_k, self.norm_topk_prob)?;
+        let expert_gemm = GemmOptions {
+            invariant: gemm.invariant || fixed_blocks,
+            ..gemm
+        };
+        // Each expert over its rows, stacked in expert order: `routed[offset[e] + i]` is
+        // expert e's output for its i-th row.
+        let mut outputs = Vec::new();
+        for (expert, rows) in self.experts.iter().zip(&routing.rows) {
+            if rows.is_empty() {
+                continue;
+            }
+            let idx = Tensor::from_slice(rows, rows.len(), dev)?;
+            outputs.push(expert.forward(&x.index_select(&idx, 0)?, expert_gemm)?);
+        }
+        let routed = Tensor::cat(&outputs, 0)?;
+        let mut out: Option<Tensor> = None;
+        for (positions, weights) in routing.slots(n) {
+            let idx = Tensor::from_vec(positions, n, dev)?;
+            let w = Tensor::from_vec(weights, (n, 1), dev)?.to_dtype(x.dtype())?;
+            let term = routed.index_select(&idx, 0)?.broadcast_mul(&w)?;
+            out = Some(match out {
+                Some(acc) => (acc + term)?,
+                None => term,
+            });
+        }
+        let mut out =
+            out.ok_or_else(|| DetspecError::param("num_experts_per_tok", "must be > 0"))?;
+        if let Some((expert, gate)) = &self.shared {
+            let g = host_f32(&gate.apply(x, gemm)?)?;
+            let scale: Vec<f32> = g.iter().map(|&v| sigmoid(v)).collect();
+            let scale = Tensor::from_vec(scale, (n, 1), dev)?.to_dtype(x.dtype())?;
+            out = (out + expert.forward(x, gemm)?.broadcast_mul(&scale)?)?;
+        }
+        Ok(out)
+    }
+}
+
+/// `1 / (1 + e^-v)` in f32 (libm's `expf`, so the same bits on every platform).
+fn sigmoid(v: f32) -> f32 {
+    1.0 / (1.0 + libm::expf(-v))
+}
+
+/// A tensor's values as f32 on the host, row-major.
+fn host_f32(t: &Tensor) -> candle_core::Result<Vec<f32>> {
+    t.to_dtype(DType::F32)?
+        .flatten_all()?
+        .to_device(&Device::Cpu)?
+        .to_vec1::<f32>()
+}
+
+/// Where each row goes: per expert the rows routed to it, in row order; per row its experts
+/// and weights, in expert-id order.
+#[derive(Debug, Clone, PartialEq)]
+pub(super) struct Routing {
+    pub(super) rows: Vec<Vec<u32>>,
+    pub(super) picks: Vec<Vec<(usize, f32)>>,
+}
+
+impl Routing {
+    /// The routing of rows whose router logits are `logits` (`[n, num_experts]`, row-major):
+    /// softmax in f32 (max-subtracted, summed in index order), the `top_k` largest (ties to
+    /// the lower index), renormalised to sum to one when `norm`.
+    pub(super) fn new(
+        logits: &[f32],
+        num_experts: usize,
+        top_k: usize,
+        norm: bool,
+    ) -> Result<Self> {
+        if num_experts == 0 || !logits.len().is_multiple_of(num_experts) {
+            return Err(DetspecError::param(
+                "num_experts",
+                format!(
+                    "{} router logits are not rows of {num_experts}",
+                    logits.len()
+                ),
+            ));
+        }
+        let mut rows = vec![Vec::new(); num_experts];
+        let mut picks = Vec::with_capacity(logits.len() / num_experts);
+        let mut order: Vec<usize> = Vec::with_capacity(num_experts);
+        for (r, row) in logits.chunks(num_experts).enumerate() {
+            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let exps: Vec<f32> = row.iter().map(|&v| libm::expf(v - max)).collect();
+            let sum: f32 = exps.iter().sum();
+            order.clear();
+            order.extend(0..num_experts);
+            // Largest first; equal probabilities keep index order (a stable sort).
+            order.sort_by(|&a, &b| exps[b].total_cmp(&exps[a]));
+            let mut top: Vec<(usize, f32)> =
+                order[..top_k].iter().map(|&e| (e, exps[e] / sum)).collect();
+            if norm {
+                let total: f32 = top.iter().map(|&(_, p)| p).sum();
+                for (_, p) in &mut top {
+                    *p /= total;
+                }
+            }
+            top.sort_by_key(|&(e, _)| e);
+            for &(e, _) in &top {
+                rows[e].push(r as u32);
+            }
+            picks.push(top);
+        }
+        Ok(Self { rows, picks })
+    }
+
+    /// For each of a row's k contributions, in expert-id order: every row's index into the
+    /// experts' stacked outputs and its weight.
+    fn slots(&self, n: usize) -> Vec<(Vec<u32>, Vec<f32>)> {
+        let mut offset = Vec::with_capacity(self.rows.len());
+        let mut total = 0u32;
+        for rows in &self.rows {
+            offset.push(total);
+            total += rows.len() as u32;
+        }
+        let k = self.picks.first().map_or(0, Vec::len);
+        let mut slots = vec![(Vec::with_capacity(n), Vec::with_capacity(n)); k];
+        for top in &self.picks {
+            for (slot, &(e, w)) in slots.iter_mut().zip(top) {
+                slot.0.push(offset[e]);
+                slot.1.push(w);
+                offset[e] += 1;
+            }
+        }
+        slots
+    }
+}
+
+/// A part of an expert's MLP.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum ExpertPart {
+    Gate,
+    Up,
+    Down,
+}
+
+impl ExpertPart {
+    const ALL: [ExpertPart; 3] = [ExpertPart::Gate, ExpertPart::Up, ExpertPart::Down];
+
+    fn name(self, naming: ExpertNaming) -> &'static str {
+        match (naming, self) {
+            (ExpertNaming::Qwen, Self::Gate) => "gate_proj",
+            (ExpertNaming::Qwen, Self::Up) => "up_proj",
+            (ExpertNaming::Qwen, Self::Down) => "down_proj",
+            (ExpertNaming::Mixtral, Self::Gate) => "w1",
+            (ExpertNaming::Mixtral, Self::Up) => "w3",
+            (ExpertNaming::Mixtral, Self::Down) => "w2",
+        }
+    }
+}
+
+/// A linear layer of a sparse MLP, by what it is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum SparseLinear {
+    Router,
+    Expert(usize, ExpertPart),
+    Shared(ExpertPart),
+    SharedGate,
+}
+
+/// The module path of layer `layer`'s sparse MLP (`model.layers.3.mlp`).
+fn sparse_root(naming: ExpertNaming, layer: usize) -> String {
+    let block = match naming {
+        ExpertNaming::Qwen => "mlp",
+        ExpertNaming::Mixtral => "block_sparse_moe",
+    };
+    format!("model.layers.{layer}.{block}")
+}
+
+/// Every linear layer of layer `layer`'s sparse MLP: its module path and `[out, in]` shape.
+pub(super) fn sparse_linears(
+    cfg: &ModelConfig,
+    moe: &MoeConfig,
+    layer: usize,
+) -> Vec<(String, [usize; 2])> {
+    let (hidden, width) = (cfg.hidden_size, moe.expert_intermediate_size);
+    let root = sparse_root(moe.naming, layer);
+    let expert = |prefix: &str, width: usize| {
+        ExpertPart::ALL.map(|part| {
+            let shape = match part {
+                ExpertPart::Down => [hidden, width],
+                _ => [width, hidden],
+            };
+            (format!("{prefix}.{}", part.name(moe.naming)), shape)
+        })
+    };
+    let mut out = vec![(format!("{root}.gate"), [moe.num_experts, hidden])];
+    for e in 0..moe.num_experts {
+        out.extend(expert(&format!("{root}.experts.{e}"), width));
+    }
+    if let Some(width) = moe.shared_expert_intermediate_size {
+        out.extend(expert(&format!("{root}.shared_expert"), width));
+        out.push((format!("{root}.shared_expert_gate"), [1, hidden]));
+    }
+    out
+}
+
+/// Which linear layer of a sparse MLP the module path `module` (relative to its decoder
+/// layer: `mlp.experts.3.up_proj`) names, if any.
+pub(super) fn parse_sparse_linear(moe: &MoeConfig, module: &str) -> Option<SparseLinear> {
+    let block = match moe.naming {
+        ExpertNaming::Qwen => "mlp.",
+        ExpertNaming::Mixtral => "block_sparse_moe.",
+    };
+    let rest = module.strip_prefix(block)?;
+    let part = |name: &str| {
+        ExpertPart::ALL
+            .into_iter()
+            .find(|p| p.name(moe.naming) == name)
+    };
+    match rest {
+        "gate" => return Some(SparseLinear::Router),
+        "shared_expert_gate" if moe.shared_expert_intermediate_size.is_some() => {
+            return Some(SparseLinear::SharedGate)
+        }
+        _ => {}
+    }
+    if let Some(name) = rest.strip_prefix("shared_expert.") {
+        return moe
+            .shared_expert_intermediate_size
+            .and(part(name))
+            .map(SparseLinear::Shared);
+    }
+    let (e, name) = rest.strip_prefix("experts.")?.split_once('.')?;
+    let e: usize = e.parse().ok()?;
+    (e < moe.num_experts).then_some(())?;
+    Some(SparseLinear::Expert(e, part(name)?))
+}
+
+impl SparseMlp {
+    /// The linear layer `which`, if this MLP has it.
+    pub(super) fn linear_mut(&mut self, which: SparseLinear) -> Option<&mut Linear> {
+        match which {
+            SparseLinear::Router => Some(&mut self.router),
+            SparseLinear::Expert(e, part) => Some(self.experts.get_mut(e)?.part_mut(part)),
+            SparseLinear::Shared(part) => Some(self.shared.as_mut()?.0.part_mut(part)),
+            SparseLinear::SharedGate => Some(&mut self.shared.as_mut()?.1),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn routing_picks_top_k_in_expert_order_and_renormalises() {
+        // Row 0 prefers experts 2 then 0; row 1 has a tie between 1 and 3 (the lower wins).
+        let logits = [1.0, 0.0, 3.0, -1.0, 0.0, 2.0, 0.0, 2.0];
+        let r = Routing::new(&logits, 4, 2, true).unwrap();
+        assert_eq!(r.rows, vec![vec![0], vec![1], vec![0], vec![1]]);
+        let experts: Vec<Vec<usize>> = r
+            .picks
+            .iter()
+            .map(|p| p.iter().map(|&(e, _)| e).collect())
+            .collect();
+        assert_eq!(experts, vec![vec![0, 2], vec![1, 3]]);
+        for top in &r.picks {
+            let sum: f32 = top.iter().map(|&(_, w)| w).sum();
+            assert!((sum - 1.0).abs() < 1e-6);
+        }
+        let e = [1.0f32, 0.0, 3.0, -1.0].map(|v| (v - 3.0f32).exp());
+        assert!((r.picks[0][0].1 - e[0] / (e[0] + e[2])).abs() < 1e-6);
+        let plain = Routing::new(&logits, 4, 2, false).unwrap();
+        let total: f32 = e.iter().sum();
+        assert!((plain.picks[0][1].1 - e[2] / total).abs() < 1e-6);
+    }
+
+    #[test]
+    fn slots_index_the_stacked_expert_outputs() {
+        let logits = [5.0, 4.0, 0.0, 0.0, 4.0, 5.0, 5.0, 0.0, 4.0];
+        let r = Routing::new(&logits, 3, 2, false).unwrap();
+        // Experts' rows [0, 2] | [0, 1] | [1, 2], stacked at 0..2 | 2..4 | 4..6.
+        assert_eq!(r.rows, vec![vec![0, 2], vec![0, 1], vec![1, 2]]);
+        let slots = r.slots(3);
+        assert_eq!(slots[0].0, vec![0, 3, 1]);
+        assert_eq!(slots[1].0, vec![2, 4, 5]);
+    }
+
+    #[test]
+    fn a_rows_routing_is_its_own() {
+        // Routing row by row equals routing the batch: nothing crosses rows.
+        let logits: Vec<f32> = (0..40)
+            .map(|i| ((i * 37 % 11) as f32 - 5.0) * 0.3)
+            .collect();
+        let batch = Routing::new(&logits, 8, 3, true).unwrap();
+        for (r, row) in logits.chunks(8).enumerate() {
+            let alone = Routing::new(row, 8, 3, true).unwrap();
+            let a: Vec<(usize, u32)> = alone.picks[0]
+                .iter()
+                .map(|&(e, w)| (e, w.to_bits()))
+                .collect();
+            let b: Vec<(usize, u32)> = batch.picks[r]
+                .iter()
+                .map(|&(e, w)| (e, w.to_bits()))
+                .collect();
+            assert_eq!(a, b);
+        }
+    }
+}
