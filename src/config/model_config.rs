@@ -146,8 +146,6 @@ struct RawConfig {
     /// Newer transformers: `rope_theta` and the scaling in one object.
     rope_parameters: Option<RawRope>,
     rope_scaling: Option<RawRope>,
-    #[serde(flatten)]
-    moe: RawMoe,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -253,8 +251,14 @@ impl ModelConfig {
             _ => None,
         }
         .map(|(naming, shared)| {
-            raw.moe
-                .check(path, naming, num_hidden_layers, intermediate_size, shared)
+            // A second pass over the text: a flattened field would lose its name in errors.
+            parse_json::<RawMoe>(text, path)?.check(
+                path,
+                naming,
+                num_hidden_layers,
+                intermediate_size,
+                shared,
+            )
         })
         .transpose()?;
         let rope = Self::parse_rope(&raw, path)?;

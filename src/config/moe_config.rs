@@ -135,3 +135,96 @@ impl RawMoe {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::config::ModelConfig;
+    use crate::error::Result;
+    use std::path::Path;
+
+    use super::*;
+
+    fn parse(arch: &str, extra: &str) -> Result<ModelConfig> {
+        let json = format!(
+            r#"{{"architectures": ["{arch}"], "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 4, "num_attention_heads": 4, "vocab_size": 100{extra}}}"#
+        );
+        ModelConfig::from_json_str(&json, Path::new("/m/config.json"))
+    }
+
+    #[test]
+    fn sparse_layers_follow_step_and_dense_only_layers() {
+        let c = parse(
+            "Qwen2MoeForCausalLM",
+            r#", "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 48, "decoder_sparse_step": 2, "mlp_only_layers": [3]"#,
+        )
+        .unwrap();
+        let moe = c.moe.unwrap();
+        assert_eq!(moe.sparse_layers, vec![false, true, false, false]);
+        assert_eq!(moe.shared_expert_intermediate_size, Some(48));
+        assert!(!moe.norm_topk_prob && c.qkv_bias);
+        // transformers 5 writes Qwen3-MoE's expert count as num_local_experts.
+        let c = parse(
+            "Qwen3MoeForCausalLM",
+            r#", "num_local_experts": 4, "num_experts_per_tok": 1, "moe_intermediate_size": 32,
+            "norm_topk_prob": true"#,
+        )
+        .unwrap();
+        let moe = c.moe.unwrap();
+        assert_eq!(
+            (moe.num_experts, moe.top_k, moe.naming),
+            (4, 1, ExpertNaming::Qwen)
+        );
+        assert!(moe.norm_topk_prob && c.qk_norm && moe.shared_expert_intermediate_size.is_none());
+        // Mixtral: experts as wide as intermediate_size, weights always renormalised.
+        let c = parse(
+            "MixtralForCausalLM",
+            r#", "num_local_experts": 8, "num_experts_per_tok": 2"#,
+        )
+        .unwrap();
+        let moe = c.moe.unwrap();
+        assert_eq!(moe.expert_intermediate_size, 128);
+        assert!(moe.norm_topk_prob && moe.sparse_layers.iter().all(|&s| s));
+        assert!(parse("LlamaForCausalLM", "").unwrap().moe.is_none());
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        for (extra, field) in [
+            (
+                r#", "num_experts_per_tok": 2, "moe_intermediate_size": 8"#,
+                "num_experts",
+            ),
+            (
+                r#", "num_experts": 4, "moe_intermediate_size": 8"#,
+                "num_experts_per_tok",
+            ),
+            (
+                r#", "num_experts": 4, "num_experts_per_tok": 5, "moe_intermediate_size": 8"#,
+                "num_experts_per_tok",
+            ),
+            (
+                r#", "num_experts": 4, "num_experts_per_tok": 2"#,
+                "moe_intermediate_size",
+            ),
+            (
+                r#", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8,
+                "mlp_only_layers": [4]"#,
+                "mlp_only_layers",
+            ),
+            (
+                r#", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8,
+                "decoder_sparse_step": 0"#,
+                "decoder_sparse_step",
+            ),
+            (
+                r#", "num_experts": "four", "num_experts_per_tok": 2, "moe_intermediate_size": 8"#,
+                "num_experts",
+            ),
+        ] {
+            let e = parse("Qwen3MoeForCausalLM", extra).unwrap_err();
+            assert!(e.to_string().contains(field), "{field}: {e}");
+        }
+    }
+}

@@ -344,7 +344,10 @@ impl Engine {
     /// Every name, shape and dtype is checked before anything changes. Requests in flight
     /// finish on the old weights (`InFlight::Finish`: the update waits for them, and requests
     /// submitted meanwhile wait for the update) or are aborted (`InFlight::Abort`).
+    /// A sparse model's experts may come fused, as a transformers `state_dict()` holds them
+    /// ([`crate::model::unfuse_experts`]).
     pub fn update_weights(&self, updates: Updates, in_flight: InFlight) -> Result<Arc<ModelInfo>> {
+        let updates = crate::model::unfuse_experts(&self.info().config, updates)?;
         let shapes: Vec<_> = updates
             .iter()
             .map(|(n, t)| (n.clone(), t.dims().to_vec(), t.dtype()))

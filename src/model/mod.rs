@@ -13,5 +13,6 @@ mod weights;
 pub use decoder::{ForwardBatch, Model};
 pub use lora::{LoraAdapter, LoraBase};
 pub use memory::{available_memory, check_fits, weight_bytes};
+pub use moe::unfuse_experts;
 pub use params::{check_update, param_shapes};
 pub use weights::Checkpoint;

@@ -358,6 +358,75 @@ pub(super) fn parse_sparse_linear(moe: &MoeConfig, module: &str) -> Option<Spars
     Some(SparseLinear::Expert(e, part(name)?))
 }
 
+/// `updates` with transformers' in-memory names of a sparse model's experts turned into the
+/// checkpoint's: since transformers 5 a model's `state_dict()` holds each layer's experts fused,
+/// `mlp.experts.gate_up_proj` `[experts, 2 × width, hidden]` (gate rows first) and
+/// `mlp.experts.down_proj` `[experts, hidden, width]`, and Mixtral's router as `mlp.gate`,
+/// while checkpoints (and the engine) name each expert's matrices. Other names pass unchanged.
+pub fn unfuse_experts(
+    cfg: &ModelConfig,
+    updates: Vec<(String, Tensor)>,
+) -> Result<Vec<(String, Tensor)>> {
+    let Some(moe) = &cfg.moe else {
+        return Ok(updates);
+    };
+    let mut out = Vec::with_capacity(updates.len());
+    for (name, t) in updates {
+        let Some((layer, field)) = name
+            .strip_prefix("model.layers.")
+            .and_then(|r| r.split_once('.'))
+            .and_then(|(l, f)| Some((l.parse::<usize>().ok()?, f)))
+            .filter(|&(l, _)| moe.is_sparse(l))
+        else {
+            out.push((name, t));
+            continue;
+        };
+        let root = sparse_root(moe.naming, layer);
+        let (e, width, hidden) = (
+            moe.num_experts,
+            moe.expert_intermediate_size,
+            cfg.hidden_size,
+        );
+        let fused = |want: [usize; 3]| -> Result<()> {
+            if t.dims() != want {
+                return Err(DetspecError::param(
+                    "named_tensors",
+                    format!("`{name}` has shape {:?}; the model's is {want:?}", t.dims()),
+                ));
+            }
+            Ok(())
+        };
+        let expert = |i: usize, part: ExpertPart| {
+            format!("{root}.experts.{i}.{}.weight", part.name(moe.naming))
+        };
+        match field {
+            "mlp.gate.weight" => out.push((format!("{root}.gate.weight"), t)),
+            "mlp.experts.gate_up_proj" => {
+                fused([e, 2 * width, hidden])?;
+                for i in 0..e {
+                    let w = t.get(i)?;
+                    out.push((
+                        expert(i, ExpertPart::Gate),
+                        w.narrow(0, 0, width)?.contiguous()?,
+                    ));
+                    out.push((
+                        expert(i, ExpertPart::Up),
+                        w.narrow(0, width, width)?.contiguous()?,
+                    ));
+                }
+            }
+            "mlp.experts.down_proj" => {
+                fused([e, hidden, width])?;
+                for i in 0..e {
+                    out.push((expert(i, ExpertPart::Down), t.get(i)?.contiguous()?));
+                }
+            }
+            _ => out.push((name, t)),
+        }
+    }
+    Ok(out)
+}
+
 impl SparseMlp {
     /// The linear layer `which`, if this MLP has it.
     pub(super) fn linear_mut(&mut self, which: SparseLinear) -> Option<&mut Linear> {

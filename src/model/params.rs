@@ -145,3 +145,43 @@ pub fn check_update(cfg: &ModelConfig, updates: &[(String, Vec<usize>, DType)]) 
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+
+    #[test]
+    fn a_sparse_model_lists_every_expert() {
+        let cfg = ModelConfig::from_json_str(
+            r#"{"architectures": ["Qwen2MoeForCausalLM"], "hidden_size": 16,
+            "intermediate_size": 40, "num_hidden_layers": 2, "num_attention_heads": 2,
+            "vocab_size": 50, "num_experts": 3, "num_experts_per_tok": 2,
+            "moe_intermediate_size": 8, "shared_expert_intermediate_size": 12,
+            "mlp_only_layers": [1]}"#,
+            Path::new("/m/config.json"),
+        )
+        .unwrap();
+        let shapes = param_shapes(&cfg);
+        let l0 = "model.layers.0.mlp";
+        assert_eq!(shapes[&format!("{l0}.gate.weight")], vec![3, 16]);
+        assert_eq!(
+            shapes[&format!("{l0}.experts.2.down_proj.weight")],
+            vec![16, 8]
+        );
+        assert_eq!(
+            shapes[&format!("{l0}.shared_expert.up_proj.weight")],
+            vec![12, 16]
+        );
+        assert_eq!(
+            shapes[&format!("{l0}.shared_expert_gate.weight")],
+            vec![1, 16]
+        );
+        assert!(!shapes.contains_key(&format!("{l0}.gate_proj.weight")));
+        assert_eq!(shapes["model.layers.1.mlp.gate_proj.weight"], vec![40, 16]);
+        // Layer 0's MLP: router, 3 experts × 3, shared expert × 3 and its gate.
+        let mlp0 = shapes.keys().filter(|k| k.starts_with(l0)).count();
+        assert_eq!(mlp0, 1 + 9 + 3 + 1);
+    }
+}

@@ -162,6 +162,49 @@ MODEL_SPECS: dict[str, dict] = {
         "llm_kwargs": {"kv_cache_dtype": "float32"},
         "rope": {"rope_type": "default", "rope_theta": 10000.0},
     },
+    # Mixtures of experts: 8 experts, 2 per token, routers random so tokens spread over them.
+    # Qwen3-MoE renormalises the top-2 weights; Qwen2-MoE does not, adds its gated shared
+    # expert, and has a dense layer (mlp_only_layers); Mixtral names its experts w1/w2/w3.
+    "qwen3_moe": {
+        "arch": "qwen3_moe",
+        "seed": 23,
+        "head_dim": 32,
+        "rope": {"rope_type": "default", "rope_theta": 1000000.0},
+        "extra": {
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 48,
+            "norm_topk_prob": True,
+        },
+    },
+    "qwen2_moe": {
+        "arch": "qwen2_moe",
+        "seed": 29,
+        "rope": {"rope_type": "default", "rope_theta": 1000000.0},
+        "extra": {
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 48,
+            "shared_expert_intermediate_size": 96,
+            "mlp_only_layers": [1],
+        },
+    },
+    # bf16 expert weights: the rounded model evaluated in f32 is the reference (as llama_bf16).
+    "qwen3_moe_bf16": {
+        "arch": "qwen3_moe",
+        "seed": 37,
+        "head_dim": 32,
+        "store_dtype": "bfloat16",
+        "llm_kwargs": {"kv_cache_dtype": "float32"},
+        "rope": {"rope_type": "default", "rope_theta": 1000000.0},
+        "extra": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48},
+    },
+    "mixtral": {
+        "arch": "mixtral",
+        "seed": 31,
+        "rope": {"rope_type": "default", "rope_theta": 1000000.0},
+        "extra": {"num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": None},
+    },
 }
 ARCH_NAMES = tuple(MODEL_SPECS)
 
@@ -170,6 +213,9 @@ _CONFIG_CLASSES = {
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+    "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
 }
 
 
@@ -241,11 +287,12 @@ def build_hf_model(spec: dict) -> torch.nn.Module:
     }
     if spec["arch"] == "mistral":
         kwargs["sliding_window"] = None
-    if spec["arch"] in ("qwen2", "qwen3"):
+    if spec["arch"] in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
         kwargs["use_sliding_window"] = False
         kwargs["rms_norm_eps"] = 1e-6
     if "head_dim" in spec:
         kwargs["head_dim"] = spec["head_dim"]
+    kwargs.update(spec.get("extra", {}))
     config = config_cls(**kwargs)
     torch.manual_seed(spec["seed"])
     model = model_cls._from_config(config, attn_implementation="eager", dtype=torch.float32)

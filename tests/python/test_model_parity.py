@@ -1,7 +1,8 @@
 """detspec vs the HF transformers reference: greedy tokens, logits and logprobs.
 
 Every architecture fixture (``arch_case``: llama, llama3_scaled, llama_tied, mistral,
-qwen2, qwen2_sharded, qwen3, legacy_rope, llama_bf16) is checked with all prompts in
+qwen2, qwen2_sharded, qwen3, legacy_rope, llama_bf16, and the mixtures of experts qwen3_moe,
+qwen2_moe, mixtral, qwen3_moe_bf16) is checked with all prompts in
 ONE ``generate`` / ``compute_logits`` call, so batching, paging and varlen attention
 are exercised together with the per-architecture details.
 """
@@ -321,4 +322,14 @@ def test_bf16_parity_against_transformers_in_bf16(arch_case, llm_factory, token_
         # Every prompt's first token agrees, and over the agreeing prefix the logprobs are
         # within bf16's resolution of the reference (a wrong kernel gives O(1) differences).
         assert all(r["common_prefix"] >= 1 for r in rows if r["ref"] == label), (label, rows)
+        if is_moe(arch_case):
+            # bf16 rounding flips near-tied routing decisions (transformers' own bf16 leaves its
+            # f32 after ~22 of 32 tokens here), and a flipped expert moves a logprob by O(1):
+            # no bound over the prefix. The exact check of bf16 MoE weights is the
+            # `qwen3_moe_bf16` case (bf16 checkpoint, f32 KV, against the rounded model).
+            continue
         assert s["max_logprob_diff"] is not None and s["max_logprob_diff"] < 0.25, (label, s)
+
+
+def is_moe(case) -> bool:
+    return "num_experts_per_tok" in case.spec.get("extra", {})
