@@ -1,5 +1,6 @@
-//! Random-weight Llama models built locally, for the built-in default model, the benchmark
-//! model (docs/architecture.md, "Benchmark model") and tests. Nothing is downloaded: weights
+//! Random-weight Llama models (and Mixtral-style mixtures of experts) built locally, for the
+//! built-in default model, the benchmark model (docs/architecture.md, "Benchmark model") and
+//! tests. Nothing is downloaded: weights
 //! come from a seeded generator and the tokenizer is a byte-level BPE trained on an embedded
 //! corpus.
 
@@ -32,6 +33,17 @@ pub struct DemoModelSpec {
     pub seed: u64,
     /// Standard deviation of the random weights; larger gives peakier next-token distributions.
     pub init_std: f32,
+    /// A Mixtral-style sparse MLP in every layer instead of the dense one, each expert
+    /// `intermediate_size` wide.
+    pub moe: Option<DemoMoe>,
+}
+
+/// The experts of a generated mixture-of-experts model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DemoMoe {
+    pub num_experts: usize,
+    /// Experts each token runs.
+    pub top_k: usize,
 }
 
 impl DemoModelSpec {
@@ -48,6 +60,19 @@ impl DemoModelSpec {
             max_position_embeddings: 2048,
             seed: 0,
             init_std: 0.08,
+            moe: None,
+        }
+    }
+
+    /// [`Self::tiny`] with 8 experts, 2 per token, each half the dense MLP's width.
+    pub fn tiny_moe() -> Self {
+        Self {
+            intermediate_size: 172,
+            moe: Some(DemoMoe {
+                num_experts: 8,
+                top_k: 2,
+            }),
+            ..Self::tiny()
         }
     }
 
@@ -64,6 +89,21 @@ impl DemoModelSpec {
             max_position_embeddings: 4096,
             seed: 0,
             init_std: 0.05,
+            moe: None,
+        }
+    }
+
+    /// The benchmark model's mixture-of-experts twin: 32 experts a layer, 4 per token, each a
+    /// quarter of the dense MLP's width, so a token computes what the benchmark model does
+    /// (same attention, same active MLP size) from 8× its MLP weights (~195 M parameters).
+    pub fn bench_moe() -> Self {
+        Self {
+            intermediate_size: 352,
+            moe: Some(DemoMoe {
+                num_experts: 32,
+                top_k: 4,
+            }),
+            ..Self::bench()
         }
     }
 }
@@ -150,7 +190,7 @@ pub fn write_demo_model(dir: &Path, spec: &DemoModelSpec) -> Result<()> {
         ));
     }
     let head_dim = spec.hidden_size / spec.num_heads;
-    let config = serde_json::json!({
+    let mut config = serde_json::json!({
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_size": spec.hidden_size,
@@ -168,6 +208,16 @@ pub fn write_demo_model(dir: &Path, spec: &DemoModelSpec) -> Result<()> {
         "eos_token_id": eos,
         "torch_dtype": "float32",
     });
+    if let (Some(moe), Some(c)) = (spec.moe, config.as_object_mut()) {
+        c.insert(
+            "architectures".into(),
+            serde_json::json!(["MixtralForCausalLM"]),
+        );
+        c.insert("model_type".into(), "mixtral".into());
+        c.insert("num_local_experts".into(), moe.num_experts.into());
+        c.insert("num_experts_per_tok".into(), moe.top_k.into());
+        c.insert("sliding_window".into(), serde_json::Value::Null);
+    }
     let files = [
         ("config.json", serde_json::to_string_pretty(&config).unwrap_or_default()),
         (
@@ -212,10 +262,25 @@ fn demo_weights(spec: &DemoModelSpec) -> Result<Vec<u8>> {
                 vec![h],
                 true,
             ),
-            (format!("{p}.mlp.gate_proj.weight"), vec![i, h], false),
-            (format!("{p}.mlp.up_proj.weight"), vec![i, h], false),
-            (format!("{p}.mlp.down_proj.weight"), vec![h, i], false),
         ]);
+        match spec.moe {
+            None => shapes.extend([
+                (format!("{p}.mlp.gate_proj.weight"), vec![i, h], false),
+                (format!("{p}.mlp.up_proj.weight"), vec![i, h], false),
+                (format!("{p}.mlp.down_proj.weight"), vec![h, i], false),
+            ]),
+            Some(moe) => {
+                let m = format!("{p}.block_sparse_moe");
+                shapes.push((format!("{m}.gate.weight"), vec![moe.num_experts, h], false));
+                for e in 0..moe.num_experts {
+                    shapes.extend([
+                        (format!("{m}.experts.{e}.w1.weight"), vec![i, h], false),
+                        (format!("{m}.experts.{e}.w2.weight"), vec![h, i], false),
+                        (format!("{m}.experts.{e}.w3.weight"), vec![i, h], false),
+                    ]);
+                }
+            }
+        }
     }
     shapes.push(("model.norm.weight".into(), vec![h], true));
     shapes.push(("lm_head.weight".into(), vec![v, h], false));

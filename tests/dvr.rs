@@ -3,11 +3,10 @@
 //! preemption, at 1 and 2 threads — and the negative control shows the fast path alone is not.
 
 mod common;
-use common::{bits, Bits, Rng};
+use common::{bits, in_haystack, Bits, Rng};
 
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
-use std::time::Duration;
 
 use detspec::config::{DeterminismMode, VerifyStrategy};
 use detspec::engine::{EngineCore, StreamEvent};
@@ -51,47 +50,6 @@ fn target(temperature: f32) -> Request {
         ..Default::default()
     };
     Request::new("target", Rng(7).prompt(23), params)
-}
-
-/// Runs `target` at a random position in a random batch with random arrivals; returns its bits.
-fn in_haystack(e: &Engine, target: &Request, seed: u64, det_neighbours: bool) -> Bits {
-    let mut rng = Rng(seed.wrapping_mul(0x9e3779b97f4a7c15) | 1);
-    let others = 1 + rng.below(32) as usize;
-    let position = rng.below(others as u64 + 1) as usize;
-    let mut streams = Vec::new();
-    let mut target_stream = None;
-    for i in 0..=others {
-        if i == position {
-            target_stream = Some(e.add_request(target.clone()).unwrap());
-            continue;
-        }
-        let params = SamplingParams {
-            temperature: if rng.below(2) == 0 { 0.0 } else { 1.0 },
-            seed: Some(rng.next()),
-            max_tokens: 1 + rng.below(60) as usize,
-            ignore_eos: true,
-            deterministic: det_neighbours && rng.below(2) == 0,
-            ..Default::default()
-        };
-        let len = 1 + rng.below(120) as usize;
-        streams.push(
-            e.add_request(Request::new(
-                format!("o{seed}-{i}"),
-                rng.prompt(len),
-                params,
-            ))
-            .unwrap(),
-        );
-        // Random arrival: sometimes let the engine run a little before the next request.
-        if rng.below(3) == 0 {
-            std::thread::sleep(Duration::from_millis(rng.below(4)));
-        }
-    }
-    let out = target_stream.unwrap().wait().unwrap();
-    for s in streams {
-        s.wait().unwrap();
-    }
-    bits(&out)
 }
 
 fn solo(mode: DeterminismMode, target: &Request) -> Bits {

@@ -808,12 +808,14 @@ fn write_demo_model(py: Python<'_>, dir: PathBuf, kind: &str, seed: u64) -> PyRe
     let mut spec = match kind {
         "tiny" => crate::demo::DemoModelSpec::tiny(),
         "bench" => crate::demo::DemoModelSpec::bench(),
+        "tiny-moe" => crate::demo::DemoModelSpec::tiny_moe(),
+        "bench-moe" => crate::demo::DemoModelSpec::bench_moe(),
         other => {
             return Err(to_pyerr(
                 py,
                 DetspecError::param(
                     "kind",
-                    format!("unknown demo model `{other}` (tiny, bench)"),
+                    format!("unknown demo model `{other}` (tiny, bench, tiny-moe, bench-moe)"),
                 ),
             ))
         }
