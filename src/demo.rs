@@ -95,7 +95,7 @@ impl DemoModelSpec {
 
     /// The benchmark model's mixture-of-experts twin: 32 experts a layer, 4 per token, each a
     /// quarter of the dense MLP's width, so a token computes what the benchmark model does
-    /// (same attention, same active MLP size) from 8× its MLP weights (~195 M parameters).
+    /// (same attention, same active MLP size) from 8× its MLP weights (~177 M parameters).
     pub fn bench_moe() -> Self {
         Self {
             intermediate_size: 352,

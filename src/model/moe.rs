@@ -14,6 +14,7 @@
 //! (`fixed_blocks`), which no routing can change.
 
 use candle_core::{DType, Device, Tensor};
+use rayon::prelude::*;
 
 use crate::config::{ExpertNaming, ModelConfig, MoeConfig};
 use crate::error::{DetspecError, Result};
@@ -135,15 +136,24 @@ impl SparseMlp {
             ..gemm
         };
         // Each expert over its rows, stacked in expert order: `routed[offset[e] + i]` is
-        // expert e's output for its i-th row.
-        let mut outputs = Vec::new();
-        for (expert, rows) in self.experts.iter().zip(&routing.rows) {
-            if rows.is_empty() {
-                continue;
-            }
+        // expert e's output for its i-th row. On the CPU the experts run in parallel, each
+        // one's small GEMMs on one thread: a parallel region per GEMM of a few rows costs
+        // more in wake-ups than it saves. A row's bits are the same either way.
+        let active: Vec<(&Expert, &Vec<u32>)> = self
+            .experts
+            .iter()
+            .zip(&routing.rows)
+            .filter(|(_, rows)| !rows.is_empty())
+            .collect();
+        let run = |&(expert, rows): &(&Expert, &Vec<u32>)| {
             let idx = Tensor::from_slice(rows, rows.len(), dev)?;
-            outputs.push(expert.forward(&x.index_select(&idx, 0)?, expert_gemm)?);
-        }
+            expert.forward(&x.index_select(&idx, 0)?, expert_gemm)
+        };
+        let outputs = if dev.is_cpu() {
+            active.par_iter().map(run).collect::<candle_core::Result<Vec<_>>>()?
+        } else {
+            active.iter().map(run).collect::<candle_core::Result<Vec<_>>>()?
+        };
         let routed = Tensor::cat(&outputs, 0)?;
         let mut out: Option<Tensor> = None;
         for (positions, weights) in routing.slots(n) {

@@ -282,3 +282,39 @@ def test_moe_config_errors_name_the_field(moe_models, tmp_path: Path) -> None:
         (d / "config.json").write_text(json.dumps({**config, field: value}))
         with pytest.raises(ModelLoadError, match=match):
             detspec.LLM(str(d))
+
+
+def test_mixtral_update_from_a_transformers_state_dict(tmp_path: Path) -> None:
+    """Mixtral's in-memory names differ from its checkpoint's more than Qwen's do
+    (``mlp.gate`` for ``block_sparse_moe.gate``, fused ``mlp.experts.*``): a trainer's
+    ``state_dict()`` still turns model a into model b exactly."""
+    models = []
+    for seed in (5, 6):
+        config = transformers.MixtralConfig(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=None,
+            max_position_embeddings=512,
+        )
+        torch.manual_seed(seed)
+        model = transformers.MixtralForCausalLM._from_config(
+            config, attn_implementation="eager", dtype=torch.float32
+        ).eval()
+        model.save_pretrained(tmp_path / str(seed))
+        models.append(model)
+    state = models[1].state_dict()
+    assert "model.layers.0.mlp.gate.weight" in state
+    llm = detspec.LLM(str(tmp_path / "5"), num_kv_pages=256)
+    ref = detspec.LLM(str(tmp_path / "6"), num_kv_pages=256)
+    llm.update_weights(state.items())
+    assert llm.fingerprint == ref.fingerprint
+    target = target_params(0.8)
+    assert fingerprint_bits(llm.generate([TARGET_PROMPT], target, use_tqdm=False)[0]) == (
+        fingerprint_bits(ref.generate([TARGET_PROMPT], target, use_tqdm=False)[0])
+    )
