@@ -70,7 +70,7 @@ def int_range(s: str) -> tuple[int, int]:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", choices=["bench", "tiny"], default="bench")
+    p.add_argument("--model", choices=["bench", "tiny", "bench-moe", "tiny-moe"], default="bench")
     p.add_argument(
         "--model-dir",
         type=Path,
