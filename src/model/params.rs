@@ -11,7 +11,7 @@ use crate::config::ModelConfig;
 use crate::error::{DetspecError, Result};
 use crate::ops::{bf16_to_f32, with_bf16_bits, with_f32_values};
 
-use super::moe::sparse_linears;
+use super::moe_names::sparse_linears;
 
 /// Every parameter name a checkpoint of `cfg` holds, with its shape, in name order.
 /// `lm_head.weight` is listed for tied models too (torch's `state_dict()` yields it); it then

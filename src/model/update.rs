@@ -7,7 +7,7 @@ use crate::error::Result;
 
 use super::decoder::{Mlp, Model};
 use super::linear::{Linear, LinearWeight, Projection};
-use super::moe::parse_sparse_linear;
+use super::moe_names::parse_sparse_linear;
 use super::params::{check_update, tensor_hash, unknown};
 
 /// Where a named parameter lives in the model.
