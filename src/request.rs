@@ -39,6 +39,9 @@ pub struct Request {
     pub params: SamplingParams,
     /// The LoRA adapter to run on top of the base model (`None`: the base model).
     pub lora: Option<Arc<LoraAdapter>>,
+    /// vLLM's `cache_salt`: the request's KV is cached, and prefix-cache hits are looked up,
+    /// only among requests with the same salt (multi-tenant isolation; outputs unchanged).
+    pub cache_salt: Option<String>,
 }
 
 impl Request {
@@ -52,7 +55,14 @@ impl Request {
             prompt: prompt.into(),
             params,
             lora: None,
+            cache_salt: None,
         }
+    }
+
+    /// The request with its prefix-cache hits and pages confined to `salt`'s namespace.
+    pub fn with_cache_salt(mut self, salt: impl Into<String>) -> Self {
+        self.cache_salt = Some(salt.into());
+        self
     }
 
     /// The request run with `adapter` on top of the base model.

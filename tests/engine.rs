@@ -419,3 +419,56 @@ fn scoring_a_deterministic_completion_returns_its_generation_logprobs() {
         assert_eq!(&got, bits);
     }
 }
+
+#[test]
+fn cache_salt_confines_prefix_cache_hits_and_changes_no_bits() {
+    let e = engine();
+    let prompt: Vec<u32> = (0..70).map(|i| (i * 37 + 11) % 500).collect();
+    let params = SamplingParams {
+        deterministic: true,
+        logprobs: Some(0),
+        ..greedy(6)
+    };
+    let run = |id: &str, salt: Option<&str>| {
+        let mut r = Request::new(id, prompt.clone(), params.clone());
+        if let Some(s) = salt {
+            r = r.with_cache_salt(s);
+        }
+        let out = e.generate(vec![r]).unwrap().remove(0);
+        let c = &out.outputs[0];
+        let lps: Vec<u32> = c.logprobs.iter().map(|l| l.logprob.to_bits()).collect();
+        (out.metrics.num_cached_tokens, (c.token_ids.clone(), lps))
+    };
+    let (cached, want) = run("a1", Some("tenant-a"));
+    assert_eq!(cached, 0);
+    for (id, salt) in [("b1", Some("tenant-b")), ("plain", None)] {
+        let (cached, got) = run(id, salt);
+        assert_eq!(cached, 0, "{id} read tenant-a's pages");
+        assert_eq!(got, want);
+    }
+    let (cached, got) = run("a2", Some("tenant-a"));
+    assert!(cached > 0, "tenant-a did not read its own pages");
+    assert_eq!(got, want);
+    // Standalone passes (score) read and leave pages in the salt's namespace too.
+    let salt_e = detspec::engine::SeqScope {
+        lora: None,
+        cache_salt: detspec::kv::salt_hash("tenant-e"),
+    };
+    let pairs = vec![(prompt.clone(), want.0.clone())];
+    let scored = e
+        .with_core(move |c| c.score(&pairs, 0, true, &[salt_e]))
+        .unwrap();
+    let got: Vec<u32> = scored[0].iter().map(|l| l.logprob.to_bits()).collect();
+    assert_eq!(got, want.1);
+    assert!(
+        run("e1", Some("tenant-e")).0 > 0,
+        "score left no pages for its salt"
+    );
+    let err = e
+        .generate(vec![
+            Request::new("empty", prompt.clone(), params.clone()).with_cache_salt("")
+        ])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("cache_salt"), "{err}");
+}

@@ -32,6 +32,7 @@ fn seq(id: u64, prompt_len: usize, max_tokens: usize, deterministic: bool) -> Se
         dvr: Default::default(),
         constraint: None,
         lora: None,
+        cache_salt: 0,
     }
 }
 

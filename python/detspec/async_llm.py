@@ -10,7 +10,7 @@ from typing import Any
 
 from detspec import _core
 from detspec.errors import DetspecError, EngineStoppedError
-from detspec.llm import PromptType, _EngineClient, _normalise_prompts
+from detspec.llm import PromptType, _EngineClient, _prompts_and_salts
 from detspec.lora import LoRAType
 from detspec.outputs import EmbeddingRequestOutput, RequestOutput
 from detspec.sampling_params import SamplingParams
@@ -79,7 +79,7 @@ class AsyncLLM(_EngineClient):
         it runs with (a ``LoRARequest`` is loaded the first time its name is used)."""
         if self._closed:
             raise EngineStoppedError("engine is shut down")
-        (p,) = _normalise_prompts([prompt])
+        (p,), (salt,) = _prompts_and_salts([prompt])
         params = sampling_params or SamplingParams()
         rid = request_id if request_id is not None else self._new_request_id()
         lora = (
@@ -90,7 +90,7 @@ class AsyncLLM(_EngineClient):
         prompt_logprobs = None
         if params.prompt_logprobs is not None:
             (prompt_logprobs,) = await asyncio.to_thread(
-                self._prompt_logprobs_first, [p], [params], [lora]
+                self._prompt_logprobs_first, [p], [params], [lora], [salt]
             )
         q: asyncio.Queue[Any] = asyncio.Queue()
         # Submitted under the lock the dispatcher takes to find a request's consumer, so no
@@ -98,7 +98,7 @@ class AsyncLLM(_EngineClient):
         # id before anything is registered, so the running request with that id is neither
         # detached from its consumer nor aborted.
         with self._lock:
-            self._engine.add_request(self._queue, rid, p, params.to_dict(), delta, lora)
+            self._engine.add_request(self._queue, rid, p, params.to_dict(), delta, lora, salt)
             self._streams[rid] = (asyncio.get_running_loop(), q)
         self._ensure_dispatcher()
         finished = False
@@ -132,10 +132,11 @@ class AsyncLLM(_EngineClient):
         deterministic: bool = True,
         *,
         lora_request: LoRAType = None,
+        cache_salt: str | None = None,
     ) -> list[list[float]]:
         """``LLM.score``, awaitable: runs between engine steps while other requests stream."""
         return await asyncio.to_thread(
-            self._score, prompts, completions, deterministic, lora_request
+            self._score, prompts, completions, deterministic, lora_request, cache_salt
         )
 
     async def embed(
@@ -179,10 +180,11 @@ class AsyncLLM(_EngineClient):
         *,
         deterministic: bool = True,
         lora_request: LoRAType = None,
+        cache_salt: str | None = None,
     ) -> list[list[dict[int, Any] | None]]:
         """``LLM.prompt_logprobs``, awaitable (one engine call for all ``prompts``)."""
         return await asyncio.to_thread(
-            self._prompt_logprobs, prompts, k, deterministic, lora_request
+            self._prompt_logprobs, prompts, k, deterministic, lora_request, cache_salt
         )
 
     async def pause(self, mode: str = "abort") -> None:

@@ -151,13 +151,30 @@ def _json_default(value: Any) -> Any:
 
 
 def _normalise_prompts(prompts: PromptType | Sequence[PromptType]) -> list[str | list[int]]:
+    return _prompts_and_salts(prompts)[0]
+
+
+def _prompts_and_salts(
+    prompts: PromptType | Sequence[PromptType],
+) -> tuple[list[str | list[int]], list[str | None]]:
+    """The prompts as text or token ids, and each one's ``cache_salt`` (vLLM's prompt-dict
+    key: its prefix-cache pages are shared only with prompts of the same salt)."""
+    salts: list[str | None] = []
     if isinstance(prompts, str | dict):
         prompts = [prompts]
     elif isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int):
         prompts = [list(prompts)]  # one prompt given as token ids
     out: list[str | list[int]] = []
     for i, p in enumerate(prompts):
+        salts.append(None)
         if isinstance(p, dict):
+            salt = p.get("cache_salt")
+            if salt is not None and (not isinstance(salt, str) or not salt):
+                raise InvalidRequestError(
+                    f"invalid parameter `cache_salt`: prompt {i}'s must be a non-empty string",
+                    param="cache_salt",
+                )
+            salts[-1] = salt
             if "prompt_token_ids" in p:
                 out.append([int(t) for t in p["prompt_token_ids"]])
             elif "prompt" in p:
@@ -175,7 +192,7 @@ def _normalise_prompts(prompts: PromptType | Sequence[PromptType]) -> list[str |
                 f"invalid request: prompt {i} must be a string, a list of token ids or a dict, "
                 f"got {type(p).__name__}"
             )
-    return out
+    return out, salts
 
 
 class _EngineClient:
@@ -414,6 +431,7 @@ class _EngineClient:
         completions: Sequence[str | Sequence[int]],
         deterministic: bool,
         lora: LoRAType = None,
+        cache_salt: str | None = None,
     ) -> list[list[float]]:
         ids = self._token_ids(prompts)
         comp = self._completion_ids(completions)
@@ -423,7 +441,7 @@ class _EngineClient:
                 param="completions",
             )
         pairs = list(zip(ids, comp, strict=True))
-        scored = self._engine.score(pairs, 0, deterministic, self._lora_name(lora))
+        scored = self._engine.score(pairs, 0, deterministic, self._lora_name(lora), cache_salt)
         return [[lp for _, lp, _, _ in s] for s in scored]
 
     def _embed(
@@ -465,13 +483,15 @@ class _EngineClient:
         k: int,
         deterministic: bool,
         lora: LoRAType = None,
+        cache_salt: str | None = None,
     ) -> list[list[dict[int, Any] | None]]:
         ids = [[int(t) for t in p] for p in prompts]
         name = self._lora_name(lora)
         if deterministic:
-            raws = self._engine.prompt_logprobs(ids, k, name)
+            raws = self._engine.prompt_logprobs(ids, k, name, cache_salt)
         else:
-            raws = self._engine.score([(p[:1], p[1:]) for p in ids], k, False, name)
+            pairs = [(p[:1], p[1:]) for p in ids]
+            raws = self._engine.score(pairs, k, False, name, cache_salt)
         return [prompt_logprobs_to_py(raw, self._decode_token) for raw in raws]
 
     def _update_weights(self, named_tensors: Any, in_flight: str) -> None:
@@ -512,6 +532,7 @@ class _EngineClient:
         prompts: Sequence[str | list[int]],
         params: Sequence[SamplingParams],
         loras: Sequence[str | None],
+        salts: Sequence[str | None],
     ) -> list[list[dict[int, Any] | None] | None]:
         """Each request's ``prompt_logprobs`` (``None`` where not asked for), computed before
         its generation is submitted: their forward leaves the prompt's KV pages in the prefix
@@ -519,14 +540,14 @@ class _EngineClient:
         prefill). One engine call per distinct k; a request is first checked as submitting it
         would check it, so a bad one fails with the same error."""
         out: list[list[dict[int, Any] | None] | None] = [None] * len(prompts)
-        by_k: dict[tuple[int, str | None], list[tuple[int, list[int]]]] = {}
-        for i, (p, sp, lora) in enumerate(zip(prompts, params, loras, strict=True)):
+        by_k: dict[tuple[int, str | None, str | None], list[tuple[int, list[int]]]] = {}
+        for i, (p, sp, lora, salt) in enumerate(zip(prompts, params, loras, salts, strict=True)):
             if sp.prompt_logprobs is not None:
                 (ids,) = self._token_ids([p])
                 self.validate_request(ids, sp)
-                by_k.setdefault((sp.prompt_logprobs, lora), []).append((i, ids))
-        for (k, lora), group in by_k.items():
-            found = self._prompt_logprobs([ids for _, ids in group], k, True, lora)
+                by_k.setdefault((sp.prompt_logprobs, lora, salt), []).append((i, ids))
+        for (k, lora, salt), group in by_k.items():
+            found = self._prompt_logprobs([ids for _, ids in group], k, True, lora, salt)
             for (i, _), plp in zip(group, found, strict=True):
                 out[i] = plp
         return out
@@ -582,17 +603,17 @@ class LLM(_EngineClient):
         in prompt order. If any request fails, the others are aborted and the error raised.
         ``lora_request``: a ``LoRARequest`` (or loaded adapter name) for every prompt, or one
         per prompt."""
-        plist = _normalise_prompts(prompts)
+        plist, salts = _prompts_and_salts(prompts)
         params = _as_params_list(sampling_params, len(plist))
         loras = self._lora_names(lora_request, len(plist))
-        prompt_logprobs = self._prompt_logprobs_first(plist, params, loras)
+        prompt_logprobs = self._prompt_logprobs_first(plist, params, loras, salts)
         queue = _core.OutputQueue()
         ids: list[str] = []
         results: dict[str, dict[str, Any]] = {}
         try:
-            for p, sp, lora in zip(plist, params, loras, strict=True):
+            for p, sp, lora, salt in zip(plist, params, loras, salts, strict=True):
                 rid = self._new_request_id()
-                self._engine.add_request(queue, rid, p, sp.to_dict(), False, lora)
+                self._engine.add_request(queue, rid, p, sp.to_dict(), False, lora, salt)
                 ids.append(rid)
             with _progress(len(ids), use_tqdm) as bar:
                 while len(results) < len(ids):
@@ -711,13 +732,15 @@ class LLM(_EngineClient):
         deterministic: bool = True,
         *,
         lora_request: LoRAType = None,
+        cache_salt: str | None = None,
     ) -> list[list[float]]:
         """The logprob of each completion token given its prompt (raw logits, as the sampler
         reports them), one list per (prompt, completion) pair. ``deterministic=True`` computes
         them on the verify-path kernels: a deterministic request's generated completion scores
         to exactly the logprobs it was generated with, bit for bit (with its
-        ``lora_request``)."""
-        return self._score(prompts, completions, deterministic, lora_request)
+        ``lora_request``). ``cache_salt``: the prompts' prefix-cache pages are read from and
+        left among those of this salt only (as a generation's prompt dict's ``cache_salt``)."""
+        return self._score(prompts, completions, deterministic, lora_request, cache_salt)
 
     def update_weights(self, named_tensors: Any, *, in_flight: str = "finish") -> None:
         """Replaces weights by Hugging Face parameter name, e.g.
@@ -750,6 +773,7 @@ class LLM(_EngineClient):
         *,
         deterministic: bool = True,
         lora_request: LoRAType = None,
+        cache_salt: str | None = None,
     ) -> list[list[dict[int, Any] | None]]:
         """vLLM's ``prompt_logprobs`` of token-id prompts, as ``SamplingParams(prompt_logprobs=k)``
         returns them: ``None`` for the first token, then ``{token: Logprob}`` with the prompt
@@ -757,8 +781,9 @@ class LLM(_EngineClient):
         ``generate``'s prompt logprobs, computed as a deterministic prefill computes the prompt
         (on invariant kernels, as on the CPU by default, also ``score(p[:1], p[1:])``'s
         values); the prompt's KV pages stay in the prefix cache for its generation. ``False``:
-        the fast path, whose bits depend on the prompts computed together in this call."""
-        return self._prompt_logprobs(prompts, k, deterministic, lora_request)
+        the fast path, whose bits depend on the prompts computed together in this call.
+        ``cache_salt``: as ``score``'s."""
+        return self._prompt_logprobs(prompts, k, deterministic, lora_request, cache_salt)
 
     def audit(
         self,

@@ -35,7 +35,7 @@ mod control;
 mod masks;
 mod standalone;
 
-pub use standalone::{AuditInput, EmbedOptions, ForwardKind, Pooling};
+pub use standalone::{AuditInput, EmbedOptions, ForwardKind, Pooling, Scopes, SeqScope};
 
 /// What the engine knows about a model once loaded; shared read-only with API handles.
 #[derive(Debug, Clone)]
@@ -374,6 +374,7 @@ impl EngineCore {
         }
         let rules = self.request_rules();
         rules.check_params(&req.params)?;
+        let cache_salt = super::validate::cache_salt_hash(req.cache_salt.as_deref())?;
         let deterministic = self.policy.admit(&req.params)?;
         let constraint = req
             .params
@@ -437,6 +438,7 @@ impl EngineCore {
                 dvr: Default::default(),
                 constraint: constraint.clone(),
                 lora: req.lora.clone(),
+                cache_salt,
             });
         }
         Ok(StreamEvent::Accepted {

@@ -15,7 +15,8 @@ mod text;
 pub mod validate;
 
 pub use self::core::{
-    AuditInput, EmbedOptions, EngineCore, EngineStats, ForwardKind, ModelInfo, Pooling, StepTimes,
+    AuditInput, EmbedOptions, EngineCore, EngineStats, ForwardKind, ModelInfo, Pooling, Scopes,
+    SeqScope, StepTimes,
 };
 pub use fingerprint::KERNEL_VERSION;
 pub use stream::{OutputAccumulator, RequestStream, StreamEvent};

@@ -103,6 +103,18 @@ pub fn check_token_ids(ids: &[u32], vocab_size: usize, param: &str) -> Result<()
 
 /// The error for a request id that is already in flight (the engine's scheduler and the
 /// Python output queues both refuse it).
+pub fn cache_salt_hash(salt: Option<&str>) -> Result<u64> {
+    match salt {
+        None => Ok(0),
+        Some("") => Err(DetspecError::param(
+            "cache_salt",
+            "must be a non-empty string (omit it for no salt)",
+        )),
+        Some(s) => Ok(crate::kv::salt_hash(s)),
+    }
+}
+
+/// The error for a request id already in flight.
 pub fn duplicate_request_id(request_id: &str) -> DetspecError {
     DetspecError::InvalidRequest {
         request_id: Some(request_id.to_string()),

@@ -16,5 +16,6 @@ pub use block_table::BlockTable;
 pub use manager::{KvManager, KvStats};
 pub use pool::KvPool;
 pub use prefix::{
-    chain_hash, root_hash, root_hash_of, FnvHasher, PageClass, PrefixCache, PrefixStats,
+    chain_hash, namespace, root_hash, root_hash_of, salt_hash, FnvHasher, PageClass, PrefixCache,
+    PrefixStats,
 };

@@ -117,6 +117,26 @@ pub fn root_hash_of(page_size: usize, class: PageClass, namespace: u64) -> u64 {
     fmix64(h.finish())
 }
 
+/// The namespace of KV computed with the adapter whose content hash is `adapter` (0: the base
+/// model) for a request salted with `salt` ([`salt_hash`] of its `cache_salt`; 0: none).
+/// Unsalted KV keeps the adapter's namespace; salted KV is in one no other salt reaches, so a
+/// tenant cannot learn from a cache hit's timing what another tenant's prompts were.
+pub fn namespace(adapter: u64, salt: u64) -> u64 {
+    if salt == 0 {
+        return adapter;
+    }
+    let mut h = FnvHasher::default();
+    h.write(b"salt");
+    h.write(&adapter.to_le_bytes());
+    h.write(&salt.to_le_bytes());
+    fmix64(h.finish()).max(1)
+}
+
+/// A request's `cache_salt` as the namespace component [`namespace`] takes (never 0).
+pub fn salt_hash(salt: &str) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(salt.as_bytes()).max(1)
+}
+
 /// Key of a page holding `tokens` that follows the prefix keyed `parent`.
 pub fn chain_hash(parent: u64, tokens: &[u32]) -> u64 {
     let mut h = FnvHasher::default();

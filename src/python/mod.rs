@@ -24,7 +24,8 @@ use crate::config::{
     VerifyStrategy,
 };
 use crate::engine::{
-    AuditInput, EmbedOptions, Engine, InFlight, OutputAccumulator, PauseMode, Pooling, StreamEvent,
+    AuditInput, EmbedOptions, Engine, InFlight, OutputAccumulator, PauseMode, Pooling, SeqScope,
+    StreamEvent,
 };
 use crate::error::DetspecError;
 use crate::model::LoraAdapter;
@@ -179,6 +180,22 @@ impl PyEngine {
             .transpose()
             .map_err(|e| to_pyerr(py, e))
     }
+
+    /// `n` standalone sequences' scope: the adapter `lora_name`, the salt `cache_salt`.
+    fn scopes(
+        &self,
+        py: Python<'_>,
+        n: usize,
+        lora_name: Option<&str>,
+        cache_salt: Option<&str>,
+    ) -> PyResult<Vec<SeqScope>> {
+        let scope = SeqScope {
+            lora: self.lora(py, lora_name)?,
+            cache_salt: crate::engine::validate::cache_salt_hash(cache_salt)
+                .map_err(|e| to_pyerr(py, e))?,
+        };
+        Ok(vec![scope; n])
+    }
 }
 
 /// An adapter's description: `path`, `rank` and `content_hash` (16 hex digits, as in the
@@ -275,7 +292,7 @@ impl PyEngine {
 
     /// Submits a request whose outputs arrive on `queue`: cumulative snapshots, or with
     /// `delta` what is new since the last output of this request.
-    #[pyo3(signature = (queue, request_id, prompt, params, delta=false, lora_name=None))]
+    #[pyo3(signature = (queue, request_id, prompt, params, delta=false, lora_name=None, cache_salt=None))]
     #[allow(clippy::too_many_arguments)]
     fn add_request(
         &self,
@@ -286,12 +303,14 @@ impl PyEngine {
         params: &Bound<'_, PyDict>,
         delta: bool,
         lora_name: Option<&str>,
+        cache_salt: Option<String>,
     ) -> PyResult<()> {
         let request = Request {
             request_id: request_id.clone(),
             prompt: prompt_from_py(py, prompt)?,
             params: params_from_dict(py, params)?,
             lora: self.lora(py, lora_name)?,
+            cache_salt,
         };
         // Take the accumulator lock without the GIL: `next_outputs` holds it while building
         // Python objects, where the GIL can pass to another thread (a GC callback runs
@@ -374,10 +393,10 @@ impl PyEngine {
             normalize,
             deterministic,
         };
-        let loras = vec![self.lora(py, lora_name)?; prompts.len()];
+        let scopes = self.scopes(py, prompts.len(), lora_name, None)?;
         let n = prompts.len();
         let rows = self.call(py, move |e| {
-            e.with_core(move |c| c.embed(&prompts, opts, &loras))
+            e.with_core(move |c| c.embed(&prompts, opts, &scopes))
         })?;
         let width = rows.first().map_or(0, Vec::len);
         dlpack::PyTensor::new(dlpack::Buffer::F32(rows.concat()), vec![n, width])
@@ -385,8 +404,9 @@ impl PyEngine {
     }
 
     /// Per completion token `(token, logprob, rank, top)` given its prompt; `deterministic`
-    /// runs the verify-path kernels; `lora_name`: a loaded adapter they all run with.
-    #[pyo3(signature = (pairs, top_n, deterministic, lora_name=None))]
+    /// runs the verify-path kernels; `lora_name`: a loaded adapter they all run with;
+    /// `cache_salt`: the prefix-cache namespace their prompts' pages are read from and left in.
+    #[pyo3(signature = (pairs, top_n, deterministic, lora_name=None, cache_salt=None))]
     fn score(
         &self,
         py: Python<'_>,
@@ -394,27 +414,29 @@ impl PyEngine {
         top_n: usize,
         deterministic: bool,
         lora_name: Option<&str>,
+        cache_salt: Option<&str>,
     ) -> PyResult<Vec<Vec<LogprobTuple>>> {
-        let loras = vec![self.lora(py, lora_name)?; pairs.len()];
+        let scopes = self.scopes(py, pairs.len(), lora_name, cache_salt)?;
         let scored = self.call(py, move |e| {
-            e.with_core(move |c| c.score(&pairs, top_n, deterministic, &loras))
+            e.with_core(move |c| c.score(&pairs, top_n, deterministic, &scopes))
         })?;
         Ok(scored.iter().map(|s| logprob_tuples(s)).collect())
     }
 
     /// vLLM's prompt logprobs: `(token, logprob, rank, top)` for prompt positions 1...;
-    /// `lora_name`: a loaded adapter they all run with.
-    #[pyo3(signature = (prompts, top_n, lora_name=None))]
+    /// `lora_name`: a loaded adapter they all run with; `cache_salt`: as `score`'s.
+    #[pyo3(signature = (prompts, top_n, lora_name=None, cache_salt=None))]
     fn prompt_logprobs(
         &self,
         py: Python<'_>,
         prompts: Vec<Vec<u32>>,
         top_n: usize,
         lora_name: Option<&str>,
+        cache_salt: Option<&str>,
     ) -> PyResult<Vec<Vec<LogprobTuple>>> {
-        let loras = vec![self.lora(py, lora_name)?; prompts.len()];
+        let scopes = self.scopes(py, prompts.len(), lora_name, cache_salt)?;
         let scored = self.call(py, move |e| {
-            e.with_core(move |c| c.prompt_logprobs(&prompts, top_n, &loras))
+            e.with_core(move |c| c.prompt_logprobs(&prompts, top_n, &scopes))
         })?;
         Ok(scored.iter().map(|s| logprob_tuples(s)).collect())
     }

@@ -48,6 +48,8 @@ pub struct Sequence {
     pub constraint: Option<TokenConstraint>,
     /// The LoRA adapter it runs with (held until it ends, whatever is loaded by then).
     pub lora: Option<Arc<LoraAdapter>>,
+    /// Its request's `cache_salt` hashed (`kv::salt_hash`; 0: none).
+    pub cache_salt: u64,
 }
 
 /// Decode–verify–rollback counters and state of one sequence (owned by `crate::dvr`).
@@ -84,9 +86,13 @@ impl Sequence {
     }
 
     /// The prefix-cache namespace of its KV: pages computed with an adapter hold other
-    /// values than the base model's for the same tokens (0: the base model).
+    /// values than the base model's for the same tokens, and a salted request's pages are its
+    /// salt's alone (0: the base model, unsalted).
     pub fn cache_namespace(&self) -> u64 {
-        self.lora.as_ref().map_or(0, |a| a.content_hash())
+        crate::kv::namespace(
+            self.lora.as_ref().map_or(0, |a| a.content_hash()),
+            self.cache_salt,
+        )
     }
 
     /// Token at absolute position `pos`.

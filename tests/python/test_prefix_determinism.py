@@ -265,3 +265,40 @@ def bits_of(c: detspec.CompletionOutput) -> tuple[list[int], list[str]]:
         struct.pack("<f", lp[t].logprob).hex()
         for t, lp in zip(c.token_ids, c.logprobs, strict=True)
     ]
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_cache_salt_confines_hits_to_its_salt(flat_model: str, profile) -> None:
+    """vLLM's ``cache_salt`` prompt key: a prompt's cached pages reach only requests with the
+    same salt, through ``generate``, ``AsyncLLM`` and ``score``; outputs do not change."""
+    llm = engine(flat_model, profile)
+    prompt = PREFIX + SUFFIX
+
+    def salted(salt: str | None) -> detspec.RequestOutput:
+        p = (
+            {"prompt_token_ids": prompt}
+            if salt is None
+            else {
+                "prompt_token_ids": prompt,
+                "cache_salt": salt,
+            }
+        )
+        return llm.generate([p], params(), use_tqdm=False)[0]
+
+    first = salted("a")
+    assert first.num_cached_tokens == 0
+    for salt in ("b", None):
+        out = salted(salt)
+        assert out.num_cached_tokens == 0, f"{salt!r} read salt a's pages"
+        assert bits(out) == bits(first)
+    again = salted("a")
+    assert again.num_cached_tokens > 0 and bits(again) == bits(first)
+    # score leaves the prompt's pages under its salt, and reads them under it alone
+    c = list(first.outputs[0].token_ids)
+    lps = first.outputs[0].token_logprobs
+    assert llm.score([prompt], [c], cache_salt="c")[0] == list(lps)
+    assert salted("c").num_cached_tokens > 0
+    with pytest.raises(detspec.InvalidRequestError, match="cache_salt"):
+        salted("")
+    with pytest.raises(detspec.InvalidRequestError, match="cache_salt"):
+        llm.score([prompt], [c], cache_salt="")

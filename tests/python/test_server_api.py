@@ -524,3 +524,49 @@ def test_metrics_count_exactly(server, client) -> None:
     after = snap()
     delta = {k: after[k] - before[k] for k in before}
     assert delta == {"prompt": 7, "gen": 16, "e2e": 2, "ttft": 2, "length": 4, "det": 2}, delta
+
+
+def test_cache_salt_confines_prefix_cache_hits(server, client) -> None:
+    """vLLM's ``cache_salt``: a prompt's cached pages are found only by requests with the same
+    salt (multi-tenant isolation); the outputs do not change. Also through ``prompt_logprobs``
+    (scored first, its pages cached under the salt) and chat; an empty salt is refused."""
+    prompt = [int(x) for x in np.random.default_rng(4242).integers(5, 900, size=80)]
+
+    def complete(salt: str | None, **extra):
+        body = {"deterministic": True, **extra}
+        if salt is not None:
+            body["cache_salt"] = salt
+        r = client.completions.create(
+            model=SERVED_NAME,
+            prompt=prompt,
+            max_tokens=4,
+            temperature=0.0,
+            logprobs=1,
+            extra_body=body,
+        )
+        lps = [f32(x) for x in r.choices[0].logprobs.token_logprobs]
+        return r.usage.prompt_tokens_details.cached_tokens, (r.choices[0].text, lps)
+
+    cached_a, out = complete("tenant-a")
+    assert cached_a == 0
+    for salt in ("tenant-b", None):
+        cached, got = complete(salt)
+        assert cached == 0, f"{salt!r} read tenant-a's pages"
+        assert got == out
+    cached, got = complete("tenant-a")
+    assert cached > 0 and got == out
+    # prompt_logprobs leave the prompt's pages under the request's salt, for it alone.
+    cached, got = complete("tenant-c", prompt_logprobs=1)
+    assert got == out
+    assert complete("tenant-c")[0] > 0
+    assert complete("tenant-d")[0] == 0
+    chat = client.chat.completions.create(
+        model=SERVED_NAME,
+        messages=[{"role": "user", "content": "hello"}],
+        max_tokens=2,
+        extra_body={"cache_salt": "tenant-a"},
+    )
+    assert chat.choices[0].message.content is not None
+    with pytest.raises(openai.BadRequestError) as e:
+        complete("")
+    assert "cache_salt" in str(e.value)

@@ -36,6 +36,8 @@ class Job:
     # engine gave it (which names the adapter's weights)
     lora: str | None = None
     fingerprint: str | None = None
+    # vLLM's `cache_salt`: its prompt's prefix-cache pages are its salt's alone
+    cache_salt: str | None = None
 
     def invalid(self, e: InvalidRequestError, default_param: str | None = None) -> ApiError:
         """A 400 for an engine error, naming the request field behind it."""

@@ -101,6 +101,12 @@ class _SamplingFields(OpenAIBaseModel):
     return_tokens_as_token_ids: bool = Field(
         default=False, description="logprob tokens as 'token_id:N' (distinct even when texts clash)"
     )
+    cache_salt: str | None = Field(
+        default=None,
+        min_length=1,
+        description="prefix-cache pages are shared only among requests with the same salt "
+        "(multi-tenant isolation); outputs do not change",
+    )
     # detspec
     deterministic: bool | None = Field(
         default=None,

@@ -182,6 +182,7 @@ class ResponsesRequest(P.OpenAIBaseModel):
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     logit_bias: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    cache_salt: str | None = Field(default=None, min_length=1)
 
     @property
     def wants_logprobs(self) -> bool:
@@ -291,6 +292,7 @@ def chat_request(req: ResponsesRequest) -> P.ChatCompletionRequest:
         reasoning_effort=req.reasoning.effort if req.reasoning is not None else None,
         stream=req.stream,
         user=req.user,
+        cache_salt=req.cache_salt,
     )
 
 

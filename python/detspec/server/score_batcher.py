@@ -14,7 +14,8 @@ from detspec.outputs import Logprob
 
 PromptLogprobs = list[dict[int, Logprob] | None]
 # What one engine call shares: (k, deterministic, LoRA adapter).
-_Key = tuple[int, bool, str | None]
+# k, deterministic, LoRA adapter, cache salt: one engine call per key
+_Key = tuple[int, bool, str | None, str | None]
 
 
 class ScoreBatcher:
@@ -29,10 +30,15 @@ class ScoreBatcher:
         self._worker: asyncio.Task[None] | None = None
 
     async def prompt_logprobs(
-        self, ids: list[int], k: int, deterministic: bool, lora: str | None = None
+        self,
+        ids: list[int],
+        k: int,
+        deterministic: bool,
+        lora: str | None = None,
+        cache_salt: str | None = None,
     ) -> PromptLogprobs:
         fut: asyncio.Future[PromptLogprobs] = asyncio.get_running_loop().create_future()
-        self._queue.append((ids, (k, deterministic, lora), fut))
+        self._queue.append((ids, (k, deterministic, lora, cache_salt), fut))
         if self._worker is None or self._worker.done():
             self._worker = asyncio.ensure_future(self._run())
         return await fut
@@ -51,10 +57,10 @@ class ScoreBatcher:
     async def _score(self, items: list[Any], key: _Key) -> None:
         """One engine call for `items`; if it fails, each alone, so a request the engine
         refuses gets its own error and the others their results."""
-        k, det, lora = key
+        k, det, lora, salt = key
         try:
             res = await self._engine.prompt_logprobs(
-                [it[0] for it in items], k, deterministic=det, lora_request=lora
+                [it[0] for it in items], k, deterministic=det, lora_request=lora, cache_salt=salt
             )
         except Exception as e:
             if len(items) > 1:

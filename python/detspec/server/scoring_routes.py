@@ -136,7 +136,15 @@ async def echo_completions(
             _check_scorable(server, ids, param)
             # The parameters are validated; nothing is generated.
             params = server.sampling_params(req, 1, req.logprobs, constraint)
-            job = Job(i, rid, ids, params, constraint=constraint, lora=server.lora_of(req.model))
+            job = Job(
+                i,
+                rid,
+                ids,
+                params,
+                constraint=constraint,
+                lora=server.lora_of(req.model),
+                cache_salt=req.cache_salt,
+            )
             server.validate(None, params, param, job)
             jobs.append(job)
         texts.append(pr if isinstance(pr, str) else None)
@@ -149,7 +157,7 @@ async def echo_completions(
         # prefix cache, so the generation after it does not compute them again.
         plps = await asyncio.gather(
             *(
-                batcher.prompt_logprobs(j.prompt_ids, req.logprobs, det, j.lora)
+                batcher.prompt_logprobs(j.prompt_ids, req.logprobs, det, j.lora, j.cache_salt)
                 if req.logprobs is not None
                 else _none()
                 for j in jobs

@@ -300,6 +300,7 @@ class OpenAIServer:
             tools=tools,
             reasoning=reasoning,
             lora=self.lora_of(req.model),
+            cache_salt=req.cache_salt,
         )
         self.validate(None, params, param, job)
         return job
@@ -332,20 +333,22 @@ class OpenAIServer:
         )
 
     async def prompt_logprobs(
-        self, ids: list[int], k: int, lora: str | None = None
+        self, ids: list[int], k: int, lora: str | None = None, cache_salt: str | None = None
     ) -> list[dict[str, Any] | None]:
         """vLLM's ``prompt_logprobs`` as JSON: the engine's numbers, bit for bit those of
-        ``LLM.generate`` (verify-path kernels; with the LoRA adapter ``lora``). Through the
-        score batcher, so concurrent calls (a request's prompts, other requests) share one
-        engine call."""
-        entries = await self.score_batcher.prompt_logprobs(ids, k, True, lora)
+        ``LLM.generate`` (verify-path kernels; with the LoRA adapter ``lora``; the prompt's
+        pages cached under ``cache_salt``). Through the score batcher, so concurrent calls (a
+        request's prompts, other requests) share one engine call."""
+        entries = await self.score_batcher.prompt_logprobs(ids, k, True, lora, cache_salt)
         return LogprobShaper.prompt(entries)
 
     async def attach_prompt_logprobs(self, jobs: list[Job], k: int | None) -> None:
         """Each job's ``prompt_logprobs`` (vLLM's field), all asked for at once."""
         if k is None:
             return
-        found = await asyncio.gather(*(self.prompt_logprobs(j.prompt_ids, k, j.lora) for j in jobs))
+        found = await asyncio.gather(
+            *(self.prompt_logprobs(j.prompt_ids, k, j.lora, j.cache_salt) for j in jobs)
+        )
         for j, plp in zip(jobs, found, strict=True):
             j.prompt_logprobs = plp
 
@@ -363,8 +366,11 @@ class OpenAIServer:
         if job.params.deterministic:
             m.deterministic_requests.inc()
         out: RequestOutput | None = None
+        prompt: Any = job.prompt_ids
+        if job.cache_salt is not None:
+            prompt = {"prompt_token_ids": job.prompt_ids, "cache_salt": job.cache_salt}
         stream = self.engine.generate(
-            job.prompt_ids, job.params, request_id=job.rid, delta=delta, lora_request=job.lora
+            prompt, job.params, request_id=job.rid, delta=delta, lora_request=job.lora
         )
         try:
             async with contextlib.aclosing(stream):
@@ -520,7 +526,9 @@ class OpenAIServer:
             reasoning,
         )
         if req.prompt_logprobs is not None:
-            job.prompt_logprobs = await self.prompt_logprobs(ids, req.prompt_logprobs, job.lora)
+            job.prompt_logprobs = await self.prompt_logprobs(
+                ids, req.prompt_logprobs, job.lora, job.cache_salt
+            )
         return job, base, model
 
     async def reasoning_plan(

@@ -52,25 +52,51 @@ pub struct AuditInput {
     pub lora: Option<Arc<LoraAdapter>>,
 }
 
-/// The LoRA adapter each sequence of a standalone forward runs with, by index (shorter than
-/// the sequences, or empty: the base model for the rest).
-pub type Loras<'a> = &'a [Option<Arc<LoraAdapter>>];
+/// What a sequence of a standalone forward runs with besides its tokens: its LoRA adapter,
+/// and its request's cache salt (`kv::salt_hash`; 0: none), which confines the prefix-cache
+/// pages it reads and leaves to its salt's namespace.
+#[derive(Debug, Clone, Default)]
+pub struct SeqScope {
+    pub lora: Option<Arc<LoraAdapter>>,
+    pub cache_salt: u64,
+}
 
-/// Sequence `i`'s adapter in `loras`.
-pub(super) fn lora_of(loras: Loras<'_>, i: usize) -> Option<Arc<LoraAdapter>> {
-    loras.get(i).cloned().flatten()
+impl SeqScope {
+    /// The base model's scope with `adapter`, unsalted.
+    pub fn of_lora(adapter: Option<Arc<LoraAdapter>>) -> Self {
+        Self {
+            lora: adapter,
+            cache_salt: 0,
+        }
+    }
+}
+
+/// Each sequence's scope, by index (shorter than the sequences, or empty: the base model,
+/// unsalted, for the rest).
+pub type Scopes<'a> = &'a [SeqScope];
+
+/// Sequence `i`'s scope in `scopes`.
+pub(super) fn scope_of(scopes: Scopes<'_>, i: usize) -> SeqScope {
+    scopes.get(i).cloned().unwrap_or_default()
+}
+
+/// Sequence `i`'s adapter in `scopes`.
+pub(super) fn lora_of(scopes: Scopes<'_>, i: usize) -> Option<Arc<LoraAdapter>> {
+    scopes.get(i).and_then(|s| s.lora.clone())
 }
 
 /// The prefix-cache namespace of sequence `i`'s KV (see `Sequence::cache_namespace`).
-pub(super) fn namespace_of(loras: Loras<'_>, i: usize) -> u64 {
-    loras
-        .get(i)
-        .and_then(Option::as_ref)
-        .map_or(0, |a| a.content_hash())
+pub(super) fn namespace_of(scopes: Scopes<'_>, i: usize) -> u64 {
+    let s = scopes.get(i);
+    crate::kv::namespace(
+        s.and_then(|s| s.lora.as_ref())
+            .map_or(0, |a| a.content_hash()),
+        s.map_or(0, |s| s.cache_salt),
+    )
 }
 
 impl EngineCore {
-    /// Runs each sequence (with its adapter in `loras`) and returns, per sequence, the rows of
+    /// Runs each sequence (with its adapter in `scopes`) and returns, per sequence, the rows of
     /// `wanted[i]` flattened (`rows × width`, width = vocab or hidden).
     pub fn forward_sequences(
         &mut self,
@@ -78,10 +104,10 @@ impl EngineCore {
         wanted: &[Range<usize>],
         kind: ForwardKind,
         fixed: bool,
-        loras: Loras<'_>,
+        scopes: Scopes<'_>,
     ) -> Result<Vec<Vec<f32>>> {
         let mut out = vec![Vec::new(); seqs.len()];
-        self.for_each_row(seqs, wanted, (kind, fixed), loras, &mut |i, row| {
+        self.for_each_row(seqs, wanted, (kind, fixed), scopes, &mut |i, row| {
             out[i].extend_from_slice(row);
             Ok(())
         })?;
@@ -97,7 +123,7 @@ impl EngineCore {
         seqs: &[Vec<u32>],
         wanted: &[Range<usize>],
         (kind, fixed): (ForwardKind, bool),
-        loras: Loras<'_>,
+        scopes: Scopes<'_>,
         visit: RowVisitor<'_>,
     ) -> Result<()> {
         self.check_sequences(seqs)?;
@@ -112,19 +138,25 @@ impl EngineCore {
             (true, ScoringShape::Generation { .. }) => PrefixUse::NONE,
         };
         let budget = self.cfg.max_num_batched_tokens.max(1);
-        self.in_groups(&refs, &prefix, loras, budget, &mut |core, group, tables| {
-            let seqs: Vec<&[u32]> = group.iter().map(|&i| refs[i]).collect();
-            let wanted: Vec<Range<usize>> = group.iter().map(|&i| wanted[i].clone()).collect();
-            let group_loras: Vec<_> = group.iter().map(|&i| lora_of(loras, i)).collect();
-            let (width, rows) =
-                core.forward_group(&seqs, &wanted, tables, (kind, fixed), &group_loras)?;
-            for (&i, flat) in group.iter().zip(rows) {
-                for row in flat.chunks_exact(width.max(1)) {
-                    visit(i, row)?;
+        self.in_groups(
+            &refs,
+            &prefix,
+            scopes,
+            budget,
+            &mut |core, group, tables| {
+                let seqs: Vec<&[u32]> = group.iter().map(|&i| refs[i]).collect();
+                let wanted: Vec<Range<usize>> = group.iter().map(|&i| wanted[i].clone()).collect();
+                let group_scopes: Vec<_> = group.iter().map(|&i| scope_of(scopes, i)).collect();
+                let (width, rows) =
+                    core.forward_group(&seqs, &wanted, tables, (kind, fixed), &group_scopes)?;
+                for (&i, flat) in group.iter().zip(rows) {
+                    for row in flat.chunks_exact(width.max(1)) {
+                        visit(i, row)?;
+                    }
                 }
-            }
-            Ok(())
-        })
+                Ok(())
+            },
+        )
     }
 
     /// Every sequence fits the context and the vocabulary.
@@ -151,7 +183,7 @@ impl EngineCore {
         wanted: &[Range<usize>],
         tables: &[BlockTable],
         (kind, fixed): (ForwardKind, bool),
-        loras: Loras<'_>,
+        scopes: Scopes<'_>,
     ) -> Result<(usize, Vec<Vec<f32>>)> {
         let ps = self.cfg.page_size;
         let schedule = if fixed {
@@ -194,7 +226,7 @@ impl EngineCore {
                 batch.attention.row_seq.push(si as u32);
             }
             batch.attention.block_tables.push(bt.pages().to_vec());
-            batch.adapters.push(lora_of(loras, si));
+            batch.adapters.push(lora_of(scopes, si));
         }
         if batch.logit_rows.is_empty() {
             return Ok((0, vec![Vec::new(); seqs.len()]));
@@ -236,7 +268,7 @@ impl EngineCore {
         &self,
         pairs: &[(Vec<u32>, Vec<u32>)],
         fixed: bool,
-        loras: Loras<'_>,
+        scopes: Scopes<'_>,
         visit: RowVisitor<'_>,
     ) -> Result<()> {
         let mut seqs = Vec::with_capacity(pairs.len());
@@ -264,17 +296,17 @@ impl EngineCore {
                 let prompt_lens: Vec<usize> = scored.iter().map(|&i| pairs[i].0.len()).collect();
                 // Each prompt's last row predicts its completion's first token.
                 let first_wanted: Vec<usize> = prompt_lens.iter().map(|p| p - 1).collect();
-                let scored_loras: Vec<_> = scored.iter().map(|&i| lora_of(loras, i)).collect();
+                let scored_scopes: Vec<_> = scored.iter().map(|&i| scope_of(scopes, i)).collect();
                 self.logits_as_generated(
                     &seqs,
                     (&prompt_lens, &first_wanted),
                     (prefill_rows, verify_rows),
                     pad_page,
-                    &scored_loras,
+                    &scored_scopes,
                     &mut |i, row| visit(scored[i], row),
                 )
             }
-            _ => self.for_each_row(&seqs, &wanted, (ForwardKind::Logits, fixed), loras, visit),
+            _ => self.for_each_row(&seqs, &wanted, (ForwardKind::Logits, fixed), scopes, visit),
         }
     }
 
@@ -295,19 +327,19 @@ impl EngineCore {
         (prompt_lens, first_wanted): (&[usize], &[usize]),
         shapes: (usize, usize),
         pad_page: u32,
-        loras: Loras<'_>,
+        scopes: Scopes<'_>,
         visit: RowVisitor<'_>,
     ) -> Result<()> {
         let prefix = PrefixUse::new(PageClass::Invariant, first_wanted, prompt_lens);
         let budget = self.cfg.max_num_batched_tokens.max(shapes.1);
-        self.in_groups(seqs, &prefix, loras, budget, &mut |core, group, tables| {
+        self.in_groups(seqs, &prefix, scopes, budget, &mut |core, group, tables| {
             let pick = |of: &[usize]| group.iter().map(|&i| of[i]).collect::<Vec<_>>();
             let group_seqs: Vec<&[u32]> = group.iter().map(|&i| seqs[i]).collect();
-            let group_loras: Vec<_> = group.iter().map(|&i| lora_of(loras, i)).collect();
+            let group_scopes: Vec<_> = group.iter().map(|&i| scope_of(scopes, i)).collect();
             core.packed_logits(
                 &group_seqs,
                 (&pick(prompt_lens), &pick(first_wanted)),
-                (tables, &group_loras),
+                (tables, &group_scopes),
                 shapes,
                 pad_page,
                 &mut |k, row| visit(group[k], row),
@@ -321,7 +353,7 @@ impl EngineCore {
         &self,
         seqs: &[&[u32]],
         (prompt_lens, first_wanted): (&[usize], &[usize]),
-        (tables, loras): (&[BlockTable], Loras<'_>),
+        (tables, scopes): (&[BlockTable], Scopes<'_>),
         (prefill_rows, verify_rows): (usize, usize),
         pad_page: u32,
         visit: RowVisitor<'_>,
@@ -333,7 +365,7 @@ impl EngineCore {
             let mut batch = ForwardBatch::default();
             batch.attention.sliding_window = self.info.config.sliding_window;
             batch.attention.block_tables = tables.iter().map(|t| t.pages().to_vec()).collect();
-            batch.adapters = (0..tables.len()).map(|si| lora_of(loras, si)).collect();
+            batch.adapters = (0..tables.len()).map(|si| lora_of(scopes, si)).collect();
             for (si, (seq, table)) in seqs.iter().zip(tables).enumerate() {
                 for pos in part(si) {
                     let slot = table.slot(pos, ps).ok_or_else(|| {
@@ -390,19 +422,19 @@ impl EngineCore {
     /// The logprob of every token of each completion given its prompt (the sampler's raw
     /// logprobs), with rank and the `top_n` most likely tokens. `fixed`: on the verify-path
     /// kernels, equal to what a deterministic request generating these tokens reported.
-    /// `loras`: each pair's adapter.
+    /// `scopes`: each pair's adapter.
     pub fn score(
         &mut self,
         pairs: &[(Vec<u32>, Vec<u32>)],
         top_n: usize,
         fixed: bool,
-        loras: Loras<'_>,
+        scopes: Scopes<'_>,
     ) -> Result<Vec<Vec<TokenLogprobs>>> {
         let mut out: Vec<Vec<TokenLogprobs>> = pairs
             .iter()
             .map(|(_, c)| Vec::with_capacity(c.len()))
             .collect();
-        self.for_each_completion_row(pairs, fixed, loras, &mut |i, row| {
+        self.for_each_completion_row(pairs, fixed, scopes, &mut |i, row| {
             let token = pairs[i].1.get(out[i].len()).copied().ok_or_else(|| {
                 candle_core::Error::Msg(format!("pair {i}: a row past its completion"))
             })?;
@@ -414,12 +446,12 @@ impl EngineCore {
 
     /// vLLM's prompt logprobs: for positions 1.. of each prompt, the logprob of the prompt's
     /// token there with its rank and the `top_n` most likely tokens (position 0 has none).
-    /// `loras`: each prompt's adapter.
+    /// `scopes`: each prompt's adapter.
     pub fn prompt_logprobs(
         &mut self,
         prompts: &[Vec<u32>],
         top_n: usize,
-        loras: Loras<'_>,
+        scopes: Scopes<'_>,
     ) -> Result<Vec<Vec<TokenLogprobs>>> {
         if let ScoringShape::Generation {
             prefill_rows,
@@ -428,7 +460,7 @@ impl EngineCore {
         } = self.policy.scoring_shape()
         {
             let shapes = (prefill_rows, verify_rows);
-            return self.prompt_logprobs_as_prefilled(prompts, top_n, shapes, pad_page, loras);
+            return self.prompt_logprobs_as_prefilled(prompts, top_n, shapes, pad_page, scopes);
         }
         let pairs: Vec<(Vec<u32>, Vec<u32>)> = prompts
             .iter()
@@ -439,7 +471,7 @@ impl EngineCore {
                 )
             })
             .collect();
-        self.score(&pairs, top_n, true, loras)
+        self.score(&pairs, top_n, true, scopes)
     }
 
     /// [`Self::prompt_logprobs`] where GEMM bits depend on the row count: every row computed
@@ -452,7 +484,7 @@ impl EngineCore {
         top_n: usize,
         shapes: (usize, usize),
         pad_page: u32,
-        loras: Loras<'_>,
+        scopes: Scopes<'_>,
     ) -> Result<Vec<Vec<TokenLogprobs>>> {
         self.check_sequences(prompts)?;
         // Row j predicts the prompt's token j + 1: the last token is not fed, and a one-token
@@ -465,14 +497,14 @@ impl EngineCore {
             .map(|&i| &prompts[i][..prompts[i].len() - 1])
             .collect();
         let lens: Vec<usize> = seqs.iter().map(|s| s.len()).collect();
-        let scored_loras: Vec<_> = scored.iter().map(|&i| lora_of(loras, i)).collect();
+        let scored_scopes: Vec<_> = scored.iter().map(|&i| scope_of(scopes, i)).collect();
         let mut out = vec![Vec::new(); prompts.len()];
         self.logits_as_generated(
             &seqs,
             (&lens, &vec![0; seqs.len()]),
             shapes,
             pad_page,
-            &scored_loras,
+            &scored_scopes,
             &mut |k, row| {
                 let i = scored[k];
                 let token = prompts[i].get(out[i].len() + 1).copied().ok_or_else(|| {
@@ -530,8 +562,11 @@ impl EngineCore {
             .iter()
             .map(|it| Vec::with_capacity(it.token_ids.len()))
             .collect();
-        let loras: Vec<_> = items.iter().map(|it| it.lora.clone()).collect();
-        self.for_each_completion_row(&pairs, true, &loras, &mut |i, row| {
+        let scopes: Vec<_> = items
+            .iter()
+            .map(|it| SeqScope::of_lora(it.lora.clone()))
+            .collect();
+        self.for_each_completion_row(&pairs, true, &scopes, &mut |i, row| {
             let it = &items[i];
             let before = it.token_ids.get(..out[i].len()).unwrap_or_default();
             let mask = match constraints[i].as_mut() {

@@ -9,7 +9,7 @@ use crate::error::Result;
 use crate::kv::{BlockTable, PageClass};
 
 use super::super::EngineCore;
-use super::{namespace_of, Loras};
+use super::{namespace_of, Scopes};
 
 impl EngineCore {
     /// Runs `run` on groups of `seqs` (their indices), each with KV pages reserved for its
@@ -17,19 +17,19 @@ impl EngineCore {
     /// back after, the pages `prefix` names registered in the prefix cache first. Sequences
     /// that start like an earlier one run after all the others ([`Self::sharing_order`]), so
     /// they read its pages instead of computing them beside it. A sequence's pages are those
-    /// of its adapter in `loras` (their own namespace in the cache).
+    /// of its adapter in `scopes` (their own namespace in the cache).
     pub(super) fn in_groups(
         &self,
         seqs: &[&[u32]],
         prefix: &PrefixUse<'_>,
-        loras: Loras<'_>,
+        scopes: Scopes<'_>,
         budget: usize,
         run: GroupRun<'_>,
     ) -> Result<()> {
-        for order in self.sharing_order(seqs, prefix, loras) {
+        for order in self.sharing_order(seqs, prefix, scopes) {
             let mut start = 0;
             while start < order.len() {
-                let tables = self.reserve_group(seqs, &order[start..], prefix, loras, budget)?;
+                let tables = self.reserve_group(seqs, &order[start..], prefix, scopes, budget)?;
                 let group = &order[start..start + tables.len()];
                 let result = run(self, group, &tables);
                 if result.is_ok() {
@@ -40,7 +40,7 @@ impl EngineCore {
                                 tokens,
                                 table.pages(),
                                 prefix.class,
-                                namespace_of(loras, i),
+                                namespace_of(scopes, i),
                             );
                         }
                     }
@@ -60,7 +60,7 @@ impl EngineCore {
         &self,
         seqs: &[&[u32]],
         prefix: &PrefixUse<'_>,
-        loras: Loras<'_>,
+        scopes: Scopes<'_>,
     ) -> [Vec<usize>; 2] {
         let ps = self.cfg.page_size;
         let reads = self.alloc.prefix_caching_enabled();
@@ -68,7 +68,7 @@ impl EngineCore {
         let (mut leaders, mut followers) = (Vec::new(), Vec::new());
         for (i, seq) in seqs.iter().enumerate() {
             let page = (reads && prefix.readable(i).min(seq.len().saturating_sub(1)) >= ps)
-                .then(|| (namespace_of(loras, i), &seq[..ps]));
+                .then(|| (namespace_of(scopes, i), &seq[..ps]));
             match page {
                 Some(page) if !firsts.insert(page) => followers.push(i),
                 _ => leaders.push(i),
@@ -86,7 +86,7 @@ impl EngineCore {
         seqs: &[&[u32]],
         order: &[usize],
         prefix: &PrefixUse<'_>,
-        loras: Loras<'_>,
+        scopes: Scopes<'_>,
         budget: usize,
     ) -> Result<Vec<BlockTable>> {
         let alloc = self.alloc.as_ref();
@@ -101,7 +101,7 @@ impl EngineCore {
                 true => self.alloc.lookup_prefix_of(
                     &seq[..readable],
                     prefix.class,
-                    namespace_of(loras, i),
+                    namespace_of(scopes, i),
                 ),
                 false => Vec::new(),
             };

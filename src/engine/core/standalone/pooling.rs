@@ -11,7 +11,7 @@ use std::ops::Range;
 
 use crate::error::{DetspecError, Result};
 
-use super::{ForwardKind, Loras};
+use super::{ForwardKind, Scopes};
 use crate::engine::EngineCore;
 
 /// How a sequence's hidden states become one vector.
@@ -51,12 +51,12 @@ pub struct EmbedOptions {
 }
 
 impl EngineCore {
-    /// One embedding per sequence (with its adapter in `loras`).
+    /// One embedding per sequence (with its adapter in `scopes`).
     pub fn embed(
         &mut self,
         seqs: &[Vec<u32>],
         opts: EmbedOptions,
-        loras: Loras<'_>,
+        scopes: Scopes<'_>,
     ) -> Result<Vec<Vec<f32>>> {
         let hidden = self.info.config.hidden_size;
         let dims = opts.dimensions.unwrap_or(hidden);
@@ -75,7 +75,7 @@ impl EngineCore {
             .collect();
         let mut sums = vec![vec![0f32; hidden]; seqs.len()];
         let kind = (ForwardKind::Hidden, opts.deterministic);
-        self.for_each_row(seqs, &wanted, kind, loras, &mut |i, row| {
+        self.for_each_row(seqs, &wanted, kind, scopes, &mut |i, row| {
             for (acc, &v) in sums[i].iter_mut().zip(row) {
                 *acc += v;
             }
