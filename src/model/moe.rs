@@ -235,8 +235,11 @@ impl Routing {
             order.extend(0..num_experts);
             // Largest first; equal probabilities keep index order (a stable sort).
             order.sort_by(|&a, &b| exps[b].total_cmp(&exps[a]));
-            let mut top: Vec<(usize, f32)> =
-                order[..top_k].iter().map(|&e| (e, exps[e] / sum)).collect();
+            let mut top: Vec<(usize, f32)> = order
+                .iter()
+                .take(top_k)
+                .map(|&e| (e, exps[e] / sum))
+                .collect();
             if norm {
                 let total: f32 = top.iter().map(|&(_, p)| p).sum();
                 for (_, p) in &mut top {

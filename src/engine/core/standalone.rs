@@ -96,7 +96,7 @@ pub(super) fn namespace_of(scopes: Scopes<'_>, i: usize) -> u64 {
 }
 
 impl EngineCore {
-    /// Runs each sequence (with its adapter in `scopes`) and returns, per sequence, the rows of
+    /// Runs each sequence (with its scope in `scopes`) and returns, per sequence, the rows of
     /// `wanted[i]` flattened (`rows × width`, width = vocab or hidden).
     pub fn forward_sequences(
         &mut self,

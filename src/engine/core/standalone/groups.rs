@@ -17,7 +17,7 @@ impl EngineCore {
     /// back after, the pages `prefix` names registered in the prefix cache first. Sequences
     /// that start like an earlier one run after all the others ([`Self::sharing_order`]), so
     /// they read its pages instead of computing them beside it. A sequence's pages are those
-    /// of its adapter in `scopes` (their own namespace in the cache).
+    /// of its scope in `scopes` (its adapter and salt: their own namespace in the cache).
     pub(super) fn in_groups(
         &self,
         seqs: &[&[u32]],

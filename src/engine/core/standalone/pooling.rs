@@ -51,7 +51,7 @@ pub struct EmbedOptions {
 }
 
 impl EngineCore {
-    /// One embedding per sequence (with its adapter in `scopes`).
+    /// One embedding per sequence (with its scope in `scopes`).
     pub fn embed(
         &mut self,
         seqs: &[Vec<u32>],
