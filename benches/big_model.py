@@ -64,10 +64,18 @@ def rss_now() -> int:
 
 
 def weight_bytes_per_token(cfg: dict, itemsize: int) -> int:
+    """Bytes of weights one token reads: of a mixture of experts (every layer sparse), the
+    router and the ``num_experts_per_tok`` experts it runs."""
     hs, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     d = cfg.get("head_dim") or hs // cfg["num_attention_heads"]
     h, kvh = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    per_layer = hs * h * d * 2 + hs * kvh * d * 2 + 3 * hs * inter
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    if experts:
+        width = cfg.get("moe_intermediate_size", inter)
+        mlp = experts * hs + cfg["num_experts_per_tok"] * 3 * hs * width
+    else:
+        mlp = 3 * hs * inter
+    per_layer = hs * h * d * 2 + hs * kvh * d * 2 + mlp
     return (cfg["num_hidden_layers"] * per_layer + vocab * hs + hs) * itemsize
 
 

@@ -1,5 +1,7 @@
 """Writes a randomly initialised Llama-3-shaped checkpoint (no download): the GPU benchmarks'
-and parity tests' large models. Weights are drawn on the GPU when there is one.
+and parity tests' large models; ``--shape qwen3-30b-a3b`` writes a Qwen3-MoE-shaped mixture of
+experts instead (``--num-layers`` cuts any shape's depth). Weights are drawn on the GPU when
+there is one.
 
     python benches/write_random_llama.py --shape llama3-8b --out /tmp/llama3-8b-random
     python benches/write_random_llama.py --shape llama3-1b --dtype float32 --out /tmp/llama3-1b
@@ -67,15 +69,52 @@ SHAPES = {
         num_key_value_heads=8,
         tie_word_embeddings=True,
     ),
+    # Qwen3-30B-A3B geometry: a mixture of experts (128 experts of width 768, 8 per token) with
+    # Qwen3's attention (head_dim 128, q/k norms) and vocabulary. 61 GB in bf16: take fewer
+    # layers (--num-layers 12: 16 GB) on a 24 GB machine.
+    "qwen3-30b-a3b": dict(
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        tie_word_embeddings=False,
+        moe=dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768),
+    ),
 }
 
 
 VOCAB = 128256
+QWEN_VOCAB = 151936
 
 
-def config_dict(shape: str, dtype: str, max_pos: int) -> dict:
-    """config.json of the shape (what transformers' LlamaConfig writes, as plain JSON)."""
-    s = SHAPES[shape]
+def config_dict(shape: str, dtype: str, max_pos: int, num_layers: int | None = None) -> dict:
+    """config.json of the shape (what transformers' LlamaConfig, or Qwen3MoeConfig, writes, as
+    plain JSON); ``num_layers`` overrides its depth."""
+    s = dict(SHAPES[shape])
+    if num_layers is not None:
+        s["num_hidden_layers"] = num_layers
+    moe = s.pop("moe", None)
+    if moe is not None:
+        return {
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe",
+            "vocab_size": QWEN_VOCAB,
+            "max_position_embeddings": max_pos,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 1000000.0,
+            "bos_token_id": 151643,
+            "eos_token_id": 151645,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "torch_dtype": dtype,
+            **moe,
+            **s,
+        }
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -93,7 +132,7 @@ def config_dict(shape: str, dtype: str, max_pos: int) -> dict:
         "bos_token_id": 128000,
         "eos_token_id": 128001,
         "hidden_act": "silu",
-        "head_dim": s["hidden_size"] // s["num_attention_heads"],
+        "head_dim": s.get("head_dim", s["hidden_size"] // s["num_attention_heads"]),
         "attention_bias": False,
         "mlp_bias": False,
         "torch_dtype": dtype,
@@ -102,11 +141,12 @@ def config_dict(shape: str, dtype: str, max_pos: int) -> dict:
 
 
 def tensor_shapes(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
-    """Every parameter of a Llama checkpoint of ``cfg``, in file order."""
-    hs, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    """Every parameter of a Llama (or Qwen3-MoE) checkpoint of ``cfg``, in file order."""
+    hs, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     d = cfg["head_dim"]
     h, kvh = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (VOCAB, hs))]
+    experts = cfg.get("num_experts", 0)
+    out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (vocab, hs))]
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}"
         out += [
@@ -116,13 +156,30 @@ def tensor_shapes(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
             (f"{p}.self_attn.v_proj.weight", (kvh * d, hs)),
             (f"{p}.self_attn.o_proj.weight", (hs, h * d)),
             (f"{p}.post_attention_layernorm.weight", (hs,)),
-            (f"{p}.mlp.gate_proj.weight", (inter, hs)),
-            (f"{p}.mlp.up_proj.weight", (inter, hs)),
-            (f"{p}.mlp.down_proj.weight", (hs, inter)),
         ]
+        if experts:
+            width = cfg["moe_intermediate_size"]
+            out += [
+                (f"{p}.self_attn.q_norm.weight", (d,)),
+                (f"{p}.self_attn.k_norm.weight", (d,)),
+                (f"{p}.mlp.gate.weight", (experts, hs)),
+            ]
+            for e in range(experts):
+                q = f"{p}.mlp.experts.{e}"
+                out += [
+                    (f"{q}.gate_proj.weight", (width, hs)),
+                    (f"{q}.up_proj.weight", (width, hs)),
+                    (f"{q}.down_proj.weight", (hs, width)),
+                ]
+        else:
+            out += [
+                (f"{p}.mlp.gate_proj.weight", (inter, hs)),
+                (f"{p}.mlp.up_proj.weight", (inter, hs)),
+                (f"{p}.mlp.down_proj.weight", (hs, inter)),
+            ]
     out.append(("model.norm.weight", (hs,)))
     if not cfg["tie_word_embeddings"]:
-        out.append(("lm_head.weight", (VOCAB, hs)))
+        out.append(("lm_head.weight", (vocab, hs)))
     return out
 
 
@@ -135,7 +192,7 @@ def write_streaming(args: argparse.Namespace) -> None:
 
     if args.dtype == "float16":
         raise SystemExit("--streaming writes bfloat16 or float32")
-    cfg = config_dict(args.shape, args.dtype, args.max_position_embeddings)
+    cfg = config_dict(args.shape, args.dtype, args.max_position_embeddings, args.num_layers)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "config.json").write_text(json.dumps(cfg, indent=2))
     itemsize = 2 if args.dtype == "bfloat16" else 4
@@ -210,7 +267,7 @@ def write_torch(args: argparse.Namespace) -> None:
     from safetensors.torch import save_file
 
     dtype = getattr(torch, args.dtype)
-    cfg = config_dict(args.shape, args.dtype, args.max_position_embeddings)
+    cfg = config_dict(args.shape, args.dtype, args.max_position_embeddings, args.num_layers)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "config.json").write_text(json.dumps(cfg, indent=2))
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -301,6 +358,7 @@ def main() -> None:
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     p.add_argument("--max-position-embeddings", type=int, default=8192)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-layers", type=int, default=None, help="override the shape's depth")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument(
         "--streaming",
@@ -315,6 +373,8 @@ def main() -> None:
     args = p.parse_args()
     if args.peaked and (args.streaming or SHAPES[args.shape]["tie_word_embeddings"]):
         raise SystemExit("--peaked needs the torch writer and an untied lm_head")
+    if args.peaked and "moe" in SHAPES[args.shape]:
+        raise SystemExit("--peaked writes Llama shapes only")
     args.out.mkdir(parents=True, exist_ok=True)
     if args.streaming:
         write_streaming(args)
