@@ -279,11 +279,15 @@ async def test_score_batcher_coalesces_and_isolates_a_refused_prompt() -> None:
 
     calls: list[int] = []
     adapters: list[str | None] = []
+    salts: list[str | None] = []
 
     class Engine:
-        async def prompt_logprobs(self, prompts, k, deterministic, lora_request=None):
+        async def prompt_logprobs(
+            self, prompts, k, deterministic, lora_request=None, cache_salt=None
+        ):
             calls.append(len(prompts))
             adapters.append(lora_request)
+            salts.append(cache_salt)
             await asyncio.sleep(0)
             if any(999 in p for p in prompts):
                 raise ValueError("token 999 refused")
@@ -308,3 +312,12 @@ async def test_score_batcher_coalesces_and_isolates_a_refused_prompt() -> None:
         batcher.prompt_logprobs([5, 6], 1, True, "a"),
     )
     assert sorted(zip(adapters, calls, strict=True), key=str) == [("a", 2), (None, 1)]
+    # Nor prompts of different cache salts (each salt's pages are its own).
+    calls.clear()
+    salts.clear()
+    await asyncio.gather(
+        batcher.prompt_logprobs([1, 2], 1, True, None, "s"),
+        batcher.prompt_logprobs([3, 4], 1, True, None, "t"),
+        batcher.prompt_logprobs([5, 6], 1, True, None, "s"),
+    )
+    assert sorted(zip(salts, calls, strict=True), key=str) == [("s", 2), ("t", 1)]
