@@ -320,12 +320,12 @@ impl Model {
             let (k_cache, v_cache) = kv.layer(li).ok_or_else(|| {
                 DetspecError::param("num_layers", format!("KV pool has no layer {li}"))
             })?;
-            // A linear layer's output with the rows' adapters' deltas added.
             // Linear layers' outputs of one input with the rows' adapters' deltas added.
             let with_lora = |x: &Tensor, outs: LoraOutputs<'_>| match &lora {
                 Some(l) => l.add(x, li, outs),
                 None => Ok(outs.into_iter().map(|(y, _)| y).collect()),
             };
+            // One linear layer's output with the rows' adapters' deltas added.
             let one = |x: &Tensor, y: Tensor, t: &[(LoraTarget, usize)]| {
                 with_lora(x, vec![(y, t)])?
                     .pop()

@@ -13,16 +13,16 @@
 //! prefill pass change a row's bits, so those passes run the experts on fixed row blocks
 //! (`fixed_blocks`), which no routing can change.
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::Tensor;
 use rayon::prelude::*;
 
-use crate::config::{ExpertNaming, ModelConfig, MoeConfig};
+use crate::config::{ModelConfig, MoeConfig};
 use crate::error::{DetspecError, Result};
 use crate::ops;
 
 use super::linear::{GemmOptions, Linear};
 use super::loader::WeightLoader;
-use super::moe_names::{sparse_root, ExpertPart, SparseLinear};
+use super::moe_names::{ExpertPart, SparseLinear};
 
 /// One expert: a SwiGLU MLP.
 #[derive(Debug)]
@@ -33,18 +33,19 @@ pub(super) struct Expert {
 }
 
 impl Expert {
+    /// An expert whose parts are the linear layers `which(part)`.
     fn load(
         ld: &WeightLoader<'_>,
-        prefix: &str,
-        naming: ExpertNaming,
-        hidden: usize,
-        width: usize,
+        cfg: &ModelConfig,
+        moe: &MoeConfig,
+        layer: usize,
+        which: impl Fn(ExpertPart) -> SparseLinear,
     ) -> Result<Self> {
-        let name = |part: ExpertPart| format!("{prefix}.{}", part.name(naming));
+        let linear = |part| load_linear(ld, cfg, moe, layer, which(part));
         Ok(Self {
-            gate: ld.linear(&name(ExpertPart::Gate), hidden, width, false)?,
-            up: ld.linear(&name(ExpertPart::Up), hidden, width, false)?,
-            down: ld.linear(&name(ExpertPart::Down), width, hidden, false)?,
+            gate: linear(ExpertPart::Gate)?,
+            up: linear(ExpertPart::Up)?,
+            down: linear(ExpertPart::Down)?,
         })
     }
 
@@ -82,37 +83,18 @@ impl SparseMlp {
         moe: &MoeConfig,
         layer: usize,
     ) -> Result<Self> {
-        let hidden = cfg.hidden_size;
-        let root = sparse_root(moe.naming, layer);
-        let router = ld.linear(&format!("{root}.gate"), hidden, moe.num_experts, false)?;
         let experts = (0..moe.num_experts)
-            .map(|e| {
-                let prefix = format!("{root}.experts.{e}");
-                Expert::load(
-                    ld,
-                    &prefix,
-                    moe.naming,
-                    hidden,
-                    moe.expert_intermediate_size,
-                )
-            })
+            .map(|e| Expert::load(ld, cfg, moe, layer, |p| SparseLinear::Expert(e, p)))
             .collect::<Result<_>>()?;
-        let shared = moe
-            .shared_expert_intermediate_size
-            .map(|width| {
-                let expert = Expert::load(
-                    ld,
-                    &format!("{root}.shared_expert"),
-                    moe.naming,
-                    hidden,
-                    width,
-                )?;
-                let gate = ld.linear(&format!("{root}.shared_expert_gate"), hidden, 1, false)?;
-                Ok::<_, DetspecError>((expert, gate))
-            })
-            .transpose()?;
+        let shared = match moe.shared_expert_intermediate_size {
+            Some(_) => Some((
+                Expert::load(ld, cfg, moe, layer, SparseLinear::Shared)?,
+                load_linear(ld, cfg, moe, layer, SparseLinear::SharedGate)?,
+            )),
+            None => None,
+        };
         Ok(Self {
-            router,
+            router: load_linear(ld, cfg, moe, layer, SparseLinear::Router)?,
             experts,
             shared,
             top_k: moe.top_k,
@@ -130,8 +112,9 @@ impl SparseMlp {
     ) -> Result<Tensor> {
         let (n, _) = x.dims2()?;
         let dev = x.device();
-        let logits = host_f32(&self.router.apply(x, gemm)?)?;
-        let routing = Routing::new(&logits, self.experts.len(), self.top_k, self.norm_topk_prob)?;
+        let routing = ops::with_f32_values(&self.router.apply(x, gemm)?, |logits| {
+            Routing::new(logits, self.experts.len(), self.top_k, self.norm_topk_prob)
+        })??;
         let expert_gemm = GemmOptions {
             invariant: gemm.invariant || fixed_blocks,
             ..gemm
@@ -175,8 +158,9 @@ impl SparseMlp {
         let mut out =
             out.ok_or_else(|| DetspecError::param("num_experts_per_tok", "must be > 0"))?;
         if let Some((expert, gate)) = &self.shared {
-            let g = host_f32(&gate.apply(x, gemm)?)?;
-            let scale: Vec<f32> = g.iter().map(|&v| sigmoid(v)).collect();
+            let scale = ops::with_f32_values(&gate.apply(x, gemm)?, |g| {
+                g.iter().map(|&v| ops::sigmoid(v)).collect::<Vec<f32>>()
+            })?;
             let scale = Tensor::from_vec(scale, (n, 1), dev)?.to_dtype(x.dtype())?;
             out = (out + expert.forward(x, gemm)?.broadcast_mul(&scale)?)?;
         }
@@ -184,17 +168,17 @@ impl SparseMlp {
     }
 }
 
-/// `1 / (1 + e^-v)` in f32 (libm's `expf`, so the same bits on every platform).
-fn sigmoid(v: f32) -> f32 {
-    1.0 / (1.0 + libm::expf(-v))
-}
-
-/// A tensor's values as f32 on the host, row-major.
-fn host_f32(t: &Tensor) -> candle_core::Result<Vec<f32>> {
-    t.to_dtype(DType::F32)?
-        .flatten_all()?
-        .to_device(&Device::Cpu)?
-        .to_vec1::<f32>()
+/// The linear layer `which` of layer `layer`'s sparse MLP (no bias: none of these models has
+/// one there).
+fn load_linear(
+    ld: &WeightLoader<'_>,
+    cfg: &ModelConfig,
+    moe: &MoeConfig,
+    layer: usize,
+    which: SparseLinear,
+) -> Result<Linear> {
+    let [out_dim, in_dim] = which.shape(cfg, moe);
+    ld.linear(&which.path(moe.naming, layer), in_dim, out_dim, false)
 }
 
 /// Where each row goes: per expert the rows routed to it, in row order; per row its experts
@@ -207,7 +191,8 @@ pub(super) struct Routing {
 
 impl Routing {
     /// The routing of rows whose router logits are `logits` (`[n, num_experts]`, row-major):
-    /// softmax in f32 (max-subtracted, summed in index order), the `top_k` largest (ties to
+    /// softmax in f32 (max-subtracted, `ops::exp_nonpositive`, summed in index order), the
+    /// `top_k` largest (ties to
     /// the lower index), renormalised to sum to one when `norm`.
     pub(super) fn new(
         logits: &[f32],
@@ -227,9 +212,11 @@ impl Routing {
         let mut rows = vec![Vec::new(); num_experts];
         let mut picks = Vec::with_capacity(logits.len() / num_experts);
         let mut order: Vec<usize> = Vec::with_capacity(num_experts);
+        let mut exps: Vec<f32> = Vec::with_capacity(num_experts);
         for (r, row) in logits.chunks(num_experts).enumerate() {
             let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let exps: Vec<f32> = row.iter().map(|&v| libm::expf(v - max)).collect();
+            exps.clear();
+            exps.extend(row.iter().map(|&v| ops::exp_nonpositive(v - max)));
             let sum: f32 = exps.iter().sum();
             order.clear();
             order.extend(0..num_experts);

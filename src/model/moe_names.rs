@@ -18,9 +18,9 @@ pub(super) enum ExpertPart {
 }
 
 impl ExpertPart {
-    pub(super) const ALL: [ExpertPart; 3] = [ExpertPart::Gate, ExpertPart::Up, ExpertPart::Down];
+    const ALL: [ExpertPart; 3] = [ExpertPart::Gate, ExpertPart::Up, ExpertPart::Down];
 
-    pub(super) fn name(self, naming: ExpertNaming) -> &'static str {
+    fn name(self, naming: ExpertNaming) -> &'static str {
         match (naming, self) {
             (ExpertNaming::Qwen, Self::Gate) => "gate_proj",
             (ExpertNaming::Qwen, Self::Up) => "up_proj",
@@ -41,13 +41,55 @@ pub(super) enum SparseLinear {
     SharedGate,
 }
 
-/// The module path of layer `layer`'s sparse MLP (`model.layers.3.mlp`).
-pub(super) fn sparse_root(naming: ExpertNaming, layer: usize) -> String {
-    let block = match naming {
+impl SparseLinear {
+    /// Its module path in decoder layer `layer` (`model.layers.3.mlp.experts.5.up_proj`): the
+    /// one place the checkpoint's names are written.
+    pub(super) fn path(self, naming: ExpertNaming, layer: usize) -> String {
+        let root = format!("model.layers.{layer}.{}", block(naming));
+        match self {
+            Self::Router => format!("{root}.gate"),
+            Self::Expert(e, part) => format!("{root}.experts.{e}.{}", part.name(naming)),
+            Self::Shared(part) => format!("{root}.shared_expert.{}", part.name(naming)),
+            Self::SharedGate => format!("{root}.shared_expert_gate"),
+        }
+    }
+
+    /// Its weight's `[out, in]` shape.
+    pub(super) fn shape(self, cfg: &ModelConfig, moe: &MoeConfig) -> [usize; 2] {
+        let hidden = cfg.hidden_size;
+        let mlp = |part: ExpertPart, width: usize| match part {
+            ExpertPart::Down => [hidden, width],
+            _ => [width, hidden],
+        };
+        let shared = moe.shared_expert_intermediate_size.unwrap_or(0);
+        match self {
+            Self::Router => [moe.num_experts, hidden],
+            Self::Expert(_, part) => mlp(part, moe.expert_intermediate_size),
+            Self::Shared(part) => mlp(part, shared),
+            Self::SharedGate => [1, hidden],
+        }
+    }
+}
+
+/// The module under a decoder layer that holds its sparse MLP.
+fn block(naming: ExpertNaming) -> &'static str {
+    match naming {
         ExpertNaming::Qwen => "mlp",
         ExpertNaming::Mixtral => "block_sparse_moe",
-    };
-    format!("model.layers.{layer}.{block}")
+    }
+}
+
+/// Every linear layer of a sparse MLP, in checkpoint order.
+fn sparse_parts(moe: &MoeConfig) -> Vec<SparseLinear> {
+    let mut out = vec![SparseLinear::Router];
+    for e in 0..moe.num_experts {
+        out.extend(ExpertPart::ALL.map(|p| SparseLinear::Expert(e, p)));
+    }
+    if moe.shared_expert_intermediate_size.is_some() {
+        out.extend(ExpertPart::ALL.map(SparseLinear::Shared));
+        out.push(SparseLinear::SharedGate);
+    }
+    out
 }
 
 /// Every linear layer of layer `layer`'s sparse MLP: its module path and `[out, in]` shape.
@@ -56,36 +98,16 @@ pub(super) fn sparse_linears(
     moe: &MoeConfig,
     layer: usize,
 ) -> Vec<(String, [usize; 2])> {
-    let (hidden, width) = (cfg.hidden_size, moe.expert_intermediate_size);
-    let root = sparse_root(moe.naming, layer);
-    let expert = |prefix: &str, width: usize| {
-        ExpertPart::ALL.map(|part| {
-            let shape = match part {
-                ExpertPart::Down => [hidden, width],
-                _ => [width, hidden],
-            };
-            (format!("{prefix}.{}", part.name(moe.naming)), shape)
-        })
-    };
-    let mut out = vec![(format!("{root}.gate"), [moe.num_experts, hidden])];
-    for e in 0..moe.num_experts {
-        out.extend(expert(&format!("{root}.experts.{e}"), width));
-    }
-    if let Some(width) = moe.shared_expert_intermediate_size {
-        out.extend(expert(&format!("{root}.shared_expert"), width));
-        out.push((format!("{root}.shared_expert_gate"), [1, hidden]));
-    }
-    out
+    sparse_parts(moe)
+        .into_iter()
+        .map(|p| (p.path(moe.naming, layer), p.shape(cfg, moe)))
+        .collect()
 }
 
 /// Which linear layer of a sparse MLP the module path `module` (relative to its decoder
 /// layer: `mlp.experts.3.up_proj`) names, if any.
 pub(super) fn parse_sparse_linear(moe: &MoeConfig, module: &str) -> Option<SparseLinear> {
-    let block = match moe.naming {
-        ExpertNaming::Qwen => "mlp.",
-        ExpertNaming::Mixtral => "block_sparse_moe.",
-    };
-    let rest = module.strip_prefix(block)?;
+    let rest = module.strip_prefix(block(moe.naming))?.strip_prefix('.')?;
     let part = |name: &str| {
         ExpertPart::ALL
             .into_iter()
@@ -133,7 +155,6 @@ pub fn unfuse_experts(
             out.push((name, t));
             continue;
         };
-        let root = sparse_root(moe.naming, layer);
         let (e, width, hidden) = (
             moe.num_experts,
             moe.expert_intermediate_size,
@@ -148,11 +169,10 @@ pub fn unfuse_experts(
             }
             Ok(())
         };
-        let expert = |i: usize, part: ExpertPart| {
-            format!("{root}.experts.{i}.{}.weight", part.name(moe.naming))
-        };
+        let weight = |which: SparseLinear| format!("{}.weight", which.path(moe.naming, layer));
+        let expert = |i: usize, part: ExpertPart| weight(SparseLinear::Expert(i, part));
         match field {
-            "mlp.gate.weight" => out.push((format!("{root}.gate.weight"), t)),
+            "mlp.gate.weight" => out.push((weight(SparseLinear::Router), t)),
             "mlp.experts.gate_up_proj" => {
                 fused([e, 2 * width, hidden])?;
                 for i in 0..e {

@@ -58,6 +58,20 @@ pub fn silu(x: f32) -> f32 {
     x / (e + 1.0)
 }
 
+/// The logistic function `1 / (1 + e^-x)` with the exponential above, taken of `-|x|` only
+/// (`e^x / (1 + e^x)` for negative `x`), so it never overflows. NaN stays NaN.
+#[inline(always)]
+pub fn sigmoid(x: f32) -> f32 {
+    let e = exp_nonpositive(-x.abs());
+    if x >= 0.0 {
+        1.0 / (1.0 + e)
+    } else if x < 0.0 {
+        e / (1.0 + e)
+    } else {
+        x
+    }
+}
+
 /// The bf16 nearest to `x` (round to nearest, ties to even; denormals rounded like any other
 /// value, not flushed; a NaN stays a NaN of the same sign, made quiet), as its bits. Integer
 /// operations only, so every CPU gives the same bits; the same definition as the `half` crate's
@@ -88,6 +102,24 @@ mod tests {
             let want = f32::from_bits(((n + 127) as u32) << 23);
             assert_eq!(pow2(n as f32).to_bits(), want.to_bits(), "2^{n}");
         }
+    }
+
+    #[test]
+    fn sigmoid_is_within_a_few_ulp_of_f64_and_saturates_cleanly() {
+        let mut worst = 0f64;
+        for i in -200_000..=200_000 {
+            let x = i as f32 * 5e-4; // -100 .. 100
+            let want = 1.0 / (1.0 + (-f64::from(x)).exp());
+            let got = f64::from(sigmoid(x));
+            if want > 1e-30 {
+                worst = worst.max(((got - want) / want).abs());
+            }
+        }
+        assert!(worst < 1e-6, "worst relative error {worst}");
+        assert_eq!(sigmoid(1e4), 1.0);
+        assert_eq!(sigmoid(-1e4), 0.0);
+        assert_eq!(sigmoid(0.0), 0.5);
+        assert!(sigmoid(f32::NAN).is_nan());
     }
 
     #[test]

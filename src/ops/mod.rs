@@ -43,7 +43,7 @@ pub use gemm_bf16::{
 };
 pub(crate) use isa::isa_kernel;
 pub use isa::CpuIsa;
-pub use math::{bf16_bits, bf16_to_f32, exp_nonpositive, silu};
+pub use math::{bf16_bits, bf16_to_f32, exp_nonpositive, sigmoid, silu};
 pub use matmul::{invariant_matmul, INVARIANT_GEMM_ROWS};
 pub use page_copy::copy_pages;
 pub use paged_attention::{paged_attention, paged_attention_with_isa};
