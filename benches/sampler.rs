@@ -10,7 +10,9 @@
 //! N(0, 3²) values and a few tokens 10–18 above it, so the seeded cases see the spread a real
 //! distribution has (it decides how many tokens the Gumbel-max draw may skip). Cases:
 //! `greedy` (the default request), `greedy_logprobs5`, `t1` (temperature 1, RL rollouts),
-//! `t0.6_p0.95` (temperature and nucleus, a common eval setting), `t1_k50`, `t1_minp0.05`.
+//! `t0.6_p0.95` (temperature and nucleus, a common eval setting), `t1_k50`, `t1_minp0.05`;
+//! and the seeded ones on a confident model's row (`peaked_*`: one token 20 above a narrow
+//! bulk, as the GPU benchmarks' peaked model).
 //! On a GPU the engine runs these on the host, in parallel over rows, after copying the logits.
 
 use std::hint::black_box;
@@ -101,6 +103,22 @@ fn bench(c: &mut Criterion) {
                 })
             });
         }
+    }
+    // A confident model's row (the GPU benchmarks' peaked model): one token 20 above a
+    // narrow bulk, so at T = 0.6 every token is within the nucleus filter's reach.
+    let mut peaked = lm_row(128_256);
+    for l in peaked.iter_mut() {
+        *l *= 0.1;
+    }
+    peaked[5] = 20.0;
+    let prompt: Vec<u32> = (0..128).collect();
+    let output: Vec<u32> = (1000..1032).collect();
+    for (label, params) in cases().into_iter().filter(|(l, _)| l.starts_with('t')) {
+        g.bench_function(BenchmarkId::new(format!("peaked_{label}"), 128_256), |b| {
+            b.iter(|| {
+                black_box(sample_next(&params, 7, &prompt, &output, &peaked, &[2], None).unwrap())
+            })
+        });
     }
     g.finish();
 }

@@ -6,6 +6,7 @@
 //! batching or thread count.
 
 pub mod next_token;
+mod nucleus;
 pub mod params;
 pub mod processors;
 pub mod rng;

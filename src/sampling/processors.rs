@@ -8,7 +8,8 @@
 //!
 //! Determinism: the same row must give the same bits whether it is sampled on the fast path or
 //! by the verifier, on any thread count. So every reduction here is a plain sequential loop in a
-//! fixed order (no rayon, no SIMD-reassociated sums), and every sort uses a *total* order
+//! fixed order (no rayon, no SIMD-reassociated sums that decide anything: the top-p filter's
+//! lane sums only bound the definition's, see `nucleus`), and every sort uses a *total* order
 //! (`f32::total_cmp`, ties broken by token id), which makes the kept set unique even when
 //! several tokens share a logit and independent of the sorting algorithm's stability.
 //!
@@ -17,6 +18,7 @@
 
 use std::cmp::Ordering;
 
+pub use super::nucleus::apply_top_p;
 use super::params::SamplingParams;
 
 /// Total order "more likely first": larger logit first, equal logits by lower token id.
@@ -30,7 +32,7 @@ pub(crate) fn rank_desc(logits: &[f32], a: u32, b: u32) -> Ordering {
 /// Token `t` with logit `l` as one integer whose ascending order is [`rank_desc`]'s: the
 /// descending `total_cmp` key of the logit above the id.
 #[inline]
-fn rank_key(t: usize, l: f32) -> u64 {
+pub(super) fn rank_key(t: usize, l: f32) -> u64 {
     let bits = l.to_bits();
     let ascending = if bits >> 31 == 1 {
         !bits
@@ -44,7 +46,7 @@ fn rank_key(t: usize, l: f32) -> u64 {
 /// in [`rank_desc`] order. Each id is packed with its rank key into one `u64` ([`rank_key`]), so
 /// the sort compares plain integers instead of loading two logits per comparison; the keys are
 /// distinct, so the order is the one `rank_desc` defines, bit for bit.
-fn alive_ids_by_rank(logits: &[f32], keep: impl Fn(f32) -> bool) -> Vec<u32> {
+pub(super) fn alive_ids_by_rank(logits: &[f32], keep: impl Fn(f32) -> bool) -> Vec<u32> {
     // Written without a branch per token (every key is stored, the length advances only for
     // the kept ones): which tokens are kept is data, and a mispredicted branch per token cost
     // more than the rest of the packing.
@@ -180,65 +182,6 @@ pub fn apply_top_k(logits: &mut [f32], k: i32) {
     }
 }
 
-/// Nucleus filter: keeps the smallest prefix of tokens, most likely first (ties by lower id),
-/// whose cumulative probability reaches `top_p`; always keeps at least one token. `top_p >= 1`
-/// disables it.
-///
-/// Probabilities are computed in `f64` over the tokens still alive (so after top-k this is the
-/// renormalised distribution, as in vLLM and HF). The total is the last prefix sum of the same
-/// sequential loop, so the comparison `prefix >= top_p * total` is guaranteed to succeed by the
-/// last token without a separate normalisation step.
-///
-/// Tokens more than `TOP_P_NEGLIGIBLE` (38) below the maximum are left out of the sort and the sum:
-/// their weights are below 2^-54 and come after the maximum's weight of exactly 1, so adding
-/// them cannot change a prefix sum (each is under half an ulp of anything >= 1), and the prefix
-/// reaches `top_p * total` before them: they are always dropped. The result is the one over
-/// every alive token, bit for bit, with less to sort.
-pub fn apply_top_p(logits: &mut [f32], top_p: f32) {
-    if top_p >= 1.0 {
-        return;
-    }
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    if max == f32::NEG_INFINITY {
-        return;
-    }
-    let max = f64::from(max);
-    let negligible = |l: f32| f64::from(l) - max < -TOP_P_NEGLIGIBLE;
-    let idx = alive_ids_by_rank(logits, |l| !negligible(l));
-    let keep = nucleus_len(logits, &idx, max, top_p);
-    for &t in &idx[keep..] {
-        logits[t as usize] = f32::NEG_INFINITY;
-    }
-    for l in logits.iter_mut() {
-        if negligible(*l) {
-            *l = f32::NEG_INFINITY;
-        }
-    }
-}
-
-/// How many of `idx` (alive ids in rank order, the largest logit `max` first) the nucleus
-/// keeps: weights `exp(l - max)` in f64, summed in rank order.
-fn nucleus_len(logits: &[f32], idx: &[u32], max: f64, top_p: f32) -> usize {
-    let weights: Vec<f64> = idx
-        .iter()
-        .map(|&t| (f64::from(logits[t as usize]) - max).exp())
-        .collect();
-    let total: f64 = weights.iter().fold(0.0, |acc, &w| acc + w);
-    let threshold = f64::from(top_p) * total;
-    let mut prefix = 0.0f64;
-    for (i, &w) in weights.iter().enumerate() {
-        prefix += w;
-        if prefix >= threshold {
-            return i + 1;
-        }
-    }
-    idx.len()
-}
-
-/// How far below the maximum (in logits) a token's nucleus weight `exp(l - max)` is below
-/// 2^-54: `exp(-38) < 3.2e-17 < 2^-54 = 5.6e-17`.
-const TOP_P_NEGLIGIBLE: f64 = 38.0;
-
 /// Min-p filter: drops tokens whose probability is below `min_p` times the largest probability.
 /// `min_p <= 0` disables it.
 ///
@@ -321,6 +264,7 @@ pub fn process_logits(
 
 #[cfg(test)]
 mod tests {
+    use super::super::nucleus::nucleus_len;
     use super::*;
     use crate::sampling::test_rows::{mask_every, tied_logits};
 
