@@ -9,6 +9,7 @@ pub mod next_token;
 mod nucleus;
 pub mod params;
 pub mod processors;
+mod rank;
 pub mod rng;
 pub mod sampler;
 pub mod structured;

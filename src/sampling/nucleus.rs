@@ -14,7 +14,7 @@
 //! or the nucleus reaches far down the row) the definition runs as written. The kept set is the
 //! definition's, bit for bit, either way; the lanes' sums only bound, they never decide.
 
-use super::processors::{alive_ids_by_rank, rank_key};
+use super::rank::{alive_ids_by_rank, rank_key};
 use crate::ops::{exp_nonpositive, isa_kernel, CpuIsa};
 
 /// How far below the maximum (in logits) a token's nucleus weight `exp(l - max)` is below

@@ -14,7 +14,8 @@
 use std::borrow::Cow;
 
 use super::params::SamplingParams;
-use super::processors::{changes_greedy_logits, process_logits, rank_desc};
+use super::processors::{changes_greedy_logits, process_logits};
+use super::rank::rank_desc;
 use super::rng::{RowNoise, GUMBEL_MAX};
 use crate::ops::{exp_nonpositive, isa_kernel, CpuIsa};
 use crate::output::TokenLogprobs;
