@@ -5,7 +5,7 @@
 #   scripts/build-cuda-wheel.sh        # -> dist-cuda/detspec-*.whl and dist-cuda/cuda_ops.xz
 #   # device run, carry ["dist-cuda"]:
 #   scripts/gpu-session.sh [PHASE ...]   # phases: smoke ops tests bench profile dvr_peaked
-#                                        #   dvr_groups
+#                                        #   dvr_groups gaps lora
 #                                        # (default: smoke ops tests bench)
 #
 # smoke: installs the wheel (no dependencies: torch and its CUDA 13 libraries are there),
@@ -23,6 +23,10 @@
 # dvr_groups: the DVR part on the random 8B-shaped model with verify_group B = 1, 2, 4 (the
 #        bench phase's dvr rows are B = 8): which B a pass's cost favours on this GPU
 #        -> $OUT/gpu_bench_groups.json.
+# gaps:  batch-1 decode steps on the peaked 8B-shaped model against the GPU's timeline, and at
+#        num_threads 16/1/4 (benches/gpu_step_gaps.py) -> $OUT/gaps.json.
+# lora:  what rank-16 adapters on all projections cost on the peaked 8B-shaped model at batch
+#        1/16/64 (benches/lora_throughput.py) -> $OUT/lora.log.
 #
 # Each phase runs under its own time limit (DETSPEC_GPU_<PHASE>_S seconds) and a failing phase
 # does not stop the next. Everything printed lands in $OUT (or /tmp/detspec-gpu).
@@ -94,10 +98,7 @@ run_profile() {
 }
 
 run_dvr_peaked() {
-    local model=/tmp/llama3-8b-peaked
-    [ -f "$model/config.json" ] || python3 benches/write_random_llama.py --shape llama3-8b \
-        --peaked --choice-fraction 0.1 --out "$model"
-    python3 benches/gpu_bench.py --model-dir "$model" --out "$out/gpu_bench_peaked.json" \
+    python3 benches/gpu_bench.py --model-dir "$(peaked_model)" --out "$out/gpu_bench_peaked.json" \
         --parts "${DETSPEC_GPU_PEAKED_PARTS:-dvr,dvr_adaptive}"
 }
 
@@ -108,13 +109,29 @@ run_dvr_groups() {
         --parts dvr_groups --groups "${DETSPEC_GPU_GROUPS:-1,2,4}"
 }
 
+peaked_model() {
+    local model=/tmp/llama3-8b-peaked
+    [ -f "$model/config.json" ] || python3 benches/write_random_llama.py --shape llama3-8b \
+        --peaked --choice-fraction 0.1 --out "$model" >&2
+    echo "$model"
+}
+
+run_gaps() {
+    python3 benches/gpu_step_gaps.py --model-dir "$(peaked_model)" --out "$out/gaps.json"
+}
+
+run_lora() {
+    DETSPEC_BENCH_MODEL="$(peaked_model)" python3 benches/lora_throughput.py 1 16 64 --rank 16 \
+        --rounds 2 device=cuda dtype=bfloat16 | tee "$out/lora.log"
+}
+
 declare -A default_s=([smoke]=60 [ops]=120 [tests]=240 [bench]=300 [profile]=120 [dvr_peaked]=240
-    [dvr_groups]=300)
+    [dvr_groups]=300 [gaps]=120 [lora]=150)
 for phase in "${phases[@]}"; do
     s="$(limit "$phase" "${default_s[$phase]:-300}")"
     echo "=== $phase (limit ${s}s) $(date +%T)"
     start=$SECONDS
     # Functions run in a subshell under `timeout` through `bash -c` of this script's functions.
-    timeout --kill-after=10 "$s" bash -c "$(declare -f run_"$phase"); out='$out'; run_$phase"
+    timeout --kill-after=10 "$s" bash -c "$(declare -f peaked_model run_"$phase"); out='$out'; run_$phase"
     echo "=== $phase rc=$? in $((SECONDS - start))s"
 done
