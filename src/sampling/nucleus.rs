@@ -14,7 +14,7 @@
 //! or the nucleus reaches far down the row) the definition runs as written. The kept set is the
 //! definition's, bit for bit, either way; the lanes' sums only bound, they never decide.
 
-use super::rank::{alive_ids_by_rank, rank_key};
+use super::rank::{alive_ids_by_rank, rank_key, row_max, LANES};
 use crate::ops::{exp_nonpositive, isa_kernel, CpuIsa};
 
 /// How far below the maximum (in logits) a token's nucleus weight `exp(l - max)` is below
@@ -64,24 +64,6 @@ pub fn apply_top_p(logits: &mut [f32], top_p: f32) {
     }
     for (&t, v) in kept.iter().zip(values) {
         logits[t as usize] = v;
-    }
-}
-
-isa_kernel! {
-    /// The largest logit, NaN ignored (`-inf` for a row of NaN and `-inf`), in lanes.
-    fn row_max(isa: CpuIsa, logits: &[f32]) -> f32 {
-        const LANES: usize = 16;
-        let mut maxes = [f32::NEG_INFINITY; LANES];
-        let (chunks, rest) = logits.as_chunks::<LANES>();
-        for c in chunks {
-            for l in 0..LANES {
-                maxes[l] = if c[l] > maxes[l] { c[l] } else { maxes[l] };
-            }
-        }
-        for (l, &x) in rest.iter().enumerate() {
-            maxes[l] = if x > maxes[l] { x } else { maxes[l] };
-        }
-        maxes.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x))
     }
 }
 
@@ -147,7 +129,6 @@ isa_kernel! {
     /// The row's total weight `sum exp(l - max)`: f32 `exp` of each logit, summed in f64 lanes
     /// (lane `l` takes the indices ≡ l mod 16). NaN and `-inf` weigh nothing.
     fn lane_total(isa: CpuIsa, logits: &[f32], max: f32) -> f64 {
-        const LANES: usize = 16;
         let mut totals = [0f64; LANES];
         let (chunks, rest) = logits.as_chunks::<LANES>();
         let mut last = [f32::NEG_INFINITY; LANES];

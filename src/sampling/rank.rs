@@ -1,7 +1,10 @@
 //! Token ranking: "more likely first" as a total order (larger logit first, equal logits by
-//! lower id), so every filter and top-n list keeps a unique set whatever the sort's stability.
+//! lower id), so every filter and top-n list keeps a unique set whatever the sort's stability;
+//! and the top rank's logit, the row's maximum, which the sampler and the filters start from.
 
 use std::cmp::Ordering;
+
+use crate::ops::isa_kernel;
 
 /// Total order "more likely first": larger logit first, equal logits by lower token id.
 #[inline]
@@ -41,6 +44,36 @@ pub(super) fn alive_ids_by_rank(logits: &[f32], keep: impl Fn(f32) -> bool) -> V
     packed.truncate(len);
     packed.sort_unstable();
     packed.into_iter().map(|k| k as u32).collect()
+}
+
+/// Lanes of the row kernels here and in the sampler (16 f32: one AVX-512 register).
+pub(super) const LANES: usize = 16;
+
+isa_kernel! {
+    /// The largest logit of a row, the top rank's (`-inf` for an empty or all-`-inf` row;
+    /// NaN is never larger, so it is passed over).
+    pub(super) fn row_max(isa: CpuIsa, logits: &[f32]) -> f32 {
+        max_in_lanes(logits)
+    }
+}
+
+/// Maximum in [`LANES`] lanes, then across them (max is exact: any order gives the same value).
+#[inline(always)]
+pub(super) fn max_in_lanes(logits: &[f32]) -> f32 {
+    // `>` rather than `f32::max`: one vector max instruction per lane (`f32::max`'s NaN rule
+    // costs a compare and a blend more), the same value on a row without NaN (the sign of a
+    // zero maximum aside, which no caller can tell apart).
+    let mut maxes = [f32::NEG_INFINITY; LANES];
+    let (chunks, rest) = logits.as_chunks::<LANES>();
+    for c in chunks {
+        for l in 0..LANES {
+            maxes[l] = if c[l] > maxes[l] { c[l] } else { maxes[l] };
+        }
+    }
+    for (l, &x) in rest.iter().enumerate() {
+        maxes[l] = if x > maxes[l] { x } else { maxes[l] };
+    }
+    maxes.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x))
 }
 
 #[cfg(test)]

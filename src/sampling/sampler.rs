@@ -15,7 +15,7 @@ use std::borrow::Cow;
 
 use super::params::SamplingParams;
 use super::processors::{changes_greedy_logits, process_logits};
-use super::rank::rank_desc;
+use super::rank::{max_in_lanes, rank_desc, row_max, LANES};
 use super::rng::{RowNoise, GUMBEL_MAX};
 use crate::ops::{exp_nonpositive, isa_kernel, CpuIsa};
 use crate::output::TokenLogprobs;
@@ -373,13 +373,6 @@ isa_kernel! {
 }
 
 isa_kernel! {
-    /// The largest value of a row without NaN (`-inf` for an empty or all-`-inf` row).
-    fn row_max(isa: CpuIsa, logits: &[f32]) -> f32 {
-        max_in_lanes(logits)
-    }
-}
-
-isa_kernel! {
     /// Max-shifted log-sum-exp of a row: `exp` by a fixed polynomial in plain f32 arithmetic,
     /// summed in 16 lanes (lane `l` takes the indices ≡ l mod 16, in order) that are then added
     /// pairwise, and `ln` of the sum in f64. No step depends on threads or the instruction set
@@ -390,27 +383,6 @@ isa_kernel! {
         log_sum_exp_in_lanes(logits, max)
     }
 }
-
-/// Maximum in [`LANES`] lanes, then across them (max is exact: any order gives the same value).
-#[inline(always)]
-fn max_in_lanes(logits: &[f32]) -> f32 {
-    // `>` rather than `f32::max`: one vector max instruction per lane (`f32::max`'s NaN rule
-    // costs a compare and a blend more), the same value on a row without NaN (the sign of a
-    // zero maximum aside, which no caller can tell apart).
-    let mut maxes = [f32::NEG_INFINITY; LANES];
-    let (chunks, rest) = logits.as_chunks::<LANES>();
-    for c in chunks {
-        for l in 0..LANES {
-            maxes[l] = if c[l] > maxes[l] { c[l] } else { maxes[l] };
-        }
-    }
-    for (l, &x) in rest.iter().enumerate() {
-        maxes[l] = if x > maxes[l] { x } else { maxes[l] };
-    }
-    maxes.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x))
-}
-
-const LANES: usize = 16;
 
 #[inline(always)]
 /// `max` is the row's maximum ([`max_in_lanes`]), which the caller has at hand.
