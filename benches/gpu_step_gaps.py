@@ -4,9 +4,7 @@ CUDA calls (torch's profiler, CUPTI), measured per step, and batch-1 decode at s
 
 Per step, from the trace: the GPU's busy time, its idle time inside the step, and the gap
 between the logits' copy to the host (the step's end on the GPU) and the next step's first
-kernel, split into the host's time before its first CUDA call of the next step (sampling,
-bookkeeping, scheduling) and from that call to the first kernel (building and uploading the
-step's inputs).
+kernel (the host sampling, scheduling and building the step meanwhile).
 
     python benches/gpu_step_gaps.py --model-dir /tmp/llama3-8b --out gaps.json
 """
@@ -23,7 +21,6 @@ from pathlib import Path
 import numpy as np
 
 GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
-API_CATS = {"cuda_runtime", "cuda_driver"}
 
 
 def median(xs: list[float]) -> float:
@@ -35,42 +32,21 @@ def step_gaps(trace: dict) -> dict:
     device-to-host copy of the logits."""
     events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
     gpu = sorted((e for e in events if e.get("cat") in GPU_CATS), key=lambda e: e["ts"])
-    api = sorted((e for e in events if e.get("cat") in API_CATS), key=lambda e: e["ts"])
     ends = [i for i, e in enumerate(gpu) if e.get("cat") == "gpu_memcpy" and "DtoH" in e["name"]]
-    rows: dict[str, list[float]] = {
-        "step": [],
-        "busy": [],
-        "idle_inside": [],
-        "between_steps": [],
-        "host_before_first_call": [],
-        "first_call_to_first_kernel": [],
-        "api_calls_before_first_kernel": [],
-    }
-    names: dict[str, int] = {}
+    rows: dict[str, list[float]] = {"step": [], "busy": [], "idle_inside": [], "between_steps": []}
     for a, b in zip(ends, ends[1:], strict=False):
         step = gpu[a + 1 : b + 1]
         if not step:
             continue
         copy_end = gpu[a]["ts"] + gpu[a]["dur"]
-        first = step[0]["ts"]
+        first, last = step[0]["ts"], step[-1]["ts"] + step[-1]["dur"]
         busy = sum(e["dur"] for e in step)
-        span = step[-1]["ts"] + step[-1]["dur"] - first
-        rows["step"].append(step[-1]["ts"] + step[-1]["dur"] - copy_end)
+        rows["step"].append(last - copy_end)
         rows["busy"].append(busy)
-        rows["idle_inside"].append(span - busy)
+        rows["idle_inside"].append(last - first - busy)
         rows["between_steps"].append(first - copy_end)
-        calls = [c for c in api if copy_end <= c["ts"] < first]
-        # The copy's own call returns after the copy: the host's next calls start the step.
-        calls = [c for c in calls if "Memcpy" not in c["name"] or c["ts"] > copy_end]
-        if calls:
-            rows["host_before_first_call"].append(calls[0]["ts"] - copy_end)
-            rows["first_call_to_first_kernel"].append(first - calls[0]["ts"])
-        rows["api_calls_before_first_kernel"].append(len(calls))
-        for c in calls:
-            names[c["name"]] = names.get(c["name"], 0) + 1
-    out = {k: median(v) for k, v in rows.items()}
+    out: dict = {k: median(v) for k, v in rows.items()}
     out["steps"] = len(rows["step"])
-    out["api_calls_between_steps"] = dict(sorted(names.items(), key=lambda kv: -kv[1]))
     return out
 
 
