@@ -9,6 +9,7 @@ import shutil
 import struct
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -138,9 +139,16 @@ def target(temperature: float, deterministic: bool) -> SamplingParams:
     )
 
 
-def in_haystack(llm: detspec.LLM, params: SamplingParams, seed: int):
+def in_haystack(
+    llm: detspec.LLM,
+    params: SamplingParams,
+    seed: int,
+    target_lora: str | None = None,
+    neighbour_loras: Sequence[str | None] = (),
+):
     """The target among 1-64 random neighbours of random lengths; some start after it (they
-    join mid-decode because their prompts are long and the token budget chunks them)."""
+    join mid-decode because their prompts are long and the token budget chunks them). With
+    `neighbour_loras`, the target runs `target_lora` and each neighbour one of those."""
     rng = np.random.default_rng(seed)
     n = int(rng.integers(1, 65))
     lengths = rng.integers(1, 300, size=n)
@@ -158,7 +166,11 @@ def in_haystack(llm: detspec.LLM, params: SamplingParams, seed: int):
     pos = int(rng.integers(0, n + 1))
     prompts.insert(pos, TARGET_PROMPT)
     others.insert(pos, params)
-    return bits(llm.generate(prompts, others, use_tqdm=False)[pos])
+    if not neighbour_loras:
+        return bits(llm.generate(prompts, others, use_tqdm=False)[pos])
+    loras = [neighbour_loras[int(rng.integers(0, len(neighbour_loras)))] for _ in range(n)]
+    loras.insert(pos, target_lora)
+    return bits(llm.generate(prompts, others, use_tqdm=False, lora_request=loras)[pos])
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -165,30 +165,6 @@ def flat_model_adapters(tmp_path_factory) -> tuple[str, dict[str, Path]]:
     return str(d), {"A": root / "A", "B": root / "B"}
 
 
-def lora_haystack(llm: detspec.LLM, params: SamplingParams, seed: int):
-    """The target (TARGET_PROMPT on adapter A) among 4-40 neighbours on A, B and the base
-    model, some deterministic where the target is."""
-    rng = np.random.default_rng(seed)
-    n = int(rng.integers(4, 41))
-    prompts = [[int(x) for x in rng.integers(3, 900, size=int(k))] for k in rng.integers(1, 200, n)]
-    others = [
-        SamplingParams(
-            temperature=float(rng.choice([0.0, 1.0])),
-            seed=int(rng.integers(0, 2**31)),
-            max_tokens=int(rng.integers(1, 60)),
-            ignore_eos=True,
-            deterministic=bool(rng.integers(0, 2)) and params.deterministic,
-        )
-        for _ in range(n)
-    ]
-    loras = [[None, "A", "B"][int(rng.integers(0, 3))] for _ in range(n)]
-    pos = int(rng.integers(0, n + 1))
-    prompts.insert(pos, TARGET_PROMPT)
-    others.insert(pos, params)
-    loras.insert(pos, "A")
-    return bits(llm.generate(prompts, others, use_tqdm=False, lora_request=loras)[pos])
-
-
 def lora_llm(flat_model_adapters, dtype: str, **kw) -> detspec.LLM:
     model, adapters = flat_model_adapters
     llm = detspec.LLM(model, device="cuda", dtype=dtype, enable_lora=True, num_kv_pages=4096, **kw)
@@ -207,7 +183,9 @@ def test_lora_needle_in_haystack_bitwise_on_gpu(flat_model_adapters, dtype):
     }
     assert solo["A"] != solo["B"] and solo["A"] != solo[None], "the adapters change nothing"
     for seed in range(HAYSTACKS):
-        assert lora_haystack(llm, params, seed) == solo["A"], f"haystack {seed}"
+        assert in_haystack(llm, params, seed, "A", (None, "A", "B")) == solo["A"], (
+            f"haystack {seed}"
+        )
     (scored,) = llm.score([TARGET_PROMPT], [solo["A"][0]], deterministic=True, lora_request="A")
     assert f32(scored) == solo["A"][1], "score != generation logprobs"
     print(f"\n[lora {dtype}] {llm.stats()}")
@@ -218,7 +196,9 @@ def test_lora_negative_control_off_mode_differs_on_gpu(flat_model_adapters):
     llm = lora_llm(flat_model_adapters, "float32", determinism="off")
     params = target(0.8, deterministic=False)
     solo = bits(llm.generate([TARGET_PROMPT], params, use_tqdm=False, lora_request="A")[0])
-    differing = sum(lora_haystack(llm, params, seed) != solo for seed in range(HAYSTACKS))
+    differing = sum(
+        in_haystack(llm, params, seed, "A", (None, "A", "B")) != solo for seed in range(HAYSTACKS)
+    )
     print(f"\n[lora off] {differing}/{HAYSTACKS} haystacks differ")
     assert differing > 0, "the adapter fast path looked batch-invariant: the needle is blind"
     llm.shutdown()
