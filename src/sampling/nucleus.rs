@@ -45,11 +45,12 @@ pub fn apply_top_p(logits: &mut [f32], top_p: f32) {
     if top_p >= 1.0 {
         return;
     }
-    let max = row_max(CpuIsa::detect(), logits);
+    let isa = CpuIsa::detect();
+    let max = row_max(isa, logits);
     if max == f32::NEG_INFINITY {
         return;
     }
-    let kept = bounded_nucleus(CpuIsa::detect(), logits, max, top_p)
+    let kept = bounded_nucleus(isa, logits, max, top_p)
         .unwrap_or_else(|| exact_nucleus(logits, max, top_p));
     // Every alive token out, then the nucleus back: two passes the compiler vectorises,
     // instead of a rank comparison per token.
