@@ -16,8 +16,9 @@
 //! sum split in parts whose count depends on M, as a vendor GEMM picks its kernel by shape.
 //!
 //! Layout: panel `p` holds columns `p*NR .. p*NR+NR` of `W` for every `k`, k-major
-//! (`panel[k*NR + c] = W[k][p*NR + c]`), zero-padded past N. The microkernel keeps an
-//! `R × NR` block of accumulators in registers (R ≤ MR rows) and walks k once.
+//! (`panel[k*NR + c] = W[k][p*NR + c]`), zero-padded past N. The microkernel keeps a
+//! block of accumulators in registers (up to 8 rows × NR columns with AVX-512's 32 registers,
+//! 6 rows × NR/2 with AVX2's 16: [`Blocking`]) and walks k once.
 
 use std::sync::Arc;
 
@@ -29,8 +30,6 @@ use crate::config::KernelProfile;
 
 /// Columns per panel (two AVX-512 vectors, four AVX2 vectors).
 pub const NR: usize = 32;
-/// Rows per microkernel call.
-const MR: usize = 8;
 /// Rows of A kept hot while all panels pass (64 rows × K ≤ 1408 floats ≈ 360 KB, in L2).
 const ROW_BLOCK: usize = 64;
 
@@ -174,25 +173,27 @@ impl Panels for PackedWeight {
     }
 }
 
-/// `R` rows of A (row stride `lda`, `k` columns) times one packed panel: the R × NR block.
+/// `R` rows of A (row stride `lda`, `k` columns) times columns `C0..C0+C` of one packed panel:
+/// the R × C block.
 ///
 /// # Safety
 /// `a` must address `R` rows of `k` readable floats at stride `lda`; `panel` holds `k` steps.
 #[inline(always)]
-unsafe fn microkernel<W: Panels, const R: usize>(
+unsafe fn microkernel<W: Panels, const R: usize, const C0: usize, const C: usize>(
     a: *const f32,
     lda: usize,
     panel: &[W::Step],
     k: usize,
-) -> [[f32; NR]; R] {
-    let mut acc = [[0f32; NR]; R];
+) -> [[f32; C]; R] {
+    let mut acc = [[0f32; C]; R];
     for (kk, step) in panel.iter().enumerate().take(k) {
+        // The columns outside C0..C0+C are widened for nothing and dropped by the compiler.
         let bk = W::widen(step);
         for (r, acc_r) in acc.iter_mut().enumerate() {
             // SAFETY: r < R and kk < k, inside the rows the caller vouches for.
             let av = unsafe { *a.add(r * lda + kk) };
-            for c in 0..NR {
-                acc_r[c] = av.mul_add(bk[c], acc_r[c]);
+            for c in 0..C {
+                acc_r[c] = av.mul_add(bk[C0 + c], acc_r[c]);
             }
         }
     }
@@ -204,18 +205,18 @@ unsafe fn microkernel<W: Panels, const R: usize>(
 /// # Safety
 /// As for [`microkernel`].
 #[inline(always)]
-unsafe fn split_k_microkernel<W: Panels, const R: usize>(
+unsafe fn split_k_microkernel<W: Panels, const R: usize, const C0: usize, const C: usize>(
     a: *const f32,
     lda: usize,
     panel: &[W::Step],
     k: usize,
     parts: usize,
-) -> [[f32; NR]; R] {
-    let mut sum = [[0f32; NR]; R];
+) -> [[f32; C]; R] {
+    let mut sum = [[0f32; C]; R];
     for part in 0..parts {
         let (k0, k1) = (part * k / parts, (part + 1) * k / parts);
         // SAFETY: columns k0..k1 of the caller's rows, and the panel's steps k0..k1.
-        let acc = unsafe { microkernel::<W, R>(a.add(k0), lda, &panel[k0..k1], k1 - k0) };
+        let acc = unsafe { microkernel::<W, R, C0, C>(a.add(k0), lda, &panel[k0..k1], k1 - k0) };
         for (s, acc) in sum.iter_mut().zip(&acc) {
             for (s, &x) in s.iter_mut().zip(acc) {
                 *s += round_bf16(x);
@@ -226,6 +227,21 @@ unsafe fn split_k_microkernel<W: Panels, const R: usize>(
         *s = round_bf16(*s);
     }
     sum
+}
+
+/// How [`panel_rows`] cuts a panel into register blocks: the accumulators of one block, its
+/// weight vectors and an activation broadcast must fit the vector registers, or the compiler
+/// spills accumulators to the stack and every FMA becomes a load, an FMA and a store. Only
+/// speed depends on it: every element is the same FMA chain whatever the block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Blocking {
+    /// Up to 8 rows × all [`NR`] columns: 16 accumulators of 32 AVX-512 registers.
+    Wide,
+    /// AVX2's 16 registers: blocks of up to 6 rows × half a panel (12
+    /// accumulators, 2 weight vectors, 1 broadcast), or up to 3 rows × the whole panel for the
+    /// last rows (a decode step's few rows), where two passes over the panel would read its
+    /// weights twice.
+    Narrow,
 }
 
 /// Computes columns of panel `p` for all `m` rows of `a` into `out` (row stride `n`).
@@ -241,50 +257,78 @@ unsafe fn panel_rows<W: Panels>(
     p: usize,
     out: *mut f32,
     reduction: Reduction,
+    blocking: Blocking,
 ) {
+    const HALF: usize = NR / 2;
     let (k, n) = (w.k(), w.n());
     let panel = w.panel(p);
     let c0 = p * NR;
     let width = NR.min(n - c0);
+    // Writes rows r0.. of the block `acc`, whose columns start at panel column `first`.
+    let store = |r0: usize, first: usize, acc: &[&[f32]]| {
+        let cols = width.saturating_sub(first);
+        for (r, acc_r) in acc.iter().enumerate() {
+            // SAFETY: row r0 + r < m, columns c0+first..c0+first+cols < n; exclusive per
+            // panel (raw writes: the buffer may be uninitialised).
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    acc_r.as_ptr(),
+                    out.add((r0 + r) * n + c0 + first),
+                    cols.min(acc_r.len()),
+                )
+            };
+        }
+    };
     let mut r0 = 0;
     while r0 < m {
-        let rows = MR.min(m - r0);
+        let left = m - r0;
         let a_ptr = a[r0 * k..].as_ptr();
+        // A block of $r rows × columns $c0..$c0+$c.
         macro_rules! block {
-            ($r:literal) => {{
+            ($r:literal, $c0:expr, $c:expr) => {{
                 // SAFETY: rows r0..r0+$r of `a` exist (m × k floats).
                 let acc = unsafe {
                     match reduction {
-                        Reduction::Sequential => microkernel::<W, $r>(a_ptr, k, panel, k),
-                        Reduction::SplitK(parts) => {
-                            split_k_microkernel::<W, $r>(a_ptr, k, panel, k, parts.clamp(1, k))
+                        Reduction::Sequential => {
+                            microkernel::<W, $r, { $c0 }, { $c }>(a_ptr, k, panel, k)
                         }
+                        Reduction::SplitK(parts) => split_k_microkernel::<W, $r, { $c0 }, { $c }>(
+                            a_ptr,
+                            k,
+                            panel,
+                            k,
+                            parts.clamp(1, k),
+                        ),
                     }
                 };
-                for (r, acc_r) in acc.iter().enumerate() {
-                    // SAFETY: row r0 + r < m, columns c0..c0+width < n; exclusive per panel
-                    // (raw writes: the buffer may be uninitialised).
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(
-                            acc_r.as_ptr(),
-                            out.add((r0 + r) * n + c0),
-                            width,
-                        )
-                    };
-                }
+                let rows: [&[f32]; $r] = std::array::from_fn(|r| &acc[r][..]);
+                store(r0, $c0, &rows);
+                $r
             }};
         }
-        match rows {
-            8 => block!(8),
-            7 => block!(7),
-            6 => block!(6),
-            5 => block!(5),
-            4 => block!(4),
-            3 => block!(3),
-            2 => block!(2),
-            _ => block!(1),
+        // $r rows × both half panels.
+        macro_rules! halves {
+            ($r:literal) => {{
+                block!($r, 0, HALF);
+                if width > HALF {
+                    block!($r, HALF, HALF);
+                }
+                $r
+            }};
         }
-        r0 += rows;
+        r0 += match (blocking, left) {
+            (Blocking::Wide, 8..) => block!(8, 0, NR),
+            (Blocking::Wide, 7) => block!(7, 0, NR),
+            (Blocking::Wide, 6) => block!(6, 0, NR),
+            (Blocking::Wide, 5) => block!(5, 0, NR),
+            (Blocking::Wide, 4) => block!(4, 0, NR),
+            (Blocking::Narrow, 6..) => halves!(6),
+            (Blocking::Narrow, 5) => halves!(5),
+            (Blocking::Narrow, 4) => halves!(4),
+            (_, 3) => block!(3, 0, NR),
+            (_, 2) => block!(2, 0, NR),
+            _ => block!(1, 0, NR),
+        };
     }
 }
 
@@ -299,7 +343,7 @@ unsafe fn panel_rows_avx512<W: Panels>(
     reduction: Reduction,
 ) {
     // SAFETY: forwarded from the caller.
-    unsafe { panel_rows(a, m, w, p, out, reduction) }
+    unsafe { panel_rows(a, m, w, p, out, reduction, Blocking::Wide) }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -313,7 +357,7 @@ unsafe fn panel_rows_avx2<W: Panels>(
     reduction: Reduction,
 ) {
     // SAFETY: forwarded from the caller.
-    unsafe { panel_rows(a, m, w, p, out, reduction) }
+    unsafe { panel_rows(a, m, w, p, out, reduction, Blocking::Narrow) }
 }
 
 /// The output buffer shared by the panel tasks, each writing only its own columns.
@@ -376,7 +420,7 @@ pub(super) fn matmul_panels<W: Panels>(
                 CpuIsa::Avx512 => panel_rows_avx512(a_block, rows, w, p, out, reduction),
                 #[cfg(target_arch = "x86_64")]
                 CpuIsa::Avx2Fma => panel_rows_avx2(a_block, rows, w, p, out, reduction),
-                _ => panel_rows(a_block, rows, w, p, out, reduction),
+                _ => panel_rows(a_block, rows, w, p, out, reduction, Blocking::Wide),
             }
         }
     }))
