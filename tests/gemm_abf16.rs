@@ -346,6 +346,76 @@ fn model_shapes_at_engine_batch_sizes() {
     }
 }
 
+/// Products near 2^-126 with normal weights: the emulation's fast path (plain FMAs) meets tiny
+/// intermediates and must hand those chunks to the definition; zero weights and activations
+/// (zero intermediates, which need no flushing) mixed in. Every element against the definition
+/// on every instruction set.
+#[test]
+fn tiny_intermediates_without_denormal_inputs_are_the_definition_s() {
+    let mut r = Rng::new(17);
+    for (m, k, n) in [(7, 200, 70), (13, 64, 33), (3, 1408, 40)] {
+        let a: Vec<f32> = (0..m * k)
+            .map(|i| {
+                if i % 29 == 0 {
+                    0.0
+                } else {
+                    (r.unit() - 0.5) * f32::powi(2.0, -62)
+                }
+            })
+            .collect();
+        let w: Vec<u16> = (0..k * n)
+            .map(|i| {
+                if i % 31 == 0 {
+                    0
+                } else {
+                    bf16_of((r.unit() - 0.5) * f32::powi(2.0, -62)) as u16
+                }
+            })
+            .collect();
+        assert!(
+            w.iter().all(|&h| h & 0x7f80 != 0 || h & 0x7f == 0),
+            "no denormal weight"
+        );
+        let packed = PackedWeightAbf16::from_row_major_bits(&w, k, n).expect("pack");
+        // Plain FMAs without flushing part from the definition here (else this test could
+        // not tell a fast path that skipped the fallback).
+        let unflushed = |i: usize, j: usize| {
+            let act = |kk: usize| {
+                let h = if kk < k {
+                    round_activation_bf16(a[i * k + kk])
+                } else {
+                    0
+                };
+                f32::from_bits(u32::from(h) << 16)
+            };
+            let wt = |kk: usize| {
+                let h = if kk < k { w[kk * n + j] } else { 0 };
+                f32::from_bits(u32::from(h) << 16)
+            };
+            canon((0..k.div_ceil(2)).fold(0f32, |acc, p| {
+                let t = act(2 * p + 1).mul_add(wt(2 * p + 1), acc);
+                act(2 * p).mul_add(wt(2 * p), t)
+            }))
+        };
+        let mut parted = 0;
+        for isa in DotIsa::available() {
+            let c = packed_matmul_abf16_with(&a, m, &packed, isa).expect("gemm");
+            for i in 0..m {
+                for j in 0..n {
+                    let want = reference(&a, &w, k, n, i, j);
+                    parted += usize::from(unflushed(i, j) != want);
+                    assert_eq!(
+                        c[i * n + j].to_bits(),
+                        want,
+                        "m={m} k={k} n={n} ({i}, {j}) {isa:?}"
+                    );
+                }
+            }
+        }
+        assert!(parted > 0, "flushing changes some sums");
+    }
+}
+
 #[test]
 fn row_bits_do_not_depend_on_m_position_or_neighbours() {
     let (k, n) = (512, 1408);

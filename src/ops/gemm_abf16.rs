@@ -65,7 +65,8 @@ pub const CANONICAL_NAN: u32 = 0x7fc0_0000;
 pub enum DotIsa {
     /// `VDPBF16PS` (AVX-512 BF16).
     Avx512Bf16,
-    /// The portable emulation (scalar FMAs with explicit flushing).
+    /// The portable emulation: plain FMAs over chunks where a check shows flushing changed
+    /// nothing, the definition lane by lane over the others (`microkernel_emulated`).
     Emulated,
     /// AMX tiles (`TDPBF16PS`, 16 pairs of k per instruction). **Other bits**: the tile
     /// instruction does not accumulate in `VDPBF16PS`'s order (measured: about half of all
@@ -234,6 +235,8 @@ pub struct PackedWeightAbf16 {
     /// tiles of 16 pairs).
     kps: usize,
     data: Vec<u32>,
+    /// Per panel: whether it holds a denormal weight (the emulation's fast path assumes none).
+    denormal_panels: Vec<bool>,
 }
 
 impl PackedWeightAbf16 {
@@ -277,12 +280,22 @@ impl PackedWeightAbf16 {
                     }
                 }
             });
+        let denormal = |h: u32| h & 0x7f80 == 0 && h & 0x007f != 0;
+        let denormal_panels = data
+            .par_chunks(kps * WORDS)
+            .map(|panel| {
+                panel
+                    .iter()
+                    .any(|&word| denormal(word & 0xffff) || denormal(word >> 16))
+            })
+            .collect();
         Ok(Self {
             k,
             n,
             kp,
             kps,
             data,
+            denormal_panels,
         })
     }
 
@@ -376,66 +389,161 @@ unsafe fn pair_row_avx512(src: &[f32], dst: &mut [MaybeUninit<u32>]) {
     pair_row(src, dst)
 }
 
-/// The R × NR block of rows `a` (R rows of `kp` words, stride `kp`) times `panel`, emulated.
+/// Pairs of k per chunk of [`microkernel_emulated`]'s fast path: what one fallback redoes.
+const CHUNK: usize = 32;
+
+/// Steps `s0..s1` of the R × C block (columns `C0..C0+C` of the panel) added to `acc` by the
+/// definition, lane by lane.
 #[inline(always)]
-fn microkernel_emulated<const R: usize>(a: &[u32], kp: usize, panel: &[u32]) -> [[f32; NR]; R] {
-    let mut acc = [[0f32; NR]; R];
-    for (s, step) in panel.chunks_exact(WORDS).enumerate() {
+fn exact_steps<const R: usize, const C0: usize, const C: usize>(
+    acc: &mut [[f32; C]; R],
+    a: &[u32],
+    kp: usize,
+    panel: &[u32],
+    steps: std::ops::Range<usize>,
+) {
+    for s in steps {
+        let step = &panel[s * WORDS + C0..s * WORDS + C0 + C];
         for (r, acc_r) in acc.iter_mut().enumerate() {
             let ar = a[r * kp + s];
-            for (c, &wc) in step.iter().enumerate() {
-                acc_r[c] = dot_bf16_pair_emulated(acc_r[c], ar, wc);
+            for (acc, &wc) in acc_r.iter_mut().zip(step) {
+                *acc = dot_bf16_pair_emulated(*acc, ar, wc);
             }
         }
+    }
+}
+
+/// Whether `x` is nonzero and at most 2^-126 in magnitude, as `tiny_key(x) < TINY_KEY`: the
+/// only results the definition's flushing can change (a zero is flushed to itself). Twice the
+/// magnitude's bits (the sign shifted out) minus one, so that zero maps to the largest key.
+#[inline(always)]
+fn tiny_key(x: f32) -> u32 {
+    (x.to_bits() << 1).wrapping_sub(1)
+}
+
+/// [`tiny_key`] of 2^-126, plus one.
+const TINY_KEY: u32 = 0x0100_0000;
+
+/// The R × C block (columns `C0..C0+C` of the panel) of rows `a` (R rows of `kp` words,
+/// stride `kp`; `wide`: the same rows by [`widen_pairs`]) times `panel`, emulated.
+///
+/// The definition flushes denormal inputs and tiny results, which a vector loop cannot do
+/// cheaply lane by lane. But where no input is denormal and no result is tiny, flushing changes
+/// nothing and the definition is two plain FMAs per pair (odd element first). So the fast path
+/// runs exactly that over chunks of [`CHUNK`] pairs, tracking the smallest magnitude of every
+/// intermediate; a chunk that met a tiny one is redone from its starting accumulators by the
+/// definition ([`exact_steps`]). Denormal inputs: activations never are ([`pair_rows`] rounds
+/// them with [`round_activation_bf16`], which maps f32 denormals to zero and cannot round a
+/// normal value below 2^-126), and a panel holding a denormal weight (`denormal_weights`)
+/// runs the definition throughout. Same bits as the definition either way.
+#[inline(always)]
+fn microkernel_emulated<const R: usize, const C0: usize, const C: usize>(
+    a: &[u32],
+    wide: &[[f32; 2]],
+    kp: usize,
+    panel: &[u32],
+    denormal_weights: bool,
+) -> [[f32; C]; R] {
+    let mut acc = [[0f32; C]; R];
+    if denormal_weights {
+        exact_steps::<R, C0, C>(&mut acc, a, kp, panel, 0..kp);
+        return acc;
+    }
+    let mut s0 = 0;
+    while s0 < kp {
+        let s1 = (s0 + CHUNK).min(kp);
+        let start = acc;
+        let mut smallest = [u32::MAX; C];
+        let rows: [&[[f32; 2]]; R] = std::array::from_fn(|r| &wide[r * kp + s0..r * kp + s1]);
+        let steps = panel[s0 * WORDS..s1 * WORDS].chunks_exact(WORDS);
+        for (i, step) in steps.enumerate() {
+            let step = &step[C0..C0 + C];
+            let odd: [f32; C] = std::array::from_fn(|c| f32::from_bits(step[c] & 0xffff_0000));
+            let even: [f32; C] = std::array::from_fn(|c| f32::from_bits(step[c] << 16));
+            for (acc_r, row) in acc.iter_mut().zip(&rows) {
+                let [a_odd, a_even] = row[i];
+                for c in 0..C {
+                    let t = a_odd.mul_add(odd[c], acc_r[c]);
+                    let v = a_even.mul_add(even[c], t);
+                    smallest[c] = smallest[c].min(tiny_key(t)).min(tiny_key(v));
+                    acc_r[c] = v;
+                }
+            }
+        }
+        if smallest.iter().any(|&m| m < TINY_KEY) {
+            acc = start;
+            exact_steps::<R, C0, C>(&mut acc, a, kp, panel, s0..s1);
+        }
+        s0 = s1;
     }
     acc
 }
 
-/// Writes `acc`'s first `width` columns, NaN canonical, at `out` (row stride `n`).
+/// Writes `acc`'s first `cols` columns, NaN canonical, at `out` (row stride `n`).
 ///
 /// # Safety
-/// `out` addresses R rows of `width` writable floats at stride `n`, this task's alone.
+/// `out` addresses R rows of `cols` writable floats at stride `n`, this task's alone.
 #[inline(always)]
-unsafe fn store<const R: usize>(acc: &[[f32; NR]; R], out: *mut f32, n: usize, width: usize) {
+unsafe fn store<const R: usize, const C: usize>(
+    acc: &[[f32; C]; R],
+    out: *mut f32,
+    n: usize,
+    cols: usize,
+) {
     for (r, row) in acc.iter().enumerate() {
-        for (c, &v) in row[..width].iter().enumerate() {
+        for (c, &v) in row[..cols.min(C)].iter().enumerate() {
             let v = if v.is_nan() {
                 f32::from_bits(CANONICAL_NAN)
             } else {
                 v
             };
-            // SAFETY: row r, column c < width: inside the caller's block.
+            // SAFETY: row r, column c < cols: inside the caller's block.
             unsafe { out.add(r * n + c).write(v) };
         }
     }
 }
 
 /// Rows `0..m` of `a` (paired, stride `kp`) times panel `p` into `out` (row stride `n`),
-/// emulated.
+/// emulated, in blocks of up to 3 rows × half a panel (6 accumulators, 4 widened weight
+/// vectors, 2 of the smallest magnitudes and the activation pair: AVX2's 16 registers).
 ///
 /// # Safety
 /// `out` addresses `m` rows of the panel's columns, this task's alone.
 #[inline(always)]
-unsafe fn panel_rows_emulated(a: &[u32], m: usize, w: &PackedWeightAbf16, p: usize, out: *mut f32) {
+unsafe fn panel_rows_emulated(
+    a: &[u32],
+    wide: &[[f32; 2]],
+    m: usize,
+    w: &PackedWeightAbf16,
+    p: usize,
+    out: *mut f32,
+) {
+    const HALF: usize = NR / 2;
     let (kp, n) = (w.kp, w.n);
     let panel = w.panel(p);
+    let denormal = w.denormal_panels[p];
     let c0 = p * NR;
     let width = NR.min(n - c0);
     let mut r0 = 0;
     while r0 < m {
-        let rows = 4.min(m - r0);
-        let a_rows = &a[r0 * kp..];
-        // SAFETY: rows r0..r0+rows of the caller's block.
-        let dst = unsafe { out.add(r0 * n + c0) };
+        let rows = 3.min(m - r0);
+        let (a_rows, wide_rows) = (&a[r0 * kp..], &wide[r0 * kp..]);
         macro_rules! block {
             ($r:literal) => {{
-                let acc = microkernel_emulated::<$r>(a_rows, kp, panel);
-                // SAFETY: as above.
-                unsafe { store(&acc, dst, n, width) }
+                let lo =
+                    microkernel_emulated::<$r, 0, HALF>(a_rows, wide_rows, kp, panel, denormal);
+                // SAFETY: rows r0..r0+$r of the caller's block, the panel's first columns.
+                unsafe { store(&lo, out.add(r0 * n + c0), n, width) };
+                if width > HALF {
+                    let hi = microkernel_emulated::<$r, HALF, HALF>(
+                        a_rows, wide_rows, kp, panel, denormal,
+                    );
+                    // SAFETY: as above, the columns past the first half.
+                    unsafe { store(&hi, out.add(r0 * n + c0 + HALF), n, width - HALF) };
+                }
             }};
         }
         match rows {
-            4 => block!(4),
             3 => block!(3),
             2 => block!(2),
             _ => block!(1),
@@ -448,13 +556,23 @@ unsafe fn panel_rows_emulated(a: &[u32], m: usize, w: &PackedWeightAbf16, p: usi
 #[target_feature(enable = "avx2,fma")]
 unsafe fn panel_rows_emulated_fma(
     a: &[u32],
+    wide: &[[f32; 2]],
     m: usize,
     w: &PackedWeightAbf16,
     p: usize,
     out: *mut f32,
 ) {
     // SAFETY: forwarded from the caller.
-    unsafe { panel_rows_emulated(a, m, w, p, out) }
+    unsafe { panel_rows_emulated(a, wide, m, w, p, out) }
+}
+
+/// Paired activations as the emulation's fast path reads them: each word's odd (high) and
+/// even (low) bf16 widened to f32, in that order.
+fn widen_pairs(pairs: &[u32]) -> Vec<[f32; 2]> {
+    pairs
+        .iter()
+        .map(|&w| [f32::from_bits(w & 0xffff_0000), f32::from_bits(w << 16)])
+        .collect()
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -616,8 +734,14 @@ pub fn packed_matmul_abf16_with(
     let fma =
         std::arch::is_x86_feature_detected!("fma") && std::arch::is_x86_feature_detected!("avx2");
     let pairs = pair_rows(a, m, k, kp, m);
+    let wide = if isa == DotIsa::Emulated {
+        widen_pairs(&pairs)
+    } else {
+        Vec::new()
+    };
     Ok(for_each_block(m, n, k, ROW_BLOCK, |r0, rows, p, out| {
         let a_block = &pairs[r0 * kp..(r0 + rows) * kp];
+        let wide_block = wide.get(r0 * kp..(r0 + rows) * kp).unwrap_or_default();
         // SAFETY: `out` is row r0 of the m × n buffer and rows r0..r0+rows of panel p are
         // this task's alone; AVX-512 BF16 (resp. AVX2+FMA) is used only where detected.
         unsafe {
@@ -625,8 +749,10 @@ pub fn packed_matmul_abf16_with(
                 #[cfg(target_arch = "x86_64")]
                 DotIsa::Avx512Bf16 => x86::panel_rows(a_block, rows, w, p, out),
                 #[cfg(target_arch = "x86_64")]
-                DotIsa::Emulated if fma => panel_rows_emulated_fma(a_block, rows, w, p, out),
-                _ => panel_rows_emulated(a_block, rows, w, p, out),
+                DotIsa::Emulated if fma => {
+                    panel_rows_emulated_fma(a_block, wide_block, rows, w, p, out)
+                }
+                _ => panel_rows_emulated(a_block, wide_block, rows, w, p, out),
             }
         }
     }))
