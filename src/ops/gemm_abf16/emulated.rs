@@ -8,11 +8,11 @@ use super::{dot_bf16_pair_emulated, PackedWeightAbf16, CANONICAL_NAN, NR, WORDS}
 const CHUNK: usize = 32;
 
 /// Steps `s0..s1` of the R × C block (columns `C0..C0+C` of the panel) added to `acc` by the
-/// definition, lane by lane.
+/// definition, lane by lane (`wide`: the rows' widened pairs, stride `kp`).
 #[inline(always)]
 fn exact_steps<const R: usize, const C0: usize, const C: usize>(
     acc: &mut [[f32; C]; R],
-    a: &[u32],
+    wide: &[[f32; 2]],
     kp: usize,
     panel: &[u32],
     steps: std::ops::Range<usize>,
@@ -20,7 +20,9 @@ fn exact_steps<const R: usize, const C0: usize, const C: usize>(
     for s in steps {
         let step = &panel[s * WORDS + C0..s * WORDS + C0 + C];
         for (r, acc_r) in acc.iter_mut().enumerate() {
-            let ar = a[r * kp + s];
+            let [odd, even] = wide[r * kp + s];
+            // The paired word again: the widening is exact both ways.
+            let ar = odd.to_bits() | even.to_bits() >> 16;
             for (acc, &wc) in acc_r.iter_mut().zip(step) {
                 *acc = dot_bf16_pair_emulated(*acc, ar, wc);
             }
@@ -39,8 +41,8 @@ fn tiny_key(x: f32) -> u32 {
 /// [`tiny_key`] of 2^-126, plus one.
 const TINY_KEY: u32 = 0x0100_0000;
 
-/// The R × C block (columns `C0..C0+C` of the panel) of rows `a` (R rows of `kp` words,
-/// stride `kp`; `wide`: the same rows by [`widen_pairs`]) times `panel`, emulated.
+/// The R × C block (columns `C0..C0+C` of the panel) of rows `wide` (R rows of `kp` pairs by
+/// [`widen_pairs`], stride `kp`) times `panel`, emulated.
 ///
 /// The definition flushes denormal inputs and tiny results, which a vector loop cannot do
 /// cheaply lane by lane. But where no input is denormal and no result is tiny, flushing changes
@@ -53,7 +55,6 @@ const TINY_KEY: u32 = 0x0100_0000;
 /// runs the definition throughout. Same bits as the definition either way.
 #[inline(always)]
 fn microkernel_emulated<const R: usize, const C0: usize, const C: usize>(
-    a: &[u32],
     wide: &[[f32; 2]],
     kp: usize,
     panel: &[u32],
@@ -61,7 +62,7 @@ fn microkernel_emulated<const R: usize, const C0: usize, const C: usize>(
 ) -> [[f32; C]; R] {
     let mut acc = [[0f32; C]; R];
     if denormal_weights {
-        exact_steps::<R, C0, C>(&mut acc, a, kp, panel, 0..kp);
+        exact_steps::<R, C0, C>(&mut acc, wide, kp, panel, 0..kp);
         return acc;
     }
     let mut s0 = 0;
@@ -87,7 +88,7 @@ fn microkernel_emulated<const R: usize, const C0: usize, const C: usize>(
         }
         if smallest.iter().any(|&m| m < TINY_KEY) {
             acc = start;
-            exact_steps::<R, C0, C>(&mut acc, a, kp, panel, s0..s1);
+            exact_steps::<R, C0, C>(&mut acc, wide, kp, panel, s0..s1);
         }
         s0 = s1;
     }
@@ -118,7 +119,7 @@ unsafe fn store<const R: usize, const C: usize>(
     }
 }
 
-/// Rows `0..m` of `a` (paired, stride `kp`) times panel `p` into `out` (row stride `n`),
+/// Rows `0..m` of `wide` (widened pairs, stride `kp`) times panel `p` into `out` (row stride `n`),
 /// emulated, in blocks of up to 3 rows × half a panel (6 accumulators, 4 widened weight
 /// vectors, 2 of the smallest magnitudes and the activation pair: AVX2's 16 registers).
 ///
@@ -126,7 +127,6 @@ unsafe fn store<const R: usize, const C: usize>(
 /// `out` addresses `m` rows of the panel's columns, this task's alone.
 #[inline(always)]
 pub(super) unsafe fn panel_rows_emulated(
-    a: &[u32],
     wide: &[[f32; 2]],
     m: usize,
     w: &PackedWeightAbf16,
@@ -142,17 +142,14 @@ pub(super) unsafe fn panel_rows_emulated(
     let mut r0 = 0;
     while r0 < m {
         let rows = 3.min(m - r0);
-        let (a_rows, wide_rows) = (&a[r0 * kp..], &wide[r0 * kp..]);
+        let rows_wide = &wide[r0 * kp..];
         macro_rules! block {
             ($r:literal) => {{
-                let lo =
-                    microkernel_emulated::<$r, 0, HALF>(a_rows, wide_rows, kp, panel, denormal);
+                let lo = microkernel_emulated::<$r, 0, HALF>(rows_wide, kp, panel, denormal);
                 // SAFETY: rows r0..r0+$r of the caller's block, the panel's first columns.
                 unsafe { store(&lo, out.add(r0 * n + c0), n, width) };
                 if width > HALF {
-                    let hi = microkernel_emulated::<$r, HALF, HALF>(
-                        a_rows, wide_rows, kp, panel, denormal,
-                    );
+                    let hi = microkernel_emulated::<$r, HALF, HALF>(rows_wide, kp, panel, denormal);
                     // SAFETY: as above, the columns past the first half.
                     unsafe { store(&hi, out.add(r0 * n + c0 + HALF), n, width - HALF) };
                 }
@@ -170,7 +167,6 @@ pub(super) unsafe fn panel_rows_emulated(
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 pub(super) unsafe fn panel_rows_emulated_fma(
-    a: &[u32],
     wide: &[[f32; 2]],
     m: usize,
     w: &PackedWeightAbf16,
@@ -178,7 +174,7 @@ pub(super) unsafe fn panel_rows_emulated_fma(
     out: *mut f32,
 ) {
     // SAFETY: forwarded from the caller.
-    unsafe { panel_rows_emulated(a, wide, m, w, p, out) }
+    unsafe { panel_rows_emulated(wide, m, w, p, out) }
 }
 
 /// Paired activations as the emulation's fast path reads them: each word's odd (high) and

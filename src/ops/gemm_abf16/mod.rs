@@ -441,10 +441,8 @@ pub fn packed_matmul_abf16_with(
                 #[cfg(target_arch = "x86_64")]
                 DotIsa::Avx512Bf16 => x86::panel_rows(a_block, rows, w, p, out),
                 #[cfg(target_arch = "x86_64")]
-                DotIsa::Emulated if fma => {
-                    panel_rows_emulated_fma(a_block, wide_block, rows, w, p, out)
-                }
-                _ => panel_rows_emulated(a_block, wide_block, rows, w, p, out),
+                DotIsa::Emulated if fma => panel_rows_emulated_fma(wide_block, rows, w, p, out),
+                _ => panel_rows_emulated(wide_block, rows, w, p, out),
             }
         }
     }))
