@@ -5,7 +5,7 @@
 //! like Python's `json.dumps(..., ensure_ascii=False)`, and templates freely call Python methods
 //! on strings and dicts (`.strip()`, `.startswith()`, `.items()`, ...). The Python methods come
 //! from `minijinja-contrib`'s `pycompat` (with keyword arguments bound to positions and a few
-//! string methods it lacks or answers differently from Python kept here, see [`string_method`]);
+//! string methods it lacks or answers differently from Python kept here, see `string_method`);
 //! `strftime_now` formats through `minijinja-contrib`'s `datetimeformat`. The HF-specific
 //! globals and `tojson` (minijinja's own is compact and HTML-escaping) are defined here.
 //!

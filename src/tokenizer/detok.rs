@@ -18,7 +18,7 @@
 //!   when the prompt ends inside a character (token-id prompts): the incomplete character as
 //!   U+FFFD, or with vLLM's last-few-ids context all of that context's text;
 //! - a decoder that rewrites earlier text makes it fail (`InvalidPrefix`) where
-//!   [`suffix_after`] carries on.
+//!   `suffix_after` carries on.
 
 use super::Tokenizer;
 use crate::error::Result;
