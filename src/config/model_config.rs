@@ -146,6 +146,9 @@ struct RawConfig {
     /// Newer transformers: `rope_theta` and the scaling in one object.
     rope_parameters: Option<RawRope>,
     rope_scaling: Option<RawRope>,
+    /// The MLP's activation: every supported architecture gates with SiLU, so any other value
+    /// is refused rather than run as SiLU.
+    hidden_act: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -186,6 +189,17 @@ impl ModelConfig {
         };
 
         let architecture = Self::parse_architecture(&raw, path)?;
+        // transformers' ACT2FN maps both names to SiLU.
+        if let Some(act) = raw
+            .hidden_act
+            .as_deref()
+            .filter(|a| !matches!(*a, "silu" | "swish"))
+        {
+            return Err(err(
+                "hidden_act",
+                format!("unsupported activation `{act}` (supported: silu)"),
+            ));
+        }
         let hidden_size = positive("hidden_size", raw.hidden_size)?;
         let num_attention_heads = positive("num_attention_heads", raw.num_attention_heads)?;
         let num_key_value_heads = raw.num_key_value_heads.unwrap_or(num_attention_heads);
@@ -460,6 +474,20 @@ mod tests {
         ))
         .unwrap_err();
         assert!(e.to_string().contains("rope_scaling.rope_type"), "{e}");
+        let e = parse(&format!(
+            r#"{{"architectures": ["LlamaForCausalLM"], {BASE}, "hidden_act": "gelu"}}"#
+        ))
+        .unwrap_err();
+        assert!(
+            e.to_string().contains("hidden_act") && e.to_string().contains("gelu"),
+            "{e}"
+        );
+        for act in ["silu", "swish"] {
+            parse(&format!(
+                r#"{{"architectures": ["LlamaForCausalLM"], {BASE}, "hidden_act": "{act}"}}"#
+            ))
+            .unwrap();
+        }
         let e = parse("[1,2]").unwrap_err();
         assert!(e.to_string().contains("/m/config.json"), "{e}");
     }
