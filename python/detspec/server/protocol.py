@@ -125,8 +125,24 @@ class _SamplingFields(OpenAIBaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_json_object: bool | None = None
+    # vLLM's: keep only the prompt's last N tokens (-1: the model's context length).
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=2**31 - 1)
+    # vLLM's: the response's id is built on it (``chatcmpl-<request_id>``).
+    request_id: str | None = Field(default=None, min_length=1, max_length=256)
     # Accepted only at its neutral value: the engine cannot honour anything else.
     best_of: int | None = Field(default=None, ge=1, le=256)
+    priority: Literal[0] = Field(
+        default=0, description="vLLM's; only 0 (no priority scheduling here)"
+    )
+    use_beam_search: Literal[False] = False
+    length_penalty: float = Field(default=1.0, ge=1.0, le=1.0)
+    # OpenAI fields that do not change the output (bookkeeping and routing on OpenAI's side):
+    # accepted and ignored, as vLLM does.
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -170,6 +186,13 @@ class ChatMessage(OpenAIBaseModel):
     # SGLang's); the chat template reads it as ``reasoning_content``.
     reasoning: str | None = None
     reasoning_content: str | None = None
+    # What the openai client's message objects carry when an answer is sent back as history:
+    # accepted where they hold nothing (this server never refuses, cites, speaks or makes
+    # legacy function calls).
+    refusal: None = None
+    annotations: list[Any] | None = Field(default=None, max_length=0)
+    audio: None = None
+    function_call: None = None
 
 
 class FunctionDefinition(OpenAIBaseModel):
@@ -217,6 +240,10 @@ class ChatCompletionRequest(_SamplingFields):
     # OpenAI's; as vLLM, it reaches the chat template as `reasoning_effort` (templates that
     # read it set how long the model thinks; the others ignore it).
     reasoning_effort: ReasoningEffort | None = None
+    # vLLM's: retrieval documents for the chat template (``documents``, as transformers'
+    # ``apply_chat_template(documents=...)``; templates without RAG support ignore them).
+    documents: list[dict[str, str]] | None = None
+    modalities: list[Literal["text"]] | None = None
 
 
 class TokenizeCompletionRequest(OpenAIBaseModel):
@@ -385,3 +412,57 @@ class DetokenizeResponse(BaseModel):
 class VersionResponse(BaseModel):
     version: str
     fingerprint: str
+
+
+class ModelInfoResponse(BaseModel):
+    """SGLang's ``/get_model_info`` (its field names), with the served names, the context
+    length and the fingerprint."""
+
+    model_path: str
+    tokenizer_path: str | None
+    is_generation: bool = True
+    preferred_sampling_params: str | None = None
+    weight_version: str
+    has_image_understanding: bool = False
+    has_audio_understanding: bool = False
+    model_type: str | None = None
+    architectures: list[str] | None = None
+    served_model_name: str
+    served_model_names: list[str]
+    max_model_len: int
+    fingerprint: str
+
+
+class ServerInfoResponse(BaseModel):
+    """SGLang's ``/get_server_info``: the settings a client may see (never the API key), under
+    SGLang's names where it has the setting, then detspec's own."""
+
+    model_path: str
+    tokenizer_path: str | None
+    served_model_name: str
+    served_model_names: list[str]
+    context_length: int
+    max_model_len: int
+    vocab_size: int
+    dtype: str | None
+    kv_cache_dtype: str | None
+    # --max-num-seqs; --max-waiting-requests (waiting sequences, None: no limit).
+    max_running_requests: int
+    max_queued_requests: int | None
+    max_request_bytes: int
+    enable_lora: bool
+    lora_paths: dict[str, str]
+    tool_call_parser: str | None
+    enable_auto_tool_choice: bool
+    reasoning_parser: str | None
+    # The engine's mode (dvr, batch_invariant, off); SGLang's enable_deterministic_inference
+    # (every request batch-invariant) is detspec's --deterministic-by-default.
+    determinism: str
+    enable_deterministic_inference: bool
+    deterministic_by_default: bool
+    default_seed: int
+    fingerprint: str
+    weight_version: str
+    num_weight_updates: int
+    is_paused: bool
+    version: str

@@ -53,6 +53,20 @@ def add_app_arguments(p: argparse.ArgumentParser) -> None:
         "(default 0)",
     )
     p.add_argument(
+        "--generation-config",
+        default="auto",
+        metavar="{auto,vllm,DIR}",
+        help="request defaults for the sampling fields a request leaves unset: auto (the "
+        "model's generation_config.json, as vLLM), vllm (none: OpenAI's defaults) or a "
+        "directory holding a generation_config.json",
+    )
+    p.add_argument(
+        "--override-generation-config",
+        default=None,
+        metavar="JSON",
+        help="laid over the generation config, e.g. '{\"temperature\": 0.5}'",
+    )
+    p.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",
         help='read tool calls from the output of tool_choice "auto" requests (with '
@@ -188,8 +202,15 @@ def build_from_args(args: argparse.Namespace, **config: Any) -> Any:
         except (DetspecError, SetupError) as e:
             engine.shutdown()
             raise SetupError(f"--lora-modules {name}={path}: {e}") from None
+    try:
+        sampling, suffix = request_sampling_defaults(args, engine.model)
+    except SetupError:
+        engine.shutdown()
+        raise
     server_config = ServerConfig(
         served_model_names=names,
+        sampling_defaults=sampling,
+        sampling_defaults_suffix=suffix,
         max_num_seqs=settings.get("max_num_seqs", SETTINGS_BY_NAME["max_num_seqs"].default),
         deterministic_by_default=args.deterministic_by_default,
         default_seed=args.default_seed,
@@ -203,6 +224,44 @@ def build_from_args(args: argparse.Namespace, **config: Any) -> Any:
     except ValueError as e:  # a setting the model cannot have (a parser's tags)
         engine.shutdown()
         raise SetupError(str(e)) from None
+
+
+def request_sampling_defaults(
+    args: argparse.Namespace, model_dir: str
+) -> tuple[dict[str, float | int], str]:
+    """``--generation-config`` / ``--override-generation-config``'s request defaults, checked
+    by the engine's rules, and their fingerprint suffix; ``SetupError`` naming the flag."""
+    import json
+
+    from detspec.server import generation_config as G
+
+    override = None
+    if args.override_generation_config is not None:
+        try:
+            override = json.loads(args.override_generation_config)
+        except ValueError as e:
+            raise SetupError(f"--override-generation-config: not valid JSON: {e}") from None
+        if not isinstance(override, dict):
+            raise SetupError("--override-generation-config: expected a JSON object")
+    try:
+        defaults = G.sampling_defaults(args.generation_config, model_dir, override)
+        G.check(defaults)
+    except G.GenerationConfigError as e:
+        raise SetupError(str(e)) from None
+    if defaults:
+        logging.getLogger("detspec.server").info(
+            "requests that leave these unset get the generation config's %s "
+            "(--generation-config vllm for none)",
+            defaults,
+        )
+    # The model's fingerprint covers its own generation_config.json; other defaults are named.
+    own = defaults
+    if args.generation_config != "auto" or override:
+        try:
+            own = G.sampling_defaults("auto", model_dir)
+        except G.GenerationConfigError:
+            own = {}
+    return defaults, G.fingerprint_suffix(defaults, own)
 
 
 def serve(args: argparse.Namespace) -> int:

@@ -72,6 +72,17 @@ class ServerConfig:
     # A thinking model's format (vLLM's --reasoning-parser): chat answers split into
     # reasoning and content, output constraints applied after the thinking.
     reasoning_parser: str | None = None
+    # Request defaults from the generation config (server/generation_config.py), keyed by
+    # request field, and the fingerprint suffix that names them when not the model's own.
+    sampling_defaults: dict[str, float | int] = field(default_factory=dict)
+    sampling_defaults_suffix: str = ""
+
+
+def response_ids(prefix: str, request_id: str | None) -> tuple[str, str]:
+    """A response's id (``prefix`` + the client's ``request_id``, as vLLM) and the base of its
+    engine requests' ids, which stay unique when a client reuses its id."""
+    rid = f"{prefix}{uuid.uuid4().hex}"
+    return (rid if request_id is None else f"{prefix}{request_id}"), rid
 
 
 class OpenAIServer:
@@ -84,7 +95,12 @@ class OpenAIServer:
         self.tokenizer = engine.get_tokenizer()
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.vocab_size
-        self.defaults = RequestDefaults(config.deterministic_by_default, config.default_seed)
+        self.defaults = RequestDefaults(
+            config.deterministic_by_default,
+            config.default_seed,
+            dict(config.sampling_defaults),
+            config.sampling_defaults_suffix,
+        )
         if config.tool_call_parser is not None and config.tool_call_parser not in PARSERS:
             raise ValueError(
                 f"unknown tool-call parser {config.tool_call_parser!r} (known: "
@@ -213,11 +229,11 @@ class OpenAIServer:
             raise constraint_invalid(e, job.constraint if job else None, param) from None
 
     def max_tokens(self, requested: int | None, prompt_len: int, param: str) -> int:
-        """OpenAI's rule: an absent ``max_tokens`` fills the context, one that does not fit
-        is refused."""
+        """OpenAI's rule: an absent ``max_tokens`` fills the context (up to the generation
+        config's cap), one that does not fit is refused."""
         room = self.max_model_len - prompt_len
         if requested is None:
-            return room
+            return self.defaults.max_tokens(room)
         if requested > room:
             raise ApiError(
                 400,
@@ -285,8 +301,12 @@ class OpenAIServer:
         tools: ToolPlan | None = None,
         reasoning: ReasoningPlan | None = None,
     ) -> Job:
-        """One engine request, validated: the prompt, then ``max_tokens`` against the
-        context, then the sampling parameters."""
+        """One engine request, validated: the prompt (its last ``truncate_prompt_tokens``),
+        then ``max_tokens`` against the context, then the sampling parameters."""
+        last = req.truncate_prompt_tokens
+        if last is not None:
+            last = self.max_model_len if last == -1 else last
+            ids = ids[len(ids) - last :] if last < len(ids) else ids
         self.validate(ids, None, param)
         n = self.max_tokens(max_tokens, len(ids), max_tokens_param)
         keep = keeps_special_tokens(tools, reasoning)
@@ -442,7 +462,7 @@ class OpenAIServer:
             raise ApiError(400, "suffix is not supported", "suffix")
         constraint = single(request_constraints(req))
         prompts = completion_prompts(req.prompt)
-        base = f"cmpl-{uuid.uuid4().hex}"
+        base, rid = response_ids("cmpl-", req.request_id)
         jobs: list[Job] = []
         for i, pr in enumerate(prompts):
             param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
@@ -451,7 +471,7 @@ class OpenAIServer:
                 self.job(
                     req,
                     i,
-                    f"{base}-{i}",
+                    f"{rid}-{i}",
                     ids,
                     param,
                     req.max_tokens,
@@ -473,9 +493,11 @@ class OpenAIServer:
         """A chat request's engine request, checked and rendered: (the job, the response id,
         which starts with ``prefix``, the model name). ``/v1/responses`` runs on it too."""
         self.defaults.apply(req)
-        if req.reasoning_effort is not None:  # a template kwarg, unless one was sent as such
-            kwargs = {"reasoning_effort": req.reasoning_effort, **(req.chat_template_kwargs or {})}
-            req.chat_template_kwargs = kwargs
+        # Template variables sent as fields (unless also sent as chat_template_kwargs).
+        fields = {"reasoning_effort": req.reasoning_effort, "documents": req.documents}
+        fields = {k: v for k, v in fields.items() if v is not None}
+        if fields:
+            req.chat_template_kwargs = {**fields, **(req.chat_template_kwargs or {})}
         model = self.check_model(req.model)
         self.common_checks(req)
         tools = plan_tools(req, self.tool_parser)
@@ -511,11 +533,11 @@ class OpenAIServer:
         else:
             max_tokens, max_param = req.max_tokens, "max_tokens"
         k = (req.top_logprobs or 0) if req.logprobs else None
-        base = f"{prefix}{uuid.uuid4().hex}"
+        base, rid = response_ids(prefix, req.request_id)
         job = self.job(
             req,
             0,
-            f"{base}-0",
+            f"{rid}-0",
             ids,
             "messages",
             max_tokens,
@@ -527,7 +549,7 @@ class OpenAIServer:
         )
         if req.prompt_logprobs is not None:
             job.prompt_logprobs = await self.prompt_logprobs(
-                ids, req.prompt_logprobs, job.lora, job.cache_salt
+                job.prompt_ids, req.prompt_logprobs, job.lora, job.cache_salt
             )
         return job, base, model
 

@@ -1,0 +1,275 @@
+"""What vLLM users' requests carry beyond the core fields, over real HTTP.
+
+* The model's ``generation_config.json`` supplies the sampling fields a request leaves unset
+  (``--generation-config auto``, vLLM's default): temperature, top-k, ..., and
+  ``max_new_tokens`` as a cap on an absent ``max_tokens``; values equal to transformers'
+  defaults are not defaults; ``vllm`` turns them off; other defaults than the model's own are
+  named in the fingerprint.
+* OpenAI fields that do not change the output (``metadata``, ``store``, ``service_tier``, ...)
+  and the history fields the ``openai`` client sends back (``refusal``, ``annotations``, ...)
+  are accepted; vLLM's ``request_id``, ``truncate_prompt_tokens`` and ``documents`` work;
+  neutral-only fields (``priority``, ``use_beam_search``) refuse other values, naming them.
+"""
+
+# ruff: noqa: F811  (pytest fixtures imported from server_fixtures)
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from server_fixtures import (  # noqa: F401
+    SERVED_NAME,
+    ServerProcess,
+    demo_model_dir,
+    start_server,
+)
+
+from detspec.server import generation_config as G
+from detspec.server.serve import add_app_arguments, request_sampling_defaults
+
+# Greedy by default, at most 6 tokens; top_k 50 is transformers' default, so not a default.
+GEN_CONFIG = {"temperature": 0.0, "top_k": 50, "max_new_tokens": 6, "do_sample": True}
+# Renders retrieval documents before the conversation (transformers' `documents` variable).
+DOCS_TEMPLATE = (
+    "{% if documents %}{% for d in documents %}[doc] {{ d['text'] }}\n{% endfor %}{% endif %}"
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def compat_model_dir(demo_model_dir, tmp_path_factory) -> str:
+    d = Path(tmp_path_factory.mktemp("compat-model")) / "m"
+    shutil.copytree(demo_model_dir, d)
+    gen_path = d / G.FILE_NAME
+    gen = json.loads(gen_path.read_text()) if gen_path.exists() else {}
+    gen_path.write_text(json.dumps({**gen, **GEN_CONFIG}))
+    cfg_path = d / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = DOCS_TEMPLATE
+    cfg_path.write_text(json.dumps(cfg))
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def compat_server(tmp_path_factory, compat_model_dir) -> Iterator[ServerProcess]:
+    s = start_server(
+        tmp_path_factory,
+        "compat",
+        compat_model_dir,
+        "--max-model-len",
+        "256",
+        "--num-kv-pages",
+        "512",
+    )
+    yield s
+    assert s.stop() == 0, s.log()
+
+
+def client(s: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{s.base_url}/v1", api_key="none", max_retries=0)
+
+
+def f32_bits(xs: list[float]) -> list[bytes]:
+    return [struct.pack("<f", x) for x in xs]
+
+
+MESSAGES = [{"role": "user", "content": "tell me about the sea"}]
+
+
+# ------------------------------------------------------------------ generation config
+
+
+def test_diff_semantics_override_and_vllm(tmp_path: Path) -> None:
+    (tmp_path / G.FILE_NAME).write_text(
+        json.dumps(
+            {"temperature": 1.0, "top_p": 0.9, "top_k": 50, "min_p": 0.05, "bos_token_id": 1}
+        )
+    )
+    model = str(tmp_path)
+    # 1.0 and 50 are transformers' defaults: not defaults; min_p and top_p are.
+    assert G.sampling_defaults("auto", model) == {"top_p": 0.9, "min_p": 0.05}
+    # An override is kept as given, even at transformers' default value.
+    assert G.sampling_defaults("auto", model, {"temperature": 1.0, "max_new_tokens": 9}) == {
+        "top_p": 0.9,
+        "min_p": 0.05,
+        "temperature": 1.0,
+        "max_tokens": 9,
+    }
+    assert G.sampling_defaults("vllm", model) == {}
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / G.FILE_NAME).write_text(json.dumps({"temperature": 0.3}))
+    assert G.sampling_defaults(str(other), model) == {"temperature": 0.3}
+    with pytest.raises(G.GenerationConfigError, match="no generation_config.json"):
+        G.sampling_defaults(str(tmp_path / "missing"), model)
+    with pytest.raises(G.GenerationConfigError, match="top_k"):
+        G.sampling_defaults("auto", model, {"top_k": "20"})
+    G.check({"top_p": 0.9, "min_p": 0.05, "max_tokens": 9})
+    # The engine's own rules refuse what it cannot sample with.
+    with pytest.raises(G.GenerationConfigError, match="top_p"):
+        G.check({"top_p": 0.0})
+    with pytest.raises(G.GenerationConfigError, match="max_new_tokens"):
+        G.check({"max_tokens": 0})
+
+
+def test_fingerprint_names_defaults_other_than_the_models(compat_model_dir) -> None:
+    p = argparse.ArgumentParser()
+    add_app_arguments(p)
+    own, suffix = request_sampling_defaults(p.parse_args([compat_model_dir]), compat_model_dir)
+    assert own == {"temperature": 0.0, "max_tokens": 6} and suffix == ""
+    none, suffix = request_sampling_defaults(
+        p.parse_args([compat_model_dir, "--generation-config", "vllm"]), compat_model_dir
+    )
+    assert none == {} and suffix.startswith("+gen")
+    over, suffix2 = request_sampling_defaults(
+        p.parse_args([compat_model_dir, "--override-generation-config", '{"temperature": 0.7}']),
+        compat_model_dir,
+    )
+    assert over["temperature"] == 0.7 and suffix2.startswith("+gen") and suffix2 != suffix
+
+
+def test_unset_fields_take_the_generation_config(compat_server) -> None:
+    c = client(compat_server)
+    base = {"model": SERVED_NAME, "messages": MESSAGES, "extra_body": {"ignore_eos": True}}
+    r = c.chat.completions.create(**base, logprobs=True)
+    # max_new_tokens caps an absent max_tokens ...
+    assert r.usage.completion_tokens == 6 and r.choices[0].finish_reason == "length"
+    assert "+gen" not in r.system_fingerprint
+    # ... but not a given one.
+    r10 = c.chat.completions.create(**base, max_tokens=10)
+    assert r10.usage.completion_tokens == 10
+    # temperature 0 from the file: the same tokens and logprob bits as an explicit greedy request.
+    greedy = c.chat.completions.create(**base, temperature=0.0, max_tokens=6, logprobs=True)
+
+    def ids_and_bits(resp) -> tuple[list[str], list[bytes]]:
+        content = resp.choices[0].logprobs.content
+        return [t.token for t in content], f32_bits([t.logprob for t in content])
+
+    assert ids_and_bits(r) == ids_and_bits(greedy)
+    # Negative control: sampling at 1.0 leaves the greedy path for some seed.
+    sampled = [
+        ids_and_bits(
+            c.chat.completions.create(**base, temperature=1.0, seed=s, max_tokens=6, logprobs=True)
+        )[0]
+        for s in range(4)
+    ]
+    assert any(t != ids_and_bits(greedy)[0] for t in sampled)
+
+
+# ------------------------------------------------------------------ request fields
+
+
+def test_openai_bookkeeping_fields_and_history_objects(compat_server) -> None:
+    c = client(compat_server)
+    first = c.chat.completions.create(
+        model=SERVED_NAME,
+        messages=MESSAGES,
+        max_tokens=4,
+        metadata={"run": "eval-7"},
+        store=False,
+        service_tier="auto",
+        extra_body={
+            "prompt_cache_key": "user-1",
+            "safety_identifier": "h-123",
+            "priority": 0,
+            "use_beam_search": False,
+        },
+    )
+    # The client's own message object sent back as history, with the fields it carries.
+    answer = first.choices[0].message.model_dump()
+    answer.update(refusal=None, annotations=[], audio=None, function_call=None)
+    second = c.chat.completions.create(
+        model=SERVED_NAME,
+        messages=[*MESSAGES, answer, {"role": "user", "content": "more"}],
+        max_tokens=4,
+    )
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens
+
+
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [
+        ({"priority": 1}, "priority"),
+        ({"use_beam_search": True}, "use_beam_search"),
+        ({"length_penalty": 0.5}, "length_penalty"),
+        ({"service_tier": "fastest"}, "service_tier"),
+        ({"verbosity": "low"}, "verbosity"),
+    ],
+)
+def test_fields_that_would_change_the_output_are_refused(compat_server, extra, field) -> None:
+    body = {"model": SERVED_NAME, "messages": MESSAGES, "max_tokens": 2, **extra}
+    r = httpx.post(f"{compat_server.base_url}/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    assert field in r.text
+
+
+def test_history_fields_with_content_are_refused(compat_server) -> None:
+    refusing = {"role": "assistant", "content": None, "refusal": "I cannot"}
+    body = {"model": SERVED_NAME, "messages": [*MESSAGES, refusing], "max_tokens": 2}
+    r = httpx.post(f"{compat_server.base_url}/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400 and "refusal" in r.text, r.text
+
+
+def test_request_id_names_the_response_and_may_repeat(compat_server) -> None:
+    async def run() -> list[str]:
+        c = openai.AsyncOpenAI(
+            base_url=f"{compat_server.base_url}/v1", api_key="none", max_retries=0
+        )
+        rs = await asyncio.gather(
+            *(
+                c.chat.completions.create(
+                    model=SERVED_NAME,
+                    messages=MESSAGES,
+                    max_tokens=8,
+                    extra_body={"request_id": "job-42", "ignore_eos": True},
+                )
+                for _ in range(3)
+            )
+        )
+        await c.close()
+        return [r.id for r in rs]
+
+    assert asyncio.run(run()) == ["chatcmpl-job-42"] * 3
+    r = client(compat_server).completions.create(
+        model=SERVED_NAME, prompt=[5, 6, 7], max_tokens=2, extra_body={"request_id": "c-1"}
+    )
+    assert r.id == "cmpl-c-1"
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(compat_server) -> None:
+    c = client(compat_server)
+    prompt = [(7 * i) % 500 + 3 for i in range(40)]
+    common = {"model": SERVED_NAME, "max_tokens": 5, "temperature": 0.0, "logprobs": 1}
+    cut = c.completions.create(prompt=prompt, extra_body={"truncate_prompt_tokens": 12}, **common)
+    tail = c.completions.create(prompt=prompt[-12:], **common)
+    full = c.completions.create(prompt=prompt, **common)
+    assert cut.usage.prompt_tokens == 12 and full.usage.prompt_tokens == 40
+    assert cut.choices[0].logprobs.token_logprobs == tail.choices[0].logprobs.token_logprobs
+    assert f32_bits(cut.choices[0].logprobs.token_logprobs) != f32_bits(
+        full.choices[0].logprobs.token_logprobs
+    )
+    # -1: the model's context length, i.e. nothing cut from a prompt that fits.
+    whole = c.completions.create(prompt=prompt, extra_body={"truncate_prompt_tokens": -1}, **common)
+    assert whole.usage.prompt_tokens == 40
+
+
+def test_documents_reach_the_chat_template(compat_server) -> None:
+    c = client(compat_server)
+    plain = c.chat.completions.create(model=SERVED_NAME, messages=MESSAGES, max_tokens=1)
+    docs = c.chat.completions.create(
+        model=SERVED_NAME,
+        messages=MESSAGES,
+        max_tokens=1,
+        extra_body={"documents": [{"title": "a", "text": "the sea is salty and deep"}]},
+    )
+    assert docs.usage.prompt_tokens > plain.usage.prompt_tokens
