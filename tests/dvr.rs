@@ -1,6 +1,9 @@
 //! Decode–verify–rollback: a deterministic request's token ids and logprobs are bitwise
 //! identical alone and inside any batch ("needle in a haystack"), under forced rollbacks and
 //! preemption, at 1 and 2 threads — and the negative control shows the fast path alone is not.
+//! Rollbacks, preemption and the verify-group wait run on both CPU kernel profiles: under
+//! `shape_dependent` the fast path's GEMM bits change with the batch, so replay meets real
+//! mismatches there besides the forced ones.
 
 mod common;
 use common::{bits, in_haystack, Bits, Rng};
@@ -8,7 +11,7 @@ use common::{bits, in_haystack, Bits, Rng};
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
-use detspec::config::{DeterminismMode, VerifyStrategy};
+use detspec::config::{DeterminismMode, KernelProfile, VerifyStrategy};
 use detspec::engine::{EngineCore, StreamEvent};
 use detspec::{Engine, EngineConfig, Request, SamplingParams};
 
@@ -21,11 +24,19 @@ fn model_dir() -> &'static Path {
 /// The replay strategy's configuration: the tests below that count verify passes, rollbacks
 /// and padding are about replay; the inline strategy has its own tests at the end.
 fn cfg(mode: DeterminismMode, threads: usize) -> EngineConfig {
+    cfg_on(mode, threads, KernelProfile::Invariant)
+}
+
+/// [`cfg`] on a kernel profile.
+fn cfg_on(mode: DeterminismMode, threads: usize, kernel_profile: KernelProfile) -> EngineConfig {
     EngineConfig {
         verify_strategy: VerifyStrategy::Replay,
+        kernel_profile,
         ..cfg_inline(mode, threads)
     }
 }
+
+const PROFILES: [KernelProfile; 2] = [KernelProfile::Invariant, KernelProfile::ShapeDependent];
 
 fn cfg_inline(mode: DeterminismMode, threads: usize) -> EngineConfig {
     EngineConfig {
@@ -53,7 +64,11 @@ fn target(temperature: f32) -> Request {
 }
 
 fn solo(mode: DeterminismMode, target: &Request) -> Bits {
-    let e = Engine::from_model_dir(model_dir(), cfg(mode, 2)).unwrap();
+    solo_on(cfg(mode, 2), target)
+}
+
+fn solo_on(c: EngineConfig, target: &Request) -> Bits {
+    let e = Engine::from_model_dir(model_dir(), c).unwrap();
     bits(&e.generate(vec![target.clone()]).unwrap()[0])
 }
 
@@ -125,45 +140,43 @@ fn negative_control_fast_path_alone_is_batch_variant() {
 #[test]
 fn forced_rollbacks_change_nothing_but_the_counters() {
     let t = target(0.8);
-    let want = {
-        let e = Engine::from_model_dir(
-            model_dir(),
-            EngineConfig {
-                verify_window: 4,
-                ..cfg(DeterminismMode::Dvr, 2)
-            },
-        )
-        .unwrap();
-        bits(&e.generate(vec![t.clone()]).unwrap()[0])
-    };
-    for share in [0.1, 0.5, 1.0] {
-        let e = Engine::from_model_dir(
-            model_dir(),
-            EngineConfig {
+    for profile in PROFILES {
+        let windowed = EngineConfig {
+            verify_window: 4,
+            ..cfg_on(DeterminismMode::Dvr, 2, profile)
+        };
+        let want = solo_on(windowed.clone(), &t);
+        for share in [0.1, 0.5, 1.0] {
+            let c = EngineConfig {
                 fault_injection: share,
-                verify_window: 4,
-                ..cfg(DeterminismMode::Dvr, 2)
-            },
-        )
-        .unwrap();
-        let out = e.generate(vec![t.clone()]).unwrap();
-        assert_eq!(bits(&out[0]), want, "fault_injection={share}");
-        assert!(
-            out[0].metrics.num_rollbacks > 0,
-            "fault_injection={share} caused no rollback"
-        );
-        assert!(e.stats().unwrap().rolled_back_tokens > 0 || share < 1.0);
+                ..windowed.clone()
+            };
+            let e = Engine::from_model_dir(model_dir(), c).unwrap();
+            let out = e.generate(vec![t.clone()]).unwrap();
+            assert_eq!(bits(&out[0]), want, "{profile:?}, fault_injection={share}");
+            assert!(
+                out[0].metrics.num_rollbacks > 0,
+                "{profile:?}, fault_injection={share} caused no rollback"
+            );
+            assert!(e.stats().unwrap().rolled_back_tokens > 0 || share < 1.0);
+        }
     }
 }
 
 #[test]
 fn preemption_and_recompute_leave_a_deterministic_request_unchanged() {
+    for profile in PROFILES {
+        preemption_leaves_the_request_unchanged(profile);
+    }
+}
+
+fn preemption_leaves_the_request_unchanged(profile: KernelProfile) {
     let t = target(0.8);
-    let want = solo(DeterminismMode::Dvr, &t);
+    let want = solo_on(cfg_on(DeterminismMode::Dvr, 2, profile), &t);
     let small = EngineConfig {
         num_kv_pages: Some(14),
         page_size: 8,
-        ..cfg(DeterminismMode::Dvr, 2)
+        ..cfg_on(DeterminismMode::Dvr, 2, profile)
     };
     let e = Engine::from_model_dir(model_dir(), small).unwrap();
     let mut rng = Rng(99);
@@ -188,12 +201,12 @@ fn preemption_and_recompute_leave_a_deterministic_request_unchanged() {
     let first = got.1.iter().zip(&want.1).position(|(a, b)| a != b);
     assert_eq!(
         got, want,
-        "first token difference at {first:?}; metrics {:?}",
+        "{profile:?}: first token difference at {first:?}; metrics {:?}",
         out.metrics
     );
     assert!(
         e.stats().unwrap().preemptions > 0,
-        "the pool was meant to force preemption"
+        "{profile:?}: the pool was meant to force preemption"
     );
 }
 
@@ -219,11 +232,17 @@ fn finish_heavy_workload(e: &Engine) -> Vec<Bits> {
 
 #[test]
 fn waiting_for_fuller_verify_groups_cuts_passes_and_changes_no_output() {
+    for profile in PROFILES {
+        waiting_for_fuller_groups_changes_no_output(profile);
+    }
+}
+
+fn waiting_for_fuller_groups_changes_no_output(profile: KernelProfile) {
     let run = |wait: usize| {
         let c = EngineConfig {
             verify_window: 64,
             verify_finish_wait: wait,
-            ..cfg(DeterminismMode::Dvr, 2)
+            ..cfg_on(DeterminismMode::Dvr, 2, profile)
         };
         let e = Engine::from_model_dir(model_dir(), c).unwrap();
         let outs = finish_heavy_workload(&e);
@@ -239,10 +258,13 @@ fn waiting_for_fuller_verify_groups_cuts_passes_and_changes_no_output() {
             .enumerate()
             .filter(|(i, _)| i % 3 != 2)
         {
-            assert_eq!(g, w, "request r{i} differs with verify_finish_wait={wait}");
+            assert_eq!(
+                g, w,
+                "{profile:?}: request r{i} differs with verify_finish_wait={wait}"
+            );
         }
         eprintln!(
-            "verify_finish_wait={wait}: {} passes, {} padded rows (0: {}, {})",
+            "{profile:?}, verify_finish_wait={wait}: {} passes, {} padded rows (0: {}, {})",
             stats.verify_passes, stats.padded_rows, eager.verify_passes, eager.padded_rows
         );
         assert!(

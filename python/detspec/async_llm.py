@@ -240,6 +240,11 @@ class AsyncLLM(_EngineClient):
         """Aborts a request; its stream ends with finish_reason "abort"."""
         self._engine.abort(request_id)
 
+    def request_ids(self) -> list[str]:
+        """The ids of the requests streaming now (``generate`` calls not yet finished)."""
+        with self._lock:
+            return list(self._streams)
+
     def shutdown(self) -> None:
         """Stops the engine; in-flight streams end with finish_reason "abort"."""
         super().shutdown()  # joins the engine thread: every abort output is queued by now

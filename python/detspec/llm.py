@@ -49,10 +49,12 @@ class Tokenizer:
         tokenize: bool = False,
         *,
         continue_final_message: bool = False,
+        chat_template: str | None = None,
         **kwargs: Any,
     ) -> str | list[int]:
-        """Renders a conversation with the model's chat template (minijinja, in Rust), as
-        transformers' ``apply_chat_template`` does; extra keyword arguments (``tools``,
+        """Renders a conversation with the model's chat template (minijinja, in Rust), or with
+        ``chat_template`` (a Jinja source) where given, as transformers'
+        ``apply_chat_template`` does; extra keyword arguments (``tools``,
         ``enable_thinking``, ...) become template variables. ``tokenize=True`` returns token
         ids (encoded without adding special tokens: the template writes them).
         ``continue_final_message``: the text ends with the last message's content, as
@@ -77,7 +79,9 @@ class Tokenizer:
                 f"({e})",
                 param="messages",
             ) from None
-        text = self._engine.apply_chat_template(messages, add_generation_prompt, extra)
+        text = self._engine.apply_chat_template(
+            messages, add_generation_prompt, extra, chat_template
+        )
         if continue_final_message:
             text = _cut_at_mark(text, len(conversation) - 1)
         return self.encode(text, add_special_tokens=False) if tokenize else text
@@ -644,12 +648,13 @@ class LLM(_EngineClient):
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         lora_request: LoRAType | Sequence[LoRAType] = None,
+        chat_template: str | None = None,
     ) -> list[RequestOutput]:
         """Replies to one conversation (a list of ``{"role", "content"}`` messages) or to a
-        batch of them, each rendered with the model's chat template, as vLLM's ``LLM.chat``
-        (``tools`` reach the template; ``continue_final_message`` continues the last
-        message, with ``add_generation_prompt=False``). Each output's ``prompt`` is the
-        rendered text."""
+        batch of them, each rendered with the model's chat template (or ``chat_template``, a
+        Jinja source), as vLLM's ``LLM.chat`` (``tools`` reach the template;
+        ``continue_final_message`` continues the last message, with
+        ``add_generation_prompt=False``). Each output's ``prompt`` is the rendered text."""
         if self.tokenizer is None:
             raise InvalidRequestError(f"chat needs a tokenizer: {self.model} has no tokenizer.json")
         if not messages:
@@ -667,6 +672,7 @@ class LLM(_EngineClient):
                     conv,
                     add_generation_prompt,
                     continue_final_message=continue_final_message,
+                    chat_template=chat_template,
                     **extra,
                 )
             )

@@ -84,6 +84,11 @@ class SamplingParams:
     """Added to the logits of these token ids before sampling (OpenAI's range [-100, 100])."""
     structured_outputs: StructuredOutputsParams | dict[str, Any] | None = None
     """Constrain the output to a JSON schema, regex, choice or grammar."""
+    allowed_token_ids: list[int] | None = None
+    """Only these token ids may be sampled (vLLM's); the reported logprobs are the model's."""
+    bad_words: list[str] | None = None
+    """Words the output never contains (vLLM's): the token that would complete one is banned
+    (each word tokenized as written and with a leading space)."""
     is_deterministic: dataclasses.InitVar[bool | None] = None
     _extra: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
@@ -116,6 +121,9 @@ class SamplingParams:
         d["stop"] = list(d["stop"] or [])
         d["stop_token_ids"] = list(d["stop_token_ids"] or [])
         d["logit_bias"] = dict(d["logit_bias"] or {})
+        d["bad_words"] = list(d["bad_words"] or [])
+        if d["allowed_token_ids"] is not None:
+            d["allowed_token_ids"] = list(d["allowed_token_ids"])
         so = self.structured_outputs
         if isinstance(so, StructuredOutputsParams):
             d["structured_outputs"] = so.to_dict()

@@ -22,7 +22,7 @@ use crate::ops;
 use crate::ops::{AttentionMetadata, AttentionSchedule};
 use crate::output::{FinishReason, RequestMetrics, StopReason, TokenLogprobs};
 use crate::request::{Prompt, Request};
-use crate::sampling::{self, Grammars};
+use crate::sampling::{self, Grammars, SamplingParams};
 use crate::sched::{PlanEntry, Scheduler, SchedulerLimits, Sequence, SequenceId, StepPlan};
 use crate::tokenizer::{eos_token_ids, Tokenizer};
 
@@ -361,6 +361,22 @@ impl EngineCore {
         }
     }
 
+    /// `params.bad_words` as the sampler bans them ([`sampling::bad_words::tokenize`]).
+    pub(super) fn bad_words_token_ids(&self, params: &SamplingParams) -> Result<Vec<Vec<u32>>> {
+        if params.bad_words.is_empty() {
+            return Ok(Vec::new());
+        }
+        let tokenizer = self.tokenizer.as_ref().ok_or_else(|| {
+            DetspecError::param(
+                "bad_words",
+                "needs a tokenizer, and this model has none (tokenizer.json)",
+            )
+        })?;
+        let ids = sampling::bad_words::tokenize(&params.bad_words, tokenizer)?;
+        super::validate::check_token_ids(&ids.concat(), self.info.config.vocab_size, "bad_words")?;
+        Ok(ids)
+    }
+
     /// Validates and tokenizes a request, queues its `n` sequences, and returns the
     /// `Accepted` event for its stream.
     pub fn add_request(&mut self, req: Request, arrival_time: f64) -> Result<StreamEvent> {
@@ -374,6 +390,8 @@ impl EngineCore {
         }
         let rules = self.request_rules();
         rules.check_params(&req.params)?;
+        let mut req = req;
+        req.params.bad_words_token_ids = self.bad_words_token_ids(&req.params)?;
         let cache_salt = super::validate::cache_salt_hash(req.cache_salt.as_deref())?;
         let deterministic = self.policy.admit(&req.params)?;
         let constraint = req

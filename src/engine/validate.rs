@@ -62,6 +62,9 @@ impl RequestRules {
         check_token_ids(&params.stop_token_ids, self.vocab_size, "stop_token_ids")?;
         let biased: Vec<u32> = params.logit_bias.keys().copied().collect();
         check_token_ids(&biased, self.vocab_size, "logit_bias")?;
+        if let Some(allowed) = &params.allowed_token_ids {
+            check_token_ids(allowed, self.vocab_size, "allowed_token_ids")?;
+        }
         if params.deterministic {
             if self.determinism == DeterminismMode::Off {
                 return Err(DetspecError::param(

@@ -121,6 +121,8 @@ pub fn params_from_dict(py: Python<'_>, d: &Bound<'_, PyDict>) -> PyResult<Sampl
         "skip_special_tokens",
         "logit_bias",
         "structured_outputs",
+        "allowed_token_ids",
+        "bad_words",
     ];
     for k in d.keys() {
         let k: String = k.extract()?;
@@ -153,6 +155,10 @@ pub fn params_from_dict(py: Python<'_>, d: &Bound<'_, PyDict>) -> PyResult<Sampl
     field!(repetition_penalty);
     field!(deterministic);
     field!(skip_special_tokens);
+    field!(bad_words);
+    if let Some(v) = get::<Vec<u32>>(py, d, "allowed_token_ids")? {
+        p.allowed_token_ids = Some(v);
+    }
     if let Some(v) = get::<i64>(py, d, "max_tokens")? {
         p.max_tokens = usize::try_from(v).unwrap_or(0);
     }

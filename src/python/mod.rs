@@ -643,26 +643,37 @@ impl PyEngine {
         })
     }
 
-    /// Renders a conversation (JSON list of messages) with the model's chat template; `extra`
-    /// (JSON object) adds template variables such as `tools` or `enable_thinking`.
-    #[pyo3(signature = (messages_json, add_generation_prompt=true, extra_json=None))]
+    /// Renders a conversation (JSON list of messages) with the model's chat template, or with
+    /// `template` (its source) where given; `extra` (JSON object) adds template variables such
+    /// as `tools` or `enable_thinking`.
+    #[pyo3(signature = (messages_json, add_generation_prompt=true, extra_json=None, template=None))]
     fn apply_chat_template(
         &self,
         py: Python<'_>,
         messages_json: String,
         add_generation_prompt: bool,
         extra_json: Option<String>,
+        template: Option<String>,
     ) -> PyResult<String> {
         self.call(py, move |e| {
-            let template = ChatTemplate::from_tokenizer(tokenizer_of(e)?)?.ok_or_else(|| {
-                DetspecError::InvalidRequest {
-                    request_id: None,
-                    message: format!(
-                        "{} has no chat template (`chat_template` in tokenizer_config.json or \
-                         chat_template.jinja)",
-                        e.info().model_dir.display()
-                    ),
-                }
+            let tokenizer = tokenizer_of(e)?;
+            let given = template
+                .map(|source| {
+                    ChatTemplate::new(&source, tokenizer.bos_token(), tokenizer.eos_token())
+                        .map_err(|err| DetspecError::param("chat_template", err.to_string()))
+                })
+                .transpose()?;
+            let template = match given {
+                Some(t) => Some(t),
+                None => ChatTemplate::from_tokenizer(tokenizer)?,
+            }
+            .ok_or_else(|| DetspecError::InvalidRequest {
+                request_id: None,
+                message: format!(
+                    "{} has no chat template (`chat_template` in tokenizer_config.json or \
+                         chat_template.jinja): pass one as `chat_template`",
+                    e.info().model_dir.display()
+                ),
             })?;
             let messages: serde_json::Value = serde_json::from_str(&messages_json)
                 .map_err(|err| DetspecError::param("messages", err.to_string()))?;

@@ -5,6 +5,7 @@
 //! (docs/architecture.md, "Replay") pick the same token from the same logits regardless of
 //! batching or thread count.
 
+pub mod bad_words;
 pub mod next_token;
 mod nucleus;
 pub mod params;

@@ -1,6 +1,7 @@
 //! The next token of a sequence from one row of logits: the one call the fast path and the DVR
 //! verifier share, so equal logits give equal tokens and logprobs.
 
+use super::bad_words;
 use super::params::SamplingParams;
 use super::processors::mask_disallowed;
 use super::sampler::{sample, SampleInput};
@@ -9,7 +10,8 @@ use crate::Result;
 
 /// Samples the token that follows `output` (the sequence's output so far, or a prefix of it
 /// when the verifier replays) from `row`, and ranks it. `min_tokens` bans EOS (unless ignored)
-/// and the stop token ids, as in vLLM. `allowed` is the structured-output mask of this
+/// and the stop token ids, as in vLLM, and `bad_words` the tokens that would complete one.
+/// `allowed` is the structured-output mask of this
 /// position (see [`super::structured`]): tokens outside it get `-inf` before anything else, so
 /// logprobs, ranks and top alternatives are those of the constrained distribution.
 pub fn sample_next(
@@ -29,7 +31,7 @@ pub fn sample_next(
         }
         None => row,
     };
-    let banned = if output.len() < params.min_tokens {
+    let mut banned = if output.len() < params.min_tokens {
         let mut banned = params.stop_token_ids.clone();
         if !params.ignore_eos {
             banned.extend_from_slice(eos);
@@ -38,6 +40,7 @@ pub fn sample_next(
     } else {
         Vec::new()
     };
+    banned.extend(bad_words::banned_next(&params.bad_words_token_ids, output));
     let s = sample(&SampleInput {
         logits: row,
         params,

@@ -72,6 +72,17 @@ pub struct SamplingParams {
     /// Constrain the output to a JSON schema, a regex, a choice or a grammar
     /// ([`super::structured`]).
     pub structured_outputs: Option<StructuredOutputs>,
+    /// Only these token ids may be sampled (vLLM's); like the penalties it shapes the choice,
+    /// not the reported logprobs.
+    pub allowed_token_ids: Option<Vec<u32>>,
+    /// Words the output never contains (vLLM's `bad_words`): tokenized at intake
+    /// ([`Self::bad_words_token_ids`]), and the last token of one is banned wherever the output
+    /// ends with the rest of it.
+    pub bad_words: Vec<String>,
+    /// `bad_words` as token ids, each word with and without a leading space, as vLLM
+    /// tokenizes them; filled by the engine at intake ([`super::bad_words::tokenize`]).
+    #[serde(skip)]
+    pub bad_words_token_ids: Vec<Vec<u32>>,
 }
 
 impl Default for SamplingParams {
@@ -97,6 +108,9 @@ impl Default for SamplingParams {
             skip_special_tokens: true,
             logit_bias: BTreeMap::new(),
             structured_outputs: None,
+            allowed_token_ids: None,
+            bad_words: Vec::new(),
+            bad_words_token_ids: Vec::new(),
         }
     }
 }
@@ -200,6 +214,18 @@ impl SamplingParams {
         }
         if let Some(so) = &self.structured_outputs {
             so.validate()?;
+        }
+        if self.allowed_token_ids.as_ref().is_some_and(Vec::is_empty) {
+            return Err(DetspecError::param(
+                "allowed_token_ids",
+                "is empty: nothing could be sampled (leave it unset to allow every token)",
+            ));
+        }
+        if let Some(i) = self.bad_words.iter().position(|w| w.trim().is_empty()) {
+            return Err(DetspecError::param(
+                "bad_words",
+                format!("bad words must hold a word, entry {i} is blank"),
+            ));
         }
         Ok(())
     }

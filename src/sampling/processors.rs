@@ -83,6 +83,22 @@ pub fn apply_logit_bias(logits: &mut [f32], bias: &std::collections::BTreeMap<u3
     }
 }
 
+/// vLLM's `allowed_token_ids`: every other token's logit becomes `-inf`.
+pub fn keep_allowed(logits: &mut [f32], allowed: Option<&[u32]>) {
+    let Some(allowed) = allowed else { return };
+    let mut keep = vec![false; logits.len()];
+    for &t in allowed {
+        if let Some(k) = keep.get_mut(t as usize) {
+            *k = true;
+        }
+    }
+    for (l, keep) in logits.iter_mut().zip(keep) {
+        if !keep {
+            *l = f32::NEG_INFINITY;
+        }
+    }
+}
+
 /// A copy of `logits` with every token not in `allowed` (bit `t % 32` of word `t / 32`) set
 /// to `-inf`: the row a constrained request samples from and reports logprobs in (vLLM masks
 /// before its sampler too).
@@ -185,6 +201,7 @@ pub fn changes_greedy_logits(params: &SamplingParams) -> bool {
         || params.frequency_penalty != 0.0
         || params.presence_penalty != 0.0
         || !params.logit_bias.is_empty()
+        || params.allowed_token_ids.is_some()
 }
 
 /// Applies every processor in the sampler's order.
@@ -211,6 +228,7 @@ pub fn process_logits(
         params.presence_penalty,
     );
     apply_logit_bias(logits, &params.logit_bias);
+    keep_allowed(logits, params.allowed_token_ids.as_deref());
     ban_tokens(logits, banned_tokens);
     if params.is_greedy() {
         return;
@@ -258,6 +276,26 @@ mod tests {
 
     fn bits(logits: &[f32]) -> Vec<u32> {
         logits.iter().map(|l| l.to_bits()).collect()
+    }
+
+    #[test]
+    fn keep_allowed_masks_every_other_token() {
+        let mut row = vec![1.0f32, 2.0, 3.0, 4.0];
+        keep_allowed(&mut row, None);
+        assert_eq!(row, [1.0, 2.0, 3.0, 4.0]);
+        // Out-of-vocabulary ids are the validator's to refuse; here they allow nothing.
+        keep_allowed(&mut row, Some(&[3, 1, 9]));
+        assert_eq!(row, [NEG, 2.0, NEG, 4.0]);
+        let params = SamplingParams {
+            temperature: 0.0,
+            allowed_token_ids: Some(vec![1]),
+            ..Default::default()
+        };
+        // The greedy shortcut must not skip it.
+        assert!(changes_greedy_logits(&params));
+        let mut row = vec![5.0f32, 2.0, 3.0];
+        process_logits(&mut row, &params, &[], &[], &[]);
+        assert_eq!(row, [NEG, 2.0, NEG]);
     }
 
     proptest::proptest! {

@@ -150,6 +150,20 @@ def test_chat_generates_from_the_rendered_prompt(llama_case, llama_llm):
     assert single.outputs[0].token_ids == outs[1].outputs[0].token_ids
 
 
+def test_given_template_matches_transformers(llama_case, llama_llm):
+    """A ``chat_template`` argument replaces the model's, as in transformers; a model without
+    a template chats with one given."""
+    want = hf_render(llama_case.path, CONVERSATION, chat_template=RICH_TEMPLATE, tools=[{}])
+    tok = llama_llm.get_tokenizer()
+    got = tok.apply_chat_template(CONVERSATION, chat_template=RICH_TEMPLATE, tools=[{}])
+    assert got == want != tok.apply_chat_template(CONVERSATION, tools=[{}])
+    sp = SamplingParams(temperature=0.0, max_tokens=2)
+    (out,) = llama_llm.chat(CONVERSATION, sp, use_tqdm=False, chat_template=RICH_TEMPLATE)
+    assert out.prompt == hf_render(llama_case.path, CONVERSATION, chat_template=RICH_TEMPLATE)
+    with pytest.raises(InvalidRequestError, match="chat_template"):
+        tok.apply_chat_template(CONVERSATION, chat_template="{% for m in messages %}")
+
+
 def test_chat_errors_name_the_problem(copy_model_dir, llama_llm):
     with pytest.raises(InvalidRequestError, match="messages"):
         llama_llm.chat([], use_tqdm=False)
@@ -163,6 +177,13 @@ def test_chat_errors_name_the_problem(copy_model_dir, llama_llm):
     try:
         with pytest.raises(InvalidRequestError, match="no chat template"):
             llm.chat([{"role": "user", "content": "hi"}], use_tqdm=False)
+        (given,) = llm.chat(
+            [{"role": "user", "content": "hi"}],
+            SamplingParams(max_tokens=1),
+            use_tqdm=False,
+            chat_template="{{ messages[0]['content'] }}",
+        )
+        assert given.prompt == "hi"
         # The engine still serves plain prompts afterwards.
         out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)[0]
         assert len(out.outputs[0].token_ids) == 2

@@ -339,6 +339,93 @@ def test_min_tokens_suppresses_stop_tokens(llm, llama_case, token_prompts):
     assert len(c.token_ids) >= min_tokens
 
 
+def f32_bits(xs) -> list[bytes]:
+    return [np.float32(x).tobytes() for x in xs]
+
+
+def chosen_logprobs(c) -> list[float]:
+    return [float(entry[t].logprob) for t, entry in zip(c.token_ids, c.logprobs, strict=True)]
+
+
+def test_allowed_token_ids_restrict_the_choice_not_the_logprobs(llm, llama_case, token_prompts):
+    """vLLM's ``allowed_token_ids``: the output is HF's greedy path over only those tokens;
+    the logprobs stay the model's (the score of the same tokens, bit for bit)."""
+    prompt = token_prompts[1]
+    ref = llama_case.greedy(prompt).tokens
+    allowed = sorted({t for t in ref[2:10] if t != ref[0]})
+
+    def keep(_prompt, _generated, row):
+        masked = np.full_like(row, -np.inf)
+        masked[allowed] = row[allowed]
+        return masked
+
+    expected = llama_case.reference_greedy(prompt, 16, process=keep)
+    sp = SamplingParams(
+        temperature=0,
+        max_tokens=16,
+        ignore_eos=True,
+        allowed_token_ids=allowed,
+        logprobs=0,
+        deterministic=True,
+    )
+    c = llm.generate([prompt], sp)[0].outputs[0]
+    msg = llama_case.greedy_mismatch(prompt, list(c.token_ids), expected, "allowed_token_ids")
+    if msg:
+        pytest.fail(msg)
+    assert c.token_ids[0] != ref[0]  # the restriction changed the choice
+    scored = llm.score([prompt], [list(c.token_ids)])[0]
+    assert f32_bits(chosen_logprobs(c)) == f32_bits(scored)
+    # Sampled, every token is still one of them.
+    sampled = llm.generate([prompt], seeded(allowed_token_ids=allowed))[0].outputs[0]
+    assert set(sampled.token_ids) <= set(allowed)
+    with pytest.raises(detspec.InvalidRequestError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=[])
+    with pytest.raises(detspec.InvalidRequestError, match="allowed_token_ids"):
+        llm.generate([prompt], SamplingParams(allowed_token_ids=[10**6]))
+
+
+def contains(seq: list[int], sub: list[int]) -> bool:
+    return any(seq[i : i + len(sub)] == sub for i in range(len(seq) - len(sub) + 1))
+
+
+def test_bad_words_never_appear(llm, token_prompts):
+    """vLLM's ``bad_words``: a word of the unrestricted output (as written and with a leading
+    space, as the tokenizer encodes each) never appears once banned; deterministic requests
+    with bad words give the same bits alone and in a batch."""
+    tok = llm.get_tokenizer()
+    prompt = token_prompts[0]
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
+    free = list(llm.generate([prompt], greedy)[0].outputs[0].token_ids)
+
+    def word_forms(word: str) -> list[list[int]]:
+        return [tok.encode(f, add_special_tokens=False) for f in (word, " " + word)]
+
+    # A word of the free output, as one of its tokenizations.
+    word = next(
+        w
+        for t in free
+        if (w := tok.decode([t]).strip()) and any(contains(free, f) for f in word_forms(w))
+    )
+    forms = word_forms(word)
+    banned = SamplingParams(
+        temperature=0, max_tokens=24, ignore_eos=True, logprobs=0, bad_words=[word]
+    )
+    c = llm.generate([prompt], banned)[0].outputs[0]
+    assert not any(contains(list(c.token_ids), f) for f in forms), (word, forms, c.token_ids)
+    det = SamplingParams(
+        temperature=0.9, seed=3, max_tokens=24, ignore_eos=True, logprobs=0,
+        bad_words=[word], deterministic=True,
+    )  # fmt: skip
+    alone = llm.generate([prompt], det)[0].outputs[0]
+    batch = llm.generate([token_prompts[2], prompt, token_prompts[3]], [greedy, det, greedy])
+    mixed = batch[1].outputs[0]
+    assert list(alone.token_ids) == list(mixed.token_ids)
+    assert f32_bits(chosen_logprobs(alone)) == f32_bits(chosen_logprobs(mixed))
+    assert not any(contains(list(alone.token_ids), f) for f in forms)
+    with pytest.raises(detspec.InvalidRequestError, match="bad_words"):
+        SamplingParams(bad_words=["  "])
+
+
 def test_eos_stops_unless_ignore_eos(llama_case, token_prompts, copy_model_dir):
     """Make a token the model will emit greedily the EOS (config.json,
     generation_config.json and tokenizer_config.json agree), then check stopping."""

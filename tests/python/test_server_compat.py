@@ -145,6 +145,12 @@ def test_unset_fields_take_the_generation_config(compat_server) -> None:
     # max_new_tokens caps an absent max_tokens ...
     assert r.usage.completion_tokens == 6 and r.choices[0].finish_reason == "length"
     assert "+gen" not in r.system_fingerprint
+    # SGLang's clients read them as the server's preferred sampling parameters.
+    info = httpx.get(f"{compat_server.base_url}/get_model_info", timeout=30).json()
+    assert json.loads(info["preferred_sampling_params"]) == {
+        "max_new_tokens": 6,
+        "temperature": 0.0,
+    }
     # ... but not a given one.
     r10 = c.chat.completions.create(**base, max_tokens=10)
     assert r10.usage.completion_tokens == 10
@@ -273,3 +279,111 @@ def test_documents_reach_the_chat_template(compat_server) -> None:
         extra_body={"documents": [{"title": "a", "text": "the sea is salty and deep"}]},
     )
     assert docs.usage.prompt_tokens > plain.usage.prompt_tokens
+
+
+# ------------------------------------------------------------------ chat templates
+
+# Renders only the contents, each behind a marker: recognisably not the model's template.
+PLAIN_TEMPLATE = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
+
+
+def tokenize_chat(s: ServerProcess, **extra) -> httpx.Response:
+    body = {"model": SERVED_NAME, "messages": MESSAGES, **extra}
+    return httpx.post(f"{s.base_url}/tokenize", json=body, timeout=30)
+
+
+def test_request_chat_template_needs_trust(compat_server) -> None:
+    r = tokenize_chat(compat_server, chat_template=PLAIN_TEMPLATE)
+    assert r.status_code == 400 and "chat_template" in r.text, r.text
+    body = {"model": SERVED_NAME, "messages": MESSAGES, "max_tokens": 1}
+    r = httpx.post(
+        f"{compat_server.base_url}/v1/chat/completions",
+        json={**body, "chat_template": PLAIN_TEMPLATE},
+        timeout=30,
+    )
+    assert r.status_code == 400 and "trust-request-chat-template" in r.text, r.text
+
+
+@pytest.fixture(scope="module")
+def template_server(tmp_path_factory, compat_model_dir) -> Iterator[ServerProcess]:
+    path = Path(tmp_path_factory.mktemp("template")) / "plain.jinja"
+    path.write_text(PLAIN_TEMPLATE)
+    s = start_server(
+        tmp_path_factory,
+        "template",
+        compat_model_dir,
+        "--max-model-len",
+        "256",
+        "--num-kv-pages",
+        "256",
+        "--chat-template",
+        str(path),
+        "--trust-request-chat-template",
+    )
+    yield s
+    assert s.stop() == 0, s.log()
+
+
+def test_server_and_request_chat_templates(compat_server, template_server) -> None:
+    def encode(s: ServerProcess, text: str) -> list[int]:
+        body = {"model": SERVED_NAME, "prompt": text, "add_special_tokens": False}
+        return httpx.post(f"{s.base_url}/tokenize", json=body, timeout=30).json()["tokens"]
+
+    content = MESSAGES[0]["content"]
+    model_ids = tokenize_chat(compat_server).json()["tokens"]
+    server_ids = tokenize_chat(template_server).json()["tokens"]
+    assert server_ids == encode(template_server, f"<<{content}>>") != model_ids
+    # A request's template wins over the server's.
+    req_ids = tokenize_chat(template_server, chat_template="[{{ messages[0]['content'] }}]")
+    assert req_ids.json()["tokens"] == encode(template_server, f"[{content}]")
+    c = client(template_server)
+    r = c.chat.completions.create(model=SERVED_NAME, messages=MESSAGES, max_tokens=1)
+    assert r.usage.prompt_tokens == len(server_ids)
+    # The server's template changes what a body means: the fingerprint names it.
+    plain = client(compat_server).chat.completions.create(
+        model=SERVED_NAME, messages=MESSAGES, max_tokens=1
+    )
+    assert "+tmpl" in r.system_fingerprint and "+tmpl" not in plain.system_fingerprint
+    # lm-eval reads the template the server renders with.
+    info = httpx.get(f"{template_server.base_url}/tokenizer_info", timeout=30).json()
+    assert info["chat_template"] == PLAIN_TEMPLATE
+    # A template that does not compile is a 400 naming chat_template.
+    bad = tokenize_chat(template_server, chat_template="{% for m in messages %}")
+    assert bad.status_code == 400 and "chat_template" in bad.text, bad.text
+
+
+def test_allowed_token_ids_and_bad_words_over_http(compat_server) -> None:
+    c = client(compat_server)
+    common = {"model": SERVED_NAME, "prompt": [5, 6, 7], "max_tokens": 8, "temperature": 0.0}
+    r = c.completions.create(
+        **common, extra_body={"allowed_token_ids": [40, 41, 42], "return_token_ids": True}
+    )
+    assert set(r.choices[0].token_ids) <= {40, 41, 42}
+    free = c.completions.create(**common, extra_body={"return_token_ids": True})
+    free_ids = free.choices[0].token_ids
+
+    def post(path: str, body: dict) -> dict:
+        r = httpx.post(f"{compat_server.base_url}{path}", json=body, timeout=30)
+        return r.json()
+
+    def forms(word: str) -> list[list[int]]:
+        body = {"model": SERVED_NAME, "add_special_tokens": False}
+        return [post("/tokenize", {**body, "prompt": p})["tokens"] for p in (word, " " + word)]
+
+    def contains(seq: list[int], sub: list[int]) -> bool:
+        return any(seq[i : i + len(sub)] == sub for i in range(len(seq) - len(sub) + 1))
+
+    words = [post("/detokenize", {"model": SERVED_NAME, "tokens": [t]})["prompt"] for t in free_ids]
+    word = next(
+        w for w in map(str.strip, words) if w and any(contains(free_ids, f) for f in forms(w))
+    )
+    banned = c.completions.create(
+        **common, extra_body={"bad_words": [word], "return_token_ids": True}
+    )
+    assert not any(contains(banned.choices[0].token_ids, f) for f in forms(word))
+    bad = httpx.post(
+        f"{compat_server.base_url}/v1/completions",
+        json={**common, "bad_words": ["  "]},
+        timeout=30,
+    )
+    assert bad.status_code == 400 and "bad_words" in bad.text, bad.text

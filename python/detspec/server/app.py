@@ -1,11 +1,13 @@
 """The OpenAI-compatible FastAPI app on one ``AsyncLLM`` (what ``detspec serve`` runs).
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON, or SSE ending in
-``data: [DONE]``), ``GET /v1/models``, ``GET /health``, ``GET /metrics``, ``GET /version``,
+``data: [DONE]``), ``GET /health`` (and vLLM's ``/ping``), ``GET /metrics``, ``GET /version``,
 ``POST /tokenize``, ``POST /detokenize``; ``POST /v1/responses`` in ``responses_routes``;
 ``echo`` and ``GET /tokenizer_info`` in ``scoring_routes``, the RL control routes in
-``rl_routes``, SGLang's native ``POST /generate`` in ``native_routes``, server-wide
-determinism in ``defaults`` (docs/serving.md lists them all).
+``rl_routes``, SGLang's native ``POST /generate`` and ``POST /abort_request`` in
+``native_routes``, ``GET /v1/models[/{model}]`` and SGLang's ``/health_generate``,
+``/get_model_info``, ``/get_server_info`` in ``admin_routes``, server-wide determinism in
+``defaults`` (docs/serving.md lists them all).
 
 The rooms: ``errors`` (OpenAI's error body, exception handlers), ``middleware`` (API key,
 size limit), ``serving`` (validation, admission, generation, response bodies), ``jobs`` (a
@@ -29,6 +31,7 @@ from fastapi.responses import Response
 import detspec
 from detspec.async_llm import AsyncLLM
 from detspec.server import protocol as P
+from detspec.server.admin_routes import build_admin_router
 from detspec.server.embedding_routes import build_embedding_router
 from detspec.server.errors import ERROR_RESPONSES, ApiError, add_exception_handlers, error_body
 from detspec.server.lora_routes import build_lora_router
@@ -69,6 +72,9 @@ def build_app(
     add_exception_handlers(app, server.metrics.error)
 
     @app.get("/health")
+    # vLLM's (SageMaker's) name for it; out of the schema, as /health's alias (a POST
+    # without parameters has nothing for a schema-driven fuzzer to make invalid).
+    @app.api_route("/ping", methods=["GET", "POST"], include_in_schema=False)
     async def health() -> Response:
         return Response(status_code=503 if server.draining else 200)
 
@@ -80,33 +86,6 @@ def build_app(
     async def metrics() -> Response:
         body = await asyncio.to_thread(server.metrics.render)
         return Response(body, media_type=CONTENT_TYPE)
-
-    @app.get("/v1/models", response_model=P.ModelList, responses=ERROR_RESPONSES)
-    async def models() -> P.ModelList:
-        defaults = server.defaults
-        suffix = defaults.fingerprint_suffix()
-
-        def card(name: str, root: str, fingerprint: str, parent: str | None) -> P.ModelCard:
-            return P.ModelCard(
-                id=name,
-                created=server.created,
-                owned_by="detspec",
-                root=root,
-                parent=parent,
-                max_model_len=server.max_model_len,
-                fingerprint=fingerprint + suffix,
-                deterministic_by_default=defaults.deterministic_by_default,
-                default_seed=defaults.default_seed if defaults.deterministic_by_default else None,
-                weight_version=engine.weight_version,
-            )
-
-        base = [card(name, engine.model, engine.fingerprint, None) for name in server.model_names]
-        # vLLM lists each LoRA adapter as a model whose parent is the base model.
-        adapters = [
-            card(name, info["path"], engine.lora_fingerprint(name), server.model_names[0])
-            for name, info in engine.list_loras().items()
-        ]
-        return P.ModelList(data=base + adapters)
 
     @app.post("/v1/completions", response_model=P.CompletionResponse, responses=ERROR_RESPONSES)
     async def completions(req: P.CompletionRequest, request: Request) -> Response:
@@ -132,6 +111,7 @@ def build_app(
     async def detokenize(req: P.DetokenizeRequest) -> P.DetokenizeResponse:
         return await server.detokenize(req)
 
+    app.include_router(build_admin_router(server))
     app.include_router(build_scoring_router(server))
     app.include_router(build_rl_router(server))
     app.include_router(build_native_router(server))

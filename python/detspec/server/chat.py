@@ -15,7 +15,7 @@ from detspec.server.errors import ApiError, invalid
 
 # Chat-template variables that are arguments of apply_chat_template itself.
 RESERVED_TEMPLATE_KWARGS = frozenset(
-    {"conversation", "add_generation_prompt", "tokenize", "continue_final_message"}
+    {"conversation", "add_generation_prompt", "tokenize", "continue_final_message", "chat_template"}
 )
 
 
@@ -63,6 +63,7 @@ async def render_chat(
     template_kwargs: dict[str, Any] | None,
     tools: list[dict[str, Any]] | None = None,
     continue_final_message: bool = False,
+    chat_template: str | None = None,
 ) -> list[int]:
     """The token ids of a conversation rendered with the model's chat template;
     ``continue_final_message``: cut after the last message's content, so that the model
@@ -92,6 +93,7 @@ async def render_chat(
             add_generation_prompt,
             True,
             continue_final_message=continue_final_message,
+            chat_template=chat_template,
             **kwargs,
         )
     except InvalidRequestError as e:

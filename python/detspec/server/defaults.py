@@ -29,8 +29,10 @@ class RequestDefaults:
     default_seed: int = DEFAULT_SEED
     # Request field -> value, from the generation config (temperature, top_p, ..., max_tokens).
     sampling: dict[str, float | int] = field(default_factory=dict)
-    # ``+gen<hash>`` when ``sampling`` is not the model's own (generation_config.py).
-    sampling_suffix: str = ""
+    # Names server settings that change what a request body means: ``+gen<hash>`` when
+    # ``sampling`` is not the model's own (generation_config.py), ``+tmpl<hash>`` for a
+    # --chat-template.
+    settings_suffix: str = ""
 
     def apply(self, req: P._SamplingFields) -> None:
         """Fills the sampling fields ``req`` left None from the generation config (its
@@ -56,4 +58,4 @@ class RequestDefaults:
 
     def fingerprint_suffix(self) -> str:
         det = f"+det-default-seed{self.default_seed}" if self.deterministic_by_default else ""
-        return self.sampling_suffix + det
+        return self.settings_suffix + det

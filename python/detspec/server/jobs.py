@@ -1,19 +1,26 @@
 """The per-request data the completion routes share: a ``Job`` (one prompt of a request, one
-engine request) and the prompts of ``/v1/completions``. Its own module so that the modules
-that make jobs (``serving``, ``scoring_routes``) and those that shape their outputs
+engine request), the prompts of ``/v1/completions`` and ``InFlight`` (the running jobs an
+``/abort_request`` finds by rid). Its own module so that the modules that make jobs
+(``serving``, ``scoring_routes``, ``native_routes``) and those that shape their outputs
 (``shaping``, ``streaming``) depend on it, not on each other."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from detspec.errors import InvalidRequestError
+from detspec.errors import DetspecError, InvalidRequestError
 from detspec.sampling_params import SamplingParams
 from detspec.server.errors import ApiError
 from detspec.server.reasoning import ReasoningPlan, ReasoningSplit
 from detspec.server.structured import Constraint, constraint_invalid
 from detspec.server.tools import CallIds, ChoiceTools, ToolPlan
+
+if TYPE_CHECKING:
+    from detspec.async_llm import AsyncLLM
+    from detspec.outputs import RequestOutput
 
 
 @dataclass
@@ -93,3 +100,62 @@ def completion_prompts(p: str | list[int] | list[str] | list[list[int]]) -> list
     if isinstance(p[0], int):
         return [list(p)]  # type: ignore[arg-type]
     return list(p)  # type: ignore[arg-type]
+
+
+class InFlight:
+    """The jobs a route has running, found by rid for SGLang's ``/abort_request``. It only
+    finds them: the abort is the engine's own (``AsyncLLM.abort``, what a client disconnect
+    triggers), so an aborted request ends as any abort does (finish reason ``abort``, its
+    pages freed) and the others run on. The engine ignores an id it does not know yet (a
+    request whose prompt's logprobs are still being computed), so an abort is also
+    remembered per job and sent again at that job's next output (``watch``). Jobs are held
+    by identity, not by rid, so a rid reused by a later request never inherits an earlier
+    request's abort."""
+
+    def __init__(self, engine: AsyncLLM) -> None:
+        self.engine = engine
+        self._running: dict[int, Job] = {}  # id(job) -> job (held, so the id stays unique)
+        self._asked: set[int] = set()  # jobs whose abort is to be sent again
+
+    def add(self, jobs: Iterable[Job]) -> None:
+        for j in jobs:
+            self._running[id(j)] = j
+
+    def remove(self, jobs: Iterable[Job]) -> None:
+        for j in jobs:
+            self._running.pop(id(j), None)
+            self._asked.discard(id(j))
+
+    async def abort(self, rid: str | None, abort_all: bool = False) -> list[str]:
+        """Aborts the running jobs whose rid is ``rid``; with ``abort_all`` every one, and
+        every other engine request of every route too. The rids aborted, each once (none for
+        an unknown rid: nothing happens, as in SGLang)."""
+        hit = [j for j in self._running.values() if abort_all or j.rid == rid]
+        self._asked.update(id(j) for j in hit)
+        rids = list(dict.fromkeys(j.rid for j in hit))
+        if abort_all:
+            seen = set(rids)
+            rids += [r for r in self.engine.request_ids() if r not in seen]
+        for r in rids:
+            await self._engine_abort(r)
+        return rids
+
+    async def watch(
+        self, jobs: list[Job], agen: AsyncIterator[tuple[Job, RequestOutput]]
+    ) -> AsyncIterator[tuple[Job, RequestOutput]]:
+        """``agen`` (the run of ``jobs``, added before), sending a remembered abort again once
+        its job has reached the engine; ``jobs`` are removed when it ends. Closing it closes
+        ``agen``."""
+        try:
+            async with contextlib.aclosing(agen):  # type: ignore[type-var]
+                async for job, out in agen:
+                    if id(job) in self._asked and not out.finished:
+                        self._asked.discard(id(job))
+                        await self._engine_abort(job.rid)
+                    yield job, out
+        finally:
+            self.remove(jobs)
+
+    async def _engine_abort(self, rid: str) -> None:
+        with contextlib.suppress(DetspecError):  # the engine has stopped: nothing to abort
+            await self.engine.abort(rid)

@@ -8,6 +8,7 @@ import json
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from detspec.server.admin_routes import INFO_PATHS
 from detspec.server.errors import error_body
 from detspec.server.lora_routes import LORA_PATHS
 from detspec.server.native_routes import NATIVE_PATHS
@@ -22,6 +23,7 @@ PROTECTED_PREFIXES = (
     *RL_PATHS,
     *NATIVE_PATHS,
     *LORA_PATHS,
+    *INFO_PATHS,
 )
 
 

@@ -23,6 +23,11 @@ per position; the first prompt token's logprob null) and, with ``top_logprobs_nu
 sends cumulative outputs as ``data: {...}`` events (each with its ``index``), ending in
 ``data: [DONE]``.
 
+``POST /abort_request`` (SGLang's ``{"rid": ..., "abort_all": false}``) aborts the running
+``/generate`` request of that ``rid`` (each prompt's engine request carries its rid); it ends
+with ``{"type": "abort"}`` and what it had generated. ``abort_all`` aborts every request of
+every route. An unknown rid is a 200 that changes nothing, as in SGLang.
+
 A request is translated into the OpenAI completion request it means and goes through the same
 validation, server-wide defaults (``--deterministic-by-default``), admission and generation
 as ``/v1/completions``; an error names the field of this API (``sampling_params.
@@ -34,6 +39,7 @@ other way.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -50,7 +56,7 @@ from detspec.errors import DetspecError
 from detspec.outputs import CompletionOutput, RequestOutput
 from detspec.server import protocol as P
 from detspec.server.errors import ERROR_RESPONSES, ApiError, stream_error_body
-from detspec.server.jobs import Job
+from detspec.server.jobs import InFlight, Job
 from detspec.server.logprobs import json_logprob, split_logprobs
 from detspec.server.score_batcher import PromptLogprobs
 from detspec.server.serving import failed
@@ -61,7 +67,7 @@ from detspec.server.structured import request_constraints, single
 if TYPE_CHECKING:
     from detspec.server.serving import OpenAIServer
 
-NATIVE_PATHS = ("/generate",)
+NATIVE_PATHS = ("/generate", "/abort_request")
 
 
 class NativeSamplingParams(P.OpenAIBaseModel):
@@ -117,6 +123,13 @@ class GenerateRequest(P.OpenAIBaseModel):
     lora_path: str | list[str | None] | None = None
 
 
+class AbortRequest(P.OpenAIBaseModel):
+    """SGLang's ``AbortReq``: the request of one ``rid``, or every request."""
+
+    rid: str | None = None
+    abort_all: bool = False
+
+
 # OpenAI field (what serving's checks and the engine name) -> this API's.
 _NATIVE_NAMES = {
     "max_tokens": "max_new_tokens",
@@ -129,10 +142,23 @@ _NATIVE_NAMES = {
 
 def build_native_router(server: OpenAIServer) -> APIRouter:
     router = APIRouter()
+    inflight = InFlight(server.engine)
 
     @router.post("/generate", responses=ERROR_RESPONSES)
     async def generate(req: GenerateRequest, request: Request) -> Response:
-        return await _generate(server, req, request)
+        return await _generate(server, req, request, inflight)
+
+    @router.post("/abort_request", responses=ERROR_RESPONSES)
+    async def abort_request(req: AbortRequest | None = None) -> JSONResponse:
+        req = req or AbortRequest()
+        rids = await inflight.abort(req.rid, req.abort_all)
+        if req.abort_all:
+            message = f"aborted {len(rids)} running request(s)"
+        elif rids:
+            message = f"aborted the request with rid {req.rid!r}"
+        else:
+            message = f"no running /generate request has rid {req.rid!r}: nothing aborted"
+        return JSONResponse({"success": True, "message": message, "rids": rids})
 
     return router
 
@@ -229,7 +255,9 @@ def _completion_request(
 # --------------------------------------------------------------------------- generation
 
 
-async def _generate(server: OpenAIServer, req: GenerateRequest, request: Request) -> Response:
+async def _generate(
+    server: OpenAIServer, req: GenerateRequest, request: Request, inflight: InFlight
+) -> Response:
     prompts, batch, prompt_field = _prompts(req)
     if not prompts:
         raise ApiError(400, f"{prompt_field} is an empty list", prompt_field)
@@ -249,7 +277,12 @@ async def _generate(server: OpenAIServer, req: GenerateRequest, request: Request
             jobs.append(_job(server, req, sp, i, rid, ids, param, loras[i]))
     generating = [j for j in jobs if sps[j.index].max_new_tokens > 0]
     start = time.perf_counter()
-    agen = server.run(generating) if req.stream and generating else None
+    # Abortable by rid from here on (while the prompts are scored too); the run's `watch`
+    # lets go of them when it ends, this function when no run began.
+    inflight.add(generating)
+    run = inflight.watch(generating, server.run(generating)) if generating else None
+    agen = run if req.stream else None
+    streaming = False
     try:
         inputs = await until_disconnect(request, _input_logprobs(server, req, jobs))
         shape = _Shaper(server, req, sps, inputs, start)
@@ -257,19 +290,36 @@ async def _generate(server: OpenAIServer, req: GenerateRequest, request: Request
             # Admission and the first output before the response starts, so that their
             # errors are HTTP errors rather than a broken stream.
             first = await until_disconnect(request, first_output(agen)) if agen else None
+            streaming = True
             return _stream(shape, jobs, generating, (agen, first))
-        last = await until_disconnect(request, server.last_outputs(generating))
+        last = await until_disconnect(request, _last_outputs(run))
     except BaseException as e:
-        if agen is not None:
-            await agen.aclose()  # type: ignore[attr-defined]
+        if run is not None:
+            await run.aclose()  # type: ignore[attr-defined]
         with _renamed(None):
             return failed(e, jobs[0])
+    finally:
+        if not streaming:
+            inflight.remove(generating)
     items = []
     for job in jobs:
         out = last.get(job.index)
         for c in out.outputs if out is not None else [None] * job.params.n:
             items.append(shape.item(job, out, c))
     return JSONResponse(items if batch or len(items) > 1 else items[0])
+
+
+async def _last_outputs(
+    run: AsyncIterator[tuple[Job, RequestOutput]] | None,
+) -> dict[int, RequestOutput]:
+    """Runs a generation to the end; the last output of each job, by ``Job.index``."""
+    last: dict[int, RequestOutput] = {}
+    if run is None:
+        return last
+    async with contextlib.aclosing(run):  # type: ignore[type-var]
+        async for job, out in run:
+            last[job.index] = out
+    return last
 
 
 def _job(

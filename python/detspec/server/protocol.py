@@ -94,6 +94,8 @@ class _SamplingFields(OpenAIBaseModel):
     min_tokens: int = Field(default=0, ge=0, le=2**31 - 1)
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
+    allowed_token_ids: list[TokenId] | None = None
+    bad_words: list[str] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
@@ -231,6 +233,8 @@ class ChatCompletionRequest(_SamplingFields):
     # vLLM's: the model continues the last message (needs add_generation_prompt=false)
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: a Jinja chat template for this request (needs --trust-request-chat-template)
+    chat_template: str | None = None
     tools: list[ChatTool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -259,6 +263,7 @@ class TokenizeChatRequest(OpenAIBaseModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None
 
 
 class DetokenizeRequest(OpenAIBaseModel):

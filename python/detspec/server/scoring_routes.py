@@ -46,8 +46,9 @@ if TYPE_CHECKING:
 
 def tokenizer_info(model_dir: str, server: OpenAIServer) -> dict[str, Any]:
     """vLLM's ``/tokenizer_info``: the special tokens and the chat template from the model
-    directory (``tokenizer_config.json``, ``chat_template.jinja``), which lm-eval reads to use
-    the server's tokenizer (``/tokenize``, ``/detokenize``) instead of loading its own."""
+    directory (``tokenizer_config.json``, ``chat_template.jinja``; the server's
+    ``--chat-template`` instead where given), which lm-eval reads to use the server's
+    tokenizer (``/tokenize``, ``/detokenize``) instead of loading its own."""
     cfg: dict[str, Any] = {}
     path = os.path.join(model_dir, "tokenizer_config.json")
     if os.path.exists(path):
@@ -64,7 +65,7 @@ def tokenizer_info(model_dir: str, server: OpenAIServer) -> dict[str, Any]:
     eos_ids = server.engine.eos_token_ids
     if eos is None and eos_ids and server.tokenizer is not None:
         eos = server.decode_token(eos_ids[0])
-    template = cfg.get("chat_template")
+    template = server.config.chat_template or cfg.get("chat_template")
     jinja = os.path.join(model_dir, "chat_template.jinja")
     if not isinstance(template, str) and os.path.exists(jinja):
         with open(jinja, encoding="utf-8") as f:

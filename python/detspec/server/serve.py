@@ -67,6 +67,17 @@ def add_app_arguments(p: argparse.ArgumentParser) -> None:
         help="laid over the generation config, e.g. '{\"temperature\": 0.5}'",
     )
     p.add_argument(
+        "--chat-template",
+        default=None,
+        help="the chat template (a file, or the template itself) instead of the model's; "
+        "named in the fingerprint (+tmpl<hash>)",
+    )
+    p.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="honour a request's `chat_template` (without it such a request is a 400)",
+    )
+    p.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",
         help='read tool calls from the output of tool_choice "auto" requests (with '
@@ -203,14 +214,17 @@ def build_from_args(args: argparse.Namespace, **config: Any) -> Any:
             engine.shutdown()
             raise SetupError(f"--lora-modules {name}={path}: {e}") from None
     try:
-        sampling, suffix = request_sampling_defaults(args, engine.model)
+        sampling, gen_suffix = request_sampling_defaults(args, engine.model)
+        template, template_suffix = chat_template(args.chat_template, engine)
     except SetupError:
         engine.shutdown()
         raise
     server_config = ServerConfig(
         served_model_names=names,
         sampling_defaults=sampling,
-        sampling_defaults_suffix=suffix,
+        settings_suffix=gen_suffix + template_suffix,
+        chat_template=template,
+        trust_request_chat_template=args.trust_request_chat_template,
         max_num_seqs=settings.get("max_num_seqs", SETTINGS_BY_NAME["max_num_seqs"].default),
         deterministic_by_default=args.deterministic_by_default,
         default_seed=args.default_seed,
@@ -224,6 +238,35 @@ def build_from_args(args: argparse.Namespace, **config: Any) -> Any:
     except ValueError as e:  # a setting the model cannot have (a parser's tags)
         engine.shutdown()
         raise SetupError(str(e)) from None
+
+
+def chat_template(spec: str | None, engine: Any) -> tuple[str | None, str]:
+    """``--chat-template``'s source (a file's text, or the flag's value when it is a template
+    itself, as vLLM reads it), compiled once by the engine, and its fingerprint suffix;
+    ``SetupError`` for a missing file or a template that does not compile."""
+    import hashlib
+
+    from detspec.errors import DetspecError
+
+    if spec is None:
+        return None, ""
+    path = os.path.expanduser(spec)
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            source = f.read()
+    elif "{{" in spec or "{%" in spec:
+        source = spec
+    else:
+        raise SetupError(f"--chat-template {spec}: no such file (and not a Jinja template)")
+    tokenizer = engine.get_tokenizer()
+    if tokenizer is None:
+        raise SetupError("--chat-template: the model has no tokenizer")
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], chat_template=source)
+    except DetspecError as e:
+        if "invalid chat template" in str(e):  # a render error can be the template's rule
+            raise SetupError(f"--chat-template: {e}") from None
+    return source, "+tmpl" + hashlib.sha256(source.encode()).hexdigest()[:8]
 
 
 def request_sampling_defaults(

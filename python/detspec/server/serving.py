@@ -73,9 +73,15 @@ class ServerConfig:
     # reasoning and content, output constraints applied after the thinking.
     reasoning_parser: str | None = None
     # Request defaults from the generation config (server/generation_config.py), keyed by
-    # request field, and the fingerprint suffix that names them when not the model's own.
+    # request field.
     sampling_defaults: dict[str, float | int] = field(default_factory=dict)
-    sampling_defaults_suffix: str = ""
+    # The fingerprint suffix naming the settings that change what a request means
+    # (RequestDefaults.settings_suffix).
+    settings_suffix: str = ""
+    # vLLM's --chat-template (the source, read at start-up) replaces the model's; a
+    # request's `chat_template` is honoured only with --trust-request-chat-template.
+    chat_template: str | None = None
+    trust_request_chat_template: bool = False
 
 
 def response_ids(prefix: str, request_id: str | None) -> tuple[str, str]:
@@ -99,7 +105,7 @@ class OpenAIServer:
             config.deterministic_by_default,
             config.default_seed,
             dict(config.sampling_defaults),
-            config.sampling_defaults_suffix,
+            config.settings_suffix,
         )
         if config.tool_call_parser is not None and config.tool_call_parser not in PARSERS:
             raise ValueError(
@@ -273,6 +279,8 @@ class OpenAIServer:
                 stop=req.stop,
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 stop_token_ids=req.stop_token_ids,
+                allowed_token_ids=req.allowed_token_ids,
+                bad_words=req.bad_words,
                 ignore_eos=req.ignore_eos,
                 logprobs=logprobs,
                 presence_penalty=req.presence_penalty or 0.0,
@@ -342,7 +350,17 @@ class OpenAIServer:
         template_kwargs: dict[str, Any] | None,
         tools: list[dict[str, Any]] | None = None,
         continue_final_message: bool = False,
+        chat_template: str | None = None,
     ) -> list[int]:
+        """The conversation's token ids, rendered with ``chat_template`` (a request's), else
+        the server's ``--chat-template``, else the model's."""
+        if chat_template is not None and not self.config.trust_request_chat_template:
+            raise ApiError(
+                400,
+                "a request's chat_template needs a server started with "
+                "--trust-request-chat-template",
+                "chat_template",
+            )
         return await render_chat(
             self.tokenizer,
             messages,
@@ -350,6 +368,7 @@ class OpenAIServer:
             template_kwargs,
             tools,
             continue_final_message,
+            chat_template if chat_template is not None else self.config.chat_template,
         )
 
     async def prompt_logprobs(
@@ -520,6 +539,7 @@ class OpenAIServer:
             req.chat_template_kwargs,
             tools.tools,
             req.continue_final_message,
+            req.chat_template,
         )
         reasoning = None
         if self.reasoning_parser is not None:
@@ -570,7 +590,9 @@ class OpenAIServer:
             final = conversation(req.messages[-1:])[0]["content"]
             gen = await asyncio.to_thread(self.tokenizer.encode, final, False)
         elif req.add_generation_prompt and tagged:
-            without = await self.render_chat(req.messages, False, req.chat_template_kwargs, tools)
+            without = await self.render_chat(
+                req.messages, False, req.chat_template_kwargs, tools, False, req.chat_template
+            )
             gen = list(generation_prompt(ids, without))
         thinking = parser.thinks(gen, req.chat_template_kwargs or {})
         return ReasoningPlan(parser, thinking, req.include_reasoning)
@@ -678,6 +700,7 @@ class OpenAIServer:
                 req.chat_template_kwargs,
                 tools,
                 req.continue_final_message,
+                req.chat_template,
             )
         else:
             ids = await self.encode(req.prompt, req.add_special_tokens)

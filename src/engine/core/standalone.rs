@@ -523,8 +523,13 @@ impl EngineCore {
     /// position, for the caller to compare with the stored output.
     pub fn audit(&mut self, items: &[AuditInput]) -> Result<Vec<Vec<TokenLogprobs>>> {
         let mut seeds = Vec::with_capacity(items.len());
+        let mut params = Vec::with_capacity(items.len());
         for (i, it) in items.iter().enumerate() {
             it.params.validate()?;
+            // Bad words are banned in the re-run as they were in the run.
+            let mut p = it.params.clone();
+            p.bad_words_token_ids = self.bad_words_token_ids(&p)?;
+            params.push(p);
             let seed = match it.params.seed {
                 Some(s) => s,
                 None if it.params.is_greedy() => 0,
@@ -574,7 +579,7 @@ impl EngineCore {
                 None => None,
             };
             let drawn = sampling::sample_next(
-                &it.params,
+                &params[i],
                 seeds[i],
                 &it.prompt,
                 before,
