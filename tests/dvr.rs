@@ -2,8 +2,8 @@
 //! identical alone and inside any batch ("needle in a haystack"), under forced rollbacks and
 //! preemption, at 1 and 2 threads — and the negative control shows the fast path alone is not.
 //! Rollbacks, preemption and the verify-group wait run on both CPU kernel profiles: under
-//! `shape_dependent` the fast path's GEMM bits change with the batch, so replay meets real
-//! mismatches there besides the forced ones.
+//! `shape_dependent` the fast path's GEMM bits change with the batch (its logprobs differ from
+//! the verifier's, and tokens can), so what replay commits is tested where the two paths part.
 
 mod common;
 use common::{bits, in_haystack, Bits, Rng};
