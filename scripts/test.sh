@@ -11,7 +11,7 @@ python3 -m pip install -q "numpy>=1.26" "tqdm>=4.60" "pytest>=8" "pytest-asyncio
     "peft>=0.13"
 # the server extra (detspec[serve]) and what its tests drive it with
 python3 -m pip install -q "fastapi>=0.110" "uvicorn>=0.30" "prometheus-client>=0.20" "pydantic>=2.5" \
-    "httpx>=0.27" "openai>=1.40" "schemathesis>=4.0"
+    "httpx>=0.27" "openai>=1.40" "schemathesis>=4.0" "trustme>=1.1"
 # lm-evaluation-harness, driven against `detspec serve` by tests/python/test_lm_eval.py
 python3 -m pip install -q "lm-eval[api]>=0.4.13"
 # the Ray extra (detspec[ray]): ~20 s from a warm pip cache, see docs/scaling.md

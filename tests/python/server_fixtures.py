@@ -12,6 +12,7 @@ import re
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -36,9 +37,19 @@ def free_port() -> int:
 class ServerProcess:
     """A ``python -m detspec serve`` subprocess; its log goes to a file (shown on failure)."""
 
-    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        args: list[str],
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        ca_file: str | None = None,
+    ):
+        """``ca_file``: the server speaks HTTPS with a certificate this CA signed."""
         self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.verify: ssl.SSLContext | bool = (
+            ssl.create_default_context(cafile=ca_file) if ca_file else True
+        )
+        self.base_url = f"{'https' if ca_file else 'http'}://127.0.0.1:{self.port}"
         self.log_path = log_path
         cmd = [
             sys.executable,
@@ -68,7 +79,8 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
             try:
-                if httpx.get(self.base_url + "/health", timeout=1.0).status_code == 200:
+                r = httpx.get(self.base_url + "/health", timeout=1.0, verify=self.verify)
+                if r.status_code == 200:
                     return
             except httpx.HTTPError:
                 pass

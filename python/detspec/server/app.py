@@ -26,6 +26,7 @@ import contextlib
 from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 
 import detspec
@@ -36,7 +37,7 @@ from detspec.server.embedding_routes import build_embedding_router
 from detspec.server.errors import ERROR_RESPONSES, ApiError, add_exception_handlers, error_body
 from detspec.server.lora_routes import build_lora_router
 from detspec.server.metrics import CONTENT_TYPE
-from detspec.server.middleware import GuardMiddleware
+from detspec.server.middleware import GuardMiddleware, RequestIdMiddleware
 from detspec.server.native_routes import build_native_router
 from detspec.server.responses_routes import build_responses_router
 from detspec.server.rl_routes import build_rl_router
@@ -119,6 +120,17 @@ def build_app(
     app.include_router(build_embedding_router(server))
     app.include_router(build_responses_router(server))
     app.add_middleware(GuardMiddleware, api_key=config.api_key, max_bytes=config.max_request_bytes)
+    # Added after the guard, so outside it: a browser's preflight carries no API key.
+    if config.cors is not None:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=config.cors.allow_origins,
+            allow_methods=config.cors.allow_methods,
+            allow_headers=config.cors.allow_headers,
+            allow_credentials=config.cors.allow_credentials,
+        )
+    if config.request_id_headers:
+        app.add_middleware(RequestIdMiddleware)
     return app
 
 

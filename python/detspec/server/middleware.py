@@ -1,10 +1,12 @@
 """ASGI middleware that runs before anything parses the body: the API key (constant-time
-comparison) and the request-size limit (chunked bodies are read up to the limit)."""
+comparison) and the request-size limit (chunked bodies are read up to the limit); and
+``X-Request-Id`` on every response where asked for."""
 
 from __future__ import annotations
 
 import hmac
 import json
+import uuid
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -106,3 +108,27 @@ class GuardMiddleware:
             f"request body of {n} bytes is over the server's limit of {self.max_bytes} bytes "
             "(--max-request-bytes)"
         )
+
+
+class RequestIdMiddleware:
+    """vLLM's ``--enable-request-id-headers``: every response carries ``X-Request-Id``, the
+    client's own where it sent one (so a proxy's or a harness's id can be followed through the
+    logs), else a fresh one."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        sent = dict(scope.get("headers") or []).get(b"x-request-id")
+        rid = sent if sent else uuid.uuid4().hex.encode()
+
+        async def with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", []) if k != b"x-request-id"]
+                message = {**message, "headers": [*headers, (b"x-request-id", rid)]}
+            await send(message)
+
+        await self.app(scope, receive, with_id)

@@ -52,6 +52,21 @@ def add_app_arguments(p: argparse.ArgumentParser) -> None:
         help="under --deterministic-by-default, the seed of sampled requests that send none "
         "(default 0)",
     )
+    # What vLLM launch lines carry that detspec has one answer to (accepted so those lines run).
+    p.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="1 only: one engine runs on one device (scale out with Ray replicas, docs/scaling.md)",
+    )
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="1 only")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1, help="1 only (Ray replicas)")
+    p.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="accepted for vLLM's launch lines: detspec never runs a model's own Python code",
+    )
     p.add_argument(
         "--generation-config",
         default="auto",
@@ -111,6 +126,19 @@ def add_app_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_arguments(p)
 
 
+def _json_list(text: str) -> list[str]:
+    """A flag's JSON list of strings (vLLM's format for the CORS flags)."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {text!r}") from None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {text!r}")
+    return value
+
+
 def lora_modules(specs: list[str] | None) -> list[tuple[str, str]]:
     """``--lora-modules``' ``(name, path)`` pairs; ``SetupError`` for a malformed one."""
     import json
@@ -160,6 +188,28 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         default=5.0,
         help="seconds in-flight requests get to finish after SIGINT/SIGTERM",
     )
+    p.add_argument(
+        "--allowed-origins",
+        type=_json_list,
+        default=None,
+        metavar="JSON",
+        help="origins browsers may call from, e.g. '[\"https://ui.example\"]' (CORS; "
+        "without it no CORS headers are sent, unlike vLLM's allow-all default)",
+    )
+    p.add_argument("--allowed-methods", type=_json_list, default=["*"], metavar="JSON")
+    p.add_argument("--allowed-headers", type=_json_list, default=["*"], metavar="JSON")
+    p.add_argument("--allow-credentials", action="store_true")
+    p.add_argument(
+        "--enable-request-id-headers",
+        action="store_true",
+        help="every response carries X-Request-Id (the client's, where it sent one)",
+    )
+    p.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this key")
+    p.add_argument("--ssl-certfile", default=None, help="... and this certificate")
+    p.add_argument("--ssl-ca-certs", default=None, help="CA certificates for client certificates")
+    p.add_argument(
+        "--root-path", default=None, help="the path prefix a proxy serves this server under"
+    )
     p.add_argument("--uvicorn-log-level", default="info")
     p.add_argument("--disable-uvicorn-access-log", action="store_true")
     add_app_arguments(p)
@@ -191,6 +241,12 @@ def build_from_args(args: argparse.Namespace, **config: Any) -> Any:
     from detspec.errors import DetspecError
     from detspec.server.app import ServerConfig, build_app
 
+    for flag in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+        if getattr(args, flag) != 1:
+            raise SetupError(
+                f"--{flag.replace('_', '-')} {getattr(args, flag)}: an engine runs on one "
+                "device; serve more with Ray replicas (docs/scaling.md)"
+            )
     settings = engine_settings_from_args(args)
     determinism = settings.get("determinism", SETTINGS_BY_NAME["determinism"].default)
     if args.deterministic_by_default and determinism == "off":
@@ -307,6 +363,20 @@ def request_sampling_defaults(
     return defaults, G.fingerprint_suffix(defaults, own)
 
 
+def cors_settings(args: argparse.Namespace) -> Any:
+    """``--allowed-origins`` and its companions, or None (no CORS headers) without it."""
+    from detspec.server.serving import CorsSettings
+
+    if args.allowed_origins is None:
+        return None
+    return CorsSettings(
+        allow_origins=args.allowed_origins,
+        allow_methods=args.allowed_methods,
+        allow_headers=args.allowed_headers,
+        allow_credentials=args.allow_credentials,
+    )
+
+
 def serve(args: argparse.Namespace) -> int:
     missing = missing_extra("serve")
     if missing:
@@ -328,6 +398,8 @@ def serve(args: argparse.Namespace) -> int:
             api_key=api_key,
             max_waiting_requests=args.max_waiting_requests,
             max_request_bytes=args.max_request_bytes,
+            cors=cors_settings(args),
+            request_id_headers=args.enable_request_id_headers,
         )
     except SetupError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -342,10 +414,19 @@ def serve(args: argparse.Namespace) -> int:
         access_log=not args.disable_uvicorn_access_log,
         timeout_graceful_shutdown=args.shutdown_timeout,
         timeout_keep_alive=5,
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
+        ssl_ca_certs=args.ssl_ca_certs,
+        root_path=args.root_path or "",
     )
     server = _Server(uv_config, state)
     logging.getLogger("detspec.server").info(
-        "serving %s as %s on http://%s:%d", engine.model, state.model_names, args.host, args.port
+        "serving %s as %s on %s://%s:%d",
+        engine.model,
+        state.model_names,
+        "https" if args.ssl_certfile else "http",
+        args.host,
+        args.port,
     )
     try:
         server.run()

@@ -50,6 +50,16 @@ from detspec.server.tool_parsers import PARSERS
 from detspec.server.tools import ToolPlan, check_tools, plan_tools
 
 
+@dataclass(frozen=True)
+class CorsSettings:
+    """What browsers on other origins may do (Starlette's ``CORSMiddleware`` arguments)."""
+
+    allow_origins: list[str]
+    allow_methods: list[str] = field(default_factory=lambda: ["*"])
+    allow_headers: list[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
+
+
 @dataclass
 class ServerConfig:
     """Server settings (engine settings go to ``AsyncLLM``)."""
@@ -82,6 +92,10 @@ class ServerConfig:
     # request's `chat_template` is honoured only with --trust-request-chat-template.
     chat_template: str | None = None
     trust_request_chat_template: bool = False
+    # Cross-origin requests (vLLM's --allowed-origins, ...): None, no CORS headers at all.
+    cors: CorsSettings | None = None
+    # vLLM's --enable-request-id-headers: X-Request-Id on every response.
+    request_id_headers: bool = False
 
 
 def response_ids(prefix: str, request_id: str | None) -> tuple[str, str]:
