@@ -387,3 +387,16 @@ def test_allowed_token_ids_and_bad_words_over_http(compat_server) -> None:
         timeout=30,
     )
     assert bad.status_code == 400 and "bad_words" in bad.text, bad.text
+
+
+def test_ranges_are_the_engines(compat_server) -> None:
+    """The server keeps no range of its own besides the engine's: a temperature or repetition
+    penalty above 100 (which the engine samples with) is served, a negative one refused by the
+    engine's rule, naming the field."""
+    c = client(compat_server)
+    common = {"model": SERVED_NAME, "prompt": [5, 6, 7], "max_tokens": 3, "seed": 1}
+    r = c.completions.create(**common, temperature=250.0, extra_body={"repetition_penalty": 500.0})
+    assert r.usage.completion_tokens == 3
+    body = {**common, "temperature": -1.0}
+    bad = httpx.post(f"{compat_server.base_url}/v1/completions", json=body, timeout=30)
+    assert bad.status_code == 400 and "temperature" in bad.text, bad.text

@@ -75,13 +75,13 @@ class NativeSamplingParams(P.OpenAIBaseModel):
 
     max_new_tokens: int = Field(default=128, ge=0, le=2**31 - 1)
     min_new_tokens: int = Field(default=0, ge=0, le=2**31 - 1)
-    temperature: float = Field(default=1.0, ge=0.0, le=100.0)
+    temperature: float = Field(default=1.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=-1, ge=-1, le=2**31 - 1)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0, le=100.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
     stop: str | list[str] | None = None
     stop_token_ids: list[P.TokenId] | None = None
     ignore_eos: bool = False

@@ -78,7 +78,7 @@ class _SamplingFields(OpenAIBaseModel):
 
     model: str | None = Field(default=None, description="served model name (optional)")
     n: int = Field(default=1, ge=1, le=256)
-    temperature: float | None = Field(default=None, ge=0.0, le=100.0)
+    temperature: float | None = Field(default=None, ge=0.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
     seed: Int64 | None = None
@@ -90,7 +90,7 @@ class _SamplingFields(OpenAIBaseModel):
     # vLLM extras
     top_k: int | None = Field(default=None, ge=-1, le=2**31 - 1)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
     min_tokens: int = Field(default=0, ge=0, le=2**31 - 1)
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None

@@ -155,7 +155,7 @@ class ResponsesRequest(P.OpenAIBaseModel):
     input: list[InputItem] | str = Field(min_length=1)
     instructions: str | None = None
     max_output_tokens: int | None = Field(default=None, ge=1, le=2**31 - 1)
-    temperature: float | None = Field(default=None, ge=0.0, le=100.0)
+    temperature: float | None = Field(default=None, ge=0.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_logprobs: int | None = Field(default=None, ge=0, le=P.MAX_LOGPROBS)
     include: list[Literal["message.output_text.logprobs"]] | None = None
@@ -177,7 +177,7 @@ class ResponsesRequest(P.OpenAIBaseModel):
     deterministic: bool | None = None
     top_k: int | None = Field(default=None, ge=-1, le=2**31 - 1)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     logit_bias: dict[str, Any] | None = None
