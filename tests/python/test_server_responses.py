@@ -296,6 +296,54 @@ def test_tool_loop_renders_as_chat_does(client) -> None:
     assert r.usage.input_tokens == c.usage.prompt_tokens
 
 
+def test_previous_response_id_continues_the_stored_conversation(client) -> None:
+    """A continuation renders as the whole conversation sent back in ``input`` (the same
+    bits); stored responses are read and deleted by id; ``store=false`` keeps nothing."""
+    first = ask(client, input="Weather in Paris?", tools=[TOOL], tool_choice="required",
+                extra_body=DET)  # fmt: skip
+    assert first.store is True
+    call = next(o for o in first.output if o.type == "function_call")
+    reply = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}
+    common = {"tools": [TOOL], "tool_choice": "none", "max_output_tokens": 16,
+              "top_logprobs": 0, "extra_body": DET}  # fmt: skip
+    explicit = ask(
+        client,
+        input=[
+            {"role": "user", "content": "Weather in Paris?"},
+            *[o.model_dump(exclude_none=True) for o in first.output],
+            reply,
+        ],
+        **common,
+    )
+    cont = ask(client, previous_response_id=first.id, input=[reply], **common)
+    assert cont.previous_response_id == first.id
+    assert cont.output_text == explicit.output_text
+    assert lp_bits(text_part(cont).logprobs) == lp_bits(text_part(explicit).logprobs)
+    assert cont.usage.input_tokens == explicit.usage.input_tokens
+    # A chain of three: the second's conversation carries the first's.
+    third = ask(client, previous_response_id=cont.id, input="And tomorrow?",
+                **{**common, "max_output_tokens": 4})  # fmt: skip
+    assert third.usage.input_tokens > cont.usage.input_tokens + cont.usage.output_tokens
+    # Streamed answers are stored too.
+    events = list(ask(client, input="Hello", max_output_tokens=4, stream=True, extra_body=DET))
+    streamed = events[-1].response  # response.completed or .incomplete
+    assert client.responses.retrieve(streamed.id).output_text == streamed.output_text
+    got = client.responses.retrieve(first.id)
+    assert got.id == first.id and [o.model_dump() for o in got.output] == [
+        o.model_dump() for o in first.output
+    ]
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError) as e:
+        ask(client, previous_response_id=first.id, input=[reply], **common)
+    assert e.value.body["param"] == "previous_response_id"
+    unstored = ask(client, input="Hi", store=False, max_output_tokens=2)
+    assert unstored.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+
+
 def test_text_format_json_schema(client) -> None:
     fmt = {"type": "json_schema", "name": "city", "schema": CITY_SCHEMA, "strict": True}
     r = ask(client, input="A city as JSON.", text={"format": fmt}, extra_body=DET)
@@ -309,7 +357,6 @@ def test_text_format_json_schema(client) -> None:
 @pytest.mark.parametrize(
     ("kw", "param"),
     [
-        ({"previous_response_id": "resp_0"}, "previous_response_id"),
         ({"max_output_tokens": 5000}, "max_output_tokens"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
         ({"input": []}, "input"),

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Discriminator, Field, Tag
+from pydantic import ConfigDict, Discriminator, Field, Tag, TypeAdapter
 
 from detspec.server import protocol as P
 from detspec.server.errors import ApiError
@@ -189,16 +189,25 @@ class ResponsesRequest(P.OpenAIBaseModel):
         return self.top_logprobs is not None or LOGPROBS_INCLUDE in (self.include or [])
 
 
-def _messages(req: ResponsesRequest) -> list[P.ChatMessage]:
-    """``instructions`` and ``input`` as chat messages: a function call joins the assistant
-    message before it (or makes one), its output is a ``tool`` message; a reasoning item is
-    the ``reasoning`` of the assistant message it precedes."""
+def input_items(req: ResponsesRequest) -> list[InputItem]:
+    """``input`` as items (a string is one user message)."""
+    if isinstance(req.input, str):
+        return [MessageItem(role="user", content=req.input)]
+    return list(req.input)
+
+
+INPUT_ITEMS: TypeAdapter[list[InputItem]] = TypeAdapter(list[InputItem])
+
+
+def _messages(req: ResponsesRequest, history: list[InputItem]) -> list[P.ChatMessage]:
+    """``instructions``, ``history`` (the stored conversation a continuation follows) and
+    ``input`` as chat messages: a function call joins the assistant message before it (or
+    makes one), its output is a ``tool`` message; a reasoning item is the ``reasoning`` of the
+    assistant message it precedes."""
     messages: list[P.ChatMessage] = []
     if req.instructions is not None:
         messages.append(P.ChatMessage(role="system", content=req.instructions))
-    items = req.input
-    if isinstance(items, str):
-        items = [MessageItem(role="user", content=items)]
+    items = [*history, *input_items(req)]
     reasoning: str | None = None  # of the next assistant message
     for it in items:
         if isinstance(it, ReasoningItem):
@@ -244,15 +253,11 @@ def _response_format(text: TextConfig | None) -> P.ResponseFormat | None:
     return P.ResponseFormat(type="json_schema", json_schema=schema)
 
 
-def chat_request(req: ResponsesRequest) -> P.ChatCompletionRequest:
-    """The chat completion ``req`` means."""
-    if req.previous_response_id is not None:
-        raise ApiError(
-            400,
-            "previous_response_id is not supported: this server stores no responses; send "
-            "the conversation in `input` (earlier output items included)",
-            "previous_response_id",
-        )
+def chat_request(
+    req: ResponsesRequest, history: list[InputItem] | None = None
+) -> P.ChatCompletionRequest:
+    """The chat completion ``req`` means, after the items of ``history`` (the conversation of
+    the response it continues)."""
     tools = None
     if req.tools:
         tools = [
@@ -270,7 +275,7 @@ def chat_request(req: ResponsesRequest) -> P.ChatCompletionRequest:
     logprobs = req.wants_logprobs
     return P.ChatCompletionRequest(
         model=req.model,
-        messages=_messages(req),
+        messages=_messages(req, history or []),
         max_tokens=req.max_output_tokens,
         temperature=req.temperature,
         top_p=req.top_p,

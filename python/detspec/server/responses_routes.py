@@ -7,9 +7,11 @@ and run as ``/v1/chat/completions`` runs it; the output becomes Responses output
 the events are Responses' (``response.created`` ... ``response.output_text.delta`` ...
 ``response.completed``), each with its ``sequence_number``.
 
-Stateless: nothing is stored (``store`` is accepted and answered ``false``), so
-``previous_response_id`` is refused; a conversation goes back in ``input``, earlier output
-items included, as with chat. ``deterministic``, ``seed`` and vLLM's sampling extras are
+A response is stored (unless ``store`` is false; in memory, ``responses_store``): a request
+with ``previous_response_id`` continues its conversation (its input and output items before
+this request's ``input``), and ``GET`` / ``DELETE /v1/responses/{id}`` read and drop it. A
+conversation can also go back whole in ``input``, earlier output items included, as with
+chat. ``deterministic``, ``seed`` and vLLM's sampling extras are
 accepted as on chat, and the response carries ``system_fingerprint`` and ``dvr_metrics``.
 Errors name this API's fields (``input``, ``max_output_tokens``, ``tools[0].parameters``).
 The request model and its translation are in ``responses_request``; this module shapes the
@@ -33,14 +35,17 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from detspec.errors import DetspecError
 from detspec.outputs import RequestOutput
 from detspec.server import protocol as P
-from detspec.server.errors import ERROR_RESPONSES, stream_error_body
+from detspec.server.errors import ERROR_RESPONSES, ApiError, stream_error_body
 from detspec.server.jobs import Job
 from detspec.server.responses_request import (
+    INPUT_ITEMS,
     FunctionChoice,
     ResponsesRequest,
     chat_request,
+    input_items,
     renamed_errors,
 )
+from detspec.server.responses_store import ResponseStore, StoredResponse
 from detspec.server.serving import OpenAIServer, failed
 from detspec.server.shaping import choice_fields, dvr_metrics
 from detspec.server.streaming import first_output, until_disconnect
@@ -132,7 +137,22 @@ class _Shaper:
     job: Job
     rid: str
     model: str
+    store: ResponseStore
+    # The stored conversation this response continues (its input items come after it).
+    history: list[dict[str, Any]] = field(default_factory=list)
     created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def stored(self) -> bool:
+        return self.req.store is not False and self.store.capacity > 0
+
+    def done(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Stores the finished response ``body`` (where asked) with its conversation."""
+        if self.stored:
+            mine = [it.model_dump(exclude_none=True, by_alias=True) for it in input_items(self.req)]
+            conversation = [*self.history, *mine, *body["output"]]
+            self.store.put(self.rid, StoredResponse(body, conversation))
+        return body
 
     def response(
         self, answer: _Answer | None, out: RequestOutput | None, status: str | None = None
@@ -155,9 +175,9 @@ class _Shaper:
             "model": self.model,
             "output": answer.items(req.wants_logprobs) if answer is not None else [],
             "parallel_tool_calls": req.parallel_tool_calls is not False,
-            "previous_response_id": None,
+            "previous_response_id": req.previous_response_id,
             "reasoning": None,
-            "store": False,
+            "store": self.stored,
             "temperature": req.temperature,
             "text": {"format": {"type": "text"}}
             if req.text is None or req.text.format is None
@@ -200,12 +220,24 @@ class _Shaper:
 
 
 async def create_response(
-    server: OpenAIServer, req: ResponsesRequest, request: Request
+    server: OpenAIServer, req: ResponsesRequest, request: Request, store: ResponseStore
 ) -> Response:
-    chat = chat_request(req)
+    history: list[dict[str, Any]] = []
+    if req.previous_response_id is not None:
+        prev = store.get(req.previous_response_id)
+        if prev is None:
+            raise ApiError(
+                404,
+                f"no stored response {req.previous_response_id!r} (unknown, deleted, stored "
+                "with store=false, or dropped: the server keeps the last "
+                f"{store.capacity} in memory)",
+                "previous_response_id",
+            )
+        history = prev.conversation
+    chat = chat_request(req, INPUT_ITEMS.validate_python(history))
     with renamed_errors():
         job, rid, model = await server.chat_job(chat, "resp_")
-    shaper = _Shaper(server, req, chat, job, rid, model)
+    shaper = _Shaper(server, req, chat, job, rid, model, store, history)
     agen = server.run([job], delta=True)
     answer = _Answer()
     try:
@@ -225,7 +257,7 @@ async def create_response(
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-    return JSONResponse(shaper.response(answer, out))
+    return JSONResponse(shaper.done(shaper.response(answer, out)))
 
 
 async def _chain(
@@ -356,16 +388,33 @@ async def _events(shaper: _Shaper, outs: AsyncIterator[RequestOutput]) -> AsyncI
             yield event("response.function_call_arguments.done", arguments=args, **ids)
             yield event("response.output_item.done", output_index=index, item=call)
             index += 1
-        body = shaper.response(answer, out)
+        body = shaper.done(shaper.response(answer, out))
         kind = "response.incomplete" if body["status"] == "incomplete" else "response.completed"
         yield event(kind, response=body)
 
 
 def build_responses_router(server: OpenAIServer) -> APIRouter:
     router = APIRouter()
+    store = ResponseStore(server.config.max_stored_responses)
 
     @router.post("/v1/responses", responses=ERROR_RESPONSES)
     async def responses(req: ResponsesRequest, request: Request) -> Response:
-        return await create_response(server, req, request)
+        return await create_response(server, req, request, store)
+
+    def stored(rid: str) -> StoredResponse:
+        found = store.get(rid)
+        if found is None:
+            raise ApiError(404, f"no stored response {rid!r}", "response_id")
+        return found
+
+    @router.get("/v1/responses/{response_id}", responses=ERROR_RESPONSES)
+    async def get_response(response_id: str) -> JSONResponse:
+        return JSONResponse(stored(response_id).body)
+
+    @router.delete("/v1/responses/{response_id}", responses=ERROR_RESPONSES)
+    async def delete_response(response_id: str) -> JSONResponse:
+        stored(response_id)
+        store.delete(response_id)
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
     return router

@@ -200,6 +200,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allowed-headers", type=_json_list, default=["*"], metavar="JSON")
     p.add_argument("--allow-credentials", action="store_true")
     p.add_argument(
+        "--max-stored-responses",
+        type=int,
+        default=1024,
+        help="Responses API answers kept in memory for previous_response_id and GET "
+        "/v1/responses/{id} (least recently used dropped beyond it; 0: none)",
+    )
+    p.add_argument(
         "--enable-request-id-headers",
         action="store_true",
         help="every response carries X-Request-Id (the client's, where it sent one)",
@@ -400,6 +407,7 @@ def serve(args: argparse.Namespace) -> int:
             max_request_bytes=args.max_request_bytes,
             cors=cors_settings(args),
             request_id_headers=args.enable_request_id_headers,
+            max_stored_responses=args.max_stored_responses,
         )
     except SetupError as e:
         print(f"error: {e}", file=sys.stderr)

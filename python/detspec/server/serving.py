@@ -96,6 +96,8 @@ class ServerConfig:
     cors: CorsSettings | None = None
     # vLLM's --enable-request-id-headers: X-Request-Id on every response.
     request_id_headers: bool = False
+    # Responses API responses kept for previous_response_id (responses_store); 0: none.
+    max_stored_responses: int = 1024
 
 
 def response_ids(prefix: str, request_id: str | None) -> tuple[str, str]:
