@@ -36,6 +36,11 @@ use convert::{
     logprob_tuples, output_to_py, params_from_dict, prompt_from_py, to_pyerr, LogprobTuple,
 };
 
+/// Template instructions one rendering with a template given by the caller may run (see
+/// `ChatTemplate::with_fuel`): a real template over a long conversation runs tens of
+/// thousands, a runaway loop is stopped in well under a second.
+const GIVEN_TEMPLATE_FUEL: u64 = 10_000_000;
+
 /// Runs `f` without the GIL, turning errors and panics into Python exceptions.
 fn run_detached<T: Send>(
     py: Python<'_>,
@@ -660,9 +665,11 @@ impl PyEngine {
             let given = template
                 .map(|source| {
                     ChatTemplate::new(&source, tokenizer.bos_token(), tokenizer.eos_token())
+                        .map(|t| t.with_fuel(GIVEN_TEMPLATE_FUEL))
                         .map_err(|err| DetspecError::param("chat_template", err.to_string()))
                 })
                 .transpose()?;
+            let given_template = given.is_some();
             let template = match given {
                 Some(t) => Some(t),
                 None => ChatTemplate::from_tokenizer(tokenizer)?,
@@ -682,7 +689,13 @@ impl PyEngine {
                     .map_err(|err| DetspecError::param("chat_template_kwargs", err.to_string()))?,
                 None => serde_json::Map::new(),
             };
-            template.render_with(&messages, add_generation_prompt, &extra)
+            let rendered = template.render_with(&messages, add_generation_prompt, &extra);
+            if given_template {
+                // The caller's template failed (its own error, or out of fuel): name it.
+                return rendered
+                    .map_err(|err| DetspecError::param("chat_template", err.to_string()));
+            }
+            rendered
         })
     }
 

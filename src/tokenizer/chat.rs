@@ -60,6 +60,14 @@ impl ChatTemplate {
         Self::build(source, bos_token, eos_token, None)
     }
 
+    /// Bounds each rendering to `fuel` template instructions (about one per expression and
+    /// loop turn): a template from a request, or a server's flag, cannot loop for ever; past
+    /// it, rendering fails with an error.
+    pub fn with_fuel(mut self, fuel: u64) -> Self {
+        self.env.set_fuel(Some(fuel));
+        self
+    }
+
     /// The chat template of `tokenizer` (from its model directory), with its special tokens;
     /// `Ok(None)` when it has no template. Compile errors name the template's file.
     pub fn from_tokenizer(tokenizer: &Tokenizer) -> Result<Option<Self>> {
@@ -896,5 +904,23 @@ You are a helpful assistant.<|im_end|>
                 assert!(e.to_string().contains("invalid chat template"), "{e}");
             }
         }
+    }
+
+    #[test]
+    fn fuel_stops_a_runaway_template_and_not_a_real_one() {
+        let runaway =
+            "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}";
+        let t = ChatTemplate::new(runaway, None, None)
+            .unwrap()
+            .with_fuel(1_000_000);
+        let err = t.render(&[], false).unwrap_err().to_string();
+        assert!(err.contains("fuel"), "{err}");
+        let t = ChatTemplate::new(CHATML, None, Some("<|im_end|>"))
+            .unwrap()
+            .with_fuel(1_000_000);
+        let long: Vec<ChatMessage> = (0..500)
+            .map(|i| ChatMessage::new(if i % 2 == 0 { "user" } else { "assistant" }, "hello"))
+            .collect();
+        t.render(&long, true).unwrap();
     }
 }

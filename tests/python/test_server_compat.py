@@ -347,9 +347,19 @@ def test_server_and_request_chat_templates(compat_server, template_server) -> No
     # lm-eval reads the template the server renders with.
     info = httpx.get(f"{template_server.base_url}/tokenizer_info", timeout=30).json()
     assert info["chat_template"] == PLAIN_TEMPLATE
-    # A template that does not compile is a 400 naming chat_template.
+    # A template that does not compile, or runs away, is a 400 naming chat_template.
     bad = tokenize_chat(template_server, chat_template="{% for m in messages %}")
     assert bad.status_code == 400 and "chat_template" in bad.text, bad.text
+    loop = "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}"
+    r = httpx.post(
+        f"{template_server.base_url}/v1/chat/completions",
+        json={"model": SERVED_NAME, "messages": MESSAGES, "max_tokens": 1, "chat_template": loop},
+        timeout=60,
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template", r.text
+    assert "fuel" in r.text
+    after = c.chat.completions.create(model=SERVED_NAME, messages=MESSAGES, max_tokens=1)
+    assert after.usage.completion_tokens == 1
 
 
 def test_allowed_token_ids_and_bad_words_over_http(compat_server) -> None:
