@@ -550,6 +550,11 @@ def llm_factory(model_zoo):
         if key not in cache:
             case = model_zoo.get(name)
             kw = {**case.spec.get("llm_kwargs", {}), **kwargs}
+            if "num_kv_pages" not in kw:
+                # The engines live for the session: the default 1 GiB pool each (zeroed, so
+                # resident) added up to ~19 GiB of a 24 GiB machine. 64 MiB holds 64k tokens
+                # of these 2-layer models, far more than any test batch.
+                kw.setdefault("kv_cache_bytes", 64 << 20)
             cache[key] = detspec.LLM(str(case.path), device="cpu", **kw)
         return cache[key]
 

@@ -38,7 +38,7 @@ def lines() -> list[str]:
         body |= {"max_tokens": 6 + i % 7, "temperature": 0.9, "seed": i, "ignore_eos": True,
                  "return_token_ids": True}  # fmt: skip
         out.append(json.dumps({"custom_id": f"q{i}", "method": "POST", "url": url, "body": body}))
-    bad = {"prompt": "x", "max_tokens": 4, "temperature": 5000}
+    bad = {"prompt": "x", "max_tokens": 4, "temperature": -1.0}
     out.insert(3, json.dumps({"custom_id": "bad", "url": "/v1/completions", "body": bad}))
     out.insert(7, "{not json")
     out.insert(9, json.dumps({"custom_id": "emb", "url": "/v1/embeddings", "body": {}}))
