@@ -281,6 +281,17 @@ class _EngineClient:
         return int(self._engine.max_model_len())
 
     @property
+    def dtype(self) -> str:
+        """The weights' dtype as resolved at load (``auto`` included): ``float32``,
+        ``bfloat16`` or ``float16``."""
+        return str(self._engine.dtype())
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        """The KV cache's dtype as resolved at load."""
+        return str(self._engine.kv_cache_dtype())
+
+    @property
     def vocab_size(self) -> int:
         return int(self._engine.vocab_size())
 

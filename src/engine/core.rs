@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use candle_core::Device;
+use candle_core::{DType, Device};
 use rayon::prelude::*;
 
 use crate::config::{device_label, DeviceSpec, EngineConfig, KernelProfile, ModelConfig};
@@ -47,6 +47,9 @@ pub struct ModelInfo {
     pub model_dir: PathBuf,
     /// How many weight updates the engine has applied since it loaded `model_dir`.
     pub weight_version: u64,
+    /// The weights' and the KV cache's dtypes as resolved at load (`auto` included).
+    pub dtype: DType,
+    pub kv_dtype: DType,
 }
 
 /// Per-sequence state that is not the scheduler's business.
@@ -249,6 +252,8 @@ impl EngineCore {
                 fingerprint,
                 model_dir: dir.to_path_buf(),
                 weight_version: 0,
+                dtype,
+                kv_dtype,
             }),
             fingerprint_tail,
             model,

@@ -41,6 +41,16 @@ use convert::{
 /// thousands, a runaway loop is stopped in well under a second.
 const GIVEN_TEMPLATE_FUEL: u64 = 10_000_000;
 
+/// `dtype` as torch (and the `dtype` setting) spell it.
+fn torch_dtype_name(dtype: candle_core::DType) -> &'static str {
+    match dtype {
+        candle_core::DType::F32 => "float32",
+        candle_core::DType::BF16 => "bfloat16",
+        candle_core::DType::F16 => "float16",
+        other => other.as_str(),
+    }
+}
+
 /// Runs `f` without the GIL, turning errors and panics into Python exceptions.
 fn run_detached<T: Send>(
     py: Python<'_>,
@@ -709,6 +719,16 @@ impl PyEngine {
 
     fn max_model_len(&self) -> usize {
         self.inner.info().max_model_len
+    }
+
+    /// The weights' dtype as resolved at load, in torch's spelling (`float32`, `bfloat16`).
+    fn dtype(&self) -> &'static str {
+        torch_dtype_name(self.inner.info().dtype)
+    }
+
+    /// The KV cache's dtype as resolved at load, in torch's spelling.
+    fn kv_cache_dtype(&self) -> &'static str {
+        torch_dtype_name(self.inner.info().kv_dtype)
     }
 
     /// The engine's determinism mode: "dvr", "batch_invariant" or "off".

@@ -45,7 +45,6 @@ from server_fixtures import (  # noqa: F401
 
 import detspec
 from detspec.async_llm import AsyncLLM
-from detspec.server.admin_routes import fingerprint_dtypes
 from detspec.server.app import ServerConfig, build_app
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -293,12 +292,21 @@ def test_get_server_info(srv, demo_model_dir, adapter_dir) -> None:
     assert httpx.get(srv.base_url + "/server_info", headers=AUTH).json() == info
 
 
-def test_fingerprint_dtypes() -> None:
-    fp = "detspec-c41045e9da027a40-mcc12822b-{}-cpu-k5-dvr-inline"
-    assert fingerprint_dtypes(fp.format("f32")) == ("float32", "float32")
-    assert fingerprint_dtypes(fp.format("bf16")) == ("bfloat16", "bfloat16")
-    assert fingerprint_dtypes(fp.format("bf16-kvf32")) == ("bfloat16", "float32")
-    assert fingerprint_dtypes("something-else") == (None, None)
+@pytest.mark.parametrize(
+    ("kwargs", "want"),
+    [
+        ({}, ("float32", "float32")),  # the demo checkpoint is float32
+        ({"dtype": "bfloat16"}, ("bfloat16", "bfloat16")),  # the KV cache follows (auto)
+        ({"dtype": "bfloat16", "kv_cache_dtype": "float32"}, ("bfloat16", "float32")),
+    ],
+)
+def test_engine_reports_its_resolved_dtypes(demo_model_dir, kwargs, want) -> None:
+    """What ``/get_server_info`` reports as ``dtype`` and ``kv_cache_dtype``."""
+    llm = detspec.LLM(demo_model_dir, num_kv_pages=16, **kwargs)
+    try:
+        assert (llm.dtype, llm.kv_cache_dtype) == want
+    finally:
+        llm.shutdown()
 
 
 # --------------------------------------------------------------------------- abort

@@ -37,8 +37,6 @@ logger = logging.getLogger("detspec.server")
 
 # How long /health_generate waits for its token (SGLang's HEALTH_CHECK_TIMEOUT default).
 HEALTH_GENERATE_TIMEOUT_S = 20.0
-# The fingerprint's dtype labels (candle's names) as the --dtype flag spells them.
-_DTYPE_NAMES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}
 
 
 def model_cards(server: OpenAIServer) -> list[P.ModelCard]:
@@ -117,7 +115,6 @@ def build_admin_router(server: OpenAIServer) -> APIRouter:
     @router.get("/server_info", response_model=P.ServerInfoResponse, include_in_schema=False)
     async def get_server_info() -> P.ServerInfoResponse:
         config = server.config
-        dtype, kv_cache_dtype = fingerprint_dtypes(engine.fingerprint)
         return P.ServerInfoResponse(
             model_path=engine.model,
             tokenizer_path=engine.model if server.tokenizer is not None else None,
@@ -126,8 +123,8 @@ def build_admin_router(server: OpenAIServer) -> APIRouter:
             context_length=server.max_model_len,
             max_model_len=server.max_model_len,
             vocab_size=server.vocab_size,
-            dtype=dtype,
-            kv_cache_dtype=kv_cache_dtype,
+            dtype=engine.dtype,
+            kv_cache_dtype=engine.kv_cache_dtype,
             max_running_requests=config.max_num_seqs,
             max_queued_requests=config.max_waiting_requests,
             max_request_bytes=config.max_request_bytes,
@@ -200,19 +197,6 @@ def _hf_config(model_dir: str) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}
     return cfg if isinstance(cfg, dict) else {}
-
-
-def fingerprint_dtypes(fingerprint: str) -> tuple[str | None, str | None]:
-    """The weights' and the KV cache's dtypes as the engine resolved them (``auto`` included),
-    read from its fingerprint, the only place the Python side sees them:
-    ``detspec-<weights>-m<model>-<dtype>[-kv<dtype>]-<device>-...`` (docs/determinism.md).
-    None for a fingerprint of another shape."""
-    parts = fingerprint.split("-")
-    if len(parts) < 5 or parts[0] != "detspec" or not parts[2].startswith("m"):
-        return None, None
-    dtype = _DTYPE_NAMES.get(parts[3])
-    kv = parts[4][2:] if parts[4].startswith("kv") else parts[3]
-    return dtype, _DTYPE_NAMES.get(kv)
 
 
 def preferred_sampling_params(defaults: dict[str, float | int]) -> str | None:
