@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     # The server and the benchmark import their dependencies only when run.
     from detspec.bench import add_bench_arguments
     from detspec.server.run_batch import add_run_batch_arguments
-    from detspec.server.serve import add_serve_arguments
+    from detspec.server.serve_flags import add_serve_arguments
 
     s = sub.add_parser("serve", help="run the OpenAI-compatible server (needs detspec[serve])")
     add_serve_arguments(s)

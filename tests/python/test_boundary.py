@@ -148,7 +148,7 @@ def test_settings_are_declared_once() -> None:
 def test_every_setting_reaches_the_command_line(surface: str) -> None:
     p = argparse.ArgumentParser()
     if surface == "serve":
-        from detspec.server.serve import add_serve_arguments
+        from detspec.server.serve_flags import add_serve_arguments
 
         add_serve_arguments(p)
     else:

@@ -34,7 +34,8 @@ from server_fixtures import (  # noqa: F401
 )
 
 from detspec.server import generation_config as G
-from detspec.server.serve import add_app_arguments, request_sampling_defaults
+from detspec.server.serve import request_sampling_defaults
+from detspec.server.serve_flags import add_app_arguments
 
 # Greedy by default, at most 6 tokens; top_k 50 is transformers' default, so not a default.
 GEN_CONFIG = {"temperature": 0.0, "top_k": 50, "max_new_tokens": 6, "do_sample": True}

@@ -239,7 +239,8 @@ def test_adapters_load_replace_and_unload_at_run_time(lora_server, adapters, tmp
 def test_without_enable_lora_adapters_are_refused(tmp_path_factory, demo_model_dir, adapters):
     import argparse
 
-    from detspec.server.serve import SetupError, add_app_arguments, build_from_args
+    from detspec.server.serve import SetupError, build_from_args
+    from detspec.server.serve_flags import add_app_arguments
 
     p = argparse.ArgumentParser()
     add_app_arguments(p)

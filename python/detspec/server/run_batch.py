@@ -34,7 +34,7 @@ URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 
 
 def add_run_batch_arguments(p: argparse.ArgumentParser) -> None:
-    from detspec.server.serve import add_app_arguments
+    from detspec.server.serve_flags import add_app_arguments
 
     p.add_argument("-i", "--input-file", required=True, help="the requests, JSON lines")
     p.add_argument("-o", "--output-file", required=True, help="the answers, JSON lines")
