@@ -86,16 +86,15 @@ pub fn apply_logit_bias(logits: &mut [f32], bias: &std::collections::BTreeMap<u3
 /// vLLM's `allowed_token_ids`: every other token's logit becomes `-inf`.
 pub fn keep_allowed(logits: &mut [f32], allowed: Option<&[u32]>) {
     let Some(allowed) = allowed else { return };
-    let mut keep = vec![false; logits.len()];
-    for &t in allowed {
-        if let Some(k) = keep.get_mut(t as usize) {
-            *k = true;
-        }
-    }
-    for (l, keep) in logits.iter_mut().zip(keep) {
-        if !keep {
-            *l = f32::NEG_INFINITY;
-        }
+    // The few allowed values aside, the row masked whole, the values put back: no
+    // vocabulary-sized scratch per row.
+    let kept: Vec<(usize, f32)> = allowed
+        .iter()
+        .filter_map(|&t| logits.get(t as usize).map(|&l| (t as usize, l)))
+        .collect();
+    logits.fill(f32::NEG_INFINITY);
+    for (t, l) in kept {
+        logits[t] = l;
     }
 }
 
