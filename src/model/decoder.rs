@@ -295,19 +295,15 @@ impl Model {
 
         let inv = self.gemm_options(batch);
         let lora = LoraRows::of(&batch.attention.row_seq, &batch.adapters, dev)?;
-        let (hs, is) = (cfg.hidden_size, cfg.intermediate_size);
-        // Each linear layer's LoRA target and output width.
-        let [t_q, t_k, t_v, t_o] = [
-            (LoraTarget::Q, h * d),
-            (LoraTarget::K, kvh * d),
-            (LoraTarget::V, kvh * d),
-            (LoraTarget::O, hs),
-        ]
-        .map(|t| [t]);
-        let [t_gate, t_up, t_down] = [
-            (LoraTarget::Gate, is),
-            (LoraTarget::Up, is),
-            (LoraTarget::Down, hs),
+        // Each linear layer's LoRA target.
+        let [t_q, t_k, t_v, t_o, t_gate, t_up, t_down] = [
+            LoraTarget::Q,
+            LoraTarget::K,
+            LoraTarget::V,
+            LoraTarget::O,
+            LoraTarget::Gate,
+            LoraTarget::Up,
+            LoraTarget::Down,
         ]
         .map(|t| [t]);
         // The residual stream `x` and `hn`, the norm of it the next sublayer reads: each
@@ -326,7 +322,7 @@ impl Model {
                 None => Ok(outs.into_iter().map(|(y, _)| y).collect()),
             };
             // One linear layer's output with the rows' adapters' deltas added.
-            let one = |x: &Tensor, y: Tensor, t: &[(LoraTarget, usize)]| {
+            let one = |x: &Tensor, y: Tensor, t: &[LoraTarget]| {
                 with_lora(x, vec![(y, t)])?
                     .pop()
                     .ok_or_else(|| candle_core::Error::Msg("LoRA returned no output".into()))

@@ -68,6 +68,12 @@ impl LinearWeight {
         }
     }
 
+    /// The row blocks the invariant GEMM pads its input to, where it pads (dense weights:
+    /// [`invariant_matmul`]); a caller chaining such GEMMs pads once and keeps the padding.
+    pub(super) fn invariant_row_block(&self) -> Option<usize> {
+        matches!(self, Self::Dense(_)).then_some(ops::INVARIANT_GEMM_ROWS)
+    }
+
     pub(super) fn matmul(&self, x: &Tensor, gemm: GemmOptions) -> candle_core::Result<Tensor> {
         match self {
             Self::Packed(w) => matmul_packed_profiled(x, w, gemm.profile, gemm.invariant),

@@ -5,7 +5,8 @@
 //! (`/ √r` with `use_rslora`), as PEFT does; `s` is folded into `B` at load. Rows of different
 //! adapters (and rows of none) share a forward: the base GEMM runs over every row, and each
 //! adapter's two small GEMMs over its own rows, on the invariant kernels (the CPU's packed
-//! fixed-order GEMM, fixed row blocks elsewhere), added to the base output row by row. A row's
+//! fixed-order GEMM, fixed row blocks elsewhere), added to the base output row by row. The
+//! layers that read one input (q/k/v, gate/up) share one such GEMM pair ([`LoraPair`]). A row's
 //! delta is so a function of that row alone, and the sum is one rounding per element: an
 //! adapter keeps the determinism contract of the base model, whatever else shares the batch.
 //!
@@ -50,6 +51,15 @@ impl LoraTarget {
         Self::Down,
     ];
 
+    /// The targets that read one input, in the decoder's order: q/k/v (the attention's input),
+    /// o, gate/up (the MLP's input), down. An adapter's pairs of one group run as one GEMM pair.
+    const GROUPS: [&'static [LoraTarget]; 4] = [
+        &[Self::Q, Self::K, Self::V],
+        &[Self::O],
+        &[Self::Gate, Self::Up],
+        &[Self::Down],
+    ];
+
     /// The module path inside a layer, as in Hugging Face checkpoints.
     fn module(self) -> &'static str {
         match self {
@@ -80,12 +90,24 @@ impl LoraTarget {
     }
 }
 
-/// One targeted layer's low-rank pair, held as the device's GEMM wants it.
+/// The low-rank pairs of one layer's targets that read the same input (a [`LoraTarget::GROUPS`]
+/// entry), as one GEMM pair held as the device's GEMM wants it: the targeted `lora_A`s stacked
+/// (`[Σr, in]`) and the `lora_B · s` block-diagonal (`[Σout, Σr]`, over every target of the
+/// group: a target the adapter leaves alone has zero rows). Two GEMMs then give the deltas of
+/// q/k/v (or gate/up) side by side in the group's order, where a pair per target took six
+/// calls, each with its own fixed cost (on a GPU, launches: most of an adapter's cost there).
+///
+/// On the CPU a delta element is the FMA chain of its own pair with exact zero products added
+/// (the fixed-order GEMM runs each element's chain along `k`), so it has the per-target value
+/// (a `-0` may come out `+0`; an infinite intermediate, already a broken delta, spreads to the
+/// group's other targets as NaN). On other devices the library's schedule may depend on `K`,
+/// so the bits are those of this shape; either way the GEMMs run on the invariant kernels and
+/// a row's delta is a function of that row alone.
 #[derive(Debug)]
 struct LoraPair {
-    /// `A`, `[r, in]`: `x → x A^T`.
+    /// `[Σr, in]`: `x → x A^T` for every targeted layer of the group.
     down: LinearWeight,
-    /// `B · s`, `[out, r]`.
+    /// `[Σout, Σr]`, block-diagonal.
     up: LinearWeight,
 }
 
@@ -97,8 +119,9 @@ type HalfPair = (Option<Tensor>, Option<Tensor>);
 pub struct LoraAdapter {
     dir: PathBuf,
     rank: usize,
-    /// Per decoder layer, per [`LoraTarget`] (in `ALL`'s order): the pair, where targeted.
-    layers: Vec<[Option<LoraPair>; 7]>,
+    /// Per decoder layer, per [`LoraTarget::GROUPS`] entry: the group's pair, where the adapter
+    /// targets any of its layers.
+    layers: Vec<[Option<LoraPair>; 4]>,
     /// Content hash of the scaled pairs (xxh3 over names and f32 values).
     hash: u64,
 }
@@ -172,7 +195,8 @@ impl LoraAdapter {
         let mut hash = Xxh3::new();
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for (li, layer) in halves.into_iter().enumerate() {
-            let mut out: [Option<LoraPair>; 7] = Default::default();
+            // Per target (in `ALL`'s order): `(lora_A, lora_B · s)` in f32, where targeted.
+            let mut scaled: [Option<(Tensor, Tensor)>; 7] = Default::default();
             for (ti, half) in layer.into_iter().enumerate() {
                 let Some(half) = half else { continue };
                 let name = format!("layers.{li}.{}", LoraTarget::ALL[ti].module());
@@ -199,13 +223,19 @@ impl LoraAdapter {
                 for t in [&a, &b] {
                     hash.update(bytemuck::cast_slice(&t.flatten_all()?.to_vec1::<f32>()?));
                 }
-                let place = |t: Tensor| -> Result<LinearWeight> {
-                    LinearWeight::new(&t.to_dtype(dtype)?.to_device(device)?, false)
-                };
-                out[ti] = Some(LoraPair {
-                    down: place(a)?,
-                    up: place(b)?,
-                });
+                scaled[ti] = Some((a, b));
+            }
+            let place = |t: Tensor| -> Result<LinearWeight> {
+                LinearWeight::new(&t.to_dtype(dtype)?.to_device(device)?, false)
+            };
+            let mut out: [Option<LoraPair>; 4] = Default::default();
+            for (gi, group) in LoraTarget::GROUPS.iter().enumerate() {
+                if let Some((down, up)) = group_pair(group, &scaled, cfg)? {
+                    out[gi] = Some(LoraPair {
+                        down: place(down)?,
+                        up: place(up)?,
+                    });
+                }
             }
             layers.push(out);
         }
@@ -239,9 +269,48 @@ impl LoraAdapter {
         self.hash
     }
 
-    fn pair(&self, layer: usize, target: LoraTarget) -> Option<&LoraPair> {
-        self.layers.get(layer)?[target_index(target)].as_ref()
+    /// The pair of layer `layer`'s group `group` (an index into [`LoraTarget::GROUPS`]).
+    fn pair(&self, layer: usize, group: usize) -> Option<&LoraPair> {
+        self.layers.get(layer)?.get(group)?.as_ref()
     }
+}
+
+/// `group`'s stacked `lora_A`s (`[Σr, in]`) and block-diagonal `lora_B · s`s (`[Σout, Σr]`)
+/// from one layer's scaled pairs (`scaled`, in `LoraTarget::ALL`'s order; f32 on the host), or
+/// `None` where the adapter targets none of the group's layers.
+fn group_pair(
+    group: &[LoraTarget],
+    scaled: &[Option<(Tensor, Tensor)>; 7],
+    cfg: &ModelConfig,
+) -> Result<Option<(Tensor, Tensor)>> {
+    let pairs: Vec<(LoraTarget, Option<&(Tensor, Tensor)>)> = group
+        .iter()
+        .map(|&t| (t, scaled[target_index(t)].as_ref()))
+        .collect();
+    let downs: Vec<&Tensor> = pairs
+        .iter()
+        .filter_map(|(_, p)| p.map(|(a, _)| a))
+        .collect();
+    if downs.is_empty() {
+        return Ok(None);
+    }
+    let down = Tensor::cat(&downs, 0)?;
+    let rank_sum = down.dim(0)?;
+    // Each target's rows of the block-diagonal matrix: its `B · s` in its own rank columns,
+    // zeros elsewhere (all zeros for a target left alone).
+    let mut col = 0;
+    let mut rows = Vec::with_capacity(pairs.len());
+    for (target, pair) in pairs {
+        let (_, out) = target.dims(cfg);
+        let Some((_, b)) = pair else {
+            rows.push(Tensor::zeros((out, rank_sum), DType::F32, &Device::Cpu)?);
+            continue;
+        };
+        let r = b.dim(1)?;
+        rows.push(b.pad_with_zeros(1, col, rank_sum - col - r)?);
+        col += r;
+    }
+    Ok(Some((down, Tensor::cat(&rows, 0)?)))
 }
 
 /// Every `lora_A` / `lora_B` of the safetensors `bytes` (of the file `path`) as f32, by
@@ -432,8 +501,8 @@ struct LoraGroup {
 }
 
 /// Some linear layers' outputs of one input, each with the targets it holds side by side
-/// along its columns (one layer, or a stacked projection's parts) and their widths.
-pub(super) type LoraOutputs<'a> = Vec<(Tensor, &'a [(LoraTarget, usize)])>;
+/// along its columns (one layer, or a stacked projection's parts).
+pub(super) type LoraOutputs<'a> = Vec<(Tensor, &'a [LoraTarget])>;
 
 impl LoraRows {
     /// Groups a batch's rows by the adapter of their sequence (`adapters[row_seq[row]]`);
@@ -470,10 +539,12 @@ impl LoraRows {
         Ok(Some(Self { groups }))
     }
 
-    /// `outs` (the base outputs of `x` through decoder layer `layer`'s linear layers) plus
-    /// each group's deltas on its rows. `x`'s rows of a group are gathered once for all of
-    /// `outs`; a group of every row adds its delta to the whole output (the same one f32 add
-    /// per element as adding it row by row).
+    /// `outs` (the base outputs of `x` through decoder layer `layer`'s linear layers: one
+    /// [`LoraTarget::GROUPS`] entry's targets, in its order, one layer or a stacked projection
+    /// per output) plus each group's deltas on its rows. Per adapter group, `x`'s rows are
+    /// gathered once (padded once to the invariant GEMM's row blocks where it pads) and the
+    /// deltas of every output come out of one GEMM pair; a group of every row adds its delta to
+    /// the whole output (the same one f32 add per element as adding it row by row).
     pub(super) fn add(
         &self,
         x: &Tensor,
@@ -487,43 +558,150 @@ impl LoraRows {
             invariant: true,
             amx: false,
         };
+        let targets: Vec<LoraTarget> = outs.iter().flat_map(|(_, ts)| ts.iter().copied()).collect();
+        let group = LoraTarget::GROUPS
+            .iter()
+            .position(|g| *g == targets.as_slice())
+            .ok_or_else(|| {
+                candle_core::Error::Msg(format!(
+                    "LoRA: {targets:?} is not a group of layers that read one input"
+                ))
+            })?;
+        let width = outs
+            .iter()
+            .map(|(y, _)| y.dim(1))
+            .sum::<candle_core::Result<usize>>()?;
         let mut outs = outs;
         for g in &self.groups {
-            let targeted = |targets: &[(LoraTarget, usize)]| {
-                targets
-                    .iter()
-                    .any(|&(t, _)| g.adapter.pair(layer, t).is_some())
-            };
-            if !outs.iter().any(|(_, targets)| targeted(targets)) {
+            let Some(pair) = g.adapter.pair(layer, group) else {
                 continue;
-            }
+            };
             let xs = match &g.rows {
                 Some(rows) => x.index_select(rows, 0)?,
                 None => x.clone(),
             };
             let m = xs.dim(0)?;
-            for (y, targets) in outs.iter_mut() {
-                if !targeted(targets) {
-                    continue;
-                }
-                let mut parts = Vec::with_capacity(targets.len());
-                for &(target, width) in targets.iter() {
-                    parts.push(match g.adapter.pair(layer, target) {
-                        Some(p) => p.up.matmul(&p.down.matmul(&xs, gemm)?, gemm)?,
-                        None => Tensor::zeros((m, width), y.dtype(), y.device())?,
-                    });
-                }
-                let delta = match parts.len() {
-                    1 => parts.swap_remove(0),
-                    _ => Tensor::cat(&parts, 1)?,
-                }
-                .to_dtype(y.dtype())?;
+            let padded = pair
+                .down
+                .invariant_row_block()
+                .map_or(m, |block| m.div_ceil(block) * block);
+            let xs = if padded > m {
+                xs.pad_with_zeros(0, 0, padded - m)?
+            } else {
+                xs
+            };
+            let delta = pair.up.matmul(&pair.down.matmul(&xs, gemm)?, gemm)?;
+            if delta.dim(1)? != width {
+                return Err(candle_core::Error::Msg(format!(
+                    "LoRA: the adapter's deltas of {targets:?} are {} wide, the layers' outputs {width}",
+                    delta.dim(1)?
+                )));
+            }
+            let delta = delta.narrow(0, 0, m)?;
+            let mut col = 0;
+            for (y, _) in outs.iter_mut() {
+                let w = y.dim(1)?;
+                let d = if w == width {
+                    delta.clone()
+                } else {
+                    delta.narrow(1, col, w)?.contiguous()?
+                };
+                col += w;
+                let d = d.to_dtype(y.dtype())?;
                 *y = match &g.rows {
-                    Some(rows) => y.index_add(rows, &delta, 0)?,
-                    None => (&*y + &delta)?,
+                    Some(rows) => y.index_add(rows, &d, 0)?,
+                    None => (&*y + &d)?,
                 };
             }
         }
         Ok(outs.into_iter().map(|(y, _)| y).collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    /// `n` values in [-1, 1) from `seed` (a fixed LCG: the cases replay).
+    fn values(seed: u64, n: usize) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
+        (0..n)
+            .map(|_| {
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    fn matrix(seed: u64, rows: usize, cols: usize) -> Tensor {
+        Tensor::from_vec(values(seed, rows * cols), (rows, cols), &Device::Cpu).unwrap()
+    }
+
+    fn bits(t: &Tensor) -> Vec<u32> {
+        t.flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+            .iter()
+            .map(|v| v.to_bits())
+            .collect()
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(24))]
+
+        /// A group's one GEMM pair gives each targeted layer the delta of its own pair, bit
+        /// for bit, and zeros for the layers left alone: on the CPU the block-diagonal matrix
+        /// only adds exact zero products to each element's chain.
+        #[test]
+        fn a_groups_gemm_pair_gives_each_layers_own_delta_bits(
+            seed in any::<u64>(),
+            rows in 1usize..40,
+            ranks in proptest::collection::vec(0usize..6, 3),
+            bf16 in any::<bool>(),
+        ) {
+            let cfg = ModelConfig::from_json_str(
+                r#"{"architectures": ["LlamaForCausalLM"], "hidden_size": 48,
+                "intermediate_size": 80, "num_hidden_layers": 1, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "vocab_size": 50}"#,
+                Path::new("/m/config.json"),
+            )
+            .unwrap();
+            let group = LoraTarget::GROUPS[0]; // q, k, v; a rank of 0: not targeted
+            let mut scaled: [Option<(Tensor, Tensor)>; 7] = Default::default();
+            for (i, (&t, &r)) in group.iter().zip(&ranks).enumerate() {
+                let (din, dout) = t.dims(&cfg);
+                if r > 0 {
+                    let s = seed.wrapping_add(2 * i as u64);
+                    scaled[target_index(t)] = Some((matrix(s, r, din), matrix(s + 1, dout, r)));
+                }
+            }
+            let dtype = if bf16 { DType::BF16 } else { DType::F32 };
+            let place = |t: &Tensor| LinearWeight::new(&t.to_dtype(dtype).unwrap(), false).unwrap();
+            let gemm = GemmOptions { profile: KernelProfile::Invariant, invariant: true, amx: false };
+            let x = matrix(seed ^ 0x5eed, rows, cfg.hidden_size);
+            let fused = group_pair(group, &scaled, &cfg).unwrap();
+            prop_assert_eq!(fused.is_some(), ranks.iter().any(|&r| r > 0));
+            let Some((down, up)) = fused else { return Ok(()) };
+            let delta = place(&up).matmul(&place(&down).matmul(&x, gemm).unwrap(), gemm).unwrap();
+            let mut col = 0;
+            for &t in group {
+                let (_, dout) = t.dims(&cfg);
+                let got = delta.narrow(1, col, dout).unwrap().contiguous().unwrap();
+                col += dout;
+                match &scaled[target_index(t)] {
+                    Some((a, b)) => {
+                        let own = place(b).matmul(&place(a).matmul(&x, gemm).unwrap(), gemm).unwrap();
+                        prop_assert_eq!(bits(&got), bits(&own), "{:?}", t);
+                    }
+                    None => prop_assert!(bits(&got).iter().all(|&b| b == 0), "{:?}", t),
+                }
+            }
+            prop_assert_eq!(col, delta.dim(1).unwrap());
+        }
     }
 }
