@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -15,6 +16,16 @@ from detspec.lora import LoRAType
 from detspec.outputs import EmbeddingRequestOutput, RequestOutput
 from detspec.sampling_params import SamplingParams
 from detspec.scoring import AuditReport
+
+
+class _Pending:
+    """One ``generate`` call accepted but not yet handed to the engine (still awaiting its LoRA
+    adapter or its prompt's logprobs); ``aborted``: ``abort`` named its id meanwhile."""
+
+    __slots__ = ("aborted",)
+
+    def __init__(self) -> None:
+        self.aborted = False
 
 
 class AsyncLLM(_EngineClient):
@@ -30,6 +41,9 @@ class AsyncLLM(_EngineClient):
         self._queue = _core.OutputQueue()
         # request id -> (event loop, asyncio.Queue) of its consumer
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
+        # request id -> the `generate` calls with that id not yet handed to the engine (which
+        # ignores an abort of an id it does not know): `abort` marks them
+        self._pending: dict[str, list[_Pending]] = {}
         self._lock = threading.Lock()
         self._closed = False
         self._dispatcher: threading.Thread | None = None
@@ -76,30 +90,54 @@ class AsyncLLM(_EngineClient):
         (vLLM's ``RequestOutputKind.DELTA``) only what is new in each (``token_ids``,
         ``text`` and ``logprobs`` of each completion; finish and stop reasons, the
         cumulative logprob and metrics as in a snapshot). ``lora_request``: the LoRA adapter
-        it runs with (a ``LoRARequest`` is loaded the first time its name is used)."""
+        it runs with (a ``LoRARequest`` is loaded the first time its name is used).
+
+        From its first iteration the request is ``abort``-able, also while it still awaits its
+        adapter or its prompt's logprobs (before the engine has it): it is then never
+        submitted, and its one output is finished with reason ``abort`` and no tokens."""
         if self._closed:
             raise EngineStoppedError("engine is shut down")
         (p,), (salt,) = _prompts_and_salts([prompt])
         params = sampling_params or SamplingParams()
         rid = request_id if request_id is not None else self._new_request_id()
-        lora = (
-            await asyncio.to_thread(self._lora_name, lora_request)
-            if lora_request is not None
-            else None
-        )
-        prompt_logprobs = None
-        if params.prompt_logprobs is not None:
-            (prompt_logprobs,) = await asyncio.to_thread(
-                self._prompt_logprobs_first, [p], [params], [lora], [salt]
-            )
-        q: asyncio.Queue[Any] = asyncio.Queue()
-        # Submitted under the lock the dispatcher takes to find a request's consumer, so no
-        # output arrives before the consumer is registered; the engine refuses a duplicate
-        # id before anything is registered, so the running request with that id is neither
-        # detached from its consumer nor aborted.
+        arrival = time.time()
+        pending = _Pending()
         with self._lock:
-            self._engine.add_request(self._queue, rid, p, params.to_dict(), delta, lora, salt)
-            self._streams[rid] = (asyncio.get_running_loop(), q)
+            self._pending.setdefault(rid, []).append(pending)
+        try:
+            lora = (
+                await asyncio.to_thread(self._lora_name, lora_request)
+                if lora_request is not None
+                else None
+            )
+            prompt_logprobs = None
+            if params.prompt_logprobs is not None and not pending.aborted:
+                (prompt_logprobs,) = await asyncio.to_thread(
+                    self._prompt_logprobs_first, [p], [params], [lora], [salt]
+                )
+            q: asyncio.Queue[Any] = asyncio.Queue()
+            # Submitted under the lock the dispatcher takes to find a request's consumer, so
+            # no output arrives before the consumer is registered; the engine refuses a
+            # duplicate id before anything is registered, so the running request with that id
+            # is neither detached from its consumer nor aborted. The pending window ends under
+            # the same lock as `abort` marks it: an abort either marks this call or finds the
+            # request in the engine.
+            with self._lock:
+                self._end_pending(rid, pending)
+                if not pending.aborted:
+                    self._engine.add_request(
+                        self._queue, rid, p, params.to_dict(), delta, lora, salt
+                    )
+                    self._streams[rid] = (asyncio.get_running_loop(), q)
+        except BaseException:
+            with self._lock:
+                self._end_pending(rid, pending)
+            raise
+        if pending.aborted:
+            out = self._aborted_before_submission(rid, p, params, lora, arrival)
+            out.prompt_logprobs = prompt_logprobs
+            yield out
+            return
         self._ensure_dispatcher()
         finished = False
         try:
@@ -237,13 +275,73 @@ class AsyncLLM(_EngineClient):
         return await asyncio.to_thread(self._audit, output, sampling_params, lora_request)
 
     async def abort(self, request_id: str) -> None:
-        """Aborts a request; its stream ends with finish_reason "abort"."""
+        """Aborts a request; its stream ends with finish_reason "abort". A request that
+        ``generate`` has not yet handed to the engine (awaiting its adapter or its prompt's
+        logprobs) is not submitted (see ``generate``); an unknown id is ignored."""
+        with self._lock:
+            for pending in self._pending.get(request_id, ()):
+                pending.aborted = True
+        # Outside the lock (the engine answers between steps): a `generate` that reaches its
+        # submission after the lock was released was marked above and submits nothing.
         self._engine.abort(request_id)
 
     def request_ids(self) -> list[str]:
-        """The ids of the requests streaming now (``generate`` calls not yet finished)."""
+        """The ids of the requests streaming now (``generate`` calls not yet finished), those
+        not yet handed to the engine included."""
         with self._lock:
-            return list(self._streams)
+            return list(dict.fromkeys([*self._streams, *self._pending]))
+
+    def _end_pending(self, rid: str, pending: _Pending) -> None:
+        """Ends ``pending``'s window (under ``self._lock``; again is a no-op): an abort after
+        it goes to the engine, and a later request with the id is not marked by it."""
+        calls = self._pending.get(rid)
+        if calls is not None and pending in calls:
+            calls.remove(pending)
+            if not calls:
+                del self._pending[rid]
+
+    def _aborted_before_submission(
+        self,
+        rid: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        lora: str | None,
+        arrival: float,
+    ) -> RequestOutput:
+        """The output the engine gives a request aborted before its first step: finished, each
+        of its ``n`` completions with no tokens and finish reason ``abort``."""
+        (ids,) = self._token_ids([prompt])
+        completion = {
+            "text": "",
+            "token_ids": [],
+            "cumulative_logprob": 0.0,
+            "logprobs": [],
+            "finish_reason": "abort",
+            "stop_reason": None,
+        }
+        metrics = {
+            "arrival_time": arrival,
+            "first_scheduled_time": None,
+            "first_token_time": None,
+            "finished_time": time.time(),
+            "num_prompt_tokens": len(ids),
+            "num_output_tokens": 0,
+            "num_preemptions": 0,
+            "num_cached_tokens": 0,
+            "num_verify_passes": 0,
+            "num_rollbacks": 0,
+            "num_rolled_back_tokens": 0,
+        }
+        d = {
+            "request_id": rid,
+            "prompt": prompt if isinstance(prompt, str) else None,
+            "prompt_token_ids": ids,
+            "outputs": [{"index": i, **completion} for i in range(params.n)],
+            "finished": True,
+            "fingerprint": self._engine.fingerprint(lora),
+            "metrics": metrics,
+        }
+        return self._to_output(d, params)
 
     def shutdown(self) -> None:
         """Stops the engine; in-flight streams end with finish_reason "abort"."""

@@ -191,12 +191,18 @@ async def test_abort_mid_stream(engine):
     assert again[-1].outputs[0].finish_reason == "length"
 
 
-class _AbortSpy:
-    """Wraps the Rust engine handle to record the aborts AsyncLLM sends."""
+class _EngineSpy:
+    """Wraps the Rust engine handle to record the requests AsyncLLM submits and the aborts it
+    sends."""
 
     def __init__(self, inner):
         self._inner = inner
+        self.submitted: list[str] = []
         self.aborted: list[str] = []
+
+    def add_request(self, queue, request_id, *args):
+        self._inner.add_request(queue, request_id, *args)
+        self.submitted.append(request_id)
 
     def abort(self, request_id):
         self.aborted.append(request_id)
@@ -206,9 +212,114 @@ class _AbortSpy:
         return getattr(self._inner, name)
 
 
+async def wait_listed(engine: AsyncLLM, rids: set[str]) -> None:
+    """Waits until ``engine.request_ids()`` lists every id of ``rids``."""
+    deadline = time.monotonic() + TIMEOUT
+    while not rids <= set(engine.request_ids()):
+        assert time.monotonic() < deadline, f"{rids} never listed: {engine.request_ids()}"
+        await asyncio.sleep(0.005)
+
+
+async def test_abort_while_prompt_logprobs_are_computed(model_dir):
+    """An abort that arrives while ``generate`` still computes the prompt's logprobs (before
+    the engine has the request, which ignores an id it does not know) ends that request with
+    finish reason ``abort`` and no tokens, and it never runs; the request beside it runs on, and
+    a later request with the same id runs normally. Generation is paused, so the logprobs'
+    forward waits until ``resume``: the abort lands in that window, every time."""
+    engine = AsyncLLM(model_dir)
+    spy = engine._engine = _EngineSpy(engine._engine)
+    try:
+        prompt = ragged_prompts(1, seed=5, max_len=30)[0]
+        params = greedy(16, prompt_logprobs=2, logprobs=1)
+        await engine.pause("keep")
+        try:
+            victim = asyncio.create_task(collect(engine, prompt, params, "early"))
+            other = asyncio.create_task(collect(engine, prompt, params, "beside"))
+            # listed from the start of `generate`, so that /abort_request's abort_all finds it
+            await wait_listed(engine, {"early", "beside"})
+            await engine.abort("early")
+        finally:
+            await engine.resume()
+        (out,), beside = await victim, await other
+        assert out.request_id == "early"
+        assert out.finished
+        assert [c.finish_reason for c in out.outputs] == ["abort"]
+        assert out.outputs[0].token_ids == [] and out.outputs[0].text == ""
+        assert out.outputs[0].logprobs == []
+        assert out.prompt_token_ids == prompt
+        assert out.metrics["num_prompt_tokens"] == len(prompt)
+        assert out.metrics["num_output_tokens"] == 0
+        assert out.fingerprint == engine.fingerprint
+        # computed before the abort: handed out as an aborted request's are
+        assert out.prompt_logprobs == beside[-1].prompt_logprobs
+        assert beside[-1].outputs[0].finish_reason == "length"
+        assert len(beside[-1].outputs[0].token_ids) == 16
+        assert spy.submitted == ["beside"]  # the aborted request never reached the engine
+        assert "early" not in engine.request_ids()
+        # the id is free again, with no abort left over from the first request
+        again = await collect(engine, prompt, params, "early")
+        assert spy.submitted == ["beside", "early"]
+        assert again[-1].outputs[0].finish_reason == "length"
+        assert again[-1].outputs[0].token_ids == beside[-1].outputs[0].token_ids
+        free, total = await wait_all_pages_free(engine)
+        assert free == total
+    finally:
+        engine.shutdown()
+
+
+async def test_abort_before_submission_gives_the_engines_abort_output(model_dir):
+    """A request aborted before ``generate`` hands it to the engine ends with the output the
+    engine gives a request aborted before its first step (here: queued behind another, one
+    sequence at a time), field for field but the times: text prompt, ``n`` > 1, logprobs."""
+    engine = AsyncLLM(model_dir, max_num_seqs=1)
+    try:
+        text = "the quick brown fox"
+        params = SamplingParams(n=2, temperature=0.8, seed=1, max_tokens=8, logprobs=1)
+        # The engine's abort, of a request queued behind a running one (which may finish
+        # before the abort on a fast machine, letting the queued one run: then retry).
+        for attempt in range(5):
+            started = asyncio.Event()
+
+            async def ahead(rid: str, started=started) -> None:
+                async for _ in engine.generate([3, 4, 5], greedy(240), request_id=rid):
+                    started.set()
+
+            running = asyncio.create_task(ahead(f"ahead-{attempt}"))
+            queued = asyncio.create_task(collect(engine, text, params, "queued"))
+            await asyncio.wait_for(started.wait(), TIMEOUT)
+            await engine.abort("queued")
+            engine_out = (await queued)[-1]
+            await engine.abort(f"ahead-{attempt}")
+            await asyncio.wait_for(running, TIMEOUT)
+            if all(not c.token_ids for c in engine_out.outputs):
+                break
+        else:
+            pytest.fail("the queued request ran before its abort, 5 times")
+        # Ours: aborted while its prompt's logprobs wait for the paused engine.
+        await engine.pause("keep")
+        try:
+            pl_params = SamplingParams(
+                n=2, temperature=0.8, seed=1, max_tokens=8, logprobs=1, prompt_logprobs=1
+            )
+            task = asyncio.create_task(collect(engine, text, pl_params, "queued"))
+            await wait_listed(engine, {"queued"})
+            await engine.abort("queued")
+        finally:
+            await engine.resume()
+        (ours,) = await task
+        for out in (engine_out, ours):
+            out.sampling_params = out.prompt_logprobs = None
+            for k in ("arrival_time", "finished_time"):
+                assert out.metrics.pop(k) > 0
+        assert ours == engine_out
+        assert ours.prompt == text and [c.finish_reason for c in ours.outputs] == ["abort"] * 2
+    finally:
+        engine.shutdown()
+
+
 async def test_cancelled_consumer_aborts_its_request(model_dir):
     engine = AsyncLLM(model_dir)
-    spy = engine._engine = _AbortSpy(engine._engine)
+    spy = engine._engine = _EngineSpy(engine._engine)
     try:
         prompts = ragged_prompts(4, seed=13, max_len=60)
         # The tiny model decodes the victim's 190 tokens in tens of milliseconds: if it wins
