@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -93,14 +92,14 @@ class AsyncLLM(_EngineClient):
         it runs with (a ``LoRARequest`` is loaded the first time its name is used).
 
         From its first iteration the request is ``abort``-able, also while it still awaits its
-        adapter or its prompt's logprobs (before the engine has it): it is then never
-        submitted, and its one output is finished with reason ``abort`` and no tokens."""
+        adapter or its prompt's logprobs (before the engine has it): the abort is then sent
+        as the request is submitted, and the engine ends it before its first step (finish
+        reason ``abort``, no tokens)."""
         if self._closed:
             raise EngineStoppedError("engine is shut down")
         (p,), (salt,) = _prompts_and_salts([prompt])
         params = sampling_params or SamplingParams()
         rid = request_id if request_id is not None else self._new_request_id()
-        arrival = time.time()
         pending = _Pending()
         with self._lock:
             self._pending.setdefault(rid, []).append(pending)
@@ -120,24 +119,19 @@ class AsyncLLM(_EngineClient):
             # no output arrives before the consumer is registered; the engine refuses a
             # duplicate id before anything is registered, so the running request with that id
             # is neither detached from its consumer nor aborted. The pending window ends under
-            # the same lock as `abort` marks it: an abort either marks this call or finds the
-            # request in the engine.
+            # the same lock as `abort` marks it: an abort either marked this call (and is sent
+            # now, after the request: the engine ends it with its own abort output) or finds
+            # the request in the engine.
             with self._lock:
                 self._end_pending(rid, pending)
-                if not pending.aborted:
-                    self._engine.add_request(
-                        self._queue, rid, p, params.to_dict(), delta, lora, salt
-                    )
-                    self._streams[rid] = (asyncio.get_running_loop(), q)
+                self._engine.add_request(self._queue, rid, p, params.to_dict(), delta, lora, salt)
+                self._streams[rid] = (asyncio.get_running_loop(), q)
+                if pending.aborted:
+                    self._engine.abort(rid)
         except BaseException:
             with self._lock:
                 self._end_pending(rid, pending)
             raise
-        if pending.aborted:
-            out = self._aborted_before_submission(rid, p, params, lora, arrival)
-            out.prompt_logprobs = prompt_logprobs
-            yield out
-            return
         self._ensure_dispatcher()
         finished = False
         try:
@@ -277,7 +271,8 @@ class AsyncLLM(_EngineClient):
     async def abort(self, request_id: str) -> None:
         """Aborts a request; its stream ends with finish_reason "abort". A request that
         ``generate`` has not yet handed to the engine (awaiting its adapter or its prompt's
-        logprobs) is not submitted (see ``generate``); an unknown id is ignored."""
+        logprobs) is aborted as it is submitted (see ``generate``); an unknown id is
+        ignored."""
         with self._lock:
             for pending in self._pending.get(request_id, ()):
                 pending.aborted = True
@@ -299,49 +294,6 @@ class AsyncLLM(_EngineClient):
             calls.remove(pending)
             if not calls:
                 del self._pending[rid]
-
-    def _aborted_before_submission(
-        self,
-        rid: str,
-        prompt: str | list[int],
-        params: SamplingParams,
-        lora: str | None,
-        arrival: float,
-    ) -> RequestOutput:
-        """The output the engine gives a request aborted before its first step: finished, each
-        of its ``n`` completions with no tokens and finish reason ``abort``."""
-        (ids,) = self._token_ids([prompt])
-        completion = {
-            "text": "",
-            "token_ids": [],
-            "cumulative_logprob": 0.0,
-            "logprobs": [],
-            "finish_reason": "abort",
-            "stop_reason": None,
-        }
-        metrics = {
-            "arrival_time": arrival,
-            "first_scheduled_time": None,
-            "first_token_time": None,
-            "finished_time": time.time(),
-            "num_prompt_tokens": len(ids),
-            "num_output_tokens": 0,
-            "num_preemptions": 0,
-            "num_cached_tokens": 0,
-            "num_verify_passes": 0,
-            "num_rollbacks": 0,
-            "num_rolled_back_tokens": 0,
-        }
-        d = {
-            "request_id": rid,
-            "prompt": prompt if isinstance(prompt, str) else None,
-            "prompt_token_ids": ids,
-            "outputs": [{"index": i, **completion} for i in range(params.n)],
-            "finished": True,
-            "fingerprint": self._engine.fingerprint(lora),
-            "metrics": metrics,
-        }
-        return self._to_output(d, params)
 
     def shutdown(self) -> None:
         """Stops the engine; in-flight streams end with finish_reason "abort"."""
