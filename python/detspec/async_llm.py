@@ -17,6 +17,16 @@ from detspec.sampling_params import SamplingParams
 from detspec.scoring import AuditReport
 
 
+class _Pending:
+    """One ``generate`` call accepted but not yet handed to the engine (still awaiting its LoRA
+    adapter or its prompt's logprobs); ``aborted``: ``abort`` named its id meanwhile."""
+
+    __slots__ = ("aborted",)
+
+    def __init__(self) -> None:
+        self.aborted = False
+
+
 class AsyncLLM(_EngineClient):
     """Continuous-batching engine with an asyncio streaming API.
 
@@ -30,6 +40,9 @@ class AsyncLLM(_EngineClient):
         self._queue = _core.OutputQueue()
         # request id -> (event loop, asyncio.Queue) of its consumer
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
+        # request id -> the `generate` calls with that id not yet handed to the engine (which
+        # ignores an abort of an id it does not know): `abort` marks them
+        self._pending: dict[str, list[_Pending]] = {}
         self._lock = threading.Lock()
         self._closed = False
         self._dispatcher: threading.Thread | None = None
@@ -76,30 +89,49 @@ class AsyncLLM(_EngineClient):
         (vLLM's ``RequestOutputKind.DELTA``) only what is new in each (``token_ids``,
         ``text`` and ``logprobs`` of each completion; finish and stop reasons, the
         cumulative logprob and metrics as in a snapshot). ``lora_request``: the LoRA adapter
-        it runs with (a ``LoRARequest`` is loaded the first time its name is used)."""
+        it runs with (a ``LoRARequest`` is loaded the first time its name is used).
+
+        From its first iteration the request is ``abort``-able, also while it still awaits its
+        adapter or its prompt's logprobs (before the engine has it): the abort is then sent
+        as the request is submitted, and the engine ends it before its first step (finish
+        reason ``abort``, no tokens)."""
         if self._closed:
             raise EngineStoppedError("engine is shut down")
         (p,), (salt,) = _prompts_and_salts([prompt])
         params = sampling_params or SamplingParams()
         rid = request_id if request_id is not None else self._new_request_id()
-        lora = (
-            await asyncio.to_thread(self._lora_name, lora_request)
-            if lora_request is not None
-            else None
-        )
-        prompt_logprobs = None
-        if params.prompt_logprobs is not None:
-            (prompt_logprobs,) = await asyncio.to_thread(
-                self._prompt_logprobs_first, [p], [params], [lora], [salt]
-            )
-        q: asyncio.Queue[Any] = asyncio.Queue()
-        # Submitted under the lock the dispatcher takes to find a request's consumer, so no
-        # output arrives before the consumer is registered; the engine refuses a duplicate
-        # id before anything is registered, so the running request with that id is neither
-        # detached from its consumer nor aborted.
+        pending = _Pending()
         with self._lock:
-            self._engine.add_request(self._queue, rid, p, params.to_dict(), delta, lora, salt)
-            self._streams[rid] = (asyncio.get_running_loop(), q)
+            self._pending.setdefault(rid, []).append(pending)
+        try:
+            lora = (
+                await asyncio.to_thread(self._lora_name, lora_request)
+                if lora_request is not None
+                else None
+            )
+            prompt_logprobs = None
+            if params.prompt_logprobs is not None and not pending.aborted:
+                (prompt_logprobs,) = await asyncio.to_thread(
+                    self._prompt_logprobs_first, [p], [params], [lora], [salt]
+                )
+            q: asyncio.Queue[Any] = asyncio.Queue()
+            # Submitted under the lock the dispatcher takes to find a request's consumer, so
+            # no output arrives before the consumer is registered; the engine refuses a
+            # duplicate id before anything is registered, so the running request with that id
+            # is neither detached from its consumer nor aborted. The pending window ends under
+            # the same lock as `abort` marks it: an abort either marked this call (and is sent
+            # now, after the request: the engine ends it with its own abort output) or finds
+            # the request in the engine.
+            with self._lock:
+                self._end_pending(rid, pending)
+                self._engine.add_request(self._queue, rid, p, params.to_dict(), delta, lora, salt)
+                self._streams[rid] = (asyncio.get_running_loop(), q)
+                if pending.aborted:
+                    self._engine.abort(rid)
+        except BaseException:
+            with self._lock:
+                self._end_pending(rid, pending)
+            raise
         self._ensure_dispatcher()
         finished = False
         try:
@@ -237,13 +269,31 @@ class AsyncLLM(_EngineClient):
         return await asyncio.to_thread(self._audit, output, sampling_params, lora_request)
 
     async def abort(self, request_id: str) -> None:
-        """Aborts a request; its stream ends with finish_reason "abort"."""
+        """Aborts a request; its stream ends with finish_reason "abort". A request that
+        ``generate`` has not yet handed to the engine (awaiting its adapter or its prompt's
+        logprobs) is aborted as it is submitted (see ``generate``); an unknown id is
+        ignored."""
+        with self._lock:
+            for pending in self._pending.get(request_id, ()):
+                pending.aborted = True
+        # Outside the lock (the engine answers between steps): a `generate` that reaches its
+        # submission after the lock was released was marked above and submits nothing.
         self._engine.abort(request_id)
 
     def request_ids(self) -> list[str]:
-        """The ids of the requests streaming now (``generate`` calls not yet finished)."""
+        """The ids of the requests streaming now (``generate`` calls not yet finished), those
+        not yet handed to the engine included."""
         with self._lock:
-            return list(self._streams)
+            return list(dict.fromkeys([*self._streams, *self._pending]))
+
+    def _end_pending(self, rid: str, pending: _Pending) -> None:
+        """Ends ``pending``'s window (under ``self._lock``; again is a no-op): an abort after
+        it goes to the engine, and a later request with the id is not marked by it."""
+        calls = self._pending.get(rid)
+        if calls is not None and pending in calls:
+            calls.remove(pending)
+            if not calls:
+                del self._pending[rid]
 
     def shutdown(self) -> None:
         """Stops the engine; in-flight streams end with finish_reason "abort"."""

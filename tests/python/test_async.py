@@ -191,24 +191,89 @@ async def test_abort_mid_stream(engine):
     assert again[-1].outputs[0].finish_reason == "length"
 
 
-class _AbortSpy:
-    """Wraps the Rust engine handle to record the aborts AsyncLLM sends."""
+class _EngineSpy:
+    """Wraps the Rust engine handle to record the aborts AsyncLLM sends and, in ``calls``, the
+    order of submissions and aborts."""
 
     def __init__(self, inner):
         self._inner = inner
         self.aborted: list[str] = []
+        self.calls: list[tuple[str, str]] = []
+
+    def add_request(self, queue, request_id, *args):
+        self._inner.add_request(queue, request_id, *args)
+        self.calls.append(("add", request_id))
 
     def abort(self, request_id):
         self.aborted.append(request_id)
+        self.calls.append(("abort", request_id))
         return self._inner.abort(request_id)
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
 
 
+async def wait_listed(engine: AsyncLLM, rids: set[str]) -> None:
+    """Waits until ``engine.request_ids()`` lists every id of ``rids``."""
+    deadline = time.monotonic() + TIMEOUT
+    while not rids <= set(engine.request_ids()):
+        assert time.monotonic() < deadline, f"{rids} never listed: {engine.request_ids()}"
+        await asyncio.sleep(0.005)
+
+
+async def test_abort_while_prompt_logprobs_are_computed(model_dir):
+    """An abort that arrives while ``generate`` still computes the prompt's logprobs (before
+    the engine has the request, which ignores an id it does not know) is sent again as the
+    request is submitted: it ends with finish reason ``abort`` and no tokens; the request
+    beside it runs on, and a later request with the same id runs normally. Generation is
+    paused, so the logprobs' forward waits until ``resume``: the abort lands in that window,
+    every time."""
+    engine = AsyncLLM(model_dir)
+    spy = engine._engine = _EngineSpy(engine._engine)
+    try:
+        prompt = ragged_prompts(1, seed=5, max_len=30)[0]
+        params = greedy(16, prompt_logprobs=2, logprobs=1)
+        await engine.pause("keep")
+        try:
+            victim = asyncio.create_task(collect(engine, prompt, params, "early"))
+            other = asyncio.create_task(collect(engine, prompt, params, "beside"))
+            # listed from the start of `generate`, so that /abort_request's abort_all finds it
+            await wait_listed(engine, {"early", "beside"})
+            await engine.abort("early")
+        finally:
+            await engine.resume()
+        (out,), beside = await victim, await other
+        assert out.request_id == "early"
+        assert out.finished
+        assert [c.finish_reason for c in out.outputs] == ["abort"]
+        assert out.outputs[0].token_ids == [] and out.outputs[0].text == ""
+        assert out.outputs[0].logprobs == []
+        assert out.prompt_token_ids == prompt
+        assert out.metrics["num_prompt_tokens"] == len(prompt)
+        assert out.metrics["num_output_tokens"] == 0
+        assert out.fingerprint == engine.fingerprint
+        # computed before the abort: handed out as an aborted request's are
+        assert out.prompt_logprobs == beside[-1].prompt_logprobs
+        assert beside[-1].outputs[0].finish_reason == "length"
+        assert len(beside[-1].outputs[0].token_ids) == 16
+        early = [c for c in spy.calls if c[1] == "early"]
+        # the abort that came too early for the engine, and again right after the submission
+        assert early == [("abort", "early"), ("add", "early"), ("abort", "early")]
+        assert "early" not in engine.request_ids()
+        # the id is free again, with no abort left over from the first request
+        again = await collect(engine, prompt, params, "early")
+        assert [c for c in spy.calls if c[1] == "early"][3:] == [("add", "early")]
+        assert again[-1].outputs[0].finish_reason == "length"
+        assert again[-1].outputs[0].token_ids == beside[-1].outputs[0].token_ids
+        free, total = await wait_all_pages_free(engine)
+        assert free == total
+    finally:
+        engine.shutdown()
+
+
 async def test_cancelled_consumer_aborts_its_request(model_dir):
     engine = AsyncLLM(model_dir)
-    spy = engine._engine = _AbortSpy(engine._engine)
+    spy = engine._engine = _EngineSpy(engine._engine)
     try:
         prompts = ragged_prompts(4, seed=13, max_len=60)
         # The tiny model decodes the victim's 190 tokens in tens of milliseconds: if it wins

@@ -106,11 +106,13 @@ class InFlight:
     """The jobs a route has running, found by rid for SGLang's ``/abort_request``. It only
     finds them: the abort is the engine's own (``AsyncLLM.abort``, what a client disconnect
     triggers), so an aborted request ends as any abort does (finish reason ``abort``, its
-    pages freed) and the others run on. The engine ignores an id it does not know yet (a
-    request whose prompt's logprobs are still being computed), so an abort is also
-    remembered per job and sent again at that job's next output (``watch``). Jobs are held
-    by identity, not by rid, so a rid reused by a later request never inherits an earlier
-    request's abort."""
+    pages freed) and the others run on. ``AsyncLLM.abort`` finds a request from the moment
+    its ``generate`` starts (before the engine has it too); a job is found here earlier,
+    while the route still computes its prompt's logprobs (which wait while generation is
+    paused) and before its run starts, where ``AsyncLLM`` does not know the rid yet. So an
+    abort is also remembered per job and sent again at that job's next output (``watch``).
+    Jobs are held by identity, not by rid, so a rid reused by a later request never
+    inherits an earlier request's abort."""
 
     def __init__(self, engine: AsyncLLM) -> None:
         self.engine = engine
