@@ -201,3 +201,30 @@ fn complete_checkpoints_and_safetensors_buffers() {
     assert_eq!(e.fingerprint(), fp);
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// A request aborted while the engine holds it back (paused) ends as any request aborted
+/// before its first step: finish reason `abort`, no tokens, not an error; the request held
+/// beside it runs on at resume with its own bits.
+#[test]
+fn aborting_a_held_request_ends_it_with_abort_not_an_error() {
+    let e = engine();
+    let solo = bits(&e, "solo", 24);
+    e.pause(PauseMode::Keep).unwrap();
+    let doomed = e
+        .add_request(Request::new("doomed", vec![5, 6, 7], det(24)))
+        .unwrap();
+    let (tx, rx) = unbounded();
+    e.add_request_with_sender(
+        Request::new("kept", (3..40).collect::<Vec<u32>>(), det(24)),
+        tx,
+    )
+    .unwrap();
+    e.abort("doomed").unwrap();
+    let out = doomed.wait().unwrap();
+    assert_eq!(out.outputs[0].finish_reason, Some(FinishReason::Abort));
+    assert!(out.outputs[0].token_ids.is_empty());
+    assert_eq!(out.prompt_token_ids, vec![5, 6, 7]);
+    assert!(matches!(rx.try_recv(), Err(TryRecvError::Empty)));
+    e.resume().unwrap();
+    assert_eq!(tokens_until(&rx, usize::MAX), solo);
+}

@@ -597,48 +597,29 @@ fn engine_loop(
                     request,
                     events,
                     arrival_time,
-                } => {
-                    let id = request.request_id.clone();
-                    match core.add_request(*request, arrival_time) {
-                        Ok(ev) => {
-                            let n = match &ev {
-                                StreamEvent::Accepted { n, .. } => *n,
-                                _ => 1,
-                            };
-                            let _ = events.send(ev);
-                            routes.insert(id, (events, n));
-                        }
-                        Err(error) => {
-                            tracing::debug!(request_id = %id, "rejected: {error}");
-                            let _ = events.send(StreamEvent::Failed {
-                                request_id: id,
-                                error,
-                            });
+                } => accept(&mut core, &mut routes, *request, events, arrival_time),
+                Command::Abort(id) => {
+                    // A request held back (a pending weight update, a paused engine) never
+                    // started: it is accepted now and aborted with the others, so it ends as
+                    // any request aborted before its first step does (finish reason `abort`,
+                    // no tokens), and a bad one still gets its error.
+                    let (ours, others) = std::mem::take(&mut held).into_iter().partition(
+                        |c| matches!(c, Command::Add { request, .. } if request.request_id == id),
+                    );
+                    held = others;
+                    for cmd in ours {
+                        if let Command::Add {
+                            request,
+                            events,
+                            arrival_time,
+                        } = cmd
+                        {
+                            accept(&mut core, &mut routes, *request, events, arrival_time);
                         }
                     }
-                }
-                Command::Abort(id) => {
                     for ev in core.abort(&id) {
                         route(&mut routes, ev);
                     }
-                    // A request held back by a pending weight update never started.
-                    held.retain(|c| match c {
-                        Command::Add {
-                            request, events, ..
-                        } if request.request_id == id => {
-                            let _ = events.send(StreamEvent::Failed {
-                                request_id: id.clone(),
-                                error: DetspecError::InvalidRequest {
-                                    request_id: Some(id.clone()),
-                                    message: "aborted while waiting for a weight update or a \
-                                          paused engine"
-                                        .into(),
-                                },
-                            });
-                            false
-                        }
-                        _ => true,
-                    });
                 }
                 Command::WithCore(job) => job(&mut core),
                 Command::UpdateWeights {
@@ -736,6 +717,35 @@ fn engine_loop(
         }
     }
     tracing::debug!("engine thread stopped");
+}
+
+/// Hands `request` to the core: its stream gets the core's `Accepted` (and a route for what
+/// follows) or the error it was refused with.
+fn accept(
+    core: &mut EngineCore,
+    routes: &mut Routes,
+    request: Request,
+    events: Sender<StreamEvent>,
+    arrival_time: f64,
+) {
+    let id = request.request_id.clone();
+    match core.add_request(request, arrival_time) {
+        Ok(ev) => {
+            let n = match &ev {
+                StreamEvent::Accepted { n, .. } => *n,
+                _ => 1,
+            };
+            let _ = events.send(ev);
+            routes.insert(id, (events, n));
+        }
+        Err(error) => {
+            tracing::debug!(request_id = %id, "rejected: {error}");
+            let _ = events.send(StreamEvent::Failed {
+                request_id: id,
+                error,
+            });
+        }
+    }
 }
 
 /// Where each live request's events go, and how many of its completions are unfinished.
