@@ -227,4 +227,10 @@ fn aborting_a_held_request_ends_it_with_abort_not_an_error() {
     assert!(matches!(rx.try_recv(), Err(TryRecvError::Empty)));
     e.resume().unwrap();
     assert_eq!(tokens_until(&rx, usize::MAX), solo);
+    // A request its caller aborted before submitting it: accepted and aborted in one command
+    // (an abort sent after it could arrive after a short request had finished).
+    let (tx, rx) = unbounded();
+    e.add_aborted_request_with_sender(Request::new("late", vec![5, 6, 7], det(1)), tx)
+        .unwrap();
+    assert_eq!(tokens_until(&rx, usize::MAX), (vec![], vec![]));
 }

@@ -92,9 +92,9 @@ class AsyncLLM(_EngineClient):
         it runs with (a ``LoRARequest`` is loaded the first time its name is used).
 
         From its first iteration the request is ``abort``-able, also while it still awaits its
-        adapter or its prompt's logprobs (before the engine has it): the abort is then sent
-        as the request is submitted, and the engine ends it before its first step (finish
-        reason ``abort``, no tokens)."""
+        adapter or its prompt's logprobs (before the engine has it): it is then submitted as
+        aborted, and the engine ends it before its first step (finish reason ``abort``, no
+        tokens)."""
         if self._closed:
             raise EngineStoppedError("engine is shut down")
         (p,), (salt,) = _prompts_and_salts([prompt])
@@ -119,15 +119,15 @@ class AsyncLLM(_EngineClient):
             # no output arrives before the consumer is registered; the engine refuses a
             # duplicate id before anything is registered, so the running request with that id
             # is neither detached from its consumer nor aborted. The pending window ends under
-            # the same lock as `abort` marks it: an abort either marked this call (and is sent
-            # now, after the request: the engine ends it with its own abort output) or finds
-            # the request in the engine.
+            # the same lock as `abort` marks it: an abort either marked this call (which is
+            # then submitted as aborted: the engine accepts it and ends it in one command, with
+            # its own abort output) or finds the request in the engine.
             with self._lock:
                 self._end_pending(rid, pending)
-                self._engine.add_request(self._queue, rid, p, params.to_dict(), delta, lora, salt)
+                self._engine.add_request(
+                    self._queue, rid, p, params.to_dict(), delta, lora, salt, pending.aborted
+                )
                 self._streams[rid] = (asyncio.get_running_loop(), q)
-                if pending.aborted:
-                    self._engine.abort(rid)
         except BaseException:
             with self._lock:
                 self._end_pending(rid, pending)
@@ -271,8 +271,7 @@ class AsyncLLM(_EngineClient):
     async def abort(self, request_id: str) -> None:
         """Aborts a request; its stream ends with finish_reason "abort". A request that
         ``generate`` has not yet handed to the engine (awaiting its adapter or its prompt's
-        logprobs) is aborted as it is submitted (see ``generate``); an unknown id is
-        ignored."""
+        logprobs) is submitted as aborted (see ``generate``); an unknown id is ignored."""
         with self._lock:
             for pending in self._pending.get(request_id, ()):
                 pending.aborted = True

@@ -29,6 +29,8 @@ class EngineSetting:
     doc: str
     choices: tuple[str, ...] | None = None
     optional: bool = False
+    # smallest value of an int setting (-1 where that means "no bound", as vLLM's)
+    minimum: int = 0
 
     @property
     def flag(self) -> str:
@@ -161,6 +163,14 @@ ENGINE_SETTINGS: tuple[EngineSetting, ...] = (
     ),
     EngineSetting("max_loras", int, 8, "most LoRA adapters loaded at once (with enable_lora)"),
     EngineSetting("max_lora_rank", int, 64, "largest LoRA rank an adapter may have"),
+    EngineSetting(
+        "max_logprobs",
+        int,
+        20,
+        "most top logprobs a request may ask for (logprobs, top_logprobs, prompt_logprobs; "
+        "-1: the vocabulary)",
+        minimum=-1,
+    ),
 )
 
 SETTINGS_BY_NAME: dict[str, EngineSetting] = {s.name: s for s in ENGINE_SETTINGS}
@@ -173,9 +183,9 @@ def engine_defaults() -> dict[str, Any]:
 
 def resolve_engine_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
     """Every setting, ``settings`` over the defaults. An unknown name is a ``TypeError`` (as
-    for any keyword argument); a count that is not a non-negative integer is an
-    ``InvalidRequestError`` naming it (instead of a bare OverflowError from the conversion
-    to an unsigned integer)."""
+    for any keyword argument); a count that is not an integer of at least its minimum (0,
+    or -1 where that means "no bound") is an ``InvalidRequestError`` naming it (instead of a
+    bare OverflowError from the conversion to an unsigned integer)."""
     unknown = sorted(set(settings) - SETTINGS_BY_NAME.keys())
     if unknown:
         raise TypeError(
@@ -186,9 +196,10 @@ def resolve_engine_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
     for s in ENGINE_SETTINGS:
         value = out[s.name]
         if s.type is int and value is not None:
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            if isinstance(value, bool) or not isinstance(value, int) or value < s.minimum:
+                need = "a non-negative integer" if s.minimum == 0 else f"an integer >= {s.minimum}"
                 raise InvalidRequestError(
-                    f"invalid parameter `{s.name}`: must be a non-negative integer, got {value!r}",
+                    f"invalid parameter `{s.name}`: must be {need}, got {value!r}",
                     param=s.name,
                 )
     return out

@@ -281,6 +281,12 @@ class _EngineClient:
         return int(self._engine.max_model_len())
 
     @property
+    def max_logprobs(self) -> int:
+        """The most top logprobs a request may ask for (the ``max_logprobs`` setting; the
+        vocabulary's size where that is -1)."""
+        return int(self._engine.max_logprobs())
+
+    @property
     def dtype(self) -> str:
         """The weights' dtype as resolved at load (``auto`` included): ``float32``,
         ``bfloat16`` or ``float16``."""

@@ -99,13 +99,13 @@ class SamplingParams:
         if self.prompt_logprobs is not None and (
             isinstance(self.prompt_logprobs, bool)
             or not isinstance(self.prompt_logprobs, int)
-            or not 0 <= self.prompt_logprobs <= _core.MAX_LOGPROBS
+            or self.prompt_logprobs < 0
         ):
             from detspec.errors import InvalidRequestError
 
             raise InvalidRequestError(
-                f"invalid parameter `prompt_logprobs`: must be an integer in "
-                f"0..={_core.MAX_LOGPROBS}, got {self.prompt_logprobs!r}",
+                f"invalid parameter `prompt_logprobs`: must be a non-negative integer (at "
+                f"most the engine's max_logprobs), got {self.prompt_logprobs!r}",
                 param="prompt_logprobs",
             )
 

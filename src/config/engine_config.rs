@@ -349,6 +349,10 @@ pub struct EngineConfig {
     pub max_loras: usize,
     /// Largest LoRA rank an adapter may have.
     pub max_lora_rank: usize,
+    /// Most top logprobs a request may ask for, per generated token (`logprobs`) and per
+    /// prompt token (`prompt_logprobs`): vLLM's `max_logprobs`. `None`: the vocabulary (vLLM's
+    /// -1). Bounding it keeps a token's output small and its top-n selection cheap.
+    pub max_logprobs: Option<usize>,
 }
 
 impl Default for EngineConfig {
@@ -377,6 +381,7 @@ impl Default for EngineConfig {
             enable_prefix_caching: true,
             max_loras: 0,
             max_lora_rank: 64,
+            max_logprobs: Some(crate::sampling::DEFAULT_MAX_LOGPROBS),
         }
     }
 }

@@ -363,6 +363,7 @@ impl EngineCore {
             max_pages: self.alloc.num_total().saturating_sub(1),
             page_size: self.cfg.page_size,
             determinism: self.cfg.determinism,
+            max_logprobs: self.cfg.max_logprobs.unwrap_or(self.info.config.vocab_size),
         }
     }
 

@@ -75,6 +75,8 @@ enum Command {
         request: Box<Request>,
         events: Sender<StreamEvent>,
         arrival_time: f64,
+        /// Aborted by its caller before it was sent: accepted and aborted in one command.
+        aborted: bool,
     },
     Abort(String),
     WithCore(CoreJob),
@@ -242,10 +244,28 @@ impl Engine {
         request: Request,
         events: Sender<StreamEvent>,
     ) -> Result<()> {
+        self.submit(request, events, false)
+    }
+
+    /// [`Self::add_request_with_sender`] of a request its caller aborted before it could send
+    /// it (an abort of an id the engine does not know yet is ignored): the engine accepts it
+    /// (a bad one still gets its error) and aborts it in the same command, so it ends as a
+    /// request aborted before its first step. An abort sent right after the submission could
+    /// arrive steps late, after a short request had finished.
+    pub fn add_aborted_request_with_sender(
+        &self,
+        request: Request,
+        events: Sender<StreamEvent>,
+    ) -> Result<()> {
+        self.submit(request, events, true)
+    }
+
+    fn submit(&self, request: Request, events: Sender<StreamEvent>, aborted: bool) -> Result<()> {
         self.send(Command::Add {
             request: Box::new(request),
             events,
             arrival_time: stream::now(),
+            aborted,
         })
     }
 
@@ -597,7 +617,16 @@ fn engine_loop(
                     request,
                     events,
                     arrival_time,
-                } => accept(&mut core, &mut routes, *request, events, arrival_time),
+                    aborted,
+                } => {
+                    let id = request.request_id.clone();
+                    accept(&mut core, &mut routes, *request, events, arrival_time);
+                    if aborted {
+                        for ev in core.abort(&id) {
+                            route(&mut routes, ev);
+                        }
+                    }
+                }
                 Command::Abort(id) => {
                     // A request held back (a pending weight update, a paused engine) never
                     // started: it is accepted now and aborted with the others, so it ends as
@@ -612,6 +641,7 @@ fn engine_loop(
                             request,
                             events,
                             arrival_time,
+                            ..
                         } = cmd
                         {
                             accept(&mut core, &mut routes, *request, events, arrival_time);

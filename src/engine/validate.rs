@@ -20,6 +20,9 @@ pub struct RequestRules {
     pub max_pages: usize,
     pub page_size: usize,
     pub determinism: DeterminismMode,
+    /// Most top logprobs a request may ask for (`EngineConfig::max_logprobs`, the vocabulary
+    /// where that is unbounded).
+    pub max_logprobs: usize,
 }
 
 impl RequestRules {
@@ -55,10 +58,29 @@ impl RequestRules {
         Ok(())
     }
 
+    /// Checks a number of top logprobs asked for (`param`: the field that asked) against the
+    /// engine's `max_logprobs`.
+    pub fn check_top_logprobs(&self, n: usize, param: &str) -> Result<()> {
+        if n > self.max_logprobs {
+            return Err(DetspecError::param(
+                param,
+                format!(
+                    "asks for {n} top logprobs, more than this engine's max_logprobs ({}); \
+                     start it with a larger max_logprobs (-1: the vocabulary)",
+                    self.max_logprobs
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// Checks sampling parameters: their ranges ([`SamplingParams::validate`]), then what
     /// depends on this engine (vocabulary, determinism mode) and the determinism contract.
     pub fn check_params(&self, params: &SamplingParams) -> Result<()> {
         params.validate()?;
+        if let Some(n) = params.logprobs {
+            self.check_top_logprobs(n, "logprobs")?;
+        }
         check_token_ids(&params.stop_token_ids, self.vocab_size, "stop_token_ids")?;
         let biased: Vec<u32> = params.logit_bias.keys().copied().collect();
         check_token_ids(&biased, self.vocab_size, "logit_bias")?;
@@ -136,7 +158,28 @@ mod tests {
             max_pages: 4,
             page_size: 16,
             determinism: DeterminismMode::Dvr,
+            max_logprobs: 20,
         }
+    }
+
+    #[test]
+    fn top_logprobs_are_bounded_by_the_engines_max_logprobs() {
+        let r = rules();
+        let asks = |n| SamplingParams {
+            logprobs: Some(n),
+            ..Default::default()
+        };
+        assert!(r.check_params(&asks(20)).is_ok());
+        let e = r.check_params(&asks(21)).unwrap_err();
+        assert_eq!(e.param_name(), Some("logprobs"));
+        assert!(e.to_string().contains("max_logprobs (20)"), "{e}");
+        let wide = RequestRules {
+            max_logprobs: 100,
+            ..r
+        };
+        assert!(wide.check_params(&asks(100)).is_ok());
+        let e = wide.check_top_logprobs(101, "prompt_logprobs").unwrap_err();
+        assert_eq!(e.param_name(), Some("prompt_logprobs"));
     }
 
     #[test]

@@ -196,6 +196,15 @@ impl PyEngine {
             .map_err(|e| to_pyerr(py, e))
     }
 
+    /// A prompt's top logprobs asked for (`top_n`, from `prompt_logprobs`) against the
+    /// engine's `max_logprobs`.
+    fn check_top_n(&self, py: Python<'_>, top_n: usize) -> PyResult<()> {
+        self.inner
+            .request_rules()
+            .check_top_logprobs(top_n, "prompt_logprobs")
+            .map_err(|e| to_pyerr(py, e))
+    }
+
     /// `n` standalone sequences' scope: the adapter `lora_name`, the salt `cache_salt`.
     fn scopes(
         &self,
@@ -226,7 +235,7 @@ fn lora_dict(py: Python<'_>, adapter: &LoraAdapter) -> PyResult<Py<PyDict>> {
 #[pymethods]
 impl PyEngine {
     #[new]
-    #[pyo3(signature = (model_dir, *, device="cpu", dtype="auto", kv_cache_dtype="auto", page_size=16, num_kv_pages=None, kv_cache_bytes=None, max_num_seqs=256, max_num_batched_tokens=512, max_model_len=None, max_prefill_chunk=None, determinism="dvr", verify_window=64, verify_group=8, verify_strategy="auto", kernel_profile="invariant", activation_dtype="auto", verify_finish_wait=0, verify_window_adaptive=true, fault_injection=0.0, enable_prefix_caching=true, num_threads=None, enable_lora=false, max_loras=8, max_lora_rank=64))]
+    #[pyo3(signature = (model_dir, *, device="cpu", dtype="auto", kv_cache_dtype="auto", page_size=16, num_kv_pages=None, kv_cache_bytes=None, max_num_seqs=256, max_num_batched_tokens=512, max_model_len=None, max_prefill_chunk=None, determinism="dvr", verify_window=64, verify_group=8, verify_strategy="auto", kernel_profile="invariant", activation_dtype="auto", verify_finish_wait=0, verify_window_adaptive=true, fault_injection=0.0, enable_prefix_caching=true, num_threads=None, enable_lora=false, max_loras=8, max_lora_rank=64, max_logprobs=20))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -255,7 +264,21 @@ impl PyEngine {
         enable_lora: bool,
         max_loras: usize,
         max_lora_rank: usize,
+        max_logprobs: i64,
     ) -> PyResult<Self> {
+        // vLLM's convention: -1 is the vocabulary.
+        let max_logprobs = match max_logprobs {
+            -1 => None,
+            n => Some(usize::try_from(n).map_err(|_| {
+                to_pyerr(
+                    py,
+                    DetspecError::param(
+                        "max_logprobs",
+                        format!("must be >= 0, or -1 for the vocabulary, got {n}"),
+                    ),
+                )
+            })?),
+        };
         let determinism = DeterminismMode::parse(determinism).map_err(|e| to_pyerr(py, e))?;
         let verify_strategy =
             VerifyStrategy::parse(verify_strategy).map_err(|e| to_pyerr(py, e))?;
@@ -296,6 +319,7 @@ impl PyEngine {
             // Off, the engine refuses adapters (0 may be loaded).
             max_loras: if enable_lora { max_loras } else { 0 },
             max_lora_rank,
+            max_logprobs,
             ..Default::default()
         };
         if let Some(b) = kv_cache_bytes {
@@ -306,8 +330,9 @@ impl PyEngine {
     }
 
     /// Submits a request whose outputs arrive on `queue`: cumulative snapshots, or with
-    /// `delta` what is new since the last output of this request.
-    #[pyo3(signature = (queue, request_id, prompt, params, delta=false, lora_name=None, cache_salt=None))]
+    /// `delta` what is new since the last output of this request. `aborted`: its caller
+    /// aborted it before it could submit it; it ends at once with finish reason `abort`.
+    #[pyo3(signature = (queue, request_id, prompt, params, delta=false, lora_name=None, cache_salt=None, aborted=false))]
     #[allow(clippy::too_many_arguments)]
     fn add_request(
         &self,
@@ -319,6 +344,7 @@ impl PyEngine {
         delta: bool,
         lora_name: Option<&str>,
         cache_salt: Option<String>,
+        aborted: bool,
     ) -> PyResult<()> {
         let request = Request {
             request_id: request_id.clone(),
@@ -348,7 +374,13 @@ impl PyEngine {
             ));
         }
         let tx = queue.tx.clone();
-        self.call(py, move |e| e.add_request_with_sender(request, tx))
+        self.call(py, move |e| {
+            if aborted {
+                e.add_aborted_request_with_sender(request, tx)
+            } else {
+                e.add_request_with_sender(request, tx)
+            }
+        })
     }
 
     /// Aborts a request (its output finishes with reason "abort"); unknown ids are ignored.
@@ -431,6 +463,7 @@ impl PyEngine {
         lora_name: Option<&str>,
         cache_salt: Option<&str>,
     ) -> PyResult<Vec<Vec<LogprobTuple>>> {
+        self.check_top_n(py, top_n)?;
         let scopes = self.scopes(py, pairs.len(), lora_name, cache_salt)?;
         let scored = self.call(py, move |e| {
             e.with_core(move |c| c.score(&pairs, top_n, deterministic, &scopes))
@@ -449,6 +482,7 @@ impl PyEngine {
         lora_name: Option<&str>,
         cache_salt: Option<&str>,
     ) -> PyResult<Vec<Vec<LogprobTuple>>> {
+        self.check_top_n(py, top_n)?;
         let scopes = self.scopes(py, prompts.len(), lora_name, cache_salt)?;
         let scored = self.call(py, move |e| {
             e.with_core(move |c| c.prompt_logprobs(&prompts, top_n, &scopes))
@@ -721,6 +755,12 @@ impl PyEngine {
         self.inner.info().max_model_len
     }
 
+    /// The most top logprobs a request may ask for (`max_logprobs`; the vocabulary's size
+    /// where it is -1).
+    fn max_logprobs(&self) -> usize {
+        self.inner.request_rules().max_logprobs
+    }
+
     /// The weights' dtype as resolved at load, in torch's spelling (`float32`, `bfloat16`).
     fn dtype(&self) -> &'static str {
         torch_dtype_name(self.inner.info().dtype)
@@ -902,6 +942,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_device_count, m)?)?;
     m.add("CUDA_BUILD", cfg!(feature = "cuda"))?;
     m.add("KERNEL_VERSION", crate::engine::KERNEL_VERSION)?;
-    m.add("MAX_LOGPROBS", crate::sampling::MAX_LOGPROBS)?;
+    m.add(
+        "DEFAULT_MAX_LOGPROBS",
+        crate::sampling::DEFAULT_MAX_LOGPROBS,
+    )?;
     Ok(())
 }

@@ -15,9 +15,9 @@ pub const GREEDY_TEMPERATURE_EPS: f32 = 1e-5;
 /// Largest magnitude of a `logit_bias` entry (OpenAI's range).
 pub const MAX_LOGIT_BIAS: f32 = 100.0;
 
-/// Most top logprobs a request may ask for (vLLM's default `max_logprobs`). Bounding it keeps the
-/// per-token output small and the top-n selection cheap.
-pub const MAX_LOGPROBS: usize = 20;
+/// The default of [`crate::EngineConfig::max_logprobs`], the most top logprobs a request may
+/// ask for (vLLM's default `max_logprobs`).
+pub const DEFAULT_MAX_LOGPROBS: usize = 20;
 
 /// How to turn one row of logits into a token, and when to stop.
 ///
@@ -187,14 +187,6 @@ impl SamplingParams {
                 "repetition_penalty",
                 format!("must be > 0 and finite, got {}", self.repetition_penalty),
             ));
-        }
-        if let Some(n) = self.logprobs {
-            if n > MAX_LOGPROBS {
-                return Err(DetspecError::param(
-                    "logprobs",
-                    format!("must be <= {MAX_LOGPROBS}, got {n}"),
-                ));
-            }
         }
         if let Some(i) = self.stop.iter().position(String::is_empty) {
             return Err(DetspecError::param(
@@ -382,13 +374,6 @@ mod tests {
                     ..base.clone()
                 },
                 "repetition_penalty",
-            ),
-            (
-                SamplingParams {
-                    logprobs: Some(21),
-                    ..base.clone()
-                },
-                "logprobs",
             ),
             (
                 SamplingParams {

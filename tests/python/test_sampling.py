@@ -277,6 +277,36 @@ def test_logprobs_top_entries_and_ranks(llm, llama_case, token_prompts):
         assert c.cumulative_logprob == pytest.approx(sum(chosen), abs=1e-3)
 
 
+def test_max_logprobs_bounds_top_logprobs(llm, llm_factory, llama_case, token_prompts):
+    """The engine's ``max_logprobs`` (vLLM's, default 20) bounds ``logprobs`` and
+    ``prompt_logprobs``, naming the field; -1 is the vocabulary. A wider engine returns that
+    many entries, the narrow engine's bit for bit among them."""
+    prompt = token_prompts[0]
+    assert llm.max_logprobs == 20
+    for field in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(detspec.InvalidRequestError) as e:
+            llm.generate([prompt], seeded(max_tokens=2, **{field: 21}))
+        assert e.value.param == field
+    wide = llm_factory("llama", max_logprobs=-1)
+    vocab = wide.max_logprobs
+    assert vocab == json.loads((llama_case.path / "config.json").read_text())["vocab_size"]
+    params = seeded(max_tokens=6, logprobs=vocab, prompt_logprobs=40)
+    (out,) = wide.generate([prompt], params)
+    entries = out.outputs[0].logprobs
+    assert all(sorted(v.rank for v in e.values()) == list(range(1, vocab + 1)) for e in entries)
+    assert out.prompt_logprobs[0] is None
+    assert all(len(e) in (40, 41) for e in out.prompt_logprobs[1:])
+    (narrow,) = llm.generate([prompt], seeded(max_tokens=6, logprobs=20, prompt_logprobs=20))
+    assert list(narrow.outputs[0].token_ids) == list(out.outputs[0].token_ids)
+    for a, b in zip(lp_table(narrow.outputs[0]), lp_table(out.outputs[0]), strict=True):
+        assert all(b[k] == v for k, v in a.items())
+    for a, b in zip(narrow.prompt_logprobs[1:], out.prompt_logprobs[1:], strict=True):
+        assert all(b[k].logprob == v.logprob and b[k].rank == v.rank for k, v in a.items())
+    with pytest.raises(detspec.InvalidRequestError) as e:
+        llm_factory("llama", max_logprobs=-2)
+    assert e.value.param == "max_logprobs"
+
+
 # --------------------------------------------------------------------------- stopping
 
 

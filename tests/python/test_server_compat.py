@@ -9,6 +9,7 @@
   and the history fields the ``openai`` client sends back (``refusal``, ``annotations``, ...)
   are accepted; vLLM's ``request_id``, ``truncate_prompt_tokens`` and ``documents`` work;
   neutral-only fields (``priority``, ``use_beam_search``) refuse other values, naming them.
+* ``--max-logprobs`` bounds every top-logprobs field (``test_server_errors``: the default 20).
 """
 
 # ruff: noqa: F811  (pytest fixtures imported from server_fixtures)
@@ -71,6 +72,8 @@ def compat_server(tmp_path_factory, compat_model_dir) -> Iterator[ServerProcess]
         "256",
         "--num-kv-pages",
         "512",
+        "--max-logprobs",
+        "30",
     )
     yield s
     assert s.stop() == 0, s.log()
@@ -411,3 +414,44 @@ def test_ranges_are_the_engines(compat_server) -> None:
     body = {**common, "temperature": -1.0}
     bad = httpx.post(f"{compat_server.base_url}/v1/completions", json=body, timeout=30)
     assert bad.status_code == 400 and "temperature" in bad.text, bad.text
+
+
+def test_max_logprobs_is_the_servers_bound(compat_server) -> None:
+    """``--max-logprobs 30``: 30 top logprobs are served on every route that asks for them,
+    31 is a 400 naming the field the request used."""
+    c = client(compat_server)
+    chat = c.chat.completions.create(
+        model=SERVED_NAME, messages=MESSAGES, max_tokens=2, logprobs=True, top_logprobs=30
+    )
+    assert all(len(t.top_logprobs) == 30 for t in chat.choices[0].logprobs.content)
+    comp = c.completions.create(
+        model=SERVED_NAME,
+        prompt=[5, 6, 7],
+        max_tokens=2,
+        logprobs=30,
+        # token ids as keys: texts of different tokens may clash in the dict
+        extra_body={"prompt_logprobs": 30, "return_tokens_as_token_ids": True},
+    )
+    assert all(len(t) >= 30 for t in comp.choices[0].logprobs.top_logprobs)
+    assert all(len(t) >= 30 for t in comp.choices[0].model_extra["prompt_logprobs"][1:])
+    base = f"{compat_server.base_url}"
+    short = {"model": SERVED_NAME, "max_tokens": 2}
+    over = [
+        ("/v1/chat/completions", {**short, "messages": MESSAGES, "logprobs": True}, "top_logprobs"),
+        ("/v1/completions", {**short, "prompt": [5, 6, 7]}, "logprobs"),
+        ("/v1/completions", {**short, "prompt": [5, 6, 7]}, "prompt_logprobs"),
+        ("/v1/completions", {**short, "prompt": [5, 6, 7], "echo": True}, "logprobs"),
+        (
+            "/v1/responses",
+            {"model": SERVED_NAME, "input": "hi", "max_output_tokens": 2},
+            "top_logprobs",
+        ),
+    ]
+    for path, body, field in over:
+        r = httpx.post(base + path, json={**body, field: 31}, timeout=30)
+        assert r.status_code == 400, (path, r.text)
+        assert r.json()["error"]["param"] == field, (path, r.text)
+        assert "max_logprobs (30)" in r.json()["error"]["message"]
+    native = {"input_ids": [5, 6, 7], "return_logprob": True, "top_logprobs_num": 31}
+    r = httpx.post(base + "/generate", json=native, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs_num", r.text

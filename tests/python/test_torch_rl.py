@@ -432,7 +432,9 @@ def test_prompt_logprobs_in_vllm_format(model_zoo):
     (scored,) = llm.score([prompt[:1]], [prompt[1:]])
     assert bits(scored) == bits([plp[i][prompt[i]].logprob for i in range(1, len(prompt))])
     with pytest.raises(InvalidRequestError, match="prompt_logprobs"):
-        SamplingParams(prompt_logprobs=99)
+        SamplingParams(prompt_logprobs=-1)
+    with pytest.raises(InvalidRequestError, match="max_logprobs"):  # over the engine's 20
+        llm.generate([prompt], greedy(max_tokens=2, prompt_logprobs=99), use_tqdm=False)
 
 
 def test_get_logits_and_hidden_states_are_torch_tensors_matching_transformers(model_zoo):

@@ -90,6 +90,7 @@ def build_app(
 
     @app.post("/v1/completions", response_model=P.CompletionResponse, responses=ERROR_RESPONSES)
     async def completions(req: P.CompletionRequest, request: Request) -> Response:
+        server.check_logprobs(logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs)
         if req.echo:  # prompt scoring: scoring_routes builds on serving, not the reverse
             return await echo_completions(server, req, request)
         return await server.completions(req, request)
@@ -100,6 +101,7 @@ def build_app(
         responses=ERROR_RESPONSES,
     )
     async def chat_completions(req: P.ChatCompletionRequest, request: Request) -> Response:
+        server.check_logprobs(top_logprobs=req.top_logprobs, prompt_logprobs=req.prompt_logprobs)
         return await server.chat(req, request)
 
     @app.post("/tokenize", response_model=P.TokenizeResponse, responses=ERROR_RESPONSES)

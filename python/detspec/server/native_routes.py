@@ -105,7 +105,7 @@ class GenerateRequest(P.OpenAIBaseModel):
     sampling_params: NativeSamplingParams | list[NativeSamplingParams] | None = None
     return_logprob: bool = False
     logprob_start_len: int = Field(default=-1, ge=-1, le=2**31 - 1)
-    top_logprobs_num: int = Field(default=0, ge=0, le=P.MAX_LOGPROBS)
+    top_logprobs_num: int = Field(default=0, ge=0)
     return_text_in_logprobs: bool = False
     stream: bool = False
     rid: str | list[str] | None = None
@@ -146,6 +146,7 @@ def build_native_router(server: OpenAIServer) -> APIRouter:
 
     @router.post("/generate", responses=ERROR_RESPONSES)
     async def generate(req: GenerateRequest, request: Request) -> Response:
+        server.check_logprobs(top_logprobs_num=req.top_logprobs_num)
         return await _generate(server, req, request, inflight)
 
     @router.post("/abort_request", responses=ERROR_RESPONSES)

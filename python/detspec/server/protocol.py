@@ -17,14 +17,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from detspec import _core
-
 # Token ids are u32 in the engine; the vocabulary bound is checked against the model.
 TokenId = Annotated[int, Field(ge=0, le=2**32 - 1)]
 ReasoningEffort = Literal["minimal", "low", "medium", "high"]
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
-# Engine limit on top logprobs (as vLLM's default max_logprobs).
-MAX_LOGPROBS: int = _core.MAX_LOGPROBS
 
 
 class OpenAIBaseModel(BaseModel):
@@ -98,7 +94,7 @@ class _SamplingFields(OpenAIBaseModel):
     bad_words: list[str] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: int | None = Field(default=None, ge=0)
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = Field(
         default=False, description="logprob tokens as 'token_id:N' (distinct even when texts clash)"
@@ -151,7 +147,7 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     # 0 only with echo=true: score the prompt without generating (vLLM's convention).
     max_tokens: int | None = Field(default=16, ge=0, le=2**31 - 1)
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(default=None, ge=0)
     echo: bool = Field(
         default=False,
         description="return the prompt before the completion; with `logprobs`, the prompt "
@@ -228,7 +224,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(default=None, ge=1, le=2**31 - 1)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=2**31 - 1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(default=None, ge=0)
     add_generation_prompt: bool = True
     # vLLM's: the model continues the last message (needs add_generation_prompt=false)
     continue_final_message: bool = False

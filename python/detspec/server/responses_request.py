@@ -157,7 +157,7 @@ class ResponsesRequest(P.OpenAIBaseModel):
     max_output_tokens: int | None = Field(default=None, ge=1, le=2**31 - 1)
     temperature: float | None = Field(default=None, ge=0.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_logprobs: int | None = Field(default=None, ge=0, le=P.MAX_LOGPROBS)
+    top_logprobs: int | None = Field(default=None, ge=0)
     include: list[Literal["message.output_text.logprobs"]] | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None

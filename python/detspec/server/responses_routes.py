@@ -399,6 +399,7 @@ def build_responses_router(server: OpenAIServer) -> APIRouter:
 
     @router.post("/v1/responses", responses=ERROR_RESPONSES)
     async def responses(req: ResponsesRequest, request: Request) -> Response:
+        server.check_logprobs(top_logprobs=req.top_logprobs)
         return await create_response(server, req, request, store)
 
     def stored(rid: str) -> StoredResponse:

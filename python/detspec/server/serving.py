@@ -154,6 +154,19 @@ class OpenAIServer:
             self.model_names[0], self.queue_counts, engine.kv_stats, engine.stats
         )
 
+    def check_logprobs(self, **asked: int | None) -> None:
+        """Each count of top logprobs a request asks for, by its field's name, against the
+        engine's ``max_logprobs`` (``--max-logprobs``): a 400 naming the field."""
+        limit = self.engine.max_logprobs
+        for name, n in asked.items():
+            if n is not None and n > limit:
+                raise ApiError(
+                    400,
+                    f"{name}={n} asks for more top logprobs than this server's max_logprobs "
+                    f"({limit}); start it with a larger --max-logprobs (-1: the vocabulary)",
+                    name,
+                )
+
     @property
     def fingerprint(self) -> str:
         """The engine's current fingerprint (it moves when the weights are updated), with
