@@ -455,3 +455,72 @@ def test_max_logprobs_is_the_servers_bound(compat_server) -> None:
     native = {"input_ids": [5, 6, 7], "return_logprob": True, "top_logprobs_num": 31}
     r = httpx.post(base + "/generate", json=native, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs_num", r.text
+
+
+# ------------------------------------------------------------- special tokens at encoding
+
+
+@pytest.fixture(scope="module")
+def bos_server(tmp_path_factory, compat_model_dir) -> Iterator[ServerProcess]:
+    """The compat model with a tokenizer that adds a BOS (``<s>``, id 0) to what it encodes,
+    as Llama's does."""
+    d = Path(tmp_path_factory.mktemp("bos-model")) / "m"
+    shutil.copytree(compat_model_dir, d)
+    tok = json.loads((d / "tokenizer.json").read_text())
+    bos = {"SpecialToken": {"id": "<s>", "type_id": 0}}
+    tok["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [bos, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [
+            bos,
+            {"Sequence": {"id": "A", "type_id": 0}},
+            {"Sequence": {"id": "B", "type_id": 1}},
+        ],
+        "special_tokens": {"<s>": {"id": "<s>", "ids": [0], "tokens": ["<s>"]}},
+    }
+    (d / "tokenizer.json").write_text(json.dumps(tok))
+    s = start_server(tmp_path_factory, "bos", str(d), "--max-model-len", "256")
+    yield s
+    assert s.stop() == 0, s.log()
+
+
+def test_add_special_tokens_as_vllm(bos_server) -> None:
+    """vLLM's ``add_special_tokens``: on by default for a completion's text prompt (off for
+    text the client rendered with its own BOS), off by default for chat (the template writes
+    its own; on adds the tokenizer's on top). ``spaces_between_special_tokens`` is accepted
+    (the fast tokenizer puts no spaces there either way)."""
+    base, c = bos_server.base_url, client(bos_server)
+
+    def tokenize(body: dict) -> list[int]:
+        r = httpx.post(f"{base}/tokenize", json={"model": SERVED_NAME, **body}, timeout=30)
+        assert r.status_code == 200, r.text
+        return r.json()["tokens"]
+
+    text = "tell me about the sea"
+    with_bos, plain = (
+        tokenize({"prompt": text}),
+        tokenize({"prompt": text, "add_special_tokens": False}),
+    )
+    assert with_bos == [0, *plain]
+    for extra, ids in (({}, with_bos), ({"add_special_tokens": False}, plain)):
+        r = c.completions.create(
+            model=SERVED_NAME, prompt=text, max_tokens=1, echo=True, logprobs=0, extra_body=extra
+        )
+        assert r.usage.prompt_tokens == len(ids)
+        r = c.completions.create(model=SERVED_NAME, prompt=text, max_tokens=1, extra_body=extra)
+        assert r.usage.prompt_tokens == len(ids)
+    chat = tokenize({"messages": MESSAGES})
+    assert tokenize({"messages": MESSAGES, "add_special_tokens": True}) == [0, *chat]
+    for extra, n in (({}, len(chat)), ({"add_special_tokens": True}, len(chat) + 1)):
+        r = c.chat.completions.create(
+            model=SERVED_NAME, messages=MESSAGES, max_tokens=1, extra_body=extra
+        )
+        assert r.usage.prompt_tokens == n
+    for spaces in (True, False):
+        r = c.completions.create(
+            model=SERVED_NAME,
+            prompt=text,
+            max_tokens=2,
+            extra_body={"spaces_between_special_tokens": spaces, "skip_special_tokens": False},
+        )
+        assert r.usage.completion_tokens == 2

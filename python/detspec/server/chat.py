@@ -64,11 +64,14 @@ async def render_chat(
     tools: list[dict[str, Any]] | None = None,
     continue_final_message: bool = False,
     chat_template: str | None = None,
+    add_special_tokens: bool = False,
 ) -> list[int]:
     """The token ids of a conversation rendered with the model's chat template;
     ``continue_final_message``: cut after the last message's content, so that the model
     goes on with it (vLLM's and transformers' option: what the template writes after the
-    content, an end-of-turn token, is left out)."""
+    content, an end-of-turn token, is left out); ``add_special_tokens``: the rendered text
+    encoded with the tokenizer's special tokens (vLLM's option; off, as transformers
+    renders)."""
     if tokenizer is None:
         raise ApiError(400, "this model has no tokenizer: chat is unavailable", "messages")
     kwargs = dict(template_kwargs or {})
@@ -87,15 +90,17 @@ async def render_chat(
         kwargs["tools"] = tools
     conv = conversation(messages)
     try:
-        ids = await asyncio.to_thread(
+        rendered = await asyncio.to_thread(
             tokenizer.apply_chat_template,
             conv,
             add_generation_prompt,
-            True,
+            not add_special_tokens,
             continue_final_message=continue_final_message,
             chat_template=chat_template,
             **kwargs,
         )
+        if add_special_tokens:
+            rendered = await asyncio.to_thread(tokenizer.encode, rendered, True)
     except InvalidRequestError as e:
         raise invalid(e, "messages") from None
-    return list(ids)  # type: ignore[arg-type]
+    return list(rendered)  # type: ignore[arg-type]

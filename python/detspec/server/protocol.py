@@ -94,6 +94,9 @@ class _SamplingFields(OpenAIBaseModel):
     bad_words: list[str] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # A slow (Python) tokenizer's option; the fast tokenizers detspec runs (as vLLM's
+    # default ones) put no spaces between special tokens either way.
+    spaces_between_special_tokens: bool = True
     prompt_logprobs: int | None = Field(default=None, ge=0)
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = Field(
@@ -154,6 +157,9 @@ class CompletionRequest(_SamplingFields):
         "tokens' logprobs too (the first one null)",
     )
     suffix: str | None = None
+    # vLLM's: whether a text prompt's encoding adds the tokenizer's special tokens (a BOS);
+    # false for text already rendered with them (a chat template applied by the client).
+    add_special_tokens: bool = True
 
 
 class ChatContentPart(OpenAIBaseModel):
@@ -228,6 +234,9 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     # vLLM's: the model continues the last message (needs add_generation_prompt=false)
     continue_final_message: bool = False
+    # vLLM's: the tokenizer's special tokens (a BOS) added on top of the rendered template,
+    # which usually writes its own
+    add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     # vLLM's: a Jinja chat template for this request (needs --trust-request-chat-template)
     chat_template: str | None = None
@@ -258,6 +267,7 @@ class TokenizeChatRequest(OpenAIBaseModel):
     tools: list[ChatTool] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None
 

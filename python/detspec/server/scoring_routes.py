@@ -123,7 +123,7 @@ async def echo_completions(
     texts: list[str | None] = []
     for i, pr in enumerate(prompts):
         param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
-        ids = await server.encode(pr) if isinstance(pr, str) else list(pr)
+        ids = await server.encode(pr, req.add_special_tokens) if isinstance(pr, str) else list(pr)
         rid = f"{base}-{i}"
         if generate:
             jobs.append(

@@ -380,6 +380,7 @@ class OpenAIServer:
         tools: list[dict[str, Any]] | None = None,
         continue_final_message: bool = False,
         chat_template: str | None = None,
+        add_special_tokens: bool = False,
     ) -> list[int]:
         """The conversation's token ids, rendered with ``chat_template`` (a request's), else
         the server's ``--chat-template``, else the model's."""
@@ -398,6 +399,7 @@ class OpenAIServer:
             tools,
             continue_final_message,
             chat_template if chat_template is not None else self.config.chat_template,
+            add_special_tokens,
         )
 
     async def prompt_logprobs(
@@ -514,7 +516,7 @@ class OpenAIServer:
         jobs: list[Job] = []
         for i, pr in enumerate(prompts):
             param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
-            ids = await self.encode(pr) if isinstance(pr, str) else list(pr)
+            ids = await self.encode(pr, req.add_special_tokens) if isinstance(pr, str) else list(pr)
             jobs.append(
                 self.job(
                     req,
@@ -569,6 +571,7 @@ class OpenAIServer:
             tools.tools,
             req.continue_final_message,
             req.chat_template,
+            req.add_special_tokens,
         )
         reasoning = None
         if self.reasoning_parser is not None:
@@ -620,7 +623,13 @@ class OpenAIServer:
             gen = await asyncio.to_thread(self.tokenizer.encode, final, False)
         elif req.add_generation_prompt and tagged:
             without = await self.render_chat(
-                req.messages, False, req.chat_template_kwargs, tools, False, req.chat_template
+                req.messages,
+                False,
+                req.chat_template_kwargs,
+                tools,
+                False,
+                req.chat_template,
+                req.add_special_tokens,
             )
             gen = list(generation_prompt(ids, without))
         thinking = parser.thinks(gen, req.chat_template_kwargs or {})
@@ -730,6 +739,7 @@ class OpenAIServer:
                 tools,
                 req.continue_final_message,
                 req.chat_template,
+                req.add_special_tokens,
             )
         else:
             ids = await self.encode(req.prompt, req.add_special_tokens)
