@@ -276,7 +276,7 @@ class AsyncLLM(_EngineClient):
             for pending in self._pending.get(request_id, ()):
                 pending.aborted = True
         # Outside the lock (the engine answers between steps): a `generate` that reaches its
-        # submission after the lock was released was marked above and submits nothing.
+        # submission after the lock was released was marked above and submits as aborted.
         self._engine.abort(request_id)
 
     def request_ids(self) -> list[str]:

@@ -651,6 +651,111 @@ mod tests {
             .collect()
     }
 
+    fn llama_config() -> ModelConfig {
+        ModelConfig::from_json_str(
+            r#"{"architectures": ["LlamaForCausalLM"], "hidden_size": 48,
+            "intermediate_size": 80, "num_hidden_layers": 1, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "vocab_size": 50}"#,
+            Path::new("/m/config.json"),
+        )
+        .unwrap()
+    }
+
+    /// An adapter of one layer targeting q and v (PEFT's default), its pairs held `dense`
+    /// (`[in, out]`, what a GPU holds: the GEMMs pad to row blocks) or packed (the CPU's).
+    fn q_v_adapter(cfg: &ModelConfig, seed: u64, dense: bool) -> Arc<LoraAdapter> {
+        let mut scaled: [Option<(Tensor, Tensor)>; 7] = Default::default();
+        for (i, t) in [LoraTarget::Q, LoraTarget::V].into_iter().enumerate() {
+            let (din, dout) = t.dims(cfg);
+            let s = seed + 2 * i as u64;
+            scaled[target_index(t)] = Some((matrix(s, 3, din), matrix(s + 1, dout, 3)));
+        }
+        let (down, up) = group_pair(LoraTarget::GROUPS[0], &scaled, cfg)
+            .unwrap()
+            .unwrap();
+        let place = |t: Tensor| {
+            if dense {
+                LinearWeight::Dense(t.t().unwrap().contiguous().unwrap())
+            } else {
+                LinearWeight::new(&t, false).unwrap()
+            }
+        };
+        Arc::new(LoraAdapter {
+            dir: PathBuf::new(),
+            rank: 3,
+            layers: vec![[
+                Some(LoraPair {
+                    down: place(down),
+                    up: place(up),
+                }),
+                None,
+                None,
+                None,
+            ]],
+            hash: seed,
+        })
+    }
+
+    /// The padded path (dense weights, as on a GPU) gives the packed path's deltas, over
+    /// row counts below, at and past one 16-row block, for a group of every row and of some
+    /// rows, with the outputs apart (the CPU's q, k, v) and stacked (a GPU's): it runs on the
+    /// CPU here, where candle's matmul stands in for the GPU's.
+    #[test]
+    fn padded_dense_pairs_give_the_packed_pairs_deltas() {
+        let cfg = llama_config();
+        let widths: Vec<usize> = LoraTarget::GROUPS[0]
+            .iter()
+            .map(|t| t.dims(&cfg).1)
+            .collect();
+        for rows in [1usize, 5, 16, 20, 33] {
+            let x = matrix(rows as u64, rows, cfg.hidden_size);
+            // Rows alternate between the adapter and none (a group of some rows), or all run it.
+            for every_row in [false, true] {
+                let seqs: Vec<u32> = (0..rows as u32).map(|r| r % 2).collect();
+                let run = |dense: bool, stacked: bool| -> Vec<f32> {
+                    let a = q_v_adapter(&cfg, 11, dense);
+                    let adapters = if every_row {
+                        vec![Some(a.clone()), Some(a)]
+                    } else {
+                        vec![Some(a), None]
+                    };
+                    let lora = LoraRows::of(&seqs, &adapters, &Device::Cpu)
+                        .unwrap()
+                        .unwrap();
+                    let ts = LoraTarget::GROUPS[0];
+                    let apart: Vec<Tensor> = (0..3)
+                        .map(|i| matrix(1 + i as u64, rows, widths[i]))
+                        .collect();
+                    let outs: LoraOutputs<'_> = if stacked {
+                        vec![(Tensor::cat(&apart, 1).unwrap(), ts)]
+                    } else {
+                        apart
+                            .into_iter()
+                            .enumerate()
+                            .map(|(i, y)| (y, &ts[i..i + 1]))
+                            .collect()
+                    };
+                    let ys = lora.add(&x, 0, outs).unwrap();
+                    // Side by side, whatever the layout.
+                    let ys: Vec<Tensor> = if stacked {
+                        ys
+                    } else {
+                        vec![Tensor::cat(&ys, 1).unwrap()]
+                    };
+                    ys[0].flatten_all().unwrap().to_vec1::<f32>().unwrap()
+                };
+                let packed = run(false, false);
+                for (dense, stacked) in [(true, false), (true, true), (false, true)] {
+                    let got = run(dense, stacked);
+                    assert_eq!(got.len(), packed.len());
+                    for (g, p) in got.iter().zip(&packed) {
+                        assert!((g - p).abs() <= 1e-5 * (1.0 + p.abs()), "{g} vs {p}");
+                    }
+                }
+            }
+        }
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(24))]
 
