@@ -524,3 +524,25 @@ def test_add_special_tokens_as_vllm(bos_server) -> None:
             extra_body={"spaces_between_special_tokens": spaces, "skip_special_tokens": False},
         )
         assert r.usage.completion_tokens == 2
+
+
+def test_chat_echo_begins_with_the_assistant_message(compat_server) -> None:
+    """vLLM's chat ``echo``: the answer to a conversation that ends with an assistant message
+    begins with that message's content (streamed: in the first delta); after a user message
+    it changes nothing."""
+    c = client(compat_server)
+    prefix = "The sea is"
+    convo = [*MESSAGES, {"role": "assistant", "content": prefix}]
+    go_on = {"add_generation_prompt": False, "continue_final_message": True}
+
+    def answer(messages, stream: bool = False, **extra) -> str:
+        kw = {"model": SERVED_NAME, "messages": messages, "max_tokens": 5, "extra_body": extra}
+        if not stream:
+            return c.chat.completions.create(**kw).choices[0].message.content
+        chunks = c.chat.completions.create(**kw, stream=True)
+        return "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+
+    plain = answer(convo, **go_on)
+    assert answer(convo, echo=True, **go_on) == prefix + plain
+    assert answer(convo, stream=True, echo=True, **go_on) == prefix + plain
+    assert answer(MESSAGES, echo=True) == answer(MESSAGES)

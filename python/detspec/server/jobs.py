@@ -45,6 +45,9 @@ class Job:
     fingerprint: str | None = None
     # vLLM's `cache_salt`: its prompt's prefix-cache pages are its salt's alone
     cache_salt: str | None = None
+    # chat's `echo` (vLLM's): the last message's content, an assistant's, that each choice's
+    # content begins with
+    echo: str | None = None
 
     def invalid(self, e: InvalidRequestError, default_param: str | None = None) -> ApiError:
         """A 400 for an engine error, naming the request field behind it."""

@@ -234,6 +234,9 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     # vLLM's: the model continues the last message (needs add_generation_prompt=false)
     continue_final_message: bool = False
+    # vLLM's: an answer to a conversation that ends with an assistant message begins with
+    # that message's content (with continue_final_message: the whole message, not only its end)
+    echo: bool = False
     # vLLM's: the tokenizer's special tokens (a BOS) added on top of the rendered template,
     # which usually writes its own
     add_special_tokens: bool = False

@@ -603,6 +603,8 @@ class OpenAIServer:
             job.prompt_logprobs = await self.prompt_logprobs(
                 job.prompt_ids, req.prompt_logprobs, job.lora, job.cache_salt
             )
+        if req.echo and req.messages[-1].role == "assistant":
+            job.echo = conversation(req.messages[-1:])[0]["content"] or ""
         return job, base, model
 
     async def reasoning_plan(

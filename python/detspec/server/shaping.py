@@ -75,6 +75,8 @@ def choice_fields(
         split = job.reasoning_of(c.index)
         show = job.reasoning is not None and job.reasoning.include
         if stream:
+            if first and job.echo:
+                content = job.echo + (content or "")
             fields["delta"] = {"role": "assistant"} if first else {}
             if show and reasoning:
                 fields["delta"]["reasoning"] = fields["delta"]["reasoning_content"] = reasoning
@@ -92,6 +94,8 @@ def choice_fields(
                     fields["message"]["content"] = None
                 said = split.reasoning if show and split.began_thinking else None
                 fields["message"]["reasoning"] = fields["message"]["reasoning_content"] = said
+            if job.echo:
+                fields["message"]["content"] = job.echo + (fields["message"]["content"] or "")
         fields["logprobs"] = logprobs.chat(lps, k, as_ids) if k is not None else None
     else:
         fields["text"] = c.text
