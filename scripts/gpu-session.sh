@@ -10,7 +10,8 @@
 #
 # smoke: installs the wheel (no dependencies: torch and its CUDA 13 libraries are there),
 #        checks the extension loads the driver and cuBLAS, generates on a tiny model in f32 and
-#        bf16, and runs a prompt longer than the token budget (its first chunk samples no row).
+#        bf16, runs a prompt longer than the token budget (its first chunk samples no row), and
+#        sizes a KV pool with gpu_memory_utilization.
 # ops:   the CUDA kernel table (tests/cuda_ops.rs, built as dist-cuda/cuda_ops.xz): KERNEL-TABLE lines.
 # tests: tests/gpu (pytest; pytest-timeout bounds each test).
 # bench: writes a Llama-3.1-8B-shaped bf16 model, runs benches/gpu_bench.py.
@@ -67,6 +68,13 @@ for dtype in ("float32", "bfloat16"):
         print("  long prompt:", long[0].outputs[0].token_ids)
     print(" ", llm.stats())
     llm.shutdown()
+# vLLM's gpu_memory_utilization sizes the KV pool from the GPU's memory (untested before this).
+llm = LLM(d, device="cuda", gpu_memory_utilization=0.3, max_num_batched_tokens=128)
+free, total = llm.kv_pages()
+print("gpu_memory_utilization 0.3: KV pages", total, "(free", free, ")")
+out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=8, ignore_eos=True))
+print(" ", out[0].outputs[0].token_ids)
+llm.shutdown()
 PY
 }
 

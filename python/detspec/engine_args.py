@@ -69,7 +69,17 @@ ENGINE_SETTINGS: tuple[EngineSetting, ...] = (
         "kv_cache_bytes",
         int,
         None,
-        "memory budget of the KV pool when num_kv_pages is not given (default 1 GiB)",
+        "memory budget of the KV pool when num_kv_pages is not given (default 1 GiB, or on "
+        "cuda with gpu_memory_utilization what that leaves)",
+        optional=True,
+    ),
+    EngineSetting(
+        "gpu_memory_utilization",
+        float,
+        None,
+        "share of the GPU's memory the engine may hold (vLLM's; 0 to 1): on cuda, without "
+        "num_kv_pages or kv_cache_bytes, the KV pool takes what the weights and a forward's "
+        "headroom leave of it (default: a 1 GiB pool); no effect on cpu",
         optional=True,
     ),
     EngineSetting("page_size", int, 16, "tokens per KV page"),

@@ -123,6 +123,21 @@ fn open_cuda(spec: DeviceSpec, ordinal: usize) -> Result<Device> {
     Ok(device)
 }
 
+/// `(free, total)` bytes of `device`'s memory, as the driver reports them; `None` on the CPU or
+/// where the driver cannot say.
+pub fn device_memory(device: &Device) -> Option<(u64, u64)> {
+    match device {
+        #[cfg(feature = "cuda")]
+        Device::Cuda(cuda) => cuda
+            .cuda_stream()
+            .context()
+            .mem_get_info()
+            .ok()
+            .map(|(free, total)| (free as u64, total as u64)),
+        _ => None,
+    }
+}
+
 /// CUDA GPUs this build can open: 0 without the `cuda` feature, without a driver or without a GPU.
 pub fn cuda_device_count() -> usize {
     #[cfg(feature = "cuda")]

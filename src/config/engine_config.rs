@@ -291,8 +291,14 @@ pub struct EngineConfig {
     pub page_size: usize,
     /// Number of KV pages in the pool; `None` sizes the pool from `kv_cache_bytes`.
     pub num_kv_pages: Option<usize>,
-    /// Memory budget for the KV pool when `num_kv_pages` is not given.
-    pub kv_cache_bytes: usize,
+    /// Memory budget for the KV pool when `num_kv_pages` is not given; `None`: on a GPU with
+    /// `gpu_memory_utilization` set, what that leaves, else [`DEFAULT_KV_CACHE_BYTES`].
+    pub kv_cache_bytes: Option<usize>,
+    /// vLLM's `gpu_memory_utilization`: the share of the GPU's memory this engine may hold
+    /// (weights, KV pool, a forward's activations). On a GPU, without `num_kv_pages` or
+    /// `kv_cache_bytes`, the KV pool takes what the loaded weights and a forward's headroom
+    /// leave of it. No effect on the CPU (vLLM's CPU build ignores it too).
+    pub gpu_memory_utilization: Option<f64>,
     /// Most sequences decoded together in one step.
     pub max_num_seqs: usize,
     /// Most tokens (prefill + decode) in one forward pass. The default, 512, chunks long
@@ -355,6 +361,10 @@ pub struct EngineConfig {
     pub max_logprobs: Option<usize>,
 }
 
+/// The KV pool's budget when nothing sizes it (`kv_cache_bytes`, `num_kv_pages`,
+/// `gpu_memory_utilization` on a GPU): 1 GiB.
+pub const DEFAULT_KV_CACHE_BYTES: usize = 1 << 30;
+
 impl Default for EngineConfig {
     fn default() -> Self {
         Self {
@@ -363,7 +373,8 @@ impl Default for EngineConfig {
             kv_cache_dtype: DTypeSpec::Auto,
             page_size: 16,
             num_kv_pages: None,
-            kv_cache_bytes: 1 << 30,
+            kv_cache_bytes: None,
+            gpu_memory_utilization: None,
             max_num_seqs: 256,
             max_num_batched_tokens: 512,
             max_model_len: None,
@@ -398,8 +409,16 @@ impl EngineConfig {
         if self.num_kv_pages == Some(0) {
             return Err(DetspecError::param("num_kv_pages", "must be > 0"));
         }
-        if self.num_kv_pages.is_none() && self.kv_cache_bytes == 0 {
+        if self.num_kv_pages.is_none() && self.kv_cache_bytes == Some(0) {
             return Err(DetspecError::param("kv_cache_bytes", "must be > 0"));
+        }
+        if let Some(u) = self.gpu_memory_utilization {
+            if !(u > 0.0 && u <= 1.0) {
+                return Err(DetspecError::param(
+                    "gpu_memory_utilization",
+                    format!("must be in (0, 1], got {u}"),
+                ));
+            }
         }
         if self.max_num_seqs == 0 {
             return Err(DetspecError::param("max_num_seqs", "must be > 0"));

@@ -6,9 +6,10 @@ pub(crate) mod json;
 mod model_config;
 mod moe_config;
 
-pub use device::{cuda_device_count, device_label, DeviceSpec};
+pub use device::{cuda_device_count, device_label, device_memory, DeviceSpec};
 pub use engine_config::{
     ActivationDtype, DTypeSpec, DeterminismMode, EngineConfig, KernelProfile, VerifyStrategy,
+    DEFAULT_KV_CACHE_BYTES,
 };
 pub use model_config::{Architecture, ModelConfig, RopeConfig, RopeScaling};
 pub use moe_config::{ExpertNaming, MoeConfig};

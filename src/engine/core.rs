@@ -13,7 +13,10 @@ use std::time::Instant;
 use candle_core::{DType, Device};
 use rayon::prelude::*;
 
-use crate::config::{device_label, DeviceSpec, EngineConfig, KernelProfile, ModelConfig};
+use crate::config::{
+    device_label, device_memory, DeviceSpec, EngineConfig, KernelProfile, ModelConfig,
+    DEFAULT_KV_CACHE_BYTES,
+};
 use crate::dvr::DeterminismPolicy;
 use crate::error::{DetspecError, Result};
 use crate::kv::{BlockTable, KvManager, KvPool, KvStats, PageAllocator};
@@ -168,15 +171,17 @@ impl EngineCore {
             ));
         }
         let kv_dtype = cfg.kv_cache_dtype.resolve_kv(device_spec, dtype)?;
-        let kv_bytes = cfg.num_kv_pages.map_or(cfg.kv_cache_bytes, |n| {
-            n.saturating_mul(KvPool::bytes_per_page(
-                model_cfg.num_hidden_layers,
-                cfg.page_size,
-                model_cfg.num_key_value_heads,
-                model_cfg.head_dim,
-                kv_dtype,
-            ))
-        });
+        let kv_bytes =
+            cfg.num_kv_pages
+                .map_or(cfg.kv_cache_bytes.unwrap_or(DEFAULT_KV_CACHE_BYTES), |n| {
+                    n.saturating_mul(KvPool::bytes_per_page(
+                        model_cfg.num_hidden_layers,
+                        cfg.page_size,
+                        model_cfg.num_key_value_heads,
+                        model_cfg.head_dim,
+                        kv_dtype,
+                    ))
+                });
         crate::model::check_fits(dir, &model_cfg, dtype, kv_bytes as u64, device)?;
         let act = cfg
             .activation_dtype
@@ -191,9 +196,10 @@ impl EngineCore {
             mc.head_dim,
             kv_dtype,
         );
-        let num_pages = cfg
-            .num_kv_pages
-            .unwrap_or((cfg.kv_cache_bytes / per_page).max(1));
+        let num_pages = match cfg.num_kv_pages {
+            Some(n) => n,
+            None => (kv_budget(&cfg, &mc, dtype, device)? / per_page).max(1),
+        };
         let kv = KvPool::new(
             mc.num_hidden_layers,
             num_pages,
@@ -896,4 +902,31 @@ impl EngineCore {
         }
         Ok((batch, sampled))
     }
+}
+
+/// The KV pool's bytes where `num_kv_pages` does not fix them: `kv_cache_bytes`, else on a GPU
+/// with `gpu_memory_utilization` what that share of its memory leaves once the weights are
+/// loaded (less a forward's headroom at the step's largest row count), else the default.
+fn kv_budget(cfg: &EngineConfig, mc: &ModelConfig, dtype: DType, device: &Device) -> Result<usize> {
+    if let Some(bytes) = cfg.kv_cache_bytes {
+        return Ok(bytes);
+    }
+    let (Some(utilization), Some(memory)) = (cfg.gpu_memory_utilization, device_memory(device))
+    else {
+        return Ok(DEFAULT_KV_CACHE_BYTES);
+    };
+    let rows = cfg
+        .max_num_batched_tokens
+        .max(cfg.verify_group * cfg.verify_window);
+    let headroom = crate::model::forward_headroom(mc, rows, dtype);
+    let bytes = crate::model::kv_bytes_for_utilization(utilization, memory, headroom)?;
+    tracing::info!(
+        "KV cache: {} of gpu_memory_utilization {utilization} ({} free of {} after loading, \
+         {} kept for a forward)",
+        crate::error::gib(bytes as u64),
+        crate::error::gib(memory.0),
+        crate::error::gib(memory.1),
+        crate::error::gib(headroom)
+    );
+    Ok(bytes)
 }

@@ -13,7 +13,9 @@ mod weights;
 
 pub use decoder::{ForwardBatch, Model};
 pub use lora::{LoraAdapter, LoraBase};
-pub use memory::{available_memory, check_fits, weight_bytes};
+pub use memory::{
+    available_memory, check_fits, forward_headroom, kv_bytes_for_utilization, weight_bytes,
+};
 pub use moe_names::unfuse_experts;
 pub use params::{check_update, param_shapes};
 pub use weights::Checkpoint;

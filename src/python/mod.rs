@@ -235,7 +235,7 @@ fn lora_dict(py: Python<'_>, adapter: &LoraAdapter) -> PyResult<Py<PyDict>> {
 #[pymethods]
 impl PyEngine {
     #[new]
-    #[pyo3(signature = (model_dir, *, device="cpu", dtype="auto", kv_cache_dtype="auto", page_size=16, num_kv_pages=None, kv_cache_bytes=None, max_num_seqs=256, max_num_batched_tokens=512, max_model_len=None, max_prefill_chunk=None, determinism="dvr", verify_window=64, verify_group=8, verify_strategy="auto", kernel_profile="invariant", activation_dtype="auto", verify_finish_wait=0, verify_window_adaptive=true, fault_injection=0.0, enable_prefix_caching=true, num_threads=None, enable_lora=false, max_loras=8, max_lora_rank=64, max_logprobs=20))]
+    #[pyo3(signature = (model_dir, *, device="cpu", dtype="auto", kv_cache_dtype="auto", page_size=16, num_kv_pages=None, kv_cache_bytes=None, max_num_seqs=256, max_num_batched_tokens=512, max_model_len=None, max_prefill_chunk=None, determinism="dvr", verify_window=64, verify_group=8, verify_strategy="auto", kernel_profile="invariant", activation_dtype="auto", verify_finish_wait=0, verify_window_adaptive=true, fault_injection=0.0, enable_prefix_caching=true, num_threads=None, enable_lora=false, max_loras=8, max_lora_rank=64, max_logprobs=20, gpu_memory_utilization=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -265,6 +265,7 @@ impl PyEngine {
         max_loras: usize,
         max_lora_rank: usize,
         max_logprobs: i64,
+        gpu_memory_utilization: Option<f64>,
     ) -> PyResult<Self> {
         // vLLM's convention: -1 is the vocabulary.
         let max_logprobs = match max_logprobs {
@@ -320,11 +321,10 @@ impl PyEngine {
             max_loras: if enable_lora { max_loras } else { 0 },
             max_lora_rank,
             max_logprobs,
+            gpu_memory_utilization,
             ..Default::default()
         };
-        if let Some(b) = kv_cache_bytes {
-            cfg.kv_cache_bytes = b;
-        }
+        cfg.kv_cache_bytes = kv_cache_bytes;
         let inner = run_detached(py, move || Engine::from_model_dir(&model_dir, cfg))?;
         Ok(Self { inner })
     }

@@ -84,6 +84,24 @@ def test_determinism_off_refuses_deterministic_requests() -> None:
         off.shutdown()
 
 
+def test_gpu_memory_utilization_is_checked_and_changes_nothing_on_the_cpu() -> None:
+    """vLLM's ``gpu_memory_utilization`` (every vLLM launch line carries it) is accepted and
+    checked; on the CPU the KV pool is the default one, as in vLLM's CPU build (on a GPU it
+    sizes the pool: ``src/model/memory.rs``, docs/cuda.md)."""
+    for bad in (0.0, 1.5):
+        with pytest.raises(InvalidRequestError) as e:
+            LLM(gpu_memory_utilization=bad, num_kv_pages=16)
+        assert e.value.param == "gpu_memory_utilization"
+    sizes = []
+    for kw in ({}, {"gpu_memory_utilization": 0.5}):
+        engine = LLM(**kw)
+        try:
+            sizes.append(engine.kv_pages()[1])
+        finally:
+            engine.shutdown()
+    assert sizes[0] == sizes[1] > 0
+
+
 def test_delta_stream_concatenates_to_the_snapshot() -> None:
     engine = AsyncLLM(num_kv_pages=64)
     params = SamplingParams(n=2, temperature=0.8, seed=5, max_tokens=12, logprobs=1)

@@ -1,6 +1,7 @@
 """``vllm serve`` launch lines run as ``detspec serve``: CORS (``--allowed-origins`` and its
 companions), ``--enable-request-id-headers``, HTTPS (``--ssl-keyfile`` / ``--ssl-certfile``),
-``--root-path``, and the flags detspec has one answer to (``-tp 1``, ``--trust-remote-code``);
+``--root-path``, ``--gpu-memory-utilization`` (no effect on the CPU), and the flags detspec
+has one answer to (``-tp 1``, ``--trust-remote-code``);
 a parallel size above 1 stops the server with an error naming the flag."""
 
 # ruff: noqa: F811  (pytest fixtures imported from server_fixtures)
@@ -49,6 +50,8 @@ def browser_server(tmp_path_factory, demo_model_dir) -> Iterator[ServerProcess]:
         "-tp",
         "1",
         "--trust-remote-code",
+        "--gpu-memory-utilization",
+        "0.9",
     )
     yield s
     assert s.stop() == 0, s.log()
