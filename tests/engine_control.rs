@@ -234,3 +234,29 @@ fn aborting_a_held_request_ends_it_with_abort_not_an_error() {
         .unwrap();
     assert_eq!(tokens_until(&rx, usize::MAX), (vec![], vec![]));
 }
+
+/// At shutdown a request the paused engine held back ends as the running ones do: finish
+/// reason `abort`, no tokens (not an error).
+#[test]
+fn shutdown_aborts_held_requests_like_running_ones() {
+    let e = engine();
+    let running = e
+        .add_request(Request::new(
+            "running",
+            vec![5, 6, 7],
+            det(IN_FLIGHT_TOKENS),
+        ))
+        .unwrap();
+    e.pause(PauseMode::Keep).unwrap();
+    let held = e
+        .add_request(Request::new("held", vec![5, 6, 7], det(4)))
+        .unwrap();
+    e.shutdown();
+    for (stream, tokens) in [(running, None), (held, Some(0))] {
+        let out = stream.wait().unwrap();
+        assert_eq!(out.outputs[0].finish_reason, Some(FinishReason::Abort));
+        if let Some(n) = tokens {
+            assert_eq!(out.outputs[0].token_ids.len(), n);
+        }
+    }
+}

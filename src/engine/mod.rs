@@ -730,21 +730,23 @@ fn engine_loop(
             }
         }
     }
-    for ev in core.abort_all() {
-        route(&mut routes, ev);
-    }
-    // Dropping `pending` and `held` drops their reply channels (callers see `EngineStopped`);
-    // held requests' streams are told.
+    // Requests held back (a paused engine, a pending weight update) were submitted before the
+    // shutdown: accepted now, they end with the others, finish reason `abort` and no tokens.
+    // Dropping `pending` and the other held commands drops their reply channels (callers see
+    // `EngineStopped`).
     for cmd in held {
         if let Command::Add {
-            request, events, ..
+            request,
+            events,
+            arrival_time,
+            ..
         } = cmd
         {
-            let _ = events.send(StreamEvent::Failed {
-                request_id: request.request_id,
-                error: DetspecError::EngineStopped,
-            });
+            accept(&mut core, &mut routes, *request, events, arrival_time);
         }
+    }
+    for ev in core.abort_all() {
+        route(&mut routes, ev);
     }
     tracing::debug!("engine thread stopped");
 }
