@@ -260,3 +260,23 @@ fn shutdown_aborts_held_requests_like_running_ones() {
         }
     }
 }
+
+/// A request submitted as aborted under the id of a running one is refused as a duplicate
+/// and aborts nothing: the running request finishes as it would have.
+#[test]
+fn an_aborted_submission_with_a_running_id_aborts_nothing() {
+    let e = engine();
+    let solo = bits(&e, "solo", IN_FLIGHT_TOKENS);
+    let (tx, rx) = unbounded();
+    e.add_request_with_sender(
+        Request::new("dup", (3..40).collect::<Vec<u32>>(), det(IN_FLIGHT_TOKENS)),
+        tx,
+    )
+    .unwrap();
+    let (tx2, rx2) = unbounded();
+    e.add_aborted_request_with_sender(Request::new("dup", vec![5, 6, 7], det(4)), tx2)
+        .unwrap();
+    let refused = rx2.recv().unwrap();
+    assert!(matches!(refused, StreamEvent::Failed { .. }), "{refused:?}");
+    assert_eq!(tokens_until(&rx, usize::MAX), solo);
+}

@@ -620,8 +620,9 @@ fn engine_loop(
                     aborted,
                 } => {
                     let id = request.request_id.clone();
-                    accept(&mut core, &mut routes, *request, events, arrival_time);
-                    if aborted {
+                    // Only one it accepted: a refused duplicate id names another request.
+                    let accepted = accept(&mut core, &mut routes, *request, events, arrival_time);
+                    if aborted && accepted {
                         for ev in core.abort(&id) {
                             route(&mut routes, ev);
                         }
@@ -752,14 +753,14 @@ fn engine_loop(
 }
 
 /// Hands `request` to the core: its stream gets the core's `Accepted` (and a route for what
-/// follows) or the error it was refused with.
+/// follows) or the error it was refused with. Whether it was accepted.
 fn accept(
     core: &mut EngineCore,
     routes: &mut Routes,
     request: Request,
     events: Sender<StreamEvent>,
     arrival_time: f64,
-) {
+) -> bool {
     let id = request.request_id.clone();
     match core.add_request(request, arrival_time) {
         Ok(ev) => {
@@ -769,6 +770,7 @@ fn accept(
             };
             let _ = events.send(ev);
             routes.insert(id, (events, n));
+            true
         }
         Err(error) => {
             tracing::debug!(request_id = %id, "rejected: {error}");
@@ -776,6 +778,7 @@ fn accept(
                 request_id: id,
                 error,
             });
+            false
         }
     }
 }
