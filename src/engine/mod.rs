@@ -638,15 +638,7 @@ fn engine_loop(
                     );
                     held = others;
                     for cmd in ours {
-                        if let Command::Add {
-                            request,
-                            events,
-                            arrival_time,
-                            ..
-                        } = cmd
-                        {
-                            accept(&mut core, &mut routes, *request, events, arrival_time);
-                        }
+                        accept_held(&mut core, &mut routes, cmd);
                     }
                     for ev in core.abort(&id) {
                         route(&mut routes, ev);
@@ -736,15 +728,7 @@ fn engine_loop(
     // Dropping `pending` and the other held commands drops their reply channels (callers see
     // `EngineStopped`).
     for cmd in held {
-        if let Command::Add {
-            request,
-            events,
-            arrival_time,
-            ..
-        } = cmd
-        {
-            accept(&mut core, &mut routes, *request, events, arrival_time);
-        }
+        accept_held(&mut core, &mut routes, cmd);
     }
     for ev in core.abort_all() {
         route(&mut routes, ev);
@@ -780,6 +764,20 @@ fn accept(
             });
             false
         }
+    }
+}
+
+/// [`accept`] of a held-back command that is a request (about to be aborted: at an abort of
+/// its id, at shutdown); other commands are dropped (their reply channels with them).
+fn accept_held(core: &mut EngineCore, routes: &mut Routes, cmd: Command) {
+    if let Command::Add {
+        request,
+        events,
+        arrival_time,
+        ..
+    } = cmd
+    {
+        accept(core, routes, *request, events, arrival_time);
     }
 }
 
