@@ -101,4 +101,6 @@ pub struct RequestMetrics {
     pub num_verify_passes: usize,
     pub num_rollbacks: usize,
     pub num_rolled_back_tokens: usize,
+    /// Rows of its verify windows that carried no token (W less the window's rows, each pass).
+    pub num_padded_rows: usize,
 }

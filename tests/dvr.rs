@@ -278,6 +278,67 @@ fn waiting_for_fuller_groups_changes_no_output(profile: KernelProfile) {
 }
 
 #[test]
+fn requests_padded_rows_and_the_groups_dummies_add_up_to_the_engines() {
+    // Every pass is B × W rows: a member's window (its rows and its own padding, W in all) or
+    // a dummy sequence's W padding rows. So the engine's padded rows are the requests' plus W
+    // for every empty group seat: W · (B · passes − Σ requests' passes), exactly, whatever
+    // rolled back (forced here on some windows) or waited for a fuller group.
+    for profile in PROFILES {
+        for (share, wait) in [(0.0, 0), (0.3, 10)] {
+            let c = EngineConfig {
+                fault_injection: share,
+                verify_finish_wait: wait,
+                ..cfg_on(DeterminismMode::Dvr, 2, profile)
+            };
+            let (w, b) = (c.verify_window, c.verify_group);
+            let e = Engine::from_model_dir(model_dir(), c).unwrap();
+            let mut rng = Rng(11);
+            let reqs = (0..10)
+                .map(|i| {
+                    let params = SamplingParams {
+                        temperature: 0.8,
+                        seed: Some(i),
+                        max_tokens: 3 + 7 * i as usize,
+                        ignore_eos: true,
+                        deterministic: i % 4 != 3,
+                        ..Default::default()
+                    };
+                    Request::new(format!("r{i}"), rng.prompt(5 + 3 * i as usize), params)
+                })
+                .collect();
+            let outs = e.generate(reqs).unwrap();
+            let stats = e.stats().unwrap();
+            let passes: usize = outs.iter().map(|o| o.metrics.num_verify_passes).sum();
+            let padded: usize = outs.iter().map(|o| o.metrics.num_padded_rows).sum();
+            let what = format!("{profile:?}, fault_injection={share}, wait={wait}");
+            assert!(stats.verify_passes > 0, "{what}: no verify pass ran");
+            assert_eq!(
+                stats.padded_rows,
+                padded + w * (b * stats.verify_passes - passes),
+                "{what}"
+            );
+            for o in &outs {
+                let m = &o.metrics;
+                // A window holds 1..=W rows: its padding is at most W − 1 a pass.
+                assert!(
+                    m.num_padded_rows <= m.num_verify_passes * (w - 1),
+                    "{what}: {m:?}"
+                );
+                if !o.request_id.ends_with('3') && !o.request_id.ends_with('7') {
+                    assert!(
+                        m.num_verify_passes > 0,
+                        "{what}: {} unverified",
+                        o.request_id
+                    );
+                } else {
+                    assert_eq!((m.num_verify_passes, m.num_padded_rows), (0, 0), "{what}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
 fn a_finished_request_waiting_for_its_group_completes_when_the_others_go() {
     // A short deterministic request finishes on the fast path and waits (for ever, by its
     // setting) for companions while a long deterministic one decodes; aborting the long one

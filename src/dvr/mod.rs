@@ -189,6 +189,7 @@ impl Verifier {
             }
             let rolled_back =
                 accept::commit(seq, window_preds, mismatch, alloc, self.shape.page_size);
+            seq.dvr.padded_rows += self.shape.window - (window.n + 1);
             if self.shape.adaptive {
                 seq.dvr.window = trigger::next_window(seq.dvr.window, mismatch, self.shape.window);
             }

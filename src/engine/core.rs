@@ -542,6 +542,7 @@ impl EngineCore {
                 num_verify_passes: seq.dvr.verify_passes,
                 num_rollbacks: seq.dvr.rollbacks,
                 num_rolled_back_tokens: seq.dvr.rolled_back_tokens,
+                num_padded_rows: seq.dvr.padded_rows,
                 ..Default::default()
             },
         }

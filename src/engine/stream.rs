@@ -149,6 +149,7 @@ impl OutputAccumulator {
                 m.num_rollbacks = m.num_rollbacks.max(metrics.num_rollbacks);
                 m.num_rolled_back_tokens =
                     m.num_rolled_back_tokens.max(metrics.num_rolled_back_tokens);
+                m.num_padded_rows = m.num_padded_rows.max(metrics.num_padded_rows);
                 self.output.finished = self
                     .output
                     .outputs

@@ -58,6 +58,9 @@ pub struct DvrState {
     pub verify_passes: usize,
     pub rollbacks: usize,
     pub rolled_back_tokens: usize,
+    /// Rows of its verify windows that carried no token: W less its rows, summed over its
+    /// passes. A group's dummy sequences belong to no request (engine-wide stats only).
+    pub padded_rows: usize,
     /// Engine step at which the sequence, finished on the fast path with speculative tokens,
     /// began waiting for its verify pass (`verify_finish_wait`).
     pub wait_since: Option<u64>,

@@ -120,6 +120,7 @@ def test_completion_fields_reach_the_engine(client, llm, case) -> None:
         assert dvr["deterministic"] is True
         assert dvr["num_verify_passes"] == want.metrics["num_verify_passes"] > 0
         assert dvr["num_rollbacks"] >= 0
+        assert dvr["num_padded_rows"] == want.metrics["num_padded_rows"]
     total = sum(len(w.token_ids) for w in want.outputs)
     assert r.usage.completion_tokens == total
     assert r.usage.prompt_tokens == len(want.prompt_token_ids)
