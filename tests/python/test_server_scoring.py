@@ -147,6 +147,72 @@ def test_echo_batch_of_prompts_and_n(inline_server) -> None:
     assert no_lp["choices"][0]["logprobs"] is None
 
 
+def _streamed_echo(server: ServerProcess, **kw) -> dict[int, dict]:
+    """A streamed completion through the ``openai`` client, its chunks joined per choice:
+    text, logprob lists, finish reason."""
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x")
+    joined: dict[int, dict] = {}
+    for chunk in client.completions.create(model=SERVED_NAME, stream=True, echo=True, **kw):
+        for c in chunk.choices:
+            j = joined.setdefault(c.index, {"text": "", "logprobs": None, "chunks": 0})
+            j["text"] += c.text
+            j["chunks"] += 1
+            if c.logprobs is not None:
+                lp = j["logprobs"] = j["logprobs"] or {k: [] for k in LOGPROB_KEYS}
+                for k in LOGPROB_KEYS:
+                    lp[k] += getattr(c.logprobs, k)
+            if c.finish_reason is not None:
+                j["finish_reason"] = c.finish_reason
+    return joined
+
+
+LOGPROB_KEYS = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+
+
+def _same_logprobs(got: dict | None, want: dict | None, prompt_len: int) -> None:
+    """Equal entries; the text offsets equal over the prompt and the first generated token.
+    Later offsets count the text streamed before their chunk, which holds back a character
+    still incomplete (vLLM's offsets too), where the whole answer counts each token's text."""
+    assert (got is None) == (want is None)
+    if want is None:
+        return
+    assert got["tokens"] == want["tokens"]
+    n = prompt_len + 1
+    assert got["text_offset"][:n] == want["text_offset"][:n]
+    assert got["text_offset"] == sorted(got["text_offset"])
+    assert bits(got["token_logprobs"]) == bits(want["token_logprobs"])
+    for g, w in zip(got["top_logprobs"], want["top_logprobs"], strict=True):
+        assert (g is None) == (w is None)
+        if w is not None:
+            assert {k: f32(v) for k, v in g.items()} == {k: f32(v) for k, v in w.items()}
+
+
+@pytest.mark.parametrize("max_tokens", [0, 6])
+@pytest.mark.parametrize("logprobs", [None, 2])
+@pytest.mark.parametrize("ids", [False, True], ids=["text", "ids"])
+def test_streamed_echo_is_the_unstreamed_one_in_pieces(inline_server, max_tokens, logprobs, ids):
+    """vLLM streams ``echo``: a choice's first chunk begins with the prompt (and its tokens'
+    logprobs), the completion follows; joined, the chunks are the unstreamed answer, bit for
+    bit for a deterministic request (two prompts, ``n`` = 2)."""
+    texts = ["The old lighthouse stood at the end", "A computer program is"]
+    prompts = PROMPTS[2:4] if ids else texts
+    kw = {"prompt": prompts, "max_tokens": max_tokens, "n": 2, "temperature": 0.8,
+          "logprobs": logprobs}  # fmt: skip
+    extra = {"deterministic": True, "seed": 5, "return_tokens_as_token_ids": True,
+             "return_token_ids": True}  # fmt: skip
+    want = post(inline_server, {**kw, **extra, "echo": True})
+    got = _streamed_echo(inline_server, **kw, extra_body=extra)
+    assert sorted(got) == [c["index"] for c in want["choices"]] == [0, 1, 2, 3]
+    for w in want["choices"]:
+        g = got[w["index"]]
+        assert g["text"] == w["text"] and g["finish_reason"] == w["finish_reason"]
+        _same_logprobs(g["logprobs"], w["logprobs"], len(w["prompt_token_ids"]))
+        if max_tokens == 0:
+            assert g["chunks"] == 1
+    if not ids:
+        assert all(got[i]["text"].startswith(texts[i // 2]) for i in got)
+
+
 async def _concurrent_echo(base_url: str, deterministic: bool, rounds: int) -> list[list]:
     """Each round sends every prompt at once (and plain generation load beside them), so the
     server's score batcher coalesces them; returns the token_logprobs of each prompt per

@@ -45,9 +45,11 @@ class Job:
     fingerprint: str | None = None
     # vLLM's `cache_salt`: its prompt's prefix-cache pages are its salt's alone
     cache_salt: str | None = None
-    # chat's `echo` (vLLM's): the last message's content, an assistant's, that each choice's
-    # content begins with
+    # `echo` (vLLM's): what each choice's text begins with, a chat's last message (an
+    # assistant's) or a streamed completion's prompt; and, with a completion's `logprobs`,
+    # the prompt tokens' logprobs in OpenAI's completion form, leading the choice's first chunk
     echo: str | None = None
+    echo_logprobs: dict[str, list[Any]] | None = None
 
     def invalid(self, e: InvalidRequestError, default_param: str | None = None) -> ApiError:
         """A 400 for an engine error, naming the request field behind it."""

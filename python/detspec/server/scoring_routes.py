@@ -22,14 +22,14 @@ import json
 import os
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from detspec.errors import InvalidRequestError
-from detspec.outputs import RequestOutput
+from detspec.outputs import CompletionOutput, RequestOutput
 from detspec.server import protocol as P
 from detspec.server.errors import ApiError
 from detspec.server.jobs import Job, completion_prompts
@@ -112,8 +112,6 @@ async def echo_completions(
         req = req.model_copy(update={"temperature": 0.0})
     model = server.check_model(req.model)
     server.common_checks(req)
-    if req.stream:
-        raise ApiError(400, "echo is not supported with stream=true; send stream=false", "echo")
     if req.suffix is not None:
         raise ApiError(400, "suffix is not supported", "suffix")
     constraint = single(request_constraints(req))
@@ -168,6 +166,8 @@ async def echo_completions(
         return last, list(plps)
 
     await server.attach_prompt_logprobs(jobs, req.prompt_logprobs)
+    if req.stream:
+        return await _stream_echo(server, req, request, jobs, texts, base, model, generate)
     try:
         last, plps = await until_disconnect(request, work())
     except ClientGone:
@@ -178,11 +178,7 @@ async def echo_completions(
     choices: list[dict[str, Any]] = []
     completion_tokens = 0
     for job, text, plp in zip(jobs, texts, plps, strict=True):
-        prompt_text = (
-            text
-            if text is not None
-            else (server.tokenizer.decode(job.prompt_ids, False) if server.tokenizer else "")
-        )
+        prompt_text = _prompt_text(server, job, text)
         outs: Sequence[Any] = last[job.index].outputs if generate else [None] * job.params.n
         for ci, c in enumerate(outs):
             index = job.index * job.params.n + ci
@@ -236,6 +232,70 @@ async def echo_completions(
 
 async def _none() -> None:
     return None
+
+
+def _prompt_text(server: OpenAIServer, job: Job, text: str | None) -> str:
+    """What an echo repeats: the prompt as sent, or its ids decoded."""
+    if text is not None:
+        return text
+    return server.tokenizer.decode(job.prompt_ids, False) if server.tokenizer else ""
+
+
+async def _stream_echo(
+    server: OpenAIServer,
+    req: P.CompletionRequest,
+    request: Request,
+    jobs: list[Job],
+    texts: list[str | None],
+    base: str,
+    model: str,
+    generate: bool,
+) -> Response:
+    """A streamed ``echo``, as vLLM streams it: each choice's first chunk begins with its
+    prompt and, with ``logprobs``, the prompt tokens' logprobs (scored as the unstreamed echo
+    scores them, before generating); the completion streams after it. With ``max_tokens: 0``
+    that first chunk is the whole choice."""
+    det = bool(req.deterministic)
+    if req.logprobs is not None:
+        k = req.logprobs
+        scored = asyncio.gather(
+            *(
+                server.score_batcher.prompt_logprobs(j.prompt_ids, k, det, j.lora, j.cache_salt)
+                for j in jobs
+            )
+        )
+        try:
+            plps = await until_disconnect(request, scored)
+        except ClientGone:
+            return Response(status_code=499)
+        except InvalidRequestError as e:
+            raise jobs[0].invalid(e) from None
+        for job, plp in zip(jobs, plps, strict=True):
+            as_ids = req.return_tokens_as_token_ids
+            job.echo_logprobs = _echo_logprobs(server, job.prompt_ids, plp, k, as_ids)
+    for job, text in zip(jobs, texts, strict=True):
+        job.echo = _prompt_text(server, job, text)
+    outputs = None if generate else _nothing_generated(jobs, server.fingerprint_of(jobs[0]))
+    return await server.respond(req, request, jobs, base, model, chat=False, outputs=outputs)
+
+
+async def _nothing_generated(
+    jobs: list[Job], fingerprint: str
+) -> AsyncIterator[tuple[Job, RequestOutput]]:
+    """Each job's output with no tokens, finished at its length limit (``max_tokens: 0``)."""
+    for job in jobs:
+        empty = [
+            CompletionOutput(
+                i,
+                "",
+                [],
+                None,
+                [] if job.params.logprobs is not None else None,
+                finish_reason="length",
+            )
+            for i in range(job.params.n)
+        ]
+        yield job, RequestOutput(job.rid, None, job.prompt_ids, empty, True, fingerprint)
 
 
 def _check_scorable(server: OpenAIServer, ids: list[int], param: str) -> None:

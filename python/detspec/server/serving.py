@@ -531,13 +531,13 @@ class OpenAIServer:
                 )
             )
         await self.attach_prompt_logprobs(jobs, req.prompt_logprobs)
-        return await self._respond(req, request, jobs, base, model, chat=False)
+        return await self.respond(req, request, jobs, base, model, chat=False)
 
     # ---------------------------------------------------------------- chat
 
     async def chat(self, req: P.ChatCompletionRequest, request: Request) -> Response:
         job, base, model = await self.chat_job(req, "chatcmpl-")
-        return await self._respond(req, request, [job], base, model, chat=True)
+        return await self.respond(req, request, [job], base, model, chat=True)
 
     async def chat_job(self, req: P.ChatCompletionRequest, prefix: str) -> tuple[Job, str, str]:
         """A chat request's engine request, checked and rendered: (the job, the response id,
@@ -639,7 +639,7 @@ class OpenAIServer:
 
     # ---------------------------------------------------------------- common response path
 
-    async def _respond(
+    async def respond(
         self,
         req: P.CompletionRequest | P.ChatCompletionRequest,
         request: Request,
@@ -647,8 +647,11 @@ class OpenAIServer:
         rid: str,
         model: str,
         chat: bool,
+        outputs: AsyncIterator[tuple[Job, RequestOutput]] | None = None,
     ) -> Response:
-        agen = self.run(jobs, delta=req.stream)
+        """The response to ``jobs``, streamed or whole, from the engine's outputs (or from
+        ``outputs``: a streamed echo of prompts with nothing generated)."""
+        agen = self.run(jobs, delta=req.stream) if outputs is None else outputs
         try:
             if not req.stream:
                 return await until_disconnect(

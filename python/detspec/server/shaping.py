@@ -46,6 +46,7 @@ def dvr_metrics(out: RequestOutput, params: SamplingParams) -> P.DvrMetrics:
         num_verify_passes=int(mt.get("num_verify_passes", 0)),
         num_rollbacks=int(mt.get("num_rollbacks", 0)),
         num_rolled_back_tokens=int(mt.get("num_rolled_back_tokens", 0)),
+        num_padded_rows=int(mt.get("num_padded_rows", 0)),
         num_preemptions=int(mt.get("num_preemptions", 0)),
     )
 
@@ -98,10 +99,14 @@ def choice_fields(
                 fields["message"]["content"] = job.echo + (fields["message"]["content"] or "")
         fields["logprobs"] = logprobs.chat(lps, k, as_ids) if k is not None else None
     else:
-        fields["text"] = c.text
-        fields["logprobs"] = (
-            logprobs.completion(lps, k, text_offset, as_ids) if k is not None else None
-        )
+        echo = job.echo if first and job.echo is not None else ""
+        fields["text"] = echo + c.text
+        fields["logprobs"] = None
+        if k is not None:
+            lp = logprobs.completion(lps, k, text_offset + len(echo), as_ids)
+            if first and job.echo_logprobs is not None:
+                lp = {key: [*job.echo_logprobs[key], *lp[key]] for key in lp}
+            fields["logprobs"] = lp
         if first:
             if req.return_token_ids:
                 fields["prompt_token_ids"] = job.prompt_ids

@@ -198,7 +198,7 @@ async def sse_body(
                 choice["dvr_metrics"] = dvr_metrics(out, job.params)
                 st.done = True
             st.started = True
-            st.text_len += len(c.text)
+            st.text_len += len(c.text if chat else choice["text"])  # an echo's prompt too
             st.ntok += len(c.token_ids)
             completion_tokens[index] = st.ntok
             cached[job.index] = out.num_cached_tokens
