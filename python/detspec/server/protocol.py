@@ -322,6 +322,8 @@ class DvrMetrics(BaseModel):
     num_verify_passes: int
     num_rollbacks: int
     num_rolled_back_tokens: int
+    # rows of its verify windows that carried no token (W less the window's rows, each pass)
+    num_padded_rows: int
     num_preemptions: int
 
 
