@@ -19,6 +19,7 @@ import torch
 from server_fixtures import SERVED_NAME, demo_model_dir, server  # noqa: F401
 
 import detspec
+from detspec.server.embedding_routes import cosine
 
 
 def f32_bits(xs) -> list[int]:
@@ -133,3 +134,72 @@ def test_embeddings_over_http_with_the_openai_client(server, demo_model_dir):
         resp = httpx.post(url, json=body, timeout=30)
         assert resp.status_code in (400, 404, 422), resp.text
         assert param in resp.text, (body, resp.text)
+
+
+def test_score_and_rerank_are_the_embeddings_cosines(server, demo_model_dir):
+    """vLLM's ``/score`` and ``/rerank`` for an embedding model: each score is the cosine of
+    the two deterministic embeddings (``LLM.embed`` in another process gives the same bits),
+    under every pairing and every name vLLM takes; rerank orders by it, cut at ``top_n``."""
+    query = "Where does the keeper write the weather?"
+    docs = ["The keeper kept a small notebook.", "Bakers mix flour and water.", [7, 8, 9, 10]]
+    local = detspec.LLM(demo_model_dir, max_model_len=256)
+    try:
+        q, *d = [o.outputs.embedding for o in local.embed([query, *docs])]
+    finally:
+        local.shutdown()
+    want = [cosine(q, v) for v in d]
+    # exact sums: close to float64 numpy's cosine, and a function of the vectors' bits alone
+    for v, w in zip(d, want, strict=True):
+        a, b = np.asarray(q, np.float64), np.asarray(v, np.float64)
+        assert abs(w - a @ b / np.linalg.norm(a) / np.linalg.norm(b)) < 1e-12
+
+    def post(path: str, body: dict) -> httpx.Response:
+        body = {"model": SERVED_NAME, "deterministic": True, **body}
+        return httpx.post(server.base_url + path, json=body, timeout=60)
+
+    for path, names in [
+        ("/score", ("text_1", "text_2")),
+        ("/v1/score", ("queries", "documents")),
+        ("/v1/score", ("queries", "items")),
+        ("/score", ("data_1", "data_2")),
+    ]:
+        r = post(path, {names[0]: query, names[1]: docs})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["object"] == "list" and body["id"].startswith("score-")
+        assert [x["index"] for x in body["data"]] == [0, 1, 2]
+        assert [x["score"] for x in body["data"]] == want
+    pairwise = post("/v1/score", {"text_1": [query, docs[1]], "text_2": [docs[0], query]}).json()
+    assert [x["score"] for x in pairwise["data"]] == [want[0], want[1]]  # cosine is symmetric
+
+    r = post("/v1/rerank", {"query": query, "documents": docs, "top_n": 2})
+    assert r.status_code == 200, r.text
+    results = r.json()["results"]
+    best = sorted(range(3), key=lambda i: (-want[i], i))[:2]
+    assert [x["index"] for x in results] == best
+    assert [x["relevance_score"] for x in results] == [want[i] for i in best]
+    for x in results:
+        doc = docs[x["index"]]
+        assert x["document"] == ({"text": doc} if isinstance(doc, str) else None)
+    every = post("/rerank", {"query": query, "documents": docs}).json()["results"]
+    assert (
+        len(every) == 3
+        and post("/v2/rerank", {"query": query, "documents": docs}).json()["results"] == every
+    )
+
+    for path, body, param in [
+        ("/v1/score", {"text_1": [query, query], "text_2": docs}, "text_1"),
+        ("/v1/score", {"text_1": query, "text_2": [docs[0], []]}, "text_2[1]"),
+        ("/v1/score", {"text_1": query, "text_2": []}, "text_2"),
+        ("/v1/score", {"text_1": query, "documents": docs}, "text_1"),
+        ("/v1/score", {"text_1": query, "text_2": docs, "queries": query}, "text_1"),
+        ("/v1/rerank", {"query": query, "documents": [[99999]]}, "documents"),
+        ("/v1/rerank", {"query": "", "documents": docs}, "query"),
+        ("/v1/rerank", {"query": query, "documents": docs, "top_n": -1}, "top_n"),
+    ]:
+        resp = post(path, body)
+        assert resp.status_code in (400, 422), (body, resp.text)
+        assert param in resp.text, (body, resp.text)
+    assert (
+        post("/v1/score", {"text_1": query, "text_2": docs}).json()["data"][0]["score"] == want[0]
+    )

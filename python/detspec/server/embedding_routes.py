@@ -9,16 +9,27 @@ and exact). detspec's extras: ``pooling`` (``last``, the default, or ``mean``), 
 A deterministic embedding is computed on the verify-path kernels and pooled and normalised in
 a fixed order: the same bits whatever else the server runs. An adapter's name in ``model``
 embeds with that LoRA adapter. The response carries the ``fingerprint`` of its numbers.
+
+vLLM's scoring routes for an embedding model (a bi-encoder) run on the same embeddings:
+``POST /score`` (``/v1/score``) answers the cosine similarity of each pair (``text_1`` and
+``text_2``, or vLLM's other names for them: ``queries`` and ``documents``/``items``,
+``data_1`` and ``data_2``; one against many, or pairwise), ``POST /rerank`` (``/v1/rerank``,
+``/v2/rerank``: Jina's and Cohere's shape) ranks ``documents`` by it against ``query``. The
+similarity is summed exactly (``math.fsum``), so a deterministic score is a function of the
+two embeddings' bits only.
 """
 
 from __future__ import annotations
 
 import base64
+import math
 import struct
+import time
+import uuid
 from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import APIRouter
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from detspec.errors import InvalidRequestError
 from detspec.server import protocol as P
@@ -41,6 +52,59 @@ class EmbeddingRequest(P.OpenAIBaseModel):
     deterministic: bool | None = None
 
 
+# one input (a string or token ids) or a list of them
+_ScoreInputs = str | list[P.TokenId] | list[str | list[P.TokenId]]
+
+
+class _ScoringFields(P.OpenAIBaseModel):
+    model: str | None = None
+    user: str | None = None
+    add_special_tokens: bool = True
+    deterministic: bool | None = None
+
+
+class ScoreRequest(_ScoringFields):
+    """vLLM's ``/score`` body: the two sides under any of vLLM's names for them."""
+
+    text_1: _ScoreInputs | None = None
+    text_2: _ScoreInputs | None = None
+    queries: _ScoreInputs | None = None
+    documents: _ScoreInputs | None = None
+    items: _ScoreInputs | None = None
+    data_1: _ScoreInputs | None = None
+    data_2: _ScoreInputs | None = None
+
+    @model_validator(mode="after")
+    def _one_pair(self) -> ScoreRequest:
+        given = [n for n in _PAIRS if all(getattr(self, f) is not None for f in n)]
+        sent = {f for n in _PAIRS for f in n if getattr(self, f) is not None}
+        if len(given) != 1 or sent != set(given[0]):
+            names = ", ".join(f"{a} and {b}" for a, b in _PAIRS)
+            raise ValueError(f"send one pair of inputs to score: {names}")
+        return self
+
+    def pair_names(self) -> tuple[str, str]:
+        """The names of the pair sent (the validator saw to it that there is one)."""
+        return next(n for n in _PAIRS if all(getattr(self, f) is not None for f in n))
+
+
+_PAIRS = (
+    ("text_1", "text_2"),
+    ("queries", "documents"),
+    ("queries", "items"),
+    ("data_1", "data_2"),
+)
+
+
+class RerankRequest(_ScoringFields):
+    """Jina's and Cohere's rerank body, as vLLM takes it (``top_n`` 0: every document)."""
+
+    query: str | list[P.TokenId]
+    documents: list[str | list[P.TokenId]]
+    top_n: int = Field(default=0, ge=0)
+    return_documents: bool = True
+
+
 def build_embedding_router(server: OpenAIServer) -> APIRouter:
     router = APIRouter()
 
@@ -48,57 +112,173 @@ def build_embedding_router(server: OpenAIServer) -> APIRouter:
     async def embeddings(req: EmbeddingRequest) -> dict[str, Any]:
         model = server.check_model(req.model)
         inputs = _inputs(req.input)
-        ids = [
-            await server.encode(x, req.add_special_tokens) if isinstance(x, str) else list(x)
-            for x in inputs
-        ]
-        for i, p in enumerate(ids):
-            param = "input" if len(ids) == 1 else f"input[{i}]"
-            if not p:
-                raise ApiError(400, f"{param} is empty", param)
-            if len(p) > server.max_model_len:
-                raise ApiError(
-                    400,
-                    f"{param} has {len(p)} tokens, over this model's maximum context length "
-                    f"(max_model_len={server.max_model_len})",
-                    param,
-                )
-            server.validate(p, None, param)
-        deterministic = (
-            server.defaults.deterministic_by_default
-            if req.deterministic is None
-            else req.deterministic
+        embedded = await _embed(
+            server,
+            req.model,
+            inputs,
+            ["input"] * len(inputs),
+            deterministic=req.deterministic,
+            add_special_tokens=req.add_special_tokens,
+            pooling=req.pooling,
+            dimensions=req.dimensions,
+            normalize=req.normalize,
         )
-        lora = server.lora_of(req.model)
-        try:
-            outs = await server.engine.embed(
-                ids,
-                pooling=req.pooling,
-                dimensions=req.dimensions,
-                normalize=req.normalize,
-                deterministic=deterministic,
-                lora_request=lora,
-            )
-        except InvalidRequestError as e:
-            raise ApiError(400, str(e), e.param or "input") from None
         data = [
-            {
-                "object": "embedding",
-                "index": i,
-                "embedding": _encode(o.outputs.embedding, req.encoding_format),
-            }
-            for i, o in enumerate(outs)
+            {"object": "embedding", "index": i, "embedding": _encode(v, req.encoding_format)}
+            for i, v in enumerate(embedded.vectors)
         ]
-        tokens = sum(len(p) for p in ids)
         return {
             "object": "list",
             "data": data,
             "model": model,
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-            "fingerprint": outs[0].fingerprint + server.defaults.fingerprint_suffix(),
+            "usage": {"prompt_tokens": embedded.tokens, "total_tokens": embedded.tokens},
+            "fingerprint": embedded.fingerprint,
         }
 
+    async def score(req: ScoreRequest) -> dict[str, Any]:
+        model = server.check_model(req.model)
+        first, second = req.pair_names()
+        lefts, rights = _texts(getattr(req, first), first), _texts(getattr(req, second), second)
+        if len(lefts) != 1 and len(lefts) != len(rights):
+            raise ApiError(
+                400,
+                f"{first} has {len(lefts)} inputs and {second} {len(rights)}: send one "
+                f"{first} for every {second}, or a single {first}",
+                first,
+            )
+        embedded = await _embed(
+            server, req.model, lefts + rights, [first] * len(lefts) + [second] * len(rights),
+            deterministic=req.deterministic, add_special_tokens=req.add_special_tokens,
+        )  # fmt: skip
+        vl, vr = embedded.vectors[: len(lefts)], embedded.vectors[len(lefts) :]
+        data = [
+            {"index": i, "object": "score", "score": cosine(vl[i if len(vl) > 1 else 0], v)}
+            for i, v in enumerate(vr)
+        ]
+        return {
+            "id": f"score-{uuid.uuid4().hex}",
+            "object": "list",
+            "created": int(time.time()),
+            "model": model,
+            "data": data,
+            "usage": {"prompt_tokens": embedded.tokens, "total_tokens": embedded.tokens},
+            "fingerprint": embedded.fingerprint,
+        }
+
+    async def rerank(req: RerankRequest) -> dict[str, Any]:
+        model = server.check_model(req.model)
+        docs = _texts(req.documents, "documents")
+        embedded = await _embed(
+            server, req.model, [req.query, *docs], ["query"] + ["documents"] * len(docs),
+            deterministic=req.deterministic, add_special_tokens=req.add_special_tokens,
+        )  # fmt: skip
+        query, vectors = embedded.vectors[0], embedded.vectors[1:]
+        scored = [(cosine(query, v), i) for i, v in enumerate(vectors)]
+        scored.sort(key=lambda si: (-si[0], si[1]))  # best first; ties by position
+        if req.top_n > 0:
+            scored = scored[: req.top_n]
+        results = [
+            {
+                "index": i,
+                "relevance_score": sc,
+                "document": (
+                    {"text": docs[i]} if req.return_documents and isinstance(docs[i], str) else None
+                ),
+            }
+            for sc, i in scored
+        ]
+        return {
+            "id": f"rerank-{uuid.uuid4().hex}",
+            "model": model,
+            "results": results,
+            "usage": {"prompt_tokens": embedded.tokens, "total_tokens": embedded.tokens},
+            "fingerprint": embedded.fingerprint,
+        }
+
+    for path in ("/score", "/v1/score"):
+        router.add_api_route(path, score, methods=["POST"], responses=ERROR_RESPONSES)
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        router.add_api_route(path, rerank, methods=["POST"], responses=ERROR_RESPONSES)
     return router
+
+
+class _Embedded:
+    """Embeddings of a request's inputs, in order, with their token count and fingerprint."""
+
+    def __init__(self, vectors: list[list[float]], tokens: int, fingerprint: str) -> None:
+        self.vectors = vectors
+        self.tokens = tokens
+        self.fingerprint = fingerprint
+
+
+async def _embed(
+    server: OpenAIServer,
+    model: str | None,
+    inputs: list[str | list[int]],
+    params: list[str],
+    *,
+    deterministic: bool | None,
+    add_special_tokens: bool,
+    pooling: str = "last",
+    dimensions: int | None = None,
+    normalize: bool = True,
+) -> _Embedded:
+    """Tokenizes, checks and embeds ``inputs``; an error names the field of the input at
+    fault (``params``: each input's field; its position is added where it has several)."""
+    counts = {p: params.count(p) for p in params}
+    seen: dict[str, int] = {}
+    ids: list[list[int]] = []
+    for x, field_name in zip(inputs, params, strict=True):
+        k = seen[field_name] = seen.get(field_name, -1) + 1
+        param = field_name if counts[field_name] == 1 else f"{field_name}[{k}]"
+        p = await server.encode(x, add_special_tokens) if isinstance(x, str) else list(x)
+        if not p:
+            raise ApiError(400, f"{param} is empty", param)
+        if len(p) > server.max_model_len:
+            raise ApiError(
+                400,
+                f"{param} has {len(p)} tokens, over this model's maximum context length "
+                f"(max_model_len={server.max_model_len})",
+                param,
+            )
+        server.validate(p, None, param)
+        ids.append(p)
+    if deterministic is None:
+        deterministic = server.defaults.deterministic_by_default
+    try:
+        outs = await server.engine.embed(
+            ids,
+            pooling=pooling,
+            dimensions=dimensions,
+            normalize=normalize,
+            deterministic=deterministic,
+            lora_request=server.lora_of(model),
+        )
+    except InvalidRequestError as e:
+        raise ApiError(400, str(e), e.param or params[0]) from None
+    return _Embedded(
+        [o.outputs.embedding for o in outs],
+        sum(len(p) for p in ids),
+        outs[0].fingerprint + server.defaults.fingerprint_suffix(),
+    )
+
+
+def cosine(a: list[float], b: list[float]) -> float:
+    """The cosine similarity of two vectors, each sum exactly rounded (``math.fsum``): the
+    same value whatever the summation order, so it depends on the vectors' bits alone."""
+    norm = math.sqrt(math.fsum(x * x for x in a) * math.fsum(y * y for y in b))
+    return math.fsum(x * y for x, y in zip(a, b, strict=True)) / norm if norm else 0.0
+
+
+def _texts(value: Any, param: str) -> list[str | list[int]]:
+    """A scoring field's inputs: a string, token ids, or a list of either."""
+    if isinstance(value, str):
+        return [value]
+    if not value:
+        raise ApiError(400, f"{param} is an empty list", param)
+    if all(isinstance(x, int) for x in value):
+        return [list(value)]
+    return list(value)
 
 
 def _inputs(value: Any) -> list[str | list[int]]:
