@@ -111,7 +111,7 @@ def build_embedding_router(server: OpenAIServer) -> APIRouter:
     @router.post("/v1/embeddings", responses=ERROR_RESPONSES)
     async def embeddings(req: EmbeddingRequest) -> dict[str, Any]:
         model = server.check_model(req.model)
-        inputs = _inputs(req.input)
+        inputs = _texts(req.input, "input")
         embedded = await _embed(
             server,
             req.model,
@@ -131,8 +131,7 @@ def build_embedding_router(server: OpenAIServer) -> APIRouter:
             "object": "list",
             "data": data,
             "model": model,
-            "usage": {"prompt_tokens": embedded.tokens, "total_tokens": embedded.tokens},
-            "fingerprint": embedded.fingerprint,
+            **embedded.accounting(),
         }
 
     async def score(req: ScoreRequest) -> dict[str, Any]:
@@ -161,8 +160,7 @@ def build_embedding_router(server: OpenAIServer) -> APIRouter:
             "created": int(time.time()),
             "model": model,
             "data": data,
-            "usage": {"prompt_tokens": embedded.tokens, "total_tokens": embedded.tokens},
-            "fingerprint": embedded.fingerprint,
+            **embedded.accounting(),
         }
 
     async def rerank(req: RerankRequest) -> dict[str, Any]:
@@ -191,8 +189,7 @@ def build_embedding_router(server: OpenAIServer) -> APIRouter:
             "id": f"rerank-{uuid.uuid4().hex}",
             "model": model,
             "results": results,
-            "usage": {"prompt_tokens": embedded.tokens, "total_tokens": embedded.tokens},
-            "fingerprint": embedded.fingerprint,
+            **embedded.accounting(),
         }
 
     for path in ("/score", "/v1/score"):
@@ -209,6 +206,11 @@ class _Embedded:
         self.vectors = vectors
         self.tokens = tokens
         self.fingerprint = fingerprint
+
+    def accounting(self) -> dict[str, Any]:
+        """The response fields every route built on embeddings ends with."""
+        usage = {"prompt_tokens": self.tokens, "total_tokens": self.tokens}
+        return {"usage": usage, "fingerprint": self.fingerprint}
 
 
 async def _embed(
@@ -271,22 +273,11 @@ def cosine(a: list[float], b: list[float]) -> float:
 
 
 def _texts(value: Any, param: str) -> list[str | list[int]]:
-    """A scoring field's inputs: a string, token ids, or a list of either."""
+    """A field's inputs: a string, token ids, or a list of either."""
     if isinstance(value, str):
         return [value]
     if not value:
         raise ApiError(400, f"{param} is an empty list", param)
-    if all(isinstance(x, int) for x in value):
-        return [list(value)]
-    return list(value)
-
-
-def _inputs(value: Any) -> list[str | list[int]]:
-    """The inputs, one per embedding."""
-    if isinstance(value, str):
-        return [value]
-    if not value:
-        raise ApiError(400, "input is an empty list", "input")
     if all(isinstance(x, int) for x in value):
         return [list(value)]
     return list(value)
