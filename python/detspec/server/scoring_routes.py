@@ -148,22 +148,12 @@ async def echo_completions(
             jobs.append(job)
         texts.append(pr if isinstance(pr, str) else None)
 
-    det = bool(req.deterministic)
-    batcher: ScoreBatcher = server.score_batcher
-
     async def work() -> tuple[dict[int, RequestOutput], list[PromptLogprobs | None]]:
         # The prompts are scored first: the scoring forward leaves their KV pages in the
         # prefix cache, so the generation after it does not compute them again.
-        plps = await asyncio.gather(
-            *(
-                batcher.prompt_logprobs(j.prompt_ids, req.logprobs, det, j.lora, j.cache_salt)
-                if req.logprobs is not None
-                else _none()
-                for j in jobs
-            )
-        )
+        plps = await _score_prompts(server, req, jobs)
         last = await server.last_outputs(jobs) if generate else {}
-        return last, list(plps)
+        return last, plps
 
     await server.attach_prompt_logprobs(jobs, req.prompt_logprobs)
     if req.stream:
@@ -230,8 +220,20 @@ async def echo_completions(
     return JSONResponse(P.CompletionResponse(**body).model_dump(exclude_unset=True))
 
 
-async def _none() -> None:
-    return None
+async def _score_prompts(
+    server: OpenAIServer, req: P.CompletionRequest, jobs: list[Job]
+) -> list[PromptLogprobs | None]:
+    """Each job's prompt logprobs at the request's ``logprobs`` (None without it), from the
+    score batcher: the verify path's for a deterministic request."""
+    batcher: ScoreBatcher = server.score_batcher
+    det, k = bool(req.deterministic), req.logprobs
+    if k is None:
+        return [None] * len(jobs)
+    return list(
+        await asyncio.gather(
+            *(batcher.prompt_logprobs(j.prompt_ids, k, det, j.lora, j.cache_salt) for j in jobs)
+        )
+    )
 
 
 def _prompt_text(server: OpenAIServer, job: Job, text: str | None) -> str:
@@ -255,26 +257,17 @@ async def _stream_echo(
     prompt and, with ``logprobs``, the prompt tokens' logprobs (scored as the unstreamed echo
     scores them, before generating); the completion streams after it. With ``max_tokens: 0``
     that first chunk is the whole choice."""
-    det = bool(req.deterministic)
-    if req.logprobs is not None:
-        k = req.logprobs
-        scored = asyncio.gather(
-            *(
-                server.score_batcher.prompt_logprobs(j.prompt_ids, k, det, j.lora, j.cache_salt)
-                for j in jobs
-            )
-        )
-        try:
-            plps = await until_disconnect(request, scored)
-        except ClientGone:
-            return Response(status_code=499)
-        except InvalidRequestError as e:
-            raise jobs[0].invalid(e) from None
-        for job, plp in zip(jobs, plps, strict=True):
-            as_ids = req.return_tokens_as_token_ids
-            job.echo_logprobs = _echo_logprobs(server, job.prompt_ids, plp, k, as_ids)
-    for job, text in zip(jobs, texts, strict=True):
+    try:
+        plps = await until_disconnect(request, _score_prompts(server, req, jobs))
+    except ClientGone:
+        return Response(status_code=499)
+    except InvalidRequestError as e:
+        raise jobs[0].invalid(e) from None
+    for job, text, plp in zip(jobs, texts, plps, strict=True):
         job.echo = _prompt_text(server, job, text)
+        if plp is not None and req.logprobs is not None:
+            as_ids = req.return_tokens_as_token_ids
+            job.echo_logprobs = _echo_logprobs(server, job.prompt_ids, plp, req.logprobs, as_ids)
     outputs = None if generate else _nothing_generated(jobs, server.fingerprint_of(jobs[0]))
     return await server.respond(req, request, jobs, base, model, chat=False, outputs=outputs)
 
