@@ -82,6 +82,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--group-shares", default="2,10,100")
     p.add_argument("--hf-new-tokens", type=int, default=32)
     p.add_argument("--num-kv-pages", type=int, default=8192)
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="size the KV pool as vLLM does (this share of the GPU's memory, less the weights "
+        "and a forward's headroom) instead of --num-kv-pages",
+    )
     p.add_argument("--max-num-batched-tokens", type=int, default=4096)
     p.add_argument(
         "--verify-group",
@@ -180,7 +187,8 @@ def engine(
         str(args.model_dir),
         device=args.device,
         determinism=determinism,
-        num_kv_pages=args.num_kv_pages,
+        num_kv_pages=None if args.gpu_memory_utilization else args.num_kv_pages,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=prefix_caching,
         verify_window_adaptive=args.verify_window_adaptive if adaptive is None else adaptive,
@@ -330,7 +338,16 @@ def main() -> None:
     llm = None
     if parts & {"decode", "offline", "sampled", "invariant", "dvr", "scoring"}:
         llm, load_s = engine(args)
-        res.put("engine", {"load_s": round(load_s, 2), "fingerprint": llm.fingerprint})
+        free_pages, total_pages = llm.kv_pages()
+        res.put(
+            "engine",
+            {
+                "load_s": round(load_s, 2),
+                "fingerprint": llm.fingerprint,
+                "kv_pages": total_pages,
+                "gpu_memory_utilization": args.gpu_memory_utilization,
+            },
+        )
         llm.generate(prompts(4, 64, 99, vocab), warm, use_tqdm=False)
 
     if "decode" in parts:
@@ -485,6 +502,14 @@ def main() -> None:
             shares = [int(x) for x in args.group_shares.split(",")]
             base = dvr_shares(args, res, grouped, vocab, shares, f"dvr_b{b}", base)
             grouped.shutdown()
+    if on_gpu:
+        # What the whole GPU holds at the end (the engine's pool, weights and workspace), as
+        # the driver counts it: the check of gpu_memory_utilization's headroom estimate.
+        free, total = torch.cuda.mem_get_info()
+        res.put(
+            "gpu_memory",
+            {"used_GiB": round((total - free) / 2**30, 2), "total_GiB": round(total / 2**30, 2)},
+        )
     res.put("finished", time.strftime("%Y-%m-%d %H:%M:%S"))
 
 

@@ -5,7 +5,7 @@
 #   scripts/build-cuda-wheel.sh        # -> dist-cuda/detspec-*.whl and dist-cuda/cuda_ops.xz
 #   # device run, carry ["dist-cuda"]:
 #   scripts/gpu-session.sh [PHASE ...]   # phases: smoke ops tests bench profile dvr_peaked
-#                                        #   dvr_groups gaps lora
+#                                        #   dvr_groups gaps lora decode_ab memutil
 #                                        # (default: smoke ops tests bench)
 #
 # smoke: installs the wheel (no dependencies: torch and its CUDA 13 libraries are there),
@@ -28,6 +28,12 @@
 #        num_threads 16/1/4 (benches/gpu_step_gaps.py) -> $OUT/gaps.json.
 # lora:  what rank-16 adapters on all projections cost on the peaked 8B-shaped model at batch
 #        1/16/64 (benches/lora_throughput.py) -> $OUT/lora.log.
+# decode_ab: batch-1 decode of the peaked 8B-shaped model with a baseline wheel
+#        (dist-cuda-base/, carried too) and this one, alternating, two rounds each; one JSON
+#        line per run in the log (a change's speed measured side by side on one GPU).
+# memutil: the peaked 8B-shaped model with gpu_memory_utilization $DETSPEC_GPU_UTILIZATION
+#        (default 0.9) instead of a fixed pool, through batch 64 and DVR at 0/100 %: what the
+#        pool got, what the GPU holds at the end, no out-of-memory -> $OUT/gpu_bench_memutil.json.
 #
 # Each phase runs under its own time limit (DETSPEC_GPU_<PHASE>_S seconds) and a failing phase
 # does not stop the next. Everything printed lands in $OUT (or /tmp/detspec-gpu).
@@ -78,12 +84,36 @@ llm.shutdown()
 PY
 }
 
+run_decode_ab() {
+    local model wheel
+    model="$(peaked_model)"
+    for round in 1 2; do
+        for wheel in dist-cuda-base dist-cuda; do
+            # Each wheel in its own directory, put first on the path: the installed one stays.
+            [ -d "/tmp/$wheel" ] || python3 -m pip install -q --no-index --no-deps \
+                --target "/tmp/$wheel" "$wheel"/detspec-*.whl || { echo "no wheel in $wheel"; return 1; }
+            PYTHONPATH="/tmp/$wheel" python3 benches/gpu_bench.py --model-dir "$model" \
+                --parts bandwidth,decode --out "/tmp/decode-$wheel-$round.json" > /dev/null
+            python3 -c 'import json, sys; d = json.load(open(sys.argv[1]))
+print("DECODE", sys.argv[2], sys.argv[3], json.dumps({k: d[k] for k in ("decode_batch1", "engine")}))' \
+                "/tmp/decode-$wheel-$round.json" "$wheel" "$round"
+        done
+    done
+}
+
+run_memutil() {
+    python3 benches/gpu_bench.py --model-dir "$(peaked_model)" --out "$out/gpu_bench_memutil.json" \
+        --gpu-memory-utilization "${DETSPEC_GPU_UTILIZATION:-0.9}" --parts offline,dvr \
+        --batches 64 --shares 0,100
+}
+
 run_ops() {
     python3 -c 'import lzma, shutil
 with lzma.open("dist-cuda/cuda_ops.xz") as src, open("/tmp/cuda_ops", "wb") as dst:
     shutil.copyfileobj(src, dst)' || { echo "no dist-cuda/cuda_ops.xz"; return 1; }
     chmod +x /tmp/cuda_ops
-    /tmp/cuda_ops --nocapture --test-threads=1 | tee "$out/kernel-table.log"
+    # DETSPEC_GPU_OPS_FILTER: run only the tests whose names contain it.
+    /tmp/cuda_ops ${DETSPEC_GPU_OPS_FILTER:-} --nocapture --test-threads=1 | tee "$out/kernel-table.log"
 }
 
 run_tests() {
@@ -134,7 +164,7 @@ run_lora() {
 }
 
 declare -A default_s=([smoke]=60 [ops]=120 [tests]=240 [bench]=300 [profile]=120 [dvr_peaked]=240
-    [dvr_groups]=300 [gaps]=120 [lora]=150)
+    [dvr_groups]=300 [gaps]=120 [lora]=150 [decode_ab]=150 [memutil]=120)
 for phase in "${phases[@]}"; do
     s="$(limit "$phase" "${default_s[$phase]:-300}")"
     echo "=== $phase (limit ${s}s) $(date +%T)"

@@ -322,7 +322,7 @@ fn fused_ops_give_their_unfused_pairs_bits() {
     for dtype in [DType::F32, DType::BF16] {
         assert_fused_ops_match_unfused(&dev, dtype);
         table(
-            "add_rms_norm, rope_qkv, swiglu_halves",
+            "add_rms_norm, rope_qkv, rope_qkv_into_cache, swiglu_halves",
             dtype,
             "bits of the unfused ops",
             true,

@@ -327,11 +327,21 @@ impl Model {
                     .pop()
                     .ok_or_else(|| candle_core::Error::Msg("LoRA returned no output".into()))
             };
-            let (q, k, v) = match &layer.qkv {
+            // q, with k and v written into the layer's cache at the rows' slots.
+            let q = match &layer.qkv {
                 Projection::Stacked { linear, .. } => {
                     let targets = [t_q[0], t_k[0], t_v[0]];
                     let y = one(&hn, linear.apply(&hn, inv)?, &targets)?;
-                    ops::rope_qkv(&y, &cos, &sin, h, kvh)?
+                    ops::rope_qkv_into_cache(
+                        &y,
+                        &cos,
+                        &sin,
+                        h,
+                        kvh,
+                        k_cache,
+                        v_cache,
+                        slots.clone(),
+                    )?
                 }
                 Projection::Apart(qkv) => {
                     let [q, k, v] = qkv.as_slice() else {
@@ -352,12 +362,11 @@ impl Model {
                         q = ops::rms_norm(&q, qn, eps)?;
                         k = ops::rms_norm(&k, kn, eps)?;
                     }
-                    let q = ops::apply_rope(&q, &cos, &sin)?;
-                    (q, ops::apply_rope(&k, &cos, &sin)?, v)
+                    ops::write_k(k_cache, &ops::apply_rope(&k, &cos, &sin)?, slots.clone())?;
+                    ops::write_kv(v_cache, &v, slots.clone())?;
+                    ops::apply_rope(&q, &cos, &sin)?
                 }
             };
-            ops::write_k(k_cache, &k, slots.clone())?;
-            ops::write_kv(v_cache, &v, slots.clone())?;
             let attn = ops::paged_attention(&q, k_cache, v_cache, meta.clone(), scale)?;
             let attn = attn.reshape((n, h * d))?;
             let o = one(&attn, layer.o.apply(&attn, inv)?, &t_o)?;

@@ -13,23 +13,27 @@ use super::{bf16_bits, contiguous_f32};
 
 /// How a cache lays out a page.
 #[derive(Clone, Copy)]
-enum PageLayout {
+pub(super) enum PageLayout {
     /// `[page_size, kv_heads, head_dim]`: rows.
     Rows,
     /// `[kv_heads, head_dim, page_size]`: keys transposed.
     Transposed,
 }
 
-struct CacheWrite {
+pub(super) struct CacheWrite {
     /// Flat slot (page * page_size + offset) for each input row.
-    slots: Arc<Vec<u32>>,
-    layout: PageLayout,
+    pub(super) slots: Arc<Vec<u32>>,
+    pub(super) layout: PageLayout,
 }
 
 impl CacheWrite {
     /// `(page_size, row)` of a cache of shape `dims` for a source of `src_len` elements, after
     /// checking the shapes and every slot.
-    fn geometry(&self, dims: &[usize], src_len: usize) -> candle_core::Result<(usize, usize)> {
+    pub(super) fn geometry(
+        &self,
+        dims: &[usize],
+        src_len: usize,
+    ) -> candle_core::Result<(usize, usize)> {
         let (num_slots, page_size, row) = match (self.layout, dims) {
             (PageLayout::Rows, [p, s, h, d]) => (p * s, *s, h * d),
             (PageLayout::Transposed, [p, h, d, s]) => (p * s, *s, h * d),
@@ -86,7 +90,7 @@ impl CacheWrite {
 
 /// Device copies of the slots: every layer writes K and V at the same ones.
 #[cfg(feature = "cuda")]
-static SLOTS_ON_DEVICE: super::cuda::UploadCache<
+pub(super) static SLOTS_ON_DEVICE: super::cuda::UploadCache<
     Vec<u32>,
     candle_core::cuda::cudarc::driver::CudaSlice<u32>,
 > = super::cuda::UploadCache::new();

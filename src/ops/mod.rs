@@ -22,6 +22,7 @@ mod page_copy;
 mod paged_attention;
 mod rms_norm;
 mod rope;
+mod rope_cache;
 
 pub use attention_plan::{AttentionMetadata, AttentionSchedule};
 pub use cache_write::{write_k, write_kv};
@@ -49,6 +50,7 @@ pub use page_copy::copy_pages;
 pub use paged_attention::{paged_attention, paged_attention_with_isa};
 pub use rms_norm::{add_rms_norm, rms_norm};
 pub use rope::{apply_rope, rope_qkv};
+pub use rope_cache::rope_qkv_into_cache;
 
 use std::mem::MaybeUninit;
 

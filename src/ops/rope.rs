@@ -126,14 +126,19 @@ fn rope_dims(xl: &Layout, cl: &Layout, sl: &Layout) -> candle_core::Result<(usiz
 /// token its q heads, k heads, v heads) split into q and k rotated and v copied, as three
 /// contiguous planes of one tensor: on a GPU one launch where the separate projections took a
 /// rope each for q and k.
-struct RopeQkv {
-    q_heads: usize,
-    kv_heads: usize,
+pub(super) struct RopeQkv {
+    pub(super) q_heads: usize,
+    pub(super) kv_heads: usize,
 }
 
 impl RopeQkv {
     /// `(tokens, head_dim)`, after checking `qkv` and cos/sin against them.
-    fn dims(&self, xl: &Layout, cl: &Layout, sl: &Layout) -> candle_core::Result<(usize, usize)> {
+    pub(super) fn dims(
+        &self,
+        xl: &Layout,
+        cl: &Layout,
+        sl: &Layout,
+    ) -> candle_core::Result<(usize, usize)> {
         let (t, half) = match cl.dims() {
             [t, half] => (*t, *half),
             dims => bail!("rope_qkv: cos must be [tokens, head_dim/2], got {dims:?}"),

@@ -85,9 +85,13 @@ pub fn sampled_columns(n: usize) -> Vec<usize> {
 /// The fused decoder ops give their unfused pairs' bits on `dev` in `dtype` (the models'
 /// shapes and odd ones): `add_rms_norm` = `add` then `rms_norm`; `rope_qkv` = the stacked
 /// projection's q/k columns through `apply_rope` and its v columns as they are;
-/// `swiglu_halves` = `swiglu` of the two halves.
+/// `rope_qkv_into_cache` = `rope_qkv` then `write_k`/`write_kv` (q and both caches, pages
+/// around the written slots untouched); `swiglu_halves` = `swiglu` of the two halves.
 pub fn assert_fused_ops_match_unfused(dev: &candle_core::Device, dtype: DType) {
-    use detspec::ops::{add, add_rms_norm, apply_rope, rms_norm, rope_qkv, swiglu, swiglu_halves};
+    use detspec::ops::{
+        add, add_rms_norm, apply_rope, rms_norm, rope_qkv, rope_qkv_into_cache, swiglu,
+        swiglu_halves, write_k, write_kv,
+    };
     let tensor = |seed: u64, shape: &[usize], scale: f32, dtype: DType| {
         let n = shape.iter().product();
         let values = randn(seed, n).into_iter().map(|v| v * scale).collect();
@@ -144,6 +148,43 @@ pub fn assert_fused_ops_match_unfused(dev: &candle_core::Device, dtype: DType) {
         assert_eq!(bits(&q), bits(&q_ref), "rope_qkv q, case {i} {dtype:?}");
         assert_eq!(bits(&k), bits(&k_ref), "rope_qkv k, case {i} {dtype:?}");
         assert_eq!(bits(&v), bits(&v_ref), "rope_qkv v, case {i} {dtype:?}");
+
+        // Pages of 16 slots, the rows' slots scattered over them (not in order, one page
+        // partly filled), the caches starting from random values.
+        let (page, pages) = (16, rows.div_ceil(3) + 2);
+        let slots: std::sync::Arc<Vec<u32>> = std::sync::Arc::new(
+            (0..rows)
+                .map(|r| ((r * 37 + 5) % (pages * page)) as u32)
+                .collect(),
+        );
+        let caches = || {
+            (
+                tensor(seed + 7, &[pages, kvh, d, page], 1.0, dtype),
+                tensor(seed + 8, &[pages, page, kvh, d], 1.0, dtype),
+            )
+        };
+        let (kc, vc) = caches();
+        let q_fused = rope_qkv_into_cache(&qkv, &cos, &sin, h, kvh, &kc, &vc, slots.clone())
+            .expect("rope_qkv_into_cache");
+        let (kc_ref, vc_ref) = caches();
+        write_k(&kc_ref, &k, slots.clone()).expect("write_k");
+        write_kv(&vc_ref, &v, slots).expect("write_kv");
+        assert_eq!(q_fused.dims(), q.dims());
+        assert_eq!(
+            bits(&q_fused),
+            bits(&q),
+            "rope_qkv_into_cache q, case {i} {dtype:?}"
+        );
+        assert_eq!(
+            bits(&kc),
+            bits(&kc_ref),
+            "rope_qkv_into_cache K cache, case {i} {dtype:?}"
+        );
+        assert_eq!(
+            bits(&vc),
+            bits(&vc_ref),
+            "rope_qkv_into_cache V cache, case {i} {dtype:?}"
+        );
 
         let gu = tensor(seed + 6, &[rows, 2 * is], 6.0, dtype);
         let act = swiglu_halves(&gu).expect("swiglu_halves");
