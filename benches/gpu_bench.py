@@ -484,6 +484,18 @@ def main() -> None:
         )
 
     if llm is not None:
+        if on_gpu:
+            # What the whole GPU holds with the first engine still alive (its pool, weights and
+            # workspace), as the driver counts it: the check of gpu_memory_utilization's
+            # headroom estimate.
+            free, total = torch.cuda.mem_get_info()
+            res.put(
+                "gpu_memory",
+                {
+                    "used_GiB": round((total - free) / 2**30, 2),
+                    "total_GiB": round(total / 2**30, 2),
+                },
+            )
         llm.shutdown()
         del llm
         gc.collect()
@@ -502,14 +514,6 @@ def main() -> None:
             shares = [int(x) for x in args.group_shares.split(",")]
             base = dvr_shares(args, res, grouped, vocab, shares, f"dvr_b{b}", base)
             grouped.shutdown()
-    if on_gpu:
-        # What the whole GPU holds at the end (the engine's pool, weights and workspace), as
-        # the driver counts it: the check of gpu_memory_utilization's headroom estimate.
-        free, total = torch.cuda.mem_get_info()
-        res.put(
-            "gpu_memory",
-            {"used_GiB": round((total - free) / 2**30, 2), "total_GiB": round(total / 2**30, 2)},
-        )
     res.put("finished", time.strftime("%Y-%m-%d %H:%M:%S"))
 
 

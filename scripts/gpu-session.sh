@@ -32,8 +32,9 @@
 #        (dist-cuda-base/, carried too) and this one, alternating, two rounds each; one JSON
 #        line per run in the log (a change's speed measured side by side on one GPU).
 # memutil: the peaked 8B-shaped model with gpu_memory_utilization $DETSPEC_GPU_UTILIZATION
-#        (default 0.9) instead of a fixed pool, through batch 64 and DVR at 0/100 %: what the
-#        pool got, what the GPU holds at the end, no out-of-memory -> $OUT/gpu_bench_memutil.json.
+#        (default 0.9) instead of a fixed pool, through batch 64 (greedy and sampled: the
+#        host sampler's cost) and DVR at 0/100 %: what the pool got, what the GPU holds with
+#        the engine alive, no out-of-memory -> $OUT/gpu_bench_memutil.json.
 #
 # Each phase runs under its own time limit (DETSPEC_GPU_<PHASE>_S seconds) and a failing phase
 # does not stop the next. Everything printed lands in $OUT (or /tmp/detspec-gpu).
@@ -103,7 +104,7 @@ print("DECODE", sys.argv[2], sys.argv[3], json.dumps({k: d[k] for k in ("decode_
 
 run_memutil() {
     python3 benches/gpu_bench.py --model-dir "$(peaked_model)" --out "$out/gpu_bench_memutil.json" \
-        --gpu-memory-utilization "${DETSPEC_GPU_UTILIZATION:-0.9}" --parts offline,dvr \
+        --gpu-memory-utilization "${DETSPEC_GPU_UTILIZATION:-0.9}" --parts offline,sampled,dvr \
         --batches 64 --shares 0,100
 }
 
