@@ -21,10 +21,14 @@ from detspec.errors import (
 from detspec.llm import LLM, Tokenizer
 from detspec.lora import LoRARequest
 from detspec.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
     CompletionOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
     Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
     RequestOutput,
 )
 from detspec.sampling_params import SamplingParams, StructuredOutputsParams
@@ -32,6 +36,8 @@ from detspec.sampling_params import SamplingParams, StructuredOutputsParams
 __all__ = [
     "AsyncLLM",
     "LLM",
+    "ClassificationOutput",
+    "ClassificationRequestOutput",
     "CompletionOutput",
     "DetspecError",
     "EmbeddingOutput",
@@ -41,6 +47,8 @@ __all__ = [
     "Logprob",
     "LoRARequest",
     "ModelLoadError",
+    "PoolingOutput",
+    "PoolingRequestOutput",
     "RequestOutput",
     "SamplingParams",
     "StructuredOutputsParams",

@@ -10,9 +10,14 @@ from typing import Any
 
 from detspec import _core
 from detspec.errors import DetspecError, EngineStoppedError
-from detspec.llm import PromptType, _EngineClient, _prompts_and_salts
+from detspec.llm import PromptType, _EngineClient, _prompts_and_salts, _rewards
 from detspec.lora import LoRAType
-from detspec.outputs import EmbeddingRequestOutput, RequestOutput
+from detspec.outputs import (
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+)
 from detspec.sampling_params import SamplingParams
 from detspec.scoring import AuditReport
 
@@ -185,6 +190,29 @@ class AsyncLLM(_EngineClient):
         return await asyncio.to_thread(
             self._embed, prompts, pooling, dimensions, normalize, deterministic, lora_request
         )
+
+    async def classify(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        *,
+        deterministic: bool = True,
+        lora_request: LoRAType | Sequence[LoRAType] = None,
+    ) -> list[ClassificationRequestOutput]:
+        """``LLM.classify``, awaitable: runs between engine steps while other requests stream."""
+        return await asyncio.to_thread(self._classify, prompts, deterministic, lora_request)
+
+    async def reward(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        *,
+        deterministic: bool = True,
+        lora_request: LoRAType | Sequence[LoRAType] = None,
+    ) -> list[PoolingRequestOutput]:
+        """``LLM.reward``, awaitable."""
+        classified = await self.classify(
+            prompts, deterministic=deterministic, lora_request=lora_request
+        )
+        return _rewards(classified)
 
     async def update_weights(self, named_tensors: Any, *, in_flight: str = "finish") -> None:
         """``LLM.update_weights``, awaitable: with ``in_flight="finish"`` it returns once the

@@ -15,8 +15,12 @@ from detspec.engine_args import ENGINE_SETTINGS, engine_settings_doc, resolve_en
 from detspec.errors import InvalidRequestError
 from detspec.lora import LoRARequest, LoRAType
 from detspec.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
     RequestOutput,
     request_output_from_dict,
 )
@@ -465,6 +469,45 @@ class _EngineClient:
         scored = self._engine.score(pairs, 0, deterministic, self._lora_name(lora), cache_salt)
         return [[lp for _, lp, _, _ in s] for s in scored]
 
+    @property
+    def labels(self) -> list[str] | None:
+        """A sequence classifier's label names (``id2label``, in id order); ``None`` for a
+        language model."""
+        labels = self._engine.labels()
+        return None if labels is None else list(labels)
+
+    def _classify(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        deterministic: bool,
+        lora: LoRAType | Sequence[LoRAType],
+    ) -> list[ClassificationRequestOutput]:
+        ids = self._token_ids(prompts)
+        names = self._lora_names(lora, len(ids))
+        labels = self._engine.labels() or []
+        found: list[tuple[list[float], list[float]]] = [([], [])] * len(ids)
+        fingerprints = [""] * len(ids)
+        # One engine call per adapter, as `_embed`.
+        for name in dict.fromkeys(names):
+            group = [i for i, n in enumerate(names) if n == name]
+            rows = self._engine.classify([ids[i] for i in group], deterministic, name)
+            fp = str(self._engine.fingerprint(name))
+            for i, row in zip(group, rows, strict=True):
+                found[i], fingerprints[i] = (list(row[0]), list(row[1])), fp
+        out = []
+        for p, (logits, probs), fp in zip(ids, found, fingerprints, strict=True):
+            best = max(range(len(probs)), key=lambda k: (probs[k], -k)) if probs else 0
+            label = labels[best] if best < len(labels) else str(best)
+            out.append(
+                ClassificationRequestOutput(
+                    request_id=self._new_request_id(),
+                    prompt_token_ids=p,
+                    outputs=ClassificationOutput(probs=probs, logits=logits, label=label),
+                    fingerprint=fp,
+                )
+            )
+        return out
+
     def _embed(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -748,6 +791,33 @@ class LLM(_EngineClient):
         the fast path, whose bits depend on the prompts embedded together."""
         return self._embed(prompts, pooling, dimensions, normalize, deterministic, lora_request)
 
+    def classify(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        *,
+        deterministic: bool = True,
+        lora_request: LoRAType | Sequence[LoRAType] = None,
+    ) -> list[ClassificationRequestOutput]:
+        """Each prompt's class probabilities, as vLLM's ``LLM.classify`` of a sequence
+        classifier (a ``*ForSequenceClassification`` checkpoint: reward models, classifiers):
+        the ``score`` layer at the last token, softmax over the labels (the logistic function
+        of a single label). With ``deterministic=True`` (the verify-path kernels) the logits
+        are the same bits whatever else runs, and the probabilities a fixed-order function of
+        them, on every instruction set. ``labels`` names the classes."""
+        return self._classify(prompts, deterministic, lora_request)
+
+    def reward(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        *,
+        deterministic: bool = True,
+        lora_request: LoRAType | Sequence[LoRAType] = None,
+    ) -> list[PoolingRequestOutput]:
+        """Each prompt's reward, as vLLM's ``LLM.reward`` of a reward model (a
+        ``*ForSequenceClassification`` checkpoint, usually one label): the ``score`` layer's raw
+        output at the last token, no activation. ``deterministic`` as in ``classify``."""
+        return _rewards(self._classify(prompts, deterministic, lora_request))
+
     def score(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -821,6 +891,19 @@ class LLM(_EngineClient):
         engine's. ``sampling_params`` defaults to the ones recorded on the output; an output
         generated with an adapter is audited with it (``lora_request``)."""
         return self._audit(output, sampling_params, lora_request)
+
+
+def _rewards(classified: list[ClassificationRequestOutput]) -> list[PoolingRequestOutput]:
+    """``LLM.reward``'s outputs: each classification's raw logits."""
+    return [
+        PoolingRequestOutput(
+            request_id=c.request_id,
+            prompt_token_ids=c.prompt_token_ids,
+            outputs=PoolingOutput(c.outputs.logits),
+            fingerprint=c.fingerprint,
+        )
+        for c in classified
+    ]
 
 
 class _progress:

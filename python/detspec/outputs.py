@@ -85,6 +85,45 @@ class EmbeddingRequestOutput:
     finished: bool = True
 
 
+@dataclass
+class ClassificationOutput:
+    probs: list[float]
+    """softmax of the labels' logits (the logistic function of a single one), as vLLM's."""
+    logits: list[float]
+    """The ``score`` layer's output at the last token, one per label (detspec's addition)."""
+    label: str
+    """The name (``id2label``) of the most probable label (the first of any tie)."""
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """One prompt's classification, shaped like vLLM's ``ClassificationRequestOutput``."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ClassificationOutput
+    fingerprint: str
+    finished: bool = True
+
+
+@dataclass
+class PoolingOutput:
+    data: list[float]
+    """A reward model's raw output: the ``score`` layer at the last token, one per label."""
+
+
+@dataclass
+class PoolingRequestOutput:
+    """One prompt's reward, shaped like vLLM's ``PoolingRequestOutput`` of ``LLM.reward``
+    (``data`` is a list of float32 values, not a tensor)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: PoolingOutput
+    fingerprint: str
+    finished: bool = True
+
+
 def _logprobs_to_py(
     raw: list[tuple[int, float, int, list[tuple[int, float]]]],
     num: int | None,

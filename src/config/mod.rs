@@ -2,6 +2,7 @@
 
 mod device;
 mod engine_config;
+mod head;
 pub(crate) mod json;
 mod model_config;
 mod moe_config;
@@ -11,5 +12,6 @@ pub use engine_config::{
     ActivationDtype, DTypeSpec, DeterminismMode, EngineConfig, KernelProfile, VerifyStrategy,
     DEFAULT_KV_CACHE_BYTES,
 };
+pub use head::Head;
 pub use model_config::{Architecture, ModelConfig, RopeConfig, RopeScaling};
 pub use moe_config::{ExpertNaming, MoeConfig};

@@ -4,11 +4,13 @@
 //! Both the classic `rope_theta`/`rope_scaling` keys and the newer `rope_parameters` form are
 //! accepted, because checkpoints saved by different `transformers` versions use either.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 use serde_json::Value;
 
+use super::head::Head;
 use super::json::{parse_json, TokenIds};
 use super::moe_config::{ExpertNaming, MoeConfig, RawMoe};
 use crate::error::{DetspecError, Result};
@@ -47,8 +49,22 @@ impl Architecture {
         ("qwen3_moe", "Qwen3MoeForCausalLM"),
     ];
 
+    /// Sequence classifiers (reward models, classifiers: `score` instead of `lm_head`) of the
+    /// dense families; transformers has no MoE classifier heads.
+    const CLASSIFIERS: [(&'static str, Architecture); 4] = [
+        ("LlamaForSequenceClassification", Architecture::Llama),
+        ("MistralForSequenceClassification", Architecture::Mistral),
+        ("Qwen2ForSequenceClassification", Architecture::Qwen2),
+        ("Qwen3ForSequenceClassification", Architecture::Qwen3),
+    ];
+
     fn supported_list() -> String {
-        Self::SUPPORTED.map(|(n, _)| n).join(", ")
+        let names: Vec<&str> = Self::SUPPORTED
+            .iter()
+            .chain(&Self::CLASSIFIERS)
+            .map(|(n, _)| *n)
+            .collect();
+        names.join(", ")
     }
 }
 
@@ -110,6 +126,8 @@ pub struct ModelConfig {
     /// The checkpoint's declared dtype (`torch_dtype`, or `dtype` in newer transformers), e.g.
     /// `bfloat16`: what a GPU engine runs in by default.
     pub torch_dtype: Option<String>,
+    /// What the last hidden state feeds: next-token logits, or a sequence classifier's labels.
+    pub head: Head,
     /// Where this config came from, for error messages.
     pub path: PathBuf,
 }
@@ -121,6 +139,9 @@ pub struct ModelConfig {
 #[serde(default)]
 struct RawConfig {
     architectures: Option<Vec<String>>,
+    /// A sequence classifier's label names by id (transformers writes it when it is not the
+    /// default two labels).
+    id2label: Option<BTreeMap<String, String>>,
     model_type: Option<String>,
     hidden_size: Option<usize>,
     intermediate_size: Option<usize>,
@@ -188,7 +209,7 @@ impl ModelConfig {
             }
         };
 
-        let architecture = Self::parse_architecture(&raw, path)?;
+        let (architecture, head) = Self::parse_architecture(&raw, path)?;
         // transformers' ACT2FN maps both names to SiLU.
         if let Some(act) = raw
             .hidden_act
@@ -292,7 +313,9 @@ impl ModelConfig {
             rms_norm_eps,
             rope,
             max_position_embeddings,
-            tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
+            // A classifier's `score` layer is its own matrix even where the config says tied.
+            tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false)
+                && head == Head::LanguageModel,
             qkv_bias,
             o_bias,
             mlp_bias: raw.mlp_bias.unwrap_or(false),
@@ -302,11 +325,14 @@ impl ModelConfig {
             eos_token_ids: raw.eos_token_id.into_vec(),
             bos_token_id: raw.bos_token_id.into_vec().first().copied(),
             torch_dtype,
+            head,
             path: path.to_path_buf(),
         })
     }
 
-    fn parse_architecture(raw: &RawConfig, path: &Path) -> Result<Architecture> {
+    /// The architecture and its output layer: `*ForCausalLM`, or `*ForSequenceClassification`
+    /// of a dense family (a classifier's labels from `id2label`).
+    fn parse_architecture(raw: &RawConfig, path: &Path) -> Result<(Architecture, Head)> {
         let name = match raw.architectures.as_deref() {
             Some([first, ..]) => first.clone(),
             _ => {
@@ -323,10 +349,13 @@ impl ModelConfig {
                     })?
             }
         };
-        Architecture::SUPPORTED
-            .iter()
-            .find(|(n, _)| *n == name)
-            .map(|(_, a)| *a)
+        let find =
+            |list: &[(&str, Architecture)]| list.iter().find(|(n, _)| *n == name).map(|(_, a)| *a);
+        if let Some(arch) = find(&Architecture::CLASSIFIERS) {
+            return Ok((arch, Head::classifier(raw.id2label.as_ref(), path)?));
+        }
+        find(&Architecture::SUPPORTED)
+            .map(|a| (a, Head::LanguageModel))
             .ok_or_else(|| DetspecError::UnsupportedArchitecture {
                 path: path.to_path_buf(),
                 architecture: name,
@@ -490,6 +519,68 @@ mod tests {
         }
         let e = parse("[1,2]").unwrap_err();
         assert!(e.to_string().contains("/m/config.json"), "{e}");
+    }
+
+    #[test]
+    fn sequence_classifiers_have_a_score_head_with_their_labels() {
+        let c = parse(&format!(
+            r#"{{"architectures": ["Qwen2ForSequenceClassification"], {BASE},
+                "id2label": {{"1": "good", "0": "bad", "2": "meh"}}, "tie_word_embeddings": true}}"#
+        ))
+        .unwrap();
+        assert_eq!(c.architecture, Architecture::Qwen2);
+        let labels: Vec<String> = ["bad", "good", "meh"].map(String::from).to_vec();
+        assert_eq!(c.head.labels(), Some(&labels[..]));
+        assert_eq!(
+            (c.head.weight_name(), c.head.rows(100)),
+            ("score.weight", 3)
+        );
+        assert!(
+            !c.tie_word_embeddings,
+            "a classifier's score layer is never the embedding"
+        );
+        // No id2label: transformers' two default labels.
+        let d = parse(&format!(
+            r#"{{"architectures": ["LlamaForSequenceClassification"], {BASE}}}"#
+        ))
+        .unwrap();
+        assert_eq!(d.head.rows(100), 2);
+        let lm = parse(&format!(
+            r#"{{"architectures": ["LlamaForCausalLM"], {BASE}}}"#
+        ))
+        .unwrap();
+        assert_eq!(
+            (lm.head.weight_name(), lm.head.rows(100)),
+            ("lm_head.weight", 100)
+        );
+        for (arch, extra, needle) in [
+            (
+                "LlamaForSequenceClassification",
+                r#", "id2label": {"0": "a", "2": "c"}"#,
+                "id2label",
+            ),
+            (
+                "LlamaForSequenceClassification",
+                r#", "id2label": {"x": "a"}"#,
+                "id2label",
+            ),
+            (
+                "LlamaForSequenceClassification",
+                r#", "id2label": {}"#,
+                "id2label",
+            ),
+            (
+                "MixtralForSequenceClassification",
+                "",
+                "MixtralForSequenceClassification",
+            ),
+        ] {
+            let e = parse(&format!(
+                r#"{{"architectures": ["{arch}"], {BASE}{extra}}}"#
+            ))
+            .unwrap_err();
+            assert!(e.to_string().contains(needle), "{e}");
+        }
     }
 
     #[test]

@@ -38,7 +38,9 @@ mod control;
 mod masks;
 mod standalone;
 
-pub use standalone::{AuditInput, EmbedOptions, ForwardKind, Pooling, Scopes, SeqScope};
+pub use standalone::{
+    AuditInput, Classification, EmbedOptions, ForwardKind, Pooling, Scopes, SeqScope,
+};
 
 /// What the engine knows about a model once loaded; shared read-only with API handles.
 #[derive(Debug, Clone)]
@@ -400,6 +402,7 @@ impl EngineCore {
         if self.sched.iter().any(|s| s.request_id == rid) {
             return Err(super::validate::duplicate_request_id(&rid));
         }
+        self.require_language_model("generation")?;
         let rules = self.request_rules();
         rules.check_params(&req.params)?;
         let mut req = req;

@@ -6,7 +6,7 @@
 //!   updates; restoring old weights restores it);
 //! - `model`: the config values the forward reads (architecture, sizes, head layout, norm eps,
 //!   rope settings, sliding window, biases, q/k norm, tied embeddings, a sparse model's experts
-//!   and routing), the EOS ids, and the
+//!   and routing, a sequence classifier's labels), the EOS ids, and the
 //!   bytes of the tokenizer, its config, the chat template and the generation config;
 //! - `dtype`, `device`: what the weights and KV are held in, and where;
 //! - `kernels`: [`KERNEL_VERSION`] plus the CPU kernel profile when it is not the invariant one,
@@ -73,6 +73,10 @@ pub fn model_digest(cfg: &ModelConfig, dir: &Path, eos: &[u32]) -> Result<u64> {
     // Only sparse models add this, so dense models' fingerprints are what they were.
     if let Some(moe) = &cfg.moe {
         h.update(format!("|moe{moe:?}").as_bytes());
+    }
+    // Likewise classifiers: their labels (the `score` matrix itself is in the weights hash).
+    if let Some(labels) = cfg.head.labels() {
+        h.update(format!("|classifier{labels:?}").as_bytes());
     }
     h.update(format!("|eos{eos:?}").as_bytes());
     for name in TOKENIZER_FILES {

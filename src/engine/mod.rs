@@ -15,8 +15,8 @@ mod text;
 pub mod validate;
 
 pub use self::core::{
-    AuditInput, EmbedOptions, EngineCore, EngineStats, ForwardKind, ModelInfo, Pooling, Scopes,
-    SeqScope, StepTimes,
+    AuditInput, Classification, EmbedOptions, EngineCore, EngineStats, ForwardKind, ModelInfo,
+    Pooling, Scopes, SeqScope, StepTimes,
 };
 pub use fingerprint::KERNEL_VERSION;
 pub use stream::{OutputAccumulator, RequestStream, StreamEvent};

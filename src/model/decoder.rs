@@ -177,7 +177,8 @@ impl Model {
         let lm_head = if cfg.tie_word_embeddings {
             LinearWeight::new(&embed, bf16_act)?
         } else {
-            ld.load_linear("lm_head.weight", cfg.vocab_size, hs)?
+            let head = &cfg.head;
+            ld.load_linear(head.weight_name(), head.rows(cfg.vocab_size), hs)?
         };
         let (cos, sin) = rope_tables(&cfg, device)?;
         Ok(Self {

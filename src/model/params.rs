@@ -15,7 +15,7 @@ use super::moe_names::sparse_linears;
 
 /// Every parameter name a checkpoint of `cfg` holds, with its shape, in name order.
 /// `lm_head.weight` is listed for tied models too (torch's `state_dict()` yields it); it then
-/// names the embedding matrix.
+/// names the embedding matrix. A classifier has `score.weight` in its place.
 pub fn param_shapes(cfg: &ModelConfig) -> BTreeMap<String, Vec<usize>> {
     let (h, kvh, d) = (
         cfg.num_attention_heads,
@@ -26,7 +26,10 @@ pub fn param_shapes(cfg: &ModelConfig) -> BTreeMap<String, Vec<usize>> {
     let mut m = BTreeMap::new();
     m.insert("model.embed_tokens.weight".into(), vec![vocab, hs]);
     m.insert("model.norm.weight".into(), vec![hs]);
-    m.insert("lm_head.weight".into(), vec![vocab, hs]);
+    m.insert(
+        cfg.head.weight_name().into(),
+        vec![cfg.head.rows(vocab), hs],
+    );
     for i in 0..cfg.num_hidden_layers {
         let p = format!("model.layers.{i}");
         let mut linear = |name: String, i: usize, o: usize, bias: bool| {

@@ -96,7 +96,7 @@ impl Model {
         match name {
             "model.embed_tokens.weight" => return Some(Slot::Embedding),
             "model.norm.weight" => return Some(Slot::Vector(&mut self.norm)),
-            "lm_head.weight" => return Some(Slot::Linear(&mut self.lm_head)),
+            n if n == self.cfg.head.weight_name() => return Some(Slot::Linear(&mut self.lm_head)),
             _ => {}
         }
         let rest = name.strip_prefix("model.layers.")?;

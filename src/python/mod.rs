@@ -450,6 +450,35 @@ impl PyEngine {
             .map_err(|e| to_pyerr(py, e))
     }
 
+    /// Each prompt's classification as `(logits, probs)` (a `*ForSequenceClassification`
+    /// model: its `score` layer at the last token, and softmax or the logistic function of
+    /// it), on the verify-path kernels where `deterministic`, with the loaded adapter
+    /// `lora_name`.
+    #[pyo3(signature = (prompts, deterministic=true, lora_name=None))]
+    fn classify(
+        &self,
+        py: Python<'_>,
+        prompts: Vec<Vec<u32>>,
+        deterministic: bool,
+        lora_name: Option<&str>,
+    ) -> PyResult<Vec<(Vec<f32>, Vec<f32>)>> {
+        let scopes = self.scopes(py, prompts.len(), lora_name, None)?;
+        let out = self.call(py, move |e| {
+            e.with_core(move |c| c.classify(&prompts, deterministic, &scopes))
+        })?;
+        Ok(out.into_iter().map(|c| (c.logits, c.probs)).collect())
+    }
+
+    /// The labels of a classifier (`id2label`'s names in id order); `None` for a language model.
+    fn labels(&self) -> Option<Vec<String>> {
+        self.inner
+            .info()
+            .config
+            .head
+            .labels()
+            .map(<[String]>::to_vec)
+    }
+
     /// Per completion token `(token, logprob, rank, top)` given its prompt; `deterministic`
     /// runs the verify-path kernels; `lora_name`: a loaded adapter they all run with;
     /// `cache_salt`: the prefix-cache namespace their prompts' pages are read from and left in.

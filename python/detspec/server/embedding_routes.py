@@ -17,6 +17,11 @@ vLLM's scoring routes for an embedding model (a bi-encoder) run on the same embe
 ``/v2/rerank``: Jina's and Cohere's shape) ranks ``documents`` by it against ``query``. The
 similarity is summed exactly (``math.fsum``), so a deterministic score is a function of the
 two embeddings' bits only.
+
+``POST /classify`` (``/v1/classify``) is vLLM's classification API for a sequence classifier
+(a ``*ForSequenceClassification`` checkpoint: reward models, classifiers), through
+``AsyncLLM.classify``: per input the ``probs`` over the labels, the most probable ``label``,
+``num_classes``, and (detspec's addition) the raw ``logits``, a reward model's reward.
 """
 
 from __future__ import annotations
@@ -103,6 +108,12 @@ class RerankRequest(_ScoringFields):
     documents: list[str | list[P.TokenId]]
     top_n: int = Field(default=0, ge=0)
     return_documents: bool = True
+
+
+class ClassificationRequest(_ScoringFields):
+    """vLLM's ``/classify`` body (``input``'s list may mix strings and token ids)."""
+
+    input: _ScoreInputs
 
 
 def build_embedding_router(server: OpenAIServer) -> APIRouter:
@@ -192,6 +203,42 @@ def build_embedding_router(server: OpenAIServer) -> APIRouter:
             **embedded.accounting(),
         }
 
+    async def classify(req: ClassificationRequest) -> dict[str, Any]:
+        model = server.check_model(req.model)
+        inputs = _texts(req.input, "input")
+        ids = await _token_ids(server, inputs, ["input"] * len(inputs), req.add_special_tokens)
+        deterministic = req.deterministic
+        if deterministic is None:
+            deterministic = server.defaults.deterministic_by_default
+        try:
+            outs = await server.engine.classify(
+                ids, deterministic=deterministic, lora_request=server.lora_of(req.model)
+            )
+        except InvalidRequestError as e:
+            raise ApiError(400, str(e), e.param or "input") from None
+        data = [
+            {
+                "index": i,
+                "label": o.outputs.label,
+                "probs": o.outputs.probs,
+                "num_classes": len(o.outputs.probs),
+                "logits": o.outputs.logits,
+            }
+            for i, o in enumerate(outs)
+        ]
+        tokens = sum(len(p) for p in ids)
+        return {
+            "id": f"classify-{uuid.uuid4().hex}",
+            "object": "list",
+            "created": int(time.time()),
+            "model": model,
+            "data": data,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0},
+            "fingerprint": outs[0].fingerprint + server.defaults.fingerprint_suffix(),
+        }
+
+    for path in ("/classify", "/v1/classify"):
+        router.add_api_route(path, classify, methods=["POST"], responses=ERROR_RESPONSES)
     for path in ("/score", "/v1/score"):
         router.add_api_route(path, score, methods=["POST"], responses=ERROR_RESPONSES)
     for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
@@ -227,24 +274,7 @@ async def _embed(
 ) -> _Embedded:
     """Tokenizes, checks and embeds ``inputs``; an error names the field of the input at
     fault (``params``: each input's field; its position is added where it has several)."""
-    counts = {p: params.count(p) for p in params}
-    seen: dict[str, int] = {}
-    ids: list[list[int]] = []
-    for x, field_name in zip(inputs, params, strict=True):
-        k = seen[field_name] = seen.get(field_name, -1) + 1
-        param = field_name if counts[field_name] == 1 else f"{field_name}[{k}]"
-        p = await server.encode(x, add_special_tokens) if isinstance(x, str) else list(x)
-        if not p:
-            raise ApiError(400, f"{param} is empty", param)
-        if len(p) > server.max_model_len:
-            raise ApiError(
-                400,
-                f"{param} has {len(p)} tokens, over this model's maximum context length "
-                f"(max_model_len={server.max_model_len})",
-                param,
-            )
-        server.validate(p, None, param)
-        ids.append(p)
+    ids = await _token_ids(server, inputs, params, add_special_tokens)
     if deterministic is None:
         deterministic = server.defaults.deterministic_by_default
     try:
@@ -263,6 +293,33 @@ async def _embed(
         sum(len(p) for p in ids),
         outs[0].fingerprint + server.defaults.fingerprint_suffix(),
     )
+
+
+async def _token_ids(
+    server: OpenAIServer, inputs: list[str | list[int]], params: list[str], add_special_tokens: bool
+) -> list[list[int]]:
+    """Each input tokenized (or its ids) and checked: not empty, within the context, in the
+    vocabulary; an error names the input's field (``params``) and, where the field has
+    several, its position."""
+    counts = {p: params.count(p) for p in params}
+    seen: dict[str, int] = {}
+    ids: list[list[int]] = []
+    for x, field_name in zip(inputs, params, strict=True):
+        k = seen[field_name] = seen.get(field_name, -1) + 1
+        param = field_name if counts[field_name] == 1 else f"{field_name}[{k}]"
+        p = await server.encode(x, add_special_tokens) if isinstance(x, str) else list(x)
+        if not p:
+            raise ApiError(400, f"{param} is empty", param)
+        if len(p) > server.max_model_len:
+            raise ApiError(
+                400,
+                f"{param} has {len(p)} tokens, over this model's maximum context length "
+                f"(max_model_len={server.max_model_len})",
+                param,
+            )
+        server.validate(p, None, param)
+        ids.append(p)
+    return ids
 
 
 def cosine(a: list[float], b: list[float]) -> float:

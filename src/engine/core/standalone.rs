@@ -1,5 +1,6 @@
 //! Forward passes over given token sequences, outside the scheduler: logits, hidden states,
-//! scores of completions, prompt logprobs and audits of stored outputs.
+//! scores of completions, prompt logprobs, audits of stored outputs, embeddings and
+//! classifications.
 //!
 //! They run between engine steps on KV pages they take and return themselves. With
 //! `fixed = true` they use the verify-path kernels (fixed attention schedule; the CPU's packed
@@ -26,9 +27,11 @@ use crate::sampling::{self, SamplingParams};
 
 use super::EngineCore;
 
+mod classify;
 mod groups;
 mod pooling;
 
+pub use classify::Classification;
 use groups::PrefixUse;
 pub use pooling::{EmbedOptions, Pooling};
 
@@ -251,6 +254,7 @@ impl EngineCore {
     /// Per-position logits of each prompt, flattened `[len_i × vocab]`, on the verify-path
     /// kernels.
     pub fn prompt_logits(&mut self, prompts: &[Vec<u32>]) -> Result<Vec<Vec<f32>>> {
+        self.require_language_model("token logits")?;
         let wanted: Vec<Range<usize>> = prompts.iter().map(|p| 0..p.len()).collect();
         self.forward_sequences(prompts, &wanted, ForwardKind::Logits, true, &[])
     }
@@ -271,6 +275,7 @@ impl EngineCore {
         scopes: Scopes<'_>,
         visit: RowVisitor<'_>,
     ) -> Result<()> {
+        self.require_language_model("scoring completions")?;
         let mut seqs = Vec::with_capacity(pairs.len());
         let mut wanted = Vec::with_capacity(pairs.len());
         for (i, (prompt, completion)) in pairs.iter().enumerate() {
@@ -453,6 +458,7 @@ impl EngineCore {
         top_n: usize,
         scopes: Scopes<'_>,
     ) -> Result<Vec<Vec<TokenLogprobs>>> {
+        self.require_language_model("prompt logprobs")?;
         if let ScoringShape::Generation {
             prefill_rows,
             verify_rows,
@@ -522,6 +528,7 @@ impl EngineCore {
     /// request's seed and the stored tokens before it. Returns what it drew and reported per
     /// position, for the caller to compare with the stored output.
     pub fn audit(&mut self, items: &[AuditInput]) -> Result<Vec<Vec<TokenLogprobs>>> {
+        self.require_language_model("audits of generated outputs")?;
         let mut seeds = Vec::with_capacity(items.len());
         let mut params = Vec::with_capacity(items.len());
         for (i, it) in items.iter().enumerate() {

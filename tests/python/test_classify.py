@@ -1,0 +1,226 @@
+"""Sequence classifiers and reward models (``*ForSequenceClassification`` checkpoints):
+``LLM.classify`` and ``LLM.reward`` match transformers' ``logits`` and vLLM's activation
+(softmax over the labels, the logistic function of a single one); a deterministic
+classification is the same bits alone and in any company, the fast path's is not (the negative
+control); a classifier refuses to generate or score with an error naming the model, and keeps
+serving; ``POST /classify`` over real HTTP gives the in-process bits."""
+
+# ruff: noqa: F811  (pytest fixtures imported from server_fixtures)
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+import transformers
+from conftest import MAX_POSITION_EMBEDDINGS, VOCAB_SIZE
+from server_fixtures import SERVED_NAME, start_server
+
+import detspec
+
+# name -> (transformers classes, labels: id2label names, or None for transformers' default two)
+CLASSIFIERS = {
+    "llama3": (
+        transformers.LlamaConfig,
+        transformers.LlamaForSequenceClassification,
+        ["negative", "neutral", "positive"],
+    ),
+    "qwen2_reward": (
+        transformers.Qwen2Config,
+        transformers.Qwen2ForSequenceClassification,
+        ["LABEL_0"],
+    ),
+    "qwen3_default": (transformers.Qwen3Config, transformers.Qwen3ForSequenceClassification, None),
+}
+
+
+def f32_bits(xs) -> list[int]:
+    return [struct.unpack("<I", struct.pack("<f", x))[0] for x in xs]
+
+
+def build_classifier(name: str, out: Path, tokenizer_dir: Path) -> torch.nn.Module:
+    config_cls, model_cls, labels = CLASSIFIERS[name]
+    kw = {} if labels is None else {"id2label": dict(enumerate(labels))}
+    config = config_cls(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=MAX_POSITION_EMBEDDINGS,
+        initializer_range=0.15,
+        rms_norm_eps=1e-5,
+        pad_token_id=0,
+        tie_word_embeddings=name == "qwen2_reward",  # ignored by the classifier's `score`
+        **kw,
+    )
+    torch.manual_seed(len(name))
+    model = model_cls._from_config(config, attn_implementation="eager", dtype=torch.float32)
+    model.eval()
+    model.save_pretrained(out, safe_serialization=True)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (out / f).write_bytes((tokenizer_dir / f).read_bytes())
+    return model
+
+
+@pytest.fixture(scope="module")
+def classifiers(tmp_path_factory, tokenizer_dir) -> dict[str, tuple[Path, torch.nn.Module]]:
+    root = tmp_path_factory.mktemp("classifiers")
+    return {n: (root / n, build_classifier(n, root / n, tokenizer_dir)) for n in CLASSIFIERS}
+
+
+def hf_logits(model: torch.nn.Module, ids: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float().numpy()
+
+
+PROMPTS = [[5], [7, 8, 9, 10, 11, 12, 13], list(range(20, 81)), "The quick brown fox"]
+
+
+@pytest.mark.parametrize("name", sorted(CLASSIFIERS))
+def test_classify_and_reward_match_transformers(name, classifiers):
+    path, model = classifiers[name]
+    llm = detspec.LLM(str(path), max_model_len=128)
+    try:
+        labels = CLASSIFIERS[name][2] or ["LABEL_0", "LABEL_1"]
+        assert llm.labels == labels
+        out = llm.classify(PROMPTS)
+        rewards = llm.reward(PROMPTS)
+        for p, o, r in zip(PROMPTS, out, rewards, strict=True):
+            ids = llm.get_tokenizer().encode(p) if isinstance(p, str) else p
+            assert o.prompt_token_ids == ids and r.prompt_token_ids == ids
+            want = hf_logits(model, ids)
+            got = np.array(o.outputs.logits)
+            assert got.shape == (len(labels),)
+            assert np.abs(got - want).max() < 1e-5, (got, want)
+            t = torch.tensor(want, dtype=torch.float64)
+            act = torch.sigmoid(t) if len(labels) == 1 else torch.softmax(t, 0)
+            assert np.abs(np.array(o.outputs.probs) - act.numpy()).max() < 1e-5
+            assert o.outputs.label == labels[int(np.argmax(o.outputs.probs))]
+            # reward: the raw logits, bit for bit
+            assert f32_bits(r.outputs.data) == f32_bits(o.outputs.logits)
+            assert o.fingerprint == llm.fingerprint
+    finally:
+        llm.shutdown()
+
+
+def test_a_deterministic_classification_is_the_same_bits_in_any_company(classifiers):
+    path, _ = classifiers["llama3"]
+    llm = detspec.LLM(str(path), max_model_len=128, num_threads=2)
+    rng = np.random.default_rng(3)
+    target = rng.integers(3, 400, 90).tolist()
+    others = [rng.integers(3, 400, int(n)).tolist() for n in rng.integers(1, 120, 12)]
+
+    def run(deterministic: bool) -> tuple[list[int], list[list[int]]]:
+        def bits(batch):
+            o = llm.classify(batch, deterministic=deterministic)[-1].outputs
+            return f32_bits(o.logits) + f32_bits(o.probs)
+
+        return bits([target]), [bits(others[:k] + [target]) for k in (1, 4, 12)]
+
+    try:
+        alone, copies = run(True)
+        assert all(c == alone for c in copies)
+        # Negative control: the fast path's bits follow what it is computed with.
+        fast, fast_copies = run(False)
+        assert any(c != fast for c in fast_copies), "the fast path looked invariant"
+    finally:
+        llm.shutdown()
+
+
+def test_a_classifier_refuses_generation_and_scoring_and_keeps_serving(classifiers, llm_factory):
+    path, _ = classifiers["qwen2_reward"]
+    llm = detspec.LLM(str(path), max_model_len=128)
+    try:
+        for call in (
+            lambda: llm.generate([[5, 6, 7]], detspec.SamplingParams(max_tokens=2)),
+            lambda: llm.score([[5, 6, 7]], [[8, 9]]),
+            lambda: llm.prompt_logprobs([[5, 6, 7]], 1),
+        ):
+            with pytest.raises(detspec.InvalidRequestError) as e:
+                call()
+            assert e.value.param == "model", e.value
+            assert "sequence classifier" in str(e.value) and str(path) in str(e.value)
+        assert len(llm.classify([[5, 6, 7]])[0].outputs.probs) == 1  # still serving
+        assert len(llm.embed([[5, 6, 7]])[0].outputs.embedding) == 64  # the hidden state
+    finally:
+        llm.shutdown()
+    # and a language model refuses to classify, naming the model
+    lm = llm_factory("llama")
+    with pytest.raises(detspec.InvalidRequestError) as e:
+        lm.classify([[1, 2, 3]])
+    assert e.value.param == "model" and "ForSequenceClassification" in str(e.value)
+    assert lm.labels is None
+
+
+def test_bad_id2label_is_an_error_naming_the_field(classifiers, tmp_path):
+    path, _ = classifiers["llama3"]
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in path.iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["id2label"] = {"0": "a", "2": "c"}
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(detspec.ModelLoadError) as e:
+        detspec.LLM(str(bad))
+    assert "id2label" in str(e.value)
+
+
+def test_classify_over_http_is_the_in_process_bits(classifiers, tmp_path_factory):
+    path, _ = classifiers["llama3"]
+    inputs = ["Hello there", [5, 6, 7, 8], list(range(30, 70))]
+    local = detspec.LLM(str(path), max_model_len=128)
+    try:
+        want = local.classify(inputs)
+        fingerprint = local.fingerprint
+    finally:
+        local.shutdown()
+    s = start_server(tmp_path_factory, "classify", str(path), "--max-model-len", "128")
+    try:
+        for route in ("/classify", "/v1/classify"):
+            body = {"model": SERVED_NAME, "input": inputs, "deterministic": True}
+            r = httpx.post(s.base_url + route, json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            body = r.json()
+            assert body["object"] == "list" and body["id"].startswith("classify-")
+            assert body["fingerprint"].startswith(fingerprint)
+            assert body["usage"]["prompt_tokens"] == sum(len(w.prompt_token_ids) for w in want)
+            for i, (d, w) in enumerate(zip(body["data"], want, strict=True)):
+                assert d["index"] == i and d["num_classes"] == 3
+                assert d["label"] == w.outputs.label
+                assert f32_bits(d["probs"]) == f32_bits(w.outputs.probs)
+                assert f32_bits(d["logits"]) == f32_bits(w.outputs.logits)
+        one = httpx.post(
+            s.base_url + "/classify",
+            json={"input": "Hello there", "deterministic": True},
+            timeout=60,
+        )
+        assert f32_bits(one.json()["data"][0]["probs"]) == f32_bits(want[0].outputs.probs)
+        for body, param in [
+            ({"input": []}, "input"),
+            ({"input": [[1, 2], []]}, "input[1]"),
+            ({"input": [99999]}, "input"),
+            ({"model": "nope", "input": "x"}, "model"),
+        ]:
+            resp = httpx.post(s.base_url + "/v1/classify", json=body, timeout=30)
+            assert resp.status_code in (400, 404, 422), resp.text
+            assert param in resp.text, (body, resp.text)
+        # A classifier's generation routes answer 400 naming the model; it keeps serving.
+        chat = httpx.post(
+            s.base_url + "/v1/completions",
+            json={"model": SERVED_NAME, "prompt": "Hi", "max_tokens": 2},
+            timeout=30,
+        )
+        assert chat.status_code == 400 and "sequence classifier" in chat.text, chat.text
+        again = httpx.post(s.base_url + "/classify", json={"input": inputs[:1]}, timeout=60)
+        assert again.status_code == 200
+    finally:
+        rc = s.stop()
+    assert rc == 0, s.log()
