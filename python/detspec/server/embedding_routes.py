@@ -165,14 +165,7 @@ def build_embedding_router(server: OpenAIServer) -> APIRouter:
             {"index": i, "object": "score", "score": cosine(vl[i if len(vl) > 1 else 0], v)}
             for i, v in enumerate(vr)
         ]
-        return {
-            "id": f"score-{uuid.uuid4().hex}",
-            "object": "list",
-            "created": int(time.time()),
-            "model": model,
-            "data": data,
-            **embedded.accounting(),
-        }
+        return {**_listing("score", model, data), **embedded.accounting()}
 
     async def rerank(req: RerankRequest) -> dict[str, Any]:
         model = server.check_model(req.model)
@@ -228,11 +221,7 @@ def build_embedding_router(server: OpenAIServer) -> APIRouter:
         ]
         tokens = sum(len(p) for p in ids)
         return {
-            "id": f"classify-{uuid.uuid4().hex}",
-            "object": "list",
-            "created": int(time.time()),
-            "model": model,
-            "data": data,
+            **_listing("classify", model, data),
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0},
             "fingerprint": outs[0].fingerprint + server.defaults.fingerprint_suffix(),
         }
@@ -320,6 +309,17 @@ async def _token_ids(
         server.validate(p, None, param)
         ids.append(p)
     return ids
+
+
+def _listing(kind: str, model: str, data: list[dict[str, Any]]) -> dict[str, Any]:
+    """The head of vLLM's list responses (``/score``, ``/classify``)."""
+    return {
+        "id": f"{kind}-{uuid.uuid4().hex}",
+        "object": "list",
+        "created": int(time.time()),
+        "model": model,
+        "data": data,
+    }
 
 
 def cosine(a: list[float], b: list[float]) -> float:
