@@ -1,8 +1,8 @@
-"""LoRA adapters, mixtures of experts and embeddings on a CUDA GPU: parity with PEFT and
-transformers, and the determinism contract (needle in a haystack, its negative control, score
-equal to the generation's logprobs). cuBLAS picks GEMM kernels by the row count, so an expert's
-or an adapter's GEMM over a batch-dependent number of rows is where a GPU's fast path varies:
-replay must catch it, and the fixed-shape passes must not carry it."""
+"""LoRA adapters, mixtures of experts, embeddings and classifiers on a CUDA GPU: parity with
+PEFT and transformers, and the determinism contract (needle in a haystack, its negative
+control, score equal to the generation's logprobs). cuBLAS picks GEMM kernels by the row
+count, so an expert's or an adapter's GEMM over a batch-dependent number of rows is where a
+GPU's fast path varies: replay must catch it, and the fixed-shape passes must not carry it."""
 
 from __future__ import annotations
 
@@ -15,7 +15,12 @@ import peft
 import pytest
 import torch
 import transformers
-from detspec_cpu_suite_fixtures import greedy_mismatch_message, hf_greedy, top2_margin
+from detspec_cpu_suite_fixtures import (
+    build_classifier,
+    greedy_mismatch_message,
+    hf_greedy,
+    top2_margin,
+)
 from test_cuda import NEW_TOKENS, TARGET_PROMPT, bits, greedy, in_haystack, target
 
 import detspec
@@ -220,5 +225,29 @@ def test_embeddings_match_transformers_and_keep_their_bits_on_gpu(model_zoo, tok
             h = case.model.model(torch.tensor([p])).last_hidden_state[0, -1].float().numpy()
         worst = max(worst, float(np.abs(np.array(e) - h / np.linalg.norm(h)).max()))
     print(f"\n[embeddings on GPU] max |diff| against transformers {worst:.2e}")
+    assert worst < 1e-4, worst
+    llm.shutdown()
+
+
+# --------------------------------------------------------------------------- classifiers
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen2_reward"])
+def test_classifiers_match_transformers_and_keep_their_bits_on_gpu(
+    name, tokenizer_dir, token_prompts, tmp_path
+):
+    model = build_classifier(name, tmp_path / name, tokenizer_dir)
+    llm = detspec.LLM(str(tmp_path / name), device="cuda", dtype="float32", num_kv_pages=4096)
+    prompts = [p for p in token_prompts if len(p) > 1]
+    alone = [llm.classify([p])[0].outputs for p in prompts]
+    together = [o.outputs for o in llm.classify(prompts)]
+    for a, t in zip(alone, together, strict=True):
+        assert f32(a.logits) == f32(t.logits) and f32(a.probs) == f32(t.probs), "moved"
+    worst = 0.0
+    for p, a in zip(prompts, alone, strict=True):
+        with torch.no_grad():
+            want = model(torch.tensor([p])).logits[0].float().numpy()
+        worst = max(worst, float(np.abs(np.array(a.logits) - want).max()))
+    print(f"\n[{name} classifier on GPU] max |diff| against transformers {worst:.2e}")
     assert worst < 1e-4, worst
     llm.shutdown()

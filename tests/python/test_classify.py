@@ -17,56 +17,14 @@ import httpx
 import numpy as np
 import pytest
 import torch
-import transformers
-from conftest import MAX_POSITION_EMBEDDINGS, VOCAB_SIZE
+from conftest import CLASSIFIERS, build_classifier
 from server_fixtures import SERVED_NAME, start_server
 
 import detspec
 
-# name -> (transformers classes, labels: id2label names, or None for transformers' default two)
-CLASSIFIERS = {
-    "llama3": (
-        transformers.LlamaConfig,
-        transformers.LlamaForSequenceClassification,
-        ["negative", "neutral", "positive"],
-    ),
-    "qwen2_reward": (
-        transformers.Qwen2Config,
-        transformers.Qwen2ForSequenceClassification,
-        ["LABEL_0"],
-    ),
-    "qwen3_default": (transformers.Qwen3Config, transformers.Qwen3ForSequenceClassification, None),
-}
-
 
 def f32_bits(xs) -> list[int]:
     return [struct.unpack("<I", struct.pack("<f", x))[0] for x in xs]
-
-
-def build_classifier(name: str, out: Path, tokenizer_dir: Path) -> torch.nn.Module:
-    config_cls, model_cls, labels = CLASSIFIERS[name]
-    kw = {} if labels is None else {"id2label": dict(enumerate(labels))}
-    config = config_cls(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=MAX_POSITION_EMBEDDINGS,
-        initializer_range=0.15,
-        rms_norm_eps=1e-5,
-        pad_token_id=0,
-        tie_word_embeddings=name == "qwen2_reward",  # ignored by the classifier's `score`
-        **kw,
-    )
-    torch.manual_seed(len(name))
-    model = model_cls._from_config(config, attn_implementation="eager", dtype=torch.float32)
-    model.eval()
-    model.save_pretrained(out, safe_serialization=True)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        (out / f).write_bytes((tokenizer_dir / f).read_bytes())
-    return model
 
 
 @pytest.fixture(scope="module")
