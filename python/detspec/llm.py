@@ -43,6 +43,11 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._engine.encode(text, add_special_tokens)
 
+    def encode_pair(self, text: str, text_pair: str, add_special_tokens: bool = True) -> list[int]:
+        """The two texts as one sequence pair, joined by the tokenizer's pair template, as
+        transformers' ``tokenizer(text, text_pair)`` (a cross-encoder's input)."""
+        return self._engine.encode_pair(text, text_pair, add_special_tokens)
+
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._engine.decode(list(token_ids), skip_special_tokens)
 

@@ -715,6 +715,19 @@ impl PyEngine {
         })
     }
 
+    /// `first` and `second` encoded as a pair (the tokenizer's pair template).
+    fn encode_pair(
+        &self,
+        py: Python<'_>,
+        first: String,
+        second: String,
+        add_special_tokens: bool,
+    ) -> PyResult<Vec<u32>> {
+        self.call(py, move |e| {
+            tokenizer_of(e)?.encode_pair(&first, &second, add_special_tokens)
+        })
+    }
+
     fn decode(&self, py: Python<'_>, ids: Vec<u32>, skip_special_tokens: bool) -> PyResult<String> {
         self.call(py, move |e| {
             tokenizer_of(e)?.decode(&ids, skip_special_tokens)

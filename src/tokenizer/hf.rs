@@ -112,6 +112,27 @@ impl Tokenizer {
         Ok(enc.get_ids().to_vec())
     }
 
+    /// `first` and `second` as one sequence pair, joined by the tokenizer's pair template (its
+    /// post-processor's, e.g. `[CLS] a [SEP] b [SEP]`; without one, the two concatenated), as
+    /// transformers' `tokenizer(text, text_pair)` encodes a cross-encoder's input.
+    pub fn encode_pair(
+        &self,
+        first: &str,
+        second: &str,
+        add_special_tokens: bool,
+    ) -> Result<Vec<u32>> {
+        let enc = self
+            .inner
+            .encode((first, second), add_special_tokens)
+            .map_err(|e| {
+                DetspecError::Tokenizer(format!(
+                    "encoding a pair failed ({}): {e}",
+                    self.origin.display()
+                ))
+            })?;
+        Ok(enc.get_ids().to_vec())
+    }
+
     /// Decodes `ids` to text. Ids outside the vocabulary are ignored (as HuggingFace does).
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
         self.inner.decode(ids, skip_special_tokens).map_err(|e| {

@@ -138,6 +138,15 @@ def test_classify_over_http_is_the_in_process_bits(classifiers, tmp_path_factory
     try:
         want = local.classify(inputs)
         fingerprint = local.fingerprint
+        conv_ids = local.get_tokenizer().apply_chat_template(
+            [
+                {"role": "user", "content": "Is the sky blue?"},
+                {"role": "assistant", "content": "Yes, on a clear day."},
+            ],
+            add_generation_prompt=False,
+            tokenize=True,
+        )
+        conv_want = local.classify([conv_ids])[0]
     finally:
         local.shutdown()
     s = start_server(tmp_path_factory, "classify", str(path), "--max-model-len", "128")
@@ -161,6 +170,25 @@ def test_classify_over_http_is_the_in_process_bits(classifiers, tmp_path_factory
             timeout=60,
         )
         assert f32_bits(one.json()["data"][0]["probs"]) == f32_bits(want[0].outputs.probs)
+        # A conversation (what a reward model judges) is its rendered template's ids.
+        conv = [
+            {"role": "user", "content": "Is the sky blue?"},
+            {"role": "assistant", "content": "Yes, on a clear day."},
+        ]
+        chat = httpx.post(
+            s.base_url + "/v1/classify",
+            json={"messages": conv, "deterministic": True},
+            timeout=60,
+        )
+        assert chat.status_code == 200, chat.text
+        assert f32_bits(chat.json()["data"][0]["logits"]) == f32_bits(conv_want.outputs.logits)
+        both = httpx.post(s.base_url + "/classify", json={"input": "x", "messages": conv})
+        assert both.status_code in (400, 422) and "messages" in both.text
+        # A classifier of three labels is no cross-encoder: /score names the model.
+        three = httpx.post(
+            s.base_url + "/v1/score", json={"text_1": "a", "text_2": ["b"]}, timeout=30
+        )
+        assert three.status_code == 400 and "model" in three.text, three.text
         for body, param in [
             ({"input": []}, "input"),
             ({"input": [[1, 2], []]}, "input[1]"),
@@ -179,6 +207,57 @@ def test_classify_over_http_is_the_in_process_bits(classifiers, tmp_path_factory
         assert chat.status_code == 400 and "sequence classifier" in chat.text, chat.text
         again = httpx.post(s.base_url + "/classify", json={"input": inputs[:1]}, timeout=60)
         assert again.status_code == 200
+    finally:
+        rc = s.stop()
+    assert rc == 0, s.log()
+
+
+def test_a_single_label_classifier_scores_and_reranks_pairs_as_a_cross_encoder(
+    classifiers, tmp_path_factory, tmp_path
+):
+    """``/score`` and ``/rerank`` on a cross-encoder: each pair is one sequence, the texts
+    joined by the tokenizer's pair template (here ``A </s> B </s>``, the ids the ``tokenizers``
+    library gives), and its score the classifier's probability for it, bit for bit."""
+    from tokenizers import Tokenizer, processors
+
+    src, _ = classifiers["qwen2_reward"]
+    path = tmp_path / "cross"
+    path.mkdir()
+    for f in src.iterdir():
+        (path / f.name).write_bytes(f.read_bytes())
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    tok.post_processor = processors.TemplateProcessing(
+        single="$A", pair="$A </s> $B:1 </s>:1", special_tokens=[("</s>", 1)]
+    )
+    tok.save(str(path / "tokenizer.json"))
+    query = "Where does the keeper write the weather?"
+    docs = ["The keeper kept a small notebook.", "Bakers mix flour and water.", "Hello"]
+    pairs = [tok.encode(query, d).ids for d in docs]
+    assert all(p.count(1) == 2 for p in pairs)  # the template's separators are there
+    local = detspec.LLM(str(path), max_model_len=128)
+    try:
+        assert local.get_tokenizer().encode_pair(query, docs[0]) == pairs[0]
+        want = [o.outputs.probs[0] for o in local.classify(pairs)]
+    finally:
+        local.shutdown()
+    s = start_server(tmp_path_factory, "cross", str(path), "--max-model-len", "128")
+    try:
+
+        def post(route: str, body: dict) -> httpx.Response:
+            body = {"model": SERVED_NAME, "deterministic": True, **body}
+            return httpx.post(s.base_url + route, json=body, timeout=60)
+
+        r = post("/v1/score", {"text_1": query, "text_2": docs})
+        assert r.status_code == 200, r.text
+        assert [f32_bits([x["score"]]) for x in r.json()["data"]] == [f32_bits([w]) for w in want]
+        ids = post("/score", {"text_1": [pairs[0][:3]], "text_2": [pairs[0][3:]]}).json()
+        assert f32_bits([ids["data"][0]["score"]]) == f32_bits(want[:1])  # ids concatenated
+        rr = post("/v1/rerank", {"query": query, "documents": docs, "top_n": 2}).json()
+        best = sorted(range(3), key=lambda i: (-want[i], i))[:2]
+        assert [x["index"] for x in rr["results"]] == best
+        assert [x["relevance_score"] for x in rr["results"]] == [want[i] for i in best]
+        mixed = post("/v1/score", {"text_1": query, "text_2": [[5, 6]]})
+        assert mixed.status_code == 400 and "text_2" in mixed.text
     finally:
         rc = s.stop()
     assert rc == 0, s.log()

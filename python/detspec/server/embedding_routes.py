@@ -16,12 +16,16 @@ vLLM's scoring routes for an embedding model (a bi-encoder) run on the same embe
 ``data_1`` and ``data_2``; one against many, or pairwise), ``POST /rerank`` (``/v1/rerank``,
 ``/v2/rerank``: Jina's and Cohere's shape) ranks ``documents`` by it against ``query``. The
 similarity is summed exactly (``math.fsum``), so a deterministic score is a function of the
-two embeddings' bits only.
+two embeddings' bits only. On a single-label sequence classifier (a cross-encoder) the same
+routes score each pair as one sequence (the texts joined by the tokenizer's pair template):
+the classifier's probability.
 
 ``POST /classify`` (``/v1/classify``) is vLLM's classification API for a sequence classifier
 (a ``*ForSequenceClassification`` checkpoint: reward models, classifiers), through
 ``AsyncLLM.classify``: per input the ``probs`` over the labels, the most probable ``label``,
-``num_classes``, and (detspec's addition) the raw ``logits``, a reward model's reward.
+``num_classes``, and (detspec's addition) the raw ``logits``, a reward model's reward. A
+conversation in ``messages`` (rendered with the chat template, no generation prompt unless
+``add_generation_prompt``) is classified as one input, as a reward model scores a response.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from detspec.server import protocol as P
 from detspec.server.errors import ERROR_RESPONSES, ApiError
 
 if TYPE_CHECKING:
+    from detspec.outputs import ClassificationRequestOutput
     from detspec.server.serving import OpenAIServer
 
 
@@ -111,9 +116,20 @@ class RerankRequest(_ScoringFields):
 
 
 class ClassificationRequest(_ScoringFields):
-    """vLLM's ``/classify`` body (``input``'s list may mix strings and token ids)."""
+    """vLLM's ``/classify`` body: ``input`` (a list may mix strings and token ids), or one
+    conversation in ``messages`` rendered with the chat template (what a reward model scores:
+    the prompt and the response to judge)."""
 
-    input: _ScoreInputs
+    input: _ScoreInputs | None = None
+    messages: list[P.ChatMessage] | None = None
+    add_generation_prompt: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _one_input(self) -> ClassificationRequest:
+        if (self.input is None) == (self.messages is None):
+            raise ValueError("send `input` or `messages`, not both")
+        return self
 
 
 def build_embedding_router(server: OpenAIServer) -> APIRouter:
@@ -156,26 +172,21 @@ def build_embedding_router(server: OpenAIServer) -> APIRouter:
                 f"{first} for every {second}, or a single {first}",
                 first,
             )
-        embedded = await _embed(
-            server, req.model, lefts + rights, [first] * len(lefts) + [second] * len(rights),
-            deterministic=req.deterministic, add_special_tokens=req.add_special_tokens,
+        scores, accounting = await _pair_scores(
+            server, req.model, lefts, rights, (first, second), req.deterministic,
+            req.add_special_tokens,
         )  # fmt: skip
-        vl, vr = embedded.vectors[: len(lefts)], embedded.vectors[len(lefts) :]
-        data = [
-            {"index": i, "object": "score", "score": cosine(vl[i if len(vl) > 1 else 0], v)}
-            for i, v in enumerate(vr)
-        ]
-        return {**_listing("score", model, data), **embedded.accounting()}
+        data = [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)]
+        return {**_listing("score", model, data), **accounting}
 
     async def rerank(req: RerankRequest) -> dict[str, Any]:
         model = server.check_model(req.model)
         docs = _texts(req.documents, "documents")
-        embedded = await _embed(
-            server, req.model, [req.query, *docs], ["query"] + ["documents"] * len(docs),
-            deterministic=req.deterministic, add_special_tokens=req.add_special_tokens,
+        scores, accounting = await _pair_scores(
+            server, req.model, [req.query], docs, ("query", "documents"), req.deterministic,
+            req.add_special_tokens,
         )  # fmt: skip
-        query, vectors = embedded.vectors[0], embedded.vectors[1:]
-        scored = [(cosine(query, v), i) for i, v in enumerate(vectors)]
+        scored = [(s, i) for i, s in enumerate(scores)]
         scored.sort(key=lambda si: (-si[0], si[1]))  # best first; ties by position
         if req.top_n > 0:
             scored = scored[: req.top_n]
@@ -193,22 +204,20 @@ def build_embedding_router(server: OpenAIServer) -> APIRouter:
             "id": f"rerank-{uuid.uuid4().hex}",
             "model": model,
             "results": results,
-            **embedded.accounting(),
+            **accounting,
         }
 
     async def classify(req: ClassificationRequest) -> dict[str, Any]:
         model = server.check_model(req.model)
-        inputs = _texts(req.input, "input")
-        ids = await _token_ids(server, inputs, ["input"] * len(inputs), req.add_special_tokens)
-        deterministic = req.deterministic
-        if deterministic is None:
-            deterministic = server.defaults.deterministic_by_default
-        try:
-            outs = await server.engine.classify(
-                ids, deterministic=deterministic, lora_request=server.lora_of(req.model)
+        if req.messages is not None:
+            rendered = await server.render_chat(
+                req.messages, req.add_generation_prompt, req.chat_template_kwargs
             )
-        except InvalidRequestError as e:
-            raise ApiError(400, str(e), e.param or "input") from None
+            ids = await _token_ids(server, [rendered], ["messages"], False)
+        else:
+            inputs = _texts(req.input, "input")
+            ids = await _token_ids(server, inputs, ["input"] * len(inputs), req.add_special_tokens)
+        outs, accounting = await _classify(server, req.model, ids, req.deterministic, "input")
         data = [
             {
                 "index": i,
@@ -219,12 +228,7 @@ def build_embedding_router(server: OpenAIServer) -> APIRouter:
             }
             for i, o in enumerate(outs)
         ]
-        tokens = sum(len(p) for p in ids)
-        return {
-            **_listing("classify", model, data),
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0},
-            "fingerprint": outs[0].fingerprint + server.defaults.fingerprint_suffix(),
-        }
+        return {**_listing("classify", model, data), **accounting}
 
     for path in ("/classify", "/v1/classify"):
         router.add_api_route(path, classify, methods=["POST"], responses=ERROR_RESPONSES)
@@ -245,8 +249,7 @@ class _Embedded:
 
     def accounting(self) -> dict[str, Any]:
         """The response fields every route built on embeddings ends with."""
-        usage = {"prompt_tokens": self.tokens, "total_tokens": self.tokens}
-        return {"usage": usage, "fingerprint": self.fingerprint}
+        return _accounting(self.tokens, self.fingerprint)
 
 
 async def _embed(
@@ -284,6 +287,71 @@ async def _embed(
     )
 
 
+async def _pair_scores(
+    server: OpenAIServer,
+    model: str | None,
+    lefts: list[str | list[int]],
+    rights: list[str | list[int]],
+    names: tuple[str, str],
+    deterministic: bool | None,
+    add_special_tokens: bool,
+) -> tuple[list[float], dict[str, Any]]:
+    """The score of each pair (``lefts[i]``, or the single left, with ``rights[i]``) and the
+    response's usage and fingerprint. An embedding model (a bi-encoder): the cosine of the two
+    embeddings. A sequence classifier of one label (a cross-encoder): its probability for the
+    pair as one sequence, the texts joined by the tokenizer's pair template (token ids: the
+    two concatenated)."""
+    labels = server.engine.labels
+    if labels is None:
+        embedded = await _embed(
+            server, model, lefts + rights, [names[0]] * len(lefts) + [names[1]] * len(rights),
+            deterministic=deterministic, add_special_tokens=add_special_tokens,
+        )  # fmt: skip
+        vl, vr = embedded.vectors[: len(lefts)], embedded.vectors[len(lefts) :]
+        scores = [cosine(vl[i if len(vl) > 1 else 0], v) for i, v in enumerate(vr)]
+        return scores, embedded.accounting()
+    if len(labels) != 1:
+        raise ApiError(
+            400,
+            f"this model classifies into {len(labels)} labels: scoring pairs needs a "
+            "cross-encoder (one label) or an embedding model",
+            "model",
+        )
+    joined: list[str | list[int]] = []
+    for i, right in enumerate(rights):
+        left = lefts[i if len(lefts) > 1 else 0]
+        if isinstance(left, str) and isinstance(right, str):
+            joined.append(await server.encode_pair(left, right, add_special_tokens))
+        elif isinstance(left, list) and isinstance(right, list):
+            joined.append(left + right)
+        else:
+            raise ApiError(400, "send both sides of a pair as text or both as token ids", names[1])
+    ids = await _token_ids(server, joined, [names[1]] * len(joined), add_special_tokens)
+    outs, accounting = await _classify(server, model, ids, deterministic, names[1])
+    return [o.outputs.probs[0] for o in outs], accounting
+
+
+async def _classify(
+    server: OpenAIServer,
+    model: str | None,
+    ids: list[list[int]],
+    deterministic: bool | None,
+    param: str,
+) -> tuple[list[ClassificationRequestOutput], dict[str, Any]]:
+    """The classifications of checked inputs and the response's usage and fingerprint; an
+    engine error names ``param`` where it names no field of its own."""
+    if deterministic is None:
+        deterministic = server.defaults.deterministic_by_default
+    try:
+        outs = await server.engine.classify(
+            ids, deterministic=deterministic, lora_request=server.lora_of(model)
+        )
+    except InvalidRequestError as e:
+        raise ApiError(400, str(e), e.param or param) from None
+    fingerprint = outs[0].fingerprint + server.defaults.fingerprint_suffix()
+    return outs, _accounting(ids, fingerprint)
+
+
 async def _token_ids(
     server: OpenAIServer, inputs: list[str | list[int]], params: list[str], add_special_tokens: bool
 ) -> list[list[int]]:
@@ -309,6 +377,13 @@ async def _token_ids(
         server.validate(p, None, param)
         ids.append(p)
     return ids
+
+
+def _accounting(tokens: int | list[list[int]], fingerprint: str) -> dict[str, Any]:
+    """The tail of these routes' responses: prompt tokens (a count, or the inputs' ids) and the
+    fingerprint of the numbers."""
+    n = tokens if isinstance(tokens, int) else sum(len(p) for p in tokens)
+    return {"usage": {"prompt_tokens": n, "total_tokens": n}, "fingerprint": fingerprint}
 
 
 def _listing(kind: str, model: str, data: list[dict[str, Any]]) -> dict[str, Any]:

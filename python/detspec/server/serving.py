@@ -372,6 +372,17 @@ class OpenAIServer:
         except InvalidRequestError as e:
             raise invalid(e, "prompt") from None
 
+    async def encode_pair(self, text: str, text_pair: str, add_special_tokens: bool) -> list[int]:
+        """A cross-encoder's input: the two texts joined by the tokenizer's pair template."""
+        if self.tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer: send token ids", "text_1")
+        try:
+            return await asyncio.to_thread(
+                self.tokenizer.encode_pair, text, text_pair, add_special_tokens
+            )
+        except InvalidRequestError as e:
+            raise invalid(e, "text_1") from None
+
     async def render_chat(
         self,
         messages: list[P.ChatMessage],
