@@ -9,6 +9,7 @@ serving; ``POST /classify`` over real HTTP gives the in-process bits."""
 
 from __future__ import annotations
 
+import copy
 import json
 import struct
 from pathlib import Path
@@ -64,6 +65,27 @@ def test_classify_and_reward_match_transformers(name, classifiers):
             # reward: the raw logits, bit for bit
             assert f32_bits(r.outputs.data) == f32_bits(o.outputs.logits)
             assert o.fingerprint == llm.fingerprint
+    finally:
+        llm.shutdown()
+
+
+def test_a_classifiers_score_layer_updates_by_its_hf_name(classifiers):
+    path, model = classifiers["llama3"]
+    llm = detspec.LLM(str(path), max_model_len=128)
+    try:
+        before = llm.fingerprint
+        new = torch.randn(3, 64, generator=torch.Generator().manual_seed(9))
+        llm.update_weights([("score.weight", new)])
+        ref = copy.deepcopy(model)
+        with torch.no_grad():
+            ref.score.weight.copy_(new)
+        got = np.array(llm.classify([[5, 6, 7, 8]])[0].outputs.logits)
+        assert np.allclose(got, hf_logits(ref, [5, 6, 7, 8]), rtol=1e-5, atol=1e-5)
+        assert llm.fingerprint != before
+        # a classifier has no lm_head: the name is refused, nothing changes
+        with pytest.raises(detspec.InvalidRequestError) as e:
+            llm.update_weights([("lm_head.weight", torch.zeros(512, 64))])
+        assert "lm_head.weight" in str(e.value)
     finally:
         llm.shutdown()
 
