@@ -9,6 +9,7 @@ serving; ``POST /classify`` over real HTTP gives the in-process bits."""
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
 import struct
@@ -206,6 +207,24 @@ def test_classify_over_http_is_the_in_process_bits(classifiers, tmp_path_factory
         assert f32_bits(chat.json()["data"][0]["logits"]) == f32_bits(conv_want.outputs.logits)
         both = httpx.post(s.base_url + "/classify", json={"input": "x", "messages": conv})
         assert both.status_code in (400, 422) and "messages" in both.text
+        # vLLM's pooling API: a classifier's raw logits, as floats or base64 float32 bytes.
+        pooled = httpx.post(
+            s.base_url + "/pooling",
+            json={"input": inputs, "deterministic": True},
+            timeout=60,
+        ).json()
+        assert pooled["object"] == "list" and pooled["id"].startswith("pool-")
+        assert [d["object"] for d in pooled["data"]] == ["pooling"] * 3
+        assert [f32_bits(d["data"]) for d in pooled["data"]] == [
+            f32_bits(w.outputs.logits) for w in want
+        ]
+        packed = httpx.post(
+            s.base_url + "/pooling",
+            json={"input": inputs[:1], "deterministic": True, "encoding_format": "base64"},
+            timeout=60,
+        ).json()["data"][0]["data"]
+        raw = base64.b64decode(packed)
+        assert list(struct.unpack(f"<{len(raw) // 4}I", raw)) == f32_bits(want[0].outputs.logits)
         # A classifier of three labels is no cross-encoder: /score names the model.
         three = httpx.post(
             s.base_url + "/v1/score", json={"text_1": "a", "text_2": ["b"]}, timeout=30

@@ -119,6 +119,13 @@ def test_embeddings_over_http_with_the_openai_client(server, demo_model_dir):
     assert [f32_bits(g) for g in got] == [f32_bits(w) for w in want]
     card = c.models.list().data[0]
     assert r.model_extra["fingerprint"] == card.model_extra["fingerprint"]
+    # vLLM's pooling API on a language model: the same embeddings
+    pooled = httpx.post(
+        server.base_url + "/pooling",
+        json={"model": SERVED_NAME, "input": inputs, "deterministic": True},
+        timeout=60,
+    ).json()
+    assert [f32_bits(d["data"]) for d in pooled["data"]] == [f32_bits(g) for g in got]
     cut = c.embeddings.create(model=SERVED_NAME, input="hello there", dimensions=8)
     assert len(cut.data[0].embedding) == 8
     assert abs(float(np.linalg.norm(cut.data[0].embedding)) - 1) < 1e-6

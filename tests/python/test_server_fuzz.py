@@ -76,7 +76,7 @@ def test_no_server_errors(fuzz_server, mode) -> None:
     print(mode, {k: dict(v) for k, v in seen.items()})
     for want in ("POST /v1/completions", "POST /v1/chat/completions", "POST /tokenize",
                  "POST /generate", "POST /v1/responses", "POST /v1/embeddings",
-                 "POST /v1/load_lora_adapter", "POST /v1/classify"):  # fmt: skip
+                 "POST /v1/load_lora_adapter", "POST /v1/classify", "POST /pooling"):  # fmt: skip
         assert want in seen, seen
     if mode is GenerationMode.POSITIVE:
         # schema-valid requests do reach generation (not all of them are refused). Over the

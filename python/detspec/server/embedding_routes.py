@@ -23,7 +23,9 @@ the classifier's probability.
 ``POST /classify`` (``/v1/classify``) is vLLM's classification API for a sequence classifier
 (a ``*ForSequenceClassification`` checkpoint: reward models, classifiers), through
 ``AsyncLLM.classify``: per input the ``probs`` over the labels, the most probable ``label``,
-``num_classes``, and (detspec's addition) the raw ``logits``, a reward model's reward. A
+``num_classes``, and (detspec's addition) the raw ``logits``, a reward model's reward.
+``POST /pooling`` (vLLM's pooling API) answers the raw output per input: a classifier's
+logits (a reward model's reward), or an embedding model's embedding. A
 conversation in ``messages`` (rendered with the chat template, no generation prompt unless
 ``add_generation_prompt``) is classified as one input, as a reward model scores a response.
 """
@@ -132,6 +134,12 @@ class ClassificationRequest(_ScoringFields):
         return self
 
 
+class PoolingRequest(ClassificationRequest):
+    """vLLM's ``/pooling`` body: ``classify``'s inputs, and ``encoding_format``."""
+
+    encoding_format: Literal["float", "base64"] = "float"
+
+
 def build_embedding_router(server: OpenAIServer) -> APIRouter:
     router = APIRouter()
 
@@ -209,14 +217,7 @@ def build_embedding_router(server: OpenAIServer) -> APIRouter:
 
     async def classify(req: ClassificationRequest) -> dict[str, Any]:
         model = server.check_model(req.model)
-        if req.messages is not None:
-            rendered = await server.render_chat(
-                req.messages, req.add_generation_prompt, req.chat_template_kwargs
-            )
-            ids = await _token_ids(server, [rendered], ["messages"], False)
-        else:
-            inputs = _texts(req.input, "input")
-            ids = await _token_ids(server, inputs, ["input"] * len(inputs), req.add_special_tokens)
+        ids = await _classified_ids(server, req)
         outs, accounting = await _classify(server, req.model, ids, req.deterministic, "input")
         data = [
             {
@@ -229,6 +230,27 @@ def build_embedding_router(server: OpenAIServer) -> APIRouter:
             for i, o in enumerate(outs)
         ]
         return {**_listing("classify", model, data), **accounting}
+
+    @router.post("/pooling", responses=ERROR_RESPONSES)
+    async def pooling(req: PoolingRequest) -> dict[str, Any]:
+        """A reward model's raw output (a classifier's logits), or an embedding model's
+        embedding, as vLLM's pooling API answers for each kind."""
+        model = server.check_model(req.model)
+        ids = await _classified_ids(server, req)
+        if server.engine.labels is None:
+            embedded = await _embed(
+                server, req.model, list(ids), ["input"] * len(ids),
+                deterministic=req.deterministic, add_special_tokens=req.add_special_tokens,
+            )  # fmt: skip
+            rows, accounting = embedded.vectors, embedded.accounting()
+        else:
+            outs, accounting = await _classify(server, req.model, ids, req.deterministic, "input")
+            rows = [o.outputs.logits for o in outs]
+        data = [
+            {"index": i, "object": "pooling", "data": _encode(v, req.encoding_format)}
+            for i, v in enumerate(rows)
+        ]
+        return {**_listing("pool", model, data), **accounting}
 
     for path in ("/classify", "/v1/classify"):
         router.add_api_route(path, classify, methods=["POST"], responses=ERROR_RESPONSES)
@@ -329,6 +351,18 @@ async def _pair_scores(
     ids = await _token_ids(server, joined, [names[1]] * len(joined), add_special_tokens)
     outs, accounting = await _classify(server, model, ids, deterministic, names[1])
     return [o.outputs.probs[0] for o in outs], accounting
+
+
+async def _classified_ids(server: OpenAIServer, req: ClassificationRequest) -> list[list[int]]:
+    """A classification request's inputs as checked token ids: each of ``input``, or the one
+    conversation in ``messages`` rendered with the chat template."""
+    if req.messages is not None:
+        rendered = await server.render_chat(
+            req.messages, req.add_generation_prompt, req.chat_template_kwargs
+        )
+        return await _token_ids(server, [rendered], ["messages"], False)
+    inputs = _texts(req.input, "input")
+    return await _token_ids(server, inputs, ["input"] * len(inputs), req.add_special_tokens)
 
 
 async def _classify(
