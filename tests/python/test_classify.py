@@ -225,6 +225,24 @@ def test_classify_over_http_is_the_in_process_bits(classifiers, tmp_path_factory
         ).json()["data"][0]["data"]
         raw = base64.b64decode(packed)
         assert list(struct.unpack(f"<{len(raw) // 4}I", raw)) == f32_bits(want[0].outputs.logits)
+
+        # SGLang's reward-model body and answer: `text` / `input_ids` -> `embedding` (logits).
+        def sglang(body: dict) -> dict | list:
+            r = httpx.post(s.base_url + "/classify", json={**body, "deterministic": True})
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        one_text = sglang({"text": inputs[0]})
+        assert f32_bits(one_text["embedding"]) == f32_bits(want[0].outputs.logits)
+        assert one_text["meta_info"]["prompt_tokens"] == len(want[0].prompt_token_ids)
+        texts = sglang({"text": [inputs[0]]})
+        assert isinstance(texts, list) and texts[0]["embedding"] == one_text["embedding"]
+        one_ids = sglang({"input_ids": inputs[1]})
+        assert f32_bits(one_ids["embedding"]) == f32_bits(want[1].outputs.logits)
+        many_ids = sglang({"input_ids": inputs[1:]})
+        assert [f32_bits(x["embedding"]) for x in many_ids] == [
+            f32_bits(w.outputs.logits) for w in want[1:]
+        ]
         # A classifier of three labels is no cross-encoder: /score names the model.
         three = httpx.post(
             s.base_url + "/v1/score", json={"text_1": "a", "text_2": ["b"]}, timeout=30

@@ -23,7 +23,9 @@ the classifier's probability.
 ``POST /classify`` (``/v1/classify``) is vLLM's classification API for a sequence classifier
 (a ``*ForSequenceClassification`` checkpoint: reward models, classifiers), through
 ``AsyncLLM.classify``: per input the ``probs`` over the labels, the most probable ``label``,
-``num_classes``, and (detspec's addition) the raw ``logits``, a reward model's reward.
+``num_classes``, and (detspec's addition) the raw ``logits``, a reward model's reward. A body
+in SGLang's shape (``text`` or ``input_ids``) is answered in SGLang's: per input
+``{"embedding": logits, "meta_info"}``.
 ``POST /pooling`` (vLLM's pooling API) answers the raw output per input: a classifier's
 logits (a reward model's reward), or an embedding model's embedding. A
 conversation in ``messages`` (rendered with the chat template, no generation prompt unless
@@ -120,18 +122,29 @@ class RerankRequest(_ScoringFields):
 class ClassificationRequest(_ScoringFields):
     """vLLM's ``/classify`` body: ``input`` (a list may mix strings and token ids), or one
     conversation in ``messages`` rendered with the chat template (what a reward model scores:
-    the prompt and the response to judge)."""
+    the prompt and the response to judge); or SGLang's, for its reward-model route: ``text``
+    (a string or strings) or ``input_ids`` (ids or lists of them)."""
 
     input: _ScoreInputs | None = None
     messages: list[P.ChatMessage] | None = None
     add_generation_prompt: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    text: str | list[str] | None = None
+    input_ids: list[P.TokenId] | list[list[P.TokenId]] | None = None
 
     @model_validator(mode="after")
     def _one_input(self) -> ClassificationRequest:
-        if (self.input is None) == (self.messages is None):
-            raise ValueError("send `input` or `messages`, not both")
+        sent = [f for f in _CLASSIFY_INPUTS if getattr(self, f) is not None]
+        if len(sent) != 1:
+            raise ValueError(f"send one of {', '.join(_CLASSIFY_INPUTS)}")
         return self
+
+    def sglang(self) -> bool:
+        """Whether the body is SGLang's (``text`` or ``input_ids``), answered in its shape."""
+        return self.text is not None or self.input_ids is not None
+
+
+_CLASSIFY_INPUTS = ("input", "messages", "text", "input_ids")
 
 
 class PoolingRequest(ClassificationRequest):
@@ -215,10 +228,28 @@ def build_embedding_router(server: OpenAIServer) -> APIRouter:
             **accounting,
         }
 
-    async def classify(req: ClassificationRequest) -> dict[str, Any]:
+    async def classify(req: ClassificationRequest) -> dict[str, Any] | list[dict[str, Any]]:
         model = server.check_model(req.model)
         ids = await _classified_ids(server, req)
         outs, accounting = await _classify(server, req.model, ids, req.deterministic, "input")
+        if req.sglang():
+            # SGLang's reward-model answer: per input the raw output as `embedding`; one
+            # object for a single string (or flat ids), else a list.
+            items = [
+                {
+                    "embedding": o.outputs.logits,
+                    "meta_info": {
+                        "id": o.request_id,
+                        "prompt_tokens": len(p),
+                        "fingerprint": accounting["fingerprint"],
+                    },
+                }
+                for o, p in zip(outs, ids, strict=True)
+            ]
+            single = isinstance(req.text, str) or (
+                req.input_ids is not None and all(isinstance(x, int) for x in req.input_ids)
+            )
+            return items[0] if single else items
         data = [
             {
                 "index": i,
@@ -361,8 +392,9 @@ async def _classified_ids(server: OpenAIServer, req: ClassificationRequest) -> l
             req.messages, req.add_generation_prompt, req.chat_template_kwargs
         )
         return await _token_ids(server, [rendered], ["messages"], False)
-    inputs = _texts(req.input, "input")
-    return await _token_ids(server, inputs, ["input"] * len(inputs), req.add_special_tokens)
+    field = next(f for f in ("input", "text", "input_ids") if getattr(req, f) is not None)
+    inputs = _texts(getattr(req, field), field)
+    return await _token_ids(server, inputs, [field] * len(inputs), req.add_special_tokens)
 
 
 async def _classify(
