@@ -160,26 +160,26 @@ def build_embedding_router(server: OpenAIServer) -> APIRouter:
     async def embeddings(req: EmbeddingRequest) -> dict[str, Any]:
         model = server.check_model(req.model)
         inputs = _texts(req.input, "input")
-        embedded = await _embed(
+        ids = await _token_ids(server, inputs, ["input"] * len(inputs), req.add_special_tokens)
+        vectors, accounting = await _embed(
             server,
             req.model,
-            inputs,
-            ["input"] * len(inputs),
-            deterministic=req.deterministic,
-            add_special_tokens=req.add_special_tokens,
+            ids,
+            req.deterministic,
+            "input",
             pooling=req.pooling,
             dimensions=req.dimensions,
             normalize=req.normalize,
         )
         data = [
             {"object": "embedding", "index": i, "embedding": _encode(v, req.encoding_format)}
-            for i, v in enumerate(embedded.vectors)
+            for i, v in enumerate(vectors)
         ]
         return {
             "object": "list",
             "data": data,
             "model": model,
-            **embedded.accounting(),
+            **accounting,
         }
 
     async def score(req: ScoreRequest) -> dict[str, Any]:
@@ -269,11 +269,7 @@ def build_embedding_router(server: OpenAIServer) -> APIRouter:
         model = server.check_model(req.model)
         ids = await _classified_ids(server, req)
         if server.engine.labels is None:
-            embedded = await _embed(
-                server, req.model, list(ids), ["input"] * len(ids),
-                deterministic=req.deterministic, add_special_tokens=req.add_special_tokens,
-            )  # fmt: skip
-            rows, accounting = embedded.vectors, embedded.accounting()
+            rows, accounting = await _embed(server, req.model, ids, req.deterministic, "input")
         else:
             outs, accounting = await _classify(server, req.model, ids, req.deterministic, "input")
             rows = [o.outputs.logits for o in outs]
@@ -292,34 +288,19 @@ def build_embedding_router(server: OpenAIServer) -> APIRouter:
     return router
 
 
-class _Embedded:
-    """Embeddings of a request's inputs, in order, with their token count and fingerprint."""
-
-    def __init__(self, vectors: list[list[float]], tokens: int, fingerprint: str) -> None:
-        self.vectors = vectors
-        self.tokens = tokens
-        self.fingerprint = fingerprint
-
-    def accounting(self) -> dict[str, Any]:
-        """The response fields every route built on embeddings ends with."""
-        return _accounting(self.tokens, self.fingerprint)
-
-
 async def _embed(
     server: OpenAIServer,
     model: str | None,
-    inputs: list[str | list[int]],
-    params: list[str],
-    *,
+    ids: list[list[int]],
     deterministic: bool | None,
-    add_special_tokens: bool,
+    param: str,
+    *,
     pooling: str = "last",
     dimensions: int | None = None,
     normalize: bool = True,
-) -> _Embedded:
-    """Tokenizes, checks and embeds ``inputs``; an error names the field of the input at
-    fault (``params``: each input's field; its position is added where it has several)."""
-    ids = await _token_ids(server, inputs, params, add_special_tokens)
+) -> tuple[list[list[float]], dict[str, Any]]:
+    """The embeddings of checked inputs (``_token_ids``) and the response's usage and
+    fingerprint; an engine error names ``param`` where it names no field of its own."""
     if deterministic is None:
         deterministic = server.defaults.deterministic_by_default
     try:
@@ -332,12 +313,8 @@ async def _embed(
             lora_request=server.lora_of(model),
         )
     except InvalidRequestError as e:
-        raise ApiError(400, str(e), e.param or params[0]) from None
-    return _Embedded(
-        [o.outputs.embedding for o in outs],
-        sum(len(p) for p in ids),
-        outs[0].fingerprint + server.defaults.fingerprint_suffix(),
-    )
+        raise ApiError(400, str(e), e.param or param) from None
+    return [o.outputs.embedding for o in outs], _accounting(server, ids, outs[0].fingerprint)
 
 
 async def _pair_scores(
@@ -356,13 +333,12 @@ async def _pair_scores(
     two concatenated)."""
     labels = server.engine.labels
     if labels is None:
-        embedded = await _embed(
-            server, model, lefts + rights, [names[0]] * len(lefts) + [names[1]] * len(rights),
-            deterministic=deterministic, add_special_tokens=add_special_tokens,
-        )  # fmt: skip
-        vl, vr = embedded.vectors[: len(lefts)], embedded.vectors[len(lefts) :]
+        params = [names[0]] * len(lefts) + [names[1]] * len(rights)
+        ids = await _token_ids(server, lefts + rights, params, add_special_tokens)
+        vectors, accounting = await _embed(server, model, ids, deterministic, names[0])
+        vl, vr = vectors[: len(lefts)], vectors[len(lefts) :]
         scores = [cosine(vl[i if len(vl) > 1 else 0], v) for i, v in enumerate(vr)]
-        return scores, embedded.accounting()
+        return scores, accounting
     if len(labels) != 1:
         raise ApiError(
             400,
@@ -414,8 +390,7 @@ async def _classify(
         )
     except InvalidRequestError as e:
         raise ApiError(400, str(e), e.param or param) from None
-    fingerprint = outs[0].fingerprint + server.defaults.fingerprint_suffix()
-    return outs, _accounting(ids, fingerprint)
+    return outs, _accounting(server, ids, outs[0].fingerprint)
 
 
 async def _token_ids(
@@ -445,11 +420,12 @@ async def _token_ids(
     return ids
 
 
-def _accounting(tokens: int | list[list[int]], fingerprint: str) -> dict[str, Any]:
-    """The tail of these routes' responses: prompt tokens (a count, or the inputs' ids) and the
-    fingerprint of the numbers."""
-    n = tokens if isinstance(tokens, int) else sum(len(p) for p in tokens)
-    return {"usage": {"prompt_tokens": n, "total_tokens": n}, "fingerprint": fingerprint}
+def _accounting(server: OpenAIServer, ids: list[list[int]], fingerprint: str) -> dict[str, Any]:
+    """The tail of these routes' responses: the inputs' prompt tokens and the server's
+    fingerprint of the numbers (the engine's ``fingerprint`` and the server's suffix)."""
+    n = sum(len(p) for p in ids)
+    usage = {"prompt_tokens": n, "total_tokens": n}
+    return {"usage": usage, "fingerprint": fingerprint + server.defaults.fingerprint_suffix()}
 
 
 def _listing(kind: str, model: str, data: list[dict[str, Any]]) -> dict[str, Any]:
