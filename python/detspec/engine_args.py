@@ -87,7 +87,8 @@ ENGINE_SETTINGS: tuple[EngineSetting, ...] = (
         "max_model_len",
         int,
         None,
-        "longest prompt + output (default: the model's max_position_embeddings)",
+        "longest prompt + output (default: the model's context, its max_position_embeddings "
+        "or, under YaRN, the original context times the factor)",
         optional=True,
     ),
     EngineSetting(

@@ -6,6 +6,7 @@ mod head;
 pub(crate) mod json;
 mod model_config;
 mod moe_config;
+mod rope;
 
 pub use device::{cuda_device_count, device_label, device_memory, DeviceSpec};
 pub use engine_config::{
@@ -13,5 +14,6 @@ pub use engine_config::{
     DEFAULT_KV_CACHE_BYTES,
 };
 pub use head::Head;
-pub use model_config::{Architecture, ModelConfig, RopeConfig, RopeScaling};
+pub use model_config::{Architecture, ModelConfig};
 pub use moe_config::{ExpertNaming, MoeConfig};
+pub use rope::{RopeConfig, RopeScaling};

@@ -1,8 +1,6 @@
 //! Hugging Face `config.json` for the Llama family (Llama, Mistral, Qwen2, Qwen3) and its
-//! mixture-of-experts relatives (Qwen2-MoE, Qwen3-MoE, Mixtral).
-//!
-//! Both the classic `rope_theta`/`rope_scaling` keys and the newer `rope_parameters` form are
-//! accepted, because checkpoints saved by different `transformers` versions use either.
+//! mixture-of-experts relatives (Qwen2-MoE, Qwen3-MoE, Mixtral). The rotary settings are
+//! read by [`super::rope`].
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -13,6 +11,7 @@ use serde_json::Value;
 use super::head::Head;
 use super::json::{parse_json, TokenIds};
 use super::moe_config::{ExpertNaming, MoeConfig, RawMoe};
+use super::rope::{RawRope, RopeConfig};
 use crate::error::{DetspecError, Result};
 
 /// Architectures detspec implements; all share one decoder with small switches.
@@ -66,30 +65,6 @@ impl Architecture {
             .collect();
         names.join(", ")
     }
-}
-
-/// How rotary frequencies are derived from the base frequencies.
-#[derive(Debug, Clone, PartialEq)]
-pub enum RopeScaling {
-    None,
-    /// Positions divided by `factor` (HF "linear").
-    Linear {
-        factor: f64,
-    },
-    /// Llama-3's frequency-dependent scaling (HF "llama3").
-    Llama3 {
-        factor: f64,
-        low_freq_factor: f64,
-        high_freq_factor: f64,
-        original_max_position_embeddings: f64,
-    },
-}
-
-/// Rotary embedding configuration.
-#[derive(Debug, Clone, PartialEq)]
-pub struct RopeConfig {
-    pub theta: f64,
-    pub scaling: RopeScaling,
 }
 
 /// The decoder's hyper-parameters, normalised across architectures.
@@ -170,19 +145,6 @@ struct RawConfig {
     /// The MLP's activation: every supported architecture gates with SiLU, so any other value
     /// is refused rather than run as SiLU.
     hidden_act: Option<String>,
-}
-
-#[derive(Debug, Default, Deserialize)]
-#[serde(default)]
-struct RawRope {
-    rope_type: Option<String>,
-    #[serde(rename = "type")]
-    kind: Option<String>,
-    rope_theta: Option<f64>,
-    factor: Option<f64>,
-    low_freq_factor: Option<f64>,
-    high_freq_factor: Option<f64>,
-    original_max_position_embeddings: Option<f64>,
 }
 
 impl ModelConfig {
@@ -296,7 +258,13 @@ impl ModelConfig {
             )
         })
         .transpose()?;
-        let rope = Self::parse_rope(&raw, path)?;
+        let rope = RopeConfig::parse(
+            raw.rope_parameters.as_ref(),
+            raw.rope_scaling.as_ref(),
+            raw.rope_theta,
+            max_position_embeddings,
+            path,
+        )?;
         let torch_dtype = [&raw.torch_dtype, &raw.dtype]
             .into_iter()
             .find_map(|v| v.as_ref().and_then(Value::as_str))
@@ -328,6 +296,12 @@ impl ModelConfig {
             head,
             path: path.to_path_buf(),
         })
+    }
+
+    /// The longest sequence (prompt + output) the model serves: `max_position_embeddings`, or
+    /// YaRN's scaled context ([`RopeConfig::context`]).
+    pub fn max_context(&self) -> usize {
+        self.rope.context(self.max_position_embeddings)
     }
 
     /// The architecture and its output layer: `*ForCausalLM`, or `*ForSequenceClassification`
@@ -362,99 +336,6 @@ impl ModelConfig {
                 supported: Architecture::supported_list(),
             })
     }
-
-    /// Reads rope settings from `rope_parameters` (newer transformers) or from the classic
-    /// `rope_theta` + `rope_scaling` keys.
-    fn parse_rope(raw: &RawConfig, path: &Path) -> Result<RopeConfig> {
-        let (params, params_field) = match (&raw.rope_parameters, &raw.rope_scaling) {
-            (Some(p), _) => (Some(p), "rope_parameters"),
-            (None, Some(p)) => (Some(p), "rope_scaling"),
-            (None, None) => (None, "rope_scaling"),
-        };
-        let err = |field: &str, message: String| DetspecError::InvalidConfig {
-            path: path.to_path_buf(),
-            field: field.to_string(),
-            message,
-        };
-        let theta = params
-            .and_then(|p| p.rope_theta)
-            .or(raw.rope_theta)
-            .unwrap_or(10_000.0);
-        if theta.is_nan() || theta <= 0.0 {
-            return Err(err("rope_theta", "must be > 0".into()));
-        }
-        let rope_type = params
-            .and_then(|p| p.rope_type.as_deref().or(p.kind.as_deref()))
-            .unwrap_or("default");
-        let need = |key: &str, get: fn(&RawRope) -> Option<f64>| -> Result<f64> {
-            params
-                .and_then(get)
-                .ok_or_else(|| err(&format!("{params_field}.{key}"), "missing".into()))
-        };
-        let scaling = match rope_type {
-            "default" => RopeScaling::None,
-            "linear" => RopeScaling::Linear {
-                factor: need("factor", |p| p.factor)?,
-            },
-            "llama3" => RopeScaling::Llama3 {
-                factor: need("factor", |p| p.factor)?,
-                low_freq_factor: need("low_freq_factor", |p| p.low_freq_factor)?,
-                high_freq_factor: need("high_freq_factor", |p| p.high_freq_factor)?,
-                original_max_position_embeddings: need("original_max_position_embeddings", |p| {
-                    p.original_max_position_embeddings
-                })?,
-            },
-            other => {
-                return Err(err(
-                    &format!("{params_field}.rope_type"),
-                    format!("unsupported rope type `{other}` (supported: default, linear, llama3)"),
-                ))
-            }
-        };
-        Ok(RopeConfig { theta, scaling })
-    }
-
-    /// Rotary inverse frequencies (length head_dim/2), computed in f32 the way transformers
-    /// does so logits match it closely.
-    pub fn rope_inv_freq(&self) -> Vec<f32> {
-        let dim = self.head_dim;
-        let base = self.rope.theta as f32;
-        let inv: Vec<f32> = (0..dim / 2)
-            .map(|i| 1.0 / libm::powf(base, (2 * i) as f32 / dim as f32))
-            .collect();
-        match self.rope.scaling {
-            RopeScaling::None => inv,
-            RopeScaling::Linear { factor } => inv.iter().map(|x| x / factor as f32).collect(),
-            RopeScaling::Llama3 {
-                factor,
-                low_freq_factor,
-                high_freq_factor,
-                original_max_position_embeddings: old_ctx,
-            } => {
-                let (factor, lff, hff, old_ctx) = (
-                    factor as f32,
-                    low_freq_factor as f32,
-                    high_freq_factor as f32,
-                    old_ctx as f32,
-                );
-                let low_freq_wavelen = old_ctx / lff;
-                let high_freq_wavelen = old_ctx / hff;
-                inv.iter()
-                    .map(|&f| {
-                        let wavelen = 2.0 * std::f32::consts::PI / f;
-                        if wavelen < high_freq_wavelen {
-                            f
-                        } else if wavelen > low_freq_wavelen {
-                            f / factor
-                        } else {
-                            let smooth = (old_ctx / wavelen - lff) / (hff - lff);
-                            (1.0 - smooth) * f / factor + smooth * f
-                        }
-                    })
-                    .collect()
-            }
-        }
-    }
 }
 
 #[cfg(test)]
@@ -469,25 +350,6 @@ mod tests {
         "num_attention_heads": 4, "vocab_size": 100"#;
 
     #[test]
-    fn classic_and_new_rope_keys_agree() {
-        let classic = parse(&format!(
-            r#"{{"architectures": ["LlamaForCausalLM"], {BASE}, "rope_theta": 500000.0,
-            "rope_scaling": {{"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}}}"#
-        ))
-        .unwrap();
-        let new = parse(&format!(
-            r#"{{"architectures": ["LlamaForCausalLM"], {BASE}, "rope_parameters": {{"rope_type": "llama3",
-            "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64}}}}"#
-        ))
-        .unwrap();
-        assert_eq!(classic.rope, new.rope);
-        assert_eq!(classic.num_key_value_heads, 4);
-        assert_eq!(classic.head_dim, 16);
-    }
-
-    #[test]
     fn errors_name_the_field() {
         let e = parse(r#"{"architectures": ["GPT2LMHeadModel"]}"#).unwrap_err();
         assert!(e.to_string().contains("GPT2LMHeadModel"), "{e}");
@@ -499,7 +361,7 @@ mod tests {
         .unwrap_err();
         assert!(e.to_string().contains("num_key_value_heads"), "{e}");
         let e = parse(&format!(
-            r#"{{"architectures": ["LlamaForCausalLM"], {BASE}, "rope_scaling": {{"rope_type": "yarn", "factor": 2.0}}}}"#
+            r#"{{"architectures": ["LlamaForCausalLM"], {BASE}, "rope_scaling": {{"rope_type": "dynamic", "factor": 2.0}}}}"#
         ))
         .unwrap_err();
         assert!(e.to_string().contains("rope_scaling.rope_type"), "{e}");

@@ -146,17 +146,18 @@ impl EngineCore {
         }
         let model_digest = fingerprint::model_digest(&model_cfg, dir, &eos)?;
         let max_model_len = match cfg.max_model_len {
-            Some(n) if n > model_cfg.max_position_embeddings => {
+            Some(n) if n > model_cfg.max_context() => {
                 return Err(DetspecError::param(
                     "max_model_len",
                     format!(
-                        "{n} exceeds the model's max_position_embeddings ({})",
-                        model_cfg.max_position_embeddings
+                        "{n} exceeds the model's context ({}: max_position_embeddings, \
+                         times the factor under YaRN rope scaling)",
+                        model_cfg.max_context()
                     ),
                 ))
             }
             Some(n) => n,
-            None => model_cfg.max_position_embeddings,
+            None => model_cfg.max_context(),
         };
         let device_spec = if device.is_cpu() {
             DeviceSpec::Cpu

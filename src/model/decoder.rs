@@ -423,18 +423,20 @@ fn no_rows(width: usize) -> candle_core::Result<Tensor> {
 }
 
 /// cos/sin of `position * inv_freq` for every position up to the model's context, in f32 as
-/// transformers computes them.
+/// transformers computes them (times YaRN's attention factor, when it has one).
 fn rope_tables(cfg: &ModelConfig, dev: &Device) -> Result<(Tensor, Tensor)> {
-    let inv = cfg.rope_inv_freq();
-    let n = cfg.max_position_embeddings;
+    let inv = cfg.rope.inv_freq(cfg.head_dim);
+    let scale = cfg.rope.attention_factor();
+    let n = cfg.max_context();
     let half = inv.len();
     let mut cos = Vec::with_capacity(n * half);
     let mut sin = Vec::with_capacity(n * half);
     for p in 0..n {
         for &f in &inv {
             let a = p as f32 * f;
-            cos.push(libm::cosf(a));
-            sin.push(libm::sinf(a));
+            // `x * 1.0` is `x`: models without the factor keep their tables' bits.
+            cos.push(libm::cosf(a) * scale);
+            sin.push(libm::sinf(a) * scale);
         }
     }
     Ok((

@@ -129,6 +129,20 @@ MODEL_SPECS: dict[str, dict] = {
         "rope": {"rope_type": "default", "rope_theta": 1000000.0},
     },
     "qwen2_sharded": {"reuse": "qwen2", "max_shard_size": "100KB"},
+    # YaRN (Qwen2.5's and Qwen3's long-context setting): at head_dim 32 and an original
+    # context of 4,096, frequencies 0-4 stay, 5-12 blend, 13-15 are interpolated, and cos/sin
+    # carry the attention factor 0.1 ln 4 + 1.
+    "qwen2_yarn": {
+        "arch": "qwen2",
+        "seed": 31,
+        "head_dim": 32,
+        "rope": {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 4096,
+        },
+    },
     "qwen3": {
         "arch": "qwen3",
         "seed": 8,

@@ -1,8 +1,8 @@
 """detspec vs the HF transformers reference: greedy tokens, logits and logprobs.
 
 Every architecture fixture (``arch_case``: llama, llama3_scaled, llama_tied, mistral,
-qwen2, qwen2_sharded, qwen3, legacy_rope, llama_bf16, and the mixtures of experts qwen3_moe,
-qwen2_moe, mixtral, qwen3_moe_bf16) is checked with all prompts in
+qwen2, qwen2_sharded, qwen2_yarn, qwen3, legacy_rope, llama_bf16, and the mixtures of
+experts qwen3_moe, qwen2_moe, mixtral, qwen3_moe_bf16) is checked with all prompts in
 ONE ``generate`` / ``compute_logits`` call, so batching, paging and varlen attention
 are exercised together with the per-architecture details.
 """
@@ -81,6 +81,20 @@ def test_compute_logits_matches_hf(arch_case, llm_factory, token_prompts):
                 f"= {worst:.3g} > {tol:.3g} at position {pos}, token {tok}; "
                 f"per-position max diff: {np.round(diff.max(axis=1), 6).tolist()}"
             )
+
+
+def test_yarn_serves_its_scaled_context(model_zoo, llm_factory):
+    """A YaRN model serves original_max_position_embeddings x factor tokens (vLLM's rule), past
+    its config's max_position_embeddings, with transformers' logits there."""
+    case = model_zoo.get("qwen2_yarn")
+    llm = llm_factory("qwen2_yarn")
+    rope = case.model.config.rope_parameters
+    assert llm.max_model_len == int(rope["original_max_position_embeddings"] * rope["factor"])
+    n = case.model.config.max_position_embeddings + 64
+    seq = [int(t) for t in np.random.default_rng(3).integers(3, 200, n)]
+    got = llm.compute_logits([seq])[0]
+    ref = case.logits(seq)
+    assert float(np.abs(got - ref).max()) <= LOGIT_RTOL * float(np.abs(ref).max())
 
 
 def test_greedy_logprobs_match_hf(arch_case, llm_factory, token_prompts):

@@ -1,0 +1,417 @@
+//! Rotary embedding settings of a checkpoint's `config.json`, and the frequencies and the
+//! tables' scale derived from them. Both the classic `rope_theta`/`rope_scaling` keys and the
+//! newer `rope_parameters` form are accepted, because checkpoints saved by different
+//! `transformers` versions use either.
+
+use std::path::Path;
+
+use serde::Deserialize;
+
+use crate::error::{DetspecError, Result};
+
+/// How rotary frequencies are derived from the base frequencies.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RopeScaling {
+    None,
+    /// Positions divided by `factor` (HF "linear").
+    Linear {
+        factor: f64,
+    },
+    /// Llama-3's frequency-dependent scaling (HF "llama3").
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_max_position_embeddings: f64,
+    },
+    /// YaRN (HF "yarn"; Qwen2.5's and Qwen3's long-context setting): frequencies blended
+    /// between interpolated and original by a ramp over the dimensions, and cos/sin scaled by
+    /// `attention_factor`. The model serves `original_max_position_embeddings × factor`
+    /// tokens, as vLLM does.
+    Yarn {
+        factor: f64,
+        original_max_position_embeddings: f64,
+        beta_fast: f64,
+        beta_slow: f64,
+        attention_factor: f64,
+        truncate: bool,
+    },
+}
+
+/// Rotary embedding configuration.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RopeConfig {
+    pub theta: f64,
+    pub scaling: RopeScaling,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+pub(super) struct RawRope {
+    rope_type: Option<String>,
+    #[serde(rename = "type")]
+    kind: Option<String>,
+    rope_theta: Option<f64>,
+    factor: Option<f64>,
+    low_freq_factor: Option<f64>,
+    high_freq_factor: Option<f64>,
+    original_max_position_embeddings: Option<f64>,
+    beta_fast: Option<f64>,
+    beta_slow: Option<f64>,
+    mscale: Option<f64>,
+    mscale_all_dim: Option<f64>,
+    attention_factor: Option<f64>,
+    truncate: Option<bool>,
+}
+
+impl RopeConfig {
+    /// Reads rope settings from `rope_parameters` (newer transformers; it wins) or from the
+    /// classic `rope_theta` + `rope_scaling` keys. `max_position_embeddings` is YaRN's
+    /// original context when its settings do not name one.
+    pub(super) fn parse(
+        rope_parameters: Option<&RawRope>,
+        rope_scaling: Option<&RawRope>,
+        rope_theta: Option<f64>,
+        max_position_embeddings: usize,
+        path: &Path,
+    ) -> Result<Self> {
+        let (params, params_field) = match (rope_parameters, rope_scaling) {
+            (Some(p), _) => (Some(p), "rope_parameters"),
+            (None, Some(p)) => (Some(p), "rope_scaling"),
+            (None, None) => (None, "rope_scaling"),
+        };
+        let err = |field: &str, message: String| DetspecError::InvalidConfig {
+            path: path.to_path_buf(),
+            field: field.to_string(),
+            message,
+        };
+        let theta = params
+            .and_then(|p| p.rope_theta)
+            .or(rope_theta)
+            .unwrap_or(10_000.0);
+        if theta.is_nan() || theta <= 0.0 {
+            return Err(err("rope_theta", "must be > 0".into()));
+        }
+        let rope_type = params
+            .and_then(|p| p.rope_type.as_deref().or(p.kind.as_deref()))
+            .unwrap_or("default");
+        let need = |key: &str, get: fn(&RawRope) -> Option<f64>| -> Result<f64> {
+            params
+                .and_then(get)
+                .ok_or_else(|| err(&format!("{params_field}.{key}"), "missing".into()))
+        };
+        let scaling = match rope_type {
+            "default" => RopeScaling::None,
+            "linear" => RopeScaling::Linear {
+                factor: need("factor", |p| p.factor)?,
+            },
+            "llama3" => RopeScaling::Llama3 {
+                factor: need("factor", |p| p.factor)?,
+                low_freq_factor: need("low_freq_factor", |p| p.low_freq_factor)?,
+                high_freq_factor: need("high_freq_factor", |p| p.high_freq_factor)?,
+                original_max_position_embeddings: need("original_max_position_embeddings", |p| {
+                    p.original_max_position_embeddings
+                })?,
+            },
+            "yarn" => Self::parse_yarn(params, params_field, max_position_embeddings, path)?,
+            other => {
+                return Err(err(
+                    &format!("{params_field}.rope_type"),
+                    format!(
+                        "unsupported rope type `{other}` (supported: default, linear, llama3, yarn)"
+                    ),
+                ))
+            }
+        };
+        Ok(Self { theta, scaling })
+    }
+
+    /// YaRN's settings with transformers' defaults: `original_max_position_embeddings` falls
+    /// back to `max_position_embeddings`, `beta_fast`/`beta_slow` to 32/1, `truncate` to true,
+    /// and `attention_factor` to `0.1 ln(factor) + 1` (DeepSeek's `mscale`/`mscale_all_dim`
+    /// ratio when both are given).
+    fn parse_yarn(
+        params: Option<&RawRope>,
+        params_field: &str,
+        max_position_embeddings: usize,
+        path: &Path,
+    ) -> Result<RopeScaling> {
+        let err = |key: &str, message: &str| DetspecError::InvalidConfig {
+            path: path.to_path_buf(),
+            field: format!("{params_field}.{key}"),
+            message: message.to_string(),
+        };
+        let p = params.ok_or_else(|| err("factor", "missing"))?;
+        let factor = p.factor.ok_or_else(|| err("factor", "missing"))?;
+        if factor.is_nan() || factor < 1.0 {
+            return Err(err("factor", "must be >= 1"));
+        }
+        let original = p
+            .original_max_position_embeddings
+            .unwrap_or(max_position_embeddings as f64);
+        if original.is_nan() || original < 1.0 {
+            return Err(err("original_max_position_embeddings", "must be >= 1"));
+        }
+        let (beta_fast, beta_slow) = (p.beta_fast.unwrap_or(32.0), p.beta_slow.unwrap_or(1.0));
+        if !(beta_slow > 0.0 && beta_fast >= beta_slow) {
+            return Err(err("beta_fast", "needs beta_fast >= beta_slow > 0"));
+        }
+        let mscale = |m: f64| {
+            if factor <= 1.0 {
+                1.0
+            } else {
+                0.1 * m * factor.ln() + 1.0
+            }
+        };
+        let attention_factor = match (p.attention_factor, p.mscale, p.mscale_all_dim) {
+            (Some(a), _, _) => a,
+            (None, Some(m), Some(all)) if m != 0.0 && all != 0.0 => mscale(m) / mscale(all),
+            _ => mscale(1.0),
+        };
+        if attention_factor.is_nan() || attention_factor <= 0.0 {
+            return Err(err("attention_factor", "must be > 0"));
+        }
+        Ok(RopeScaling::Yarn {
+            factor,
+            original_max_position_embeddings: original,
+            beta_fast,
+            beta_slow,
+            attention_factor,
+            truncate: p.truncate.unwrap_or(true),
+        })
+    }
+
+    /// The longest sequence (prompt + output) a model of `max_position_embeddings` serves:
+    /// that, or with YaRN the original context times the factor (vLLM's rule: Qwen2.5's
+    /// configs keep `max_position_embeddings` at the pre-YaRN 32,768 and scale it by 4).
+    pub fn context(&self, max_position_embeddings: usize) -> usize {
+        match self.scaling {
+            RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings,
+                ..
+            } => (original_max_position_embeddings * factor) as usize,
+            _ => max_position_embeddings,
+        }
+    }
+
+    /// The factor the rope tables' cos and sin are multiplied by (YaRN's attention scaling;
+    /// 1 otherwise).
+    pub fn attention_factor(&self) -> f32 {
+        match self.scaling {
+            RopeScaling::Yarn {
+                attention_factor, ..
+            } => attention_factor as f32,
+            _ => 1.0,
+        }
+    }
+
+    /// Rotary inverse frequencies (length head_dim/2), computed in f32 the way transformers
+    /// does so logits match it closely.
+    pub fn inv_freq(&self, head_dim: usize) -> Vec<f32> {
+        let dim = head_dim;
+        let base = self.theta as f32;
+        let inv: Vec<f32> = (0..dim / 2)
+            .map(|i| 1.0 / libm::powf(base, (2 * i) as f32 / dim as f32))
+            .collect();
+        match self.scaling {
+            RopeScaling::None => inv,
+            RopeScaling::Linear { factor } => inv.iter().map(|x| x / factor as f32).collect(),
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings: old_ctx,
+            } => {
+                let (factor, lff, hff, old_ctx) = (
+                    factor as f32,
+                    low_freq_factor as f32,
+                    high_freq_factor as f32,
+                    old_ctx as f32,
+                );
+                let low_freq_wavelen = old_ctx / lff;
+                let high_freq_wavelen = old_ctx / hff;
+                inv.iter()
+                    .map(|&f| {
+                        let wavelen = 2.0 * std::f32::consts::PI / f;
+                        if wavelen < high_freq_wavelen {
+                            f
+                        } else if wavelen > low_freq_wavelen {
+                            f / factor
+                        } else {
+                            let smooth = (old_ctx / wavelen - lff) / (hff - lff);
+                            (1.0 - smooth) * f / factor + smooth * f
+                        }
+                    })
+                    .collect()
+            }
+            RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings,
+                beta_fast,
+                beta_slow,
+                truncate,
+                ..
+            } => {
+                // transformers' arithmetic: the correction range in f64, the ramp and the
+                // blend in f32, each product and sum rounded on its own.
+                let dim_f = dim as f64;
+                let correction_dim = |rotations: f64| {
+                    dim_f
+                        * (original_max_position_embeddings
+                            / (rotations * 2.0 * std::f64::consts::PI))
+                            .ln()
+                        / (2.0 * self.theta.ln())
+                };
+                let (mut low, mut high) = (correction_dim(beta_fast), correction_dim(beta_slow));
+                if truncate {
+                    (low, high) = (low.floor(), high.ceil());
+                }
+                let (low, mut high) = (low.max(0.0), high.min(dim_f - 1.0));
+                if low == high {
+                    high += 0.001;
+                }
+                let (low32, span32) = (low as f32, (high - low) as f32);
+                let factor = factor as f32;
+                inv.iter()
+                    .enumerate()
+                    .map(|(i, &extrapolated)| {
+                        let pos_freq = libm::powf(base, (2 * i) as f32 / dim as f32);
+                        let interpolated = 1.0 / (factor * pos_freq);
+                        let ramp = ((i as f32 - low32) / span32).clamp(0.0, 1.0);
+                        let extrapolation = 1.0 - ramp;
+                        interpolated * (1.0 - extrapolation) + extrapolated * extrapolation
+                    })
+                    .collect()
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::config::ModelConfig;
+    use crate::error::Result;
+    use std::path::Path;
+
+    fn parse(json: &str) -> Result<ModelConfig> {
+        ModelConfig::from_json_str(json, Path::new("/m/config.json"))
+    }
+
+    const BASE: &str = r#""hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "vocab_size": 100"#;
+
+    #[test]
+    fn classic_and_new_rope_keys_agree() {
+        let classic = parse(&format!(
+            r#"{{"architectures": ["LlamaForCausalLM"], {BASE}, "rope_theta": 500000.0,
+            "rope_scaling": {{"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}}}"#
+        ))
+        .unwrap();
+        let new = parse(&format!(
+            r#"{{"architectures": ["LlamaForCausalLM"], {BASE}, "rope_parameters": {{"rope_type": "llama3",
+            "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64}}}}"#
+        ))
+        .unwrap();
+        assert_eq!(classic.rope, new.rope);
+        assert_eq!(classic.num_key_value_heads, 4);
+        assert_eq!(classic.head_dim, 16);
+    }
+
+    #[test]
+    fn yarn_reads_both_forms_and_blends_the_frequencies() {
+        // Qwen2.5's form: classic `rope_scaling` with `type`.
+        let classic = parse(&format!(
+            r#"{{"architectures": ["Qwen2ForCausalLM"], {BASE}, "head_dim": 64,
+            "rope_theta": 1000000.0, "max_position_embeddings": 32768,
+            "rope_scaling": {{"type": "yarn", "factor": 4.0,
+            "original_max_position_embeddings": 32768}}}}"#
+        ))
+        .unwrap();
+        let new = parse(&format!(
+            r#"{{"architectures": ["Qwen2ForCausalLM"], {BASE}, "head_dim": 64,
+            "max_position_embeddings": 32768, "rope_parameters": {{"rope_type": "yarn",
+            "rope_theta": 1000000.0, "factor": 4.0, "beta_fast": 32, "beta_slow": 1}}}}"#
+        ))
+        .unwrap();
+        assert_eq!(classic.rope, new.rope);
+        assert_eq!(classic.max_context(), 131_072);
+        let want = (0.1 * 4f64.ln() + 1.0) as f32;
+        assert_eq!(classic.rope.attention_factor(), want);
+
+        // Below the correction range a frequency is the original one, above it the
+        // interpolated one, and in between it lies between the two.
+        let plain = parse(&format!(
+            r#"{{"architectures": ["Qwen2ForCausalLM"], {BASE}, "head_dim": 64,
+            "rope_theta": 1000000.0}}"#
+        ))
+        .unwrap();
+        let (yarn, orig) = (classic.rope.inv_freq(64), plain.rope.inv_freq(64));
+        assert_eq!(yarn.len(), 32);
+        let kinds: Vec<char> = yarn
+            .iter()
+            .zip(&orig)
+            .map(|(&y, &o)| {
+                if y == o {
+                    'o'
+                } else if (y - o / 4.0).abs() <= o * 1e-6 {
+                    'i'
+                } else {
+                    assert!(y < o && y > o / 4.0, "{y} not between {o} and {}", o / 4.0);
+                    'b'
+                }
+            })
+            .collect();
+        let s: String = kinds.iter().collect();
+        assert!(
+            s.starts_with('o') && s.ends_with('i') && s.contains('b'),
+            "{s}"
+        );
+        assert!(
+            !s.contains("io") && !s.contains("bo") && !s.contains("ib"),
+            "{s}"
+        );
+
+        // DeepSeek's mscale pair, and an explicit attention_factor.
+        let ds = parse(&format!(
+            r#"{{"architectures": ["LlamaForCausalLM"], {BASE}, "rope_scaling": {{"type": "yarn",
+            "factor": 40.0, "original_max_position_embeddings": 4096, "mscale": 1.0,
+            "mscale_all_dim": 1.0}}}}"#
+        ))
+        .unwrap();
+        assert_eq!(ds.rope.attention_factor(), 1.0);
+        assert_eq!(ds.max_context(), 163_840);
+        let af = parse(&format!(
+            r#"{{"architectures": ["LlamaForCausalLM"], {BASE}, "rope_scaling": {{"type": "yarn",
+            "factor": 2.0, "attention_factor": 1.5}}}}"#
+        ))
+        .unwrap();
+        assert_eq!(af.rope.attention_factor(), 1.5);
+        assert_eq!(
+            af.max_context(),
+            8192,
+            "original defaults to max_position_embeddings"
+        );
+
+        for (extra, field) in [
+            (r#""type": "yarn""#, "rope_scaling.factor"),
+            (r#""type": "yarn", "factor": 0.5"#, "rope_scaling.factor"),
+            (
+                r#""type": "yarn", "factor": 2.0, "beta_fast": 0.5"#,
+                "rope_scaling.beta_fast",
+            ),
+            (
+                r#""type": "yarn", "factor": 2.0, "attention_factor": -1.0"#,
+                "rope_scaling.attention_factor",
+            ),
+        ] {
+            let e = parse(&format!(
+                r#"{{"architectures": ["LlamaForCausalLM"], {BASE}, "rope_scaling": {{{extra}}}}}"#
+            ))
+            .unwrap_err();
+            assert!(e.to_string().contains(field), "{field}: {e}");
+        }
+    }
+}
