@@ -1,5 +1,5 @@
-//! Hugging Face `config.json` for the Llama family (Llama, Mistral, Qwen2, Qwen3) and its
-//! mixture-of-experts relatives (Qwen2-MoE, Qwen3-MoE, Mixtral). The rotary settings are
+//! Hugging Face `config.json` for the Llama family (Llama, Mistral, Qwen2, Qwen3, Phi-3) and
+//! its mixture-of-experts relatives (Qwen2-MoE, Qwen3-MoE, Mixtral). The rotary settings are
 //! read by [`super::rope`].
 
 use std::collections::BTreeMap;
@@ -21,28 +21,32 @@ pub enum Architecture {
     Mistral,
     Qwen2,
     Qwen3,
+    /// Phi-3 and Phi-4: Llama's decoder with q/k/v and gate/up each stored as one matrix.
+    Phi3,
     Mixtral,
     Qwen2Moe,
     Qwen3Moe,
 }
 
 impl Architecture {
-    const SUPPORTED: [(&'static str, Architecture); 7] = [
+    const SUPPORTED: [(&'static str, Architecture); 8] = [
         ("LlamaForCausalLM", Architecture::Llama),
         ("MistralForCausalLM", Architecture::Mistral),
         ("Qwen2ForCausalLM", Architecture::Qwen2),
         ("Qwen3ForCausalLM", Architecture::Qwen3),
+        ("Phi3ForCausalLM", Architecture::Phi3),
         ("MixtralForCausalLM", Architecture::Mixtral),
         ("Qwen2MoeForCausalLM", Architecture::Qwen2Moe),
         ("Qwen3MoeForCausalLM", Architecture::Qwen3Moe),
     ];
 
     /// Model types (`model_type`) by architecture, for a config without `architectures`.
-    const MODEL_TYPES: [(&'static str, &'static str); 7] = [
+    const MODEL_TYPES: [(&'static str, &'static str); 8] = [
         ("llama", "LlamaForCausalLM"),
         ("mistral", "MistralForCausalLM"),
         ("qwen2", "Qwen2ForCausalLM"),
         ("qwen3", "Qwen3ForCausalLM"),
+        ("phi3", "Phi3ForCausalLM"),
         ("mixtral", "MixtralForCausalLM"),
         ("qwen2_moe", "Qwen2MoeForCausalLM"),
         ("qwen3_moe", "Qwen3MoeForCausalLM"),
@@ -50,12 +54,19 @@ impl Architecture {
 
     /// Sequence classifiers (reward models, classifiers: `score` instead of `lm_head`) of the
     /// dense families; transformers has no MoE classifier heads.
-    const CLASSIFIERS: [(&'static str, Architecture); 4] = [
+    const CLASSIFIERS: [(&'static str, Architecture); 5] = [
         ("LlamaForSequenceClassification", Architecture::Llama),
         ("MistralForSequenceClassification", Architecture::Mistral),
         ("Qwen2ForSequenceClassification", Architecture::Qwen2),
         ("Qwen3ForSequenceClassification", Architecture::Qwen3),
+        ("Phi3ForSequenceClassification", Architecture::Phi3),
     ];
+
+    /// Whether checkpoints store each layer's q/k/v projections as one `self_attn.qkv_proj`
+    /// (rows q, then k, then v) and gate/up as one `mlp.gate_up_proj` (gate rows first).
+    pub fn fuses_projections(self) -> bool {
+        self == Architecture::Phi3
+    }
 
     fn supported_list() -> String {
         let names: Vec<&str> = Self::SUPPORTED
@@ -139,6 +150,11 @@ struct RawConfig {
     torch_dtype: Option<Value>,
     dtype: Option<Value>,
     rope_theta: Option<f64>,
+    /// Phi-3's and GPT-NeoX's: rotate only this share of each head (refused unless 1).
+    partial_rotary_factor: Option<f64>,
+    /// Phi-3 keeps the pre-scaling context here, beside `rope_scaling`; it wins over the one
+    /// inside (as transformers reads it).
+    original_max_position_embeddings: Option<f64>,
     /// Newer transformers: `rope_theta` and the scaling in one object.
     rope_parameters: Option<RawRope>,
     rope_scaling: Option<RawRope>,
@@ -223,10 +239,14 @@ impl ModelConfig {
         let (qkv_bias, o_bias) = match architecture {
             Architecture::Qwen2 => (true, false),
             Architecture::Qwen2Moe => (raw.qkv_bias.unwrap_or(true), false),
+            // Its fused matrices have no biases (transformers' `Phi3Attention`, `Phi3MLP`).
+            Architecture::Phi3 => (false, false),
             _ => (attention_bias, attention_bias),
         };
         let sliding_window = match architecture {
-            Architecture::Mistral | Architecture::Mixtral => raw.sliding_window,
+            Architecture::Mistral | Architecture::Mixtral | Architecture::Phi3 => {
+                raw.sliding_window
+            }
             Architecture::Qwen2
             | Architecture::Qwen3
             | Architecture::Qwen2Moe
@@ -262,6 +282,8 @@ impl ModelConfig {
             raw.rope_parameters.as_ref(),
             raw.rope_scaling.as_ref(),
             raw.rope_theta,
+            raw.partial_rotary_factor,
+            raw.original_max_position_embeddings,
             max_position_embeddings,
             path,
         )?;
@@ -286,7 +308,7 @@ impl ModelConfig {
                 && head == Head::LanguageModel,
             qkv_bias,
             o_bias,
-            mlp_bias: raw.mlp_bias.unwrap_or(false),
+            mlp_bias: raw.mlp_bias.unwrap_or(false) && architecture != Architecture::Phi3,
             qk_norm: matches!(architecture, Architecture::Qwen3 | Architecture::Qwen3Moe),
             moe,
             sliding_window,
@@ -443,6 +465,52 @@ mod tests {
             .unwrap_err();
             assert!(e.to_string().contains(needle), "{e}");
         }
+    }
+
+    #[test]
+    fn phi3_fuses_its_projections_and_keeps_its_window() {
+        let c = parse(&format!(
+            r#"{{"architectures": ["Phi3ForCausalLM"], {BASE}, "sliding_window": 2047,
+            "original_max_position_embeddings": 4096, "rope_scaling": null,
+            "rope_parameters": {{"rope_type": "default", "rope_theta": 10000.0,
+            "partial_rotary_factor": 1.0}}, "attention_bias": true, "mlp_bias": true}}"#
+        ))
+        .unwrap();
+        assert_eq!(c.architecture, Architecture::Phi3);
+        assert!(c.architecture.fuses_projections());
+        assert!(!Architecture::Llama.fuses_projections());
+        assert_eq!(c.sliding_window, Some(2047));
+        assert!(
+            !(c.qkv_bias || c.o_bias || c.mlp_bias),
+            "Phi-3 has no biases"
+        );
+        // Phi-4-mini rotates three quarters of each head: refused, naming where it was read.
+        for (extra, field) in [
+            (
+                r#""rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.75}"#,
+                "rope_parameters.partial_rotary_factor",
+            ),
+            (r#""partial_rotary_factor": 0.5"#, "partial_rotary_factor"),
+            (
+                r#""rope_scaling": {"type": "longrope", "short_factor": [1.0]}"#,
+                "rope_scaling.rope_type",
+            ),
+        ] {
+            let e = parse(&format!(
+                r#"{{"architectures": ["Phi3ForCausalLM"], {BASE}, {extra}}}"#
+            ))
+            .unwrap_err();
+            assert!(e.to_string().contains(field), "{field}: {e}");
+        }
+        // The top-level original context wins over the scaling's own (transformers' rule).
+        let y = parse(&format!(
+            r#"{{"architectures": ["Phi3ForCausalLM"], {BASE}, "original_max_position_embeddings": 1000,
+            "rope_scaling": {{"type": "yarn", "factor": 2.0, "original_max_position_embeddings": 4096}}}}"#
+        ))
+        .unwrap();
+        assert_eq!(y.max_context(), 2000);
+        let m = parse(&format!(r#"{{"model_type": "phi3", {BASE}}}"#)).unwrap();
+        assert_eq!(m.architecture, Architecture::Phi3);
     }
 
     #[test]

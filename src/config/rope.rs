@@ -62,16 +62,22 @@ pub(super) struct RawRope {
     mscale_all_dim: Option<f64>,
     attention_factor: Option<f64>,
     truncate: Option<bool>,
+    partial_rotary_factor: Option<f64>,
 }
 
 impl RopeConfig {
     /// Reads rope settings from `rope_parameters` (newer transformers; it wins) or from the
-    /// classic `rope_theta` + `rope_scaling` keys. `max_position_embeddings` is YaRN's
-    /// original context when its settings do not name one.
+    /// classic `rope_theta` + `rope_scaling` keys. `partial_rotary_factor` and
+    /// `original_max_position_embeddings` are the config's top-level keys (the latter wins
+    /// over the scaling's own, as transformers reads Phi-3's); `max_position_embeddings` is
+    /// YaRN's original context when neither names one.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn parse(
         rope_parameters: Option<&RawRope>,
         rope_scaling: Option<&RawRope>,
         rope_theta: Option<f64>,
+        partial_rotary_factor: Option<f64>,
+        original_max_position_embeddings: Option<f64>,
         max_position_embeddings: usize,
         path: &Path,
     ) -> Result<Self> {
@@ -95,6 +101,18 @@ impl RopeConfig {
         let rope_type = params
             .and_then(|p| p.rope_type.as_deref().or(p.kind.as_deref()))
             .unwrap_or("default");
+        let partial = match params.and_then(|p| p.partial_rotary_factor) {
+            Some(f) => Some((f, format!("{params_field}.partial_rotary_factor"))),
+            None => partial_rotary_factor.map(|f| (f, "partial_rotary_factor".to_string())),
+        };
+        if let Some((f, field)) = partial.filter(|(f, _)| *f != 1.0) {
+            return Err(err(
+                &field,
+                format!("{f}: rotating part of each head is not supported (only 1.0)"),
+            ));
+        }
+        let original = original_max_position_embeddings
+            .or(params.and_then(|p| p.original_max_position_embeddings));
         let need = |key: &str, get: fn(&RawRope) -> Option<f64>| -> Result<f64> {
             params
                 .and_then(get)
@@ -109,11 +127,19 @@ impl RopeConfig {
                 factor: need("factor", |p| p.factor)?,
                 low_freq_factor: need("low_freq_factor", |p| p.low_freq_factor)?,
                 high_freq_factor: need("high_freq_factor", |p| p.high_freq_factor)?,
-                original_max_position_embeddings: need("original_max_position_embeddings", |p| {
-                    p.original_max_position_embeddings
+                original_max_position_embeddings: original.ok_or_else(|| {
+                    err(
+                        &format!("{params_field}.original_max_position_embeddings"),
+                        "missing".into(),
+                    )
                 })?,
             },
-            "yarn" => Self::parse_yarn(params, params_field, max_position_embeddings, path)?,
+            "yarn" => Self::parse_yarn(
+                params,
+                params_field,
+                original.unwrap_or(max_position_embeddings as f64),
+                path,
+            )?,
             other => {
                 return Err(err(
                     &format!("{params_field}.rope_type"),
@@ -126,14 +152,14 @@ impl RopeConfig {
         Ok(Self { theta, scaling })
     }
 
-    /// YaRN's settings with transformers' defaults: `original_max_position_embeddings` falls
-    /// back to `max_position_embeddings`, `beta_fast`/`beta_slow` to 32/1, `truncate` to true,
+    /// YaRN's settings with transformers' defaults (`original`: the pre-scaling context, which
+    /// falls back to `max_position_embeddings`): `beta_fast`/`beta_slow` 32/1, `truncate` true,
     /// and `attention_factor` to `0.1 ln(factor) + 1` (DeepSeek's `mscale`/`mscale_all_dim`
     /// ratio when both are given).
     fn parse_yarn(
         params: Option<&RawRope>,
         params_field: &str,
-        max_position_embeddings: usize,
+        original: f64,
         path: &Path,
     ) -> Result<RopeScaling> {
         let err = |key: &str, message: &str| DetspecError::InvalidConfig {
@@ -146,9 +172,6 @@ impl RopeConfig {
         if factor.is_nan() || factor < 1.0 {
             return Err(err("factor", "must be >= 1"));
         }
-        let original = p
-            .original_max_position_embeddings
-            .unwrap_or(max_position_embeddings as f64);
         if original.is_nan() || original < 1.0 {
             return Err(err("original_max_position_embeddings", "must be >= 1"));
         }

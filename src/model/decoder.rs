@@ -149,10 +149,15 @@ impl Model {
                 (attn("k_proj"), kvh * d),
                 (attn("v_proj"), kvh * d),
             ];
+            let fused = cfg.architecture.fuses_projections();
             let mlp = match &cfg.moe {
                 Some(moe) if moe.is_sparse(i) => {
                     Mlp::Sparse(Box::new(SparseMlp::load(&ld, &cfg, moe, i)?))
                 }
+                _ if fused => Mlp::Dense {
+                    gate_up: ld.fused_projection(&mlp("gate_up_proj"), &[is, is], hs, stack)?,
+                    down: ld.linear(&mlp("down_proj"), is, hs, false)?,
+                },
                 _ => Mlp::Dense {
                     gate_up: ld.projection(
                         &[(mlp("gate_proj"), is), (mlp("up_proj"), is)],
@@ -165,7 +170,12 @@ impl Model {
             };
             layers.push(Layer {
                 input_norm: ld.load(&format!("{p}.input_layernorm.weight"), &[hs])?,
-                qkv: ld.projection(&qkv, hs, cfg.qkv_bias, stack && !cfg.qk_norm)?,
+                qkv: if fused {
+                    let widths = qkv.map(|(_, width)| width);
+                    ld.fused_projection(&attn("qkv_proj"), &widths, hs, stack)?
+                } else {
+                    ld.projection(&qkv, hs, cfg.qkv_bias, stack && !cfg.qk_norm)?
+                },
                 o: ld.linear(&attn("o_proj"), h * d, hs, cfg.o_bias)?,
                 q_norm: qk_norm("q_norm")?,
                 k_norm: qk_norm("k_norm")?,

@@ -112,6 +112,49 @@ pub(super) enum Projection {
 }
 
 impl Projection {
+    /// The layers of `widths` from one `[Σ widths, in]` matrix holding their weights' rows in
+    /// order (a checkpoint's fused `qkv_proj`), without biases: apart, or `stacked`.
+    pub(super) fn from_fused(
+        w: &Tensor,
+        widths: &[usize],
+        stacked: bool,
+        bf16_act: bool,
+    ) -> Result<Self> {
+        if stacked {
+            return Ok(Self::Stacked {
+                linear: Linear {
+                    weight: LinearWeight::new(w, bf16_act)?,
+                    bias: None,
+                },
+                widths: widths.to_vec(),
+            });
+        }
+        let mut at = 0;
+        let mut layers = Vec::with_capacity(widths.len());
+        for &width in widths {
+            let part = w.narrow(0, at, width)?.contiguous()?;
+            layers.push(Linear {
+                weight: LinearWeight::new(&part, bf16_act)?,
+                bias: None,
+            });
+            at += width;
+        }
+        Ok(Self::Apart(layers))
+    }
+
+    /// Replaces every layer's weight from one fused matrix (see [`Self::from_fused`]),
+    /// keeping the projection apart or stacked as it is.
+    pub(super) fn set_fused_weight(
+        &mut self,
+        w: &Tensor,
+        widths: &[usize],
+        bf16_act: bool,
+    ) -> Result<()> {
+        let stacked = matches!(self, Self::Stacked { .. });
+        *self = Self::from_fused(w, widths, stacked, bf16_act)?;
+        Ok(())
+    }
+
     fn part(layers: &mut [Linear], part: usize) -> Result<&mut Linear> {
         let n = layers.len();
         layers

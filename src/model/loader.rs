@@ -111,6 +111,21 @@ impl<'a> WeightLoader<'a> {
         })
     }
 
+    /// The linear layers of `widths` that a checkpoint stores as one matrix, `prefix` (Phi-3's
+    /// `qkv_proj`, `gate_up_proj`: their rows in order, no bias): apart or `stacked`, as
+    /// [`Self::projection`] gives them, and hashed as the one parameter it is.
+    pub(super) fn fused_projection(
+        &self,
+        prefix: &str,
+        widths: &[usize],
+        in_dim: usize,
+        stacked: bool,
+    ) -> Result<Projection> {
+        let out: usize = widths.iter().sum();
+        let w = self.load_matrix(&format!("{prefix}.weight"), &[out, in_dim])?;
+        Projection::from_fused(&w, widths, stacked, self.bf16_act)
+    }
+
     /// A linear layer's `[out, in]` weight in the form the device's GEMM wants. A bf16 weight
     /// of a bf16 checkpoint on the CPU is packed straight from the mapped file (no copy of the
     /// matrix is made on the way).

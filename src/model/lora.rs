@@ -73,6 +73,21 @@ impl LoraTarget {
         }
     }
 
+    /// The targets the checkpoint module `module` (`self_attn.q_proj`) holds: one, or on a
+    /// model that stores them fused (Phi-3), q/k/v as `self_attn.qkv_proj` and gate/up as
+    /// `mlp.gate_up_proj`, each then under that name only.
+    fn of_module(module: &str, fused: bool) -> Option<&'static [LoraTarget]> {
+        match (module, fused) {
+            ("self_attn.qkv_proj", true) => Some(Self::GROUPS[0]),
+            ("mlp.gate_up_proj", true) => Some(Self::GROUPS[2]),
+            _ => {
+                let i = Self::ALL.iter().position(|t| t.module() == module)?;
+                let target = &Self::ALL[i..=i];
+                (!fused || matches!(target[0], Self::O | Self::Down)).then_some(target)
+            }
+        }
+    }
+
     /// `(in, out)` of the base layer.
     fn dims(self, cfg: &ModelConfig) -> (usize, usize) {
         let (hs, is) = (cfg.hidden_size, cfg.intermediate_size);
@@ -335,19 +350,24 @@ fn read_halves(
             path: path.to_path_buf(),
             message,
         };
-        let (layer, target, is_a) = parse_name(name, cfg.num_hidden_layers).map_err(bad)?;
-        let mlp_target = matches!(target, LoraTarget::Gate | LoraTarget::Up | LoraTarget::Down);
+        let fused = cfg.architecture.fuses_projections();
+        let (layer, module, targets, is_a) =
+            parse_name(name, cfg.num_hidden_layers, fused).map_err(bad)?;
+        let mlp_target = matches!(
+            targets[0],
+            LoraTarget::Gate | LoraTarget::Up | LoraTarget::Down
+        );
         if mlp_target && cfg.moe.as_ref().is_some_and(|m| m.is_sparse(layer)) {
             return Err(bad(format!(
-                "layer {layer}'s MLP is a mixture of experts, which has no {}; adapters of \
-                 experts and routers are not supported",
-                target.module()
+                "layer {layer}'s MLP is a mixture of experts, which has no {module}; adapters \
+                 of experts and routers are not supported",
             )));
         }
         let view = st
             .tensor(name)
             .map_err(|e| bad(format!("cannot read: {e}")))?;
-        let (din, dout) = target.dims(cfg);
+        let din = targets[0].dims(cfg).0;
+        let dout: usize = targets.iter().map(|t| t.dims(cfg).1).sum();
         let shape = view.shape();
         // lora_A is [r, in], lora_B [out, r].
         let (r, fits) = match (is_a, shape) {
@@ -363,7 +383,7 @@ fn read_halves(
                 } else {
                     format!("[{dout}, r]")
                 },
-                target.module(),
+                module,
             )));
         }
         let dtype = match view.dtype() {
@@ -375,11 +395,18 @@ fn read_halves(
         let t = Tensor::from_raw_buffer(view.data(), dtype, shape, &Device::Cpu)
             .map_err(|e| bad(format!("cannot convert: {e}")))?
             .to_dtype(DType::F32)?;
-        let half = halves[layer][target_index(target)].get_or_insert((None, None));
-        if is_a {
-            half.0 = Some(t);
-        } else {
-            half.1 = Some(t);
+        // A fused module's pair is its layers' pairs: `lora_A` shared, `lora_B`'s rows split
+        // (each layer's delta is then the fused module's rows of it).
+        let mut row = 0;
+        for &target in targets {
+            let half = halves[layer][target_index(target)].get_or_insert((None, None));
+            if is_a {
+                half.0 = Some(t.clone());
+            } else {
+                let out = target.dims(cfg).1;
+                half.1 = Some(t.narrow(0, row, out)?.contiguous()?);
+                row += out;
+            }
         }
     }
     Ok(halves)
@@ -454,17 +481,25 @@ fn check_config(c: &AdapterConfig, path: &Path, max_rank: usize) -> Result<()> {
     Ok(())
 }
 
-/// `(layer, target, is lora_A)` of a PEFT tensor name
-/// (`base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight`), or why not.
+/// `(layer, module, its targets, is lora_A)` of a PEFT tensor name
+/// (`base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight`) on a model that stores
+/// q/k/v and gate/up `fused` or not ([`LoraTarget::of_module`]), or why not.
 fn parse_name(
     name: &str,
     num_layers: usize,
-) -> std::result::Result<(usize, LoraTarget, bool), String> {
+    fused: bool,
+) -> std::result::Result<(usize, &str, &'static [LoraTarget], bool), String> {
     let unsupported = || {
-        "not a lora_A/lora_B weight of a decoder layer's q/k/v/o/gate/up/down projection \
-         (adapters of embeddings, the LM head, MoE experts and routers or other modules are \
-         not supported)"
-            .to_string()
+        let modules = if fused {
+            "qkv/o/gate_up/down"
+        } else {
+            "q/k/v/o/gate/up/down"
+        };
+        format!(
+            "not a lora_A/lora_B weight of a decoder layer's {modules} projection (adapters of \
+             embeddings, the LM head, MoE experts and routers or other modules are not \
+             supported)"
+        )
     };
     let rest = name
         .split_once("layers.")
@@ -477,10 +512,10 @@ fn parse_name(
             "layer {layer}, but the model has {num_layers} layers"
         ));
     }
-    for target in LoraTarget::ALL {
-        for (suffix, is_a) in [(".lora_A.weight", true), (".lora_B.weight", false)] {
-            if rest.strip_suffix(suffix) == Some(target.module()) {
-                return Ok((layer, target, is_a));
+    for (suffix, is_a) in [(".lora_A.weight", true), (".lora_B.weight", false)] {
+        if let Some(module) = rest.strip_suffix(suffix) {
+            if let Some(targets) = LoraTarget::of_module(module, fused) {
+                return Ok((layer, module, targets, is_a));
             }
         }
     }
@@ -623,6 +658,22 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
+
+    #[test]
+    fn fused_models_take_their_fused_module_names_only() {
+        use LoraTarget::*;
+        let of = LoraTarget::of_module;
+        assert_eq!(of("self_attn.qkv_proj", true), Some(&[Q, K, V][..]));
+        assert_eq!(of("mlp.gate_up_proj", true), Some(&[Gate, Up][..]));
+        assert_eq!(of("self_attn.o_proj", true), Some(&[O][..]));
+        assert_eq!(of("mlp.down_proj", true), Some(&[Down][..]));
+        assert_eq!(of("self_attn.q_proj", true), None);
+        assert_eq!(of("mlp.up_proj", true), None);
+        assert_eq!(of("self_attn.qkv_proj", false), None);
+        assert_eq!(of("mlp.up_proj", false), Some(&[Up][..]));
+        let e = parse_name("model.layers.0.self_attn.q_proj.lora_A.weight", 2, true).unwrap_err();
+        assert!(e.contains("qkv/o/gate_up/down"), "{e}");
+    }
 
     /// `n` values in [-1, 1) from `seed` (a fixed LCG: the cases replay).
     fn values(seed: u64, n: usize) -> Vec<f32> {

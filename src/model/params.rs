@@ -38,15 +38,28 @@ pub fn param_shapes(cfg: &ModelConfig) -> BTreeMap<String, Vec<usize>> {
             }
             m.insert(format!("{name}.weight"), vec![o, i]);
         };
-        linear(format!("{p}.self_attn.q_proj"), hs, h * d, cfg.qkv_bias);
-        linear(format!("{p}.self_attn.k_proj"), hs, kvh * d, cfg.qkv_bias);
-        linear(format!("{p}.self_attn.v_proj"), hs, kvh * d, cfg.qkv_bias);
+        if cfg.architecture.fuses_projections() {
+            linear(
+                format!("{p}.self_attn.qkv_proj"),
+                hs,
+                (h + 2 * kvh) * d,
+                false,
+            );
+        } else {
+            linear(format!("{p}.self_attn.q_proj"), hs, h * d, cfg.qkv_bias);
+            linear(format!("{p}.self_attn.k_proj"), hs, kvh * d, cfg.qkv_bias);
+            linear(format!("{p}.self_attn.v_proj"), hs, kvh * d, cfg.qkv_bias);
+        }
         linear(format!("{p}.self_attn.o_proj"), h * d, hs, cfg.o_bias);
         match &cfg.moe {
             Some(moe) if moe.is_sparse(i) => {
                 for (name, [o, i]) in sparse_linears(cfg, moe, i) {
                     linear(name, i, o, false);
                 }
+            }
+            _ if cfg.architecture.fuses_projections() => {
+                linear(format!("{p}.mlp.gate_up_proj"), hs, 2 * is, false);
+                linear(format!("{p}.mlp.down_proj"), is, hs, false);
             }
             _ => {
                 linear(format!("{p}.mlp.gate_proj"), hs, is, cfg.mlp_bias);

@@ -19,6 +19,8 @@ enum Slot<'a> {
     PartWeight(&'a mut Projection, usize),
     /// Bias of layer `.1` of a projection.
     PartBias(&'a mut Projection, usize),
+    /// Every layer of a projection a checkpoint stores as one matrix, of these widths.
+    FusedWeight(&'a mut Projection, Vec<usize>),
     Embedding,
 }
 
@@ -73,6 +75,11 @@ impl Model {
                     p.set_weight(part, &t, bf16_act)?;
                     t
                 }
+                Slot::FusedWeight(p, widths) => {
+                    let t = t.to_dtype(matrix)?;
+                    p.set_fused_weight(&t, &widths, bf16_act)?;
+                    t
+                }
                 Slot::PartBias(p, part) => {
                     let t = t.to_dtype(matrix)?.to_dtype(vector)?;
                     p.set_bias(part, t.clone())?;
@@ -122,6 +129,22 @@ impl Model {
         }
         if module == "post_attention_layernorm" && kind == "weight" {
             return Some(Slot::Vector(&mut layer.post_norm));
+        }
+        // A fused matrix replaces every layer it holds (`check_update` has refused the
+        // separate names on such a model, and the fused ones elsewhere).
+        if self.cfg.architecture.fuses_projections() && kind == "weight" {
+            let is = self.cfg.intermediate_size;
+            let (q, kv) = (
+                self.cfg.num_attention_heads * self.cfg.head_dim,
+                self.cfg.num_key_value_heads * self.cfg.head_dim,
+            );
+            match module {
+                "self_attn.qkv_proj" => {
+                    return Some(Slot::FusedWeight(&mut layer.qkv, vec![q, kv, kv]))
+                }
+                "mlp.gate_up_proj" => return Some(Slot::FusedWeight(gate_up?, vec![is, is])),
+                _ => {}
+            }
         }
         let (projection, part) = match module {
             "self_attn.q_proj" => (&mut layer.qkv, 0),

@@ -143,6 +143,14 @@ MODEL_SPECS: dict[str, dict] = {
             "original_max_position_embeddings": 4096,
         },
     },
+    # Phi-3 / Phi-4: q/k/v and gate/up stored fused; a sliding window shorter than the
+    # longer prompts (Phi-3-mini-4k's is 2,047).
+    "phi3": {
+        "arch": "phi3",
+        "seed": 41,
+        "rope": {"rope_type": "default", "rope_theta": 10000.0},
+        "extra": {"sliding_window": 24, "pad_token_id": 0},
+    },
     "qwen3": {
         "arch": "qwen3",
         "seed": 8,
@@ -227,6 +235,7 @@ _CONFIG_CLASSES = {
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
     "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
@@ -531,6 +540,11 @@ CLASSIFIERS = {
         ["LABEL_0"],
     ),
     "qwen3_default": (transformers.Qwen3Config, transformers.Qwen3ForSequenceClassification, None),
+    "phi3_reward": (
+        transformers.Phi3Config,
+        transformers.Phi3ForSequenceClassification,
+        ["LABEL_0"],
+    ),
 }
 
 

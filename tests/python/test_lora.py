@@ -113,6 +113,13 @@ PARITY_CASES = [
         },
         id="qwen2-rank_pattern",
     ),
+    # Phi-3 stores q/k/v and gate/up fused, and PEFT adapts the fused modules: one lora_A
+    # shared by the layers a module holds, lora_B's rows split between them.
+    pytest.param(
+        "phi3",
+        {"target_modules": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]},
+        id="phi3-fused",
+    ),
 ]
 
 
