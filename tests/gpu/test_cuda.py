@@ -28,7 +28,11 @@ def greedy(n: int = NEW_TOKENS) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "llama_tied"])
+# phi3: its fused qkv/gate_up matrices kept stacked on the GPU (`Projection::from_fused`);
+# qwen2_yarn: YaRN's rope tables (attention factor folded into cos/sin).
+@pytest.mark.parametrize(
+    "arch", ["llama", "mistral", "qwen2", "qwen3", "llama_tied", "phi3", "qwen2_yarn"]
+)
 def test_f32_greedy_matches_transformers(model_zoo, token_prompts, arch):
     case = model_zoo.get(arch)
     llm = detspec.LLM(str(case.path), device="cuda", dtype="float32")

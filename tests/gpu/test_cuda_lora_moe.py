@@ -102,16 +102,26 @@ def test_moe_negative_control_off_mode_differs_on_gpu(flat_moe):
 # --------------------------------------------------------------------------- LoRA adapters
 
 
+# Phi-3 stores q/k/v and gate/up fused, and PEFT adapts the fused modules.
+PHI3_PROJ = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
 def save_adapter(base: torch.nn.Module, out_dir: Path, seed: int, **kw) -> torch.nn.Module:
     """A random PEFT LoRA adapter (lora_B non-zero) of `base`, saved; returns the PEFT model."""
-    kw = {"r": 8, "lora_alpha": 16, "target_modules": list(ALL_PROJ), "init_lora_weights": False}
+    fused = base.config.model_type == "phi3"
+    kw = {
+        "r": 8,
+        "lora_alpha": 16,
+        "target_modules": list(PHI3_PROJ if fused else ALL_PROJ),
+        "init_lora_weights": False,
+    }
     torch.manual_seed(seed)
     model = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(**kw)).eval()
     model.save_pretrained(out_dir)
     return model
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "phi3"])
 def test_lora_greedy_matches_peft_on_gpu(model_zoo, token_prompts, tmp_path, name):
     case = model_zoo.get(name)
     ref = save_adapter(case.model, tmp_path / "adapter", seed=3)
