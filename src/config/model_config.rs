@@ -1,5 +1,5 @@
-//! Hugging Face `config.json` for the Llama family (Llama, Mistral, Qwen2, Qwen3, Phi-3) and
-//! its mixture-of-experts relatives (Qwen2-MoE, Qwen3-MoE, Mixtral). The rotary settings are
+//! Hugging Face `config.json` for the Llama family (Llama, Mistral, Qwen2, Qwen3, Phi-3,
+//! OLMo 2) and its mixture-of-experts relatives (Qwen2-MoE, Qwen3-MoE, Mixtral). The rotary settings are
 //! read by [`super::rope`].
 
 use std::collections::BTreeMap;
@@ -23,30 +23,35 @@ pub enum Architecture {
     Qwen3,
     /// Phi-3 and Phi-4: Llama's decoder with q/k/v and gate/up each stored as one matrix.
     Phi3,
+    /// OLMo 2: each sublayer's output normed before the residual add (its input is not), and
+    /// q/k normed over the whole projection.
+    Olmo2,
     Mixtral,
     Qwen2Moe,
     Qwen3Moe,
 }
 
 impl Architecture {
-    const SUPPORTED: [(&'static str, Architecture); 8] = [
+    const SUPPORTED: [(&'static str, Architecture); 9] = [
         ("LlamaForCausalLM", Architecture::Llama),
         ("MistralForCausalLM", Architecture::Mistral),
         ("Qwen2ForCausalLM", Architecture::Qwen2),
         ("Qwen3ForCausalLM", Architecture::Qwen3),
         ("Phi3ForCausalLM", Architecture::Phi3),
+        ("Olmo2ForCausalLM", Architecture::Olmo2),
         ("MixtralForCausalLM", Architecture::Mixtral),
         ("Qwen2MoeForCausalLM", Architecture::Qwen2Moe),
         ("Qwen3MoeForCausalLM", Architecture::Qwen3Moe),
     ];
 
     /// Model types (`model_type`) by architecture, for a config without `architectures`.
-    const MODEL_TYPES: [(&'static str, &'static str); 8] = [
+    const MODEL_TYPES: [(&'static str, &'static str); 9] = [
         ("llama", "LlamaForCausalLM"),
         ("mistral", "MistralForCausalLM"),
         ("qwen2", "Qwen2ForCausalLM"),
         ("qwen3", "Qwen3ForCausalLM"),
         ("phi3", "Phi3ForCausalLM"),
+        ("olmo2", "Olmo2ForCausalLM"),
         ("mixtral", "MixtralForCausalLM"),
         ("qwen2_moe", "Qwen2MoeForCausalLM"),
         ("qwen3_moe", "Qwen3MoeForCausalLM"),
@@ -66,6 +71,14 @@ impl Architecture {
     /// (rows q, then k, then v) and gate/up as one `mlp.gate_up_proj` (gate rows first).
     pub fn fuses_projections(self) -> bool {
         self == Architecture::Phi3
+    }
+
+    /// Whether each sublayer's output, not its input, is normed before the residual add
+    /// (OLMo 2: `post_attention_layernorm` on the attention's output,
+    /// `post_feedforward_layernorm` on the MLP's; no `input_layernorm`), and q/k are normed
+    /// over the whole projection (`q_norm` of `heads × head_dim`) rather than per head.
+    pub fn norms_sublayer_outputs(self) -> bool {
+        self == Architecture::Olmo2
     }
 
     fn supported_list() -> String {
@@ -99,7 +112,8 @@ pub struct ModelConfig {
     pub o_bias: bool,
     /// Bias on the MLP projections (Llama's `mlp_bias`).
     pub mlp_bias: bool,
-    /// Per-head RMSNorm on q and k before rope (Qwen3).
+    /// RMSNorm on q and k before rope: per head (Qwen3), or over the whole projection
+    /// (OLMo 2, [`Architecture::norms_sublayer_outputs`]).
     pub qk_norm: bool,
     /// The mixture-of-experts settings of a sparse architecture (`None`: every layer's MLP is
     /// dense).
@@ -257,7 +271,7 @@ impl ModelConfig {
                     None
                 }
             }
-            Architecture::Llama => None,
+            Architecture::Llama | Architecture::Olmo2 => None,
         };
         let num_hidden_layers = positive("num_hidden_layers", raw.num_hidden_layers)?;
         let intermediate_size = positive("intermediate_size", raw.intermediate_size)?;
@@ -309,7 +323,10 @@ impl ModelConfig {
             qkv_bias,
             o_bias,
             mlp_bias: raw.mlp_bias.unwrap_or(false) && architecture != Architecture::Phi3,
-            qk_norm: matches!(architecture, Architecture::Qwen3 | Architecture::Qwen3Moe),
+            qk_norm: matches!(
+                architecture,
+                Architecture::Qwen3 | Architecture::Qwen3Moe | Architecture::Olmo2
+            ),
             moe,
             sliding_window,
             eos_token_ids: raw.eos_token_id.into_vec(),
@@ -361,14 +378,16 @@ impl ModelConfig {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
 
-    fn parse(json: &str) -> Result<ModelConfig> {
+    /// A config from JSON text, errors naming `/m/config.json` (also `rope.rs`'s tests').
+    pub(in crate::config) fn parse(json: &str) -> Result<ModelConfig> {
         ModelConfig::from_json_str(json, Path::new("/m/config.json"))
     }
 
-    const BASE: &str = r#""hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    /// The fields every test config needs.
+    pub(in crate::config) const BASE: &str = r#""hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "vocab_size": 100"#;
 
     #[test]
@@ -511,6 +530,18 @@ mod tests {
         assert_eq!(y.max_context(), 2000);
         let m = parse(&format!(r#"{{"model_type": "phi3", {BASE}}}"#)).unwrap();
         assert_eq!(m.architecture, Architecture::Phi3);
+    }
+
+    #[test]
+    fn olmo2_norms_its_sublayers_outputs_and_whole_qk() {
+        let c = parse(&format!(
+            r#"{{"architectures": ["Olmo2ForCausalLM"], {BASE}, "attention_bias": false}}"#
+        ))
+        .unwrap();
+        assert!(c.architecture.norms_sublayer_outputs() && c.qk_norm);
+        assert!(!Architecture::Qwen3.norms_sublayer_outputs());
+        assert!(!c.architecture.fuses_projections());
+        assert_eq!(c.sliding_window, None);
     }
 
     #[test]

@@ -313,16 +313,7 @@ impl RopeConfig {
 
 #[cfg(test)]
 mod tests {
-    use crate::config::ModelConfig;
-    use crate::error::Result;
-    use std::path::Path;
-
-    fn parse(json: &str) -> Result<ModelConfig> {
-        ModelConfig::from_json_str(json, Path::new("/m/config.json"))
-    }
-
-    const BASE: &str = r#""hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "vocab_size": 100"#;
+    use crate::config::model_config::tests::{parse, BASE};
 
     #[test]
     fn classic_and_new_rope_keys_agree() {

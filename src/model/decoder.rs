@@ -1,5 +1,5 @@
-//! The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, and with sparse MLPs Mixtral,
-//! Qwen2-MoE, Qwen3-MoE) over a flat varlen batch.
+//! The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, OLMo 2, and with sparse
+//! MLPs Mixtral, Qwen2-MoE, Qwen3-MoE) over a flat varlen batch.
 //!
 //! One call runs any mix of prefill chunks and decode rows from many sequences: the batch is a
 //! flat list of tokens with their absolute positions, and each token's K/V is written to the
@@ -46,16 +46,21 @@ pub struct ForwardBatch {
     pub fast_experts: bool,
 }
 
-/// One decoder layer's parameters.
+/// One decoder layer's parameters. Its norms say where the residual stream is normed: the
+/// Llama family norms each sublayer's input (`input_norm`, `mlp_norm`), OLMo 2 each
+/// sublayer's output before it is added (`attn_out_norm`, `mlp_out_norm`).
 #[derive(Debug)]
 pub(super) struct Layer {
-    pub(super) input_norm: Tensor,
+    pub(super) input_norm: Option<Tensor>,
     /// q, k, v (stacked on a GPU unless q/k are normed before rope).
     pub(super) qkv: Projection,
     pub(super) o: Linear,
+    /// Per head (`[head_dim]`), or over the whole projection (OLMo 2: `[heads × head_dim]`).
     pub(super) q_norm: Option<Tensor>,
     pub(super) k_norm: Option<Tensor>,
-    pub(super) post_norm: Tensor,
+    pub(super) attn_out_norm: Option<Tensor>,
+    pub(super) mlp_norm: Option<Tensor>,
+    pub(super) mlp_out_norm: Option<Tensor>,
     pub(super) mlp: Mlp,
 }
 
@@ -139,10 +144,28 @@ impl Model {
             let p = format!("model.layers.{i}");
             let attn = |name: &str| format!("{p}.self_attn.{name}");
             let mlp = |name: &str| format!("{p}.mlp.{name}");
-            let qk_norm = |name: &str| {
+            let olmo2 = cfg.architecture.norms_sublayer_outputs();
+            let qk_norm = |name: &str, heads: usize| {
+                let width = if olmo2 { heads * d } else { d };
                 cfg.qk_norm
-                    .then(|| ld.load(&format!("{p}.self_attn.{name}.weight"), &[d]))
+                    .then(|| ld.load(&format!("{p}.self_attn.{name}.weight"), &[width]))
                     .transpose()
+            };
+            let norm = |name: &str| ld.load(&format!("{p}.{name}.weight"), &[hs]).map(Some);
+            let [input_norm, attn_out_norm, mlp_norm, mlp_out_norm] = if olmo2 {
+                [
+                    None,
+                    norm("post_attention_layernorm")?,
+                    None,
+                    norm("post_feedforward_layernorm")?,
+                ]
+            } else {
+                [
+                    norm("input_layernorm")?,
+                    None,
+                    norm("post_attention_layernorm")?,
+                    None,
+                ]
             };
             let qkv = [
                 (attn("q_proj"), h * d),
@@ -169,7 +192,7 @@ impl Model {
                 },
             };
             layers.push(Layer {
-                input_norm: ld.load(&format!("{p}.input_layernorm.weight"), &[hs])?,
+                input_norm,
                 qkv: if fused {
                     let widths = qkv.map(|(_, width)| width);
                     ld.fused_projection(&attn("qkv_proj"), &widths, hs, stack)?
@@ -177,9 +200,11 @@ impl Model {
                     ld.projection(&qkv, hs, cfg.qkv_bias, stack && !cfg.qk_norm)?
                 },
                 o: ld.linear(&attn("o_proj"), h * d, hs, cfg.o_bias)?,
-                q_norm: qk_norm("q_norm")?,
-                k_norm: qk_norm("k_norm")?,
-                post_norm: ld.load(&format!("{p}.post_attention_layernorm.weight"), &[hs])?,
+                q_norm: qk_norm("q_norm", h)?,
+                k_norm: qk_norm("k_norm", kvh)?,
+                attn_out_norm,
+                mlp_norm,
+                mlp_out_norm,
                 mlp,
             });
         }
@@ -305,6 +330,7 @@ impl Model {
         let eps = cfg.rms_norm_eps;
 
         let inv = self.gemm_options(batch);
+        let whole_qk_norm = cfg.architecture.norms_sublayer_outputs();
         let lora = LoraRows::of(&batch.attention.row_seq, &batch.adapters, dev)?;
         // Each linear layer's LoRA target.
         let [t_q, t_k, t_v, t_o, t_gate, t_up, t_down] = [
@@ -317,12 +343,28 @@ impl Model {
             LoraTarget::Down,
         ]
         .map(|t| [t]);
-        // The residual stream `x` and `hn`, the norm of it the next sublayer reads: each
-        // residual add runs fused with the norm after it (the next layer's input norm, the
-        // final norm after the last).
+        // The residual stream `x` and `hn`, what the next sublayer reads (its norm of `x`, or
+        // `x` where the layout norms sublayer outputs instead): each residual add runs fused
+        // with the norm after it (the next layer's input norm, the final norm after the last).
         let mut x = self.embed.index_select(&ids, 0)?.to_dtype(self.act_dtype)?;
-        let first_norm = self.layers.first().map_or(&self.norm, |l| &l.input_norm);
-        let mut hn = ops::rms_norm(&x, first_norm, eps)?;
+        let input_norm = |li: usize| {
+            self.layers
+                .get(li)
+                .map_or(Some(&self.norm), |l| l.input_norm.as_ref())
+        };
+        let mut hn = match input_norm(0) {
+            Some(w) => ops::rms_norm(&x, w, eps)?,
+            None => x.clone(),
+        };
+        // `x + y`, and what the next sublayer reads of it.
+        let add_then_norm = |x: &Tensor, y: &Tensor, norm: Option<&Tensor>| match norm {
+            Some(w) => ops::add_rms_norm(x, y, w, eps),
+            None => ops::add(x, y).map(|s| (s.clone(), s)),
+        };
+        let out_norm = |y: Tensor, norm: &Option<Tensor>| match norm {
+            Some(w) => ops::rms_norm(&y, w, eps),
+            None => Ok(y),
+        };
         for (li, layer) in self.layers.iter().enumerate() {
             let (k_cache, v_cache) = kv.layer(li).ok_or_else(|| {
                 DetspecError::param("num_layers", format!("KV pool has no layer {li}"))
@@ -366,10 +408,19 @@ impl Model {
                     let [q, k, v]: [Tensor; 3] = with_lora(&hn, outs)?
                         .try_into()
                         .map_err(|_| DetspecError::param("weights", "q/k/v are three layers"))?;
+                    // q/k norms apply over the whole projection (OLMo 2) before the split into
+                    // heads, or to each head after it (Qwen3).
+                    let norms = layer.q_norm.as_ref().zip(layer.k_norm.as_ref());
+                    let (q, k) = match norms {
+                        Some((qn, kn)) if whole_qk_norm => {
+                            (ops::rms_norm(&q, qn, eps)?, ops::rms_norm(&k, kn, eps)?)
+                        }
+                        _ => (q, k),
+                    };
                     let mut q = q.reshape((n, h, d))?;
                     let mut k = k.reshape((n, kvh, d))?;
                     let v = v.reshape((n, kvh, d))?;
-                    if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
+                    if let Some((qn, kn)) = norms.filter(|_| !whole_qk_norm) {
                         q = ops::rms_norm(&q, qn, eps)?;
                         k = ops::rms_norm(&k, kn, eps)?;
                     }
@@ -380,12 +431,11 @@ impl Model {
             };
             let attn = ops::paged_attention(&q, k_cache, v_cache, meta.clone(), scale)?;
             let attn = attn.reshape((n, h * d))?;
-            let o = one(&attn, layer.o.apply(&attn, inv)?, &t_o)?;
-            (x, hn) = ops::add_rms_norm(&x, &o, &layer.post_norm, eps)?;
-            let next_norm = self
-                .layers
-                .get(li + 1)
-                .map_or(&self.norm, |l| &l.input_norm);
+            let o = out_norm(
+                one(&attn, layer.o.apply(&attn, inv)?, &t_o)?,
+                &layer.attn_out_norm,
+            )?;
+            (x, hn) = add_then_norm(&x, &o, layer.mlp_norm.as_ref())?;
             let down = match &layer.mlp {
                 Mlp::Sparse(moe) => moe.forward(&hn, inv, !batch.fast_experts)?,
                 Mlp::Dense { gate_up, down } => {
@@ -415,7 +465,8 @@ impl Model {
                     one(&act, down.apply(&act, inv)?, &t_down)?
                 }
             };
-            (x, hn) = ops::add_rms_norm(&x, &down, next_norm, eps)?;
+            let down = out_norm(down, &layer.mlp_out_norm)?;
+            (x, hn) = add_then_norm(&x, &down, input_norm(li + 1))?;
         }
         if batch.logit_rows.is_empty() {
             // A chunk that samples nothing ran for its KV writes. A GPU cannot launch over zero

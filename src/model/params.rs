@@ -67,11 +67,19 @@ pub fn param_shapes(cfg: &ModelConfig) -> BTreeMap<String, Vec<usize>> {
                 linear(format!("{p}.mlp.down_proj"), is, hs, cfg.mlp_bias);
             }
         }
-        m.insert(format!("{p}.input_layernorm.weight"), vec![hs]);
-        m.insert(format!("{p}.post_attention_layernorm.weight"), vec![hs]);
+        let olmo2 = cfg.architecture.norms_sublayer_outputs();
+        let sublayer_norms: &[&str] = if olmo2 {
+            &["post_attention_layernorm", "post_feedforward_layernorm"]
+        } else {
+            &["input_layernorm", "post_attention_layernorm"]
+        };
+        for norm in sublayer_norms {
+            m.insert(format!("{p}.{norm}.weight"), vec![hs]);
+        }
         if cfg.qk_norm {
-            m.insert(format!("{p}.self_attn.q_norm.weight"), vec![d]);
-            m.insert(format!("{p}.self_attn.k_norm.weight"), vec![d]);
+            let (q, k) = if olmo2 { (h * d, kvh * d) } else { (d, d) };
+            m.insert(format!("{p}.self_attn.q_norm.weight"), vec![q]);
+            m.insert(format!("{p}.self_attn.k_norm.weight"), vec![k]);
         }
     }
     m

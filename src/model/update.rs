@@ -124,11 +124,21 @@ impl Model {
                 (None, None)
             }
         };
-        if module == "input_layernorm" && kind == "weight" {
-            return Some(Slot::Vector(&mut layer.input_norm));
-        }
-        if module == "post_attention_layernorm" && kind == "weight" {
-            return Some(Slot::Vector(&mut layer.post_norm));
+        if kind == "weight" {
+            // OLMo 2's `post_attention_layernorm` norms the attention's output; the Llama
+            // family's, the MLP's input.
+            let norm = match module {
+                "input_layernorm" => Some(&mut layer.input_norm),
+                "post_attention_layernorm" if self.cfg.architecture.norms_sublayer_outputs() => {
+                    Some(&mut layer.attn_out_norm)
+                }
+                "post_attention_layernorm" => Some(&mut layer.mlp_norm),
+                "post_feedforward_layernorm" => Some(&mut layer.mlp_out_norm),
+                _ => None,
+            };
+            if let Some(norm) = norm {
+                return norm.as_mut().map(Slot::Vector);
+            }
         }
         // A fused matrix replaces every layer it holds (`check_update` has refused the
         // separate names on such a model, and the fused ones elsewhere).

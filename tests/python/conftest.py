@@ -151,6 +151,14 @@ MODEL_SPECS: dict[str, dict] = {
         "rope": {"rope_type": "default", "rope_theta": 10000.0},
         "extra": {"sliding_window": 24, "pad_token_id": 0},
     },
+    # OLMo 2: sublayer outputs normed before the residual add, q/k normed over the whole
+    # projection.
+    "olmo2": {
+        "arch": "olmo2",
+        "seed": 43,
+        "rope": {"rope_type": "default", "rope_theta": 500000.0},
+        "extra": {"pad_token_id": 0},
+    },
     "qwen3": {
         "arch": "qwen3",
         "seed": 8,
@@ -236,6 +244,7 @@ _CONFIG_CLASSES = {
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
     "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+    "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM),
     "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
