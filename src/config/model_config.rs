@@ -1,5 +1,5 @@
 //! Hugging Face `config.json` for the Llama family (Llama, Mistral, Qwen2, Qwen3, Phi-3,
-//! OLMo 2) and its mixture-of-experts relatives (Qwen2-MoE, Qwen3-MoE, Mixtral). The rotary settings are
+//! OLMo 2 and 3) and its mixture-of-experts relatives (Qwen2-MoE, Qwen3-MoE, Mixtral). The rotary settings are
 //! read by [`super::rope`].
 
 use std::collections::BTreeMap;
@@ -11,7 +11,7 @@ use serde_json::Value;
 use super::head::Head;
 use super::json::{parse_json, TokenIds};
 use super::moe_config::{ExpertNaming, MoeConfig, RawMoe};
-use super::rope::{RawRope, RopeConfig};
+use super::rope::{RawRope, RopeConfig, RopeDefaults, RopeScaling};
 use crate::error::{DetspecError, Result};
 
 /// Architectures detspec implements; all share one decoder with small switches.
@@ -26,32 +26,37 @@ pub enum Architecture {
     /// OLMo 2: each sublayer's output normed before the residual add (its input is not), and
     /// q/k normed over the whole projection.
     Olmo2,
+    /// OLMo 3: OLMo 2's layers, most of them attending within a sliding window (`layer_types`),
+    /// each kind with its own rope.
+    Olmo3,
     Mixtral,
     Qwen2Moe,
     Qwen3Moe,
 }
 
 impl Architecture {
-    const SUPPORTED: [(&'static str, Architecture); 9] = [
+    const SUPPORTED: [(&'static str, Architecture); 10] = [
         ("LlamaForCausalLM", Architecture::Llama),
         ("MistralForCausalLM", Architecture::Mistral),
         ("Qwen2ForCausalLM", Architecture::Qwen2),
         ("Qwen3ForCausalLM", Architecture::Qwen3),
         ("Phi3ForCausalLM", Architecture::Phi3),
         ("Olmo2ForCausalLM", Architecture::Olmo2),
+        ("Olmo3ForCausalLM", Architecture::Olmo3),
         ("MixtralForCausalLM", Architecture::Mixtral),
         ("Qwen2MoeForCausalLM", Architecture::Qwen2Moe),
         ("Qwen3MoeForCausalLM", Architecture::Qwen3Moe),
     ];
 
     /// Model types (`model_type`) by architecture, for a config without `architectures`.
-    const MODEL_TYPES: [(&'static str, &'static str); 9] = [
+    const MODEL_TYPES: [(&'static str, &'static str); 10] = [
         ("llama", "LlamaForCausalLM"),
         ("mistral", "MistralForCausalLM"),
         ("qwen2", "Qwen2ForCausalLM"),
         ("qwen3", "Qwen3ForCausalLM"),
         ("phi3", "Phi3ForCausalLM"),
         ("olmo2", "Olmo2ForCausalLM"),
+        ("olmo3", "Olmo3ForCausalLM"),
         ("mixtral", "MixtralForCausalLM"),
         ("qwen2_moe", "Qwen2MoeForCausalLM"),
         ("qwen3_moe", "Qwen3MoeForCausalLM"),
@@ -78,7 +83,7 @@ impl Architecture {
     /// `post_feedforward_layernorm` on the MLP's; no `input_layernorm`), and q/k are normed
     /// over the whole projection (`q_norm` of `heads × head_dim`) rather than per head.
     pub fn norms_sublayer_outputs(self) -> bool {
-        self == Architecture::Olmo2
+        matches!(self, Architecture::Olmo2 | Architecture::Olmo3)
     }
 
     fn supported_list() -> String {
@@ -120,6 +125,12 @@ pub struct ModelConfig {
     pub moe: Option<MoeConfig>,
     /// Sliding-window attention span, when the checkpoint enables it.
     pub sliding_window: Option<usize>,
+    /// Which layers attend within `sliding_window` (`layer_types`, OLMo 3); `None`: every
+    /// layer does when there is a window.
+    pub sliding_layers: Option<Vec<bool>>,
+    /// The sliding-window layers' rope where it differs from the others' (OLMo 3: `rope` is
+    /// then the full-attention layers').
+    pub rope_sliding: Option<RopeConfig>,
     /// `eos_token_id` from config.json (generation_config.json is read by the tokenizer module).
     pub eos_token_ids: Vec<u32>,
     pub bos_token_id: Option<u32>,
@@ -169,6 +180,8 @@ struct RawConfig {
     /// Phi-3 keeps the pre-scaling context here, beside `rope_scaling`; it wins over the one
     /// inside (as transformers reads it).
     original_max_position_embeddings: Option<f64>,
+    /// Each layer's attention, `sliding_attention` or `full_attention` (OLMo 3).
+    layer_types: Option<Vec<String>>,
     /// Newer transformers: `rope_theta` and the scaling in one object.
     rope_parameters: Option<RawRope>,
     rope_scaling: Option<RawRope>,
@@ -261,6 +274,8 @@ impl ModelConfig {
             Architecture::Mistral | Architecture::Mixtral | Architecture::Phi3 => {
                 raw.sliding_window
             }
+            // transformers' default where the config has none.
+            Architecture::Olmo3 => raw.sliding_window.or(Some(4096)),
             Architecture::Qwen2
             | Architecture::Qwen3
             | Architecture::Qwen2Moe
@@ -292,15 +307,41 @@ impl ModelConfig {
             )
         })
         .transpose()?;
-        let rope = RopeConfig::parse(
+        let defaults = RopeDefaults {
+            rope_theta: raw.rope_theta,
+            partial_rotary_factor: raw.partial_rotary_factor,
+            original_max_position_embeddings: raw.original_max_position_embeddings,
+            max_position_embeddings,
+        };
+        let (rope, mut rope_sliding) = RopeConfig::parse_layers(
             raw.rope_parameters.as_ref(),
             raw.rope_scaling.as_ref(),
-            raw.rope_theta,
-            raw.partial_rotary_factor,
-            raw.original_max_position_embeddings,
-            max_position_embeddings,
+            &defaults,
             path,
         )?;
+        let sliding_layers = match architecture {
+            Architecture::Olmo3 => {
+                // A classic `rope_scaling` scales the full-attention layers only (transformers'
+                // `Olmo3Config`); the sliding ones keep plain rope of the same theta.
+                if rope_sliding.is_none() && rope.scaling != RopeScaling::None {
+                    rope_sliding = Some(RopeConfig {
+                        theta: rope.theta,
+                        scaling: RopeScaling::None,
+                    });
+                }
+                Some(Self::parse_layer_types(&raw, num_hidden_layers, path)?)
+            }
+            _ => {
+                if rope_sliding.is_some() {
+                    return Err(err(
+                        "rope_parameters",
+                        "settings by layer kind need an architecture with layer kinds (OLMo 3)"
+                            .into(),
+                    ));
+                }
+                None
+            }
+        };
         let torch_dtype = [&raw.torch_dtype, &raw.dtype]
             .into_iter()
             .find_map(|v| v.as_ref().and_then(Value::as_str))
@@ -325,10 +366,15 @@ impl ModelConfig {
             mlp_bias: raw.mlp_bias.unwrap_or(false) && architecture != Architecture::Phi3,
             qk_norm: matches!(
                 architecture,
-                Architecture::Qwen3 | Architecture::Qwen3Moe | Architecture::Olmo2
+                Architecture::Qwen3
+                    | Architecture::Qwen3Moe
+                    | Architecture::Olmo2
+                    | Architecture::Olmo3
             ),
             moe,
             sliding_window,
+            sliding_layers,
+            rope_sliding,
             eos_token_ids: raw.eos_token_id.into_vec(),
             bos_token_id: raw.bos_token_id.into_vec().first().copied(),
             torch_dtype,
@@ -341,6 +387,44 @@ impl ModelConfig {
     /// YaRN's scaled context ([`RopeConfig::context`]).
     pub fn max_context(&self) -> usize {
         self.rope.context(self.max_position_embeddings)
+    }
+
+    /// OLMo 3's `layer_types` (each layer's attention: `sliding_attention` or
+    /// `full_attention`), or transformers' default: every fourth layer full.
+    fn parse_layer_types(raw: &RawConfig, layers: usize, path: &Path) -> Result<Vec<bool>> {
+        let err = |message: String| DetspecError::InvalidConfig {
+            path: path.to_path_buf(),
+            field: "layer_types".into(),
+            message,
+        };
+        let Some(types) = &raw.layer_types else {
+            return Ok((0..layers).map(|i| (i + 1) % 4 != 0).collect());
+        };
+        if types.len() != layers {
+            return Err(err(format!(
+                "{} entries for num_hidden_layers={layers}",
+                types.len()
+            )));
+        }
+        types
+            .iter()
+            .map(|t| match t.as_str() {
+                "sliding_attention" => Ok(true),
+                "full_attention" => Ok(false),
+                other => Err(err(format!(
+                    "`{other}` (supported: sliding_attention, full_attention)"
+                ))),
+            })
+            .collect()
+    }
+
+    /// Whether layer `layer` attends within `sliding_window`.
+    pub fn layer_slides(&self, layer: usize) -> bool {
+        self.sliding_window.is_some()
+            && self
+                .sliding_layers
+                .as_ref()
+                .is_none_or(|s| s.get(layer).copied().unwrap_or(false))
     }
 
     /// The architecture and its output layer: `*ForCausalLM`, or `*ForSequenceClassification`
@@ -542,6 +626,80 @@ pub(super) mod tests {
         assert!(!Architecture::Qwen3.norms_sublayer_outputs());
         assert!(!c.architecture.fuses_projections());
         assert_eq!(c.sliding_window, None);
+    }
+
+    #[test]
+    fn olmo3_reads_its_layer_kinds_and_their_ropes() {
+        let c = parse(&format!(
+            r#"{{"architectures": ["Olmo3ForCausalLM"], "hidden_size": 64,
+            "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+            "vocab_size": 100, "sliding_window": 16, "rope_parameters": {{
+              "full_attention": {{"rope_type": "yarn", "rope_theta": 500000.0, "factor": 8.0,
+                                  "original_max_position_embeddings": 8192}},
+              "sliding_attention": {{"rope_type": "default", "rope_theta": 500000.0}}}}}}"#
+        ))
+        .unwrap();
+        assert!(c.architecture.norms_sublayer_outputs() && c.qk_norm);
+        // transformers' default pattern: every fourth layer attends to everything.
+        let slides: Vec<bool> = (0..4).map(|i| c.layer_slides(i)).collect();
+        assert_eq!(slides, [true, true, true, false]);
+        assert!(matches!(c.rope.scaling, RopeScaling::Yarn { .. }));
+        assert_eq!(c.max_context(), 65_536);
+        let sliding = c.rope_sliding.as_ref().unwrap();
+        assert_eq!(
+            (sliding.theta, &sliding.scaling),
+            (500000.0, &RopeScaling::None)
+        );
+
+        // The classic keys: `rope_scaling` scales the full-attention layers only.
+        let classic = parse(&format!(
+            r#"{{"architectures": ["Olmo3ForCausalLM"], {BASE}, "rope_theta": 500000.0,
+            "layer_types": ["full_attention", "sliding_attention"],
+            "rope_scaling": {{"rope_type": "yarn", "factor": 8.0,
+                              "original_max_position_embeddings": 8192}}}}"#
+        ))
+        .unwrap();
+        assert_eq!(
+            (classic.layer_slides(0), classic.layer_slides(1)),
+            (false, true)
+        );
+        assert_eq!(
+            classic.sliding_window,
+            Some(4096),
+            "transformers' default window"
+        );
+        assert_eq!(classic.rope, c.rope);
+        assert_eq!(classic.rope_sliding, c.rope_sliding);
+        // Other models slide on every layer or none.
+        let m = parse(&format!(
+            r#"{{"architectures": ["MistralForCausalLM"], {BASE}, "sliding_window": 8}}"#
+        ))
+        .unwrap();
+        assert!(m.layer_slides(0) && m.layer_slides(1) && m.sliding_layers.is_none());
+
+        for (extra, field) in [
+            (r#""layer_types": ["full_attention"]"#, "layer_types"),
+            (
+                r#""layer_types": ["chunked", "full_attention"]"#,
+                "layer_types",
+            ),
+            (
+                r#""rope_parameters": {"full_attention": {"rope_type": "dynamic"}}"#,
+                "rope_parameters.full_attention.rope_type",
+            ),
+        ] {
+            let e = parse(&format!(
+                r#"{{"architectures": ["Olmo3ForCausalLM"], {BASE}, {extra}}}"#
+            ))
+            .unwrap_err();
+            assert!(e.to_string().contains(field), "{field}: {e}");
+        }
+        let e = parse(&format!(
+            r#"{{"architectures": ["LlamaForCausalLM"], {BASE}, "rope_parameters":
+            {{"sliding_attention": {{"rope_type": "default"}}}}}}"#
+        ))
+        .unwrap_err();
+        assert!(e.to_string().contains("rope_parameters"), "{e}");
     }
 
     #[test]

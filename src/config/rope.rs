@@ -63,29 +63,65 @@ pub(super) struct RawRope {
     attention_factor: Option<f64>,
     truncate: Option<bool>,
     partial_rotary_factor: Option<f64>,
+    /// transformers' `rope_parameters` nested by layer kind (OLMo 3): the settings of the
+    /// full-attention layers and of the sliding-window ones.
+    full_attention: Option<Box<RawRope>>,
+    sliding_attention: Option<Box<RawRope>>,
+}
+
+/// The config's top-level keys a rope reading falls back on: `original_max_position_embeddings`
+/// wins over the scaling's own (as transformers reads Phi-3's), and `max_position_embeddings`
+/// is YaRN's original context when neither names one.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct RopeDefaults {
+    pub rope_theta: Option<f64>,
+    pub partial_rotary_factor: Option<f64>,
+    pub original_max_position_embeddings: Option<f64>,
+    pub max_position_embeddings: usize,
 }
 
 impl RopeConfig {
     /// Reads rope settings from `rope_parameters` (newer transformers; it wins) or from the
-    /// classic `rope_theta` + `rope_scaling` keys. `partial_rotary_factor` and
-    /// `original_max_position_embeddings` are the config's top-level keys (the latter wins
-    /// over the scaling's own, as transformers reads Phi-3's); `max_position_embeddings` is
-    /// YaRN's original context when neither names one.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn parse(
+    /// classic `rope_theta` + `rope_scaling` keys: one setting for every layer, or where
+    /// `rope_parameters` is nested by layer kind (OLMo 3), the full-attention layers' and the
+    /// sliding-window layers' (when given).
+    pub(super) fn parse_layers(
         rope_parameters: Option<&RawRope>,
         rope_scaling: Option<&RawRope>,
-        rope_theta: Option<f64>,
-        partial_rotary_factor: Option<f64>,
-        original_max_position_embeddings: Option<f64>,
-        max_position_embeddings: usize,
+        top: &RopeDefaults,
+        path: &Path,
+    ) -> Result<(Self, Option<Self>)> {
+        match (rope_parameters, rope_scaling) {
+            (Some(p), _) if p.full_attention.is_some() || p.sliding_attention.is_some() => {
+                let kind = |sub: &Option<Box<RawRope>>, name: &str| {
+                    let field = format!("rope_parameters.{name}");
+                    Self::parse(sub.as_deref(), &field, top, path)
+                };
+                let full = kind(&p.full_attention, "full_attention")?;
+                let sliding = match &p.sliding_attention {
+                    Some(_) => Some(kind(&p.sliding_attention, "sliding_attention")?),
+                    None => None,
+                };
+                Ok((full, sliding))
+            }
+            (Some(p), _) => Ok((Self::parse(Some(p), "rope_parameters", top, path)?, None)),
+            (None, scaling) => Ok((Self::parse(scaling, "rope_scaling", top, path)?, None)),
+        }
+    }
+
+    /// One rope setting from `params` (read as `params_field`), falling back on `top`.
+    fn parse(
+        params: Option<&RawRope>,
+        params_field: &str,
+        top: &RopeDefaults,
         path: &Path,
     ) -> Result<Self> {
-        let (params, params_field) = match (rope_parameters, rope_scaling) {
-            (Some(p), _) => (Some(p), "rope_parameters"),
-            (None, Some(p)) => (Some(p), "rope_scaling"),
-            (None, None) => (None, "rope_scaling"),
-        };
+        let RopeDefaults {
+            rope_theta,
+            partial_rotary_factor,
+            original_max_position_embeddings,
+            max_position_embeddings,
+        } = *top;
         let err = |field: &str, message: String| DetspecError::InvalidConfig {
             path: path.to_path_buf(),
             field: field.to_string(),

@@ -1,5 +1,5 @@
-//! The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, OLMo 2, and with sparse
-//! MLPs Mixtral, Qwen2-MoE, Qwen3-MoE) over a flat varlen batch.
+//! The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, OLMo 2 and 3, and with
+//! sparse MLPs Mixtral, Qwen2-MoE, Qwen3-MoE) over a flat varlen batch.
 //!
 //! One call runs any mix of prefill chunks and decode rows from many sequences: the batch is a
 //! flat list of tokens with their absolute positions, and each token's K/V is written to the
@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::config::{ActivationDtype, KernelProfile, ModelConfig};
+use crate::config::{ActivationDtype, KernelProfile, ModelConfig, RopeConfig};
 use crate::error::{DetspecError, Result};
 use crate::kv::KvPool;
 use crate::ops::{self, AttentionMetadata};
@@ -87,6 +87,8 @@ pub struct Model {
     /// `[max_positions, head_dim/2]` tables, indexed by absolute position.
     cos: Tensor,
     sin: Tensor,
+    /// The sliding-window layers' tables where their rope differs (OLMo 3).
+    sliding_rope: Option<(Tensor, Tensor)>,
     device: Device,
     /// Weights (f32 or bf16 on the CPU; f32, bf16 or f16 on a GPU).
     dtype: DType,
@@ -215,7 +217,11 @@ impl Model {
             let head = &cfg.head;
             ld.load_linear(head.weight_name(), head.rows(cfg.vocab_size), hs)?
         };
-        let (cos, sin) = rope_tables(&cfg, device)?;
+        let (cos, sin) = rope_tables(&cfg.rope, &cfg, device)?;
+        let sliding_rope = match &cfg.rope_sliding {
+            Some(rope) => Some(rope_tables(rope, &cfg, device)?),
+            None => None,
+        };
         Ok(Self {
             param_hashes: ld.into_hashes(),
             lm_head,
@@ -225,6 +231,7 @@ impl Model {
             norm,
             cos,
             sin,
+            sliding_rope,
             device: device.clone(),
             dtype,
             kernel_profile: KernelProfile::Invariant,
@@ -322,10 +329,24 @@ impl Model {
         );
         let ids = Tensor::from_slice(&batch.tokens, n, dev)?;
         let pos = Tensor::from_slice(&batch.attention.positions, n, dev)?;
-        let cos = self.cos.index_select(&pos, 0)?;
-        let sin = self.sin.index_select(&pos, 0)?;
+        let rope_rows = |(cos, sin): (&Tensor, &Tensor)| -> candle_core::Result<(Tensor, Tensor)> {
+            Ok((cos.index_select(&pos, 0)?, sin.index_select(&pos, 0)?))
+        };
+        let full_rope = rope_rows((&self.cos, &self.sin))?;
+        let sliding_rope = match &self.sliding_rope {
+            Some((cos, sin)) => Some(rope_rows((cos, sin))?),
+            None => None,
+        };
         let slots = Arc::new(batch.slots.clone());
-        let meta = Arc::new(batch.attention.clone());
+        let sliding_meta = Arc::new(batch.attention.clone());
+        // Where only some layers slide (OLMo 3), the others attend to every key.
+        let full_meta = if cfg.sliding_layers.is_some() && sliding_meta.sliding_window.is_some() {
+            let mut m = batch.attention.clone();
+            m.sliding_window = None;
+            Arc::new(m)
+        } else {
+            sliding_meta.clone()
+        };
         let scale = 1.0 / (d as f32).sqrt();
         let eps = cfg.rms_norm_eps;
 
@@ -369,6 +390,12 @@ impl Model {
             let (k_cache, v_cache) = kv.layer(li).ok_or_else(|| {
                 DetspecError::param("num_layers", format!("KV pool has no layer {li}"))
             })?;
+            let slides = cfg.layer_slides(li);
+            let (cos, sin) = match &sliding_rope {
+                Some(rope) if slides => rope,
+                _ => &full_rope,
+            };
+            let meta = if slides { &sliding_meta } else { &full_meta };
             // Linear layers' outputs of one input with the rows' adapters' deltas added.
             let with_lora = |x: &Tensor, outs: LoraOutputs<'_>| match &lora {
                 Some(l) => l.add(x, li, outs),
@@ -385,16 +412,7 @@ impl Model {
                 Projection::Stacked { linear, .. } => {
                     let targets = [t_q[0], t_k[0], t_v[0]];
                     let y = one(&hn, linear.apply(&hn, inv)?, &targets)?;
-                    ops::rope_qkv_into_cache(
-                        &y,
-                        &cos,
-                        &sin,
-                        h,
-                        kvh,
-                        k_cache,
-                        v_cache,
-                        slots.clone(),
-                    )?
+                    ops::rope_qkv_into_cache(&y, cos, sin, h, kvh, k_cache, v_cache, slots.clone())?
                 }
                 Projection::Apart(qkv) => {
                     let [q, k, v] = qkv.as_slice() else {
@@ -424,9 +442,9 @@ impl Model {
                         q = ops::rms_norm(&q, qn, eps)?;
                         k = ops::rms_norm(&k, kn, eps)?;
                     }
-                    ops::write_k(k_cache, &ops::apply_rope(&k, &cos, &sin)?, slots.clone())?;
+                    ops::write_k(k_cache, &ops::apply_rope(&k, cos, sin)?, slots.clone())?;
                     ops::write_kv(v_cache, &v, slots.clone())?;
-                    ops::apply_rope(&q, &cos, &sin)?
+                    ops::apply_rope(&q, cos, sin)?
                 }
             };
             let attn = ops::paged_attention(&q, k_cache, v_cache, meta.clone(), scale)?;
@@ -484,10 +502,11 @@ fn no_rows(width: usize) -> candle_core::Result<Tensor> {
 }
 
 /// cos/sin of `position * inv_freq` for every position up to the model's context, in f32 as
-/// transformers computes them (times YaRN's attention factor, when it has one).
-fn rope_tables(cfg: &ModelConfig, dev: &Device) -> Result<(Tensor, Tensor)> {
-    let inv = cfg.rope.inv_freq(cfg.head_dim);
-    let scale = cfg.rope.attention_factor();
+/// transformers computes them (times YaRN's attention factor, when it has one), for `rope`
+/// (the model's, or its sliding-window layers').
+fn rope_tables(rope: &RopeConfig, cfg: &ModelConfig, dev: &Device) -> Result<(Tensor, Tensor)> {
+    let inv = rope.inv_freq(cfg.head_dim);
+    let scale = rope.attention_factor();
     let n = cfg.max_context();
     let half = inv.len();
     let mut cos = Vec::with_capacity(n * half);

@@ -159,6 +159,26 @@ MODEL_SPECS: dict[str, dict] = {
         "rope": {"rope_type": "default", "rope_theta": 500000.0},
         "extra": {"pad_token_id": 0},
     },
+    # OLMo 3: OLMo 2's layers, one sliding (a window shorter than the longer prompts) and one
+    # attending to everything, each kind with its own rope (YaRN on the full layer).
+    "olmo3": {
+        "arch": "olmo3",
+        "seed": 47,
+        "rope": {
+            "full_attention": {
+                "rope_type": "yarn",
+                "rope_theta": 500000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": MAX_POSITION_EMBEDDINGS // 4,
+            },
+            "sliding_attention": {"rope_type": "default", "rope_theta": 500000.0},
+        },
+        "extra": {
+            "pad_token_id": 0,
+            "sliding_window": 24,
+            "layer_types": ["sliding_attention", "full_attention"],
+        },
+    },
     "qwen3": {
         "arch": "qwen3",
         "seed": 8,
@@ -245,6 +265,7 @@ _CONFIG_CLASSES = {
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
     "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
     "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM),
+    "olmo3": (transformers.Olmo3Config, transformers.Olmo3ForCausalLM),
     "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
