@@ -630,14 +630,14 @@ pub(super) mod tests {
 
     #[test]
     fn olmo3_reads_its_layer_kinds_and_their_ropes() {
-        let c = parse(&format!(
-            r#"{{"architectures": ["Olmo3ForCausalLM"], "hidden_size": 64,
+        let c = parse(
+            r#"{"architectures": ["Olmo3ForCausalLM"], "hidden_size": 64,
             "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
-            "vocab_size": 100, "sliding_window": 16, "rope_parameters": {{
-              "full_attention": {{"rope_type": "yarn", "rope_theta": 500000.0, "factor": 8.0,
-                                  "original_max_position_embeddings": 8192}},
-              "sliding_attention": {{"rope_type": "default", "rope_theta": 500000.0}}}}}}"#
-        ))
+            "vocab_size": 100, "sliding_window": 16, "rope_parameters": {
+              "full_attention": {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 8.0,
+                                  "original_max_position_embeddings": 8192},
+              "sliding_attention": {"rope_type": "default", "rope_theta": 500000.0}}}"#,
+        )
         .unwrap();
         assert!(c.architecture.norms_sublayer_outputs() && c.qk_norm);
         // transformers' default pattern: every fourth layer attends to everything.
