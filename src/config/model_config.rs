@@ -1,5 +1,6 @@
 //! Hugging Face `config.json` for the Llama family (Llama, Mistral, Qwen2, Qwen3, Phi-3,
-//! OLMo 2 and 3) and its mixture-of-experts relatives (Qwen2-MoE, Qwen3-MoE, Mixtral). The rotary settings are
+//! OLMo 2 and 3, Granite) and its mixture-of-experts relatives (Qwen2-MoE, Qwen3-MoE,
+//! Mixtral). The rotary settings are
 //! read by [`super::rope`].
 
 use std::collections::BTreeMap;
@@ -29,13 +30,15 @@ pub enum Architecture {
     /// OLMo 3: OLMo 2's layers, most of them attending within a sliding window (`layer_types`),
     /// each kind with its own rope.
     Olmo3,
+    /// IBM Granite 3: Llama's layers with four scalar multipliers ([`GraniteScales`]).
+    Granite,
     Mixtral,
     Qwen2Moe,
     Qwen3Moe,
 }
 
 impl Architecture {
-    const SUPPORTED: [(&'static str, Architecture); 10] = [
+    const SUPPORTED: [(&'static str, Architecture); 11] = [
         ("LlamaForCausalLM", Architecture::Llama),
         ("MistralForCausalLM", Architecture::Mistral),
         ("Qwen2ForCausalLM", Architecture::Qwen2),
@@ -43,13 +46,14 @@ impl Architecture {
         ("Phi3ForCausalLM", Architecture::Phi3),
         ("Olmo2ForCausalLM", Architecture::Olmo2),
         ("Olmo3ForCausalLM", Architecture::Olmo3),
+        ("GraniteForCausalLM", Architecture::Granite),
         ("MixtralForCausalLM", Architecture::Mixtral),
         ("Qwen2MoeForCausalLM", Architecture::Qwen2Moe),
         ("Qwen3MoeForCausalLM", Architecture::Qwen3Moe),
     ];
 
     /// Model types (`model_type`) by architecture, for a config without `architectures`.
-    const MODEL_TYPES: [(&'static str, &'static str); 10] = [
+    const MODEL_TYPES: [(&'static str, &'static str); 11] = [
         ("llama", "LlamaForCausalLM"),
         ("mistral", "MistralForCausalLM"),
         ("qwen2", "Qwen2ForCausalLM"),
@@ -57,6 +61,7 @@ impl Architecture {
         ("phi3", "Phi3ForCausalLM"),
         ("olmo2", "Olmo2ForCausalLM"),
         ("olmo3", "Olmo3ForCausalLM"),
+        ("granite", "GraniteForCausalLM"),
         ("mixtral", "MixtralForCausalLM"),
         ("qwen2_moe", "Qwen2MoeForCausalLM"),
         ("qwen3_moe", "Qwen3MoeForCausalLM"),
@@ -96,6 +101,17 @@ impl Architecture {
     }
 }
 
+/// Granite's multipliers (transformers' `GraniteForCausalLM`): the embeddings are multiplied
+/// by `embedding`, each sublayer's output by `residual` before the residual add, attention
+/// scores by `attention` (in place of `1/√head_dim`), and the logits divided by `logits`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GraniteScales {
+    pub embedding: f64,
+    pub residual: f64,
+    pub attention: f64,
+    pub logits: f64,
+}
+
 /// The decoder's hyper-parameters, normalised across architectures.
 #[derive(Debug, Clone)]
 pub struct ModelConfig {
@@ -131,6 +147,8 @@ pub struct ModelConfig {
     /// The sliding-window layers' rope where it differs from the others' (OLMo 3: `rope` is
     /// then the full-attention layers').
     pub rope_sliding: Option<RopeConfig>,
+    /// Granite's multipliers (`None` elsewhere).
+    pub granite: Option<GraniteScales>,
     /// `eos_token_id` from config.json (generation_config.json is read by the tokenizer module).
     pub eos_token_ids: Vec<u32>,
     pub bos_token_id: Option<u32>,
@@ -180,6 +198,11 @@ struct RawConfig {
     /// Phi-3 keeps the pre-scaling context here, beside `rope_scaling`; it wins over the one
     /// inside (as transformers reads it).
     original_max_position_embeddings: Option<f64>,
+    /// Granite's multipliers.
+    embedding_multiplier: Option<f64>,
+    residual_multiplier: Option<f64>,
+    attention_multiplier: Option<f64>,
+    logits_scaling: Option<f64>,
     /// Each layer's attention, `sliding_attention` or `full_attention` (OLMo 3).
     layer_types: Option<Vec<String>>,
     /// Newer transformers: `rope_theta` and the scaling in one object.
@@ -286,7 +309,7 @@ impl ModelConfig {
                     None
                 }
             }
-            Architecture::Llama | Architecture::Olmo2 => None,
+            Architecture::Llama | Architecture::Olmo2 | Architecture::Granite => None,
         };
         let num_hidden_layers = positive("num_hidden_layers", raw.num_hidden_layers)?;
         let intermediate_size = positive("intermediate_size", raw.intermediate_size)?;
@@ -375,6 +398,9 @@ impl ModelConfig {
             sliding_window,
             sliding_layers,
             rope_sliding,
+            granite: (architecture == Architecture::Granite)
+                .then(|| Self::parse_granite(&raw, path))
+                .transpose()?,
             eos_token_ids: raw.eos_token_id.into_vec(),
             bos_token_id: raw.bos_token_id.into_vec().first().copied(),
             torch_dtype,
@@ -416,6 +442,29 @@ impl ModelConfig {
                 ))),
             })
             .collect()
+    }
+
+    /// Granite's multipliers, each 1 where absent (transformers' defaults); a multiplier that
+    /// is not a finite number, or a zero `logits_scaling`, is refused naming it.
+    fn parse_granite(raw: &RawConfig, path: &Path) -> Result<GraniteScales> {
+        let read = |field: &str, v: Option<f64>| {
+            let v = v.unwrap_or(1.0);
+            if v.is_finite() && !(field == "logits_scaling" && v == 0.0) {
+                Ok(v)
+            } else {
+                Err(DetspecError::InvalidConfig {
+                    path: path.to_path_buf(),
+                    field: field.into(),
+                    message: format!("{v} is not a usable multiplier"),
+                })
+            }
+        };
+        Ok(GraniteScales {
+            embedding: read("embedding_multiplier", raw.embedding_multiplier)?,
+            residual: read("residual_multiplier", raw.residual_multiplier)?,
+            attention: read("attention_multiplier", raw.attention_multiplier)?,
+            logits: read("logits_scaling", raw.logits_scaling)?,
+        })
     }
 
     /// Whether layer `layer` attends within `sliding_window`.
@@ -700,6 +749,33 @@ pub(super) mod tests {
         ))
         .unwrap_err();
         assert!(e.to_string().contains("rope_parameters"), "{e}");
+    }
+
+    #[test]
+    fn granite_reads_its_multipliers() {
+        let c = parse(&format!(
+            r#"{{"architectures": ["GraniteForCausalLM"], {BASE}, "embedding_multiplier": 12.0,
+            "residual_multiplier": 0.22, "attention_multiplier": 0.0078125,
+            "logits_scaling": 8.0}}"#
+        ))
+        .unwrap();
+        let want = GraniteScales {
+            embedding: 12.0,
+            residual: 0.22,
+            attention: 0.0078125,
+            logits: 8.0,
+        };
+        assert_eq!(c.granite, Some(want));
+        let llama = parse(&format!(
+            r#"{{"architectures": ["LlamaForCausalLM"], {BASE}, "logits_scaling": 8.0}}"#
+        ))
+        .unwrap();
+        assert_eq!(llama.granite, None, "only Granite reads them");
+        let e = parse(&format!(
+            r#"{{"architectures": ["GraniteForCausalLM"], {BASE}, "logits_scaling": 0.0}}"#
+        ))
+        .unwrap_err();
+        assert!(e.to_string().contains("logits_scaling"), "{e}");
     }
 
     #[test]

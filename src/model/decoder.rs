@@ -1,5 +1,5 @@
-//! The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, OLMo 2 and 3, and with
-//! sparse MLPs Mixtral, Qwen2-MoE, Qwen3-MoE) over a flat varlen batch.
+//! The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, OLMo 2 and 3, Granite, and
+//! with sparse MLPs Mixtral, Qwen2-MoE, Qwen3-MoE) over a flat varlen batch.
 //!
 //! One call runs any mix of prefill chunks and decode rows from many sequences: the batch is a
 //! flat list of tokens with their absolute positions, and each token's K/V is written to the
@@ -288,7 +288,12 @@ impl Model {
         if batch.logit_rows.is_empty() {
             return Ok(no_rows(self.cfg.vocab_size)?);
         }
-        Ok(self.lm_head.matmul(&x, self.gemm_options(batch))?)
+        let logits = self.lm_head.matmul(&x, self.gemm_options(batch))?;
+        Ok(match self.cfg.granite {
+            // A division, as transformers does it (not a product with the reciprocal).
+            Some(g) => logits.broadcast_div(&scalar(g.logits, &logits)?)?,
+            None => logits,
+        })
     }
 
     /// Runs the batch, writing its K/V into `kv`, and returns the last layer's hidden states
@@ -347,7 +352,13 @@ impl Model {
         } else {
             sliding_meta.clone()
         };
-        let scale = 1.0 / (d as f32).sqrt();
+        let scale = cfg
+            .granite
+            .map_or(1.0 / (d as f32).sqrt(), |g| g.attention as f32);
+        let residual_scale = |y: Tensor| match cfg.granite {
+            Some(g) => y.broadcast_mul(&scalar(g.residual, &y)?),
+            None => Ok(y),
+        };
         let eps = cfg.rms_norm_eps;
 
         let inv = self.gemm_options(batch);
@@ -368,6 +379,9 @@ impl Model {
         // `x` where the layout norms sublayer outputs instead): each residual add runs fused
         // with the norm after it (the next layer's input norm, the final norm after the last).
         let mut x = self.embed.index_select(&ids, 0)?.to_dtype(self.act_dtype)?;
+        if let Some(g) = cfg.granite {
+            x = x.broadcast_mul(&scalar(g.embedding, &x)?)?;
+        }
         let input_norm = |li: usize| {
             self.layers
                 .get(li)
@@ -449,10 +463,8 @@ impl Model {
             };
             let attn = ops::paged_attention(&q, k_cache, v_cache, meta.clone(), scale)?;
             let attn = attn.reshape((n, h * d))?;
-            let o = out_norm(
-                one(&attn, layer.o.apply(&attn, inv)?, &t_o)?,
-                &layer.attn_out_norm,
-            )?;
+            let o = one(&attn, layer.o.apply(&attn, inv)?, &t_o)?;
+            let o = residual_scale(out_norm(o, &layer.attn_out_norm)?)?;
             (x, hn) = add_then_norm(&x, &o, layer.mlp_norm.as_ref())?;
             let down = match &layer.mlp {
                 Mlp::Sparse(moe) => moe.forward(&hn, inv, !batch.fast_experts)?,
@@ -483,7 +495,7 @@ impl Model {
                     one(&act, down.apply(&act, inv)?, &t_down)?
                 }
             };
-            let down = out_norm(down, &layer.mlp_out_norm)?;
+            let down = residual_scale(out_norm(down, &layer.mlp_out_norm)?)?;
             (x, hn) = add_then_norm(&x, &down, input_norm(li + 1))?;
         }
         if batch.logit_rows.is_empty() {
@@ -494,6 +506,11 @@ impl Model {
         let rows = Tensor::from_slice(&batch.logit_rows, batch.logit_rows.len(), dev)?;
         Ok(hn.index_select(&rows, 0)?)
     }
+}
+
+/// `v` as a scalar of `like`'s dtype on its device, to broadcast over it.
+fn scalar(v: f64, like: &Tensor) -> candle_core::Result<Tensor> {
+    Tensor::new(v as f32, like.device())?.to_dtype(like.dtype())
 }
 
 /// `[0, width]` f32 rows on the host: the result of a forward with no logit rows, on any device.

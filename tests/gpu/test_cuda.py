@@ -30,10 +30,22 @@ def greedy(n: int = NEW_TOKENS) -> SamplingParams:
 
 # phi3: its fused qkv/gate_up matrices kept stacked on the GPU (`Projection::from_fused`);
 # qwen2_yarn: YaRN's rope tables (attention factor folded into cos/sin); olmo2: its norms of
-# the sublayers' outputs and of the whole q/k projections; olmo3: sliding and full layers.
+# the sublayers' outputs and of the whole q/k projections; olmo3: sliding and full layers;
+# granite: its multipliers.
 @pytest.mark.parametrize(
     "arch",
-    ["llama", "mistral", "qwen2", "qwen3", "llama_tied", "phi3", "qwen2_yarn", "olmo2", "olmo3"],
+    [
+        "llama",
+        "mistral",
+        "qwen2",
+        "qwen3",
+        "llama_tied",
+        "phi3",
+        "qwen2_yarn",
+        "olmo2",
+        "olmo3",
+        "granite",
+    ],
 )
 def test_f32_greedy_matches_transformers(model_zoo, token_prompts, arch):
     case = model_zoo.get(arch)

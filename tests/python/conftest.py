@@ -179,6 +179,19 @@ MODEL_SPECS: dict[str, dict] = {
             "layer_types": ["sliding_attention", "full_attention"],
         },
     },
+    # Granite 3: Llama's layers with multipliers on the embeddings, the sublayers' outputs and
+    # the attention scores, and the logits divided.
+    "granite": {
+        "arch": "granite",
+        "seed": 53,
+        "rope": {"rope_type": "default", "rope_theta": 10000.0},
+        "extra": {
+            "embedding_multiplier": 4.0,
+            "residual_multiplier": 0.5,
+            "attention_multiplier": 0.2,
+            "logits_scaling": 2.0,
+        },
+    },
     "qwen3": {
         "arch": "qwen3",
         "seed": 8,
@@ -266,6 +279,7 @@ _CONFIG_CLASSES = {
     "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
     "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM),
     "olmo3": (transformers.Olmo3Config, transformers.Olmo3ForCausalLM),
+    "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM),
     "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
