@@ -52,12 +52,12 @@ PROFILES = [
 ]
 
 
-def haystack(rng: np.random.Generator, det_neighbours: bool):
+def haystack(rng: np.random.Generator, det_neighbours: bool, vocab: int = 900):
     # 1-16 neighbours, and one haystack in four of 64.
     n = 64 if rng.random() < 0.25 else int(rng.integers(1, 17))
     prompts, params = [], []
     for _ in range(n):
-        prompts.append([int(x) for x in rng.integers(3, 900, size=int(rng.integers(1, 90)))])
+        prompts.append([int(x) for x in rng.integers(3, vocab, size=int(rng.integers(1, 90)))])
         params.append(
             SamplingParams(
                 temperature=float(rng.choice([0.0, 1.0])),
@@ -71,9 +71,16 @@ def haystack(rng: np.random.Generator, det_neighbours: bool):
     return prompts, params, pos
 
 
-def run_in_haystack(llm: detspec.LLM, target: SamplingParams, seed: int, det: bool):
-    prompts, params, pos = haystack(np.random.default_rng(seed), det)
-    prompts.insert(pos, TARGET_PROMPT)
+def run_in_haystack(
+    llm: detspec.LLM,
+    target: SamplingParams,
+    seed: int,
+    det: bool,
+    prompt: list[int] = TARGET_PROMPT,
+    vocab: int = 900,
+):
+    prompts, params, pos = haystack(np.random.default_rng(seed), det, vocab)
+    prompts.insert(pos, prompt)
     params.insert(pos, target)
     return fingerprint_bits(llm.generate(prompts, params, use_tqdm=False)[pos])
 
@@ -136,6 +143,38 @@ def needle_in_haystack(
     if kernel_profile == "shape_dependent":
         # No fault injection: these rollbacks are real mismatches of the fast path.
         assert stats["num_rollbacks"] > 0, stats
+
+
+# The decoder layouts beyond Llama's: fused q/k/v and gate/up (phi3), norms of sublayer outputs
+# and whole q/k projections (olmo2), sliding and full layers with their own ropes (olmo3),
+# multipliers (granite), YaRN's tables (qwen2_yarn). Their windows (24 keys) are shorter than
+# the haystacks' prompts.
+@pytest.mark.parametrize("name", ["phi3", "olmo2", "olmo3", "granite", "qwen2_yarn"])
+def test_needle_in_haystack_on_every_decoder_layout(model_zoo, name: str) -> None:
+    llm = detspec.LLM(
+        str(model_zoo.get(name).path),
+        kernel_profile="shape_dependent",
+        verify_window=8,
+        verify_group=4,
+        num_kv_pages=2048,
+    )
+    vocab = 500
+    prompt = [int(x) for x in np.random.default_rng(1).integers(3, vocab, size=40)]
+    target = target_params(0.8)
+    solo = fingerprint_bits(llm.generate([prompt], target, use_tqdm=False)[0])
+    for seed in range(4):
+        got = run_in_haystack(llm, target, seed, det=True, prompt=prompt, vocab=vocab)
+        assert got == solo, f"[{name}] bits differ in haystack {seed}"
+    # Negative control: the same request on the fast path moves with its company.
+    fast = target_params(0.8)
+    fast.deterministic = False
+    alone = fingerprint_bits(llm.generate([prompt], fast, use_tqdm=False)[0])
+    moved = [
+        run_in_haystack(llm, fast, seed, det=False, prompt=prompt, vocab=vocab) != alone
+        for seed in range(4)
+    ]
+    assert any(moved), f"[{name}] the fast path never moved: this test would be blind"
+    llm.shutdown()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
