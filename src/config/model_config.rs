@@ -519,6 +519,17 @@ pub(super) mod tests {
         ModelConfig::from_json_str(json, Path::new("/m/config.json"))
     }
 
+    /// Each `(extra fields, field)`: a config of `arch` with them is refused, naming `field`.
+    pub(in crate::config) fn assert_refused(arch: &str, cases: &[(&str, &str)]) {
+        for (extra, field) in cases {
+            let e = parse(&format!(
+                r#"{{"architectures": ["{arch}"], {BASE}, {extra}}}"#
+            ))
+            .unwrap_err();
+            assert!(e.to_string().contains(field), "{field}: {e}");
+        }
+    }
+
     /// The fields every test config needs.
     pub(in crate::config) const BASE: &str = r#""hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "vocab_size": 100"#;
@@ -637,23 +648,20 @@ pub(super) mod tests {
             "Phi-3 has no biases"
         );
         // Phi-4-mini rotates three quarters of each head: refused, naming where it was read.
-        for (extra, field) in [
-            (
-                r#""rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.75}"#,
-                "rope_parameters.partial_rotary_factor",
-            ),
-            (r#""partial_rotary_factor": 0.5"#, "partial_rotary_factor"),
-            (
-                r#""rope_scaling": {"type": "longrope", "short_factor": [1.0]}"#,
-                "rope_scaling.rope_type",
-            ),
-        ] {
-            let e = parse(&format!(
-                r#"{{"architectures": ["Phi3ForCausalLM"], {BASE}, {extra}}}"#
-            ))
-            .unwrap_err();
-            assert!(e.to_string().contains(field), "{field}: {e}");
-        }
+        assert_refused(
+            "Phi3ForCausalLM",
+            &[
+                (
+                    r#""rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.75}"#,
+                    "rope_parameters.partial_rotary_factor",
+                ),
+                (r#""partial_rotary_factor": 0.5"#, "partial_rotary_factor"),
+                (
+                    r#""rope_scaling": {"type": "longrope", "short_factor": [1.0]}"#,
+                    "rope_scaling.rope_type",
+                ),
+            ],
+        );
         // The top-level original context wins over the scaling's own (transformers' rule).
         let y = parse(&format!(
             r#"{{"architectures": ["Phi3ForCausalLM"], {BASE}, "original_max_position_embeddings": 1000,
@@ -726,23 +734,20 @@ pub(super) mod tests {
         .unwrap();
         assert!(m.layer_slides(0) && m.layer_slides(1) && m.sliding_layers.is_none());
 
-        for (extra, field) in [
-            (r#""layer_types": ["full_attention"]"#, "layer_types"),
-            (
-                r#""layer_types": ["chunked", "full_attention"]"#,
-                "layer_types",
-            ),
-            (
-                r#""rope_parameters": {"full_attention": {"rope_type": "dynamic"}}"#,
-                "rope_parameters.full_attention.rope_type",
-            ),
-        ] {
-            let e = parse(&format!(
-                r#"{{"architectures": ["Olmo3ForCausalLM"], {BASE}, {extra}}}"#
-            ))
-            .unwrap_err();
-            assert!(e.to_string().contains(field), "{field}: {e}");
-        }
+        assert_refused(
+            "Olmo3ForCausalLM",
+            &[
+                (r#""layer_types": ["full_attention"]"#, "layer_types"),
+                (
+                    r#""layer_types": ["chunked", "full_attention"]"#,
+                    "layer_types",
+                ),
+                (
+                    r#""rope_parameters": {"full_attention": {"rope_type": "dynamic"}}"#,
+                    "rope_parameters.full_attention.rope_type",
+                ),
+            ],
+        );
         let e = parse(&format!(
             r#"{{"architectures": ["LlamaForCausalLM"], {BASE}, "rope_parameters":
             {{"sliding_attention": {{"rope_type": "default"}}}}}}"#
