@@ -146,15 +146,15 @@ impl Model {
             let p = format!("model.layers.{i}");
             let attn = |name: &str| format!("{p}.self_attn.{name}");
             let mlp = |name: &str| format!("{p}.mlp.{name}");
-            let olmo2 = cfg.architecture.norms_sublayer_outputs();
+            let output_norms = cfg.architecture.norms_sublayer_outputs();
             let qk_norm = |name: &str, heads: usize| {
-                let width = if olmo2 { heads * d } else { d };
+                let width = if output_norms { heads * d } else { d };
                 cfg.qk_norm
                     .then(|| ld.load(&format!("{p}.self_attn.{name}.weight"), &[width]))
                     .transpose()
             };
             let norm = |name: &str| ld.load(&format!("{p}.{name}.weight"), &[hs]).map(Some);
-            let [input_norm, attn_out_norm, mlp_norm, mlp_out_norm] = if olmo2 {
+            let [input_norm, attn_out_norm, mlp_norm, mlp_out_norm] = if output_norms {
                 [
                     None,
                     norm("post_attention_layernorm")?,
