@@ -67,8 +67,8 @@ pub fn param_shapes(cfg: &ModelConfig) -> BTreeMap<String, Vec<usize>> {
                 linear(format!("{p}.mlp.down_proj"), is, hs, cfg.mlp_bias);
             }
         }
-        let olmo2 = cfg.architecture.norms_sublayer_outputs();
-        let sublayer_norms: &[&str] = if olmo2 {
+        let output_norms = cfg.architecture.norms_sublayer_outputs();
+        let sublayer_norms: &[&str] = if output_norms {
             &["post_attention_layernorm", "post_feedforward_layernorm"]
         } else {
             &["input_layernorm", "post_attention_layernorm"]
@@ -77,7 +77,11 @@ pub fn param_shapes(cfg: &ModelConfig) -> BTreeMap<String, Vec<usize>> {
             m.insert(format!("{p}.{norm}.weight"), vec![hs]);
         }
         if cfg.qk_norm {
-            let (q, k) = if olmo2 { (h * d, kvh * d) } else { (d, d) };
+            let (q, k) = if output_norms {
+                (h * d, kvh * d)
+            } else {
+                (d, d)
+            };
             m.insert(format!("{p}.self_attn.q_norm.weight"), vec![q]);
             m.insert(format!("{p}.self_attn.k_norm.weight"), vec![k]);
         }
