@@ -1,6 +1,6 @@
 //! Hugging Face `config.json` for the Llama family (Llama, Mistral, Qwen2, Qwen3, Phi-3,
-//! OLMo 2 and 3, Granite) and its mixture-of-experts relatives (Qwen2-MoE, Qwen3-MoE,
-//! Mixtral). The rotary settings are
+//! OLMo 2 and 3, Granite, SmolLM3) and its mixture-of-experts relatives (Qwen2-MoE,
+//! Qwen3-MoE, Mixtral). The rotary settings are
 //! read by [`super::rope`].
 
 use std::collections::BTreeMap;
@@ -32,13 +32,15 @@ pub enum Architecture {
     Olmo3,
     /// IBM Granite 3: Llama's layers with four scalar multipliers ([`GraniteScales`]).
     Granite,
+    /// SmolLM3: Llama's layers, every fourth without rope (`no_rope_layers`).
+    SmolLm3,
     Mixtral,
     Qwen2Moe,
     Qwen3Moe,
 }
 
 impl Architecture {
-    const SUPPORTED: [(&'static str, Architecture); 11] = [
+    const SUPPORTED: [(&'static str, Architecture); 12] = [
         ("LlamaForCausalLM", Architecture::Llama),
         ("MistralForCausalLM", Architecture::Mistral),
         ("Qwen2ForCausalLM", Architecture::Qwen2),
@@ -47,13 +49,14 @@ impl Architecture {
         ("Olmo2ForCausalLM", Architecture::Olmo2),
         ("Olmo3ForCausalLM", Architecture::Olmo3),
         ("GraniteForCausalLM", Architecture::Granite),
+        ("SmolLM3ForCausalLM", Architecture::SmolLm3),
         ("MixtralForCausalLM", Architecture::Mixtral),
         ("Qwen2MoeForCausalLM", Architecture::Qwen2Moe),
         ("Qwen3MoeForCausalLM", Architecture::Qwen3Moe),
     ];
 
     /// Model types (`model_type`) by architecture, for a config without `architectures`.
-    const MODEL_TYPES: [(&'static str, &'static str); 11] = [
+    const MODEL_TYPES: [(&'static str, &'static str); 12] = [
         ("llama", "LlamaForCausalLM"),
         ("mistral", "MistralForCausalLM"),
         ("qwen2", "Qwen2ForCausalLM"),
@@ -62,6 +65,7 @@ impl Architecture {
         ("olmo2", "Olmo2ForCausalLM"),
         ("olmo3", "Olmo3ForCausalLM"),
         ("granite", "GraniteForCausalLM"),
+        ("smollm3", "SmolLM3ForCausalLM"),
         ("mixtral", "MixtralForCausalLM"),
         ("qwen2_moe", "Qwen2MoeForCausalLM"),
         ("qwen3_moe", "Qwen3MoeForCausalLM"),
@@ -149,6 +153,9 @@ pub struct ModelConfig {
     pub rope_sliding: Option<RopeConfig>,
     /// Granite's multipliers (`None` elsewhere).
     pub granite: Option<GraniteScales>,
+    /// Which layers rotate q and k (SmolLM3's `no_rope_layers`: 0 marks a layer without);
+    /// `None`: every layer does.
+    pub rope_layers: Option<Vec<bool>>,
     /// `eos_token_id` from config.json (generation_config.json is read by the tokenizer module).
     pub eos_token_ids: Vec<u32>,
     pub bos_token_id: Option<u32>,
@@ -203,6 +210,9 @@ struct RawConfig {
     residual_multiplier: Option<f64>,
     attention_multiplier: Option<f64>,
     logits_scaling: Option<f64>,
+    /// SmolLM3's layers with rope (1) and without (0), or the interval of those without.
+    no_rope_layers: Option<Vec<u8>>,
+    no_rope_layer_interval: Option<usize>,
     /// Each layer's attention, `sliding_attention` or `full_attention` (OLMo 3).
     layer_types: Option<Vec<String>>,
     /// Newer transformers: `rope_theta` and the scaling in one object.
@@ -310,6 +320,10 @@ impl ModelConfig {
                 }
             }
             Architecture::Llama | Architecture::Olmo2 | Architecture::Granite => None,
+            // Its window applies to the layers without rope only (below).
+            Architecture::SmolLm3 => raw
+                .sliding_window
+                .filter(|_| raw.use_sliding_window.unwrap_or(false)),
         };
         let num_hidden_layers = positive("num_hidden_layers", raw.num_hidden_layers)?;
         let intermediate_size = positive("intermediate_size", raw.intermediate_size)?;
@@ -342,6 +356,9 @@ impl ModelConfig {
             &defaults,
             path,
         )?;
+        let rope_layers = (architecture == Architecture::SmolLm3)
+            .then(|| Self::parse_rope_layers(&raw, num_hidden_layers, path))
+            .transpose()?;
         let sliding_layers = match architecture {
             Architecture::Olmo3 => {
                 // A classic `rope_scaling` scales the full-attention layers only (transformers'
@@ -354,6 +371,10 @@ impl ModelConfig {
                 }
                 Some(Self::parse_layer_types(&raw, num_hidden_layers, path)?)
             }
+            // transformers' `SmolLM3Config`: the window, when on, is the layers' without rope.
+            Architecture::SmolLm3 => rope_layers
+                .as_ref()
+                .map(|r| r.iter().map(|&rotates| !rotates).collect()),
             _ => {
                 if rope_sliding.is_some() {
                     return Err(err(
@@ -401,6 +422,7 @@ impl ModelConfig {
             granite: (architecture == Architecture::Granite)
                 .then(|| Self::parse_granite(&raw, path))
                 .transpose()?,
+            rope_layers,
             eos_token_ids: raw.eos_token_id.into_vec(),
             bos_token_id: raw.bos_token_id.into_vec().first().copied(),
             torch_dtype,
@@ -465,6 +487,37 @@ impl ModelConfig {
             attention: read("attention_multiplier", raw.attention_multiplier)?,
             logits: read("logits_scaling", raw.logits_scaling)?,
         })
+    }
+
+    /// SmolLM3's `no_rope_layers` (1: the layer rotates q/k, 0: it does not), or transformers'
+    /// default: every `no_rope_layer_interval`-th layer (4) without.
+    fn parse_rope_layers(raw: &RawConfig, layers: usize, path: &Path) -> Result<Vec<bool>> {
+        let err = |field: &str, message: String| DetspecError::InvalidConfig {
+            path: path.to_path_buf(),
+            field: field.into(),
+            message,
+        };
+        let Some(flags) = &raw.no_rope_layers else {
+            let every = match raw.no_rope_layer_interval.unwrap_or(4) {
+                0 => return Err(err("no_rope_layer_interval", "must be > 0".into())),
+                n => n,
+            };
+            return Ok((0..layers).map(|i| (i + 1) % every != 0).collect());
+        };
+        if flags.len() != layers || flags.iter().any(|&f| f > 1) {
+            return Err(err(
+                "no_rope_layers",
+                format!("needs {layers} entries, each 0 or 1, got {flags:?}"),
+            ));
+        }
+        Ok(flags.iter().map(|&f| f == 1).collect())
+    }
+
+    /// Whether layer `layer` rotates q and k.
+    pub fn layer_has_rope(&self, layer: usize) -> bool {
+        self.rope_layers
+            .as_ref()
+            .is_none_or(|r| r.get(layer).copied().unwrap_or(true))
     }
 
     /// Whether layer `layer` attends within `sliding_window`.
@@ -781,6 +834,37 @@ pub(super) mod tests {
         ))
         .unwrap_err();
         assert!(e.to_string().contains("logits_scaling"), "{e}");
+    }
+
+    #[test]
+    fn smollm3_reads_its_layers_without_rope() {
+        let c = parse(&format!(
+            r#"{{"architectures": ["SmolLM3ForCausalLM"], {BASE}, "no_rope_layers": [1, 0],
+            "use_sliding_window": false, "sliding_window": null}}"#
+        ))
+        .unwrap();
+        assert_eq!((c.layer_has_rope(0), c.layer_has_rope(1)), (true, false));
+        assert_eq!(c.sliding_window, None);
+        // transformers' default: every fourth layer without; the window on those only.
+        let d = parse(
+            r#"{"architectures": ["SmolLM3ForCausalLM"], "hidden_size": 64,
+            "intermediate_size": 128, "num_hidden_layers": 8, "num_attention_heads": 4,
+            "vocab_size": 100, "use_sliding_window": true, "sliding_window": 32}"#,
+        )
+        .unwrap();
+        let rope: Vec<bool> = (0..8).map(|i| d.layer_has_rope(i)).collect();
+        assert_eq!(rope, [true, true, true, false, true, true, true, false]);
+        let slides: Vec<bool> = (0..8).map(|i| d.layer_slides(i)).collect();
+        assert_eq!(slides, rope.iter().map(|r| !r).collect::<Vec<_>>());
+        assert!(Architecture::Llama != d.architecture);
+        assert_refused(
+            "SmolLM3ForCausalLM",
+            &[
+                (r#""no_rope_layers": [1]"#, "no_rope_layers"),
+                (r#""no_rope_layers": [1, 2]"#, "no_rope_layers"),
+                (r#""no_rope_layer_interval": 0"#, "no_rope_layer_interval"),
+            ],
+        );
     }
 
     #[test]

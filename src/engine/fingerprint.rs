@@ -78,6 +78,10 @@ pub fn model_digest(cfg: &ModelConfig, dir: &Path, eos: &[u32]) -> Result<u64> {
     if let Some(sliding) = &cfg.sliding_layers {
         h.update(format!("|slides{sliding:?}|rope_sliding{:?}", cfg.rope_sliding).as_bytes());
     }
+    // Likewise layers without rope.
+    if let Some(rope_layers) = &cfg.rope_layers {
+        h.update(format!("|rope_layers{rope_layers:?}").as_bytes());
+    }
     // Likewise Granite's multipliers.
     if let Some(g) = &cfg.granite {
         h.update(format!("|granite{g:?}").as_bytes());

@@ -1,5 +1,5 @@
-//! The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, OLMo 2 and 3, Granite, and
-//! with sparse MLPs Mixtral, Qwen2-MoE, Qwen3-MoE) over a flat varlen batch.
+//! The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, OLMo 2 and 3, Granite,
+//! SmolLM3, and with sparse MLPs Mixtral, Qwen2-MoE, Qwen3-MoE) over a flat varlen batch.
 //!
 //! One call runs any mix of prefill chunks and decode rows from many sequences: the batch is a
 //! flat list of tokens with their absolute positions, and each token's K/V is written to the
@@ -342,6 +342,18 @@ impl Model {
             Some((cos, sin)) => Some(rope_rows((cos, sin))?),
             None => None,
         };
+        // A layer without rope (SmolLM3) rotates by nothing: cos 1, sin 0 leave q and k as
+        // they are, and the rope ops (the stacked projection's fused one on a GPU) still run.
+        let no_rope = match &cfg.rope_layers {
+            Some(_) => {
+                let (rows, dtype) = (full_rope.0.dims(), full_rope.0.dtype());
+                Some((
+                    Tensor::ones(rows, dtype, dev)?,
+                    Tensor::zeros(rows, dtype, dev)?,
+                ))
+            }
+            None => None,
+        };
         let slots = Arc::new(batch.slots.clone());
         let sliding_meta = Arc::new(batch.attention.clone());
         // Where only some layers slide (OLMo 3), the others attend to every key.
@@ -405,8 +417,9 @@ impl Model {
                 DetspecError::param("num_layers", format!("KV pool has no layer {li}"))
             })?;
             let slides = cfg.layer_slides(li);
-            let (cos, sin) = match &sliding_rope {
-                Some(rope) if slides => rope,
+            let (cos, sin) = match (&no_rope, &sliding_rope) {
+                (Some(identity), _) if !cfg.layer_has_rope(li) => identity,
+                (_, Some(rope)) if slides => rope,
                 _ => &full_rope,
             };
             let meta = if slides { &sliding_meta } else { &full_meta };

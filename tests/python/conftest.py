@@ -192,6 +192,13 @@ MODEL_SPECS: dict[str, dict] = {
             "logits_scaling": 2.0,
         },
     },
+    # SmolLM3: Llama's layers, the second without rope.
+    "smollm3": {
+        "arch": "smollm3",
+        "seed": 59,
+        "rope": {"rope_type": "default", "rope_theta": 10000.0},
+        "extra": {"pad_token_id": 0, "no_rope_layers": [1, 0]},
+    },
     "qwen3": {
         "arch": "qwen3",
         "seed": 8,
@@ -280,6 +287,7 @@ _CONFIG_CLASSES = {
     "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM),
     "olmo3": (transformers.Olmo3Config, transformers.Olmo3ForCausalLM),
     "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM),
+    "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM),
     "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
