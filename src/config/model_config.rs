@@ -40,35 +40,21 @@ pub enum Architecture {
 }
 
 impl Architecture {
-    const SUPPORTED: [(&'static str, Architecture); 12] = [
-        ("LlamaForCausalLM", Architecture::Llama),
-        ("MistralForCausalLM", Architecture::Mistral),
-        ("Qwen2ForCausalLM", Architecture::Qwen2),
-        ("Qwen3ForCausalLM", Architecture::Qwen3),
-        ("Phi3ForCausalLM", Architecture::Phi3),
-        ("Olmo2ForCausalLM", Architecture::Olmo2),
-        ("Olmo3ForCausalLM", Architecture::Olmo3),
-        ("GraniteForCausalLM", Architecture::Granite),
-        ("SmolLM3ForCausalLM", Architecture::SmolLm3),
-        ("MixtralForCausalLM", Architecture::Mixtral),
-        ("Qwen2MoeForCausalLM", Architecture::Qwen2Moe),
-        ("Qwen3MoeForCausalLM", Architecture::Qwen3Moe),
-    ];
-
-    /// Model types (`model_type`) by architecture, for a config without `architectures`.
-    const MODEL_TYPES: [(&'static str, &'static str); 12] = [
-        ("llama", "LlamaForCausalLM"),
-        ("mistral", "MistralForCausalLM"),
-        ("qwen2", "Qwen2ForCausalLM"),
-        ("qwen3", "Qwen3ForCausalLM"),
-        ("phi3", "Phi3ForCausalLM"),
-        ("olmo2", "Olmo2ForCausalLM"),
-        ("olmo3", "Olmo3ForCausalLM"),
-        ("granite", "GraniteForCausalLM"),
-        ("smollm3", "SmolLM3ForCausalLM"),
-        ("mixtral", "MixtralForCausalLM"),
-        ("qwen2_moe", "Qwen2MoeForCausalLM"),
-        ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    /// Each architecture's `*ForCausalLM` class (`architectures`) and its `model_type`, the
+    /// fallback for a config without `architectures`.
+    const CAUSAL_LM: [(&'static str, &'static str, Architecture); 12] = [
+        ("LlamaForCausalLM", "llama", Architecture::Llama),
+        ("MistralForCausalLM", "mistral", Architecture::Mistral),
+        ("Qwen2ForCausalLM", "qwen2", Architecture::Qwen2),
+        ("Qwen3ForCausalLM", "qwen3", Architecture::Qwen3),
+        ("Phi3ForCausalLM", "phi3", Architecture::Phi3),
+        ("Olmo2ForCausalLM", "olmo2", Architecture::Olmo2),
+        ("Olmo3ForCausalLM", "olmo3", Architecture::Olmo3),
+        ("GraniteForCausalLM", "granite", Architecture::Granite),
+        ("SmolLM3ForCausalLM", "smollm3", Architecture::SmolLm3),
+        ("MixtralForCausalLM", "mixtral", Architecture::Mixtral),
+        ("Qwen2MoeForCausalLM", "qwen2_moe", Architecture::Qwen2Moe),
+        ("Qwen3MoeForCausalLM", "qwen3_moe", Architecture::Qwen3Moe),
     ];
 
     /// Sequence classifiers (reward models, classifiers: `score` instead of `lm_head`) of the
@@ -96,10 +82,10 @@ impl Architecture {
     }
 
     fn supported_list() -> String {
-        let names: Vec<&str> = Self::SUPPORTED
+        let names: Vec<&str> = Self::CAUSAL_LM
             .iter()
-            .chain(&Self::CLASSIFIERS)
-            .map(|(n, _)| *n)
+            .map(|(n, _, _)| *n)
+            .chain(Self::CLASSIFIERS.iter().map(|(n, _)| *n))
             .collect();
         names.join(", ")
     }
@@ -513,6 +499,12 @@ impl ModelConfig {
         Ok(flags.iter().map(|&f| f == 1).collect())
     }
 
+    /// The output widths of a layer's q, k and v projections.
+    pub fn qkv_widths(&self) -> [usize; 3] {
+        let kv = self.num_key_value_heads * self.head_dim;
+        [self.num_attention_heads * self.head_dim, kv, kv]
+    }
+
     /// Whether layer `layer` rotates q and k.
     pub fn layer_has_rope(&self, layer: usize) -> bool {
         self.rope_layers
@@ -537,10 +529,10 @@ impl ModelConfig {
             _ => {
                 // Fall back to model_type, which every HF config has.
                 let model_type = raw.model_type.as_deref().unwrap_or("");
-                Architecture::MODEL_TYPES
+                Architecture::CAUSAL_LM
                     .iter()
-                    .find(|(t, _)| *t == model_type)
-                    .map(|(_, a)| a.to_string())
+                    .find(|(_, t, _)| *t == model_type)
+                    .map(|(n, _, _)| n.to_string())
                     .ok_or_else(|| DetspecError::InvalidConfig {
                         path: path.to_path_buf(),
                         field: "architectures".into(),
@@ -548,13 +540,13 @@ impl ModelConfig {
                     })?
             }
         };
-        let find =
-            |list: &[(&str, Architecture)]| list.iter().find(|(n, _)| *n == name).map(|(_, a)| *a);
-        if let Some(arch) = find(&Architecture::CLASSIFIERS) {
-            return Ok((arch, Head::classifier(raw.id2label.as_ref(), path)?));
+        if let Some((_, arch)) = Architecture::CLASSIFIERS.iter().find(|(n, _)| *n == name) {
+            return Ok((*arch, Head::classifier(raw.id2label.as_ref(), path)?));
         }
-        find(&Architecture::SUPPORTED)
-            .map(|a| (a, Head::LanguageModel))
+        Architecture::CAUSAL_LM
+            .iter()
+            .find(|(n, _, _)| *n == name)
+            .map(|(_, _, a)| (*a, Head::LanguageModel))
             .ok_or_else(|| DetspecError::UnsupportedArchitecture {
                 path: path.to_path_buf(),
                 architecture: name,

@@ -169,10 +169,11 @@ impl Model {
                     None,
                 ]
             };
+            let widths = cfg.qkv_widths();
             let qkv = [
-                (attn("q_proj"), h * d),
-                (attn("k_proj"), kvh * d),
-                (attn("v_proj"), kvh * d),
+                (attn("q_proj"), widths[0]),
+                (attn("k_proj"), widths[1]),
+                (attn("v_proj"), widths[2]),
             ];
             let fused = cfg.architecture.fuses_projections();
             let mlp = match &cfg.moe {
@@ -196,7 +197,6 @@ impl Model {
             layers.push(Layer {
                 input_norm,
                 qkv: if fused {
-                    let widths = qkv.map(|(_, width)| width);
                     ld.fused_projection(&attn("qkv_proj"), &widths, hs, stack)?
                 } else {
                     ld.projection(&qkv, hs, cfg.qkv_bias, stack && !cfg.qk_norm)?

@@ -144,13 +144,10 @@ impl Model {
         // separate names on such a model, and the fused ones elsewhere).
         if self.cfg.architecture.fuses_projections() && kind == "weight" {
             let is = self.cfg.intermediate_size;
-            let (q, kv) = (
-                self.cfg.num_attention_heads * self.cfg.head_dim,
-                self.cfg.num_key_value_heads * self.cfg.head_dim,
-            );
             match module {
                 "self_attn.qkv_proj" => {
-                    return Some(Slot::FusedWeight(&mut layer.qkv, vec![q, kv, kv]))
+                    let widths = self.cfg.qkv_widths().to_vec();
+                    return Some(Slot::FusedWeight(&mut layer.qkv, widths));
                 }
                 "mlp.gate_up_proj" => return Some(Slot::FusedWeight(gate_up?, vec![is, is])),
                 _ => {}
