@@ -12,10 +12,11 @@
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
+use detspec::config::Activation;
 use detspec::config::DeviceSpec;
 use detspec::ops::{
-    add, apply_rope, copy_pages, invariant_matmul, paged_attention, rms_norm, swiglu, write_k,
-    write_kv, AttentionMetadata, AttentionSchedule,
+    add, apply_rope, copy_pages, gated, invariant_matmul, paged_attention, rms_norm, swiglu,
+    write_k, write_kv, AttentionMetadata, AttentionSchedule,
 };
 
 #[path = "common/kernels.rs"]
@@ -91,6 +92,7 @@ fn row_wise_kernels_are_batch_and_position_invariant() {
         let solo_norm = row(&rms_norm(&x, &w, 1e-5).expect("rms_norm"), 0);
         let solo_rope = row(&apply_rope(&q, &cos, &sin).expect("rope"), 0);
         let solo_swiglu = row(&swiglu(&g, &u).expect("swiglu"), 0);
+        let solo_geglu = row(&gated(&g, &u, Activation::GeluTanh).expect("geglu"), 0);
         let solo_add = row(&add(&x, &x).expect("add"), 0);
         let mut checked = 0;
         for (i, &m) in ROWS.iter().enumerate() {
@@ -122,6 +124,11 @@ fn row_wise_kernels_are_batch_and_position_invariant() {
                     "swiglu {dtype:?} M={m} row {at}"
                 );
                 assert_eq!(
+                    row(&gated(&gb, &ub, Activation::GeluTanh).expect("geglu"), at),
+                    solo_geglu,
+                    "geglu {dtype:?} M={m} row {at}"
+                );
+                assert_eq!(
                     row(&add(&xb, &xb).expect("add"), at),
                     solo_add,
                     "add {dtype:?} M={m} row {at}"
@@ -130,7 +137,7 @@ fn row_wise_kernels_are_batch_and_position_invariant() {
             }
         }
         let detail = format!("{checked} (M, row) placements, M in {ROWS:?}, 8B widths");
-        for op in ["rms_norm", "rope", "swiglu", "residual add"] {
+        for op in ["rms_norm", "rope", "swiglu", "geglu", "residual add"] {
             table(op, dtype, "batch- and position-invariant", true, &detail);
         }
     }
@@ -322,7 +329,7 @@ fn fused_ops_give_their_unfused_pairs_bits() {
     for dtype in [DType::F32, DType::BF16] {
         assert_fused_ops_match_unfused(&dev, dtype);
         table(
-            "add_rms_norm, rope_qkv, rope_qkv_into_cache, swiglu_halves",
+            "add_rms_norm, rope_qkv, rope_qkv_into_cache, swiglu_halves, geglu_halves",
             dtype,
             "bits of the unfused ops",
             true,

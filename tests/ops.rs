@@ -472,6 +472,16 @@ fn row_kernels_match_their_scalar_definitions_bitwise() {
             act,
             "swiglu {rows}x{dim}"
         );
+        let act: Vec<u32> = xv
+            .iter()
+            .zip(&yv)
+            .map(|(&g, &u)| (detspec::ops::gelu_tanh(g) * u).to_bits())
+            .collect();
+        assert_eq!(
+            flat(detspec::ops::gated(&x, &y, detspec::config::Activation::GeluTanh).unwrap()),
+            act,
+            "geglu {rows}x{dim}"
+        );
 
         if dim % 2 == 0 {
             let half = dim / 2;

@@ -1,5 +1,5 @@
 //! Hugging Face `config.json` for the Llama family (Llama, Mistral, Qwen2, Qwen3, Phi-3,
-//! OLMo 2 and 3, Granite, SmolLM3) and its mixture-of-experts relatives (Qwen2-MoE,
+//! OLMo 2 and 3, Granite, SmolLM3, Gemma 3) and its mixture-of-experts relatives (Qwen2-MoE,
 //! Qwen3-MoE, Mixtral). The rotary settings are
 //! read by [`super::rope`].
 
@@ -34,6 +34,10 @@ pub enum Architecture {
     Granite,
     /// SmolLM3: Llama's layers, every fourth without rope (`no_rope_layers`).
     SmolLm3,
+    /// Gemma 3 (text): each sublayer normed before and after, norms scaling by `1 + w`, GeGLU,
+    /// embeddings scaled by √hidden, attention scaled by `query_pre_attn_scalar^-½`, and most
+    /// layers within a sliding window with a rope of their own (`layer_types`).
+    Gemma3,
     Mixtral,
     Qwen2Moe,
     Qwen3Moe,
@@ -42,7 +46,7 @@ pub enum Architecture {
 impl Architecture {
     /// Each architecture's `*ForCausalLM` class (`architectures`) and its `model_type`, the
     /// fallback for a config without `architectures`.
-    const CAUSAL_LM: [(&'static str, &'static str, Architecture); 12] = [
+    const CAUSAL_LM: [(&'static str, &'static str, Architecture); 13] = [
         ("LlamaForCausalLM", "llama", Architecture::Llama),
         ("MistralForCausalLM", "mistral", Architecture::Mistral),
         ("Qwen2ForCausalLM", "qwen2", Architecture::Qwen2),
@@ -52,6 +56,7 @@ impl Architecture {
         ("Olmo3ForCausalLM", "olmo3", Architecture::Olmo3),
         ("GraniteForCausalLM", "granite", Architecture::Granite),
         ("SmolLM3ForCausalLM", "smollm3", Architecture::SmolLm3),
+        ("Gemma3ForCausalLM", "gemma3_text", Architecture::Gemma3),
         ("MixtralForCausalLM", "mixtral", Architecture::Mixtral),
         ("Qwen2MoeForCausalLM", "qwen2_moe", Architecture::Qwen2Moe),
         ("Qwen3MoeForCausalLM", "qwen3_moe", Architecture::Qwen3Moe),
@@ -73,12 +78,48 @@ impl Architecture {
         self == Architecture::Phi3
     }
 
-    /// Whether each sublayer's output, not its input, is normed before the residual add
-    /// (OLMo 2: `post_attention_layernorm` on the attention's output,
-    /// `post_feedforward_layernorm` on the MLP's; no `input_layernorm`), and q/k are normed
-    /// over the whole projection (`q_norm` of `heads × head_dim`) rather than per head.
-    pub fn norms_sublayer_outputs(self) -> bool {
+    /// Each decoder layer's norms by their checkpoint names, in the order they apply: before
+    /// the attention, on its output (before the residual add), before the MLP, on its output.
+    /// The Llama family norms each sublayer's input; OLMo 2 each sublayer's output (its
+    /// `post_attention_layernorm` is on the attention's output, not the MLP's input); Gemma 3
+    /// both.
+    pub fn sublayer_norms(self) -> [Option<&'static str>; 4] {
+        match self {
+            Architecture::Olmo2 | Architecture::Olmo3 => [
+                None,
+                Some("post_attention_layernorm"),
+                None,
+                Some("post_feedforward_layernorm"),
+            ],
+            Architecture::Gemma3 => [
+                Some("input_layernorm"),
+                Some("post_attention_layernorm"),
+                Some("pre_feedforward_layernorm"),
+                Some("post_feedforward_layernorm"),
+            ],
+            _ => [
+                Some("input_layernorm"),
+                None,
+                Some("post_attention_layernorm"),
+                None,
+            ],
+        }
+    }
+
+    /// Whether q/k are normed over the whole projection (OLMo 2: `q_norm` of
+    /// `heads × head_dim`) rather than per head.
+    pub fn norms_whole_qk(self) -> bool {
         matches!(self, Architecture::Olmo2 | Architecture::Olmo3)
+    }
+
+    /// What every RMSNorm's weight is offset by: Gemma's norms scale by `1 + w` (its weights
+    /// are stored as the difference from 1).
+    pub fn norm_weight_offset(self) -> f64 {
+        if self == Architecture::Gemma3 {
+            1.0
+        } else {
+            0.0
+        }
     }
 
     fn supported_list() -> String {
@@ -88,6 +129,28 @@ impl Architecture {
             .chain(Self::CLASSIFIERS.iter().map(|(n, _)| *n))
             .collect();
         names.join(", ")
+    }
+}
+
+/// The MLP's gate activation: `down(act(gate(x)) · up(x))`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Activation {
+    /// SiLU (`silu`, `swish`): SwiGLU.
+    #[default]
+    Silu,
+    /// GELU's tanh form (`gelu_pytorch_tanh`, `gelu_new`): GeGLU.
+    GeluTanh,
+}
+
+impl Activation {
+    /// transformers' `ACT2FN` name; `None` for one detspec does not implement (`gelu`, the
+    /// erf form, among them).
+    fn from_hf(name: &str) -> Option<Self> {
+        match name {
+            "silu" | "swish" => Some(Activation::Silu),
+            "gelu_pytorch_tanh" | "gelu_new" => Some(Activation::GeluTanh),
+            _ => None,
+        }
     }
 }
 
@@ -123,9 +186,13 @@ pub struct ModelConfig {
     pub o_bias: bool,
     /// Bias on the MLP projections (Llama's `mlp_bias`).
     pub mlp_bias: bool,
-    /// RMSNorm on q and k before rope: per head (Qwen3), or over the whole projection
-    /// (OLMo 2, [`Architecture::norms_sublayer_outputs`]).
+    /// RMSNorm on q and k before rope: per head (Qwen3, Gemma 3), or over the whole projection
+    /// (OLMo 2, [`Architecture::norms_whole_qk`]).
     pub qk_norm: bool,
+    /// The MLP's gate activation.
+    pub hidden_act: Activation,
+    /// Gemma's attention scale, `query_pre_attn_scalar^-½` in place of `head_dim^-½`.
+    pub query_pre_attn_scalar: Option<f64>,
     /// The mixture-of-experts settings of a sparse architecture (`None`: every layer's MLP is
     /// dense).
     pub moe: Option<MoeConfig>,
@@ -199,14 +266,26 @@ struct RawConfig {
     /// SmolLM3's layers with rope (1) and without (0), or the interval of those without.
     no_rope_layers: Option<Vec<u8>>,
     no_rope_layer_interval: Option<usize>,
-    /// Each layer's attention, `sliding_attention` or `full_attention` (OLMo 3).
+    /// Each layer's attention, `sliding_attention` or `full_attention` (OLMo 3, Gemma 3).
     layer_types: Option<Vec<String>>,
+    /// Gemma 3 without `layer_types`: every this-many-th layer attends to every key.
+    sliding_window_pattern: Option<usize>,
+    /// Gemma 3's sliding layers' rope theta (classic keys; `rope_theta` is the full layers').
+    rope_local_base_freq: Option<f64>,
+    /// Gemma's attention scale (`query_pre_attn_scalar^-½`).
+    query_pre_attn_scalar: Option<f64>,
+    /// Gemma 2's tanh caps on the attention scores and the logits (refused unless null), and
+    /// EmbeddingGemma's attention both ways (refused).
+    attn_logit_softcapping: Option<f64>,
+    final_logit_softcapping: Option<f64>,
+    use_bidirectional_attention: Option<bool>,
     /// Newer transformers: `rope_theta` and the scaling in one object.
     rope_parameters: Option<RawRope>,
     rope_scaling: Option<RawRope>,
-    /// The MLP's activation: every supported architecture gates with SiLU, so any other value
-    /// is refused rather than run as SiLU.
+    /// The MLP's activation (Gemma's key: `hidden_activation`); one detspec does not
+    /// implement is refused rather than run as another.
     hidden_act: Option<String>,
+    hidden_activation: Option<String>,
 }
 
 impl ModelConfig {
@@ -234,15 +313,38 @@ impl ModelConfig {
         };
 
         let (architecture, head) = Self::parse_architecture(&raw, path)?;
-        // transformers' ACT2FN maps both names to SiLU.
-        if let Some(act) = raw
-            .hidden_act
-            .as_deref()
-            .filter(|a| !matches!(*a, "silu" | "swish"))
-        {
+        let gemma = architecture == Architecture::Gemma3;
+        let (act_field, act_name) = if gemma {
+            let name = raw.hidden_activation.as_deref();
+            ("hidden_activation", name.unwrap_or("gelu_pytorch_tanh"))
+        } else {
+            ("hidden_act", raw.hidden_act.as_deref().unwrap_or("silu"))
+        };
+        let hidden_act = Activation::from_hf(act_name).ok_or_else(|| {
+            err(
+                act_field,
+                format!(
+                    "unsupported activation `{act_name}` (supported: silu, swish, \
+                     gelu_pytorch_tanh, gelu_new)"
+                ),
+            )
+        })?;
+        for (field, value) in [
+            ("attn_logit_softcapping", raw.attn_logit_softcapping),
+            ("final_logit_softcapping", raw.final_logit_softcapping),
+        ] {
+            if let Some(cap) = value {
+                return Err(err(
+                    field,
+                    format!("{cap}: tanh soft-capping is not supported"),
+                ));
+            }
+        }
+        if raw.use_bidirectional_attention == Some(true) {
             return Err(err(
-                "hidden_act",
-                format!("unsupported activation `{act}` (supported: silu)"),
+                "use_bidirectional_attention",
+                "a decoder attends causally (bidirectional attention is an embedding model's)"
+                    .into(),
             ));
         }
         let hidden_size = positive("hidden_size", raw.hidden_size)?;
@@ -254,7 +356,8 @@ impl ModelConfig {
                 format!("{num_key_value_heads} does not divide num_attention_heads={num_attention_heads}"),
             ));
         }
-        let head_dim = match raw.head_dim {
+        // transformers' `Gemma3TextConfig` default.
+        let head_dim = match raw.head_dim.or(gemma.then_some(256)) {
             Some(d) if d > 0 => d,
             Some(_) => return Err(err("head_dim", "must be > 0".into())),
             None => {
@@ -294,7 +397,7 @@ impl ModelConfig {
                 raw.sliding_window
             }
             // transformers' default where the config has none.
-            Architecture::Olmo3 => raw.sliding_window.or(Some(4096)),
+            Architecture::Olmo3 | Architecture::Gemma3 => raw.sliding_window.or(Some(4096)),
             Architecture::Qwen2
             | Architecture::Qwen3
             | Architecture::Qwen2Moe
@@ -330,8 +433,17 @@ impl ModelConfig {
             )
         })
         .transpose()?;
+        if moe.is_some() && hidden_act != Activation::Silu {
+            return Err(err(
+                "hidden_act",
+                format!("{act_name}: the experts' kernels gate with SiLU only"),
+            ));
+        }
+        // Gemma 3's full layers default to theta 1e6 and its sliding ones to 1e4
+        // (`rope_local_base_freq`), as transformers' `Gemma3TextConfig` reads them.
         let defaults = RopeDefaults {
-            rope_theta: raw.rope_theta,
+            rope_theta: raw.rope_theta.or(gemma.then_some(1e6)),
+            sliding_rope_theta: raw.rope_local_base_freq.or(gemma.then_some(1e4)),
             partial_rotary_factor: raw.partial_rotary_factor,
             original_max_position_embeddings: raw.original_max_position_embeddings,
             max_position_embeddings,
@@ -355,7 +467,27 @@ impl ModelConfig {
                         scaling: RopeScaling::None,
                     });
                 }
-                Some(Self::parse_layer_types(&raw, num_hidden_layers, path)?)
+                Some(Self::parse_layer_types(&raw, num_hidden_layers, 4, path)?)
+            }
+            Architecture::Gemma3 => {
+                // The classic keys' `rope_scaling` is the full layers'; the sliding ones keep
+                // plain rope of `rope_local_base_freq`.
+                if rope_sliding.is_none() {
+                    rope_sliding = Some(RopeConfig {
+                        theta: defaults.sliding_rope_theta.unwrap_or(1e4),
+                        scaling: RopeScaling::None,
+                    });
+                }
+                let every = match raw.sliding_window_pattern.unwrap_or(6) {
+                    0 => return Err(err("sliding_window_pattern", "must be > 0".into())),
+                    n => n,
+                };
+                Some(Self::parse_layer_types(
+                    &raw,
+                    num_hidden_layers,
+                    every,
+                    path,
+                )?)
             }
             // transformers' `SmolLM3Config`: the window, when on, is the layers' without rope.
             Architecture::SmolLm3 => rope_layers
@@ -389,7 +521,7 @@ impl ModelConfig {
             rope,
             max_position_embeddings,
             // A classifier's `score` layer is its own matrix even where the config says tied.
-            tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false)
+            tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(gemma)
                 && head == Head::LanguageModel,
             qkv_bias,
             o_bias,
@@ -400,7 +532,15 @@ impl ModelConfig {
                     | Architecture::Qwen3Moe
                     | Architecture::Olmo2
                     | Architecture::Olmo3
+                    | Architecture::Gemma3
             ),
+            hidden_act,
+            query_pre_attn_scalar: gemma
+                .then(|| match raw.query_pre_attn_scalar.unwrap_or(256.0) {
+                    q if q.is_finite() && q > 0.0 => Ok(q),
+                    q => Err(err("query_pre_attn_scalar", format!("{q} must be > 0"))),
+                })
+                .transpose()?,
             moe,
             sliding_window,
             sliding_layers,
@@ -423,16 +563,22 @@ impl ModelConfig {
         self.rope.context(self.max_position_embeddings)
     }
 
-    /// OLMo 3's `layer_types` (each layer's attention: `sliding_attention` or
-    /// `full_attention`), or transformers' default: every fourth layer full.
-    fn parse_layer_types(raw: &RawConfig, layers: usize, path: &Path) -> Result<Vec<bool>> {
+    /// `layer_types` (each layer's attention: `sliding_attention` or `full_attention`), or
+    /// transformers' default: every `every`-th layer full (OLMo 3: 4, Gemma 3: its
+    /// `sliding_window_pattern`, 6).
+    fn parse_layer_types(
+        raw: &RawConfig,
+        layers: usize,
+        every: usize,
+        path: &Path,
+    ) -> Result<Vec<bool>> {
         let err = |message: String| DetspecError::InvalidConfig {
             path: path.to_path_buf(),
             field: "layer_types".into(),
             message,
         };
         let Some(types) = &raw.layer_types else {
-            return Ok((0..layers).map(|i| (i + 1) % 4 != 0).collect());
+            return Ok((0..layers).map(|i| (i + 1) % every != 0).collect());
         };
         if types.len() != layers {
             return Err(err(format!(
@@ -503,6 +649,16 @@ impl ModelConfig {
     pub fn qkv_widths(&self) -> [usize; 3] {
         let kv = self.num_key_value_heads * self.head_dim;
         [self.num_attention_heads * self.head_dim, kv, kv]
+    }
+
+    /// What attention scores are scaled by: Granite's multiplier, Gemma's
+    /// `query_pre_attn_scalar^-½`, or `head_dim^-½`.
+    pub fn attention_scale(&self) -> f32 {
+        match (self.granite, self.query_pre_attn_scalar) {
+            (Some(g), _) => g.attention as f32,
+            (None, Some(q)) => q.powf(-0.5) as f32,
+            (None, None) => 1.0 / (self.head_dim as f32).sqrt(),
+        }
     }
 
     /// Whether layer `layer` rotates q and k.
@@ -724,8 +880,9 @@ pub(super) mod tests {
             r#"{{"architectures": ["Olmo2ForCausalLM"], {BASE}, "attention_bias": false}}"#
         ))
         .unwrap();
-        assert!(c.architecture.norms_sublayer_outputs() && c.qk_norm);
-        assert!(!Architecture::Qwen3.norms_sublayer_outputs());
+        assert!(c.architecture.norms_whole_qk() && c.qk_norm);
+        assert_eq!(c.architecture.sublayer_norms()[0], None);
+        assert!(!Architecture::Qwen3.norms_whole_qk());
         assert!(!c.architecture.fuses_projections());
         assert_eq!(c.sliding_window, None);
     }
@@ -741,7 +898,7 @@ pub(super) mod tests {
               "sliding_attention": {"rope_type": "default", "rope_theta": 500000.0}}}"#,
         )
         .unwrap();
-        assert!(c.architecture.norms_sublayer_outputs() && c.qk_norm);
+        assert!(c.architecture.norms_whole_qk() && c.qk_norm);
         // transformers' default pattern: every fourth layer attends to everything.
         let slides: Vec<bool> = (0..4).map(|i| c.layer_slides(i)).collect();
         assert_eq!(slides, [true, true, true, false]);
@@ -872,5 +1029,94 @@ pub(super) mod tests {
         .unwrap();
         assert!(c.qk_norm && !c.qkv_bias);
         assert_eq!(c.head_dim, 32);
+    }
+
+    #[test]
+    fn gemma3_reads_transformers_defaults_and_both_rope_spellings() {
+        // google/gemma-3-1b-it's config.json (transformers 4.50), shrunk.
+        let classic = parse(
+            r#"{"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+            "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 7,
+            "num_attention_heads": 4, "num_key_value_heads": 1, "vocab_size": 100,
+            "head_dim": 32, "query_pre_attn_scalar": 32, "sliding_window": 16,
+            "sliding_window_pattern": 6, "rope_theta": 1000000, "rope_local_base_freq": 10000,
+            "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+            "attn_logit_softcapping": null, "final_logit_softcapping": null,
+            "hidden_activation": "gelu_pytorch_tanh"}"#,
+        )
+        .unwrap();
+        assert_eq!(classic.architecture, Architecture::Gemma3);
+        assert_eq!(classic.hidden_act, Activation::GeluTanh);
+        assert!(classic.tie_word_embeddings && classic.qk_norm);
+        assert!(!classic.architecture.norms_whole_qk());
+        assert_eq!(classic.architecture.norm_weight_offset(), 1.0);
+        assert!(classic
+            .architecture
+            .sublayer_norms()
+            .iter()
+            .all(Option::is_some));
+        assert_eq!(classic.attention_scale(), 32f32.powf(-0.5));
+        let slides: Vec<bool> = (0..7).map(|i| classic.layer_slides(i)).collect();
+        assert_eq!(slides, [true, true, true, true, true, false, true]);
+        assert_eq!(classic.rope.theta, 1e6);
+        assert_eq!(classic.rope.scaling, RopeScaling::Linear { factor: 8.0 });
+        let local = classic.rope_sliding.as_ref().unwrap();
+        assert_eq!((local.theta, &local.scaling), (1e4, &RopeScaling::None));
+
+        // transformers 5's spelling: rope by layer kind, and `layer_types`.
+        let nested = parse(&format!(
+            r#"{{"architectures": ["Gemma3ForCausalLM"], {BASE}, "sliding_window": 16,
+            "layer_types": ["full_attention", "sliding_attention"], "rope_parameters": {{
+              "full_attention": {{"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}},
+              "sliding_attention": {{"rope_type": "default"}}}}}}"#
+        ))
+        .unwrap();
+        assert!(!nested.layer_slides(0) && nested.layer_slides(1));
+        assert_eq!(nested.rope.theta, 1e6);
+        // A kind without a theta falls back on the kind's own default.
+        assert_eq!(nested.rope_sliding.as_ref().unwrap().theta, 1e4);
+        // Defaults: head_dim 256, query_pre_attn_scalar 256, GeGLU, window 4096.
+        let bare = parse(&format!(r#"{{"model_type": "gemma3_text", {BASE}}}"#)).unwrap();
+        assert_eq!((bare.head_dim, bare.sliding_window), (256, Some(4096)));
+        assert_eq!(bare.attention_scale(), 1.0 / 16.0);
+        assert_eq!(bare.hidden_act, Activation::GeluTanh);
+    }
+
+    #[test]
+    fn gemma2s_soft_capping_and_embedding_gemmas_bidirectional_attention_are_refused() {
+        assert_refused(
+            "Gemma3ForCausalLM",
+            &[
+                (
+                    r#""attn_logit_softcapping": 50.0"#,
+                    "attn_logit_softcapping",
+                ),
+                (
+                    r#""final_logit_softcapping": 30.0"#,
+                    "final_logit_softcapping",
+                ),
+                (
+                    r#""use_bidirectional_attention": true"#,
+                    "use_bidirectional_attention",
+                ),
+                (r#""hidden_activation": "gelu""#, "hidden_activation"),
+                (r#""query_pre_attn_scalar": 0"#, "query_pre_attn_scalar"),
+                (r#""sliding_window_pattern": 0"#, "sliding_window_pattern"),
+            ],
+        );
+        // GeGLU on a Llama layout runs; on experts it is refused.
+        let c = parse(&format!(
+            r#"{{"architectures": ["LlamaForCausalLM"], {BASE}, "hidden_act": "gelu_new"}}"#
+        ))
+        .unwrap();
+        assert_eq!(c.hidden_act, Activation::GeluTanh);
+        assert_refused(
+            "MixtralForCausalLM",
+            &[(
+                r#""num_local_experts": 4, "num_experts_per_tok": 2,
+                "hidden_act": "gelu_pytorch_tanh""#,
+                "hidden_act",
+            )],
+        );
     }
 }

@@ -75,6 +75,9 @@ pub(super) struct RawRope {
 #[derive(Debug, Clone, Copy)]
 pub(super) struct RopeDefaults {
     pub rope_theta: Option<f64>,
+    /// The sliding-window layers' theta where their own settings name none (Gemma 3's
+    /// `rope_local_base_freq`); `None`: `rope_theta`.
+    pub sliding_rope_theta: Option<f64>,
     pub partial_rotary_factor: Option<f64>,
     pub original_max_position_embeddings: Option<f64>,
     pub max_position_embeddings: usize,
@@ -93,13 +96,21 @@ impl RopeConfig {
     ) -> Result<(Self, Option<Self>)> {
         match (rope_parameters, rope_scaling) {
             (Some(p), _) if p.full_attention.is_some() || p.sliding_attention.is_some() => {
-                let kind = |sub: &Option<Box<RawRope>>, name: &str| {
+                let kind = |sub: &Option<Box<RawRope>>, name: &str, top: &RopeDefaults| {
                     let field = format!("rope_parameters.{name}");
                     Self::parse(sub.as_deref(), &field, top, path)
                 };
-                let full = kind(&p.full_attention, "full_attention")?;
+                let full = kind(&p.full_attention, "full_attention", top)?;
+                let sliding_top = RopeDefaults {
+                    rope_theta: top.sliding_rope_theta.or(top.rope_theta),
+                    ..*top
+                };
                 let sliding = match &p.sliding_attention {
-                    Some(_) => Some(kind(&p.sliding_attention, "sliding_attention")?),
+                    Some(_) => Some(kind(
+                        &p.sliding_attention,
+                        "sliding_attention",
+                        &sliding_top,
+                    )?),
                     None => None,
                 };
                 Ok((full, sliding))
@@ -119,6 +130,7 @@ impl RopeConfig {
         let RopeDefaults {
             rope_theta,
             partial_rotary_factor,
+            sliding_rope_theta: _,
             original_max_position_embeddings,
             max_position_embeddings,
         } = *top;

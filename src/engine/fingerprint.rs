@@ -26,7 +26,7 @@ use std::path::Path;
 
 use xxhash_rust::xxh3::Xxh3;
 
-use crate::config::{ActivationDtype, KernelProfile, ModelConfig};
+use crate::config::{Activation, ActivationDtype, KernelProfile, ModelConfig};
 use crate::error::{DetspecError, Result};
 
 /// Bumped whenever a kernel's reduction order changes, so fingerprints tell old outputs apart.
@@ -85,6 +85,14 @@ pub fn model_digest(cfg: &ModelConfig, dir: &Path, eos: &[u32]) -> Result<u64> {
     // Likewise Granite's multipliers.
     if let Some(g) = &cfg.granite {
         h.update(format!("|granite{g:?}").as_bytes());
+    }
+    // Likewise a gate other than SiLU, and Gemma's attention scale (its `1 + w` norms and
+    // √hidden embedding scale come with the architecture's name).
+    if cfg.hidden_act != Activation::Silu {
+        h.update(format!("|act{:?}", cfg.hidden_act).as_bytes());
+    }
+    if let Some(q) = cfg.query_pre_attn_scalar {
+        h.update(format!("|qpas{:016x}", q.to_bits()).as_bytes());
     }
     // Likewise classifiers: their labels (the `score` matrix itself is in the weights hash).
     if let Some(labels) = cfg.head.labels() {

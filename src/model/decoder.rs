@@ -1,5 +1,5 @@
 //! The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, OLMo 2 and 3, Granite,
-//! SmolLM3, and with sparse MLPs Mixtral, Qwen2-MoE, Qwen3-MoE) over a flat varlen batch.
+//! SmolLM3, Gemma 3, and with sparse MLPs Mixtral, Qwen2-MoE, Qwen3-MoE) over a flat varlen batch.
 //!
 //! One call runs any mix of prefill chunks and decode rows from many sequences: the batch is a
 //! flat list of tokens with their absolute positions, and each token's K/V is written to the
@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::config::{ActivationDtype, KernelProfile, ModelConfig, RopeConfig};
+use crate::config::{ActivationDtype, Architecture, KernelProfile, ModelConfig, RopeConfig};
 use crate::error::{DetspecError, Result};
 use crate::kv::KvPool;
 use crate::ops::{self, AttentionMetadata};
@@ -48,7 +48,8 @@ pub struct ForwardBatch {
 
 /// One decoder layer's parameters. Its norms say where the residual stream is normed: the
 /// Llama family norms each sublayer's input (`input_norm`, `mlp_norm`), OLMo 2 each
-/// sublayer's output before it is added (`attn_out_norm`, `mlp_out_norm`).
+/// sublayer's output before it is added (`attn_out_norm`, `mlp_out_norm`), Gemma 3 both
+/// ([`crate::config::Architecture::sublayer_norms`]).
 #[derive(Debug)]
 pub(super) struct Layer {
     pub(super) input_norm: Option<Tensor>,
@@ -56,6 +57,7 @@ pub(super) struct Layer {
     pub(super) qkv: Projection,
     pub(super) o: Linear,
     /// Per head (`[head_dim]`), or over the whole projection (OLMo 2: `[heads × head_dim]`).
+    /// Every norm weight is held as the kernels multiply by it (Gemma's `1 + w`, `loader::offset_norm`).
     pub(super) q_norm: Option<Tensor>,
     pub(super) k_norm: Option<Tensor>,
     pub(super) attn_out_norm: Option<Tensor>,
@@ -84,6 +86,9 @@ pub struct Model {
     pub(super) layers: Vec<Layer>,
     pub(super) norm: Tensor,
     pub(super) lm_head: LinearWeight,
+    /// What the embeddings are multiplied by (Granite's multiplier, Gemma's √hidden), a scalar
+    /// in the activations' dtype.
+    embed_scale: Option<Tensor>,
     /// `[max_positions, head_dim/2]` tables, indexed by absolute position.
     cos: Tensor,
     sin: Tensor,
@@ -146,29 +151,23 @@ impl Model {
             let p = format!("model.layers.{i}");
             let attn = |name: &str| format!("{p}.self_attn.{name}");
             let mlp = |name: &str| format!("{p}.mlp.{name}");
-            let output_norms = cfg.architecture.norms_sublayer_outputs();
+            let offset = cfg.architecture.norm_weight_offset();
             let qk_norm = |name: &str, heads: usize| {
-                let width = if output_norms { heads * d } else { d };
+                let width = if cfg.architecture.norms_whole_qk() {
+                    heads * d
+                } else {
+                    d
+                };
+                let name = format!("{p}.self_attn.{name}.weight");
                 cfg.qk_norm
-                    .then(|| ld.load(&format!("{p}.self_attn.{name}.weight"), &[width]))
+                    .then(|| ld.norm(&name, &[width], offset))
                     .transpose()
             };
-            let norm = |name: &str| ld.load(&format!("{p}.{name}.weight"), &[hs]).map(Some);
-            let [input_norm, attn_out_norm, mlp_norm, mlp_out_norm] = if output_norms {
-                [
-                    None,
-                    norm("post_attention_layernorm")?,
-                    None,
-                    norm("post_feedforward_layernorm")?,
-                ]
-            } else {
-                [
-                    norm("input_layernorm")?,
-                    None,
-                    norm("post_attention_layernorm")?,
-                    None,
-                ]
-            };
+            let [input_norm, attn_out_norm, mlp_norm, mlp_out_norm] =
+                cfg.architecture.sublayer_norms().map(|name| {
+                    name.map(|n| ld.norm(&format!("{p}.{n}.weight"), &[hs], offset))
+                        .transpose()
+                });
             let widths = cfg.qkv_widths();
             let qkv = [
                 (attn("q_proj"), widths[0]),
@@ -195,7 +194,7 @@ impl Model {
                 },
             };
             layers.push(Layer {
-                input_norm,
+                input_norm: input_norm?,
                 qkv: if fused {
                     ld.fused_projection(&attn("qkv_proj"), &widths, hs, stack)?
                 } else {
@@ -204,13 +203,28 @@ impl Model {
                 o: ld.linear(&attn("o_proj"), h * d, hs, cfg.o_bias)?,
                 q_norm: qk_norm("q_norm", h)?,
                 k_norm: qk_norm("k_norm", kvh)?,
-                attn_out_norm,
-                mlp_norm,
-                mlp_out_norm,
+                attn_out_norm: attn_out_norm?,
+                mlp_norm: mlp_norm?,
+                mlp_out_norm: mlp_out_norm?,
                 mlp,
             });
         }
-        let norm = ld.load("model.norm.weight", &[hs])?;
+        let norm = ld.norm(
+            "model.norm.weight",
+            &[hs],
+            cfg.architecture.norm_weight_offset(),
+        )?;
+        let embed_scale = match (cfg.granite, cfg.architecture) {
+            (Some(g), _) => Some(Tensor::new(g.embedding as f32, device)?),
+            // transformers rounds Gemma's √hidden to the weights' dtype first.
+            (None, Architecture::Gemma3) => {
+                let s = Tensor::new((hs as f32).sqrt(), device)?;
+                Some(s.to_dtype(dtype)?)
+            }
+            _ => None,
+        }
+        .map(|s| s.to_dtype(act_dtype))
+        .transpose()?;
         let lm_head = if cfg.tie_word_embeddings {
             LinearWeight::new(&embed, bf16_act)?
         } else {
@@ -227,6 +241,7 @@ impl Model {
             lm_head,
             cfg,
             embed,
+            embed_scale,
             layers,
             norm,
             cos,
@@ -364,9 +379,7 @@ impl Model {
         } else {
             sliding_meta.clone()
         };
-        let scale = cfg
-            .granite
-            .map_or(1.0 / (d as f32).sqrt(), |g| g.attention as f32);
+        let scale = cfg.attention_scale();
         let residual_scale = |y: Tensor| match cfg.granite {
             Some(g) => y.broadcast_mul(&scalar(g.residual, &y)?),
             None => Ok(y),
@@ -374,7 +387,7 @@ impl Model {
         let eps = cfg.rms_norm_eps;
 
         let inv = self.gemm_options(batch);
-        let whole_qk_norm = cfg.architecture.norms_sublayer_outputs();
+        let whole_qk_norm = cfg.architecture.norms_whole_qk();
         let lora = LoraRows::of(&batch.attention.row_seq, &batch.adapters, dev)?;
         // Each linear layer's LoRA target.
         let [t_q, t_k, t_v, t_o, t_gate, t_up, t_down] = [
@@ -391,8 +404,8 @@ impl Model {
         // `x` where the layout norms sublayer outputs instead): each residual add runs fused
         // with the norm after it (the next layer's input norm, the final norm after the last).
         let mut x = self.embed.index_select(&ids, 0)?.to_dtype(self.act_dtype)?;
-        if let Some(g) = cfg.granite {
-            x = x.broadcast_mul(&scalar(g.embedding, &x)?)?;
+        if let Some(s) = &self.embed_scale {
+            x = x.broadcast_mul(s)?;
         }
         let input_norm = |li: usize| {
             self.layers
@@ -485,7 +498,8 @@ impl Model {
                     let act = match gate_up {
                         Projection::Stacked { linear, .. } => {
                             let targets = [t_gate[0], t_up[0]];
-                            ops::swiglu_halves(&one(&hn, linear.apply(&hn, inv)?, &targets)?)?
+                            let gu = one(&hn, linear.apply(&hn, inv)?, &targets)?;
+                            ops::gated_halves(&gu, cfg.hidden_act)?
                         }
                         Projection::Apart(gate_up) => {
                             let [gate, up] = gate_up.as_slice() else {
@@ -502,7 +516,7 @@ impl Model {
                                 with_lora(&hn, outs)?.try_into().map_err(|_| {
                                     DetspecError::param("weights", "gate/up are two layers")
                                 })?;
-                            ops::swiglu(&gate, &up)?
+                            ops::gated(&gate, &up, cfg.hidden_act)?
                         }
                     };
                     one(&act, down.apply(&act, inv)?, &t_down)?

@@ -51,6 +51,12 @@ impl<'a> WeightLoader<'a> {
         self.load_as(name, shape, self.vector_dtype)
     }
 
+    /// An RMSNorm's weight, as [`Self::load`] gives it, plus `offset` ([`offset_norm`]).
+    /// Hashed as the checkpoint holds it, so an update by the same values keeps the hash.
+    pub(super) fn norm(&self, name: &str, shape: &[usize], offset: f64) -> Result<Tensor> {
+        Ok(offset_norm(&self.load(name, shape)?, offset)?)
+    }
+
     /// A matrix (linear weight, embedding), in the weights' dtype.
     pub(super) fn load_matrix(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
         self.load_as(name, shape, self.dtype)
@@ -186,4 +192,14 @@ impl<'a> WeightLoader<'a> {
     pub(super) fn into_hashes(self) -> ParamHashes {
         self.hashes.into_inner()
     }
+}
+
+/// A norm weight `w` as the kernels multiply by it: `w + offset` (Gemma's norms scale by
+/// `1 + w`), the sum taken in f32 as transformers takes it, then held in `w`'s dtype; `w` itself
+/// where the offset is 0.
+pub(super) fn offset_norm(w: &Tensor, offset: f64) -> candle_core::Result<Tensor> {
+    if offset == 0.0 {
+        return Ok(w.clone());
+    }
+    (w.to_dtype(DType::F32)? + offset)?.to_dtype(w.dtype())
 }

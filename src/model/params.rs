@@ -67,17 +67,11 @@ pub fn param_shapes(cfg: &ModelConfig) -> BTreeMap<String, Vec<usize>> {
                 linear(format!("{p}.mlp.down_proj"), is, hs, cfg.mlp_bias);
             }
         }
-        let output_norms = cfg.architecture.norms_sublayer_outputs();
-        let sublayer_norms: &[&str] = if output_norms {
-            &["post_attention_layernorm", "post_feedforward_layernorm"]
-        } else {
-            &["input_layernorm", "post_attention_layernorm"]
-        };
-        for norm in sublayer_norms {
+        for norm in cfg.architecture.sublayer_norms().into_iter().flatten() {
             m.insert(format!("{p}.{norm}.weight"), vec![hs]);
         }
         if cfg.qk_norm {
-            let (q, k) = if output_norms {
+            let (q, k) = if cfg.architecture.norms_whole_qk() {
                 (h * d, kvh * d)
             } else {
                 (d, d)

@@ -7,12 +7,14 @@ use crate::error::Result;
 
 use super::decoder::{Mlp, Model};
 use super::linear::{Linear, LinearWeight, Projection};
+use super::loader::offset_norm;
 use super::moe_names::parse_sparse_linear;
 use super::params::{check_update, tensor_hash, unknown};
 
 /// Where a named parameter lives in the model.
 enum Slot<'a> {
-    Vector(&'a mut Tensor),
+    /// An RMSNorm's weight (held offset, `loader::offset_norm`).
+    Norm(&'a mut Tensor),
     Bias(&'a mut Option<Tensor>),
     Linear(&'a mut LinearWeight),
     /// Weight of layer `.1` of a projection (apart or stacked).
@@ -55,10 +57,12 @@ impl Model {
             // Matrices in the weights' dtype, vectors rounded to it and held in the activations'
             // (they differ on the CPU with bf16 weights).
             let (matrix, vector) = (self.dtype(), self.act_dtype());
+            let offset = self.cfg.architecture.norm_weight_offset();
             let t = match self.slot(&hash_name).ok_or_else(|| unknown(&name))? {
-                Slot::Vector(v) => {
-                    *v = t.to_dtype(matrix)?.to_dtype(vector)?;
-                    v.clone()
+                Slot::Norm(v) => {
+                    let t = t.to_dtype(matrix)?.to_dtype(vector)?;
+                    *v = offset_norm(&t, offset)?;
+                    t
                 }
                 Slot::Bias(b) => {
                     let t = t.to_dtype(matrix)?.to_dtype(vector)?;
@@ -102,7 +106,7 @@ impl Model {
     fn slot(&mut self, name: &str) -> Option<Slot<'_>> {
         match name {
             "model.embed_tokens.weight" => return Some(Slot::Embedding),
-            "model.norm.weight" => return Some(Slot::Vector(&mut self.norm)),
+            "model.norm.weight" => return Some(Slot::Norm(&mut self.norm)),
             n if n == self.cfg.head.weight_name() => return Some(Slot::Linear(&mut self.lm_head)),
             _ => {}
         }
@@ -124,21 +128,20 @@ impl Model {
                 (None, None)
             }
         };
-        if kind == "weight" {
-            // OLMo 2's `post_attention_layernorm` norms the attention's output; the Llama
-            // family's, the MLP's input.
-            let norm = match module {
-                "input_layernorm" => Some(&mut layer.input_norm),
-                "post_attention_layernorm" if self.cfg.architecture.norms_sublayer_outputs() => {
-                    Some(&mut layer.attn_out_norm)
-                }
-                "post_attention_layernorm" => Some(&mut layer.mlp_norm),
-                "post_feedforward_layernorm" => Some(&mut layer.mlp_out_norm),
+        // The same name is a different norm by layout (`post_attention_layernorm`: the MLP's
+        // input in the Llama family, the attention's output in OLMo 2 and Gemma 3).
+        let names = self.cfg.architecture.sublayer_norms();
+        if let Some(at) = names.iter().position(|n| *n == Some(module)) {
+            let norms = [
+                &mut layer.input_norm,
+                &mut layer.attn_out_norm,
+                &mut layer.mlp_norm,
+                &mut layer.mlp_out_norm,
+            ];
+            return match kind {
+                "weight" => norms.into_iter().nth(at)?.as_mut().map(Slot::Norm),
                 _ => None,
             };
-            if let Some(norm) = norm {
-                return norm.as_mut().map(Slot::Vector);
-            }
         }
         // A fused matrix replaces every layer it holds (`check_update` has refused the
         // separate names on such a model, and the fused ones elsewhere).
@@ -161,8 +164,8 @@ impl Model {
             "mlp.up_proj" => (gate_up?, 1),
             "self_attn.o_proj" => return linear_slot(&mut layer.o, kind),
             "mlp.down_proj" => return linear_slot(down?, kind),
-            "self_attn.q_norm" => return layer.q_norm.as_mut().map(Slot::Vector),
-            "self_attn.k_norm" => return layer.k_norm.as_mut().map(Slot::Vector),
+            "self_attn.q_norm" => return layer.q_norm.as_mut().map(Slot::Norm),
+            "self_attn.k_norm" => return layer.k_norm.as_mut().map(Slot::Norm),
             _ => return None,
         };
         match kind {

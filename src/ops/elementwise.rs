@@ -1,4 +1,5 @@
-//! Elementwise ops of the decoder (residual add, SwiGLU): on the CPU on the engine's rayon
+//! Elementwise ops of the decoder (residual add, the MLP's gated activation: SwiGLU or GeGLU):
+//! on the CPU on the engine's rayon
 //! pool, on a GPU `cuda/elementwise.cu`.
 //!
 //! candle's own CPU elementwise kernels run on a separate thread pool whose threads spin on a
@@ -12,9 +13,10 @@ use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, Layout, Shape, Tensor}
 use rayon::prelude::*;
 
 use super::isa::isa_kernel;
-use super::math::silu;
+use super::math::{gelu_tanh, silu};
 use super::CpuIsa;
 use super::{contiguous_f32, filled_f32};
+use crate::config::Activation;
 
 /// Elements per rayon task; smaller maps run on the calling thread.
 const CHUNK: usize = 1 << 14;
@@ -37,18 +39,38 @@ isa_kernel! {
     }
 }
 
+isa_kernel! {
+    /// gelu_tanh(g) · u ([`gelu_tanh`], through the same exponential as [`silu`]).
+    fn geglu_into(isa: CpuIsa, out: &mut [MaybeUninit<f32>], gate: &[f32], up: &[f32]) {
+        for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+            o.write(gelu_tanh(g) * u);
+        }
+    }
+}
+
+/// A binary map's CPU kernel: `out[i] = f(a[i], b[i])`.
+type BinaryKernel = fn(CpuIsa, &mut [MaybeUninit<f32>], &[f32], &[f32]);
+
+/// The CPU kernel of `act(gate) · up`.
+fn gated_into(act: Activation) -> BinaryKernel {
+    match act {
+        Activation::Silu => swiglu_into,
+        Activation::GeluTanh => geglu_into,
+    }
+}
+
 /// The two maps, each a kernel compiled for this CPU's instruction set.
 #[derive(Clone, Copy)]
 enum Binary {
     Add,
-    Swiglu,
+    Gated(Activation),
 }
 
 impl Binary {
     fn apply(self, a: &[f32], b: &[f32]) -> Vec<f32> {
         let kernel = match self {
             Binary::Add => add_into,
-            Binary::Swiglu => swiglu_into,
+            Binary::Gated(act) => gated_into(act),
         };
         let isa = CpuIsa::detect();
         // Every element is written: the chunks of `out` pair up with those of `a` and `b`,
@@ -69,7 +91,8 @@ impl CustomOp2 for Binary {
     fn name(&self) -> &'static str {
         match self {
             Binary::Add => "detspec-add",
-            Binary::Swiglu => "detspec-swiglu",
+            Binary::Gated(Activation::Silu) => "detspec-swiglu",
+            Binary::Gated(Activation::GeluTanh) => "detspec-geglu",
         }
     }
 
@@ -117,7 +140,8 @@ impl CustomOp2 for Binary {
         let dev = s1.device();
         let kernel = match self {
             Binary::Add => "add",
-            Binary::Swiglu => "swiglu",
+            Binary::Gated(Activation::Silu) => "swiglu",
+            Binary::Gated(Activation::GeluTanh) => "geglu",
         };
         let f = cuda::kernel(dev, &cuda::ELEMENTWISE, kernel, s1.dtype())?;
         with_float_type!(s1.dtype(), name, |T| {
@@ -129,7 +153,7 @@ impl CustomOp2 for Binary {
                 let stream = dev.cuda_stream();
                 let mut launch = stream.launch_builder(&f);
                 launch.arg(&a).arg(&b).arg(&mut out).arg(&n);
-                // SAFETY: argument types and order match `add_*` / `swiglu_*` in
+                // SAFETY: argument types and order match `add_*` / `swiglu_*` / `geglu_*` in
                 // cuda/elementwise.cu; every index is below `n`, the length of all three.
                 unsafe { launch.launch(cuda::grid_1d(n)) }.w()?;
             }
@@ -141,41 +165,55 @@ impl CustomOp2 for Binary {
     }
 }
 
-/// SwiGLU of the stacked gate/up projection's output `[rows, 2 · width]` (per row the gate,
-/// then up): on a GPU one launch reading both halves where they lie, with [`swiglu`]'s bits.
-struct SwigluHalves;
+/// The gated activation of the stacked gate/up projection's output `[rows, 2 · width]` (per
+/// row the gate, then up): on a GPU one launch reading both halves where they lie, with
+/// [`gated`]'s bits.
+struct GatedHalves(Activation);
 
-impl SwigluHalves {
+impl GatedHalves {
     /// `(rows, width)` of the input.
     fn dims(l: &Layout) -> candle_core::Result<(usize, usize)> {
         match l.dims() {
             [rows, w2] if w2 % 2 == 0 && *w2 > 0 => Ok((*rows, w2 / 2)),
-            dims => bail!("swiglu_halves: expected [rows, 2 x width], got {dims:?}"),
+            dims => bail!("gated_halves: expected [rows, 2 x width], got {dims:?}"),
+        }
+    }
+
+    /// `cuda/elementwise.cu`'s kernel.
+    #[cfg(feature = "cuda")]
+    fn kernel(&self) -> &'static str {
+        match self.0 {
+            Activation::Silu => "swiglu_halves",
+            Activation::GeluTanh => "geglu_halves",
         }
     }
 }
 
-impl CustomOp1 for SwigluHalves {
+impl CustomOp1 for GatedHalves {
     fn name(&self) -> &'static str {
-        "detspec-swiglu-halves"
+        match self.0 {
+            Activation::Silu => "detspec-swiglu-halves",
+            Activation::GeluTanh => "detspec-geglu-halves",
+        }
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
         let gu = contiguous_f32(s, l, self.name())?;
         let (rows, width) = Self::dims(l)?;
+        let kernel = gated_into(self.0);
         // Every element is written: row by row, from that row's two halves.
         let out = filled_f32(rows * width, |out| {
             out.par_chunks_mut(width)
                 .zip(gu.par_chunks(2 * width))
                 .for_each(|(o, row)| {
                     let (gate, up) = row.split_at(width);
-                    swiglu_into(CpuIsa::detect(), o, gate, up);
+                    kernel(CpuIsa::detect(), o, gate, up);
                 })
         });
         Ok((CpuStorage::F32(out), Shape::from((rows, width))))
     }
 
-    /// `cuda/elementwise.cu`'s `swiglu_halves`.
+    /// `cuda/elementwise.cu`'s `swiglu_halves` / `geglu_halves`.
     #[cfg(feature = "cuda")]
     fn cuda_fwd(
         &self,
@@ -190,10 +228,10 @@ impl CustomOp1 for SwigluHalves {
         let (rows, width) = Self::dims(l)?;
         let n = rows * width;
         let dev = s.device();
-        let f = cuda::kernel(dev, &cuda::ELEMENTWISE, "swiglu_halves", s.dtype())?;
+        let f = cuda::kernel(dev, &cuda::ELEMENTWISE, self.kernel(), s.dtype())?;
         let args = [
-            cuda::arg_i32(rows, "swiglu_halves rows")?,
-            cuda::arg_i32(width, "swiglu_halves width")?,
+            cuda::arg_i32(rows, "gated_halves rows")?,
+            cuda::arg_i32(width, "gated_halves width")?,
         ];
         // Columns by 256-thread blocks, one grid row per row (both strided past 65,535).
         let cfg = LaunchConfig {
@@ -213,7 +251,7 @@ impl CustomOp1 for SwigluHalves {
                 let stream = dev.cuda_stream();
                 let mut launch = stream.launch_builder(&f);
                 launch.arg(&gu).arg(&mut out).arg(&args[0]).arg(&args[1]);
-                // SAFETY: argument types and order match `swiglu_halves_*` in
+                // SAFETY: argument types and order match `swiglu_halves_*` / `geglu_halves_*` in
                 // cuda/elementwise.cu; `gu` holds rows x 2 width elements.
                 unsafe { launch.launch(cfg) }.w()?;
             }
@@ -225,9 +263,14 @@ impl CustomOp1 for SwigluHalves {
     }
 }
 
-/// `silu(gate) * up` of the stacked gate/up projection's output `[rows, 2 · width]`.
+/// `act(gate) * up` of the stacked gate/up projection's output `[rows, 2 · width]`.
+pub fn gated_halves(gate_up: &Tensor, act: Activation) -> candle_core::Result<Tensor> {
+    gate_up.contiguous()?.apply_op1_no_bwd(&GatedHalves(act))
+}
+
+/// [`gated_halves`] with SiLU.
 pub fn swiglu_halves(gate_up: &Tensor) -> candle_core::Result<Tensor> {
-    gate_up.contiguous()?.apply_op1_no_bwd(&SwigluHalves)
+    gated_halves(gate_up, Activation::Silu)
 }
 
 /// `a + b` (same shape).
@@ -236,10 +279,15 @@ pub fn add(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
         .apply_op2_no_bwd(&b.contiguous()?, &Binary::Add)
 }
 
-/// `silu(gate) * up`, with silu(x) = x / (exp(-x) + 1) as candle-nn writes it ([`silu`] on the
-/// CPU); on a GPU in one pass with one rounding (not candle's silu, then a multiply, each
-/// rounding to the dtype).
-pub fn swiglu(gate: &Tensor, up: &Tensor) -> candle_core::Result<Tensor> {
+/// `act(gate) * up`: SwiGLU with silu(x) = x / (exp(-x) + 1) as candle-nn writes it ([`silu`]
+/// on the CPU), or GeGLU with [`gelu_tanh`]; on a GPU in one pass with one rounding (not an
+/// activation, then a multiply, each rounding to the dtype).
+pub fn gated(gate: &Tensor, up: &Tensor, act: Activation) -> candle_core::Result<Tensor> {
     gate.contiguous()?
-        .apply_op2_no_bwd(&up.contiguous()?, &Binary::Swiglu)
+        .apply_op2_no_bwd(&up.contiguous()?, &Binary::Gated(act))
+}
+
+/// [`gated`] with SiLU: SwiGLU.
+pub fn swiglu(gate: &Tensor, up: &Tensor) -> candle_core::Result<Tensor> {
+    gated(gate, up, Activation::Silu)
 }

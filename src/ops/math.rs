@@ -72,6 +72,18 @@ pub fn sigmoid(x: f32) -> f32 {
     }
 }
 
+/// GELU in its tanh form (transformers' `gelu_pytorch_tanh`, PyTorch's
+/// `gelu(approximate="tanh")`): `0.5 x (1 + tanh(√(2/π) (x + 0.044715 x³)))`, computed as
+/// `x · σ(2u)` with [`sigmoid`]: the same function (`(1 + tanh u) / 2 = σ(2u)`) without tanh's
+/// cancellation against -1 in the negative tail, and without libm. Past `|x| ≈ 10^13` the cube
+/// overflows and the result is `x` or `-0`, the limits. NaN stays NaN.
+#[inline(always)]
+pub fn gelu_tanh(x: f32) -> f32 {
+    /// 2√(2/π).
+    const TWO_BETA: f32 = 1.595_769_2;
+    x * sigmoid(TWO_BETA * (x + 0.044_715 * (x * x * x)))
+}
+
 /// The bf16 nearest to `x` (round to nearest, ties to even; denormals rounded like any other
 /// value, not flushed; a NaN stays a NaN of the same sign, made quiet), as its bits. Integer
 /// operations only, so every CPU gives the same bits; the same definition as the `half` crate's
@@ -120,6 +132,36 @@ mod tests {
         assert_eq!(sigmoid(-1e4), 0.0);
         assert_eq!(sigmoid(0.0), 0.5);
         assert!(sigmoid(f32::NAN).is_nan());
+    }
+
+    #[test]
+    fn gelu_tanh_is_within_a_few_ulp_of_f64_and_saturates_cleanly() {
+        let two_u = |x: f64| 2.0 * (2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x * x * x);
+        // The f64 reference in the σ form too: f64's `1 + tanh u` is 0 from u < -19.
+        let gelu = |x: f64| x / (1.0 + (-two_u(x)).exp());
+        // Relative to the value, per unit of `1 + |2u|`: in the negative tail the value is
+        // `x e^{2u}`, and one rounding of `2u` moves it by `|2u|` ulp.
+        let mut worst = 0f64;
+        for i in -200_000..=200_000 {
+            let x = i as f32 * 5e-5; // -10 .. 10
+            let (want, got) = (gelu(f64::from(x)), f64::from(gelu_tanh(x)));
+            if want.abs() > 1e-30 {
+                let err = ((got - want) / want).abs() / (1.0 + two_u(f64::from(x)).abs());
+                worst = worst.max(err);
+            } else {
+                assert!(got.abs() < 1e-30, "gelu_tanh({x}) = {got}, want {want}");
+            }
+        }
+        assert!(
+            worst < 5e-7,
+            "worst relative error per unit of 1 + |2u|: {worst}"
+        );
+        assert_eq!(gelu_tanh(0.0), 0.0);
+        assert_eq!(gelu_tanh(30.0), 30.0);
+        assert_eq!(gelu_tanh(-30.0).to_bits(), (-0f32).to_bits());
+        assert_eq!(gelu_tanh(1e20), 1e20);
+        assert_eq!(gelu_tanh(-1e20).to_bits(), (-0f32).to_bits());
+        assert!(gelu_tanh(f32::NAN).is_nan());
     }
 
     #[test]

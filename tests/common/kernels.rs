@@ -86,11 +86,13 @@ pub fn sampled_columns(n: usize) -> Vec<usize> {
 /// shapes and odd ones): `add_rms_norm` = `add` then `rms_norm`; `rope_qkv` = the stacked
 /// projection's q/k columns through `apply_rope` and its v columns as they are;
 /// `rope_qkv_into_cache` = `rope_qkv` then `write_k`/`write_kv` (q and both caches, pages
-/// around the written slots untouched); `swiglu_halves` = `swiglu` of the two halves.
+/// around the written slots untouched); `gated_halves` = `gated` of the two halves (SwiGLU and
+/// GeGLU).
 pub fn assert_fused_ops_match_unfused(dev: &candle_core::Device, dtype: DType) {
+    use detspec::config::Activation;
     use detspec::ops::{
-        add, add_rms_norm, apply_rope, rms_norm, rope_qkv, rope_qkv_into_cache, swiglu,
-        swiglu_halves, write_k, write_kv,
+        add, add_rms_norm, apply_rope, gated, gated_halves, rms_norm, rope_qkv,
+        rope_qkv_into_cache, write_k, write_kv,
     };
     let tensor = |seed: u64, shape: &[usize], scale: f32, dtype: DType| {
         let n = shape.iter().product();
@@ -187,16 +189,19 @@ pub fn assert_fused_ops_match_unfused(dev: &candle_core::Device, dtype: DType) {
         );
 
         let gu = tensor(seed + 6, &[rows, 2 * is], 6.0, dtype);
-        let act = swiglu_halves(&gu).expect("swiglu_halves");
-        let act_ref = swiglu(
-            &gu.narrow(1, 0, is).expect("gate"),
-            &gu.narrow(1, is, is).expect("up"),
-        )
-        .expect("swiglu");
-        assert_eq!(
-            bits(&act),
-            bits(&act_ref),
-            "swiglu_halves, case {i} {dtype:?}"
-        );
+        for f in [Activation::Silu, Activation::GeluTanh] {
+            let act = gated_halves(&gu, f).expect("gated_halves");
+            let act_ref = gated(
+                &gu.narrow(1, 0, is).expect("gate"),
+                &gu.narrow(1, is, is).expect("up"),
+                f,
+            )
+            .expect("gated");
+            assert_eq!(
+                bits(&act),
+                bits(&act_ref),
+                "gated_halves {f:?}, case {i} {dtype:?}"
+            );
+        }
     }
 }

@@ -31,7 +31,8 @@ def greedy(n: int = NEW_TOKENS) -> SamplingParams:
 # phi3: its fused qkv/gate_up matrices kept stacked on the GPU (`Projection::from_fused`);
 # qwen2_yarn: YaRN's rope tables (attention factor folded into cos/sin); olmo2: its norms of
 # the sublayers' outputs and of the whole q/k projections; olmo3: sliding and full layers;
-# granite: its multipliers; smollm3: a layer without rope (identity tables).
+# granite: its multipliers; smollm3: a layer without rope (identity tables); gemma3: GeGLU
+# (`geglu_halves`), norms on both sides of each sublayer, two ropes.
 @pytest.mark.parametrize(
     "arch",
     [
@@ -46,6 +47,7 @@ def greedy(n: int = NEW_TOKENS) -> SamplingParams:
         "olmo3",
         "granite",
         "smollm3",
+        "gemma3",
     ],
 )
 def test_f32_greedy_matches_transformers(model_zoo, token_prompts, arch):

@@ -199,6 +199,25 @@ MODEL_SPECS: dict[str, dict] = {
         "rope": {"rope_type": "default", "rope_theta": 10000.0},
         "extra": {"pad_token_id": 0, "no_rope_layers": [1, 0]},
     },
+    # Gemma 3: both norms around each sublayer (scaling by 1 + w), GeGLU, embeddings times
+    # sqrt(hidden), attention scaled by query_pre_attn_scalar^-1/2 (24, not head_dim), one
+    # sliding layer with plain rope and one full layer with linear scaling, tied embeddings.
+    "gemma3": {
+        "arch": "gemma3",
+        "seed": 61,
+        "tie": True,
+        "head_dim": 32,
+        "rope": {
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+        "extra": {
+            "pad_token_id": 0,
+            "sliding_window": 24,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "query_pre_attn_scalar": 24,
+        },
+    },
     "qwen3": {
         "arch": "qwen3",
         "seed": 8,
@@ -288,6 +307,7 @@ _CONFIG_CLASSES = {
     "olmo3": (transformers.Olmo3Config, transformers.Olmo3ForCausalLM),
     "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM),
     "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM),
+    "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
