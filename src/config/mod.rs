@@ -7,6 +7,7 @@ pub(crate) mod json;
 mod model_config;
 mod moe_config;
 mod rope;
+mod text_config;
 
 pub use device::{cuda_device_count, device_label, device_memory, DeviceSpec};
 pub use engine_config::{

@@ -13,6 +13,7 @@ use super::head::Head;
 use super::json::{parse_json, TokenIds};
 use super::moe_config::{ExpertNaming, MoeConfig, RawMoe};
 use super::rope::{RawRope, RopeConfig, RopeDefaults, RopeScaling};
+use super::text_config::decoder_json;
 use crate::error::{DetspecError, Result};
 
 /// Architectures detspec implements; all share one decoder with small switches.
@@ -296,8 +297,29 @@ impl ModelConfig {
         Self::from_json_str(&text, &path)
     }
 
-    /// Parses config JSON; `path` is only used in error messages.
+    /// Parses config JSON; `path` is only used in error messages. A multimodal checkpoint's
+    /// language model is read from its `text_config` (errors name fields under it).
     pub fn from_json_str(text: &str, path: &Path) -> Result<Self> {
+        match decoder_json(text, path)? {
+            None => Self::from_flat_json(text, path),
+            Some((flat, None)) => Self::from_flat_json(&flat, path),
+            Some((flat, Some(prefix))) => Self::from_flat_json(&flat, path).map_err(|e| match e {
+                DetspecError::InvalidConfig {
+                    path,
+                    field,
+                    message,
+                } => DetspecError::InvalidConfig {
+                    path,
+                    field: format!("{prefix}.{field}"),
+                    message,
+                },
+                e => e,
+            }),
+        }
+    }
+
+    /// [`Self::from_json_str`] of a decoder's own (flat) config.
+    fn from_flat_json(text: &str, path: &Path) -> Result<Self> {
         let raw: RawConfig = parse_json(text, path)?;
         let err = |field: &str, message: String| DetspecError::InvalidConfig {
             path: path.to_path_buf(),
@@ -313,10 +335,14 @@ impl ModelConfig {
         };
 
         let (architecture, head) = Self::parse_architecture(&raw, path)?;
+        // Gemma's defaults are in the config by now (`super::text_config`).
         let gemma = architecture == Architecture::Gemma3;
         let (act_field, act_name) = if gemma {
             let name = raw.hidden_activation.as_deref();
-            ("hidden_activation", name.unwrap_or("gelu_pytorch_tanh"))
+            (
+                "hidden_activation",
+                name.ok_or_else(|| err("hidden_activation", "missing".into()))?,
+            )
         } else {
             ("hidden_act", raw.hidden_act.as_deref().unwrap_or("silu"))
         };
@@ -356,8 +382,7 @@ impl ModelConfig {
                 format!("{num_key_value_heads} does not divide num_attention_heads={num_attention_heads}"),
             ));
         }
-        // transformers' `Gemma3TextConfig` default.
-        let head_dim = match raw.head_dim.or(gemma.then_some(256)) {
+        let head_dim = match raw.head_dim {
             Some(d) if d > 0 => d,
             Some(_) => return Err(err("head_dim", "must be > 0".into())),
             None => {
@@ -393,11 +418,12 @@ impl ModelConfig {
             _ => (attention_bias, attention_bias),
         };
         let sliding_window = match architecture {
-            Architecture::Mistral | Architecture::Mixtral | Architecture::Phi3 => {
-                raw.sliding_window
-            }
+            Architecture::Mistral
+            | Architecture::Mixtral
+            | Architecture::Phi3
+            | Architecture::Gemma3 => raw.sliding_window,
             // transformers' default where the config has none.
-            Architecture::Olmo3 | Architecture::Gemma3 => raw.sliding_window.or(Some(4096)),
+            Architecture::Olmo3 => raw.sliding_window.or(Some(4096)),
             Architecture::Qwen2
             | Architecture::Qwen3
             | Architecture::Qwen2Moe
@@ -439,11 +465,9 @@ impl ModelConfig {
                 format!("{act_name}: the experts' kernels gate with SiLU only"),
             ));
         }
-        // Gemma 3's full layers default to theta 1e6 and its sliding ones to 1e4
-        // (`rope_local_base_freq`), as transformers' `Gemma3TextConfig` reads them.
         let defaults = RopeDefaults {
-            rope_theta: raw.rope_theta.or(gemma.then_some(1e6)),
-            sliding_rope_theta: raw.rope_local_base_freq.or(gemma.then_some(1e4)),
+            rope_theta: raw.rope_theta,
+            sliding_rope_theta: raw.rope_local_base_freq,
             partial_rotary_factor: raw.partial_rotary_factor,
             original_max_position_embeddings: raw.original_max_position_embeddings,
             max_position_embeddings,
@@ -521,7 +545,7 @@ impl ModelConfig {
             rope,
             max_position_embeddings,
             // A classifier's `score` layer is its own matrix even where the config says tied.
-            tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(gemma)
+            tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false)
                 && head == Head::LanguageModel,
             qkv_bias,
             o_bias,
@@ -535,8 +559,10 @@ impl ModelConfig {
                     | Architecture::Gemma3
             ),
             hidden_act,
-            query_pre_attn_scalar: gemma
-                .then(|| match raw.query_pre_attn_scalar.unwrap_or(256.0) {
+            query_pre_attn_scalar: raw
+                .query_pre_attn_scalar
+                .filter(|_| gemma)
+                .map(|q| match q {
                     q if q.is_finite() && q > 0.0 => Ok(q),
                     q => Err(err("query_pre_attn_scalar", format!("{q} must be > 0"))),
                 })
@@ -1117,6 +1143,47 @@ pub(super) mod tests {
                 "hidden_act": "gelu_pytorch_tanh""#,
                 "hidden_act",
             )],
+        );
+    }
+
+    #[test]
+    fn gemma3s_multimodal_checkpoints_serve_their_language_model() {
+        // google/gemma-3-4b-it's config.json: the text model's settings are mostly
+        // transformers' defaults.
+        let c = parse(
+            r#"{"architectures": ["Gemma3ForConditionalGeneration"], "boi_token_index": 255999,
+            "eoi_token_index": 256000, "eos_token_id": [1, 106], "image_token_index": 262144,
+            "mm_tokens_per_image": 256, "model_type": "gemma3",
+            "text_config": {"hidden_size": 2560, "intermediate_size": 10240,
+              "model_type": "gemma3_text", "num_hidden_layers": 34,
+              "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024},
+            "torch_dtype": "bfloat16", "vision_config": {"hidden_size": 1152,
+              "image_size": 896, "model_type": "siglip_vision_model", "patch_size": 14}}"#,
+        )
+        .unwrap();
+        assert_eq!(c.architecture, Architecture::Gemma3);
+        let dims = (c.hidden_size, c.intermediate_size, c.num_hidden_layers);
+        assert_eq!(dims, (2560, 10240, 34));
+        let heads = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+        assert_eq!(heads, (8, 4, 256));
+        assert_eq!((c.vocab_size, c.max_context()), (262_208, 131_072));
+        assert_eq!(c.eos_token_ids, [1, 106]);
+        assert_eq!(c.torch_dtype.as_deref(), Some("bfloat16"));
+        assert!(c.tie_word_embeddings);
+        assert_eq!(c.sliding_window, Some(1024));
+        assert_eq!(c.rope.scaling, RopeScaling::Linear { factor: 8.0 });
+        assert_eq!(c.rope_sliding.as_ref().unwrap().theta, 1e4);
+        let full: Vec<usize> = (0..34).filter(|&i| !c.layer_slides(i)).collect();
+        assert_eq!(full, [5, 11, 17, 23, 29]);
+        // Errors name the field under `text_config`.
+        let e = parse(
+            r#"{"architectures": ["Gemma3ForConditionalGeneration"],
+            "text_config": {"num_attention_heads": 0}}"#,
+        )
+        .unwrap_err();
+        assert!(
+            e.to_string().contains("text_config.num_attention_heads"),
+            "{e}"
         );
     }
 }

@@ -366,8 +366,13 @@ impl Engine {
     /// finish on the old weights (`InFlight::Finish`: the update waits for them, and requests
     /// submitted meanwhile wait for the update) or are aborted (`InFlight::Abort`).
     /// A sparse model's experts may come fused, as a transformers `state_dict()` holds them
-    /// ([`crate::model::unfuse_experts`]).
+    /// ([`crate::model::unfuse_experts`]); a multimodal model's language model under its own
+    /// prefix ([`crate::model::language_model_name`]).
     pub fn update_weights(&self, updates: Updates, in_flight: InFlight) -> Result<Arc<ModelInfo>> {
+        let updates = updates
+            .into_iter()
+            .map(|(n, t)| (crate::model::language_model_name(&n).unwrap_or(n), t))
+            .collect();
         let updates = crate::model::unfuse_experts(&self.info().config, updates)?;
         let shapes: Vec<_> = updates
             .iter()

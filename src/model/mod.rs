@@ -18,4 +18,4 @@ pub use memory::{
 };
 pub use moe_names::unfuse_experts;
 pub use params::{check_update, param_shapes};
-pub use weights::Checkpoint;
+pub use weights::{language_model_name, Checkpoint};

@@ -130,9 +130,16 @@ impl ParamHashes {
 
 /// The error for a name that is no parameter of the model.
 pub(super) fn unknown(name: &str) -> DetspecError {
+    let vision = ["vision_tower.", "multi_modal_projector."];
+    let hint = if vision.iter().any(|v| name.contains(v)) {
+        " (detspec serves a multimodal checkpoint's language model only: send the parameters \
+         under `model.language_model.` and `lm_head.`)"
+    } else {
+        ""
+    };
     DetspecError::param(
         "named_tensors",
-        format!("`{name}` is not a parameter of this model"),
+        format!("`{name}` is not a parameter of this model{hint}"),
     )
 }
 

@@ -13,10 +13,36 @@ use safetensors::{Dtype as StDtype, SafeTensors};
 
 use crate::error::{DetspecError, Result};
 
-/// An opened checkpoint: mmaps of each shard and an index of tensor name → shard.
+/// Where multimodal checkpoints keep their language model: the prefix its decoder's names
+/// carry in place of `model.`, and its LM head's in place of `lm_head.` (transformers ≥ 4.52
+/// writes the first, earlier versions the second).
+const LANGUAGE_MODEL_PREFIXES: [(&str, &str); 2] = [
+    ("model.language_model.", "lm_head."),
+    ("language_model.model.", "language_model.lm_head."),
+];
+
+/// A multimodal checkpoint's name for its language model's parameter `name` as a decoder
+/// checkpoint names it (`model.language_model.layers.0…` → `model.layers.0…`); `None` for a
+/// name of no language model.
+pub fn language_model_name(name: &str) -> Option<String> {
+    LANGUAGE_MODEL_PREFIXES.iter().find_map(|(decoder, head)| {
+        if let Some(rest) = name.strip_prefix(decoder) {
+            Some(format!("model.{rest}"))
+        } else if *head != "lm_head." {
+            name.strip_prefix(head).map(|rest| format!("lm_head.{rest}"))
+        } else {
+            None
+        }
+    })
+}
+
+/// An opened checkpoint: mmaps of each shard and an index of tensor name → shard and the name
+/// the file stores it under. Names are a decoder checkpoint's (`model.layers.0…`); a
+/// multimodal checkpoint's language model is found under its own prefix
+/// ([`language_model_name`]), the rest of it (the vision tower) is not read.
 pub struct Checkpoint {
     shards: Vec<(PathBuf, Mmap)>,
-    index: HashMap<String, usize>,
+    index: HashMap<String, (usize, String)>,
     /// The file users would look at to find a tensor (index json or the single file).
     manifest: PathBuf,
 }
@@ -50,10 +76,17 @@ impl Checkpoint {
                 DetspecError::file(&path, format!("not a valid safetensors file: {e}"))
             })?;
             for name in st.names() {
-                index.insert(name.to_string(), i);
+                index.insert(name.to_string(), (i, name.to_string()));
             }
             drop(st);
             shards.push((path, mmap));
+        }
+        if !index.contains_key("model.embed_tokens.weight") {
+            let wrapped: Vec<(String, (usize, String))> = index
+                .iter()
+                .filter_map(|(n, at)| language_model_name(n).map(|c| (c, at.clone())))
+                .collect();
+            index.extend(wrapped);
         }
         Ok(Self {
             shards,
@@ -125,23 +158,23 @@ impl Checkpoint {
         shape: &[usize],
         f: impl FnOnce(DType, &[u8], &dyn Fn(String) -> DetspecError) -> R,
     ) -> Result<R> {
-        let &shard = self
-            .index
-            .get(name)
-            .ok_or_else(|| DetspecError::MissingTensor {
-                name: name.to_string(),
-                path: self.manifest.clone(),
-            })?;
-        let (path, mmap) = &self.shards[shard];
+        let (shard, stored) =
+            self.index
+                .get(name)
+                .ok_or_else(|| DetspecError::MissingTensor {
+                    name: name.to_string(),
+                    path: self.manifest.clone(),
+                })?;
+        let (path, mmap) = &self.shards[*shard];
         let bad = |message: String| DetspecError::BadTensor {
-            name: name.to_string(),
+            name: stored.clone(),
             path: path.clone(),
             message,
         };
         let st = SafeTensors::deserialize(mmap)
             .map_err(|e| DetspecError::file(path, format!("not a valid safetensors file: {e}")))?;
         let view = st
-            .tensor(name)
+            .tensor(stored)
             .map_err(|e| bad(format!("cannot read: {e}")))?;
         if view.shape() != shape {
             return Err(bad(format!(

@@ -1,0 +1,159 @@
+//! The decoder's settings as `config.json` gives them: a multimodal checkpoint keeps its
+//! language model's under `text_config` (detspec serves that model, text only), and real
+//! Gemma 3 configs lean on transformers' defaults (the 4B's `text_config` names six fields).
+//! Both are made into one flat config here, before [`super::ModelConfig`] reads it.
+
+use std::path::Path;
+
+use serde_json::{Map, Value};
+
+use super::json::parse_json;
+use crate::error::{DetspecError, Result};
+
+/// Multimodal classes whose language model detspec serves, with that model's class.
+const WRAPPERS: [(&str, &str, &str); 1] = [(
+    "Gemma3ForConditionalGeneration",
+    "gemma3",
+    "Gemma3ForCausalLM",
+)];
+
+/// Keys of the wrapper's own config that are the language model's too (transformers reads
+/// the EOS ids and the dtype from the top level).
+const INHERITED: [&str; 5] = [
+    "eos_token_id",
+    "bos_token_id",
+    "pad_token_id",
+    "torch_dtype",
+    "dtype",
+];
+
+/// transformers' `Gemma3TextConfig` defaults, for the keys a config leaves out.
+fn gemma3_text_defaults() -> [(&'static str, Value); 17] {
+    [
+        ("vocab_size", 262_208.into()),
+        ("hidden_size", 2304.into()),
+        ("intermediate_size", 9216.into()),
+        ("num_hidden_layers", 26.into()),
+        ("num_attention_heads", 8.into()),
+        ("num_key_value_heads", 4.into()),
+        ("head_dim", 256.into()),
+        ("hidden_activation", "gelu_pytorch_tanh".into()),
+        ("max_position_embeddings", 131_072.into()),
+        ("rms_norm_eps", 1e-6.into()),
+        ("bos_token_id", 2.into()),
+        ("eos_token_id", 1.into()),
+        ("tie_word_embeddings", true.into()),
+        ("query_pre_attn_scalar", 256.into()),
+        ("sliding_window", 4096.into()),
+        ("rope_theta", 1e6.into()),
+        ("rope_local_base_freq", 1e4.into()),
+    ]
+}
+
+/// The decoder's flat config JSON from `text` (the contents of `path`), and the field that
+/// held it (`text_config` for a wrapper) for error messages; `None`: `text` as it is.
+pub(super) fn decoder_json(
+    text: &str,
+    path: &Path,
+) -> Result<Option<(String, Option<&'static str>)>> {
+    let Value::Object(mut top) = parse_json::<Value>(text, path)? else {
+        return Err(DetspecError::file(path, "config.json is not a JSON object"));
+    };
+    let class = |m: &Map<String, Value>| {
+        m.get("architectures")
+            .and_then(|a| a.get(0))
+            .and_then(Value::as_str)
+            .map(str::to_string)
+    };
+    let model_type = |m: &Map<String, Value>| {
+        m.get("model_type")
+            .and_then(Value::as_str)
+            .map(str::to_string)
+    };
+    let top_class = class(&top);
+    let wrapper = WRAPPERS.iter().find(|(c, t, _)| match &top_class {
+        Some(name) => name == c,
+        None => model_type(&top).as_deref() == Some(t),
+    });
+    let (mut cfg, field) = match wrapper {
+        Some((wrapper_class, _, inner_class)) => {
+            let Some(Value::Object(mut inner)) = top.remove("text_config") else {
+                return Err(DetspecError::InvalidConfig {
+                    path: path.to_path_buf(),
+                    field: "text_config".into(),
+                    message: format!("{wrapper_class} needs its language model's settings here"),
+                });
+            };
+            for key in INHERITED {
+                if let Some(v) = top.remove(key) {
+                    inner.entry(key).or_insert(v);
+                }
+            }
+            inner.insert("architectures".into(), Value::from(vec![*inner_class]));
+            (inner, Some("text_config"))
+        }
+        None => (top, None),
+    };
+    let is_gemma3 = match class(&cfg) {
+        Some(name) => name == "Gemma3ForCausalLM",
+        None => model_type(&cfg).as_deref() == Some("gemma3_text"),
+    };
+    let mut changed = field.is_some();
+    if is_gemma3 {
+        for (key, value) in gemma3_text_defaults() {
+            if !cfg.contains_key(key) {
+                cfg.insert(key.into(), value);
+                changed = true;
+            }
+        }
+    }
+    Ok(changed.then(|| (Value::Object(cfg).to_string(), field)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn flat(text: &str) -> Option<(Value, Option<&'static str>)> {
+        decoder_json(text, Path::new("/m/config.json"))
+            .unwrap()
+            .map(|(t, f)| (serde_json::from_str(&t).unwrap(), f))
+    }
+
+    #[test]
+    fn a_wrapper_gives_its_language_model_with_the_top_levels_ids_and_dtype() {
+        let (cfg, field) = flat(
+            r#"{"architectures": ["Gemma3ForConditionalGeneration"], "eos_token_id": [1, 106],
+            "torch_dtype": "bfloat16", "text_config": {"hidden_size": 2560,
+            "num_hidden_layers": 34, "eos_token_id": 7}, "vision_config": {"hidden_size": 1152}}"#,
+        )
+        .unwrap();
+        assert_eq!(field, Some("text_config"));
+        assert_eq!(cfg["architectures"][0], "Gemma3ForCausalLM");
+        assert_eq!(
+            (&cfg["hidden_size"], &cfg["num_hidden_layers"]),
+            (&2560.into(), &34.into())
+        );
+        // The language model's own value wins; what it lacks comes from the top level, the
+        // rest from transformers' defaults.
+        assert_eq!(
+            (&cfg["eos_token_id"], &cfg["torch_dtype"]),
+            (&7.into(), &"bfloat16".into())
+        );
+        assert_eq!(cfg["num_attention_heads"], 8);
+        assert!(cfg.get("vision_config").is_none());
+    }
+
+    #[test]
+    fn other_configs_are_left_as_they_are() {
+        assert!(flat(r#"{"architectures": ["LlamaForCausalLM"], "hidden_size": 8}"#).is_none());
+        let e = decoder_json("[1]", Path::new("/m/config.json")).unwrap_err();
+        assert!(e.to_string().contains("/m/config.json"), "{e}");
+        let e = decoder_json(
+            r#"{"architectures": ["Gemma3ForConditionalGeneration"]}"#,
+            Path::new("/m/config.json"),
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("text_config"), "{e}");
+    }
+}

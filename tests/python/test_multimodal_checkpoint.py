@@ -1,0 +1,127 @@
+"""A multimodal checkpoint (Gemma 3 4B/12B/27B: ``Gemma3ForConditionalGeneration``) serves its
+language model, text only: its config's ``text_config`` and its weights under either
+spelling (the hub's ``language_model.model.*``, ``model.language_model.*`` as transformers'
+modules name them) give the same model as the text-only checkpoint of the same weights, bit
+for bit and under the same fingerprint, and transformers' own text-only logits of the
+wrapper."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+import detspec
+from detspec import SamplingParams
+
+PROMPTS = [[5, 9, 13, 17, 21], list(range(3, 60, 2)), [200, 100, 50, 25, 12, 6, 3]]
+
+
+def greedy_bits(llm: detspec.LLM) -> list[tuple[list[int], list[int]]]:
+    """Token ids and logprob bits of deterministic greedy requests: the same whatever the
+    engine ran before (the fast path's bits may move with its history)."""
+    params = SamplingParams(
+        temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0, deterministic=True
+    )
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    return [
+        (
+            list(o.outputs[0].token_ids),
+            np.asarray(o.outputs[0].token_logprobs, np.float32).view(np.uint32).tolist(),
+        )
+        for o in outs
+    ]
+
+
+@pytest.fixture(scope="module")
+def wrapped(model_zoo, tmp_path_factory):
+    """The zoo's gemma3 text model inside a ``Gemma3ForConditionalGeneration`` with a tiny
+    vision tower, saved in both spellings."""
+    text = model_zoo.get("gemma3")
+    config = transformers.Gemma3Config(
+        text_config=text.model.config.to_dict(),
+        vision_config={
+            "hidden_size": 16,
+            "intermediate_size": 32,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "image_size": 28,
+            "patch_size": 14,
+        },
+        mm_tokens_per_image=4,
+    )
+    torch.manual_seed(0)
+    vlm = transformers.Gemma3ForConditionalGeneration(config).eval()
+    vlm.model.language_model.load_state_dict(text.model.model.state_dict())
+    root = tmp_path_factory.mktemp("gemma3_vlm")
+    new, old = root / "new", root / "old"
+    # transformers writes the hub's spelling (`language_model.model.*`); its modules, and
+    # checkpoints saved by transformers 4.52-4.57, spell it `model.language_model.*`.
+    vlm.save_pretrained(old)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(text.path / name, old / name)
+    shutil.copytree(old, new)
+    respell = {
+        "language_model.model.": "model.language_model.",
+        "vision_tower.": "model.vision_tower.",
+        "multi_modal_projector.": "model.multi_modal_projector.",
+        "language_model.lm_head.": "lm_head.",
+    }
+    tensors = load_file(old / "model.safetensors")
+    assert any(k.startswith("language_model.model.") for k in tensors)
+    renamed = {}
+    for name, t in tensors.items():
+        prefix = next(p for p in respell if name.startswith(p))
+        renamed[respell[prefix] + name[len(prefix) :]] = t
+    save_file(renamed, new / "model.safetensors", metadata={"format": "pt"})
+    return text, vlm, new, old
+
+
+def test_both_spellings_are_the_text_checkpoint_bit_for_bit(wrapped):
+    text, _, new, old = wrapped
+    cfg = json.loads((new / "config.json").read_text())
+    assert cfg["architectures"] == ["Gemma3ForConditionalGeneration"] and "text_config" in cfg
+    reference = detspec.LLM(str(text.path), num_kv_pages=256)
+    want = greedy_bits(reference)
+    for path in (new, old):
+        llm = detspec.LLM(str(path), num_kv_pages=256)
+        assert llm.fingerprint == reference.fingerprint, path.name
+        assert greedy_bits(llm) == want, path.name
+
+
+def test_the_wrapper_matches_transformers_text_only_logits(wrapped):
+    _, vlm, new, _ = wrapped
+    llm = detspec.LLM(str(new), num_kv_pages=256)
+    for seq, got in zip(PROMPTS, llm.compute_logits(PROMPTS), strict=True):
+        with torch.no_grad():
+            ref = vlm(torch.tensor([seq])).logits[0].float().numpy()
+        assert float(np.abs(got - ref).max()) <= 1e-4 * float(np.abs(ref).max())
+
+
+def test_updates_take_the_wrappers_names_and_refuse_its_vision_tower(wrapped):
+    text, vlm, new, _ = wrapped
+    llm = detspec.LLM(str(new), num_kv_pages=256)
+    fp0, before = llm.fingerprint, greedy_bits(llm)
+    with pytest.raises(detspec.InvalidRequestError, match="vision_tower.*language model only"):
+        llm.update_weights(vlm.state_dict())
+    assert llm.fingerprint == fp0 and greedy_bits(llm) == before
+    # The language model's half of the wrapper's state_dict, perturbed: the same update as
+    # the text model's names give the text-only checkpoint.
+    g = torch.Generator().manual_seed(5)
+    language = {
+        k: v + 0.05 * torch.randn(v.shape, generator=g)
+        for k, v in vlm.state_dict().items()
+        if k.startswith("model.language_model.")
+    }
+    llm.update_weights(language)
+    plain = detspec.LLM(str(text.path), num_kv_pages=256)
+    plain.update_weights(
+        {k.replace("model.language_model.", "model.", 1): v for k, v in language.items()}
+    )
+    assert llm.fingerprint == plain.fingerprint != fp0
+    assert greedy_bits(llm) == greedy_bits(plain)
