@@ -40,10 +40,12 @@ use crate::error::{DetspecError, Result};
 pub const KERNEL_VERSION: u32 = 5;
 
 /// Files of a model directory whose content changes what a request's text or tokens become.
-const TOKENIZER_FILES: [&str; 4] = [
+const TOKENIZER_FILES: [&str; 5] = [
     "tokenizer.json",
     "tokenizer_config.json",
     "chat_template.jinja",
+    // A processor's (multimodal checkpoints keep their chat template here).
+    "chat_template.json",
     "generation_config.json",
 ];
 
@@ -144,4 +146,30 @@ pub fn with_adapter(fingerprint: &str, adapter: u64) -> String {
 /// The whole fingerprint.
 pub fn fingerprint_of(weights_hash: u64, tail: &str) -> String {
     format!("detspec-{weights_hash:016x}-{tail}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_model_digest_follows_every_file_that_shapes_a_requests_tokens() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = ModelConfig::from_json_str(
+            r#"{"architectures": ["LlamaForCausalLM"], "hidden_size": 8,
+            "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+            "vocab_size": 10}"#,
+            &dir.path().join("config.json"),
+        )
+        .unwrap();
+        let digest = || model_digest(&cfg, dir.path(), &[2]).unwrap();
+        let mut seen = vec![digest()];
+        for name in TOKENIZER_FILES {
+            std::fs::write(dir.path().join(name), "{}").unwrap();
+            let d = digest();
+            assert!(!seen.contains(&d), "{name} left the digest as it was");
+            seen.push(d);
+        }
+        assert_ne!(model_digest(&cfg, dir.path(), &[3]).unwrap(), digest(), "EOS ids");
+    }
 }
