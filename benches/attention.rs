@@ -64,6 +64,7 @@ fn setup(seqs: usize, ctx: usize, rows_per_seq: usize, schedule: AttentionSchedu
         row_seq,
         block_tables,
         sliding_window: None,
+        softcap: None,
         schedule,
         fixed_seqs: Vec::new(),
     });

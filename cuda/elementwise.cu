@@ -54,6 +54,15 @@ __device__ void gated_halves(const T* __restrict__ gu, T* __restrict__ out, int 
     }
 }
 
+// tanh(x / cap) * cap: Gemma 2's soft cap on the logits.
+template <typename T>
+__device__ void softcap(const T* __restrict__ x, T* __restrict__ out, size_t n, float cap) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        out[i] = from_f32<T>(tanhf(to_f32(x[i]) / cap) * cap);
+    }
+}
+
 #define ELEMENTWISE(NAME, T)                                                                 \
     extern "C" __global__ void add_##NAME(const T* a, const T* b, T* out, size_t n) {        \
         add<T>(a, b, out, n);                                                                \
@@ -71,5 +80,8 @@ __device__ void gated_halves(const T* __restrict__ gu, T* __restrict__ out, int 
     extern "C" __global__ void geglu_halves_##NAME(const T* gu, T* out, int rows,            \
                                                    int width) {                              \
         gated_halves<T, geglu_one<T>>(gu, out, rows, width);                                 \
+    }                                                                                        \
+    extern "C" __global__ void softcap_##NAME(const T* x, T* out, size_t n, float cap) {     \
+        softcap<T>(x, out, n, cap);                                                          \
     }
 DETSPEC_FOR_DTYPES(ELEMENTWISE)

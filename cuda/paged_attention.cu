@@ -27,6 +27,7 @@ struct AttnArgs {
     const uint32_t* row_splits;  // [rows], >= 1
     int heads, kv_heads, dim, page_size, window, max_splits, heads_per_block;
     float scale;
+    float softcap;  // Gemma 2's cap on the scaled scores, c tanh(s / c); 0: none
 };
 
 // Per-head arrays are MAX_GROUP long and every loop over them is unrolled with a `g < group`
@@ -100,7 +101,10 @@ __device__ void attention_split(const T* __restrict__ q, const T* __restrict__ k
                 dot[g] += __shfl_xor_sync(0xffffffff, dot[g], 4);
                 dot[g] += __shfl_xor_sync(0xffffffff, dot[g], 2);
                 dot[g] += __shfl_xor_sync(0xffffffff, dot[g], 1);
-                if (lane == 0 && key < n) scores[g][key] = dot[g] * a.scale;
+                if (lane == 0 && key < n) {
+                    const float s = dot[g] * a.scale;
+                    scores[g][key] = a.softcap > 0.f ? tanhf(s / a.softcap) * a.softcap : s;
+                }
             }
         }
         __syncthreads();
@@ -211,10 +215,11 @@ __device__ void attention_merge(T* __restrict__ out, const float* __restrict__ p
 #define ATTN_PARAMS                                                                          \
     const uint32_t *positions, const uint32_t *row_seq, const uint32_t *bt_offsets,          \
         const uint32_t *bt_pages, const uint32_t *row_splits, int heads, int kv_heads,       \
-        int dim, int page_size, int window, int max_splits, int heads_per_block, float scale
+        int dim, int page_size, int window, int max_splits, int heads_per_block, float scale, \
+        float softcap
 #define ATTN_ARGS                                                                            \
     AttnArgs{positions, row_seq, bt_offsets, bt_pages, row_splits, heads, kv_heads, dim,     \
-             page_size, window, max_splits, heads_per_block, scale}
+             page_size, window, max_splits, heads_per_block, scale, softcap}
 
 #define ATTENTION(NAME, T)                                                                   \
     extern "C" __global__ void __launch_bounds__(ATTN_THREADS) paged_attention_##NAME(      \

@@ -4,7 +4,7 @@
 //!
 //! Per query (row, head) over its keys `start..=pos`, in blocks of 16 aligned to absolute
 //! positions: each score is `((0 + q0·k0) + q1·k1) + …` (products rounded, no FMA) times
-//! `scale`; the block maximum updates the running maximum, the old state is scaled by
+//! `scale`, then where there is a soft cap `c`, `tanh(s / c) · c` (`ops::tanh`); the block maximum updates the running maximum, the old state is scaled by
 //! `exp(old − new)`, the block's probabilities are added to the denominator key by key, then
 //! `p · v` is added to the accumulator key by key; the result is scaled by `1 / denom`. The
 //! split-KV schedule runs the same fold over page-aligned chunks and merges them in order.
@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use candle_core::{Device, Tensor};
 use detspec::ops::{
-    exp_nonpositive, paged_attention_with_isa, AttentionMetadata, AttentionSchedule, CpuIsa,
+    exp_nonpositive, paged_attention_with_isa, tanh, AttentionMetadata, AttentionSchedule, CpuIsa,
 };
 use proptest::prelude::*;
 
@@ -45,7 +45,7 @@ fn fold(
     kvh: usize,
     q: &[f32],
     range: std::ops::Range<usize>,
-    scale: f32,
+    (scale, softcap): (f32, Option<f32>),
 ) -> (Vec<f32>, f32, f32) {
     let mut acc = vec![0f32; c.dim];
     let (mut max, mut denom) = (f32::NEG_INFINITY, 0f32);
@@ -58,7 +58,8 @@ fn fold(
                 for (d, &qd) in q.iter().enumerate() {
                     s += qd * c.k(bt, kvh, key, d);
                 }
-                s * scale
+                let s = s * scale;
+                softcap.map_or(s, |c| tanh(s / c) * c)
             })
             .collect();
         let new_max = scores.iter().fold(max, |m, &s| m.max(s));
@@ -102,6 +103,7 @@ fn spec(c: &Cache, q: &[f32], heads: usize, meta: &AttentionMetadata, scale: f32
             .sliding_window
             .map_or(0, |w| (pos + 1).saturating_sub(w));
         let fixed = meta.fixed_seqs.get(seq as usize).copied().unwrap_or(false);
+        let scores = (scale, meta.softcap);
         for head in 0..heads {
             let qh = &q[(row * heads + head) * dim..(row * heads + head + 1) * dim];
             let kvh = head / group;
@@ -113,7 +115,7 @@ fn spec(c: &Cache, q: &[f32], heads: usize, meta: &AttentionMetadata, scale: f32
                         .map(|s| {
                             let lo = (start + s * chunk).min(pos + 1);
                             let hi = (lo + chunk).min(pos + 1);
-                            fold(c, bt, kvh, qh, lo..hi, scale)
+                            fold(c, bt, kvh, qh, lo..hi, scores)
                         })
                         .collect();
                     let m = parts.iter().fold(f32::NEG_INFINITY, |a, p| a.max(p.1));
@@ -133,7 +135,7 @@ fn spec(c: &Cache, q: &[f32], heads: usize, meta: &AttentionMetadata, scale: f32
                     out.extend(o);
                 }
                 _ => {
-                    let (mut acc, _, denom) = fold(c, bt, kvh, qh, start..pos + 1, scale);
+                    let (mut acc, _, denom) = fold(c, bt, kvh, qh, start..pos + 1, scores);
                     normalise(&mut acc, denom);
                     out.extend(acc);
                 }
@@ -166,6 +168,7 @@ struct Case {
     /// Per sequence: (first query position, query rows).
     seqs: Vec<(usize, usize)>,
     window: Option<usize>,
+    softcap: Option<f32>,
     schedule: AttentionSchedule,
     fixed: Vec<bool>,
     seed: u64,
@@ -180,6 +183,8 @@ fn case() -> impl Strategy<Value = Case> {
         // Decode rows (one a sequence) half the time: the fixed schedule's row tasks.
         proptest::collection::vec((0usize..90, prop_oneof![Just(1usize), 1usize..40]), 1..5),
         prop_oneof![Just(None), (1usize..70).prop_map(Some)],
+        // Scores here are a few units: caps from well below to above them.
+        prop_oneof![Just(None), (0.05f32..4.0).prop_map(Some)],
         prop_oneof![
             Just(AttentionSchedule::Fixed),
             (2usize..6).prop_map(|splits| AttentionSchedule::SplitKv { splits })
@@ -188,13 +193,14 @@ fn case() -> impl Strategy<Value = Case> {
         any::<u64>(),
     )
         .prop_map(
-            |(page, dim, kv_heads, group, seqs, window, schedule, fixed, seed)| Case {
+            |(page, dim, kv_heads, group, seqs, window, softcap, schedule, fixed, seed)| Case {
                 page,
                 dim,
                 kv_heads,
                 group,
                 seqs,
                 window,
+                softcap,
                 schedule,
                 fixed,
                 seed,
@@ -250,6 +256,7 @@ fn run(case: &Case, isa: CpuIsa) -> (Vec<u32>, Vec<u32>) {
         row_seq,
         block_tables: tables,
         sliding_window: case.window,
+        softcap: case.softcap,
         schedule: case.schedule,
         fixed_seqs: case.fixed[..case.seqs.len()].to_vec(),
     };

@@ -482,6 +482,15 @@ fn row_kernels_match_their_scalar_definitions_bitwise() {
             act,
             "geglu {rows}x{dim}"
         );
+        let capped: Vec<u32> = xv
+            .iter()
+            .map(|&v| (detspec::ops::tanh(v / 0.7) * 0.7).to_bits())
+            .collect();
+        assert_eq!(
+            flat(detspec::ops::softcap(&x, 0.7).unwrap()),
+            capped,
+            "softcap {rows}x{dim}"
+        );
 
         if dim % 2 == 0 {
             let half = dim / 2;

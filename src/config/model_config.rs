@@ -1,5 +1,5 @@
 //! Hugging Face `config.json` for the Llama family (Llama, Mistral, Qwen2, Qwen3, Phi-3,
-//! OLMo 2 and 3, Granite, SmolLM3, Gemma 3) and its mixture-of-experts relatives (Qwen2-MoE,
+//! OLMo 2 and 3, Granite, SmolLM3, Gemma 2 and 3) and its mixture-of-experts relatives (Qwen2-MoE,
 //! Qwen3-MoE, Mixtral). The rotary settings are
 //! read by [`super::rope`].
 
@@ -35,6 +35,9 @@ pub enum Architecture {
     Granite,
     /// SmolLM3: Llama's layers, every fourth without rope (`no_rope_layers`).
     SmolLm3,
+    /// Gemma 2: Gemma 3's layers without q/k norms, every other layer within a sliding window,
+    /// and tanh soft caps on the attention scores and the logits.
+    Gemma2,
     /// Gemma 3 (text): each sublayer normed before and after, norms scaling by `1 + w`, GeGLU,
     /// embeddings scaled by √hidden, attention scaled by `query_pre_attn_scalar^-½`, and most
     /// layers within a sliding window with a rope of their own (`layer_types`).
@@ -47,7 +50,7 @@ pub enum Architecture {
 impl Architecture {
     /// Each architecture's `*ForCausalLM` class (`architectures`) and its `model_type`, the
     /// fallback for a config without `architectures`.
-    const CAUSAL_LM: [(&'static str, &'static str, Architecture); 13] = [
+    const CAUSAL_LM: [(&'static str, &'static str, Architecture); 14] = [
         ("LlamaForCausalLM", "llama", Architecture::Llama),
         ("MistralForCausalLM", "mistral", Architecture::Mistral),
         ("Qwen2ForCausalLM", "qwen2", Architecture::Qwen2),
@@ -57,6 +60,7 @@ impl Architecture {
         ("Olmo3ForCausalLM", "olmo3", Architecture::Olmo3),
         ("GraniteForCausalLM", "granite", Architecture::Granite),
         ("SmolLM3ForCausalLM", "smollm3", Architecture::SmolLm3),
+        ("Gemma2ForCausalLM", "gemma2", Architecture::Gemma2),
         ("Gemma3ForCausalLM", "gemma3_text", Architecture::Gemma3),
         ("MixtralForCausalLM", "mixtral", Architecture::Mixtral),
         ("Qwen2MoeForCausalLM", "qwen2_moe", Architecture::Qwen2Moe),
@@ -92,7 +96,7 @@ impl Architecture {
                 None,
                 Some("post_feedforward_layernorm"),
             ],
-            Architecture::Gemma3 => [
+            Architecture::Gemma2 | Architecture::Gemma3 => [
                 Some("input_layernorm"),
                 Some("post_attention_layernorm"),
                 Some("pre_feedforward_layernorm"),
@@ -113,10 +117,16 @@ impl Architecture {
         matches!(self, Architecture::Olmo2 | Architecture::Olmo3)
     }
 
+    /// Gemma 2 and 3: norms scaling by `1 + w`, GeGLU named by `hidden_activation`,
+    /// embeddings times √hidden, attention scaled by `query_pre_attn_scalar^-½`, soft caps.
+    pub fn is_gemma(self) -> bool {
+        matches!(self, Architecture::Gemma2 | Architecture::Gemma3)
+    }
+
     /// What every RMSNorm's weight is offset by: Gemma's norms scale by `1 + w` (its weights
     /// are stored as the difference from 1).
     pub fn norm_weight_offset(self) -> f64 {
-        if self == Architecture::Gemma3 {
+        if self.is_gemma() {
             1.0
         } else {
             0.0
@@ -194,6 +204,10 @@ pub struct ModelConfig {
     pub hidden_act: Activation,
     /// Gemma's attention scale, `query_pre_attn_scalar^-½` in place of `head_dim^-½`.
     pub query_pre_attn_scalar: Option<f64>,
+    /// Gemma's tanh soft caps, `c · tanh(x / c)`: on the scaled attention scores (before the
+    /// softmax) and on the logits.
+    pub attn_logit_softcapping: Option<f64>,
+    pub final_logit_softcapping: Option<f64>,
     /// The mixture-of-experts settings of a sparse architecture (`None`: every layer's MLP is
     /// dense).
     pub moe: Option<MoeConfig>,
@@ -275,8 +289,8 @@ struct RawConfig {
     rope_local_base_freq: Option<f64>,
     /// Gemma's attention scale (`query_pre_attn_scalar^-½`).
     query_pre_attn_scalar: Option<f64>,
-    /// Gemma 2's tanh caps on the attention scores and the logits (refused unless null), and
-    /// EmbeddingGemma's attention both ways (refused).
+    /// Gemma's tanh caps on the attention scores and the logits (read for Gemma only, as
+    /// transformers reads them), and EmbeddingGemma's attention both ways (refused).
     attn_logit_softcapping: Option<f64>,
     final_logit_softcapping: Option<f64>,
     use_bidirectional_attention: Option<bool>,
@@ -336,7 +350,7 @@ impl ModelConfig {
 
         let (architecture, head) = Self::parse_architecture(&raw, path)?;
         // Gemma's defaults are in the config by now (`super::text_config`).
-        let gemma = architecture == Architecture::Gemma3;
+        let gemma = architecture.is_gemma();
         let (act_field, act_name) = if gemma {
             let name = raw.hidden_activation.as_deref();
             (
@@ -355,17 +369,14 @@ impl ModelConfig {
                 ),
             )
         })?;
-        for (field, value) in [
-            ("attn_logit_softcapping", raw.attn_logit_softcapping),
-            ("final_logit_softcapping", raw.final_logit_softcapping),
-        ] {
-            if let Some(cap) = value {
-                return Err(err(
-                    field,
-                    format!("{cap}: tanh soft-capping is not supported"),
-                ));
+        let cap = |field: &str, value: Option<f64>| match value.filter(|_| gemma) {
+            Some(c) if !(c.is_finite() && c > 0.0) => {
+                Err(err(field, format!("{c}: a soft cap must be > 0")))
             }
-        }
+            c => Ok(c),
+        };
+        let attn_logit_softcapping = cap("attn_logit_softcapping", raw.attn_logit_softcapping)?;
+        let final_logit_softcapping = cap("final_logit_softcapping", raw.final_logit_softcapping)?;
         if raw.use_bidirectional_attention == Some(true) {
             return Err(err(
                 "use_bidirectional_attention",
@@ -421,6 +432,7 @@ impl ModelConfig {
             Architecture::Mistral
             | Architecture::Mixtral
             | Architecture::Phi3
+            | Architecture::Gemma2
             | Architecture::Gemma3 => raw.sliding_window,
             // transformers' default where the config has none.
             Architecture::Olmo3 => raw.sliding_window.or(Some(4096)),
@@ -493,6 +505,9 @@ impl ModelConfig {
                 }
                 Some(Self::parse_layer_types(&raw, num_hidden_layers, 4, path)?)
             }
+            Architecture::Gemma2 => {
+                Some(Self::parse_layer_types(&raw, num_hidden_layers, 2, path)?)
+            }
             Architecture::Gemma3 => {
                 // The classic keys' `rope_scaling` is the full layers'; the sliding ones keep
                 // plain rope of `rope_local_base_freq`.
@@ -559,6 +574,8 @@ impl ModelConfig {
                     | Architecture::Gemma3
             ),
             hidden_act,
+            attn_logit_softcapping,
+            final_logit_softcapping,
             query_pre_attn_scalar: raw
                 .query_pre_attn_scalar
                 .filter(|_| gemma)
@@ -590,7 +607,7 @@ impl ModelConfig {
     }
 
     /// `layer_types` (each layer's attention: `sliding_attention` or `full_attention`), or
-    /// transformers' default: every `every`-th layer full (OLMo 3: 4, Gemma 3: its
+    /// transformers' default: every `every`-th layer full (OLMo 3: 4, Gemma 2: 2, Gemma 3: its
     /// `sliding_window_pattern`, 6).
     fn parse_layer_types(
         raw: &RawConfig,
@@ -1109,16 +1126,45 @@ pub(super) mod tests {
     }
 
     #[test]
-    fn gemma2s_soft_capping_and_embedding_gemmas_bidirectional_attention_are_refused() {
+    fn gemma2_reads_its_soft_caps_and_alternating_windows() {
+        // google/gemma-2-2b-it's config.json, shrunk; the caps are transformers' defaults too.
+        let c = parse(&format!(
+            r#"{{"architectures": ["Gemma2ForCausalLM"], {BASE}, "head_dim": 16,
+            "query_pre_attn_scalar": 16, "sliding_window": 8, "rope_theta": 10000.0,
+            "hidden_activation": "gelu_pytorch_tanh", "attn_logit_softcapping": 50.0}}"#
+        ))
+        .unwrap();
+        assert_eq!(c.architecture, Architecture::Gemma2);
+        let caps = (c.attn_logit_softcapping, c.final_logit_softcapping);
+        assert_eq!(caps, (Some(50.0), Some(30.0)));
+        assert!(!c.qk_norm && c.tie_word_embeddings && c.rope_sliding.is_none());
+        assert_eq!(c.architecture.norm_weight_offset(), 1.0);
+        assert!(c.layer_slides(0) && !c.layer_slides(1));
+        let none = parse(&format!(
+            r#"{{"model_type": "gemma2", {BASE}, "final_logit_softcapping": null}}"#
+        ))
+        .unwrap();
+        assert_eq!(none.final_logit_softcapping, None);
+        assert_eq!((none.vocab_size, none.max_context()), (100, 8192));
+        // Other families' configs do not read the caps (as transformers does not).
+        let llama = parse(&format!(
+            r#"{{"architectures": ["LlamaForCausalLM"], {BASE}, "final_logit_softcapping": 30.0}}"#
+        ))
+        .unwrap();
+        assert_eq!(llama.final_logit_softcapping, None);
+    }
+
+    #[test]
+    fn bad_gemma_settings_are_refused_by_name() {
         assert_refused(
             "Gemma3ForCausalLM",
             &[
                 (
-                    r#""attn_logit_softcapping": 50.0"#,
+                    r#""attn_logit_softcapping": -1.0"#,
                     "attn_logit_softcapping",
                 ),
                 (
-                    r#""final_logit_softcapping": 30.0"#,
+                    r#""final_logit_softcapping": 0.0"#,
                     "final_logit_softcapping",
                 ),
                 (

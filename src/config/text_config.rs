@@ -1,6 +1,6 @@
 //! The decoder's settings as `config.json` gives them: a multimodal checkpoint keeps its
 //! language model's under `text_config` (detspec serves that model, text only), and real
-//! Gemma 3 configs lean on transformers' defaults (the 4B's `text_config` names six fields).
+//! Gemma configs lean on transformers' defaults (Gemma 3 4B's `text_config` names six fields).
 //! Both are made into one flat config here, before [`super::ModelConfig`] reads it.
 
 use std::path::Path;
@@ -27,10 +27,47 @@ const INHERITED: [&str; 5] = [
     "dtype",
 ];
 
-/// transformers' `Gemma3TextConfig` defaults, for the keys a config leaves out.
-fn gemma3_text_defaults() -> [(&'static str, Value); 17] {
-    [
+/// Keys and transformers' values for them.
+type Defaults = Vec<(&'static str, Value)>;
+
+/// transformers' defaults for the keys a config of this decoder class (or, without
+/// `architectures`, `model_type`) leaves out: Gemma's configs lean on them.
+fn defaults_of(class: Option<&str>, model_type: Option<&str>) -> Defaults {
+    match (class, model_type) {
+        (Some("Gemma2ForCausalLM"), _) | (None, Some("gemma2")) => gemma2_defaults(),
+        (Some("Gemma3ForCausalLM"), _) | (None, Some("gemma3_text")) => gemma3_text_defaults(),
+        _ => Vec::new(),
+    }
+}
+
+/// transformers' `Gemma2Config` defaults.
+fn gemma2_defaults() -> Defaults {
+    let mut d = gemma_defaults();
+    d.extend([
+        ("vocab_size", 256_000.into()),
+        ("max_position_embeddings", 8192.into()),
+        ("rope_theta", 1e4.into()),
+        ("attn_logit_softcapping", 50.0.into()),
+        ("final_logit_softcapping", 30.0.into()),
+    ]);
+    d
+}
+
+/// transformers' `Gemma3TextConfig` defaults.
+fn gemma3_text_defaults() -> Defaults {
+    let mut d = gemma_defaults();
+    d.extend([
         ("vocab_size", 262_208.into()),
+        ("max_position_embeddings", 131_072.into()),
+        ("rope_theta", 1e6.into()),
+        ("rope_local_base_freq", 1e4.into()),
+    ]);
+    d
+}
+
+/// The defaults Gemma 2 and 3 share.
+fn gemma_defaults() -> Defaults {
+    vec![
         ("hidden_size", 2304.into()),
         ("intermediate_size", 9216.into()),
         ("num_hidden_layers", 26.into()),
@@ -38,15 +75,12 @@ fn gemma3_text_defaults() -> [(&'static str, Value); 17] {
         ("num_key_value_heads", 4.into()),
         ("head_dim", 256.into()),
         ("hidden_activation", "gelu_pytorch_tanh".into()),
-        ("max_position_embeddings", 131_072.into()),
         ("rms_norm_eps", 1e-6.into()),
         ("bos_token_id", 2.into()),
         ("eos_token_id", 1.into()),
         ("tie_word_embeddings", true.into()),
         ("query_pre_attn_scalar", 256.into()),
         ("sliding_window", 4096.into()),
-        ("rope_theta", 1e6.into()),
-        ("rope_local_base_freq", 1e4.into()),
     ]
 }
 
@@ -94,17 +128,11 @@ pub(super) fn decoder_json(
         }
         None => (top, None),
     };
-    let is_gemma3 = match class(&cfg) {
-        Some(name) => name == "Gemma3ForCausalLM",
-        None => model_type(&cfg).as_deref() == Some("gemma3_text"),
-    };
     let mut changed = field.is_some();
-    if is_gemma3 {
-        for (key, value) in gemma3_text_defaults() {
-            if !cfg.contains_key(key) {
-                cfg.insert(key.into(), value);
-                changed = true;
-            }
+    for (key, value) in defaults_of(class(&cfg).as_deref(), model_type(&cfg).as_deref()) {
+        if !cfg.contains_key(key) {
+            cfg.insert(key.into(), value);
+            changed = true;
         }
     }
     Ok(changed.then(|| (Value::Object(cfg).to_string(), field)))

@@ -96,6 +96,14 @@ pub fn model_digest(cfg: &ModelConfig, dir: &Path, eos: &[u32]) -> Result<u64> {
     if let Some(q) = cfg.query_pre_attn_scalar {
         h.update(format!("|qpas{:016x}", q.to_bits()).as_bytes());
     }
+    for (name, cap) in [
+        ("attncap", cfg.attn_logit_softcapping),
+        ("finalcap", cfg.final_logit_softcapping),
+    ] {
+        if let Some(c) = cap {
+            h.update(format!("|{name}{:016x}", c.to_bits()).as_bytes());
+        }
+    }
     // Likewise classifiers: their labels (the `score` matrix itself is in the weights hash).
     if let Some(labels) = cfg.head.labels() {
         h.update(format!("|classifier{labels:?}").as_bytes());
@@ -170,6 +178,10 @@ mod tests {
             assert!(!seen.contains(&d), "{name} left the digest as it was");
             seen.push(d);
         }
-        assert_ne!(model_digest(&cfg, dir.path(), &[3]).unwrap(), digest(), "EOS ids");
+        assert_ne!(
+            model_digest(&cfg, dir.path(), &[3]).unwrap(),
+            digest(),
+            "EOS ids"
+        );
     }
 }

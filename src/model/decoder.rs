@@ -1,5 +1,5 @@
 //! The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, OLMo 2 and 3, Granite,
-//! SmolLM3, Gemma 3, and with sparse MLPs Mixtral, Qwen2-MoE, Qwen3-MoE) over a flat varlen batch.
+//! SmolLM3, Gemma 2 and 3, and with sparse MLPs Mixtral, Qwen2-MoE, Qwen3-MoE) over a flat varlen batch.
 //!
 //! One call runs any mix of prefill chunks and decode rows from many sequences: the batch is a
 //! flat list of tokens with their absolute positions, and each token's K/V is written to the
@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::config::{ActivationDtype, Architecture, KernelProfile, ModelConfig, RopeConfig};
+use crate::config::{ActivationDtype, KernelProfile, ModelConfig, RopeConfig};
 use crate::error::{DetspecError, Result};
 use crate::kv::KvPool;
 use crate::ops::{self, AttentionMetadata};
@@ -214,14 +214,14 @@ impl Model {
             &[hs],
             cfg.architecture.norm_weight_offset(),
         )?;
-        let embed_scale = match (cfg.granite, cfg.architecture) {
-            (Some(g), _) => Some(Tensor::new(g.embedding as f32, device)?),
+        let embed_scale = match cfg.granite {
+            Some(g) => Some(Tensor::new(g.embedding as f32, device)?),
             // transformers rounds Gemma's √hidden to the weights' dtype first.
-            (None, Architecture::Gemma3) => {
+            None if cfg.architecture.is_gemma() => {
                 let s = Tensor::new((hs as f32).sqrt(), device)?;
                 Some(s.to_dtype(dtype)?)
             }
-            _ => None,
+            None => None,
         }
         .map(|s| s.to_dtype(act_dtype))
         .transpose()?;
@@ -304,9 +304,13 @@ impl Model {
             return Ok(no_rows(self.cfg.vocab_size)?);
         }
         let logits = self.lm_head.matmul(&x, self.gemm_options(batch))?;
-        Ok(match self.cfg.granite {
+        let logits = match self.cfg.granite {
             // A division, as transformers does it (not a product with the reciprocal).
             Some(g) => logits.broadcast_div(&scalar(g.logits, &logits)?)?,
+            None => logits,
+        };
+        Ok(match self.cfg.final_logit_softcapping {
+            Some(cap) => ops::softcap(&logits, cap as f32)?,
             None => logits,
         })
     }
@@ -370,15 +374,18 @@ impl Model {
             None => None,
         };
         let slots = Arc::new(batch.slots.clone());
-        let sliding_meta = Arc::new(batch.attention.clone());
-        // Where only some layers slide (OLMo 3), the others attend to every key.
-        let full_meta = if cfg.sliding_layers.is_some() && sliding_meta.sliding_window.is_some() {
-            let mut m = batch.attention.clone();
+        let mut attention = batch.attention.clone();
+        attention.softcap = cfg.attn_logit_softcapping.map(|c| c as f32);
+        // Where only some layers slide (OLMo 3, Gemma), the others attend to every key.
+        let full_meta = if cfg.sliding_layers.is_some() && attention.sliding_window.is_some() {
+            let mut m = attention.clone();
             m.sliding_window = None;
-            Arc::new(m)
+            Some(Arc::new(m))
         } else {
-            sliding_meta.clone()
+            None
         };
+        let sliding_meta = Arc::new(attention);
+        let full_meta = full_meta.unwrap_or_else(|| sliding_meta.clone());
         let scale = cfg.attention_scale();
         let residual_scale = |y: Tensor| match cfg.granite {
             Some(g) => y.broadcast_mul(&scalar(g.residual, &y)?),

@@ -29,7 +29,8 @@ pub fn language_model_name(name: &str) -> Option<String> {
         if let Some(rest) = name.strip_prefix(decoder) {
             Some(format!("model.{rest}"))
         } else if *head != "lm_head." {
-            name.strip_prefix(head).map(|rest| format!("lm_head.{rest}"))
+            name.strip_prefix(head)
+                .map(|rest| format!("lm_head.{rest}"))
         } else {
             None
         }
@@ -158,13 +159,13 @@ impl Checkpoint {
         shape: &[usize],
         f: impl FnOnce(DType, &[u8], &dyn Fn(String) -> DetspecError) -> R,
     ) -> Result<R> {
-        let (shard, stored) =
-            self.index
-                .get(name)
-                .ok_or_else(|| DetspecError::MissingTensor {
-                    name: name.to_string(),
-                    path: self.manifest.clone(),
-                })?;
+        let (shard, stored) = self
+            .index
+            .get(name)
+            .ok_or_else(|| DetspecError::MissingTensor {
+                name: name.to_string(),
+                path: self.manifest.clone(),
+            })?;
         let (path, mmap) = &self.shards[*shard];
         let bad = |message: String| DetspecError::BadTensor {
             name: stored.clone(),

@@ -22,6 +22,8 @@ pub struct AttentionMetadata {
     pub block_tables: Vec<Vec<u32>>,
     /// Attend only to the last `w` positions (Mistral-style sliding window).
     pub sliding_window: Option<usize>,
+    /// Gemma 2's soft cap on the scaled scores, `c · tanh(s / c)` before the softmax.
+    pub softcap: Option<f32>,
     pub schedule: AttentionSchedule,
     /// Per sequence (index into `block_tables`): its rows take the fixed schedule whatever
     /// `schedule` says (DVR's inline deterministic rows). Missing entries mean `false`.

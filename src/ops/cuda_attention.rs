@@ -143,6 +143,8 @@ pub(super) fn paged_attention(
     );
     let attention = cuda::kernel(&dev, &cuda::PAGED_ATTENTION, "paged_attention", dtype)?;
     let merge = cuda::kernel(&dev, &cuda::PAGED_ATTENTION, "attention_merge", dtype)?;
+    // The score's scale and soft cap (0: none).
+    let scores = [scale, meta.softcap.unwrap_or(0.0)];
     let stream = dev.cuda_stream();
     with_float_type!(dtype, "paged_attention", |T| {
         let q = cuda::view::<T>(qs, ql, "paged_attention q")?;
@@ -154,7 +156,7 @@ pub(super) fn paged_attention(
             let mut b = stream.launch_builder(&attention);
             b.arg(&q).arg(&k).arg(&v).arg(&mut out);
             b.arg(&partial_acc).arg(&partial_ml);
-            push_metadata(&mut b, &md, &ints, &scale);
+            push_metadata(&mut b, &md, &ints, &scores);
             let cfg = LaunchConfig {
                 grid_dim: (rows, heads / per_block as u32, md.max_splits as u32),
                 block_dim: (ATTN_THREADS, 1, 1),
@@ -166,7 +168,7 @@ pub(super) fn paged_attention(
             if split_rows {
                 let mut b = stream.launch_builder(&merge);
                 b.arg(&mut out).arg(&partial_acc).arg(&partial_ml);
-                push_metadata(&mut b, &md, &ints, &scale);
+                push_metadata(&mut b, &md, &ints, &scores);
                 let cfg = LaunchConfig {
                     grid_dim: (rows, heads, 1),
                     block_dim: (ATTN_THREADS, 1, 1),
@@ -185,7 +187,7 @@ fn push_metadata<'a>(
     b: &mut candle_core::cuda::cudarc::driver::LaunchArgs<'a>,
     md: &'a DeviceMetadata,
     ints: &'a [i32; 7],
-    scale: &'a f32,
+    scores: &'a [f32; 2],
 ) {
     b.arg(&md.positions)
         .arg(&md.row_seq)
@@ -195,7 +197,9 @@ fn push_metadata<'a>(
     for i in ints {
         b.arg(i);
     }
-    b.arg(scale);
+    for f in scores {
+        b.arg(f);
+    }
 }
 
 #[cfg(test)]

@@ -1,5 +1,5 @@
-//! Elementwise ops of the decoder (residual add, the MLP's gated activation: SwiGLU or GeGLU):
-//! on the CPU on the engine's rayon
+//! Elementwise ops of the decoder (residual add, the MLP's gated activation: SwiGLU or GeGLU,
+//! Gemma 2's soft cap on the logits): on the CPU on the engine's rayon
 //! pool, on a GPU `cuda/elementwise.cu`.
 //!
 //! candle's own CPU elementwise kernels run on a separate thread pool whose threads spin on a
@@ -13,7 +13,7 @@ use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, Layout, Shape, Tensor}
 use rayon::prelude::*;
 
 use super::isa::isa_kernel;
-use super::math::{gelu_tanh, silu};
+use super::math::{gelu_tanh, silu, tanh};
 use super::CpuIsa;
 use super::{contiguous_f32, filled_f32};
 use crate::config::Activation;
@@ -44,6 +44,15 @@ isa_kernel! {
     fn geglu_into(isa: CpuIsa, out: &mut [MaybeUninit<f32>], gate: &[f32], up: &[f32]) {
         for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
             o.write(gelu_tanh(g) * u);
+        }
+    }
+}
+
+isa_kernel! {
+    /// `tanh(x / c) · c` ([`tanh`]), as transformers writes Gemma 2's soft cap.
+    fn softcap_into(isa: CpuIsa, out: &mut [MaybeUninit<f32>], x: &[f32], cap: f32) {
+        for (o, &v) in out.iter_mut().zip(x) {
+            o.write(tanh(v / cap) * cap);
         }
     }
 }
@@ -261,6 +270,66 @@ impl CustomOp1 for GatedHalves {
             ))
         })
     }
+}
+
+/// Gemma 2's soft cap on the logits, `tanh(x / cap) · cap` per element.
+struct Softcap(f32);
+
+impl CustomOp1 for Softcap {
+    fn name(&self) -> &'static str {
+        "detspec-softcap"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let x = contiguous_f32(s, l, self.name())?;
+        let (isa, cap) = (CpuIsa::detect(), self.0);
+        // Every element is written: the chunks of `out` pair up with those of `x`.
+        let out = filled_f32(x.len(), |out| {
+            out.par_chunks_mut(CHUNK)
+                .zip(x.par_chunks(CHUNK))
+                .for_each(|(o, x)| softcap_into(isa, o, x, cap))
+        });
+        Ok((CpuStorage::F32(out), l.shape().clone()))
+    }
+
+    /// `cuda/elementwise.cu`'s `softcap`.
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        use super::cuda::{self, with_float_type};
+        use candle_core::backend::BackendStorage;
+        use candle_core::cuda::cudarc::driver::PushKernelArg;
+        use candle_core::cuda::WrapErr;
+
+        let n = l.shape().elem_count();
+        let dev = s.device();
+        let f = cuda::kernel(dev, &cuda::ELEMENTWISE, "softcap", s.dtype())?;
+        with_float_type!(s.dtype(), self.name(), |T| {
+            let x = cuda::view::<T>(s, l, self.name())?;
+            // SAFETY: the kernel writes every element.
+            let mut out = unsafe { dev.alloc::<T>(n.max(1))? };
+            if n > 0 {
+                let stream = dev.cuda_stream();
+                let mut launch = stream.launch_builder(&f);
+                launch.arg(&x).arg(&mut out).arg(&n).arg(&self.0);
+                // SAFETY: argument types and order match `softcap_*` in cuda/elementwise.cu;
+                // every index is below `n`, the length of both.
+                unsafe { launch.launch(cuda::grid_1d(n)) }.w()?;
+            }
+            Ok((
+                candle_core::CudaStorage::wrap_cuda_slice(out, dev.clone()),
+                l.shape().clone(),
+            ))
+        })
+    }
+}
+
+/// `tanh(x / cap) · cap` per element (Gemma 2's final logits).
+pub fn softcap(x: &Tensor, cap: f32) -> candle_core::Result<Tensor> {
+    x.contiguous()?.apply_op1_no_bwd(&Softcap(cap))
 }
 
 /// `act(gate) * up` of the stacked gate/up projection's output `[rows, 2 · width]`.

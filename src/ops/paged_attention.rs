@@ -21,7 +21,7 @@ use candle_core::{bail, CpuStorage, CustomOp3, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
 use super::attention_plan::{AttentionMetadata, AttentionSchedule, AttentionShape, SOFTMAX_BLOCK};
-use super::{contiguous_f32, exp_nonpositive, zeroed, CpuIsa};
+use super::{contiguous_f32, exp_nonpositive, tanh, zeroed, CpuIsa};
 
 /// The op: one batch's plan and scale, and the instruction set the CPU body runs with.
 struct PagedAttention {
@@ -144,6 +144,15 @@ struct AttentionArgs<'a, E> {
 }
 
 impl<'a, E: KvElem> AttentionArgs<'a, E> {
+    /// What each raw score becomes before the softmax.
+    #[inline(always)]
+    fn score_map(&self) -> ScoreMap {
+        ScoreMap {
+            scale: self.scale,
+            softcap: self.meta.softcap,
+        }
+    }
+
     /// Query heads per KV head.
     #[inline(always)]
     fn group(&self) -> usize {
@@ -290,7 +299,7 @@ impl<'a, E: KvElem> AttentionArgs<'a, E> {
             self.prefetch_block(bt, kvh, end..block_end(end));
             let block = self.block(bt, kvh, j..end, scratch);
             // SAFETY: the caller runs on a CPU with `V`'s instruction set.
-            unsafe { fold_block::<V, E, G>(qs, out, state, &block, self.dim, self.scale) };
+            unsafe { fold_block::<V, E, G>(qs, out, state, &block, self.dim, self.score_map()) };
             j = end;
         }
     }
@@ -467,7 +476,7 @@ impl<E: KvElem> AttentionArgs<'_, E> {
                         &mut state[kvh * G..(kvh + 1) * G],
                         &block,
                         dim,
-                        self.scale,
+                        self.score_map(),
                     )
                 };
             }
@@ -508,9 +517,17 @@ impl<E> Default for Gathered<E> {
     }
 }
 
+/// What a raw score `q · k` becomes before the softmax: times `scale`, then soft-capped
+/// (`cap · tanh(s / cap)`, Gemma 2) where there is a cap.
+#[derive(Clone, Copy)]
+struct ScoreMap {
+    scale: f32,
+    softcap: Option<f32>,
+}
+
 /// Folds one block into `G` queries' unnormalised accumulators `out` (`G × dim`) and states
 /// `(max, denom)`. Per query: scores as in-order sums over `d` of `q[d] · k[d]` (no FMA), then
-/// scaled; the running maximum and rescale; the probabilities added to the denominator key by
+/// scaled (and capped); the running maximum and rescale; the probabilities added to the denominator key by
 /// key; `p · v` added key by key. The queries only share loads.
 ///
 /// # Safety
@@ -522,7 +539,7 @@ unsafe fn fold_block<V: Lanes, E: KvElem, const G: usize>(
     state: &mut [(f32, f32)],
     b: &Block<E>,
     dim: usize,
-    scale: f32,
+    map: ScoreMap,
 ) {
     let n = b.n;
     // The hot loops below read lanes without a bounds check per load (they were a third of
@@ -545,7 +562,14 @@ unsafe fn fold_block<V: Lanes, E: KvElem, const G: usize>(
             }
         }
         for (s, acc) in scores.iter_mut().zip(acc) {
-            acc.mul(V::splat(scale)).store(s);
+            acc.mul(V::splat(map.scale)).store(s);
+        }
+    }
+    if let Some(cap) = map.softcap {
+        for s in &mut scores {
+            for v in &mut s[..n] {
+                *v = tanh(*v / cap) * cap;
+            }
         }
     }
     // The running maxima and denominators below are sequential chains per query, in the same

@@ -44,6 +44,7 @@ pub fn meta(
         row_seq: rows.iter().map(|r| r.0).collect(),
         block_tables: tables,
         sliding_window: None,
+        softcap: None,
         schedule,
         fixed_seqs: Vec::new(),
     }

@@ -32,7 +32,8 @@ def greedy(n: int = NEW_TOKENS) -> SamplingParams:
 # qwen2_yarn: YaRN's rope tables (attention factor folded into cos/sin); olmo2: its norms of
 # the sublayers' outputs and of the whole q/k projections; olmo3: sliding and full layers;
 # granite: its multipliers; smollm3: a layer without rope (identity tables); gemma3: GeGLU
-# (`geglu_halves`), norms on both sides of each sublayer, two ropes.
+# (`geglu_halves`), norms on both sides of each sublayer, two ropes; gemma2: the attention
+# kernel's soft cap and the logits' (`softcap`).
 @pytest.mark.parametrize(
     "arch",
     [
@@ -47,6 +48,7 @@ def greedy(n: int = NEW_TOKENS) -> SamplingParams:
         "olmo3",
         "granite",
         "smollm3",
+        "gemma2",
         "gemma3",
     ],
 )

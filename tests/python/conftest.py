@@ -218,6 +218,22 @@ MODEL_SPECS: dict[str, dict] = {
             "query_pre_attn_scalar": 24,
         },
     },
+    # Gemma 2: Gemma 3's layers without q/k norms, sliding and full layers alternating under
+    # one rope, and soft caps small enough to bite on these scores and logits.
+    "gemma2": {
+        "arch": "gemma2",
+        "seed": 67,
+        "tie": True,
+        "head_dim": 32,
+        "rope": {"rope_type": "default", "rope_theta": 10000.0},
+        "extra": {
+            "pad_token_id": 0,
+            "sliding_window": 24,
+            "query_pre_attn_scalar": 24,
+            "attn_logit_softcapping": 2.0,
+            "final_logit_softcapping": 3.0,
+        },
+    },
     "qwen3": {
         "arch": "qwen3",
         "seed": 8,
@@ -307,6 +323,7 @@ _CONFIG_CLASSES = {
     "olmo3": (transformers.Olmo3Config, transformers.Olmo3ForCausalLM),
     "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM),
     "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM),
+    "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
     "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),

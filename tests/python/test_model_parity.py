@@ -1,10 +1,11 @@
 """detspec vs the HF transformers reference: greedy tokens, logits and logprobs.
 
 Every architecture fixture (``arch_case``: llama, llama3_scaled, llama_tied, mistral,
-qwen2, qwen2_sharded, qwen2_yarn, phi3, olmo2, olmo3, granite, smollm3, gemma3, qwen3, legacy_rope,
-llama_bf16, and the mixtures of experts qwen3_moe, qwen2_moe, mixtral, qwen3_moe_bf16) is
-checked with all prompts in ONE ``generate`` / ``compute_logits`` call, so batching, paging
-and varlen attention are exercised together with the per-architecture details.
+qwen2, qwen2_sharded, qwen2_yarn, phi3, olmo2, olmo3, granite, smollm3, gemma2, gemma3, qwen3,
+legacy_rope, llama_bf16, and the mixtures of experts qwen3_moe, qwen2_moe, mixtral,
+qwen3_moe_bf16) is checked with all prompts in ONE ``generate`` / ``compute_logits`` call, so
+batching, paging and varlen attention are exercised together with the per-architecture
+details.
 """
 
 from __future__ import annotations
