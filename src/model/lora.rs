@@ -26,6 +26,7 @@ use crate::config::{KernelProfile, ModelConfig};
 use crate::error::{DetspecError, Result};
 
 use super::linear::{GemmOptions, LinearWeight};
+use super::weights::is_vision_name;
 
 /// The linear layers of a decoder layer an adapter may target, in the order the decoder runs
 /// them.
@@ -344,7 +345,8 @@ fn read_halves(
         .collect();
     let mut names: Vec<&str> = st.names();
     names.sort_unstable();
-    for name in names {
+    // A multimodal model's adapter may adapt its vision tower too; text never passes through it.
+    for name in names.into_iter().filter(|n| !is_vision_name(n)) {
         let bad = |message: String| DetspecError::BadTensor {
             name: name.to_string(),
             path: path.to_path_buf(),

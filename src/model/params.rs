@@ -130,8 +130,7 @@ impl ParamHashes {
 
 /// The error for a name that is no parameter of the model.
 pub(super) fn unknown(name: &str) -> DetspecError {
-    let vision = ["vision_tower.", "multi_modal_projector."];
-    let hint = if vision.iter().any(|v| name.contains(v)) {
+    let hint = if super::weights::is_vision_name(name) {
         " (detspec serves a multimodal checkpoint's language model only: send the parameters \
          under `model.language_model.` and `lm_head.`)"
     } else {

@@ -37,6 +37,14 @@ pub fn language_model_name(name: &str) -> Option<String> {
     })
 }
 
+/// Whether `name` is of a multimodal checkpoint's vision side (its vision tower, or the
+/// projector into the language model's embeddings), which serving text never reads.
+pub fn is_vision_name(name: &str) -> bool {
+    ["vision_tower.", "multi_modal_projector."]
+        .iter()
+        .any(|p| name.contains(p))
+}
+
 /// An opened checkpoint: mmaps of each shard and an index of tensor name → shard and the name
 /// the file stores it under. Names are a decoder checkpoint's (`model.layers.0…`); a
 /// multimodal checkpoint's language model is found under its own prefix

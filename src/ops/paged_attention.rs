@@ -525,6 +525,18 @@ struct ScoreMap {
     softcap: Option<f32>,
 }
 
+/// `tanh(s / cap) · cap` of the block's `n` scores per query. Out of line: inlined, it made
+/// the uncapped models' block fold 10–15 % slower with a bf16 cache (measured, criterion).
+#[cold]
+#[inline(never)]
+fn cap_scores<const G: usize>(scores: &mut [[f32; SOFTMAX_BLOCK]; G], n: usize, cap: f32) {
+    for s in scores {
+        for v in &mut s[..n] {
+            *v = tanh(*v / cap) * cap;
+        }
+    }
+}
+
 /// Folds one block into `G` queries' unnormalised accumulators `out` (`G × dim`) and states
 /// `(max, denom)`. Per query: scores as in-order sums over `d` of `q[d] · k[d]` (no FMA), then
 /// scaled (and capped); the running maximum and rescale; the probabilities added to the denominator key by
@@ -566,11 +578,7 @@ unsafe fn fold_block<V: Lanes, E: KvElem, const G: usize>(
         }
     }
     if let Some(cap) = map.softcap {
-        for s in &mut scores {
-            for v in &mut s[..n] {
-                *v = tanh(*v / cap) * cap;
-            }
-        }
+        cap_scores(&mut scores, n, cap);
     }
     // The running maxima and denominators below are sequential chains per query, in the same
     // order as for a query alone; the loops interleave the G queries' chains (lane index outer)

@@ -7,6 +7,7 @@ wrapper."""
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 
@@ -17,7 +18,10 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 import detspec
-from detspec import SamplingParams
+from detspec import LoRARequest, SamplingParams
+
+# isort: split
+from conftest import greedy_mismatch_message, hf_greedy
 
 PROMPTS = [[5, 9, 13, 17, 21], list(range(3, 60, 2)), [200, 100, 50, 25, 12, 6, 3]]
 
@@ -125,3 +129,31 @@ def test_updates_take_the_wrappers_names_and_refuse_its_vision_tower(wrapped):
     )
     assert llm.fingerprint == plain.fingerprint != fp0
     assert greedy_bits(llm) == greedy_bits(plain)
+
+
+def test_a_peft_adapter_of_the_wrapper_adapts_its_language_model(wrapped, tmp_path):
+    """PEFT names the wrapper's modules `model.language_model.layers.N…`, and `q_proj`/`v_proj`
+    match the vision tower's attention too: those pairs never meet text, so they are left out."""
+    peft = pytest.importorskip("peft")
+    _, vlm, new, _ = wrapped
+    torch.manual_seed(9)
+    cfg = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False
+    )
+    ref = peft.get_peft_model(copy.deepcopy(vlm), cfg).eval()
+    ref.save_pretrained(tmp_path / "adapter")
+    names = list(load_file(tmp_path / "adapter" / "adapter_model.safetensors"))
+    assert any("language_model.layers.1.self_attn.v_proj.lora_B" in n for n in names)
+    assert any("vision_tower" in n for n in names)
+    llm = detspec.LLM(str(new), num_kv_pages=256, enable_lora=True)
+    adapter = LoRARequest("vlm", 1, str(tmp_path / "adapter"))
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, deterministic=True)
+    outs = llm.generate(PROMPTS, params, lora_request=adapter, use_tqdm=False)
+    moved = 0
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        want = hf_greedy(ref, prompt, 8)
+        moved += want.tokens != hf_greedy(vlm, prompt, 8).tokens
+        got = list(out.outputs[0].token_ids)
+        msg = greedy_mismatch_message(prompt, got, want, "[gemma3 wrapper + lora]")
+        assert msg is None, msg
+    assert moved > 0  # the adapter changes what the model says
