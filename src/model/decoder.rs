@@ -1,5 +1,6 @@
 //! The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, OLMo 2 and 3, Granite,
-//! SmolLM3, Gemma 2 and 3, and with sparse MLPs Mixtral, Qwen2-MoE, Qwen3-MoE) over a flat varlen batch.
+//! SmolLM3, Gemma 2 and 3, and with sparse MLPs Mixtral, Qwen2-MoE, Qwen3-MoE) over a flat
+//! varlen batch.
 //!
 //! One call runs any mix of prefill chunks and decode rows from many sequences: the batch is a
 //! flat list of tokens with their absolute positions, and each token's K/V is written to the
@@ -48,7 +49,7 @@ pub struct ForwardBatch {
 
 /// One decoder layer's parameters. Its norms say where the residual stream is normed: the
 /// Llama family norms each sublayer's input (`input_norm`, `mlp_norm`), OLMo 2 each
-/// sublayer's output before it is added (`attn_out_norm`, `mlp_out_norm`), Gemma 3 both
+/// sublayer's output before it is added (`attn_out_norm`, `mlp_out_norm`), Gemma both
 /// ([`crate::config::Architecture::sublayer_norms`]).
 #[derive(Debug)]
 pub(super) struct Layer {
@@ -57,7 +58,8 @@ pub(super) struct Layer {
     pub(super) qkv: Projection,
     pub(super) o: Linear,
     /// Per head (`[head_dim]`), or over the whole projection (OLMo 2: `[heads × head_dim]`).
-    /// Every norm weight is held as the kernels multiply by it (Gemma's `1 + w`, `loader::offset_norm`).
+    /// Every norm weight is held as the kernels multiply by it (Gemma's `1 + w`,
+    /// `loader::offset_norm`).
     pub(super) q_norm: Option<Tensor>,
     pub(super) k_norm: Option<Tensor>,
     pub(super) attn_out_norm: Option<Tensor>,

@@ -129,7 +129,7 @@ impl Model {
             }
         };
         // The same name is a different norm by layout (`post_attention_layernorm`: the MLP's
-        // input in the Llama family, the attention's output in OLMo 2 and Gemma 3).
+        // input in the Llama family, the attention's output in OLMo 2 and Gemma).
         let names = self.cfg.architecture.sublayer_norms();
         if let Some(at) = names.iter().position(|n| *n == Some(module)) {
             let norms = [
