@@ -69,12 +69,14 @@ impl Architecture {
 
     /// Sequence classifiers (reward models, classifiers: `score` instead of `lm_head`) of the
     /// dense families; transformers has no MoE classifier heads.
-    const CLASSIFIERS: [(&'static str, Architecture); 5] = [
+    const CLASSIFIERS: [(&'static str, Architecture); 7] = [
         ("LlamaForSequenceClassification", Architecture::Llama),
         ("MistralForSequenceClassification", Architecture::Mistral),
         ("Qwen2ForSequenceClassification", Architecture::Qwen2),
         ("Qwen3ForSequenceClassification", Architecture::Qwen3),
         ("Phi3ForSequenceClassification", Architecture::Phi3),
+        ("Gemma2ForSequenceClassification", Architecture::Gemma2),
+        ("Gemma3TextForSequenceClassification", Architecture::Gemma3),
     ];
 
     /// Whether checkpoints store each layer's q/k/v projections as one `self_attn.qkv_proj`
@@ -376,7 +378,9 @@ impl ModelConfig {
             c => Ok(c),
         };
         let attn_logit_softcapping = cap("attn_logit_softcapping", raw.attn_logit_softcapping)?;
-        let final_logit_softcapping = cap("final_logit_softcapping", raw.final_logit_softcapping)?;
+        // transformers caps a causal LM's logits, not a classifier's scores.
+        let final_logit_softcapping = cap("final_logit_softcapping", raw.final_logit_softcapping)?
+            .filter(|_| head == Head::LanguageModel);
         if raw.use_bidirectional_attention == Some(true) {
             return Err(err(
                 "use_bidirectional_attention",
@@ -1146,6 +1150,19 @@ pub(super) mod tests {
         .unwrap();
         assert_eq!(none.final_logit_softcapping, None);
         assert_eq!((none.vocab_size, none.max_context()), (100, 8192));
+        // A reward model's scores are not capped (transformers caps a causal LM's logits);
+        // its attention is, and transformers' defaults apply to it too.
+        let reward = parse(&format!(
+            r#"{{"architectures": ["Gemma2ForSequenceClassification"], {BASE},
+            "id2label": {{"0": "LABEL_0"}}}}"#
+        ))
+        .unwrap();
+        let caps = (
+            reward.attn_logit_softcapping,
+            reward.final_logit_softcapping,
+        );
+        assert_eq!(caps, (Some(50.0), None));
+        assert_eq!(reward.head_dim, 256);
         // Other families' configs do not read the caps (as transformers does not).
         let llama = parse(&format!(
             r#"{{"architectures": ["LlamaForCausalLM"], {BASE}, "final_logit_softcapping": 30.0}}"#

@@ -30,13 +30,20 @@ const INHERITED: [&str; 5] = [
 /// Keys and transformers' values for them.
 type Defaults = Vec<(&'static str, Value)>;
 
-/// transformers' defaults for the keys a config of this decoder class (or, without
-/// `architectures`, `model_type`) leaves out: Gemma's configs lean on them.
+/// transformers' defaults for the keys a config of this decoder class (a causal LM or a
+/// classifier; without `architectures`, this `model_type`) leaves out: Gemma's configs lean on
+/// them.
 fn defaults_of(class: Option<&str>, model_type: Option<&str>) -> Defaults {
-    match (class, model_type) {
-        (Some("Gemma2ForCausalLM"), _) | (None, Some("gemma2")) => gemma2_defaults(),
-        (Some("Gemma3ForCausalLM"), _) | (None, Some("gemma3_text")) => gemma3_text_defaults(),
-        _ => Vec::new(),
+    let is = |prefix: &str, kind: &str| match class {
+        Some(c) => c.starts_with(prefix),
+        None => model_type == Some(kind),
+    };
+    if is("Gemma2For", "gemma2") {
+        gemma2_defaults()
+    } else if is("Gemma3ForCausalLM", "gemma3_text") || is("Gemma3TextFor", "gemma3_text") {
+        gemma3_text_defaults()
+    } else {
+        Vec::new()
     }
 }
 

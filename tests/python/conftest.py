@@ -634,6 +634,24 @@ CLASSIFIERS = {
         transformers.Phi3ForSequenceClassification,
         ["LABEL_0"],
     ),
+    # Gemma 2 reward models (Skywork-Reward-Gemma-2-27B): the attention's soft cap applies, the
+    # logits' does not (transformers caps a causal LM's logits only; 3.0 would bite here).
+    "gemma2_reward": (
+        transformers.Gemma2Config,
+        transformers.Gemma2ForSequenceClassification,
+        ["LABEL_0"],
+    ),
+}
+
+# Settings a classifier's family needs beyond the shared ones.
+_CLASSIFIER_EXTRA = {
+    "gemma2_reward": {
+        "head_dim": 16,
+        "query_pre_attn_scalar": 16,
+        "sliding_window": 8,
+        "attn_logit_softcapping": 2.0,
+        "final_logit_softcapping": 3.0,
+    },
 }
 
 
@@ -655,6 +673,7 @@ def build_classifier(name: str, out: Path, tokenizer_dir: Path) -> torch.nn.Modu
         pad_token_id=0,
         tie_word_embeddings=name == "qwen2_reward",  # ignored by the classifier's `score`
         **kw,
+        **_CLASSIFIER_EXTRA.get(name, {}),
     )
     torch.manual_seed(len(name))
     model = model_cls._from_config(config, attn_implementation="eager", dtype=torch.float32)
