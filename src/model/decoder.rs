@@ -149,11 +149,12 @@ impl Model {
         // A GPU stacks the projections that share an input (`Projection`); q and k stay apart
         // where they are normed before rope (Qwen3).
         let stack = !device.is_cpu();
+        // Gemma's norms scale by `1 + w`.
+        let norm_offset = cfg.architecture.norm_weight_offset();
         for i in 0..cfg.num_hidden_layers {
             let p = format!("model.layers.{i}");
             let attn = |name: &str| format!("{p}.self_attn.{name}");
             let mlp = |name: &str| format!("{p}.mlp.{name}");
-            let offset = cfg.architecture.norm_weight_offset();
             let qk_norm = |name: &str, heads: usize| {
                 let width = if cfg.architecture.norms_whole_qk() {
                     heads * d
@@ -162,12 +163,12 @@ impl Model {
                 };
                 let name = format!("{p}.self_attn.{name}.weight");
                 cfg.qk_norm
-                    .then(|| ld.norm(&name, &[width], offset))
+                    .then(|| ld.norm(&name, &[width], norm_offset))
                     .transpose()
             };
             let [input_norm, attn_out_norm, mlp_norm, mlp_out_norm] =
                 cfg.architecture.sublayer_norms().map(|name| {
-                    name.map(|n| ld.norm(&format!("{p}.{n}.weight"), &[hs], offset))
+                    name.map(|n| ld.norm(&format!("{p}.{n}.weight"), &[hs], norm_offset))
                         .transpose()
                 });
             let widths = cfg.qkv_widths();
@@ -211,11 +212,7 @@ impl Model {
                 mlp,
             });
         }
-        let norm = ld.norm(
-            "model.norm.weight",
-            &[hs],
-            cfg.architecture.norm_weight_offset(),
-        )?;
+        let norm = ld.norm("model.norm.weight", &[hs], norm_offset)?;
         let embed_scale = match cfg.granite {
             Some(g) => Some(Tensor::new(g.embedding as f32, device)?),
             // transformers rounds Gemma's √hidden to the weights' dtype first.

@@ -39,6 +39,7 @@ impl Model {
         let tied = self.cfg.tie_word_embeddings;
         let bf16_act = self.bf16_activations();
         let device = self.device().clone();
+        let norm_offset = self.cfg.architecture.norm_weight_offset();
         let sets_embedding = updates
             .iter()
             .any(|(n, _)| n == "model.embed_tokens.weight");
@@ -57,11 +58,10 @@ impl Model {
             // Matrices in the weights' dtype, vectors rounded to it and held in the activations'
             // (they differ on the CPU with bf16 weights).
             let (matrix, vector) = (self.dtype(), self.act_dtype());
-            let offset = self.cfg.architecture.norm_weight_offset();
             let t = match self.slot(&hash_name).ok_or_else(|| unknown(&name))? {
                 Slot::Norm(v) => {
                     let t = t.to_dtype(matrix)?.to_dtype(vector)?;
-                    *v = offset_norm(&t, offset)?;
+                    *v = offset_norm(&t, norm_offset)?;
                     t
                 }
                 Slot::Bias(b) => {

@@ -13,28 +13,23 @@ use safetensors::{Dtype as StDtype, SafeTensors};
 
 use crate::error::{DetspecError, Result};
 
-/// Where multimodal checkpoints keep their language model: the prefix its decoder's names
-/// carry in place of `model.`, and its LM head's in place of `lm_head.` (transformers ≥ 4.52
-/// writes the first, earlier versions the second).
-const LANGUAGE_MODEL_PREFIXES: [(&str, &str); 2] = [
-    ("model.language_model.", "lm_head."),
-    ("language_model.model.", "language_model.lm_head."),
+/// Where multimodal checkpoints keep their language model: each prefix its names carry, and
+/// the decoder checkpoint's prefix in its place. transformers' modules name the decoder
+/// `model.language_model.` (the LM head stays `lm_head.`); the hub's files,
+/// `language_model.model.` and `language_model.lm_head.`.
+const LANGUAGE_MODEL_PREFIXES: [(&str, &str); 3] = [
+    ("model.language_model.", "model."),
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
 ];
 
 /// A multimodal checkpoint's name for its language model's parameter `name` as a decoder
 /// checkpoint names it (`model.language_model.layers.0…` → `model.layers.0…`); `None` for a
 /// name of no language model.
 pub fn language_model_name(name: &str) -> Option<String> {
-    LANGUAGE_MODEL_PREFIXES.iter().find_map(|(decoder, head)| {
-        if let Some(rest) = name.strip_prefix(decoder) {
-            Some(format!("model.{rest}"))
-        } else if *head != "lm_head." {
-            name.strip_prefix(head)
-                .map(|rest| format!("lm_head.{rest}"))
-        } else {
-            None
-        }
-    })
+    LANGUAGE_MODEL_PREFIXES
+        .iter()
+        .find_map(|(stored, own)| name.strip_prefix(stored).map(|rest| format!("{own}{rest}")))
 }
 
 /// Whether `name` is of a multimodal checkpoint's vision side (its vision tower, or the
