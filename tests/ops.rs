@@ -6,8 +6,8 @@ use std::sync::Arc;
 
 use candle_core::{Device, Tensor};
 use detspec::ops::{
-    apply_rope, invariant_matmul, paged_attention, paged_attention_with_isa, rms_norm, write_k,
-    write_kv, AttentionMetadata, AttentionSchedule, CpuIsa,
+    apply_rope, invariant_matmul, paged_attention, paged_attention_with_isa, rms_norm, rope_qkv,
+    write_k, write_kv, AttentionMetadata, AttentionSchedule, CpuIsa,
 };
 
 #[path = "common/kernels.rs"]
@@ -205,6 +205,69 @@ fn key_cache_write_places_keys_transposed_per_page() {
     assert!(
         write_k(&cache, &src, Arc::new(vec![12, 0])).is_err(),
         "slot out of range"
+    );
+}
+
+/// Partial rotary (Phi-4-mini): tables `n` pairs wide rotate each head's first `2n`
+/// dimensions exactly as a rope of heads that wide would, and pass the rest through bit for
+/// bit, in the separate rope and in the stacked projection's; tables wider than half a head
+/// are an error, not a read past the row.
+#[test]
+fn partial_rope_rotates_the_first_dimensions_and_passes_the_rest() {
+    let dev = Device::Cpu;
+    let (rows, d) = (5, 20);
+    let cut = |t: &Tensor, from: usize, width: usize| {
+        t.narrow(2, from, width).unwrap().contiguous().unwrap()
+    };
+    for pairs in [1, 3, 6, 9] {
+        let rot = 2 * pairs;
+        let x =
+            Tensor::from_vec(randn(30 + pairs as u64, rows * H * d), (rows, H, d), &dev).unwrap();
+        let cos = Tensor::from_vec(randn(31, rows * pairs), (rows, pairs), &dev).unwrap();
+        let sin = Tensor::from_vec(randn(32, rows * pairs), (rows, pairs), &dev).unwrap();
+        let out = in_pool(2, || apply_rope(&x, &cos, &sin).unwrap());
+        let whole = apply_rope(&cut(&x, 0, rot), &cos, &sin).unwrap();
+        assert_eq!(
+            bits(&cut(&out, 0, rot)),
+            bits(&whole),
+            "{pairs} pairs: rotated part"
+        );
+        assert_eq!(
+            bits(&cut(&out, rot, d - rot)),
+            bits(&cut(&x, rot, d - rot)),
+            "{pairs} pairs: passed-through part"
+        );
+
+        let qkv = Tensor::from_vec(
+            randn(33, rows * (H + 2 * KVH) * d),
+            (rows, (H + 2 * KVH) * d),
+            &dev,
+        )
+        .unwrap();
+        let (q, k, v) = rope_qkv(&qkv, &cos, &sin, H, KVH).unwrap();
+        let plane = |at: usize, heads: usize| {
+            qkv.narrow(1, at * d, heads * d)
+                .unwrap()
+                .contiguous()
+                .unwrap()
+                .reshape((rows, heads, d))
+                .unwrap()
+        };
+        assert_eq!(
+            bits(&q),
+            bits(&apply_rope(&plane(0, H), &cos, &sin).unwrap())
+        );
+        assert_eq!(
+            bits(&k),
+            bits(&apply_rope(&plane(H, KVH), &cos, &sin).unwrap())
+        );
+        assert_eq!(bits(&v), bits(&plane(H + KVH, KVH)));
+    }
+    let x = Tensor::from_vec(randn(40, rows * H * d), (rows, H, d), &dev).unwrap();
+    let wide = Tensor::from_vec(randn(41, rows * (d / 2 + 1)), (rows, d / 2 + 1), &dev).unwrap();
+    assert!(
+        apply_rope(&x, &wide, &wide).is_err(),
+        "tables wider than half a head"
     );
 }
 

@@ -12,7 +12,7 @@ use serde_json::Value;
 use super::head::Head;
 use super::json::{parse_json, TokenIds};
 use super::moe_config::{ExpertNaming, MoeConfig, RawMoe};
-use super::rope::{RawRope, RopeConfig, RopeDefaults, RopeScaling};
+use super::rope::{self, RawRope, RopeConfig, RopeDefaults, RopeScaling};
 use super::text_config::decoder_json;
 use crate::error::{DetspecError, Result};
 
@@ -191,6 +191,10 @@ pub struct ModelConfig {
     pub vocab_size: usize,
     pub rms_norm_eps: f64,
     pub rope: RopeConfig,
+    /// How many of each head's dimensions rotate: the first `rotary_dim` (pairs `i`,
+    /// `i + rotary_dim/2`), the rest pass through. `head_dim` but for Phi-4-mini and other
+    /// Phi-3-layout models with `partial_rotary_factor` below 1.
+    pub rotary_dim: usize,
     pub max_position_embeddings: usize,
     pub tie_word_embeddings: bool,
     /// Bias on the q/k/v projections (always on for Qwen2; `attention_bias` elsewhere).
@@ -481,12 +485,13 @@ impl ModelConfig {
                 format!("{act_name}: the experts' kernels gate with SiLU only"),
             ));
         }
+        let rotary_dim = Self::parse_rotary_dim(&raw, architecture, head_dim, path)?;
         let defaults = RopeDefaults {
             rope_theta: raw.rope_theta,
             sliding_rope_theta: raw.rope_local_base_freq,
-            partial_rotary_factor: raw.partial_rotary_factor,
             original_max_position_embeddings: raw.original_max_position_embeddings,
             max_position_embeddings,
+            rotary_dim,
         };
         let (rope, mut rope_sliding) = RopeConfig::parse_layers(
             raw.rope_parameters.as_ref(),
@@ -562,6 +567,7 @@ impl ModelConfig {
             vocab_size: positive("vocab_size", raw.vocab_size)?,
             rms_norm_eps,
             rope,
+            rotary_dim,
             max_position_embeddings,
             // A classifier's `score` layer is its own matrix even where the config says tied.
             tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false)
@@ -608,6 +614,59 @@ impl ModelConfig {
     /// YaRN's scaled context ([`RopeConfig::context`]).
     pub fn max_context(&self) -> usize {
         self.rope.context(self.max_position_embeddings)
+    }
+
+    /// Settles the rope for an engine serving sequences of up to `max_model_len` tokens
+    /// ([`RopeConfig::serve_up_to`]: LongRoPE's factor set).
+    pub fn serve_up_to(&mut self, max_model_len: usize) {
+        self.rope.serve_up_to(max_model_len);
+        if let Some(rope) = &mut self.rope_sliding {
+            rope.serve_up_to(max_model_len);
+        }
+    }
+
+    /// How many of each head's `head_dim` dimensions rotate: `partial_rotary_factor` of them
+    /// (rounded down, as transformers' `int(head_dim · factor)`), which only the Phi-3 layout
+    /// reads (its attention rotates the first part and passes the rest through; Llama's and
+    /// the others' rotate whole heads).
+    fn parse_rotary_dim(
+        raw: &RawConfig,
+        architecture: Architecture,
+        head_dim: usize,
+        path: &Path,
+    ) -> Result<usize> {
+        let Some((f, field)) = rope::rotary_fraction(
+            raw.rope_parameters.as_ref(),
+            raw.rope_scaling.as_ref(),
+            raw.partial_rotary_factor,
+        ) else {
+            return Ok(head_dim);
+        };
+        let err = |message: String| DetspecError::InvalidConfig {
+            path: path.to_path_buf(),
+            field: field.clone(),
+            message,
+        };
+        if f == 1.0 {
+            return Ok(head_dim);
+        }
+        if architecture != Architecture::Phi3 {
+            return Err(err(format!(
+                "{f}: only the Phi-3 layout rotates part of each head ({architecture:?} rotates \
+                 all of it, as transformers does)"
+            )));
+        }
+        if !(f > 0.0 && f < 1.0) {
+            return Err(err(format!("{f}: must be in (0, 1]")));
+        }
+        let rotary_dim = (head_dim as f64 * f) as usize;
+        if rotary_dim == 0 || !rotary_dim.is_multiple_of(2) {
+            return Err(err(format!(
+                "{f} of head_dim {head_dim} rotates {rotary_dim} dimensions; rotary pairs need \
+                 an even number, at least 2"
+            )));
+        }
+        Ok(rotary_dim)
     }
 
     /// `layer_types` (each layer's attention: `sliding_attention` or `full_attention`), or
@@ -895,21 +954,36 @@ pub(super) mod tests {
             !(c.qkv_bias || c.o_bias || c.mlp_bias),
             "Phi-3 has no biases"
         );
-        // Phi-4-mini rotates three quarters of each head: refused, naming where it was read.
+        // Rotating part of each head (Phi-4-mini) is the Phi-3 layout's alone, and needs an
+        // even number of rotating dimensions (head_dim is 16 here); refusals name the field.
         assert_refused(
-            "Phi3ForCausalLM",
+            "LlamaForCausalLM",
             &[
                 (
                     r#""rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.75}"#,
                     "rope_parameters.partial_rotary_factor",
                 ),
                 (r#""partial_rotary_factor": 0.5"#, "partial_rotary_factor"),
+            ],
+        );
+        assert_refused(
+            "Phi3ForCausalLM",
+            &[
+                (r#""partial_rotary_factor": 0.1"#, "partial_rotary_factor"),
+                (r#""partial_rotary_factor": 1.5"#, "partial_rotary_factor"),
                 (
                     r#""rope_scaling": {"type": "longrope", "short_factor": [1.0]}"#,
-                    "rope_scaling.rope_type",
+                    "rope_scaling.short_factor",
                 ),
             ],
         );
+        let partial = parse(&format!(
+            r#"{{"architectures": ["Phi3ForCausalLM"], {BASE}, "partial_rotary_factor": 0.75}}"#
+        ))
+        .unwrap();
+        assert_eq!((partial.head_dim, partial.rotary_dim), (16, 12));
+        assert_eq!(partial.rope.inv_freq(partial.rotary_dim).len(), 6);
+        assert_eq!(c.rotary_dim, c.head_dim);
         // The top-level original context wins over the scaling's own (transformers' rule).
         let y = parse(&format!(
             r#"{{"architectures": ["Phi3ForCausalLM"], {BASE}, "original_max_position_embeddings": 1000,

@@ -128,7 +128,7 @@ impl EngineCore {
                 std::io::Error::new(std::io::ErrorKind::NotFound, "model directory not found"),
             ));
         }
-        let model_cfg = ModelConfig::from_model_dir(dir)?;
+        let mut model_cfg = ModelConfig::from_model_dir(dir)?;
         let tokenizer = if dir.join("tokenizer.json").exists() {
             Some(Arc::new(Tokenizer::from_model_dir(dir)?))
         } else {
@@ -144,7 +144,6 @@ impl EngineCore {
                 eos.push(*id);
             }
         }
-        let model_digest = fingerprint::model_digest(&model_cfg, dir, &eos)?;
         let max_model_len = match cfg.max_model_len {
             Some(n) if n > model_cfg.max_context() => {
                 return Err(DetspecError::param(
@@ -159,11 +158,24 @@ impl EngineCore {
             Some(n) => n,
             None => model_cfg.max_context(),
         };
+        model_cfg.serve_up_to(max_model_len);
+        let model_digest = fingerprint::model_digest(&model_cfg, dir, &eos)?;
         let device_spec = if device.is_cpu() {
             DeviceSpec::Cpu
         } else {
             cfg.device
         };
+        if !device.is_cpu() && model_cfg.rotary_dim != model_cfg.head_dim {
+            return Err(DetspecError::InvalidConfig {
+                path: model_cfg.path.clone(),
+                field: "partial_rotary_factor".into(),
+                message: format!(
+                    "rotates {} of each head's {} dimensions: the CUDA rope kernels rotate \
+                     whole heads (partial rotation runs on the CPU)",
+                    model_cfg.rotary_dim, model_cfg.head_dim
+                ),
+            });
+        }
         let dtype = cfg
             .dtype
             .resolve(device_spec, model_cfg.torch_dtype.as_deref())?;

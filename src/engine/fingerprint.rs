@@ -5,9 +5,10 @@
 //! - `weights`: the content hash of every parameter as the engine holds it (it follows weight
 //!   updates; restoring old weights restores it);
 //! - `model`: the config values the forward reads (architecture, sizes, head layout, norm eps,
-//!   rope settings, sliding window, biases, q/k norm, tied embeddings, a sparse model's experts
-//!   and routing, a sequence classifier's labels), the EOS ids, and the
-//!   bytes of the tokenizer, its config, the chat template and the generation config;
+//!   rope settings with LongRoPE's factor set, which follows `max_model_len`, the rotating
+//!   share of each head, sliding window, biases, q/k norm, tied embeddings, a sparse model's
+//!   experts and routing, a sequence classifier's labels), the EOS ids, and the bytes of the
+//!   tokenizer, its config, the chat template and the generation config;
 //! - `dtype`, `device`: what the weights and KV are held in, and where;
 //! - `kernels`: [`KERNEL_VERSION`] plus the CPU kernel profile when it is not the invariant one,
 //!   plus `-abf16` in the bf16-activation mode (`activation_dtype="bfloat16"`: the linear layers
@@ -83,6 +84,11 @@ pub fn model_digest(cfg: &ModelConfig, dir: &Path, eos: &[u32]) -> Result<u64> {
     // Likewise layers without rope.
     if let Some(rope_layers) = &cfg.rope_layers {
         h.update(format!("|rope_layers{rope_layers:?}").as_bytes());
+    }
+    // Likewise heads that rotate in part (Phi-4-mini). LongRoPE's factor set in use is in
+    // `cfg.rope` above: it follows the engine's `max_model_len`.
+    if cfg.rotary_dim != cfg.head_dim {
+        h.update(format!("|rot{}", cfg.rotary_dim).as_bytes());
     }
     // Likewise Granite's multipliers.
     if let Some(g) = &cfg.granite {

@@ -552,10 +552,11 @@ fn no_rows(width: usize) -> candle_core::Result<Tensor> {
 }
 
 /// cos/sin of `position * inv_freq` for every position up to the model's context, in f32 as
-/// transformers computes them (times YaRN's attention factor, when it has one), for `rope`
-/// (the model's, or its sliding-window layers').
+/// transformers computes them (times YaRN's or LongRoPE's attention factor, when it has one),
+/// for `rope` (the model's, or its sliding-window layers'): `rotary_dim / 2` columns, one per
+/// rotating pair.
 fn rope_tables(rope: &RopeConfig, cfg: &ModelConfig, dev: &Device) -> Result<(Tensor, Tensor)> {
-    let inv = rope.inv_freq(cfg.head_dim);
+    let inv = rope.inv_freq(cfg.rotary_dim);
     let scale = rope.attention_factor();
     let n = cfg.max_context();
     let half = inv.len();

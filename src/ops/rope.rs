@@ -1,4 +1,6 @@
-//! Rotary position embedding (non-interleaved, "rotate half" as in transformers' Llama).
+//! Rotary position embedding (non-interleaved, "rotate half" as in transformers' Llama): of
+//! each head, the first `2 · half` dimensions rotate, pairing `i` with `i + half`, where
+//! `half` is the cos/sin tables' width; the rest pass through (partial rotary, Phi-4-mini's).
 
 use std::mem::MaybeUninit;
 
@@ -10,15 +12,27 @@ use super::CpuIsa;
 use super::{contiguous_f32, filled_f32};
 
 isa_kernel! {
-    /// One token's heads (`x` and `out` are `heads × 2·half`), rotated by its angles.
-    fn rotate_row(isa: CpuIsa, out: &mut [MaybeUninit<f32>], x: &[f32], cos: &[f32], sin: &[f32]) {
+    /// One token's heads (`x` and `out` are `heads × dim`), rotated by its angles.
+    fn rotate_row(
+        isa: CpuIsa,
+        out: &mut [MaybeUninit<f32>],
+        x: &[f32],
+        cos: &[f32],
+        sin: &[f32],
+        dim: usize,
+    ) {
         let half = cos.len();
-        for (oh, xh) in out.chunks_exact_mut(2 * half).zip(x.chunks_exact(2 * half)) {
-            let (o1, o2) = oh.split_at_mut(half);
-            let (x1, x2) = xh.split_at(half);
+        for (oh, xh) in out.chunks_exact_mut(dim).zip(x.chunks_exact(dim)) {
+            let (o1, rest) = oh.split_at_mut(half);
+            let (o2, o_pass) = rest.split_at_mut(half);
+            let (x1, rest) = xh.split_at(half);
+            let (x2, x_pass) = rest.split_at(half);
             for i in 0..half {
                 o1[i].write(x1[i] * cos[i] - x2[i] * sin[i]);
                 o2[i].write(x2[i] * cos[i] + x1[i] * sin[i]);
+            }
+            for (o, &v) in o_pass.iter_mut().zip(x_pass) {
+                o.write(v);
             }
         }
     }
@@ -43,9 +57,8 @@ impl CustomOp3 for Rope {
         let x = contiguous_f32(xs, xl, "rope input")?;
         let cos = contiguous_f32(cs, cl, "rope cos")?;
         let sin = contiguous_f32(ss, sl, "rope sin")?;
-        let (_, h, d) = rope_dims(xl, cl, sl)?;
-        let half = d / 2;
-        // Every element is written: rows of h heads of d = 2 · half values each.
+        let (_, h, d, half) = rope_dims(xl, cl, sl)?;
+        // Every element is written: rows of h heads of d values each.
         let out = filled_f32(x.len(), |out| {
             out.par_chunks_mut(h * d)
                 .zip(x.par_chunks(h * d))
@@ -53,7 +66,7 @@ impl CustomOp3 for Rope {
                 .for_each(|(row, (o, xr))| {
                     let c = &cos[row * half..(row + 1) * half];
                     let s = &sin[row * half..(row + 1) * half];
-                    rotate_row(CpuIsa::detect(), o, xr, c, s);
+                    rotate_row(CpuIsa::detect(), o, xr, c, s, d);
                 })
         });
         Ok((CpuStorage::F32(out), xl.shape().clone()))
@@ -75,7 +88,8 @@ impl CustomOp3 for Rope {
         use candle_core::cuda::cudarc::driver::PushKernelArg;
         use candle_core::cuda::WrapErr;
 
-        let (t, h, d) = rope_dims(xl, cl, sl)?;
+        let (t, h, d, half) = rope_dims(xl, cl, sl)?;
+        whole_heads(d, half)?;
         let dev = xs.device();
         let f = cuda::kernel(dev, &cuda::ROPE, "rope", xs.dtype())?;
         let cos = cuda::view::<f32>(cs, cl, "rope cos")?;
@@ -105,21 +119,42 @@ impl CustomOp3 for Rope {
     }
 }
 
-/// `(tokens, heads, head_dim)` of a rope call, after checking cos/sin against them.
-fn rope_dims(xl: &Layout, cl: &Layout, sl: &Layout) -> candle_core::Result<(usize, usize, usize)> {
+/// `(tokens, heads, head_dim, half)` of a rope call (`half`: the rotating pairs per head, the
+/// tables' width), after checking cos/sin against them.
+fn rope_dims(
+    xl: &Layout,
+    cl: &Layout,
+    sl: &Layout,
+) -> candle_core::Result<(usize, usize, usize, usize)> {
     let (t, h, d) = match xl.dims() {
         [t, h, d] => (*t, *h, *d),
         dims => bail!("rope: expected input [tokens, heads, head_dim], got {dims:?}"),
     };
-    let half = d / 2;
-    if d % 2 != 0 || cl.dims() != [t, half] || sl.dims() != [t, half] {
+    let half = match cl.dims() {
+        [_, half] => *half,
+        dims => bail!("rope: cos must be [tokens, rotary_dim/2], got {dims:?}"),
+    };
+    if half == 0 || 2 * half > d || cl.dims() != [t, half] || sl.dims() != [t, half] {
         bail!(
-            "rope: cos/sin must be [{t}, {half}], got {:?} / {:?}",
+            "rope: cos/sin must be [{t}, n] with 0 < 2n <= head_dim {d}, got {:?} / {:?}",
             cl.dims(),
             sl.dims()
         );
     }
-    Ok((t, h, d))
+    Ok((t, h, d, half))
+}
+
+/// The CUDA kernels rotate whole heads: a partial rotation is refused there (the engine
+/// refuses such a model on a GPU at load, naming `partial_rotary_factor`).
+#[cfg(feature = "cuda")]
+pub(super) fn whole_heads(head_dim: usize, half: usize) -> candle_core::Result<()> {
+    if 2 * half != head_dim {
+        bail!(
+            "rope: the CUDA kernels rotate whole heads, not {} of {head_dim} dimensions",
+            2 * half
+        );
+    }
+    Ok(())
 }
 
 /// The stacked q/k/v projection's output `[tokens, (q_heads + 2 kv_heads) · head_dim]` (per
@@ -132,22 +167,35 @@ pub(super) struct RopeQkv {
 }
 
 impl RopeQkv {
-    /// `(tokens, head_dim)`, after checking `qkv` and cos/sin against them.
+    /// `(tokens, head_dim, half)` (`half`: the rotating pairs per head, the tables' width),
+    /// after checking `qkv` and cos/sin against them.
     pub(super) fn dims(
         &self,
         xl: &Layout,
         cl: &Layout,
         sl: &Layout,
-    ) -> candle_core::Result<(usize, usize)> {
+    ) -> candle_core::Result<(usize, usize, usize)> {
         let (t, half) = match cl.dims() {
             [t, half] => (*t, *half),
-            dims => bail!("rope_qkv: cos must be [tokens, head_dim/2], got {dims:?}"),
+            dims => bail!("rope_qkv: cos must be [tokens, rotary_dim/2], got {dims:?}"),
         };
-        let d = 2 * half;
-        let width = (self.q_heads + 2 * self.kv_heads) * d;
-        if xl.dims() != [t, width] || sl.dims() != cl.dims() || half == 0 || self.kv_heads == 0 {
+        let heads = self.q_heads + 2 * self.kv_heads;
+        let width = match xl.dims() {
+            [rows, width] if *rows == t => *width,
+            dims => bail!(
+                "rope_qkv: qkv must be [{t}, (q_heads + 2 kv_heads) x head_dim], got {dims:?}"
+            ),
+        };
+        let d = width / heads.max(1);
+        if d * heads != width
+            || sl.dims() != cl.dims()
+            || half == 0
+            || 2 * half > d
+            || self.kv_heads == 0
+        {
             bail!(
-                "rope_qkv: qkv {:?} is not [{t}, ({} + 2 x {}) x {d}] or sin {:?} is not cos's {:?}",
+                "rope_qkv: qkv {:?} is not [{t}, ({} + 2 x {}) x head_dim] with head_dim >= \
+                 2 x {half}, or sin {:?} is not cos's {:?}",
                 xl.dims(),
                 self.q_heads,
                 self.kv_heads,
@@ -155,7 +203,7 @@ impl RopeQkv {
                 cl.dims()
             );
         }
-        Ok((t, d))
+        Ok((t, d, half))
     }
 }
 
@@ -176,8 +224,8 @@ impl CustomOp3 for RopeQkv {
         let x = contiguous_f32(xs, xl, "rope_qkv input")?;
         let cos = contiguous_f32(cs, cl, "rope_qkv cos")?;
         let sin = contiguous_f32(ss, sl, "rope_qkv sin")?;
-        let (t, d) = self.dims(xl, cl, sl)?;
-        let (half, q, kv) = (d / 2, self.q_heads * d, self.kv_heads * d);
+        let (t, d, half) = self.dims(xl, cl, sl)?;
+        let (q, kv) = (self.q_heads * d, self.kv_heads * d);
         // Every element is written: per token, its q and k heads rotated into their planes
         // and its v heads copied into theirs.
         let out = filled_f32(x.len(), |out| {
@@ -193,8 +241,8 @@ impl CustomOp3 for RopeQkv {
                     let c = &cos[row * half..(row + 1) * half];
                     let s = &sin[row * half..(row + 1) * half];
                     let isa = CpuIsa::detect();
-                    rotate_row(isa, qo, &xr[..q], c, s);
-                    rotate_row(isa, ko, &xr[q..q + kv], c, s);
+                    rotate_row(isa, qo, &xr[..q], c, s, d);
+                    rotate_row(isa, ko, &xr[q..q + kv], c, s, d);
                     for (o, &v) in vo.iter_mut().zip(&xr[q + kv..]) {
                         o.write(v);
                     }
@@ -219,7 +267,8 @@ impl CustomOp3 for RopeQkv {
         use candle_core::cuda::cudarc::driver::PushKernelArg;
         use candle_core::cuda::WrapErr;
 
-        let (t, d) = self.dims(xl, cl, sl)?;
+        let (t, d, half) = self.dims(xl, cl, sl)?;
+        whole_heads(d, half)?;
         let n = xl.shape().elem_count();
         let dev = xs.device();
         let f = cuda::kernel(dev, &cuda::ROPE, "rope_qkv", xs.dtype())?;
@@ -263,7 +312,7 @@ pub fn rope_qkv(
     q_heads: usize,
     kv_heads: usize,
 ) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
-    let (t, d) = (qkv.dim(0)?, 2 * cos.dim(1)?);
+    let (t, d) = (qkv.dim(0)?, qkv.dim(1)? / (q_heads + 2 * kv_heads).max(1));
     let planes = qkv
         .contiguous()?
         .apply_op3_no_bwd(cos, sin, &RopeQkv { q_heads, kv_heads })?;
@@ -275,8 +324,9 @@ pub fn rope_qkv(
     ))
 }
 
-/// Rotates `x` `[tokens, heads, head_dim]` by per-token angles; `cos`/`sin` are `[tokens, head_dim/2]`
-/// (already gathered at each token's absolute position).
+/// Rotates `x` `[tokens, heads, head_dim]` by per-token angles; `cos`/`sin` are `[tokens,
+/// rotary_dim/2]` (already gathered at each token's absolute position): the first
+/// `rotary_dim` dimensions of each head rotate, the rest pass through.
 pub fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> candle_core::Result<Tensor> {
     x.contiguous()?.apply_op3_no_bwd(cos, sin, &Rope)
 }

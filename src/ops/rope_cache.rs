@@ -31,7 +31,7 @@ pub fn rope_qkv_into_cache(
             v_cache: v_cache.clone(),
             slots,
         };
-        let (t, d) = (qkv.dim(0)?, 2 * cos.dim(1)?);
+        let (t, d) = (qkv.dim(0)?, qkv.dim(1)? / (q_heads + 2 * kv_heads).max(1));
         return qkv
             .contiguous()?
             .apply_op3_no_bwd(cos, sin, &op)?
@@ -107,7 +107,8 @@ mod cuda {
             use candle_core::cuda::cudarc::driver::PushKernelArg;
             use candle_core::cuda::WrapErr;
 
-            let (t, d) = self.rope.dims(xl, cl, sl)?;
+            let (t, d, half) = self.rope.dims(xl, cl, sl)?;
+            super::super::rope::whole_heads(d, half)?;
             let (q_heads, kv_heads) = (self.rope.q_heads, self.rope.kv_heads);
             let k_write = CacheWrite {
                 slots: self.slots.clone(),

@@ -33,7 +33,9 @@ def greedy(n: int = NEW_TOKENS) -> SamplingParams:
 # the sublayers' outputs and of the whole q/k projections; olmo3: sliding and full layers;
 # granite: its multipliers; smollm3: a layer without rope (identity tables); gemma3: GeGLU
 # (`geglu_halves`), norms on both sides of each sublayer, two ropes; gemma2: the attention
-# kernel's soft cap and the logits' (`softcap`).
+# kernel's soft cap and the logits' (`softcap`); phi3_longrope: LongRoPE's tables (short
+# factors: served within its original context). phi4_mini's partial rotation is refused on
+# the GPU (the CUDA rope kernels rotate whole heads).
 @pytest.mark.parametrize(
     "arch",
     [
@@ -43,6 +45,7 @@ def greedy(n: int = NEW_TOKENS) -> SamplingParams:
         "qwen3",
         "llama_tied",
         "phi3",
+        "phi3_longrope",
         "qwen2_yarn",
         "olmo2",
         "olmo3",
@@ -54,7 +57,8 @@ def greedy(n: int = NEW_TOKENS) -> SamplingParams:
 )
 def test_f32_greedy_matches_transformers(model_zoo, token_prompts, arch):
     case = model_zoo.get(arch)
-    llm = detspec.LLM(str(case.path), device="cuda", dtype="float32")
+    kw = case.spec.get("llm_kwargs", {})
+    llm = detspec.LLM(str(case.path), device="cuda", dtype="float32", **kw)
     outs = llm.generate(token_prompts, greedy(), use_tqdm=False)
     for i, (prompt, out) in enumerate(zip(token_prompts, outs, strict=True)):
         case.assert_greedy_matches(prompt, list(out.outputs[0].token_ids), label=f"prompt {i}")

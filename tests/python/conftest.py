@@ -151,6 +151,39 @@ MODEL_SPECS: dict[str, dict] = {
         "rope": {"rope_type": "default", "rope_theta": 10000.0},
         "extra": {"sliding_window": 24, "pad_token_id": 0},
     },
+    # Phi-3.5-mini / Phi-3-mini-128k: LongRoPE, an original context of 128 stretched to 256,
+    # one rescale factor per rotating pair in each of a short and a long set, cos/sin times
+    # sqrt(1 + ln 2 / ln 128). Served with max_model_len = the original context, the engine
+    # uses the short set, which is transformers' for every sequence that short (the long set:
+    # test_longrope_long_factors_beyond_the_original_context).
+    "phi3_longrope": {
+        "arch": "phi3",
+        "seed": 71,
+        "rope": {
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "short_factor": [1.0, 1.02, 1.05, 1.1, 1.2, 1.4, 1.7, 2.0],
+            "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0],
+        },
+        "extra": {"pad_token_id": 0, "original_max_position_embeddings": 128},
+        "llm_kwargs": {"max_model_len": 128},
+    },
+    # Phi-4-mini: LongRoPE on the first three quarters of each head (12 of 16 dimensions, 6
+    # pairs), the last quarter passed through, tied embeddings.
+    "phi4_mini": {
+        "arch": "phi3",
+        "seed": 73,
+        "tie": True,
+        "rope": {
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.75,
+            "short_factor": [1.0, 1.05, 1.1, 1.3, 1.6, 2.0],
+            "long_factor": [1.0, 2.0, 3.0, 5.0, 8.0, 13.0],
+        },
+        "extra": {"pad_token_id": 0, "original_max_position_embeddings": 128},
+        "llm_kwargs": {"max_model_len": 128},
+    },
     # OLMo 2: sublayer outputs normed before the residual add, q/k normed over the whole
     # projection.
     "olmo2": {

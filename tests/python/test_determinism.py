@@ -148,10 +148,22 @@ def needle_in_haystack(
 # The decoder layouts beyond Llama's: fused q/k/v and gate/up (phi3), norms of sublayer outputs
 # and whole q/k projections (olmo2), sliding and full layers with their own ropes (olmo3),
 # multipliers (granite), YaRN's tables (qwen2_yarn), a layer without rope (smollm3), norms on
-# both sides of each sublayer with GeGLU (gemma3), soft caps on scores and logits (gemma2).
-# Their windows (24 keys) are shorter than the haystacks' prompts.
+# both sides of each sublayer with GeGLU (gemma3), soft caps on scores and logits (gemma2),
+# LongRoPE on three quarters of each head (phi4_mini). Their windows (24 keys) are shorter
+# than the haystacks' prompts.
 @pytest.mark.parametrize(
-    "name", ["phi3", "olmo2", "olmo3", "granite", "qwen2_yarn", "smollm3", "gemma2", "gemma3"]
+    "name",
+    [
+        "phi3",
+        "phi4_mini",
+        "olmo2",
+        "olmo3",
+        "granite",
+        "qwen2_yarn",
+        "smollm3",
+        "gemma2",
+        "gemma3",
+    ],
 )
 def test_needle_in_haystack_on_every_decoder_layout(model_zoo, name: str) -> None:
     llm = detspec.LLM(

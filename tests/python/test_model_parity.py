@@ -15,7 +15,7 @@ import pytest
 from tokenizers import Tokenizer
 
 # isort: split
-from conftest import hf_greedy
+from conftest import VOCAB_SIZE, hf_greedy
 
 import detspec
 from detspec import SamplingParams
@@ -96,6 +96,33 @@ def test_yarn_serves_its_scaled_context(model_zoo, llm_factory):
     got = llm.compute_logits([seq])[0]
     ref = case.logits(seq)
     assert float(np.abs(got - ref).max()) <= LOGIT_RTOL * float(np.abs(ref).max())
+
+
+@pytest.mark.parametrize("name", ["phi3_longrope", "phi4_mini"])
+def test_longrope_long_factors_beyond_the_original_context(name, model_zoo, llm_factory):
+    """An engine serving more than LongRoPE's original context uses the long factor set for
+    every sequence (vLLM's rule, so cached keys never change factors): transformers' logits
+    for a sequence past the original context, where transformers switches to that set too.
+    A shorter sequence is then not transformers' (it uses the short set there), which shows
+    the engine's choice is real and why the fingerprint names it."""
+    case = model_zoo.get(name)
+    original = case.model.config.rope_parameters["original_max_position_embeddings"]
+    short = llm_factory(name)  # max_model_len = the original context: the short set
+    long = llm_factory(name, max_model_len=case.model.config.max_position_embeddings)
+    assert short.max_model_len == original < long.max_model_len
+    assert short.fingerprint != long.fingerprint
+
+    def worst(llm, seq) -> float:
+        got, ref = llm.compute_logits([seq])[0], case.logits(seq)
+        return float(np.abs(got - ref).max()) / float(np.abs(ref).max())
+
+    rng = np.random.default_rng(5)
+    for n in (original + 1, original + 90):
+        seq = [int(t) for t in rng.integers(2, VOCAB_SIZE, n)]
+        assert worst(long, seq) <= LOGIT_RTOL, f"{n} tokens"
+    seq = [int(t) for t in rng.integers(2, VOCAB_SIZE, original - 8)]
+    assert worst(short, seq) <= LOGIT_RTOL
+    assert worst(long, seq) > 100 * LOGIT_RTOL
 
 
 def test_greedy_logprobs_match_hf(arch_case, llm_factory, token_prompts):

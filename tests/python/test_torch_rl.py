@@ -54,11 +54,12 @@ def outputs_bits(llm: detspec.LLM) -> list[tuple[list[int], list[int]]]:
 
 
 @pytest.mark.parametrize(
-    "name", ["llama", "llama_tied", "qwen3", "phi3", "olmo2", "olmo3", "gemma2", "gemma3"]
+    "name",
+    ["llama", "llama_tied", "qwen3", "phi3", "phi4_mini", "olmo2", "olmo3", "gemma2", "gemma3"],
 )
 def test_update_weights_follows_transformers_and_restores_bit_for_bit(model_zoo, name):
     case = model_zoo.get(name)
-    llm = detspec.LLM(str(case.path), num_kv_pages=256)
+    llm = detspec.LLM(str(case.path), num_kv_pages=256, **case.spec.get("llm_kwargs", {}))
     before, fp0 = outputs_bits(llm), llm.fingerprint
     new = perturbed(case.model, seed=3)
     llm.update_weights(new.state_dict().items())
