@@ -150,23 +150,33 @@ fn paged_attention_rejects_bad_metadata() {
     assert!(paged_attention(&q, &k, &v, meta(&[(3, 1)], vec![vec![0]]), 1.0).is_err());
 }
 
+/// A window limits the keys; one no row outgrows changes no bit, for a decode row and for a
+/// prefill chunk (whose rows share key loads only without a window: the engine drops such a
+/// window, `ModelConfig::serve_up_to`).
 #[test]
 fn sliding_window_limits_keys() {
     let (k, v) = cache(8);
     let tables = vec![vec![5, 0, 7]];
-    let q = Tensor::from_vec(randn(3, H * D), (1, H, D), &Device::Cpu).unwrap();
-    let full = paged_attention(&q, &k, &v, meta(&[(0, 9)], tables.clone()), 0.3).unwrap();
-    let mut m = (*meta(&[(0, 9)], tables.clone())).clone();
-    m.sliding_window = Some(10);
-    let same = paged_attention(&q, &k, &v, Arc::new(m.clone()), 0.3).unwrap();
-    assert_eq!(
-        bits(&full),
-        bits(&same),
-        "a window covering everything changes nothing"
-    );
-    m.sliding_window = Some(3);
-    let windowed = paged_attention(&q, &k, &v, Arc::new(m), 0.3).unwrap();
-    assert_ne!(bits(&full), bits(&windowed));
+    for rows in [vec![(0, 9)], (0..10).map(|p| (0, p)).collect::<Vec<_>>()] {
+        let q = Tensor::from_vec(
+            randn(3, rows.len() * H * D),
+            (rows.len(), H, D),
+            &Device::Cpu,
+        )
+        .unwrap();
+        let full = paged_attention(&q, &k, &v, meta(&rows, tables.clone()), 0.3).unwrap();
+        let mut m = (*meta(&rows, tables.clone())).clone();
+        m.sliding_window = Some(10);
+        let same = paged_attention(&q, &k, &v, Arc::new(m.clone()), 0.3).unwrap();
+        assert_eq!(
+            bits(&full),
+            bits(&same),
+            "a window covering everything changes nothing"
+        );
+        m.sliding_window = Some(3);
+        let windowed = paged_attention(&q, &k, &v, Arc::new(m), 0.3).unwrap();
+        assert_ne!(bits(&full), bits(&windowed));
+    }
 }
 
 #[test]

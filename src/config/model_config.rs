@@ -616,12 +616,18 @@ impl ModelConfig {
         self.rope.context(self.max_position_embeddings)
     }
 
-    /// Settles the rope for an engine serving sequences of up to `max_model_len` tokens
-    /// ([`RopeConfig::serve_up_to`]: LongRoPE's factor set).
+    /// Settles what depends on the longest sequence an engine serves, `max_model_len`:
+    /// LongRoPE's factor set ([`RopeConfig::serve_up_to`]), and a sliding window no sequence
+    /// can outgrow (Phi-3.5-mini's and Phi-4-mini's 262,144) dropped. A query attends to the
+    /// same keys either way, so the bits are the same, but without a window the attention
+    /// kernel shares a prefill tile's key loads across its rows.
     pub fn serve_up_to(&mut self, max_model_len: usize) {
         self.rope.serve_up_to(max_model_len);
         if let Some(rope) = &mut self.rope_sliding {
             rope.serve_up_to(max_model_len);
+        }
+        if self.sliding_window.is_some_and(|w| w >= max_model_len) {
+            self.sliding_window = None;
         }
     }
 
@@ -954,6 +960,12 @@ pub(super) mod tests {
             !(c.qkv_bias || c.o_bias || c.mlp_bias),
             "Phi-3 has no biases"
         );
+        // A window no served sequence can outgrow is no window.
+        let mut served = c.clone();
+        served.serve_up_to(2048);
+        assert_eq!(served.sliding_window, Some(2047));
+        served.serve_up_to(2047);
+        assert_eq!(served.sliding_window, None);
         // Rotating part of each head (Phi-4-mini) is the Phi-3 layout's alone, and needs an
         // even number of rotating dimensions (head_dim is 16 here); refusals name the field.
         assert_refused(

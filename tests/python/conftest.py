@@ -169,7 +169,8 @@ MODEL_SPECS: dict[str, dict] = {
         "llm_kwargs": {"max_model_len": 128},
     },
     # Phi-4-mini: LongRoPE on the first three quarters of each head (12 of 16 dimensions, 6
-    # pairs), the last quarter passed through, tied embeddings.
+    # pairs), the last quarter passed through, tied embeddings, and its sliding window longer
+    # than any sequence (262,144), which the engine drops.
     "phi4_mini": {
         "arch": "phi3",
         "seed": 73,
@@ -181,7 +182,11 @@ MODEL_SPECS: dict[str, dict] = {
             "short_factor": [1.0, 1.05, 1.1, 1.3, 1.6, 2.0],
             "long_factor": [1.0, 2.0, 3.0, 5.0, 8.0, 13.0],
         },
-        "extra": {"pad_token_id": 0, "original_max_position_embeddings": 128},
+        "extra": {
+            "pad_token_id": 0,
+            "original_max_position_embeddings": 128,
+            "sliding_window": 262144,
+        },
         "llm_kwargs": {"max_model_len": 128},
     },
     # OLMo 2: sublayer outputs normed before the residual add, q/k normed over the whole
