@@ -45,12 +45,15 @@ pub enum Architecture {
     Mixtral,
     Qwen2Moe,
     Qwen3Moe,
+    /// OLMoE: Llama's layers with OLMo 2's q/k norms over the whole projection, and a sparse
+    /// MLP routed as Qwen's (softmax, then the top k), its experts `intermediate_size` wide.
+    Olmoe,
 }
 
 impl Architecture {
     /// Each architecture's `*ForCausalLM` class (`architectures`) and its `model_type`, the
     /// fallback for a config without `architectures`.
-    const CAUSAL_LM: [(&'static str, &'static str, Architecture); 14] = [
+    const CAUSAL_LM: [(&'static str, &'static str, Architecture); 15] = [
         ("LlamaForCausalLM", "llama", Architecture::Llama),
         ("MistralForCausalLM", "mistral", Architecture::Mistral),
         ("Qwen2ForCausalLM", "qwen2", Architecture::Qwen2),
@@ -65,6 +68,7 @@ impl Architecture {
         ("MixtralForCausalLM", "mixtral", Architecture::Mixtral),
         ("Qwen2MoeForCausalLM", "qwen2_moe", Architecture::Qwen2Moe),
         ("Qwen3MoeForCausalLM", "qwen3_moe", Architecture::Qwen3Moe),
+        ("OlmoeForCausalLM", "olmoe", Architecture::Olmoe),
     ];
 
     /// Sequence classifiers (reward models, classifiers: `score` instead of `lm_head`) of the
@@ -116,7 +120,10 @@ impl Architecture {
     /// Whether q/k are normed over the whole projection (OLMo 2: `q_norm` of
     /// `heads × head_dim`) rather than per head.
     pub fn norms_whole_qk(self) -> bool {
-        matches!(self, Architecture::Olmo2 | Architecture::Olmo3)
+        matches!(
+            self,
+            Architecture::Olmo2 | Architecture::Olmo3 | Architecture::Olmoe
+        )
     }
 
     /// Gemma 2 and 3: norms scaling by `1 + w`, GeGLU named by `hidden_activation`,
@@ -300,6 +307,8 @@ struct RawConfig {
     attn_logit_softcapping: Option<f64>,
     final_logit_softcapping: Option<f64>,
     use_bidirectional_attention: Option<bool>,
+    /// OLMo's clamp of q, k and v (refused).
+    clip_qkv: Option<f64>,
     /// Newer transformers: `rope_theta` and the scaling in one object.
     rope_parameters: Option<RawRope>,
     rope_scaling: Option<RawRope>,
@@ -454,7 +463,10 @@ impl ModelConfig {
                     None
                 }
             }
-            Architecture::Llama | Architecture::Olmo2 | Architecture::Granite => None,
+            Architecture::Llama
+            | Architecture::Olmo2
+            | Architecture::Olmoe
+            | Architecture::Granite => None,
             // Its window applies to the layers without rope only (below).
             Architecture::SmolLm3 => raw
                 .sliding_window
@@ -462,13 +474,16 @@ impl ModelConfig {
         };
         let num_hidden_layers = positive("num_hidden_layers", raw.num_hidden_layers)?;
         let intermediate_size = positive("intermediate_size", raw.intermediate_size)?;
+        // (naming, a shared expert, experts as wide as `moe_intermediate_size` rather than
+        // `intermediate_size`)
         let moe = match architecture {
-            Architecture::Mixtral => Some((ExpertNaming::Mixtral, false)),
-            Architecture::Qwen2Moe => Some((ExpertNaming::Qwen, true)),
-            Architecture::Qwen3Moe => Some((ExpertNaming::Qwen, false)),
+            Architecture::Mixtral => Some((ExpertNaming::Mixtral, false, false)),
+            Architecture::Qwen2Moe => Some((ExpertNaming::Qwen, true, true)),
+            Architecture::Qwen3Moe => Some((ExpertNaming::Qwen, false, true)),
+            Architecture::Olmoe => Some((ExpertNaming::Qwen, false, false)),
             _ => None,
         }
-        .map(|(naming, shared)| {
+        .map(|(naming, shared, own_width)| {
             // A second pass over the text: a flattened field would lose its name in errors.
             parse_json::<RawMoe>(text, path)?.check(
                 path,
@@ -476,9 +491,17 @@ impl ModelConfig {
                 num_hidden_layers,
                 intermediate_size,
                 shared,
+                own_width,
             )
         })
         .transpose()?;
+        // OLMo 1's clamp of q, k and v (OLMoE's configs have none).
+        if let Some(clip) = raw.clip_qkv {
+            return Err(err(
+                "clip_qkv",
+                format!("{clip}: clamping q, k and v is not supported (only null)"),
+            ));
+        }
         if moe.is_some() && hidden_act != Activation::Silu {
             return Err(err(
                 "hidden_act",
@@ -581,6 +604,7 @@ impl ModelConfig {
                     | Architecture::Qwen3Moe
                     | Architecture::Olmo2
                     | Architecture::Olmo3
+                    | Architecture::Olmoe
                     | Architecture::Gemma3
             ),
             hidden_act,

@@ -1,6 +1,6 @@
-//! The mixture-of-experts part of a Hugging Face `config.json` (Qwen2-MoE, Qwen3-MoE, Mixtral):
-//! how many experts, how many each token is routed to, which layers are sparse, and how the
-//! checkpoint names the experts' tensors.
+//! The mixture-of-experts part of a Hugging Face `config.json` (Qwen2-MoE, Qwen3-MoE, Mixtral,
+//! OLMoE): how many experts, how many each token is routed to, which layers are sparse, and
+//! how the checkpoint names the experts' tensors.
 
 use std::path::Path;
 
@@ -11,7 +11,7 @@ use crate::error::{DetspecError, Result};
 /// How a checkpoint names a sparse layer's router and experts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ExpertNaming {
-    /// `mlp.gate`, `mlp.experts.{e}.{gate,up,down}_proj` (Qwen2-MoE, Qwen3-MoE).
+    /// `mlp.gate`, `mlp.experts.{e}.{gate,up,down}_proj` (Qwen2-MoE, Qwen3-MoE, OLMoE).
     Qwen,
     /// `block_sparse_moe.gate`, `block_sparse_moe.experts.{e}.{w1,w3,w2}` (Mixtral).
     Mixtral,
@@ -23,7 +23,8 @@ pub struct MoeConfig {
     pub num_experts: usize,
     /// Experts each token runs (`num_experts_per_tok`).
     pub top_k: usize,
-    /// Each expert's MLP width (`moe_intermediate_size`; Mixtral's `intermediate_size`).
+    /// Each expert's MLP width (`moe_intermediate_size`; Mixtral's and OLMoE's
+    /// `intermediate_size`).
     pub expert_intermediate_size: usize,
     /// The top-k routing weights renormalised to sum to one (Mixtral always; Qwen's
     /// `norm_topk_prob`).
@@ -60,7 +61,8 @@ pub(super) struct RawMoe {
 impl RawMoe {
     /// The checked settings of a sparse architecture with `num_layers` decoder layers whose
     /// dense MLP width is `intermediate_size`; `shared_expert`: the architecture has Qwen2-MoE's
-    /// gated shared expert.
+    /// gated shared expert; `own_width`: its experts are `moe_intermediate_size` wide (Qwen's),
+    /// not `intermediate_size` (Mixtral's, OLMoE's).
     pub(super) fn check(
         &self,
         path: &Path,
@@ -68,6 +70,7 @@ impl RawMoe {
         num_layers: usize,
         intermediate_size: usize,
         shared_expert: bool,
+        own_width: bool,
     ) -> Result<MoeConfig> {
         let err = |field: &str, message: String| DetspecError::InvalidConfig {
             path: path.to_path_buf(),
@@ -91,13 +94,11 @@ impl RawMoe {
                 format!("{top_k} must be in 1..={num_experts} ({field})"),
             ));
         }
-        let expert_intermediate_size = match naming {
-            ExpertNaming::Mixtral => intermediate_size,
-            ExpertNaming::Qwen => match self.moe_intermediate_size {
-                Some(0) => return Err(err("moe_intermediate_size", "must be > 0".into())),
-                Some(n) => n,
-                None => return Err(err("moe_intermediate_size", "missing".into())),
-            },
+        let expert_intermediate_size = match (own_width, self.moe_intermediate_size) {
+            (false, _) => intermediate_size,
+            (true, Some(0)) => return Err(err("moe_intermediate_size", "must be > 0".into())),
+            (true, Some(n)) => n,
+            (true, None) => return Err(err("moe_intermediate_size", "missing".into())),
         };
         let shared_expert_intermediate_size =
             match (shared_expert, self.shared_expert_intermediate_size) {
@@ -187,6 +188,26 @@ mod tests {
         assert_eq!(moe.expert_intermediate_size, 128);
         assert!(moe.norm_topk_prob && moe.sparse_layers.iter().all(|&s| s));
         assert!(parse("LlamaForCausalLM", "").unwrap().moe.is_none());
+        // OLMoE: Qwen's names and routing, experts as wide as intermediate_size (a
+        // moe_intermediate_size is not its), OLMo 2's q/k norms; OLMo 1's clamp refused.
+        let c = parse(
+            "OlmoeForCausalLM",
+            r#", "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+            "clip_qkv": null"#,
+        )
+        .unwrap();
+        let moe = c.moe.unwrap();
+        assert_eq!(
+            (moe.expert_intermediate_size, moe.naming),
+            (128, ExpertNaming::Qwen)
+        );
+        assert!(!moe.norm_topk_prob && c.qk_norm && c.architecture.norms_whole_qk());
+        let e = parse(
+            "OlmoeForCausalLM",
+            r#", "num_experts": 8, "num_experts_per_tok": 2, "clip_qkv": 8.0"#,
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("clip_qkv"), "{e}");
     }
 
     #[test]

@@ -342,6 +342,14 @@ MODEL_SPECS: dict[str, dict] = {
         "rope": {"rope_type": "default", "rope_theta": 1000000.0},
         "extra": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48},
     },
+    # OLMoE: Llama's layers with q/k normed over the whole projection (OLMo 2's), and experts
+    # as wide as intermediate_size routed by softmax then top-2, not renormalised.
+    "olmoe": {
+        "arch": "olmoe",
+        "seed": 79,
+        "rope": {"rope_type": "default", "rope_theta": 10000.0},
+        "extra": {"pad_token_id": 0, "num_experts": 8, "num_experts_per_tok": 2},
+    },
     "mixtral": {
         "arch": "mixtral",
         "seed": 31,
@@ -366,6 +374,7 @@ _CONFIG_CLASSES = {
     "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+    "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM),
 }
 
 

@@ -149,8 +149,8 @@ def needle_in_haystack(
 # and whole q/k projections (olmo2), sliding and full layers with their own ropes (olmo3),
 # multipliers (granite), YaRN's tables (qwen2_yarn), a layer without rope (smollm3), norms on
 # both sides of each sublayer with GeGLU (gemma3), soft caps on scores and logits (gemma2),
-# LongRoPE on three quarters of each head (phi4_mini). Their windows (24 keys) are shorter
-# than the haystacks' prompts.
+# LongRoPE on three quarters of each head (phi4_mini), OLMo 2's q/k norms before a mixture of
+# experts (olmoe). Their windows (24 keys) are shorter than the haystacks' prompts.
 @pytest.mark.parametrize(
     "name",
     [
@@ -163,6 +163,7 @@ def needle_in_haystack(
         "smollm3",
         "gemma2",
         "gemma3",
+        "olmoe",
     ],
 )
 def test_needle_in_haystack_on_every_decoder_layout(model_zoo, name: str) -> None:
