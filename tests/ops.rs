@@ -6,8 +6,9 @@ use std::sync::Arc;
 
 use candle_core::{Device, Tensor};
 use detspec::ops::{
-    apply_rope, invariant_matmul, paged_attention, paged_attention_with_isa, rms_norm, rope_qkv,
-    write_k, write_kv, AttentionMetadata, AttentionSchedule, CpuIsa,
+    apply_rope, apply_rope_interleaved, invariant_matmul, paged_attention,
+    paged_attention_with_isa, rms_norm, rope_qkv, write_k, write_kv, AttentionMetadata,
+    AttentionSchedule, CpuIsa,
 };
 
 #[path = "common/kernels.rs"]
@@ -279,6 +280,47 @@ fn partial_rope_rotates_the_first_dimensions_and_passes_the_rest() {
         apply_rope(&x, &wide, &wide).is_err(),
         "tables wider than half a head"
     );
+    assert!(apply_rope_interleaved(&x, &wide, &wide).is_err());
+}
+
+/// GLM's rope pairs neighbours (`2i`, `2i + 1`) where the others pair halves (`i`,
+/// `i + n`): the same rotation of the same pairs, so rotating a head whose rotating part is
+/// reordered from neighbours to halves, then ordering it back, gives its bits exactly; the
+/// passed-through part is left as it is. A kernel pairing halves instead fails it.
+#[test]
+fn interleaved_rope_is_the_halves_rope_on_neighbour_pairs() {
+    let dev = Device::Cpu;
+    let (rows, d) = (5, 20);
+    for pairs in [1, 4, 10] {
+        let rot = 2 * pairs;
+        // Dimension j of the reordered head is dimension order[j] of the original.
+        let order: Vec<usize> = (0..pairs)
+            .map(|i| 2 * i)
+            .chain((0..pairs).map(|i| 2 * i + 1))
+            .chain(rot..d)
+            .collect();
+        let reorder = |t: &Tensor, inverse: bool| {
+            let v = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let mut out = v.clone();
+            for (head, src) in v.chunks(d).enumerate() {
+                for (j, &o) in order.iter().enumerate() {
+                    let (to, from) = if inverse { (o, j) } else { (j, o) };
+                    out[head * d + to] = src[from];
+                }
+            }
+            Tensor::from_vec(out, t.dims(), &dev).unwrap()
+        };
+        let x =
+            Tensor::from_vec(randn(50 + pairs as u64, rows * H * d), (rows, H, d), &dev).unwrap();
+        let cos = Tensor::from_vec(randn(51, rows * pairs), (rows, pairs), &dev).unwrap();
+        let sin = Tensor::from_vec(randn(52, rows * pairs), (rows, pairs), &dev).unwrap();
+        let got = in_pool(2, || apply_rope_interleaved(&x, &cos, &sin).unwrap());
+        let want = reorder(&apply_rope(&reorder(&x, false), &cos, &sin).unwrap(), true);
+        assert_eq!(bits(&got), bits(&want), "{pairs} pairs");
+        if pairs > 1 {
+            assert_ne!(bits(&got), bits(&apply_rope(&x, &cos, &sin).unwrap()));
+        }
+    }
 }
 
 #[test]

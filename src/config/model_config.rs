@@ -38,6 +38,11 @@ pub enum Architecture {
     /// Gemma 2: Gemma 3's layers without q/k norms, every other layer within a sliding window,
     /// and tanh soft caps on the attention scores and the logits.
     Gemma2,
+    /// GLM (`glm-4-9b-chat-hf`): Llama's layers with gate/up stored as one matrix, biases on
+    /// q/k/v, and rope on half of each head pairing neighbours (`2i`, `2i + 1`).
+    Glm,
+    /// GLM-4-0414 and GLM-Z1: GLM's layers with each sublayer normed before and after.
+    Glm4,
     /// Gemma 3 (text): each sublayer normed before and after, norms scaling by `1 + w`, GeGLU,
     /// embeddings scaled by √hidden, attention scaled by `query_pre_attn_scalar^-½`, and most
     /// layers within a sliding window with a rope of their own (`layer_types`).
@@ -53,7 +58,7 @@ pub enum Architecture {
 impl Architecture {
     /// Each architecture's `*ForCausalLM` class (`architectures`) and its `model_type`, the
     /// fallback for a config without `architectures`.
-    const CAUSAL_LM: [(&'static str, &'static str, Architecture); 15] = [
+    const CAUSAL_LM: [(&'static str, &'static str, Architecture); 17] = [
         ("LlamaForCausalLM", "llama", Architecture::Llama),
         ("MistralForCausalLM", "mistral", Architecture::Mistral),
         ("Qwen2ForCausalLM", "qwen2", Architecture::Qwen2),
@@ -69,6 +74,8 @@ impl Architecture {
         ("Qwen2MoeForCausalLM", "qwen2_moe", Architecture::Qwen2Moe),
         ("Qwen3MoeForCausalLM", "qwen3_moe", Architecture::Qwen3Moe),
         ("OlmoeForCausalLM", "olmoe", Architecture::Olmoe),
+        ("GlmForCausalLM", "glm", Architecture::Glm),
+        ("Glm4ForCausalLM", "glm4", Architecture::Glm4),
     ];
 
     /// Sequence classifiers (reward models, classifiers: `score` instead of `lm_head`) of the
@@ -83,10 +90,25 @@ impl Architecture {
         ("Gemma3TextForSequenceClassification", Architecture::Gemma3),
     ];
 
-    /// Whether checkpoints store each layer's q/k/v projections as one `self_attn.qkv_proj`
-    /// (rows q, then k, then v) and gate/up as one `mlp.gate_up_proj` (gate rows first).
-    pub fn fuses_projections(self) -> bool {
-        self == Architecture::Phi3
+    /// Which of each layer's projections checkpoints store as one matrix.
+    pub fn fused(self) -> Fused {
+        match self {
+            Architecture::Phi3 => Fused {
+                qkv: true,
+                gate_up: true,
+            },
+            Architecture::Glm | Architecture::Glm4 => Fused {
+                qkv: false,
+                gate_up: true,
+            },
+            _ => Fused::default(),
+        }
+    }
+
+    /// Whether rope pairs each head's neighbouring dimensions (`2i`, `2i + 1`: GLM's) rather
+    /// than its halves (`i`, `i + rotary_dim/2`: everyone else's).
+    pub fn rope_interleaved(self) -> bool {
+        matches!(self, Architecture::Glm | Architecture::Glm4)
     }
 
     /// Each decoder layer's norms by their checkpoint names, in the order they apply: before
@@ -107,6 +129,12 @@ impl Architecture {
                 Some("post_attention_layernorm"),
                 Some("pre_feedforward_layernorm"),
                 Some("post_feedforward_layernorm"),
+            ],
+            Architecture::Glm4 => [
+                Some("input_layernorm"),
+                Some("post_self_attn_layernorm"),
+                Some("post_attention_layernorm"),
+                Some("post_mlp_layernorm"),
             ],
             _ => [
                 Some("input_layernorm"),
@@ -150,6 +178,15 @@ impl Architecture {
             .collect();
         names.join(", ")
     }
+}
+
+/// Which projections of a layer a checkpoint stores fused ([`Architecture::fused`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Fused {
+    /// q/k/v as one `self_attn.qkv_proj` (rows q, then k, then v), without biases.
+    pub qkv: bool,
+    /// gate/up as one `mlp.gate_up_proj` (gate rows first), without biases.
+    pub gate_up: bool,
 }
 
 /// The MLP's gate activation: `down(act(gate(x)) · up(x))`.
@@ -198,9 +235,9 @@ pub struct ModelConfig {
     pub vocab_size: usize,
     pub rms_norm_eps: f64,
     pub rope: RopeConfig,
-    /// How many of each head's dimensions rotate: the first `rotary_dim` (pairs `i`,
-    /// `i + rotary_dim/2`), the rest pass through. `head_dim` but for Phi-4-mini and other
-    /// Phi-3-layout models with `partial_rotary_factor` below 1.
+    /// How many of each head's dimensions rotate: the first `rotary_dim`, the rest pass
+    /// through. `head_dim` but for GLM's (half) and Phi-4-mini's and other Phi-3-layout
+    /// models' with `partial_rotary_factor` below 1.
     pub rotary_dim: usize,
     pub max_position_embeddings: usize,
     pub tie_word_embeddings: bool,
@@ -443,6 +480,8 @@ impl ModelConfig {
             Architecture::Qwen2Moe => (raw.qkv_bias.unwrap_or(true), false),
             // Its fused matrices have no biases (transformers' `Phi3Attention`, `Phi3MLP`).
             Architecture::Phi3 => (false, false),
+            // `attention_bias` (on by default) is q/k/v's; o_proj has none.
+            Architecture::Glm | Architecture::Glm4 => (raw.attention_bias.unwrap_or(true), false),
             _ => (attention_bias, attention_bias),
         };
         let sliding_window = match architecture {
@@ -466,7 +505,9 @@ impl ModelConfig {
             Architecture::Llama
             | Architecture::Olmo2
             | Architecture::Olmoe
-            | Architecture::Granite => None,
+            | Architecture::Granite
+            | Architecture::Glm
+            | Architecture::Glm4 => None,
             // Its window applies to the layers without rope only (below).
             Architecture::SmolLm3 => raw
                 .sliding_window
@@ -597,7 +638,7 @@ impl ModelConfig {
                 && head == Head::LanguageModel,
             qkv_bias,
             o_bias,
-            mlp_bias: raw.mlp_bias.unwrap_or(false) && architecture != Architecture::Phi3,
+            mlp_bias: raw.mlp_bias.unwrap_or(false) && !architecture.fused().gate_up,
             qk_norm: matches!(
                 architecture,
                 Architecture::Qwen3
@@ -656,20 +697,24 @@ impl ModelConfig {
     }
 
     /// How many of each head's `head_dim` dimensions rotate: `partial_rotary_factor` of them
-    /// (rounded down, as transformers' `int(head_dim · factor)`), which only the Phi-3 layout
-    /// reads (its attention rotates the first part and passes the rest through; Llama's and
-    /// the others' rotate whole heads).
+    /// (rounded down, as transformers' `int(head_dim · factor)`; GLM's default 0.5), which
+    /// only the Phi-3 and GLM layouts read (their attention rotates the first part and passes
+    /// the rest through; Llama's and the others' rotate whole heads).
     fn parse_rotary_dim(
         raw: &RawConfig,
         architecture: Architecture,
         head_dim: usize,
         path: &Path,
     ) -> Result<usize> {
+        // GLM's configs rotate half of each head unless they say otherwise.
+        let glm_default = (architecture.rope_interleaved())
+            .then(|| (0.5, "partial_rotary_factor (GLM's default)".to_string()));
         let Some((f, field)) = rope::rotary_fraction(
             raw.rope_parameters.as_ref(),
             raw.rope_scaling.as_ref(),
             raw.partial_rotary_factor,
-        ) else {
+        )
+        .or(glm_default) else {
             return Ok(head_dim);
         };
         let err = |message: String| DetspecError::InvalidConfig {
@@ -680,10 +725,13 @@ impl ModelConfig {
         if f == 1.0 {
             return Ok(head_dim);
         }
-        if architecture != Architecture::Phi3 {
+        if !matches!(
+            architecture,
+            Architecture::Phi3 | Architecture::Glm | Architecture::Glm4
+        ) {
             return Err(err(format!(
-                "{f}: only the Phi-3 layout rotates part of each head ({architecture:?} rotates \
-                 all of it, as transformers does)"
+                "{f}: only the Phi-3 and GLM layouts rotate part of each head ({architecture:?} \
+                 rotates all of it, as transformers does)"
             )));
         }
         if !(f > 0.0 && f < 1.0) {
@@ -968,6 +1016,48 @@ pub(super) mod tests {
     }
 
     #[test]
+    fn glm_fuses_gate_up_and_rotates_half_of_each_head_in_neighbour_pairs() {
+        let c = parse(&format!(
+            r#"{{"architectures": ["Glm4ForCausalLM"], {BASE}, "head_dim": 16,
+            "rope_parameters": {{"rope_type": "default", "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.5}}}}"#
+        ))
+        .unwrap();
+        assert_eq!(
+            c.architecture.fused(),
+            Fused {
+                qkv: false,
+                gate_up: true
+            }
+        );
+        assert!(c.architecture.rope_interleaved() && !Architecture::Phi3.rope_interleaved());
+        assert_eq!(
+            (c.rotary_dim, c.qkv_bias, c.o_bias, c.mlp_bias),
+            (8, true, false, false)
+        );
+        assert_eq!(
+            c.architecture.sublayer_norms(),
+            [
+                Some("input_layernorm"),
+                Some("post_self_attn_layernorm"),
+                Some("post_attention_layernorm"),
+                Some("post_mlp_layernorm")
+            ]
+        );
+        // GLM: the Llama norms; half of each head rotates where the config says nothing, and
+        // q/k/v biases follow `attention_bias`.
+        let g = parse(&format!(
+            r#"{{"architectures": ["GlmForCausalLM"], {BASE}, "attention_bias": false}}"#
+        ))
+        .unwrap();
+        assert_eq!((g.rotary_dim, g.qkv_bias), (8, false));
+        assert_eq!(
+            g.architecture.sublayer_norms(),
+            Architecture::Llama.sublayer_norms()
+        );
+    }
+
+    #[test]
     fn phi3_fuses_its_projections_and_keeps_its_window() {
         let c = parse(&format!(
             r#"{{"architectures": ["Phi3ForCausalLM"], {BASE}, "sliding_window": 2047,
@@ -977,8 +1067,14 @@ pub(super) mod tests {
         ))
         .unwrap();
         assert_eq!(c.architecture, Architecture::Phi3);
-        assert!(c.architecture.fuses_projections());
-        assert!(!Architecture::Llama.fuses_projections());
+        assert!(
+            c.architecture.fused()
+                == Fused {
+                    qkv: true,
+                    gate_up: true
+                }
+        );
+        assert!(Architecture::Llama.fused() == Fused::default());
         assert_eq!(c.sliding_window, Some(2047));
         assert!(
             !(c.qkv_bias || c.o_bias || c.mlp_bias),
@@ -1040,7 +1136,7 @@ pub(super) mod tests {
         assert!(c.architecture.norms_whole_qk() && c.qk_norm);
         assert_eq!(c.architecture.sublayer_norms()[0], None);
         assert!(!Architecture::Qwen3.norms_whole_qk());
-        assert!(!c.architecture.fuses_projections());
+        assert!(c.architecture.fused() == Fused::default());
         assert_eq!(c.sliding_window, None);
     }
 

@@ -165,6 +165,17 @@ impl EngineCore {
         } else {
             cfg.device
         };
+        if !device.is_cpu() && model_cfg.architecture.rope_interleaved() {
+            return Err(DetspecError::InvalidConfig {
+                path: model_cfg.path.clone(),
+                field: "architectures".into(),
+                message: format!(
+                    "{:?} pairs neighbouring dimensions in its rope: the CUDA rope kernels pair \
+                     halves (this model runs on the CPU)",
+                    model_cfg.architecture
+                ),
+            });
+        }
         if !device.is_cpu() && model_cfg.rotary_dim != model_cfg.head_dim {
             return Err(DetspecError::InvalidConfig {
                 path: model_cfg.path.clone(),

@@ -177,12 +177,12 @@ impl Model {
                 (attn("k_proj"), widths[1]),
                 (attn("v_proj"), widths[2]),
             ];
-            let fused = cfg.architecture.fuses_projections();
+            let fused = cfg.architecture.fused();
             let mlp = match &cfg.moe {
                 Some(moe) if moe.is_sparse(i) => {
                     Mlp::Sparse(Box::new(SparseMlp::load(&ld, &cfg, moe, i)?))
                 }
-                _ if fused => Mlp::Dense {
+                _ if fused.gate_up => Mlp::Dense {
                     gate_up: ld.fused_projection(&mlp("gate_up_proj"), &[is, is], hs, stack)?,
                     down: ld.linear(&mlp("down_proj"), is, hs, false)?,
                 },
@@ -198,7 +198,7 @@ impl Model {
             };
             layers.push(Layer {
                 input_norm: input_norm?,
-                qkv: if fused {
+                qkv: if fused.qkv {
                     ld.fused_projection(&attn("qkv_proj"), &widths, hs, stack)?
                 } else {
                     ld.projection(&qkv, hs, cfg.qkv_bias, stack && !cfg.qk_norm)?
@@ -394,6 +394,7 @@ impl Model {
 
         let inv = self.gemm_options(batch);
         let whole_qk_norm = cfg.architecture.norms_whole_qk();
+        let interleaved = cfg.architecture.rope_interleaved();
         let lora = LoraRows::of(&batch.attention.row_seq, &batch.adapters, dev)?;
         // Each linear layer's LoRA target.
         let [t_q, t_k, t_v, t_o, t_gate, t_up, t_down] = [
@@ -455,6 +456,12 @@ impl Model {
             };
             // q, with k and v written into the layer's cache at the rows' slots.
             let q = match &layer.qkv {
+                Projection::Stacked { .. } if interleaved => {
+                    return Err(DetspecError::param(
+                        "weights",
+                        "a stacked q/k/v projection with GLM's rope (rope_qkv pairs halves)",
+                    ))
+                }
                 Projection::Stacked { linear, .. } => {
                     let targets = [t_q[0], t_k[0], t_v[0]];
                     let y = one(&hn, linear.apply(&hn, inv)?, &targets)?;
@@ -488,9 +495,13 @@ impl Model {
                         q = ops::rms_norm(&q, qn, eps)?;
                         k = ops::rms_norm(&k, kn, eps)?;
                     }
-                    ops::write_k(k_cache, &ops::apply_rope(&k, cos, sin)?, slots.clone())?;
+                    let rope = |x: &Tensor| match interleaved {
+                        true => ops::apply_rope_interleaved(x, cos, sin),
+                        false => ops::apply_rope(x, cos, sin),
+                    };
+                    ops::write_k(k_cache, &rope(&k)?, slots.clone())?;
                     ops::write_kv(v_cache, &v, slots.clone())?;
-                    ops::apply_rope(&q, cos, sin)?
+                    rope(&q)?
                 }
             };
             let attn = ops::paged_attention(&q, k_cache, v_cache, meta.clone(), scale)?;

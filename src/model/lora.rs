@@ -22,7 +22,7 @@ use candle_core::{DType, Device, Tensor};
 use safetensors::{Dtype as StDtype, SafeTensors};
 use xxhash_rust::xxh3::Xxh3;
 
-use crate::config::{KernelProfile, ModelConfig};
+use crate::config::{Fused, KernelProfile, ModelConfig};
 use crate::error::{DetspecError, Result};
 
 use super::linear::{GemmOptions, LinearWeight};
@@ -75,16 +75,21 @@ impl LoraTarget {
     }
 
     /// The targets the checkpoint module `module` (`self_attn.q_proj`) holds: one, or on a
-    /// model that stores them fused (Phi-3), q/k/v as `self_attn.qkv_proj` and gate/up as
-    /// `mlp.gate_up_proj`, each then under that name only.
-    fn of_module(module: &str, fused: bool) -> Option<&'static [LoraTarget]> {
-        match (module, fused) {
-            ("self_attn.qkv_proj", true) => Some(Self::GROUPS[0]),
-            ("mlp.gate_up_proj", true) => Some(Self::GROUPS[2]),
+    /// model that stores them fused (Phi-3: both; GLM: gate/up), q/k/v as
+    /// `self_attn.qkv_proj` and gate/up as `mlp.gate_up_proj`, each then under that name only.
+    fn of_module(module: &str, fused: Fused) -> Option<&'static [LoraTarget]> {
+        match module {
+            "self_attn.qkv_proj" => fused.qkv.then_some(Self::GROUPS[0]),
+            "mlp.gate_up_proj" => fused.gate_up.then_some(Self::GROUPS[2]),
             _ => {
                 let i = Self::ALL.iter().position(|t| t.module() == module)?;
                 let target = &Self::ALL[i..=i];
-                (!fused || matches!(target[0], Self::O | Self::Down)).then_some(target)
+                let in_fused = match target[0] {
+                    Self::Q | Self::K | Self::V => fused.qkv,
+                    Self::Gate | Self::Up => fused.gate_up,
+                    Self::O | Self::Down => false,
+                };
+                (!in_fused).then_some(target)
             }
         }
     }
@@ -352,7 +357,7 @@ fn read_halves(
             path: path.to_path_buf(),
             message,
         };
-        let fused = cfg.architecture.fuses_projections();
+        let fused = cfg.architecture.fused();
         let (layer, module, targets, is_a) =
             parse_name(name, cfg.num_hidden_layers, fused).map_err(bad)?;
         let mlp_target = matches!(
@@ -485,18 +490,18 @@ fn check_config(c: &AdapterConfig, path: &Path, max_rank: usize) -> Result<()> {
 
 /// `(layer, module, its targets, is lora_A)` of a PEFT tensor name
 /// (`base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight`) on a model that stores
-/// q/k/v and gate/up `fused` or not ([`LoraTarget::of_module`]), or why not.
+/// q/k/v and gate/up as `fused` says ([`LoraTarget::of_module`]), or why not.
 fn parse_name(
     name: &str,
     num_layers: usize,
-    fused: bool,
+    fused: Fused,
 ) -> std::result::Result<(usize, &str, &'static [LoraTarget], bool), String> {
     let unsupported = || {
-        let modules = if fused {
-            "qkv/o/gate_up/down"
-        } else {
-            "q/k/v/o/gate/up/down"
-        };
+        let modules = format!(
+            "{}/o/{}/down",
+            if fused.qkv { "qkv" } else { "q/k/v" },
+            if fused.gate_up { "gate_up" } else { "gate/up" }
+        );
         format!(
             "not a lora_A/lora_B weight of a decoder layer's {modules} projection (adapters of \
              embeddings, the LM head, MoE experts and routers or other modules are not \
@@ -663,18 +668,31 @@ mod tests {
 
     #[test]
     fn fused_models_take_their_fused_module_names_only() {
+        use crate::config::Architecture;
         use LoraTarget::*;
         let of = LoraTarget::of_module;
-        assert_eq!(of("self_attn.qkv_proj", true), Some(&[Q, K, V][..]));
-        assert_eq!(of("mlp.gate_up_proj", true), Some(&[Gate, Up][..]));
-        assert_eq!(of("self_attn.o_proj", true), Some(&[O][..]));
-        assert_eq!(of("mlp.down_proj", true), Some(&[Down][..]));
-        assert_eq!(of("self_attn.q_proj", true), None);
-        assert_eq!(of("mlp.up_proj", true), None);
-        assert_eq!(of("self_attn.qkv_proj", false), None);
-        assert_eq!(of("mlp.up_proj", false), Some(&[Up][..]));
-        let e = parse_name("model.layers.0.self_attn.q_proj.lora_A.weight", 2, true).unwrap_err();
+        let (phi3, glm, llama) = (
+            Architecture::Phi3.fused(),
+            Architecture::Glm4.fused(),
+            Architecture::Llama.fused(),
+        );
+        assert_eq!(of("self_attn.qkv_proj", phi3), Some(&[Q, K, V][..]));
+        assert_eq!(of("mlp.gate_up_proj", phi3), Some(&[Gate, Up][..]));
+        assert_eq!(of("self_attn.o_proj", phi3), Some(&[O][..]));
+        assert_eq!(of("mlp.down_proj", phi3), Some(&[Down][..]));
+        assert_eq!(of("self_attn.q_proj", phi3), None);
+        assert_eq!(of("mlp.up_proj", phi3), None);
+        assert_eq!(of("self_attn.qkv_proj", llama), None);
+        assert_eq!(of("mlp.up_proj", llama), Some(&[Up][..]));
+        // GLM: q/k/v apart, gate/up fused.
+        assert_eq!(of("self_attn.q_proj", glm), Some(&[Q][..]));
+        assert_eq!(of("self_attn.qkv_proj", glm), None);
+        assert_eq!(of("mlp.gate_up_proj", glm), Some(&[Gate, Up][..]));
+        assert_eq!(of("mlp.gate_proj", glm), None);
+        let e = parse_name("model.layers.0.self_attn.q_proj.lora_A.weight", 2, phi3).unwrap_err();
         assert!(e.contains("qkv/o/gate_up/down"), "{e}");
+        let e = parse_name("model.layers.0.mlp.up_proj.lora_A.weight", 2, glm).unwrap_err();
+        assert!(e.contains("q/k/v/o/gate_up/down"), "{e}");
     }
 
     /// `n` values in [-1, 1) from `seed` (a fixed LCG: the cases replay).

@@ -38,7 +38,8 @@ pub fn param_shapes(cfg: &ModelConfig) -> BTreeMap<String, Vec<usize>> {
             }
             m.insert(format!("{name}.weight"), vec![o, i]);
         };
-        if cfg.architecture.fuses_projections() {
+        let fused = cfg.architecture.fused();
+        if fused.qkv {
             linear(
                 format!("{p}.self_attn.qkv_proj"),
                 hs,
@@ -57,7 +58,7 @@ pub fn param_shapes(cfg: &ModelConfig) -> BTreeMap<String, Vec<usize>> {
                     linear(name, i, o, false);
                 }
             }
-            _ if cfg.architecture.fuses_projections() => {
+            _ if fused.gate_up => {
                 linear(format!("{p}.mlp.gate_up_proj"), hs, 2 * is, false);
                 linear(format!("{p}.mlp.down_proj"), is, hs, false);
             }

@@ -145,14 +145,17 @@ impl Model {
         }
         // A fused matrix replaces every layer it holds (`check_update` has refused the
         // separate names on such a model, and the fused ones elsewhere).
-        if self.cfg.architecture.fuses_projections() && kind == "weight" {
+        let fused = self.cfg.architecture.fused();
+        if kind == "weight" {
             let is = self.cfg.intermediate_size;
             match module {
-                "self_attn.qkv_proj" => {
+                "self_attn.qkv_proj" if fused.qkv => {
                     let widths = self.cfg.qkv_widths().to_vec();
                     return Some(Slot::FusedWeight(&mut layer.qkv, widths));
                 }
-                "mlp.gate_up_proj" => return Some(Slot::FusedWeight(gate_up?, vec![is, is])),
+                "mlp.gate_up_proj" if fused.gate_up => {
+                    return Some(Slot::FusedWeight(gate_up?, vec![is, is]))
+                }
                 _ => {}
             }
         }

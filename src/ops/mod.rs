@@ -49,7 +49,7 @@ pub use matmul::{invariant_matmul, INVARIANT_GEMM_ROWS};
 pub use page_copy::copy_pages;
 pub use paged_attention::{paged_attention, paged_attention_with_isa};
 pub use rms_norm::{add_rms_norm, rms_norm};
-pub use rope::{apply_rope, rope_qkv};
+pub use rope::{apply_rope, apply_rope_interleaved, rope_qkv};
 pub use rope_cache::rope_qkv_into_cache;
 
 use std::mem::MaybeUninit;

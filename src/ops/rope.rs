@@ -1,6 +1,7 @@
-//! Rotary position embedding (non-interleaved, "rotate half" as in transformers' Llama): of
-//! each head, the first `2 · half` dimensions rotate, pairing `i` with `i + half`, where
-//! `half` is the cos/sin tables' width; the rest pass through (partial rotary, Phi-4-mini's).
+//! Rotary position embedding: of each head, the first `2 · half` dimensions rotate, where
+//! `half` is the cos/sin tables' width, and the rest pass through (partial rotary,
+//! Phi-4-mini's and GLM's). Pair `i` (angle `i`) is dimensions `i` and `i + half` ("rotate
+//! half", transformers' Llama), or `2i` and `2i + 1` ([`apply_rope_interleaved`], GLM's).
 
 use std::mem::MaybeUninit;
 
@@ -20,16 +21,24 @@ isa_kernel! {
         cos: &[f32],
         sin: &[f32],
         dim: usize,
+        interleaved: bool,
     ) {
         let half = cos.len();
         for (oh, xh) in out.chunks_exact_mut(dim).zip(x.chunks_exact(dim)) {
-            let (o1, rest) = oh.split_at_mut(half);
-            let (o2, o_pass) = rest.split_at_mut(half);
-            let (x1, rest) = xh.split_at(half);
-            let (x2, x_pass) = rest.split_at(half);
-            for i in 0..half {
-                o1[i].write(x1[i] * cos[i] - x2[i] * sin[i]);
-                o2[i].write(x2[i] * cos[i] + x1[i] * sin[i]);
+            let (o_rot, o_pass) = oh.split_at_mut(2 * half);
+            let (x_rot, x_pass) = xh.split_at(2 * half);
+            if interleaved {
+                for (i, (o, x)) in o_rot.chunks_exact_mut(2).zip(x_rot.chunks_exact(2)).enumerate() {
+                    o[0].write(x[0] * cos[i] - x[1] * sin[i]);
+                    o[1].write(x[1] * cos[i] + x[0] * sin[i]);
+                }
+            } else {
+                let (o1, o2) = o_rot.split_at_mut(half);
+                let (x1, x2) = x_rot.split_at(half);
+                for i in 0..half {
+                    o1[i].write(x1[i] * cos[i] - x2[i] * sin[i]);
+                    o2[i].write(x2[i] * cos[i] + x1[i] * sin[i]);
+                }
             }
             for (o, &v) in o_pass.iter_mut().zip(x_pass) {
                 o.write(v);
@@ -38,7 +47,10 @@ isa_kernel! {
     }
 }
 
-struct Rope;
+/// The rope op; `interleaved`: pairs of neighbours (GLM's) rather than of halves.
+struct Rope {
+    interleaved: bool,
+}
 
 impl CustomOp3 for Rope {
     fn name(&self) -> &'static str {
@@ -66,7 +78,7 @@ impl CustomOp3 for Rope {
                 .for_each(|(row, (o, xr))| {
                     let c = &cos[row * half..(row + 1) * half];
                     let s = &sin[row * half..(row + 1) * half];
-                    rotate_row(CpuIsa::detect(), o, xr, c, s, d);
+                    rotate_row(CpuIsa::detect(), o, xr, c, s, d, self.interleaved);
                 })
         });
         Ok((CpuStorage::F32(out), xl.shape().clone()))
@@ -90,6 +102,9 @@ impl CustomOp3 for Rope {
 
         let (t, h, d, half) = rope_dims(xl, cl, sl)?;
         whole_heads(d, half)?;
+        if self.interleaved {
+            bail!("rope: the CUDA kernels pair halves, not neighbours (GLM's rope)");
+        }
         let dev = xs.device();
         let f = cuda::kernel(dev, &cuda::ROPE, "rope", xs.dtype())?;
         let cos = cuda::view::<f32>(cs, cl, "rope cos")?;
@@ -241,8 +256,8 @@ impl CustomOp3 for RopeQkv {
                     let c = &cos[row * half..(row + 1) * half];
                     let s = &sin[row * half..(row + 1) * half];
                     let isa = CpuIsa::detect();
-                    rotate_row(isa, qo, &xr[..q], c, s, d);
-                    rotate_row(isa, ko, &xr[q..q + kv], c, s, d);
+                    rotate_row(isa, qo, &xr[..q], c, s, d, false);
+                    rotate_row(isa, ko, &xr[q..q + kv], c, s, d, false);
                     for (o, &v) in vo.iter_mut().zip(&xr[q + kv..]) {
                         o.write(v);
                     }
@@ -304,7 +319,7 @@ impl CustomOp3 for RopeQkv {
 
 /// The stacked q/k/v projection's output `qkv` `[tokens, (q_heads + 2 kv_heads) · head_dim]`
 /// split into `(q, k, v)` (`[tokens, heads, head_dim]` each, contiguous), q and k rotated as
-/// [`apply_rope`] rotates them.
+/// [`apply_rope`] rotates them (halves paired: no model with GLM's rope stacks its q/k/v).
 pub fn rope_qkv(
     qkv: &Tensor,
     cos: &Tensor,
@@ -328,5 +343,17 @@ pub fn rope_qkv(
 /// rotary_dim/2]` (already gathered at each token's absolute position): the first
 /// `rotary_dim` dimensions of each head rotate, the rest pass through.
 pub fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> candle_core::Result<Tensor> {
-    x.contiguous()?.apply_op3_no_bwd(cos, sin, &Rope)
+    x.contiguous()?
+        .apply_op3_no_bwd(cos, sin, &Rope { interleaved: false })
+}
+
+/// [`apply_rope`] with pair `i` made of dimensions `2i` and `2i + 1` (GLM's rope, GPT-J's
+/// pairing), on the CPU.
+pub fn apply_rope_interleaved(
+    x: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+) -> candle_core::Result<Tensor> {
+    x.contiguous()?
+        .apply_op3_no_bwd(cos, sin, &Rope { interleaved: true })
 }

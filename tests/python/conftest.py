@@ -189,6 +189,23 @@ MODEL_SPECS: dict[str, dict] = {
         },
         "llm_kwargs": {"max_model_len": 128},
     },
+    # GLM (glm-4-9b-chat-hf): Llama's layers with gate/up fused, q/k/v biases, and rope on
+    # half of each head (8 of 16 dimensions) pairing neighbours. GLM-4-0414: the same, each
+    # sublayer normed before and after.
+    "glm": {
+        "arch": "glm",
+        "seed": 83,
+        "head_dim": 16,
+        "rope": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        "extra": {"pad_token_id": 0},
+    },
+    "glm4": {
+        "arch": "glm4",
+        "seed": 89,
+        "head_dim": 16,
+        "rope": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        "extra": {"pad_token_id": 0},
+    },
     # OLMo 2: sublayer outputs normed before the residual add, q/k normed over the whole
     # projection.
     "olmo2": {
@@ -366,6 +383,8 @@ _CONFIG_CLASSES = {
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
     "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
     "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM),
+    "glm": (transformers.GlmConfig, transformers.GlmForCausalLM),
+    "glm4": (transformers.Glm4Config, transformers.Glm4ForCausalLM),
     "olmo3": (transformers.Olmo3Config, transformers.Olmo3ForCausalLM),
     "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM),
     "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM),

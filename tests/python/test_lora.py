@@ -120,6 +120,12 @@ PARITY_CASES = [
         {"target_modules": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]},
         id="phi3-fused",
     ),
+    # GLM-4 stores only gate/up fused: q/k/v adapted apart, gate/up as one module.
+    pytest.param(
+        "glm4",
+        {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"]},
+        id="glm4-gate-up-fused",
+    ),
 ]
 
 

@@ -55,7 +55,18 @@ def outputs_bits(llm: detspec.LLM) -> list[tuple[list[int], list[int]]]:
 
 @pytest.mark.parametrize(
     "name",
-    ["llama", "llama_tied", "qwen3", "phi3", "phi4_mini", "olmo2", "olmo3", "gemma2", "gemma3"],
+    [
+        "llama",
+        "llama_tied",
+        "qwen3",
+        "phi3",
+        "phi4_mini",
+        "glm4",
+        "olmo2",
+        "olmo3",
+        "gemma2",
+        "gemma3",
+    ],
 )
 def test_update_weights_follows_transformers_and_restores_bit_for_bit(model_zoo, name):
     case = model_zoo.get(name)
