@@ -90,6 +90,16 @@ def test_fingerprint_names_the_gpu_and_dtype(model_zoo):
     llm.shutdown()
 
 
+@pytest.mark.parametrize(
+    "arch, field", [("phi4_mini", "partial_rotary_factor"), ("glm4", "architectures")]
+)
+def test_ropes_the_gpu_kernels_lack_are_refused_at_load(model_zoo, arch, field):
+    """Partial rotation (Phi-4-mini) and neighbour pairs (GLM) run on the CPU only: on a GPU
+    the load fails naming the config field, before any weight is read."""
+    with pytest.raises(detspec.ModelLoadError, match=field):
+        detspec.LLM(str(model_zoo.get(arch).path), device="cuda")
+
+
 def test_missing_gpu_ordinal_is_named(model_zoo):
     with pytest.raises(InvalidRequestError, match="cuda:99"):
         detspec.LLM(str(model_zoo.get("llama").path), device="cuda:99")
