@@ -43,6 +43,9 @@ pub enum Architecture {
     Glm,
     /// GLM-4-0414 and GLM-Z1: GLM's layers with each sublayer normed before and after.
     Glm4,
+    /// ERNIE 4.5 (dense): Llama's layers with GLM's neighbour-pair rope on whole heads, and
+    /// biases on every projection or none (`use_bias`).
+    Ernie45,
     /// Gemma 3 (text): each sublayer normed before and after, norms scaling by `1 + w`, GeGLU,
     /// embeddings scaled by √hidden, attention scaled by `query_pre_attn_scalar^-½`, and most
     /// layers within a sliding window with a rope of their own (`layer_types`).
@@ -58,7 +61,7 @@ pub enum Architecture {
 impl Architecture {
     /// Each architecture's `*ForCausalLM` class (`architectures`) and its `model_type`, the
     /// fallback for a config without `architectures`.
-    const CAUSAL_LM: [(&'static str, &'static str, Architecture); 17] = [
+    const CAUSAL_LM: [(&'static str, &'static str, Architecture); 18] = [
         ("LlamaForCausalLM", "llama", Architecture::Llama),
         ("MistralForCausalLM", "mistral", Architecture::Mistral),
         ("Qwen2ForCausalLM", "qwen2", Architecture::Qwen2),
@@ -76,6 +79,7 @@ impl Architecture {
         ("OlmoeForCausalLM", "olmoe", Architecture::Olmoe),
         ("GlmForCausalLM", "glm", Architecture::Glm),
         ("Glm4ForCausalLM", "glm4", Architecture::Glm4),
+        ("Ernie4_5ForCausalLM", "ernie4_5", Architecture::Ernie45),
     ];
 
     /// Sequence classifiers (reward models, classifiers: `score` instead of `lm_head`) of the
@@ -105,10 +109,13 @@ impl Architecture {
         }
     }
 
-    /// Whether rope pairs each head's neighbouring dimensions (`2i`, `2i + 1`: GLM's) rather
-    /// than its halves (`i`, `i + rotary_dim/2`: everyone else's).
+    /// Whether rope pairs each head's neighbouring dimensions (`2i`, `2i + 1`: GLM's and
+    /// ERNIE's) rather than its halves (`i`, `i + rotary_dim/2`: everyone else's).
     pub fn rope_interleaved(self) -> bool {
-        matches!(self, Architecture::Glm | Architecture::Glm4)
+        matches!(
+            self,
+            Architecture::Glm | Architecture::Glm4 | Architecture::Ernie45
+        )
     }
 
     /// Each decoder layer's norms by their checkpoint names, in the order they apply: before
@@ -346,6 +353,8 @@ struct RawConfig {
     use_bidirectional_attention: Option<bool>,
     /// OLMo's clamp of q, k and v (refused).
     clip_qkv: Option<f64>,
+    /// ERNIE 4.5's bias switch for every projection.
+    use_bias: Option<bool>,
     /// Newer transformers: `rope_theta` and the scaling in one object.
     rope_parameters: Option<RawRope>,
     rope_scaling: Option<RawRope>,
@@ -475,6 +484,8 @@ impl ModelConfig {
             return Err(err("max_position_embeddings", "must be > 0".into()));
         }
         let attention_bias = raw.attention_bias.unwrap_or(false);
+        // ERNIE's one switch for every projection's bias.
+        let use_bias = raw.use_bias.unwrap_or(false);
         let (qkv_bias, o_bias) = match architecture {
             Architecture::Qwen2 => (true, false),
             Architecture::Qwen2Moe => (raw.qkv_bias.unwrap_or(true), false),
@@ -482,6 +493,7 @@ impl ModelConfig {
             Architecture::Phi3 => (false, false),
             // `attention_bias` (on by default) is q/k/v's; o_proj has none.
             Architecture::Glm | Architecture::Glm4 => (raw.attention_bias.unwrap_or(true), false),
+            Architecture::Ernie45 => (use_bias, use_bias),
             _ => (attention_bias, attention_bias),
         };
         let sliding_window = match architecture {
@@ -507,7 +519,8 @@ impl ModelConfig {
             | Architecture::Olmoe
             | Architecture::Granite
             | Architecture::Glm
-            | Architecture::Glm4 => None,
+            | Architecture::Glm4
+            | Architecture::Ernie45 => None,
             // Its window applies to the layers without rope only (below).
             Architecture::SmolLm3 => raw
                 .sliding_window
@@ -638,7 +651,10 @@ impl ModelConfig {
                 && head == Head::LanguageModel,
             qkv_bias,
             o_bias,
-            mlp_bias: raw.mlp_bias.unwrap_or(false) && !architecture.fused().gate_up,
+            mlp_bias: match architecture {
+                Architecture::Ernie45 => use_bias,
+                _ => raw.mlp_bias.unwrap_or(false) && !architecture.fused().gate_up,
+            },
             qk_norm: matches!(
                 architecture,
                 Architecture::Qwen3
@@ -707,7 +723,7 @@ impl ModelConfig {
         path: &Path,
     ) -> Result<usize> {
         // GLM's configs rotate half of each head unless they say otherwise.
-        let glm_default = (architecture.rope_interleaved())
+        let glm_default = matches!(architecture, Architecture::Glm | Architecture::Glm4)
             .then(|| (0.5, "partial_rotary_factor (GLM's default)".to_string()));
         let Some((f, field)) = rope::rotary_fraction(
             raw.rope_parameters.as_ref(),
@@ -1054,6 +1070,30 @@ pub(super) mod tests {
         assert_eq!(
             g.architecture.sublayer_norms(),
             Architecture::Llama.sublayer_norms()
+        );
+    }
+
+    #[test]
+    fn ernie_pairs_neighbours_on_whole_heads_with_one_bias_switch() {
+        let c = parse(&format!(
+            r#"{{"architectures": ["Ernie4_5ForCausalLM"], {BASE}, "use_bias": true}}"#
+        ))
+        .unwrap();
+        assert!(c.architecture.rope_interleaved());
+        assert!(c.qkv_bias && c.o_bias && c.mlp_bias);
+        // transformers' defaults where the config is silent: 128-wide heads (not 64 / 4),
+        // tied embeddings, theta 500,000; whole heads rotate.
+        assert_eq!((c.head_dim, c.rotary_dim), (128, 128));
+        assert!(c.tie_word_embeddings);
+        assert_eq!(c.rope.theta, 500_000.0);
+        let plain = parse(&format!(
+            r#"{{"architectures": ["Ernie4_5ForCausalLM"], {BASE}, "head_dim": 16}}"#
+        ))
+        .unwrap();
+        assert!(!(plain.qkv_bias || plain.o_bias || plain.mlp_bias));
+        assert_refused(
+            "Ernie4_5ForCausalLM",
+            &[(r#""partial_rotary_factor": 0.5"#, "partial_rotary_factor")],
         );
     }
 

@@ -1,6 +1,7 @@
 //! The decoder's settings as `config.json` gives them: a multimodal checkpoint keeps its
 //! language model's under `text_config` (detspec serves that model, text only), and real
-//! Gemma configs lean on transformers' defaults (Gemma 3 4B's `text_config` names six fields).
+//! Gemma configs lean on transformers' defaults (Gemma 3 4B's `text_config` names six fields),
+//! as ERNIE 4.5's may (its default head is wider than `hidden_size / heads`).
 //! Both are made into one flat config here, before [`super::ModelConfig`] reads it.
 
 use std::path::Path;
@@ -31,7 +32,7 @@ const INHERITED: [&str; 5] = [
 type Defaults = Vec<(&'static str, Value)>;
 
 /// transformers' defaults for the keys a config of this decoder class (a causal LM or a
-/// classifier; without `architectures`, this `model_type`) leaves out: Gemma's configs lean on
+/// classifier; without `architectures`, this `model_type`) leaves out: Gemma's and ERNIE's configs lean on
 /// them.
 fn defaults_of(class: Option<&str>, model_type: Option<&str>) -> Defaults {
     let is = |prefix: &str, kind: &str| match class {
@@ -42,6 +43,8 @@ fn defaults_of(class: Option<&str>, model_type: Option<&str>) -> Defaults {
         gemma2_defaults()
     } else if is("Gemma3ForCausalLM", "gemma3_text") || is("Gemma3TextFor", "gemma3_text") {
         gemma3_text_defaults()
+    } else if is("Ernie4_5ForCausalLM", "ernie4_5") {
+        ernie45_defaults()
     } else {
         Vec::new()
     }
@@ -70,6 +73,24 @@ fn gemma3_text_defaults() -> Defaults {
         ("rope_local_base_freq", 1e4.into()),
     ]);
     d
+}
+
+/// transformers' `Ernie4_5Config` defaults (ERNIE-4.5-0.3B's shape): its head is wider than
+/// `hidden_size / heads`, and its embeddings are tied.
+fn ernie45_defaults() -> Defaults {
+    vec![
+        ("vocab_size", 103_424.into()),
+        ("hidden_size", 1024.into()),
+        ("intermediate_size", 3072.into()),
+        ("num_hidden_layers", 18.into()),
+        ("num_attention_heads", 16.into()),
+        ("num_key_value_heads", 2.into()),
+        ("head_dim", 128.into()),
+        ("max_position_embeddings", 131_072.into()),
+        ("rms_norm_eps", 1e-5.into()),
+        ("rope_theta", 500_000.0.into()),
+        ("tie_word_embeddings", true.into()),
+    ]
 }
 
 /// The defaults Gemma 2 and 3 share.

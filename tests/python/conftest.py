@@ -206,6 +206,16 @@ MODEL_SPECS: dict[str, dict] = {
         "rope": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
         "extra": {"pad_token_id": 0},
     },
+    # ERNIE 4.5 (0.3B): Llama's layers with neighbour-pair rope on whole heads, biases on every
+    # projection (use_bias), tied embeddings.
+    "ernie45": {
+        "arch": "ernie45",
+        "seed": 97,
+        "tie": True,
+        "head_dim": 16,
+        "rope": {"rope_type": "default", "rope_theta": 500000.0},
+        "extra": {"pad_token_id": 0, "use_bias": True},
+    },
     # OLMo 2: sublayer outputs normed before the residual add, q/k normed over the whole
     # projection.
     "olmo2": {
@@ -385,6 +395,7 @@ _CONFIG_CLASSES = {
     "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM),
     "glm": (transformers.GlmConfig, transformers.GlmForCausalLM),
     "glm4": (transformers.Glm4Config, transformers.Glm4ForCausalLM),
+    "ernie45": (transformers.Ernie4_5Config, transformers.Ernie4_5ForCausalLM),
     "olmo3": (transformers.Olmo3Config, transformers.Olmo3ForCausalLM),
     "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM),
     "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM),

@@ -150,8 +150,9 @@ def needle_in_haystack(
 # multipliers (granite), YaRN's tables (qwen2_yarn), a layer without rope (smollm3), norms on
 # both sides of each sublayer with GeGLU (gemma3), soft caps on scores and logits (gemma2),
 # LongRoPE on three quarters of each head (phi4_mini), OLMo 2's q/k norms before a mixture of
-# experts (olmoe), rope on half of each head pairing neighbours (glm4). Their windows (24
-# keys) are shorter than the haystacks' prompts.
+# experts (olmoe), rope on half of each head pairing neighbours (glm4), the same pairing on
+# whole heads with biases everywhere (ernie45). Their windows (24 keys) are shorter than the
+# haystacks' prompts.
 @pytest.mark.parametrize(
     "name",
     [
@@ -166,6 +167,7 @@ def needle_in_haystack(
         "gemma3",
         "olmoe",
         "glm4",
+        "ernie45",
     ],
 )
 def test_needle_in_haystack_on_every_decoder_layout(model_zoo, name: str) -> None:
