@@ -46,6 +46,10 @@ pub enum Architecture {
     /// ERNIE 4.5 (dense): Llama's layers with GLM's neighbour-pair rope on whole heads, and
     /// biases on every projection or none (`use_bias`).
     Ernie45,
+    /// EXAONE 4.0: OLMo 2's norms of each sublayer's output, Qwen3's per-head q/k norms, and
+    /// where it has a window, most layers within it and the others without rope
+    /// (`layer_types`).
+    Exaone4,
     /// Gemma 3 (text): each sublayer normed before and after, norms scaling by `1 + w`, GeGLU,
     /// embeddings scaled by √hidden, attention scaled by `query_pre_attn_scalar^-½`, and most
     /// layers within a sliding window with a rope of their own (`layer_types`).
@@ -61,7 +65,7 @@ pub enum Architecture {
 impl Architecture {
     /// Each architecture's `*ForCausalLM` class (`architectures`) and its `model_type`, the
     /// fallback for a config without `architectures`.
-    const CAUSAL_LM: [(&'static str, &'static str, Architecture); 18] = [
+    const CAUSAL_LM: [(&'static str, &'static str, Architecture); 19] = [
         ("LlamaForCausalLM", "llama", Architecture::Llama),
         ("MistralForCausalLM", "mistral", Architecture::Mistral),
         ("Qwen2ForCausalLM", "qwen2", Architecture::Qwen2),
@@ -80,6 +84,7 @@ impl Architecture {
         ("GlmForCausalLM", "glm", Architecture::Glm),
         ("Glm4ForCausalLM", "glm4", Architecture::Glm4),
         ("Ernie4_5ForCausalLM", "ernie4_5", Architecture::Ernie45),
+        ("Exaone4ForCausalLM", "exaone4", Architecture::Exaone4),
     ];
 
     /// Sequence classifiers (reward models, classifiers: `score` instead of `lm_head`) of the
@@ -125,7 +130,7 @@ impl Architecture {
     /// both.
     pub fn sublayer_norms(self) -> [Option<&'static str>; 4] {
         match self {
-            Architecture::Olmo2 | Architecture::Olmo3 => [
+            Architecture::Olmo2 | Architecture::Olmo3 | Architecture::Exaone4 => [
                 None,
                 Some("post_attention_layernorm"),
                 None,
@@ -278,8 +283,8 @@ pub struct ModelConfig {
     pub rope_sliding: Option<RopeConfig>,
     /// Granite's multipliers (`None` elsewhere).
     pub granite: Option<GraniteScales>,
-    /// Which layers rotate q and k (SmolLM3's `no_rope_layers`: 0 marks a layer without);
-    /// `None`: every layer does.
+    /// Which layers rotate q and k (SmolLM3's `no_rope_layers`: 0 marks a layer without;
+    /// EXAONE 4's sliding layers only); `None`: every layer does.
     pub rope_layers: Option<Vec<bool>>,
     /// `eos_token_id` from config.json (generation_config.json is read by the tokenizer module).
     pub eos_token_ids: Vec<u32>,
@@ -340,8 +345,9 @@ struct RawConfig {
     no_rope_layer_interval: Option<usize>,
     /// Each layer's attention, `sliding_attention` or `full_attention` (OLMo 3, Gemma 3).
     layer_types: Option<Vec<String>>,
-    /// Gemma 3 without `layer_types`: every this-many-th layer attends to every key.
-    sliding_window_pattern: Option<usize>,
+    /// Gemma 3 and EXAONE 4 without `layer_types`: every this-many-th layer attends to every
+    /// key (a count, or EXAONE's spelling of it, `"LLLG"`).
+    sliding_window_pattern: Option<Value>,
     /// Gemma 3's sliding layers' rope theta (classic keys; `rope_theta` is the full layers').
     rope_local_base_freq: Option<f64>,
     /// Gemma's attention scale (`query_pre_attn_scalar^-½`).
@@ -501,7 +507,8 @@ impl ModelConfig {
             | Architecture::Mixtral
             | Architecture::Phi3
             | Architecture::Gemma2
-            | Architecture::Gemma3 => raw.sliding_window,
+            | Architecture::Gemma3
+            | Architecture::Exaone4 => raw.sliding_window,
             // transformers' default where the config has none.
             Architecture::Olmo3 => raw.sliding_window.or(Some(4096)),
             Architecture::Qwen2
@@ -576,7 +583,7 @@ impl ModelConfig {
             &defaults,
             path,
         )?;
-        let rope_layers = (architecture == Architecture::SmolLm3)
+        let smollm3_rope_layers = (architecture == Architecture::SmolLm3)
             .then(|| Self::parse_rope_layers(&raw, num_hidden_layers, path))
             .transpose()?;
         let sliding_layers = match architecture {
@@ -603,10 +610,18 @@ impl ModelConfig {
                         scaling: RopeScaling::None,
                     });
                 }
-                let every = match raw.sliding_window_pattern.unwrap_or(6) {
-                    0 => return Err(err("sliding_window_pattern", "must be > 0".into())),
-                    n => n,
-                };
+                let every = Self::window_every(&raw, 6, path)?;
+                Some(Self::parse_layer_types(
+                    &raw,
+                    num_hidden_layers,
+                    every,
+                    path,
+                )?)
+            }
+            // No window, no layer kinds: every layer attends to every key, with rope.
+            Architecture::Exaone4 if raw.sliding_window.is_none() => None,
+            Architecture::Exaone4 => {
+                let every = Self::window_every(&raw, 4, path)?;
                 Some(Self::parse_layer_types(
                     &raw,
                     num_hidden_layers,
@@ -615,7 +630,7 @@ impl ModelConfig {
                 )?)
             }
             // transformers' `SmolLM3Config`: the window, when on, is the layers' without rope.
-            Architecture::SmolLm3 => rope_layers
+            Architecture::SmolLm3 => smollm3_rope_layers
                 .as_ref()
                 .map(|r| r.iter().map(|&rotates| !rotates).collect()),
             _ => {
@@ -628,6 +643,11 @@ impl ModelConfig {
                 }
                 None
             }
+        };
+        // EXAONE 4's full-attention layers have no rope (where it has a window at all).
+        let rope_layers = match architecture {
+            Architecture::Exaone4 => sliding_layers.clone(),
+            _ => smollm3_rope_layers,
         };
         let torch_dtype = [&raw.torch_dtype, &raw.dtype]
             .into_iter()
@@ -663,6 +683,7 @@ impl ModelConfig {
                     | Architecture::Olmo3
                     | Architecture::Olmoe
                     | Architecture::Gemma3
+                    | Architecture::Exaone4
             ),
             hidden_act,
             attn_logit_softcapping,
@@ -763,9 +784,38 @@ impl ModelConfig {
         Ok(rotary_dim)
     }
 
+    /// `sliding_window_pattern` as a count of layers (every this-many-th one attends to
+    /// every key), or `default` where absent: a number, or EXAONE 4's `"LLLG"` (that count
+    /// written as sliding layers, `L`, then one full, `G`).
+    fn window_every(raw: &RawConfig, default: usize, path: &Path) -> Result<usize> {
+        let err = |message: String| DetspecError::InvalidConfig {
+            path: path.to_path_buf(),
+            field: "sliding_window_pattern".into(),
+            message,
+        };
+        let every = match &raw.sliding_window_pattern {
+            None | Some(Value::Null) => default,
+            Some(Value::Number(n)) => n.as_u64().unwrap_or(0) as usize,
+            Some(Value::String(p))
+                if p.ends_with('G') && p[..p.len() - 1].chars().all(|c| c == 'L') =>
+            {
+                p.len()
+            }
+            Some(other) => {
+                return Err(err(format!(
+                    "{other}: a count of layers, or sliding layers then one full (\"LLLG\")"
+                )))
+            }
+        };
+        if every == 0 {
+            return Err(err("must be > 0".into()));
+        }
+        Ok(every)
+    }
+
     /// `layer_types` (each layer's attention: `sliding_attention` or `full_attention`), or
     /// transformers' default: every `every`-th layer full (OLMo 3: 4, Gemma 2: 2, Gemma 3: its
-    /// `sliding_window_pattern`, 6).
+    /// `sliding_window_pattern`, 6; EXAONE 4: its `sliding_window_pattern`, 4).
     fn parse_layer_types(
         raw: &RawConfig,
         layers: usize,
@@ -1095,6 +1145,49 @@ pub(super) mod tests {
             "Ernie4_5ForCausalLM",
             &[(r#""partial_rotary_factor": 0.5"#, "partial_rotary_factor")],
         );
+    }
+
+    #[test]
+    fn exaone4_slides_most_layers_and_leaves_rope_off_the_others() {
+        let exaone = |extra: &str| {
+            parse(&format!(
+                r#"{{"architectures": ["Exaone4ForCausalLM"], "hidden_size": 64,
+                "intermediate_size": 128, "num_hidden_layers": 8, "num_attention_heads": 4,
+                "vocab_size": 100{extra}}}"#
+            ))
+        };
+        // EXAONE-4.0-32B's spelling of the pattern, and a count: three sliding layers, then
+        // one full one without rope.
+        let want = vec![true, true, true, false, true, true, true, false];
+        for pattern in [r#""LLLG""#, "4"] {
+            let c = exaone(&format!(
+                r#", "sliding_window": 4096, "sliding_window_pattern": {pattern}"#
+            ))
+            .unwrap();
+            assert_eq!(c.sliding_layers.as_ref(), Some(&want), "{pattern}");
+            assert_eq!(c.rope_layers.as_ref(), Some(&want), "{pattern}");
+            assert!(c.layer_slides(0) && !c.layer_slides(3) && !c.layer_has_rope(3));
+        }
+        let c = exaone(r#", "sliding_window": 4096"#).unwrap();
+        assert_eq!(c.sliding_layers, Some(want));
+        assert!(c.qk_norm && !c.architecture.norms_whole_qk());
+        assert_eq!(
+            c.architecture.sublayer_norms(),
+            Architecture::Olmo2.sublayer_norms()
+        );
+        // Without a window (EXAONE-4.0-1.2B) every layer attends to every key, with rope.
+        let c = exaone(r#", "sliding_window": null, "sliding_window_pattern": "LLLG""#).unwrap();
+        assert!(c.sliding_layers.is_none() && c.rope_layers.is_none());
+        for bad in [r#""LGLG""#, "0", r#"[1]"#] {
+            let e = exaone(&format!(
+                r#", "sliding_window": 16, "sliding_window_pattern": {bad}"#
+            ))
+            .unwrap_err();
+            assert!(
+                e.to_string().contains("sliding_window_pattern"),
+                "{bad}: {e}"
+            );
+        }
     }
 
     #[test]

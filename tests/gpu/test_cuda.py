@@ -34,8 +34,9 @@ def greedy(n: int = NEW_TOKENS) -> SamplingParams:
 # granite: its multipliers; smollm3: a layer without rope (identity tables); gemma3: GeGLU
 # (`geglu_halves`), norms on both sides of each sublayer, two ropes; gemma2: the attention
 # kernel's soft cap and the logits' (`softcap`); phi3_longrope: LongRoPE's tables (short
-# factors: served within its original context). phi4_mini's partial rotation is refused on
-# the GPU (the CUDA rope kernels rotate whole heads).
+# factors: served within its original context); exaone4: a sliding layer and a full one
+# without rope. phi4_mini's partial rotation is refused on the GPU (the CUDA rope kernels
+# rotate whole heads).
 @pytest.mark.parametrize(
     "arch",
     [
@@ -53,6 +54,7 @@ def greedy(n: int = NEW_TOKENS) -> SamplingParams:
         "smollm3",
         "gemma2",
         "gemma3",
+        "exaone4",
     ],
 )
 def test_f32_greedy_matches_transformers(model_zoo, token_prompts, arch):

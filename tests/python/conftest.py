@@ -216,6 +216,20 @@ MODEL_SPECS: dict[str, dict] = {
         "rope": {"rope_type": "default", "rope_theta": 500000.0},
         "extra": {"pad_token_id": 0, "use_bias": True},
     },
+    # EXAONE 4.0: OLMo 2's norms of the sublayers' outputs, q/k normed per head, one layer
+    # within a window shorter than the longer prompts and one attending to every key without
+    # rope.
+    "exaone4": {
+        "arch": "exaone4",
+        "seed": 101,
+        "head_dim": 16,
+        "rope": {"rope_type": "default", "rope_theta": 1000000.0},
+        "extra": {
+            "pad_token_id": 0,
+            "sliding_window": 24,
+            "layer_types": ["sliding_attention", "full_attention"],
+        },
+    },
     # OLMo 2: sublayer outputs normed before the residual add, q/k normed over the whole
     # projection.
     "olmo2": {
@@ -396,6 +410,7 @@ _CONFIG_CLASSES = {
     "glm": (transformers.GlmConfig, transformers.GlmForCausalLM),
     "glm4": (transformers.Glm4Config, transformers.Glm4ForCausalLM),
     "ernie45": (transformers.Ernie4_5Config, transformers.Ernie4_5ForCausalLM),
+    "exaone4": (transformers.Exaone4Config, transformers.Exaone4ForCausalLM),
     "olmo3": (transformers.Olmo3Config, transformers.Olmo3ForCausalLM),
     "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM),
     "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM),

@@ -151,8 +151,8 @@ def needle_in_haystack(
 # both sides of each sublayer with GeGLU (gemma3), soft caps on scores and logits (gemma2),
 # LongRoPE on three quarters of each head (phi4_mini), OLMo 2's q/k norms before a mixture of
 # experts (olmoe), rope on half of each head pairing neighbours (glm4), the same pairing on
-# whole heads with biases everywhere (ernie45). Their windows (24 keys) are shorter than the
-# haystacks' prompts.
+# whole heads with biases everywhere (ernie45), a sliding layer and a full one without rope
+# (exaone4). Their windows (24 keys) are shorter than the haystacks' prompts.
 @pytest.mark.parametrize(
     "name",
     [
@@ -168,6 +168,7 @@ def needle_in_haystack(
         "olmoe",
         "glm4",
         "ernie45",
+        "exaone4",
     ],
 )
 def test_needle_in_haystack_on_every_decoder_layout(model_zoo, name: str) -> None:

@@ -62,6 +62,7 @@ def outputs_bits(llm: detspec.LLM) -> list[tuple[list[int], list[int]]]:
         "phi3",
         "phi4_mini",
         "glm4",
+        "exaone4",
         "olmo2",
         "olmo3",
         "gemma2",
