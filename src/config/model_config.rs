@@ -1190,6 +1190,95 @@ pub(super) mod tests {
         }
     }
 
+    /// Configs of the shape the hub's checkpoints have (their keys and values, factor lists
+    /// shortened to the right length): each loads with the geometry its model card gives.
+    #[test]
+    fn hub_shaped_configs_of_the_newer_families_load() {
+        let factors = |n: usize| vec!["1.0"; n].join(", ");
+        // Phi-4-mini-instruct: 128-wide heads, 96 dimensions rotating, 48 factors a set; its
+        // window outlasts any sequence.
+        let mut phi4 = parse(&format!(
+            r#"{{"architectures": ["Phi3ForCausalLM"], "attention_bias": false,
+            "bos_token_id": 199999, "eos_token_id": 199999, "full_attn_mod": 1,
+            "hidden_act": "silu", "hidden_size": 3072, "intermediate_size": 8192,
+            "interpolate_factor": 1, "lm_head_bias": false, "max_position_embeddings": 131072,
+            "mlp_bias": false, "model_type": "phi3", "num_attention_heads": 24,
+            "num_hidden_layers": 32, "num_key_value_heads": 8,
+            "original_max_position_embeddings": 4096, "pad_token_id": 199999,
+            "partial_rotary_factor": 0.75, "rms_norm_eps": 1e-05,
+            "rope_scaling": {{"long_factor": [{f}], "short_factor": [{f}], "type": "longrope"}},
+            "rope_theta": 10000.0, "sliding_window": 262144, "tie_word_embeddings": true,
+            "torch_dtype": "bfloat16", "vocab_size": 200064}}"#,
+            f = factors(48)
+        ))
+        .unwrap();
+        assert_eq!((phi4.head_dim, phi4.rotary_dim), (128, 96));
+        phi4.serve_up_to(phi4.max_context());
+        assert_eq!((phi4.max_context(), phi4.sliding_window), (131_072, None));
+        // GLM-4-9B-0414.
+        let glm = parse(
+            r#"{"architectures": ["Glm4ForCausalLM"], "attention_bias": true,
+            "eos_token_id": [151329, 151336, 151338], "head_dim": 128, "hidden_act": "silu",
+            "hidden_size": 4096, "intermediate_size": 13696, "max_position_embeddings": 32768,
+            "model_type": "glm4", "num_attention_heads": 32, "num_hidden_layers": 40,
+            "num_key_value_heads": 2, "pad_token_id": 151329, "partial_rotary_factor": 0.5,
+            "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "tie_word_embeddings": false,
+            "torch_dtype": "bfloat16", "vocab_size": 151552}"#,
+        )
+        .unwrap();
+        assert_eq!((glm.rotary_dim, glm.eos_token_ids.len()), (64, 3));
+        // OLMoE-1B-7B-0924: 64 experts of 1,024, 8 a token.
+        let olmoe = parse(
+            r#"{"architectures": ["OlmoeForCausalLM"], "attention_bias": false, "clip_qkv": null,
+            "eos_token_id": 50279, "hidden_act": "silu", "hidden_size": 2048,
+            "intermediate_size": 1024, "max_position_embeddings": 4096, "model_type": "olmoe",
+            "norm_topk_prob": false, "num_attention_heads": 16, "num_experts": 64,
+            "num_experts_per_tok": 8, "num_hidden_layers": 16, "num_key_value_heads": 16,
+            "pad_token_id": 1, "rms_norm_eps": 1e-05, "rope_scaling": null,
+            "rope_theta": 10000.0, "tie_word_embeddings": false, "vocab_size": 50304}"#,
+        )
+        .unwrap();
+        let moe = olmoe.moe.unwrap();
+        assert_eq!(
+            (moe.num_experts, moe.top_k, moe.expert_intermediate_size),
+            (64, 8, 1024)
+        );
+        // EXAONE-4.0-32B: 64 layers, every fourth full and without rope, llama3 scaling.
+        let kinds: Vec<&str> = (0..64)
+            .map(|i| match (i + 1) % 4 {
+                0 => "\"full_attention\"",
+                _ => "\"sliding_attention\"",
+            })
+            .collect();
+        let exaone = parse(&format!(
+            r#"{{"architectures": ["Exaone4ForCausalLM"], "head_dim": 128, "hidden_size": 5120,
+            "intermediate_size": 27392, "layer_types": [{}], "max_position_embeddings": 131072,
+            "num_attention_heads": 40, "num_hidden_layers": 64, "num_key_value_heads": 8,
+            "rms_norm_eps": 1e-05, "rope_scaling": {{"factor": 16.0, "high_freq_factor": 4.0,
+            "low_freq_factor": 1.0, "original_max_position_embeddings": 8192,
+            "rope_type": "llama3"}}, "rope_theta": 1000000, "sliding_window": 4096,
+            "sliding_window_pattern": "LLLG", "tie_word_embeddings": false,
+            "vocab_size": 102400}}"#,
+            kinds.join(", ")
+        ))
+        .unwrap();
+        assert!(exaone.layer_slides(62) && !exaone.layer_slides(63));
+        assert!(exaone.layer_has_rope(62) && !exaone.layer_has_rope(63));
+        // ERNIE-4.5-0.3B.
+        let ernie = parse(
+            r#"{"architectures": ["Ernie4_5ForCausalLM"], "bos_token_id": 1, "eos_token_id": 2,
+            "hidden_act": "silu", "hidden_size": 1024, "intermediate_size": 3072,
+            "max_position_embeddings": 131072, "model_type": "ernie4_5",
+            "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 128,
+            "num_hidden_layers": 18, "pad_token_id": 0, "rms_norm_eps": 1e-05,
+            "rope_theta": 500000, "tie_word_embeddings": true, "torch_dtype": "bfloat16",
+            "use_bias": false, "vocab_size": 103424}"#,
+        )
+        .unwrap();
+        assert_eq!((ernie.head_dim, ernie.rotary_dim), (128, 128));
+        assert!(ernie.tie_word_embeddings && !ernie.qkv_bias);
+    }
+
     #[test]
     fn phi3_fuses_its_projections_and_keeps_its_window() {
         let c = parse(&format!(
