@@ -46,6 +46,9 @@ pub enum Architecture {
     /// ERNIE 4.5 (dense): Llama's layers with GLM's neighbour-pair rope on whole heads, and
     /// biases on every projection or none (`use_bias`).
     Ernie45,
+    /// Ministral 3: Mistral's layers with queries scaled up by position past the original
+    /// context (`llama_4_scaling_beta`, [`ModelConfig::query_scale_beta`]).
+    Ministral3,
     /// EXAONE 4.0: OLMo 2's norms of each sublayer's output, Qwen3's per-head q/k norms, and
     /// where it has a window, most layers within it and the others without rope
     /// (`layer_types`).
@@ -65,7 +68,7 @@ pub enum Architecture {
 impl Architecture {
     /// Each architecture's `*ForCausalLM` class (`architectures`) and its `model_type`, the
     /// fallback for a config without `architectures`.
-    const CAUSAL_LM: [(&'static str, &'static str, Architecture); 19] = [
+    const CAUSAL_LM: [(&'static str, &'static str, Architecture); 20] = [
         ("LlamaForCausalLM", "llama", Architecture::Llama),
         ("MistralForCausalLM", "mistral", Architecture::Mistral),
         ("Qwen2ForCausalLM", "qwen2", Architecture::Qwen2),
@@ -85,6 +88,11 @@ impl Architecture {
         ("Glm4ForCausalLM", "glm4", Architecture::Glm4),
         ("Ernie4_5ForCausalLM", "ernie4_5", Architecture::Ernie45),
         ("Exaone4ForCausalLM", "exaone4", Architecture::Exaone4),
+        (
+            "Ministral3ForCausalLM",
+            "ministral3",
+            Architecture::Ministral3,
+        ),
     ];
 
     /// Sequence classifiers (reward models, classifiers: `score` instead of `lm_head`) of the
@@ -264,6 +272,10 @@ pub struct ModelConfig {
     pub qk_norm: bool,
     /// The MLP's gate activation.
     pub hidden_act: Activation,
+    /// Ministral 3's query scaling: after rope, each query is multiplied by
+    /// `1 + β · ln(1 + ⌊position / original context⌋)` (transformers'
+    /// `get_llama_4_attn_scale`), 1 within the original context. `(β, original context)`.
+    pub query_scale_beta: Option<(f64, f64)>,
     /// Gemma's attention scale, `query_pre_attn_scalar^-½` in place of `head_dim^-½`.
     pub query_pre_attn_scalar: Option<f64>,
     /// Gemma's tanh soft caps, `c · tanh(x / c)`: on the scaled attention scores (before the
@@ -504,6 +516,7 @@ impl ModelConfig {
         };
         let sliding_window = match architecture {
             Architecture::Mistral
+            | Architecture::Ministral3
             | Architecture::Mixtral
             | Architecture::Phi3
             | Architecture::Gemma2
@@ -653,6 +666,15 @@ impl ModelConfig {
             .into_iter()
             .find_map(|v| v.as_ref().and_then(Value::as_str))
             .map(str::to_string);
+        let query_scale_beta = match architecture {
+            Architecture::Ministral3 => Self::parse_query_scale(
+                &raw,
+                rope.original_context()
+                    .unwrap_or(max_position_embeddings as f64),
+                path,
+            )?,
+            _ => None,
+        };
         Ok(Self {
             architecture,
             hidden_size,
@@ -688,6 +710,7 @@ impl ModelConfig {
             hidden_act,
             attn_logit_softcapping,
             final_logit_softcapping,
+            query_scale_beta,
             query_pre_attn_scalar: raw
                 .query_pre_attn_scalar
                 .filter(|_| gemma)
@@ -782,6 +805,29 @@ impl ModelConfig {
             )));
         }
         Ok(rotary_dim)
+    }
+
+    /// Ministral 3's `llama_4_scaling_beta` (in `rope_parameters`, or the classic
+    /// `rope_scaling`) with the context past which it scales queries; `None` without one.
+    fn parse_query_scale(
+        raw: &RawConfig,
+        original: f64,
+        path: &Path,
+    ) -> Result<Option<(f64, f64)>> {
+        let (field, beta) = match (&raw.rope_parameters, &raw.rope_scaling) {
+            (Some(p), _) => ("rope_parameters", p.llama_4_scaling_beta),
+            (None, Some(s)) => ("rope_scaling", s.llama_4_scaling_beta),
+            (None, None) => return Ok(None),
+        };
+        match beta {
+            Some(b) if !b.is_finite() => Err(DetspecError::InvalidConfig {
+                path: path.to_path_buf(),
+                field: format!("{field}.llama_4_scaling_beta"),
+                message: format!("{b} is not a number"),
+            }),
+            Some(b) => Ok(Some((b, original))),
+            None => Ok(None),
+        }
     }
 
     /// `sliding_window_pattern` as a count of layers (every this-many-th one attends to
@@ -1277,6 +1323,32 @@ pub(super) mod tests {
         .unwrap();
         assert_eq!((ernie.head_dim, ernie.rotary_dim), (128, 128));
         assert!(ernie.tie_word_embeddings && !ernie.qkv_bias);
+    }
+
+    #[test]
+    fn ministral3_scales_queries_past_yarns_original_context() {
+        let rope = r#""rope_parameters": {"rope_type": "yarn", "rope_theta": 1000000.0,
+            "factor": 16.0, "original_max_position_embeddings": 16384, "beta_fast": 32.0,
+            "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0"#;
+        let c = parse(&format!(
+            r#"{{"architectures": ["Ministral3ForCausalLM"], {BASE}, {rope},
+            "llama_4_scaling_beta": 0.1}}}}"#
+        ))
+        .unwrap();
+        assert_eq!(c.query_scale_beta, Some((0.1, 16384.0)));
+        assert_eq!((c.max_context(), c.rope.attention_factor()), (262_144, 1.0));
+        // Without a beta nothing is scaled; Mistral's layers never are.
+        let plain = parse(&format!(
+            r#"{{"architectures": ["Ministral3ForCausalLM"], {BASE}, {rope}}}}}"#
+        ))
+        .unwrap();
+        assert_eq!(plain.query_scale_beta, None);
+        let mistral = parse(&format!(
+            r#"{{"architectures": ["MistralForCausalLM"], {BASE}, {rope},
+            "llama_4_scaling_beta": 0.1}}}}"#
+        ))
+        .unwrap();
+        assert_eq!(mistral.query_scale_beta, None);
     }
 
     #[test]

@@ -77,6 +77,8 @@ pub(super) struct RawRope {
     truncate: Option<bool>,
     short_factor: Option<Vec<f64>>,
     long_factor: Option<Vec<f64>>,
+    /// Ministral 3's query scaling past the original context (read by `ModelConfig`).
+    pub(super) llama_4_scaling_beta: Option<f64>,
     partial_rotary_factor: Option<f64>,
     /// transformers' `rope_parameters` nested by layer kind (OLMo 3): the settings of the
     /// full-attention layers and of the sliding-window ones.
@@ -379,6 +381,26 @@ impl RopeConfig {
         } = &mut self.scaling
         {
             *long = max_model_len as f64 > *original_max_position_embeddings;
+        }
+    }
+
+    /// The context the rope was trained for before scaling (YaRN's, llama3's, LongRoPE's
+    /// `original_max_position_embeddings`); `None` for an unscaled rope.
+    pub fn original_context(&self) -> Option<f64> {
+        match &self.scaling {
+            RopeScaling::Yarn {
+                original_max_position_embeddings,
+                ..
+            }
+            | RopeScaling::Llama3 {
+                original_max_position_embeddings,
+                ..
+            }
+            | RopeScaling::LongRope {
+                original_max_position_embeddings,
+                ..
+            } => Some(*original_max_position_embeddings),
+            RopeScaling::None | RopeScaling::Linear { .. } => None,
         }
     }
 

@@ -11,12 +11,14 @@ use serde_json::{Map, Value};
 use super::json::parse_json;
 use crate::error::{DetspecError, Result};
 
-/// Multimodal classes whose language model detspec serves, with that model's class.
-const WRAPPERS: [(&str, &str, &str); 1] = [(
-    "Gemma3ForConditionalGeneration",
-    "gemma3",
-    "Gemma3ForCausalLM",
-)];
+/// Multimodal classes whose language model detspec serves (class, `model_type`), with the
+/// `model_type` their `text_config` has where it names none: the language model is read as
+/// that model type (Mistral 3's is `mistral` for Mistral Small 3.1/3.2 and Magistral Small,
+/// `ministral3` for Ministral 3).
+const WRAPPERS: [(&str, &str, &str); 2] = [
+    ("Gemma3ForConditionalGeneration", "gemma3", "gemma3_text"),
+    ("Mistral3ForConditionalGeneration", "mistral3", "mistral"),
+];
 
 /// Keys of the wrapper's own config that are the language model's too (transformers reads
 /// the EOS ids and the dtype from the top level).
@@ -138,7 +140,7 @@ pub(super) fn decoder_json(
         None => model_type(&top).as_deref() == Some(t),
     });
     let (mut cfg, field) = match wrapper {
-        Some((wrapper_class, _, inner_class)) => {
+        Some((wrapper_class, _, inner_type)) => {
             let Some(Value::Object(mut inner)) = top.remove("text_config") else {
                 return Err(DetspecError::InvalidConfig {
                     path: path.to_path_buf(),
@@ -151,7 +153,11 @@ pub(super) fn decoder_json(
                     inner.entry(key).or_insert(v);
                 }
             }
-            inner.insert("architectures".into(), Value::from(vec![*inner_class]));
+            // The language model is its `model_type`'s causal LM, never the wrapper's class.
+            inner.remove("architectures");
+            if model_type(&inner).is_none() {
+                inner.insert("model_type".into(), Value::from(*inner_type));
+            }
             (inner, Some("text_config"))
         }
         None => (top, None),
@@ -185,7 +191,8 @@ mod tests {
         )
         .unwrap();
         assert_eq!(field, Some("text_config"));
-        assert_eq!(cfg["architectures"][0], "Gemma3ForCausalLM");
+        assert!(cfg.get("architectures").is_none());
+        assert_eq!(cfg["model_type"], "gemma3_text");
         assert_eq!(
             (&cfg["hidden_size"], &cfg["num_hidden_layers"]),
             (&2560.into(), &34.into())
@@ -198,6 +205,19 @@ mod tests {
         );
         assert_eq!(cfg["num_attention_heads"], 8);
         assert!(cfg.get("vision_config").is_none());
+        // Mistral 3's language model is its text_config's model type: Mistral's (Mistral
+        // Small 3.1/3.2) where it names none, or the one it names.
+        for (text_type, want) in [
+            ("", "mistral"),
+            (r#""model_type": "ministral3","#, "ministral3"),
+        ] {
+            let (cfg, _) = flat(&format!(
+                r#"{{"architectures": ["Mistral3ForConditionalGeneration"],
+                "text_config": {{{text_type} "hidden_size": 5120}}}}"#
+            ))
+            .unwrap();
+            assert_eq!(cfg["model_type"], want);
+        }
     }
 
     #[test]

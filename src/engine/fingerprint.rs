@@ -99,6 +99,9 @@ pub fn model_digest(cfg: &ModelConfig, dir: &Path, eos: &[u32]) -> Result<u64> {
     if cfg.hidden_act != Activation::Silu {
         h.update(format!("|act{:?}", cfg.hidden_act).as_bytes());
     }
+    if let Some((beta, original)) = cfg.query_scale_beta {
+        h.update(format!("|qscale{:016x}/{:016x}", beta.to_bits(), original.to_bits()).as_bytes());
+    }
     if let Some(q) = cfg.query_pre_attn_scalar {
         h.update(format!("|qpas{:016x}", q.to_bits()).as_bytes());
     }

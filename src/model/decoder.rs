@@ -395,6 +395,23 @@ impl Model {
         let inv = self.gemm_options(batch);
         let whole_qk_norm = cfg.architecture.norms_whole_qk();
         let interleaved = cfg.architecture.rope_interleaved();
+        // Ministral 3's queries scaled by position, `[rows, 1, 1]`: in f32 as transformers
+        // computes the scale, then in the activations' dtype.
+        let query_scale = match cfg.query_scale_beta {
+            Some((beta, original)) => {
+                let s: Vec<f32> = batch
+                    .attention
+                    .positions
+                    .iter()
+                    .map(|&p| {
+                        let k = (p as f32 / original as f32).floor();
+                        1.0 + beta as f32 * libm::logf(1.0 + k)
+                    })
+                    .collect();
+                Some(Tensor::from_vec(s, (n, 1, 1), dev)?.to_dtype(self.act_dtype)?)
+            }
+            None => None,
+        };
         let lora = LoraRows::of(&batch.attention.row_seq, &batch.adapters, dev)?;
         // Each linear layer's LoRA target.
         let [t_q, t_k, t_v, t_o, t_gate, t_up, t_down] = [
@@ -503,6 +520,10 @@ impl Model {
                     ops::write_kv(v_cache, &v, slots.clone())?;
                     rope(&q)?
                 }
+            };
+            let q = match &query_scale {
+                Some(s) => q.broadcast_mul(s)?,
+                None => q,
             };
             let attn = ops::paged_attention(&q, k_cache, v_cache, meta.clone(), scale)?;
             let attn = attn.reshape((n, h * d))?;

@@ -35,8 +35,8 @@ def greedy(n: int = NEW_TOKENS) -> SamplingParams:
 # (`geglu_halves`), norms on both sides of each sublayer, two ropes; gemma2: the attention
 # kernel's soft cap and the logits' (`softcap`); phi3_longrope: LongRoPE's tables (short
 # factors: served within its original context); exaone4: a sliding layer and a full one
-# without rope. phi4_mini's partial rotation is refused on the GPU (the CUDA rope kernels
-# rotate whole heads).
+# without rope; ministral3: queries scaled by position (a broadcast multiply). phi4_mini's
+# partial rotation is refused on the GPU (the CUDA rope kernels rotate whole heads).
 @pytest.mark.parametrize(
     "arch",
     [
@@ -55,6 +55,7 @@ def greedy(n: int = NEW_TOKENS) -> SamplingParams:
         "gemma2",
         "gemma3",
         "exaone4",
+        "ministral3",
     ],
 )
 def test_f32_greedy_matches_transformers(model_zoo, token_prompts, arch):

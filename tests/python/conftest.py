@@ -123,6 +123,25 @@ MODEL_SPECS: dict[str, dict] = {
         "seed": 7,
         "rope": {"rope_type": "default", "rope_theta": 1000000.0},
     },
+    # Ministral 3: Mistral's layers under YaRN, queries scaled by 1 + 0.1 ln(1 + floor(pos / 64))
+    # past the original context of 64 (the longer sequences cross it).
+    "ministral3": {
+        "arch": "ministral3",
+        "seed": 103,
+        "head_dim": 16,
+        "rope": {
+            "rope_type": "yarn",
+            "rope_theta": 1000000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 64,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "llama_4_scaling_beta": 0.1,
+        },
+        "extra": {"pad_token_id": 0},
+    },
     "qwen2": {
         "arch": "qwen2",
         "seed": 19,
@@ -403,6 +422,7 @@ ARCH_NAMES = tuple(MODEL_SPECS)
 _CONFIG_CLASSES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    "ministral3": (transformers.Ministral3Config, transformers.Ministral3ForCausalLM),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
     "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),

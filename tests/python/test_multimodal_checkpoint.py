@@ -1,5 +1,6 @@
-"""A multimodal checkpoint (Gemma 3 4B/12B/27B: ``Gemma3ForConditionalGeneration``) serves its
-language model, text only: its config's ``text_config`` and its weights under either
+"""A multimodal checkpoint (Gemma 3 4B/12B/27B: ``Gemma3ForConditionalGeneration``; Mistral
+Small 3.1/3.2 and Ministral 3: ``Mistral3ForConditionalGeneration``) serves its language
+model, text only: its config's ``text_config`` and its weights under either
 spelling (the hub's ``language_model.model.*``, ``model.language_model.*`` as transformers'
 modules name them) give the same model as the text-only checkpoint of the same weights, bit
 for bit and under the same fingerprint, and transformers' own text-only logits of the
@@ -42,27 +43,65 @@ def greedy_bits(llm: detspec.LLM) -> list[tuple[list[int], list[int]]]:
     ]
 
 
-@pytest.fixture(scope="module")
-def wrapped(model_zoo, tmp_path_factory):
-    """The zoo's gemma3 text model inside a ``Gemma3ForConditionalGeneration`` with a tiny
-    vision tower, saved in both spellings."""
-    text = model_zoo.get("gemma3")
-    config = transformers.Gemma3Config(
-        text_config=text.model.config.to_dict(),
-        vision_config={
-            "hidden_size": 16,
-            "intermediate_size": 32,
-            "num_hidden_layers": 1,
-            "num_attention_heads": 2,
-            "image_size": 28,
-            "patch_size": 14,
+# (zoo text model, wrapper config class, wrapper class, its own settings): a tiny vision
+# tower each. Mistral 3's wrapper unties the LM head as its checkpoints do (its text_config
+# says untied; the wrapper's own default would tie it).
+WRAPPERS = {
+    "gemma3": (
+        "Gemma3Config",
+        "Gemma3ForConditionalGeneration",
+        {
+            "vision_config": {
+                "hidden_size": 16,
+                "intermediate_size": 32,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+                "image_size": 28,
+                "patch_size": 14,
+            },
+            "mm_tokens_per_image": 4,
         },
-        mm_tokens_per_image=4,
+    ),
+    # Mistral Small 3.1/3.2: Mistral's layers; Ministral 3: its own, with YaRN and queries
+    # scaled past the original context.
+    **{
+        name: (
+            "Mistral3Config",
+            "Mistral3ForConditionalGeneration",
+            {
+                "vision_config": {
+                    "hidden_size": 16,
+                    "intermediate_size": 32,
+                    "num_hidden_layers": 1,
+                    "num_attention_heads": 2,
+                    "head_dim": 8,
+                    "image_size": 32,
+                    "patch_size": 16,
+                },
+                "spatial_merge_size": 1,
+                "tie_word_embeddings": False,
+            },
+        )
+        for name in ("mistral", "ministral3")
+    },
+}
+
+
+@pytest.fixture(scope="module", params=list(WRAPPERS))
+def wrapped(request, model_zoo, tmp_path_factory):
+    """A zoo text model inside its multimodal wrapper with a tiny vision tower, saved in both
+    spellings."""
+    text = model_zoo.get(request.param)
+    config_class, model_class, settings = WRAPPERS[request.param]
+    config = getattr(transformers, config_class)(
+        text_config=text.model.config.to_dict(), **settings
     )
     torch.manual_seed(0)
-    vlm = transformers.Gemma3ForConditionalGeneration(config).eval()
+    vlm = getattr(transformers, model_class)(config).eval()
     vlm.model.language_model.load_state_dict(text.model.model.state_dict())
-    root = tmp_path_factory.mktemp("gemma3_vlm")
+    if not text.model.config.tie_word_embeddings:
+        vlm.lm_head.load_state_dict(text.model.lm_head.state_dict())
+    root = tmp_path_factory.mktemp(f"{request.param}_vlm")
     new, old = root / "new", root / "old"
     # transformers writes the hub's spelling (`language_model.model.*`); its modules, and
     # checkpoints saved by transformers 4.52-4.57, spell it `model.language_model.*`.
@@ -87,9 +126,9 @@ def wrapped(model_zoo, tmp_path_factory):
 
 
 def test_both_spellings_are_the_text_checkpoint_bit_for_bit(wrapped):
-    text, _, new, old = wrapped
+    text, vlm, new, old = wrapped
     cfg = json.loads((new / "config.json").read_text())
-    assert cfg["architectures"] == ["Gemma3ForConditionalGeneration"] and "text_config" in cfg
+    assert cfg["architectures"] == [type(vlm).__name__] and "text_config" in cfg
     reference = detspec.LLM(str(text.path), num_kv_pages=256)
     want = greedy_bits(reference)
     for path in (new, old):
@@ -154,6 +193,6 @@ def test_a_peft_adapter_of_the_wrapper_adapts_its_language_model(wrapped, tmp_pa
         want = hf_greedy(ref, prompt, 8)
         moved += want.tokens != hf_greedy(vlm, prompt, 8).tokens
         got = list(out.outputs[0].token_ids)
-        msg = greedy_mismatch_message(prompt, got, want, "[gemma3 wrapper + lora]")
+        msg = greedy_mismatch_message(prompt, got, want, f"[{type(vlm).__name__} + lora]")
         assert msg is None, msg
     assert moved > 0  # the adapter changes what the model says
