@@ -118,6 +118,30 @@ pub struct EngineCore {
     fingerprint_tail: String,
 }
 
+/// The config field and why, where a model's rope is one the CUDA rope kernels lack: they
+/// rotate whole heads in halves; GLM's and ERNIE's pair neighbours, Phi-4-mini's and GLM's
+/// rotate part of each head.
+fn rope_cuda_lacks(cfg: &ModelConfig) -> Option<(&'static str, String)> {
+    if cfg.architecture.rope_interleaved() {
+        return Some((
+            "architectures",
+            format!(
+                "{:?} pairs neighbouring dimensions in its rope: the CUDA rope kernels pair halves",
+                cfg.architecture
+            ),
+        ));
+    }
+    (cfg.rotary_dim != cfg.head_dim).then(|| {
+        (
+            "partial_rotary_factor",
+            format!(
+                "rotates {} of each head's {} dimensions: the CUDA rope kernels rotate whole heads",
+                cfg.rotary_dim, cfg.head_dim
+            ),
+        )
+    })
+}
+
 impl EngineCore {
     /// Loads a Hugging Face model directory on `device`.
     pub fn load(dir: &Path, cfg: EngineConfig, device: &Device) -> Result<Self> {
@@ -165,26 +189,11 @@ impl EngineCore {
         } else {
             cfg.device
         };
-        if !device.is_cpu() && model_cfg.architecture.rope_interleaved() {
+        if let Some((field, message)) = rope_cuda_lacks(&model_cfg).filter(|_| !device.is_cpu()) {
             return Err(DetspecError::InvalidConfig {
                 path: model_cfg.path.clone(),
-                field: "architectures".into(),
-                message: format!(
-                    "{:?} pairs neighbouring dimensions in its rope: the CUDA rope kernels pair \
-                     halves (this model runs on the CPU)",
-                    model_cfg.architecture
-                ),
-            });
-        }
-        if !device.is_cpu() && model_cfg.rotary_dim != model_cfg.head_dim {
-            return Err(DetspecError::InvalidConfig {
-                path: model_cfg.path.clone(),
-                field: "partial_rotary_factor".into(),
-                message: format!(
-                    "rotates {} of each head's {} dimensions: the CUDA rope kernels rotate \
-                     whole heads (partial rotation runs on the CPU)",
-                    model_cfg.rotary_dim, model_cfg.head_dim
-                ),
+                field: field.into(),
+                message: format!("{message} (this model runs on the CPU)"),
             });
         }
         let dtype = cfg

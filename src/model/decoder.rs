@@ -408,7 +408,11 @@ impl Model {
                         1.0 + beta as f32 * libm::logf(1.0 + k)
                     })
                     .collect();
-                Some(Tensor::from_vec(s, (n, 1, 1), dev)?.to_dtype(self.act_dtype)?)
+                // Within the original context every scale is 1: nothing to multiply.
+                match s.iter().all(|&x| x == 1.0) {
+                    true => None,
+                    false => Some(Tensor::from_vec(s, (n, 1, 1), dev)?.to_dtype(self.act_dtype)?),
+                }
             }
             None => None,
         };
