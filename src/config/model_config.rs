@@ -133,9 +133,9 @@ impl Architecture {
 
     /// Each decoder layer's norms by their checkpoint names, in the order they apply: before
     /// the attention, on its output (before the residual add), before the MLP, on its output.
-    /// The Llama family norms each sublayer's input; OLMo 2 each sublayer's output (its
-    /// `post_attention_layernorm` is on the attention's output, not the MLP's input); Gemma 3
-    /// both.
+    /// The Llama family norms each sublayer's input; OLMo 2 and EXAONE 4 each sublayer's
+    /// output (their `post_attention_layernorm` is on the attention's output, not the MLP's
+    /// input); Gemma 2/3 and GLM-4 both.
     pub fn sublayer_norms(self) -> [Option<&'static str>; 4] {
         match self {
             Architecture::Olmo2 | Architecture::Olmo3 | Architecture::Exaone4 => [
