@@ -204,7 +204,9 @@ impl RopeConfig {
                 .ok_or_else(|| err(&format!("{params_field}.{key}"), "missing".into()))
         };
         let scaling = match rope_type {
-            "default" => RopeScaling::None,
+            // Qwen2.5-VL's multimodal rope ("mrope", with `mrope_section`) is the plain one on
+            // text: its three position streams are then equal.
+            "default" | "mrope" => RopeScaling::None,
             "linear" => RopeScaling::Linear {
                 factor: need("factor", |p| p.factor)?,
             },

@@ -11,23 +11,55 @@ use serde_json::{Map, Value};
 use super::json::parse_json;
 use crate::error::{DetspecError, Result};
 
-/// Multimodal classes whose language model detspec serves (class, `model_type`), with the
-/// `model_type` their `text_config` has where it names none: the language model is read as
-/// that model type (Mistral 3's is `mistral` for Mistral Small 3.1/3.2 and Magistral Small,
-/// `ministral3` for Ministral 3).
-const WRAPPERS: [(&str, &str, &str); 2] = [
-    ("Gemma3ForConditionalGeneration", "gemma3", "gemma3_text"),
-    ("Mistral3ForConditionalGeneration", "mistral3", "mistral"),
+/// A multimodal class whose language model detspec serves, text only.
+struct Wrapper {
+    class: &'static str,
+    model_type: &'static str,
+    /// The language model's `model_type` where `text_config` names none (Mistral 3's is
+    /// `mistral` for Mistral Small 3.1/3.2, `ministral3` for Ministral 3).
+    text_type: &'static str,
+    /// `text_config` model types read as another's: the Qwen VL models' language halves
+    /// are Qwen2's and Qwen3's layers, and their multimodal rope is the plain one on text
+    /// (its three position streams are equal there).
+    aliases: &'static [(&'static str, &'static str)],
+}
+
+const WRAPPERS: [Wrapper; 4] = [
+    Wrapper {
+        class: "Gemma3ForConditionalGeneration",
+        model_type: "gemma3",
+        text_type: "gemma3_text",
+        aliases: &[],
+    },
+    Wrapper {
+        class: "Mistral3ForConditionalGeneration",
+        model_type: "mistral3",
+        text_type: "mistral",
+        aliases: &[],
+    },
+    Wrapper {
+        class: "Qwen2_5_VLForConditionalGeneration",
+        model_type: "qwen2_5_vl",
+        text_type: "qwen2",
+        aliases: &[("qwen2_5_vl_text", "qwen2")],
+    },
+    Wrapper {
+        class: "Qwen3VLForConditionalGeneration",
+        model_type: "qwen3_vl",
+        text_type: "qwen3",
+        aliases: &[("qwen3_vl_text", "qwen3")],
+    },
 ];
 
 /// Keys of the wrapper's own config that are the language model's too (transformers reads
-/// the EOS ids and the dtype from the top level).
-const INHERITED: [&str; 5] = [
+/// the EOS ids, the dtype and whether the LM head is tied from the top level).
+const INHERITED: [&str; 6] = [
     "eos_token_id",
     "bos_token_id",
     "pad_token_id",
     "torch_dtype",
     "dtype",
+    "tie_word_embeddings",
 ];
 
 /// Keys and transformers' values for them.
@@ -135,18 +167,28 @@ pub(super) fn decoder_json(
             .map(str::to_string)
     };
     let top_class = class(&top);
-    let wrapper = WRAPPERS.iter().find(|(c, t, _)| match &top_class {
-        Some(name) => name == c,
-        None => model_type(&top).as_deref() == Some(t),
+    let wrapper = WRAPPERS.iter().find(|w| match &top_class {
+        Some(name) => name == w.class,
+        None => model_type(&top).as_deref() == Some(w.model_type),
     });
     let (mut cfg, field) = match wrapper {
-        Some((wrapper_class, _, inner_type)) => {
-            let Some(Value::Object(mut inner)) = top.remove("text_config") else {
-                return Err(DetspecError::InvalidConfig {
-                    path: path.to_path_buf(),
-                    field: "text_config".into(),
-                    message: format!("{wrapper_class} needs its language model's settings here"),
-                });
+        Some(w) => {
+            let (mut inner, field) = match top.remove("text_config") {
+                Some(Value::Object(inner)) => (inner, Some("text_config")),
+                // Qwen2.5-VL's hub configs keep the language model's settings at the top.
+                None if w.class.starts_with("Qwen") => {
+                    let mut inner = std::mem::take(&mut top);
+                    inner.remove("vision_config");
+                    inner.insert("model_type".into(), Value::from(w.text_type));
+                    (inner, None)
+                }
+                _ => {
+                    return Err(DetspecError::InvalidConfig {
+                        path: path.to_path_buf(),
+                        field: "text_config".into(),
+                        message: format!("{} needs its language model's settings here", w.class),
+                    })
+                }
             };
             for key in INHERITED {
                 if let Some(v) = top.remove(key) {
@@ -155,14 +197,20 @@ pub(super) fn decoder_json(
             }
             // The language model is its `model_type`'s causal LM, never the wrapper's class.
             inner.remove("architectures");
-            if model_type(&inner).is_none() {
-                inner.insert("model_type".into(), Value::from(*inner_type));
-            }
-            (inner, Some("text_config"))
+            let text_type = match model_type(&inner) {
+                Some(t) => w
+                    .aliases
+                    .iter()
+                    .find(|(theirs, _)| *theirs == t)
+                    .map_or(t, |(_, ours)| ours.to_string()),
+                None => w.text_type.to_string(),
+            };
+            inner.insert("model_type".into(), Value::from(text_type));
+            (inner, field)
         }
         None => (top, None),
     };
-    let mut changed = field.is_some();
+    let mut changed = wrapper.is_some();
     for (key, value) in defaults_of(class(&cfg).as_deref(), model_type(&cfg).as_deref()) {
         if !cfg.contains_key(key) {
             cfg.insert(key.into(), value);
@@ -218,6 +266,43 @@ mod tests {
             .unwrap();
             assert_eq!(cfg["model_type"], want);
         }
+    }
+
+    #[test]
+    fn qwen_vl_models_serve_their_qwen_language_model_from_either_config_form() {
+        // transformers 5's form: `text_config` of model type qwen2_5_vl_text, the LM head's
+        // tying at the top.
+        let (cfg, field) = flat(
+            r#"{"architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl",
+            "tie_word_embeddings": true, "vision_config": {"depth": 32},
+            "text_config": {"model_type": "qwen2_5_vl_text", "hidden_size": 2048,
+            "rope_parameters": {"rope_type": "default", "mrope_section": [16, 24, 24]}}}"#,
+        )
+        .unwrap();
+        assert_eq!(field, Some("text_config"));
+        assert_eq!(
+            (&cfg["model_type"], &cfg["tie_word_embeddings"]),
+            (&"qwen2".into(), &true.into())
+        );
+        // The hub's Qwen2.5-VL configs: the language model's settings at the top.
+        let (cfg, field) = flat(
+            r#"{"architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl",
+            "hidden_size": 3584, "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+            "vision_config": {"depth": 32}}"#,
+        )
+        .unwrap();
+        assert_eq!(field, None);
+        assert_eq!(
+            (&cfg["model_type"], &cfg["hidden_size"]),
+            (&"qwen2".into(), &3584.into())
+        );
+        assert!(cfg.get("vision_config").is_none() && cfg.get("architectures").is_none());
+        let (cfg, _) = flat(
+            r#"{"architectures": ["Qwen3VLForConditionalGeneration"],
+            "text_config": {"model_type": "qwen3_vl_text", "head_dim": 128}}"#,
+        )
+        .unwrap();
+        assert_eq!(cfg["model_type"], "qwen3");
     }
 
     #[test]

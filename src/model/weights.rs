@@ -33,9 +33,10 @@ pub fn language_model_name(name: &str) -> Option<String> {
 }
 
 /// Whether `name` is of a multimodal checkpoint's vision side (its vision tower, or the
-/// projector into the language model's embeddings), which serving text never reads.
+/// projector into the language model's embeddings; Qwen's `visual.`), which serving text
+/// never reads.
 pub fn is_vision_name(name: &str) -> bool {
-    ["vision_tower.", "multi_modal_projector."]
+    ["vision_tower.", "multi_modal_projector.", "visual."]
         .iter()
         .any(|p| name.contains(p))
 }

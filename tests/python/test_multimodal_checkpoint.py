@@ -1,10 +1,9 @@
-"""A multimodal checkpoint (Gemma 3 4B/12B/27B: ``Gemma3ForConditionalGeneration``; Mistral
-Small 3.1/3.2 and Ministral 3: ``Mistral3ForConditionalGeneration``) serves its language
-model, text only: its config's ``text_config`` and its weights under either
-spelling (the hub's ``language_model.model.*``, ``model.language_model.*`` as transformers'
-modules name them) give the same model as the text-only checkpoint of the same weights, bit
-for bit and under the same fingerprint, and transformers' own text-only logits of the
-wrapper."""
+"""A multimodal checkpoint serves its language model, text only: Gemma 3 4B/12B/27B
+(``Gemma3ForConditionalGeneration``), Mistral Small 3.1/3.2 and Ministral 3
+(``Mistral3ForConditionalGeneration``), Qwen2.5-VL and Qwen3-VL. Its config's language-model
+settings and its weights under either spelling (the hub's, and transformers' module names)
+give the same model as the text-only checkpoint of the same weights, bit for bit and under
+the same fingerprint, and transformers' own text-only logits of the wrapper."""
 
 from __future__ import annotations
 
@@ -43,24 +42,36 @@ def greedy_bits(llm: detspec.LLM) -> list[tuple[list[int], list[int]]]:
     ]
 
 
-# (zoo text model, wrapper config class, wrapper class, its own settings): a tiny vision
-# tower each. Mistral 3's wrapper unties the LM head as its checkpoints do (its text_config
-# says untied; the wrapper's own default would tie it).
+TINY_VISION = {"hidden_size": 16, "intermediate_size": 32, "num_attention_heads": 2}
+# Gemma 3's and Mistral 3's saved spelling (the hub's) and transformers' module spelling,
+# which checkpoints saved by transformers 4.52-4.57 use.
+HUB_TO_MODULES = {
+    "language_model.model.": "model.language_model.",
+    "vision_tower.": "model.vision_tower.",
+    "multi_modal_projector.": "model.multi_modal_projector.",
+    "language_model.lm_head.": "lm_head.",
+    "lm_head.": "lm_head.",
+}
+
+# zoo text model -> (wrapper config class, wrapper class, its own settings, the rope settings
+# its language model needs, the other spelling of each saved prefix): a tiny vision tower
+# each. The wrappers with untied text models untie the LM head as their checkpoints do (the
+# wrapper's own default would tie it).
 WRAPPERS = {
     "gemma3": (
         "Gemma3Config",
         "Gemma3ForConditionalGeneration",
         {
             "vision_config": {
-                "hidden_size": 16,
-                "intermediate_size": 32,
+                **TINY_VISION,
                 "num_hidden_layers": 1,
-                "num_attention_heads": 2,
                 "image_size": 28,
                 "patch_size": 14,
             },
             "mm_tokens_per_image": 4,
         },
+        {},
+        HUB_TO_MODULES,
     ),
     # Mistral Small 3.1/3.2: Mistral's layers; Ministral 3: its own, with YaRN and queries
     # scaled past the original context.
@@ -70,10 +81,8 @@ WRAPPERS = {
             "Mistral3ForConditionalGeneration",
             {
                 "vision_config": {
-                    "hidden_size": 16,
-                    "intermediate_size": 32,
+                    **TINY_VISION,
                     "num_hidden_layers": 1,
-                    "num_attention_heads": 2,
                     "head_dim": 8,
                     "image_size": 32,
                     "patch_size": 16,
@@ -81,9 +90,50 @@ WRAPPERS = {
                 "spatial_merge_size": 1,
                 "tie_word_embeddings": False,
             },
+            {},
+            HUB_TO_MODULES,
         )
         for name in ("mistral", "ministral3")
     },
+    # Qwen2.5-VL: Qwen2's layers under the multimodal rope (the plain one on text); saved as
+    # the hub spells it (`model.layers.*`, `visual.*`), respelt as transformers' modules.
+    "qwen2": (
+        "Qwen2_5_VLConfig",
+        "Qwen2_5_VLForConditionalGeneration",
+        {
+            "vision_config": {
+                "depth": 1,
+                "hidden_size": 16,
+                "intermediate_size": 32,
+                "num_heads": 2,
+                "out_hidden_size": 64,
+                "fullatt_block_indexes": [0],
+            },
+            "tie_word_embeddings": False,
+        },
+        {"mrope_section": [2, 3, 3]},
+        {"model.": "model.language_model.", "visual.": "model.visual.", "lm_head.": "lm_head."},
+    ),
+    # Qwen3-VL: Qwen3's layers under the interleaved multimodal rope; saved as transformers'
+    # modules spell it, respelt as a text checkpoint's names beside Qwen2.5-VL's `visual.*`.
+    "qwen3": (
+        "Qwen3VLConfig",
+        "Qwen3VLForConditionalGeneration",
+        {
+            "vision_config": {
+                "depth": 1,
+                "hidden_size": 16,
+                "intermediate_size": 32,
+                "num_heads": 2,
+                "out_hidden_size": 64,
+                "deepstack_visual_indexes": [0],
+                "num_position_embeddings": 16,
+            },
+            "tie_word_embeddings": False,
+        },
+        {"mrope_section": [4, 6, 6], "mrope_interleaved": True},
+        {"model.language_model.": "model.", "model.visual.": "visual.", "lm_head.": "lm_head."},
+    ),
 }
 
 
@@ -92,10 +142,10 @@ def wrapped(request, model_zoo, tmp_path_factory):
     """A zoo text model inside its multimodal wrapper with a tiny vision tower, saved in both
     spellings."""
     text = model_zoo.get(request.param)
-    config_class, model_class, settings = WRAPPERS[request.param]
-    config = getattr(transformers, config_class)(
-        text_config=text.model.config.to_dict(), **settings
-    )
+    config_class, model_class, settings, rope, respell = WRAPPERS[request.param]
+    text_config = text.model.config.to_dict()
+    text_config["rope_parameters"] = {**text_config["rope_parameters"], **rope}
+    config = getattr(transformers, config_class)(text_config=text_config, **settings)
     torch.manual_seed(0)
     vlm = getattr(transformers, model_class)(config).eval()
     vlm.model.language_model.load_state_dict(text.model.model.state_dict())
@@ -103,24 +153,16 @@ def wrapped(request, model_zoo, tmp_path_factory):
         vlm.lm_head.load_state_dict(text.model.lm_head.state_dict())
     root = tmp_path_factory.mktemp(f"{request.param}_vlm")
     new, old = root / "new", root / "old"
-    # transformers writes the hub's spelling (`language_model.model.*`); its modules, and
-    # checkpoints saved by transformers 4.52-4.57, spell it `model.language_model.*`.
     vlm.save_pretrained(old)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(text.path / name, old / name)
     shutil.copytree(old, new)
-    respell = {
-        "language_model.model.": "model.language_model.",
-        "vision_tower.": "model.vision_tower.",
-        "multi_modal_projector.": "model.multi_modal_projector.",
-        "language_model.lm_head.": "lm_head.",
-    }
     tensors = load_file(old / "model.safetensors")
-    assert any(k.startswith("language_model.model.") for k in tensors)
     renamed = {}
     for name, t in tensors.items():
         prefix = next(p for p in respell if name.startswith(p))
         renamed[respell[prefix] + name[len(prefix) :]] = t
+    assert set(renamed) != set(tensors), "the respelling changed no name"
     save_file(renamed, new / "model.safetensors", metadata={"format": "pt"})
     return text, vlm, new, old
 
@@ -150,7 +192,7 @@ def test_updates_take_the_wrappers_names_and_refuse_its_vision_tower(wrapped):
     text, vlm, new, _ = wrapped
     llm = detspec.LLM(str(new), num_kv_pages=256)
     fp0, before = llm.fingerprint, greedy_bits(llm)
-    with pytest.raises(detspec.InvalidRequestError, match="vision_tower.*language model only"):
+    with pytest.raises(detspec.InvalidRequestError, match="language model only"):
         llm.update_weights(vlm.state_dict())
     assert llm.fingerprint == fp0 and greedy_bits(llm) == before
     # The language model's half of the wrapper's state_dict, perturbed: the same update as
@@ -171,19 +213,23 @@ def test_updates_take_the_wrappers_names_and_refuse_its_vision_tower(wrapped):
 
 
 def test_a_peft_adapter_of_the_wrapper_adapts_its_language_model(wrapped, tmp_path):
-    """PEFT names the wrapper's modules `model.language_model.layers.N…`, and `q_proj`/`v_proj`
-    match the vision tower's attention too: those pairs never meet text, so they are left out."""
+    """PEFT names the wrapper's modules `model.language_model.layers.N…`, and the targets match
+    the vision tower's attention too: those pairs never meet text, so they are left out."""
     peft = pytest.importorskip("peft")
     _, vlm, new, _ = wrapped
     torch.manual_seed(9)
     cfg = peft.LoraConfig(
-        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False
+        r=4,
+        lora_alpha=8,
+        # `qkv`: the Qwen VL vision towers' fused attention, which no language model has.
+        target_modules=["q_proj", "v_proj", "down_proj", "qkv"],
+        init_lora_weights=False,
     )
     ref = peft.get_peft_model(copy.deepcopy(vlm), cfg).eval()
     ref.save_pretrained(tmp_path / "adapter")
     names = list(load_file(tmp_path / "adapter" / "adapter_model.safetensors"))
     assert any("language_model.layers.1.self_attn.v_proj.lora_B" in n for n in names)
-    assert any("vision_tower" in n for n in names)
+    assert any("vision_tower" in n or "visual" in n for n in names)
     llm = detspec.LLM(str(new), num_kv_pages=256, enable_lora=True)
     adapter = LoRARequest("vlm", 1, str(tmp_path / "adapter"))
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, deterministic=True)
