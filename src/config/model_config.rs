@@ -1323,6 +1323,26 @@ pub(super) mod tests {
         .unwrap();
         assert_eq!((ernie.head_dim, ernie.rotary_dim), (128, 128));
         assert!(ernie.tie_word_embeddings && !ernie.qkv_bias);
+        // Qwen2.5-VL-7B-Instruct's flat config: Qwen2's language model under plain rope.
+        let vl = parse(
+            r#"{"architectures": ["Qwen2_5_VLForConditionalGeneration"], "bos_token_id": 151643,
+            "eos_token_id": 151645, "image_token_id": 151655, "hidden_act": "silu",
+            "hidden_size": 3584, "intermediate_size": 18944, "max_position_embeddings": 128000,
+            "max_window_layers": 28, "model_type": "qwen2_5_vl", "num_attention_heads": 28,
+            "num_hidden_layers": 28, "num_key_value_heads": 4, "rms_norm_eps": 1e-06,
+            "rope_theta": 1000000.0, "sliding_window": 32768, "tie_word_embeddings": false,
+            "torch_dtype": "bfloat16", "use_sliding_window": false,
+            "vision_config": {"depth": 32, "hidden_size": 1280, "out_hidden_size": 3584},
+            "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+            "vocab_size": 152064}"#,
+        )
+        .unwrap();
+        assert_eq!(vl.architecture, Architecture::Qwen2);
+        assert_eq!(
+            (vl.head_dim, vl.rope.scaling.clone()),
+            (128, RopeScaling::None)
+        );
+        assert!(vl.qkv_bias && vl.sliding_window.is_none() && !vl.tie_word_embeddings);
     }
 
     #[test]
