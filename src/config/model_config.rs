@@ -373,6 +373,8 @@ struct RawConfig {
     clip_qkv: Option<f64>,
     /// ERNIE 4.5's bias switch for every projection.
     use_bias: Option<bool>,
+    /// A quantized checkpoint's method and settings (refused).
+    quantization_config: Option<Value>,
     /// Newer transformers: `rope_theta` and the scaling in one object.
     rope_parameters: Option<RawRope>,
     rope_scaling: Option<RawRope>,
@@ -428,6 +430,24 @@ impl ModelConfig {
         };
 
         let (architecture, head) = Self::parse_architecture(&raw, path)?;
+        // A quantized checkpoint's weights are not what the loader reads (GPTQ/AWQ pack them
+        // into other tensors, FP8 and MXFP4 store another dtype beside scales): refused here,
+        // naming the method, rather than failing on the first tensor.
+        if let Some(q) = &raw.quantization_config {
+            let method = q.get("quant_method").and_then(Value::as_str);
+            return Err(err(
+                if method.is_some() {
+                    "quantization_config.quant_method"
+                } else {
+                    "quantization_config"
+                },
+                format!(
+                    "{}: quantized checkpoints are not supported (detspec loads float32, \
+                     bfloat16 and float16 weights); load the unquantized checkpoint",
+                    method.unwrap_or("a quantized checkpoint")
+                ),
+            ));
+        }
         // Gemma's defaults are in the config by now (`super::text_config`).
         let gemma = architecture.is_gemma();
         let (act_field, act_name) = if gemma {
@@ -1369,6 +1389,38 @@ pub(super) mod tests {
         ))
         .unwrap();
         assert_eq!(mistral.query_scale_beta, None);
+    }
+
+    #[test]
+    fn quantized_checkpoints_are_refused_naming_the_method() {
+        for (config, want) in [
+            (
+                format!(
+                    r#"{{"architectures": ["LlamaForCausalLM"], {BASE},
+                    "quantization_config": {{"quant_method": "awq", "bits": 4}}}}"#
+                ),
+                "`quantization_config.quant_method`: awq",
+            ),
+            (
+                format!(
+                    r#"{{"architectures": ["LlamaForCausalLM"], {BASE},
+                    "quantization_config": {{"bits": 4}}}}"#
+                ),
+                "quantization_config",
+            ),
+            // A wrapper's quantization is at its top level (Ministral 3's FP8 checkpoints).
+            (
+                format!(
+                    r#"{{"architectures": ["Mistral3ForConditionalGeneration"],
+                    "quantization_config": {{"quant_method": "fp8"}},
+                    "text_config": {{{BASE}}}}}"#
+                ),
+                "`text_config.quantization_config.quant_method`: fp8",
+            ),
+        ] {
+            let e = parse(&config).unwrap_err().to_string();
+            assert!(e.contains(want), "{want}: {e}");
+        }
     }
 
     #[test]

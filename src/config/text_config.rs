@@ -52,14 +52,16 @@ const WRAPPERS: [Wrapper; 4] = [
 ];
 
 /// Keys of the wrapper's own config that are the language model's too (transformers reads
-/// the EOS ids, the dtype and whether the LM head is tied from the top level).
-const INHERITED: [&str; 6] = [
+/// the EOS ids, the dtype, whether the LM head is tied and how the checkpoint is quantized
+/// from the top level).
+const INHERITED: [&str; 7] = [
     "eos_token_id",
     "bos_token_id",
     "pad_token_id",
     "torch_dtype",
     "dtype",
     "tie_word_embeddings",
+    "quantization_config",
 ];
 
 /// Keys and transformers' values for them.

@@ -110,6 +110,16 @@ def test_unsupported_architecture(copy_model_dir):
     assert_load_error(d, "GPT2LMHeadModel")
 
 
+def test_quantized_checkpoint_is_refused_naming_its_method(copy_model_dir):
+    """An AWQ/GPTQ/FP8 checkpoint (vLLM serves them) is refused at its config, naming the
+    method, before any tensor is read."""
+    d = copy_model_dir("llama")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128}
+    (d / "config.json").write_text(json.dumps(cfg))
+    assert_load_error(d, "quantization_config.quant_method", "gptq", "unquantized")
+
+
 def test_no_weights_file(copy_model_dir):
     d = copy_model_dir("llama")
     (d / "model.safetensors").unlink()
