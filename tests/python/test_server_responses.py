@@ -139,7 +139,10 @@ def test_stream_adds_up_to_the_response(client) -> None:
         "response.incomplete",
     ]
     deltas = [e for e in events if e.type == "response.output_text.delta"]
-    assert len(deltas) > 1, "the text came in one piece: nothing was streamed"
+    # How many pieces is timing: outputs committed while the server was busy are sent as one
+    # delta (the engine's queue hands over what accumulated), and a fast CPU can commit all
+    # 40 tokens before the first hand-over (seen in CI on a Zen 5 EPYC). Their sum is not.
+    assert deltas, "no text delta"
     assert "".join(d.delta for d in deltas) == whole.output_text == final.output_text
     streamed = lp_bits([lp for d in deltas for lp in d.logprobs])
     assert streamed == lp_bits(text_part(whole).logprobs) == lp_bits(text_part(final).logprobs)
