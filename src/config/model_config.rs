@@ -97,7 +97,7 @@ impl Architecture {
 
     /// Sequence classifiers (reward models, classifiers: `score` instead of `lm_head`) of the
     /// dense families; transformers has no MoE classifier heads.
-    const CLASSIFIERS: [(&'static str, Architecture); 7] = [
+    const CLASSIFIERS: [(&'static str, Architecture); 14] = [
         ("LlamaForSequenceClassification", Architecture::Llama),
         ("MistralForSequenceClassification", Architecture::Mistral),
         ("Qwen2ForSequenceClassification", Architecture::Qwen2),
@@ -105,6 +105,17 @@ impl Architecture {
         ("Phi3ForSequenceClassification", Architecture::Phi3),
         ("Gemma2ForSequenceClassification", Architecture::Gemma2),
         ("Gemma3TextForSequenceClassification", Architecture::Gemma3),
+        // AI2's OLMo 2 reward models (Tülu 3's), and the newer families' heads.
+        ("Olmo2ForSequenceClassification", Architecture::Olmo2),
+        ("Olmo3ForSequenceClassification", Architecture::Olmo3),
+        ("GlmForSequenceClassification", Architecture::Glm),
+        ("Glm4ForSequenceClassification", Architecture::Glm4),
+        ("Exaone4ForSequenceClassification", Architecture::Exaone4),
+        (
+            "Ministral3ForSequenceClassification",
+            Architecture::Ministral3,
+        ),
+        ("SmolLM3ForSequenceClassification", Architecture::SmolLm3),
     ];
 
     /// Which of each layer's projections checkpoints store as one matrix.

@@ -753,10 +753,23 @@ CLASSIFIERS = {
         transformers.Gemma2ForSequenceClassification,
         ["LABEL_0"],
     ),
+    # OLMo 2 reward models (Tülu 3's): norms of the sublayers' outputs and whole-projection
+    # q/k norms under the score head. GLM-4's: neighbour-pair rope on half of each head.
+    "olmo2_reward": (
+        transformers.Olmo2Config,
+        transformers.Olmo2ForSequenceClassification,
+        ["LABEL_0"],
+    ),
+    "glm4_classifier": (
+        transformers.Glm4Config,
+        transformers.Glm4ForSequenceClassification,
+        ["negative", "positive"],
+    ),
 }
 
 # Settings a classifier's family needs beyond the shared ones.
 _CLASSIFIER_EXTRA = {
+    "glm4_classifier": {"head_dim": 16},
     "gemma2_reward": {
         "head_dim": 16,
         "query_pre_attn_scalar": 16,
