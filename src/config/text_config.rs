@@ -22,6 +22,9 @@ struct Wrapper {
     /// are Qwen2's and Qwen3's layers, and their multimodal rope is the plain one on text
     /// (its three position streams are equal there).
     aliases: &'static [(&'static str, &'static str)],
+    /// Whether configs may keep the language model's settings at the top level, with no
+    /// `text_config` (Qwen2.5-VL's hub configs).
+    flat_form: bool,
 }
 
 const WRAPPERS: [Wrapper; 4] = [
@@ -30,24 +33,28 @@ const WRAPPERS: [Wrapper; 4] = [
         model_type: "gemma3",
         text_type: "gemma3_text",
         aliases: &[],
+        flat_form: false,
     },
     Wrapper {
         class: "Mistral3ForConditionalGeneration",
         model_type: "mistral3",
         text_type: "mistral",
         aliases: &[],
+        flat_form: false,
     },
     Wrapper {
         class: "Qwen2_5_VLForConditionalGeneration",
         model_type: "qwen2_5_vl",
         text_type: "qwen2",
         aliases: &[("qwen2_5_vl_text", "qwen2")],
+        flat_form: true,
     },
     Wrapper {
         class: "Qwen3VLForConditionalGeneration",
         model_type: "qwen3_vl",
         text_type: "qwen3",
         aliases: &[("qwen3_vl_text", "qwen3")],
+        flat_form: false,
     },
 ];
 
@@ -177,8 +184,7 @@ pub(super) fn decoder_json(
         Some(w) => {
             let (mut inner, field) = match top.remove("text_config") {
                 Some(Value::Object(inner)) => (inner, Some("text_config")),
-                // Qwen2.5-VL's hub configs keep the language model's settings at the top.
-                None if w.class.starts_with("Qwen") => {
+                None if w.flat_form => {
                     let mut inner = std::mem::take(&mut top);
                     inner.remove("vision_config");
                     inner.insert("model_type".into(), Value::from(w.text_type));

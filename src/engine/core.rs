@@ -189,7 +189,10 @@ impl EngineCore {
         } else {
             cfg.device
         };
-        if let Some((field, message)) = rope_cuda_lacks(&model_cfg).filter(|_| !device.is_cpu()) {
+        if let Some((field, message)) = (!device.is_cpu())
+            .then(|| rope_cuda_lacks(&model_cfg))
+            .flatten()
+        {
             return Err(DetspecError::InvalidConfig {
                 path: model_cfg.path.clone(),
                 field: field.into(),

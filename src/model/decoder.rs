@@ -147,8 +147,10 @@ impl Model {
         let embed = ld.load_matrix("model.embed_tokens.weight", &[cfg.vocab_size, hs])?;
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         // A GPU stacks the projections that share an input (`Projection`); q and k stay apart
-        // where they are normed before rope (Qwen3).
+        // where they are normed before rope (Qwen3), or rotated in neighbour pairs (GLM:
+        // `rope_qkv` pairs halves).
         let stack = !device.is_cpu();
+        let stack_qkv = stack && !cfg.qk_norm && !cfg.architecture.rope_interleaved();
         // Gemma's norms scale by `1 + w`.
         let norm_offset = cfg.architecture.norm_weight_offset();
         for i in 0..cfg.num_hidden_layers {
@@ -201,7 +203,7 @@ impl Model {
                 qkv: if fused.qkv {
                     ld.fused_projection(&attn("qkv_proj"), &widths, hs, stack)?
                 } else {
-                    ld.projection(&qkv, hs, cfg.qkv_bias, stack && !cfg.qk_norm)?
+                    ld.projection(&qkv, hs, cfg.qkv_bias, stack_qkv)?
                 },
                 o: ld.linear(&attn("o_proj"), h * d, hs, cfg.o_bias)?,
                 q_norm: qk_norm("q_norm", h)?,
@@ -477,12 +479,6 @@ impl Model {
             };
             // q, with k and v written into the layer's cache at the rows' slots.
             let q = match &layer.qkv {
-                Projection::Stacked { .. } if interleaved => {
-                    return Err(DetspecError::param(
-                        "weights",
-                        "a stacked q/k/v projection with GLM's rope (rope_qkv pairs halves)",
-                    ))
-                }
                 Projection::Stacked { linear, .. } => {
                     let targets = [t_q[0], t_k[0], t_v[0]];
                     let y = one(&hn, linear.apply(&hn, inv)?, &targets)?;

@@ -211,19 +211,15 @@ MODEL_SPECS: dict[str, dict] = {
     # GLM (glm-4-9b-chat-hf): Llama's layers with gate/up fused, q/k/v biases, and rope on
     # half of each head (8 of 16 dimensions) pairing neighbours. GLM-4-0414: the same, each
     # sublayer normed before and after.
-    "glm": {
-        "arch": "glm",
-        "seed": 83,
-        "head_dim": 16,
-        "rope": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
-        "extra": {"pad_token_id": 0},
-    },
-    "glm4": {
-        "arch": "glm4",
-        "seed": 89,
-        "head_dim": 16,
-        "rope": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
-        "extra": {"pad_token_id": 0},
+    **{
+        arch: {
+            "arch": arch,
+            "seed": seed,
+            "head_dim": 16,
+            "rope": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+            "extra": {"pad_token_id": 0},
+        }
+        for arch, seed in (("glm", 83), ("glm4", 89))
     },
     # ERNIE 4.5 (0.3B): Llama's layers with neighbour-pair rope on whole heads, biases on every
     # projection (use_bias), tied embeddings.

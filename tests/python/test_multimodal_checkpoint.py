@@ -43,6 +43,14 @@ def greedy_bits(llm: detspec.LLM) -> list[tuple[list[int], list[int]]]:
 
 
 TINY_VISION = {"hidden_size": 16, "intermediate_size": 32, "num_attention_heads": 2}
+# The Qwen VL vision towers' own spelling of it.
+TINY_QWEN_VISION = {
+    "depth": 1,
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_heads": 2,
+    "out_hidden_size": 64,
+}
 # Gemma 3's and Mistral 3's saved spelling (the hub's) and transformers' module spelling,
 # which checkpoints saved by transformers 4.52-4.57 use.
 HUB_TO_MODULES = {
@@ -101,14 +109,7 @@ WRAPPERS = {
         "Qwen2_5_VLConfig",
         "Qwen2_5_VLForConditionalGeneration",
         {
-            "vision_config": {
-                "depth": 1,
-                "hidden_size": 16,
-                "intermediate_size": 32,
-                "num_heads": 2,
-                "out_hidden_size": 64,
-                "fullatt_block_indexes": [0],
-            },
+            "vision_config": {**TINY_QWEN_VISION, "fullatt_block_indexes": [0]},
             "tie_word_embeddings": False,
         },
         {"mrope_section": [2, 3, 3]},
@@ -121,11 +122,7 @@ WRAPPERS = {
         "Qwen3VLForConditionalGeneration",
         {
             "vision_config": {
-                "depth": 1,
-                "hidden_size": 16,
-                "intermediate_size": 32,
-                "num_heads": 2,
-                "out_hidden_size": 64,
+                **TINY_QWEN_VISION,
                 "deepstack_visual_indexes": [0],
                 "num_position_embeddings": 16,
             },
