@@ -7,8 +7,8 @@ use std::sync::Arc;
 use candle_core::{Device, Tensor};
 use detspec::ops::{
     apply_rope, apply_rope_interleaved, invariant_matmul, paged_attention,
-    paged_attention_with_isa, rms_norm, rope_qkv, write_k, write_kv, AttentionMetadata,
-    AttentionSchedule, CpuIsa,
+    paged_attention_with_isa, paged_attention_with_sinks, rms_norm, rope_qkv, write_k, write_kv,
+    AttentionMetadata, AttentionSchedule, CpuIsa,
 };
 
 #[path = "common/kernels.rs"]
@@ -33,6 +33,19 @@ fn cache(pages: usize) -> (Tensor, Tensor) {
 
 /// Dense causal attention for one query row over positions 0..=pos of a block table.
 fn reference_row(q: &[f32], k: &[f32], v: &[f32], bt: &[u32], pos: usize, head: usize) -> Vec<f32> {
+    reference_row_with_sink(q, k, v, bt, pos, head, None)
+}
+
+/// [`reference_row`] with a sink logit in the softmax (no value of its own), in f64.
+fn reference_row_with_sink(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    bt: &[u32],
+    pos: usize,
+    head: usize,
+    sink: Option<f32>,
+) -> Vec<f32> {
     let kvh = head / (H / KVH);
     let off = |j: usize| ((bt[j / PAGE] as usize * PAGE + j % PAGE) * KVH + kvh) * D;
     let k_at = |j: usize, i: usize| ((bt[j / PAGE] as usize * KVH + kvh) * D + i) * PAGE + j % PAGE;
@@ -46,8 +59,9 @@ fn reference_row(q: &[f32], k: &[f32], v: &[f32], bt: &[u32], pos: usize, head: 
         })
         .collect();
     let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+    let m = sink.map_or(m, |s| m.max(s as f64));
     let w: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
-    let z: f64 = w.iter().sum();
+    let z: f64 = w.iter().sum::<f64>() + sink.map_or(0.0, |s| (s as f64 - m).exp());
     (0..D)
         .map(|i| ((0..=pos).map(|j| w[j] * v[off(j) + i] as f64).sum::<f64>() / z) as f32)
         .collect()
@@ -137,6 +151,103 @@ fn paged_attention_row_is_invariant_to_batch_position_neighbours_and_threads() {
         let row = out.narrow(0, before, 1).unwrap();
         assert_eq!(bits(&row), solo, "threads={threads} before={before}");
     }
+}
+
+/// gpt-oss's sinks: each head's logit joins its softmax without a value. Against the f64
+/// reference (small sinks, and ones above every score, which take the other branch of the
+/// normalisation); the fixed schedule's bits are the same on every instruction set and
+/// alone or amid neighbours, and the split schedule agrees within rounding.
+#[test]
+fn attention_sinks_match_reference_and_keep_invariance() {
+    let (k, v) = cache(8);
+    let tables = vec![vec![5, 0, 7], vec![2, 6]];
+    let rows: Vec<(u32, u32)> = (3..10).map(|p| (0, p)).chain([(1, 6)]).collect();
+    let q = Tensor::from_vec(
+        randn(3, rows.len() * H * D),
+        (rows.len(), H, D),
+        &Device::Cpu,
+    )
+    .unwrap();
+    let scale = 1.0 / (D as f32).sqrt();
+    let (kv, vv, qv) = (
+        k.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+        v.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+        q.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+    );
+    let plain = bits(&paged_attention(&q, &k, &v, meta(&rows, tables.clone()), scale).unwrap());
+    for sinks in [[-0.5f32, 0.3, 1.2, -2.0], [9.0, 12.0, 8.5, 30.0]] {
+        let sinks: Arc<[f32]> = Arc::new(sinks);
+        let run = |m: Arc<AttentionMetadata>, isa| {
+            paged_attention_with_sinks(&q, &k, &v, m, scale, sinks.clone(), isa).unwrap()
+        };
+        let out = run(meta(&rows, tables.clone()), CpuIsa::Portable);
+        assert_ne!(bits(&out), plain, "sinks change the output");
+        let ov = out.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        for (r, &(seq, pos)) in rows.iter().enumerate() {
+            for h in 0..H {
+                let base = (r * H + h) * D;
+                let bt = &tables[seq as usize];
+                let want = reference_row_with_sink(
+                    &qv[base..][..D],
+                    &kv,
+                    &vv,
+                    bt,
+                    pos as usize,
+                    h,
+                    Some(sinks[h]),
+                );
+                for i in 0..D {
+                    let tol = 1e-5 * want[i].abs().max(1e-3);
+                    assert!((ov[base + i] - want[i]).abs() <= tol, "row {r} head {h}");
+                }
+            }
+        }
+        for isa in CpuIsa::available() {
+            assert_eq!(
+                bits(&run(meta(&rows, tables.clone()), isa)),
+                bits(&out),
+                "{isa:?}"
+            );
+        }
+        // The decode row alone: the same bits as amid the prefill chunk.
+        let last = rows.len() - 1;
+        let alone_q = q.narrow(0, last, 1).unwrap();
+        let alone = paged_attention_with_sinks(
+            &alone_q,
+            &k,
+            &v,
+            meta(&rows[last..], tables.clone()),
+            scale,
+            sinks.clone(),
+            CpuIsa::detect(),
+        )
+        .unwrap();
+        assert_eq!(bits(&alone), bits(&out.narrow(0, last, 1).unwrap()));
+        let mut split = (*meta(&rows, tables.clone())).clone();
+        split.schedule = AttentionSchedule::SplitKv { splits: 3 };
+        let sv = run(Arc::new(split), CpuIsa::detect())
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        for (a, b) in sv.iter().zip(&ov) {
+            assert!(
+                (a - b).abs() <= 1e-5 * b.abs().max(1e-3),
+                "split {a} vs {b}"
+            );
+        }
+    }
+    let three: Arc<[f32]> = Arc::new([0.0; 3]);
+    let e = paged_attention_with_sinks(
+        &q,
+        &k,
+        &v,
+        meta(&rows, tables),
+        scale,
+        three,
+        CpuIsa::Portable,
+    );
+    assert!(e.unwrap_err().to_string().contains("sinks"));
 }
 
 #[test]

@@ -15,6 +15,8 @@ pub use engine_config::{
     DEFAULT_KV_CACHE_BYTES,
 };
 pub use head::Head;
-pub use model_config::{Activation, Architecture, Fused, GraniteScales, ModelConfig};
+pub use model_config::{
+    Activation, Architecture, ClampedSwiglu, Fused, GraniteScales, ModelConfig,
+};
 pub use moe_config::{ExpertNaming, MoeConfig};
 pub use rope::{RopeConfig, RopeScaling};

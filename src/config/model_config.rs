@@ -63,12 +63,17 @@ pub enum Architecture {
     /// OLMoE: Llama's layers with OLMo 2's q/k norms over the whole projection, and a sparse
     /// MLP routed as Qwen's (softmax, then the top k), its experts `intermediate_size` wide.
     Olmoe,
+    /// gpt-oss: biases on every attention projection, a learned sink logit per head in each
+    /// softmax, sliding and full layers alternating (`layer_types`), and experts with biases,
+    /// stored fused, gated by a clamped SwiGLU ([`ClampedSwiglu`]) and routed by a softmax over
+    /// the top k logits.
+    GptOss,
 }
 
 impl Architecture {
     /// Each architecture's `*ForCausalLM` class (`architectures`) and its `model_type`, the
     /// fallback for a config without `architectures`.
-    const CAUSAL_LM: [(&'static str, &'static str, Architecture); 20] = [
+    const CAUSAL_LM: [(&'static str, &'static str, Architecture); 21] = [
         ("LlamaForCausalLM", "llama", Architecture::Llama),
         ("MistralForCausalLM", "mistral", Architecture::Mistral),
         ("Qwen2ForCausalLM", "qwen2", Architecture::Qwen2),
@@ -93,6 +98,7 @@ impl Architecture {
             "ministral3",
             Architecture::Ministral3,
         ),
+        ("GptOssForCausalLM", "gpt_oss", Architecture::GptOss),
     ];
 
     /// Sequence classifiers (reward models, classifiers: `score` instead of `lm_head`) of the
@@ -176,6 +182,12 @@ impl Architecture {
         }
     }
 
+    /// Whether each attention head has a learned sink logit (`self_attn.sinks`) that joins its
+    /// softmax without a value (gpt-oss).
+    pub fn has_attention_sinks(self) -> bool {
+        self == Architecture::GptOss
+    }
+
     /// Whether q/k are normed over the whole projection (OLMo 2: `q_norm` of
     /// `heads × head_dim`) rather than per head.
     pub fn norms_whole_qk(self) -> bool {
@@ -242,6 +254,15 @@ impl Activation {
     }
 }
 
+/// gpt-oss's expert activation: with `g`, `u` the gate's and up's outputs, `g` clamped to at
+/// most `limit` and `u` to `[-limit, limit]`, the expert's hidden state is
+/// `(u + 1) · g · σ(alpha · g)` (transformers' `GptOssExperts._apply_gate`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ClampedSwiglu {
+    pub alpha: f64,
+    pub limit: f64,
+}
+
 /// Granite's multipliers (transformers' `GraniteForCausalLM`): the embeddings are multiplied
 /// by `embedding`, each sublayer's output by `residual` before the residual add, attention
 /// scores by `attention` (in place of `1/√head_dim`), and the logits divided by `logits`.
@@ -289,6 +310,8 @@ pub struct ModelConfig {
     pub query_scale_beta: Option<(f64, f64)>,
     /// Gemma's attention scale, `query_pre_attn_scalar^-½` in place of `head_dim^-½`.
     pub query_pre_attn_scalar: Option<f64>,
+    /// gpt-oss's experts' activation (`None`: SwiGLU, or the dense MLP's `hidden_act`).
+    pub clamped_swiglu: Option<ClampedSwiglu>,
     /// Gemma's tanh soft caps, `c · tanh(x / c)`: on the scaled attention scores (before the
     /// softmax) and on the logits.
     pub attn_logit_softcapping: Option<f64>,
@@ -384,6 +407,9 @@ struct RawConfig {
     clip_qkv: Option<f64>,
     /// ERNIE 4.5's bias switch for every projection.
     use_bias: Option<bool>,
+    /// gpt-oss's experts' activation ([`ClampedSwiglu`]).
+    swiglu_alpha: Option<f64>,
+    swiglu_limit: Option<f64>,
     /// A quantized checkpoint's method and settings (refused).
     quantization_config: Option<Value>,
     /// Newer transformers: `rope_theta` and the scaling in one object.
@@ -444,8 +470,14 @@ impl ModelConfig {
         // A quantized checkpoint's weights are not what the loader reads (GPTQ/AWQ pack them
         // into other tensors, FP8 and MXFP4 store another dtype beside scales): refused here,
         // naming the method, rather than failing on the first tensor.
-        if let Some(q) = &raw.quantization_config {
-            let method = q.get("quant_method").and_then(Value::as_str);
+        let quant_method = raw
+            .quantization_config
+            .as_ref()
+            .map(|q| q.get("quant_method").and_then(Value::as_str));
+        // gpt-oss's own MXFP4 experts are widened at load (`model::mxfp4`).
+        let mxfp4_experts =
+            architecture == Architecture::GptOss && quant_method == Some(Some("mxfp4"));
+        if let Some(method) = quant_method.filter(|_| !mxfp4_experts) {
             return Err(err(
                 if method.is_some() {
                     "quantization_config.quant_method"
@@ -543,6 +575,11 @@ impl ModelConfig {
             // `attention_bias` (on by default) is q/k/v's; o_proj has none.
             Architecture::Glm | Architecture::Glm4 => (raw.attention_bias.unwrap_or(true), false),
             Architecture::Ernie45 => (use_bias, use_bias),
+            // transformers' default is on; every gpt-oss checkpoint has them.
+            Architecture::GptOss => {
+                let on = raw.attention_bias.unwrap_or(true);
+                (on, on)
+            }
             _ => (attention_bias, attention_bias),
         };
         let sliding_window = match architecture {
@@ -553,6 +590,7 @@ impl ModelConfig {
             | Architecture::Gemma2
             | Architecture::Gemma3
             | Architecture::Exaone4 => raw.sliding_window,
+            Architecture::GptOss => raw.sliding_window.or(Some(128)),
             // transformers' default where the config has none.
             Architecture::Olmo3 => raw.sliding_window.or(Some(4096)),
             Architecture::Qwen2
@@ -586,6 +624,7 @@ impl ModelConfig {
             Architecture::Qwen2Moe => Some((ExpertNaming::Qwen, true, true)),
             Architecture::Qwen3Moe => Some((ExpertNaming::Qwen, false, true)),
             Architecture::Olmoe => Some((ExpertNaming::Qwen, false, false)),
+            Architecture::GptOss => Some((ExpertNaming::GptOss, false, false)),
             _ => None,
         }
         .map(|(naming, shared, own_width)| {
@@ -607,7 +646,11 @@ impl ModelConfig {
                 format!("{clip}: clamping q, k and v is not supported (only null)"),
             ));
         }
-        if moe.is_some() && hidden_act != Activation::Silu {
+        // gpt-oss's experts gate with their own activation, whatever `hidden_act` says.
+        let clamped_swiglu = (architecture == Architecture::GptOss)
+            .then(|| Self::parse_clamped_swiglu(&raw, path))
+            .transpose()?;
+        if moe.is_some() && clamped_swiglu.is_none() && hidden_act != Activation::Silu {
             return Err(err(
                 "hidden_act",
                 format!("{act_name}: the experts' kernels gate with SiLU only"),
@@ -642,7 +685,7 @@ impl ModelConfig {
                 }
                 Some(Self::parse_layer_types(&raw, num_hidden_layers, 4, path)?)
             }
-            Architecture::Gemma2 => {
+            Architecture::Gemma2 | Architecture::GptOss => {
                 Some(Self::parse_layer_types(&raw, num_hidden_layers, 2, path)?)
             }
             Architecture::Gemma3 => {
@@ -742,6 +785,7 @@ impl ModelConfig {
             attn_logit_softcapping,
             final_logit_softcapping,
             query_scale_beta,
+            clamped_swiglu,
             query_pre_attn_scalar: raw
                 .query_pre_attn_scalar
                 .filter(|_| gemma)
@@ -859,6 +903,22 @@ impl ModelConfig {
             Some(b) => Ok(Some((b, original))),
             None => Ok(None),
         }
+    }
+
+    /// gpt-oss's `swiglu_alpha` and `swiglu_limit` (transformers' defaults 1.702 and 7.0).
+    fn parse_clamped_swiglu(raw: &RawConfig, path: &Path) -> Result<ClampedSwiglu> {
+        let read = |field: &str, v: Option<f64>, default: f64| match v.unwrap_or(default) {
+            v if v.is_finite() && v > 0.0 => Ok(v),
+            v => Err(DetspecError::InvalidConfig {
+                path: path.to_path_buf(),
+                field: field.into(),
+                message: format!("{v} must be a number > 0"),
+            }),
+        };
+        Ok(ClampedSwiglu {
+            alpha: read("swiglu_alpha", raw.swiglu_alpha, 1.702)?,
+            limit: read("swiglu_limit", raw.swiglu_limit, 7.0)?,
+        })
     }
 
     /// `sliding_window_pattern` as a count of layers (every this-many-th one attends to

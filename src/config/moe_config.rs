@@ -1,5 +1,5 @@
 //! The mixture-of-experts part of a Hugging Face `config.json` (Qwen2-MoE, Qwen3-MoE, Mixtral,
-//! OLMoE): how many experts, how many each token is routed to, which layers are sparse, and
+//! OLMoE, gpt-oss): how many experts, how many each token is routed to, which layers are sparse, and
 //! how the checkpoint names the experts' tensors.
 
 use std::path::Path;
@@ -15,6 +15,25 @@ pub enum ExpertNaming {
     Qwen,
     /// `block_sparse_moe.gate`, `block_sparse_moe.experts.{e}.{w1,w3,w2}` (Mixtral).
     Mixtral,
+    /// gpt-oss: `mlp.router` (with a bias), and every expert's matrices in one tensor per
+    /// part with their biases: `mlp.experts.gate_up_proj` `[experts, hidden, 2 × width]`
+    /// (gate and up columns alternating), `mlp.experts.down_proj` `[experts, width, hidden]`,
+    /// and `…_bias`; or MXFP4's `…_blocks` and `…_scales` in place of the matrices.
+    GptOss,
+}
+
+impl ExpertNaming {
+    /// Whether the router and the experts have biases (gpt-oss's).
+    pub fn has_biases(self) -> bool {
+        self == ExpertNaming::GptOss
+    }
+
+    /// Whether the routing weights are a softmax over the top k logits (gpt-oss's), rather
+    /// than the top k of a softmax over all of them. The same numbers when renormalised, but
+    /// not the same roundings.
+    pub fn softmax_over_top_k(self) -> bool {
+        self == ExpertNaming::GptOss
+    }
 }
 
 /// A sparse decoder's mixture-of-experts settings, checked.
@@ -26,8 +45,8 @@ pub struct MoeConfig {
     /// Each expert's MLP width (`moe_intermediate_size`; Mixtral's and OLMoE's
     /// `intermediate_size`).
     pub expert_intermediate_size: usize,
-    /// The top-k routing weights renormalised to sum to one (Mixtral always; Qwen's
-    /// `norm_topk_prob`).
+    /// The top-k routing weights renormalised to sum to one (Mixtral and gpt-oss always;
+    /// Qwen's `norm_topk_prob`).
     pub norm_topk_prob: bool,
     /// Qwen2-MoE's shared expert: every token runs it, scaled by a sigmoid gate; its width.
     pub shared_expert_intermediate_size: Option<usize>,
@@ -127,7 +146,7 @@ impl RawMoe {
             top_k,
             expert_intermediate_size,
             norm_topk_prob: match naming {
-                ExpertNaming::Mixtral => true,
+                ExpertNaming::Mixtral | ExpertNaming::GptOss => true,
                 ExpertNaming::Qwen => self.norm_topk_prob.unwrap_or(false),
             },
             shared_expert_intermediate_size,

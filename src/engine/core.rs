@@ -118,10 +118,20 @@ pub struct EngineCore {
     fingerprint_tail: String,
 }
 
-/// The config field and why, where a model's rope is one the CUDA rope kernels lack: they
-/// rotate whole heads in halves; GLM's and ERNIE's pair neighbours, Phi-4-mini's and GLM's
-/// rotate part of each head.
-fn rope_cuda_lacks(cfg: &ModelConfig) -> Option<(&'static str, String)> {
+/// The config field and why, where a model needs what the CUDA kernels lack: the rope
+/// kernels rotate whole heads in halves (GLM's and ERNIE's pair neighbours, Phi-4-mini's and
+/// GLM's rotate part of each head); the attention kernel has no sinks and the elementwise
+/// ones no clamped SwiGLU (gpt-oss).
+fn cuda_lacks(cfg: &ModelConfig) -> Option<(&'static str, String)> {
+    if cfg.architecture.has_attention_sinks() {
+        return Some((
+            "architectures",
+            format!(
+                "{:?}'s attention sinks and clamped SwiGLU experts have no CUDA kernels",
+                cfg.architecture
+            ),
+        ));
+    }
     if cfg.architecture.rope_interleaved() {
         return Some((
             "architectures",
@@ -190,7 +200,7 @@ impl EngineCore {
             cfg.device
         };
         if let Some((field, message)) = (!device.is_cpu())
-            .then(|| rope_cuda_lacks(&model_cfg))
+            .then(|| cuda_lacks(&model_cfg))
             .flatten()
         {
             return Err(DetspecError::InvalidConfig {

@@ -66,6 +66,8 @@ pub(super) struct Layer {
     pub(super) mlp_norm: Option<Tensor>,
     pub(super) mlp_out_norm: Option<Tensor>,
     pub(super) mlp: Mlp,
+    /// gpt-oss's per-head sink logits, on the host (the CPU attention kernel reads them).
+    pub(super) sinks: Option<Arc<[f32]>>,
 }
 
 /// A decoder layer's MLP.
@@ -212,6 +214,11 @@ impl Model {
                 mlp_norm: mlp_norm?,
                 mlp_out_norm: mlp_out_norm?,
                 mlp,
+                sinks: cfg
+                    .architecture
+                    .has_attention_sinks()
+                    .then(|| host_sinks(&ld.load(&attn("sinks"), &[h])?))
+                    .transpose()?,
             });
         }
         let norm = ld.norm("model.norm.weight", &[hs], norm_offset)?;
@@ -525,7 +532,18 @@ impl Model {
                 Some(s) => q.broadcast_mul(s)?,
                 None => q,
             };
-            let attn = ops::paged_attention(&q, k_cache, v_cache, meta.clone(), scale)?;
+            let attn = match &layer.sinks {
+                Some(sinks) => ops::paged_attention_with_sinks(
+                    &q,
+                    k_cache,
+                    v_cache,
+                    meta.clone(),
+                    scale,
+                    sinks.clone(),
+                    ops::CpuIsa::detect(),
+                )?,
+                None => ops::paged_attention(&q, k_cache, v_cache, meta.clone(), scale)?,
+            };
             let attn = attn.reshape((n, h * d))?;
             let o = one(&attn, layer.o.apply(&attn, inv)?, &t_o)?;
             let o = residual_scale(out_norm(o, &layer.attn_out_norm)?)?;
@@ -571,6 +589,14 @@ impl Model {
         let rows = Tensor::from_slice(&batch.logit_rows, batch.logit_rows.len(), dev)?;
         Ok(hn.index_select(&rows, 0)?)
     }
+}
+
+/// Sink logits (`[heads]`, any dtype and device) as the CPU attention kernel reads them.
+pub(super) fn host_sinks(t: &Tensor) -> Result<Arc<[f32]>> {
+    Ok(t.to_dtype(DType::F32)?
+        .to_device(&Device::Cpu)?
+        .to_vec1::<f32>()?
+        .into())
 }
 
 /// `v` as a scalar of `like`'s dtype on its device, to broadcast over it.

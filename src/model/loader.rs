@@ -10,7 +10,9 @@ use candle_core::{DType, Device, Tensor};
 use crate::error::{DetspecError, Result};
 use crate::ops::{PackedWeightAbf16, PackedWeightBf16};
 
+use super::fused_experts::FusedPart;
 use super::linear::{Linear, LinearWeight, Projection};
+use super::mxfp4;
 use super::params::{bf16_hash, tensor_hash, ParamHashes};
 use super::weights::Checkpoint;
 
@@ -176,6 +178,59 @@ impl<'a> WeightLoader<'a> {
             }
         }
         LinearWeight::new(&self.load_matrix(name, &[out_dim, in_dim])?, self.bf16_act)
+    }
+
+    /// A linear layer of a weight `w` (`[out, in]`, the weights' dtype) cut from a larger
+    /// tensor, and its bias.
+    pub(super) fn linear_from(&self, w: &Tensor, bias: Option<Tensor>) -> Result<Linear> {
+        Ok(Linear {
+            weight: LinearWeight::new(w, self.bf16_act)?,
+            bias,
+        })
+    }
+
+    /// gpt-oss's stacked expert tensor `part` of layer `layer` (`fused_experts`), shaped
+    /// `shape` as a bf16/f32 checkpoint stores it; a matrix in the weights' dtype, biases in
+    /// the activations'. An MXFP4 checkpoint's matrices (`…_blocks`, `…_scales`) are widened,
+    /// `[experts, out, in]`: the flag says which form came.
+    pub(super) fn stacked_experts(
+        &self,
+        part: FusedPart,
+        layer: usize,
+        shape: &[usize],
+    ) -> Result<(Tensor, bool)> {
+        let name = part.path(layer);
+        if !part.is_matrix() {
+            return Ok((self.load(&name, shape)?, false));
+        }
+        let blocks_name = format!("{name}_blocks");
+        if !self.ck.contains(&blocks_name) {
+            return Ok((self.load_matrix(&name, shape)?, false));
+        }
+        // `[experts, in, out]` stored as `[experts, out, in / 32, 16]` codes and scales.
+        let &[experts, in_dim, out_dim] = shape else {
+            return Err(DetspecError::param("weights", format!("`{name}` is 3-D")));
+        };
+        if in_dim % 32 != 0 {
+            return Err(DetspecError::BadTensor {
+                name: blocks_name,
+                path: self.ck.manifest().to_path_buf(),
+                message: format!("MXFP4 blocks need an input width divisible by 32, got {in_dim}"),
+            });
+        }
+        let groups = in_dim / 32;
+        let blocks = self.ck.load_u8(
+            &blocks_name,
+            &[experts, out_dim, groups, mxfp4::BLOCK_BYTES],
+        )?;
+        let scales = self
+            .ck
+            .load_u8(&format!("{name}_scales"), &[experts, out_dim, groups])?;
+        let values = mxfp4::dequantize(&blocks, &scales);
+        let t = Tensor::from_vec(values, (experts, out_dim, in_dim), &Device::Cpu)?
+            .to_dtype(self.dtype)?;
+        self.hashes.borrow_mut().insert(name, tensor_hash(&t)?);
+        Ok((t.to_device(self.device)?, true))
     }
 
     /// Hashed on the host before the upload: hashing a GPU tensor would copy it back.

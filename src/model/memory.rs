@@ -11,7 +11,7 @@ use crate::error::{gib, DetspecError, Result};
 use super::params::param_shapes;
 
 /// Bytes the engine holds for a `cfg` model's weights in `dtype` on `device`: matrices in
-/// `dtype`, vectors (norms, biases) in the activations' dtype (f32 on the CPU). A tied LM head
+/// `dtype` (gpt-oss's stacked experts too), vectors (norms, biases) in the activations' dtype (f32 on the CPU). A tied LM head
 /// counts twice: it is packed (CPU) or transposed (GPU) apart from the embedding. Also the
 /// largest single matrix, which loading holds twice for a moment (read, then packed).
 pub fn weight_bytes(cfg: &ModelConfig, dtype: DType, device: &Device) -> (u64, u64) {
@@ -20,7 +20,7 @@ pub fn weight_bytes(cfg: &ModelConfig, dtype: DType, device: &Device) -> (u64, u
     let mut largest = 0u64;
     for shape in param_shapes(cfg).values() {
         let elems: u64 = shape.iter().map(|&d| d as u64).product();
-        let bytes = elems * if shape.len() == 2 { dtype } else { vector }.size_in_bytes() as u64;
+        let bytes = elems * if shape.len() >= 2 { dtype } else { vector }.size_in_bytes() as u64;
         total += bytes;
         largest = largest.max(bytes);
     }

@@ -1,12 +1,14 @@
 //! Weight loading, the decoder forward pass, and parameters by name (weight updates).
 
 mod decoder;
+mod fused_experts;
 mod linear;
 mod loader;
 mod lora;
 mod memory;
 mod moe;
 mod moe_names;
+mod mxfp4;
 mod params;
 mod update;
 mod weights;

@@ -1,4 +1,4 @@
-//! The sparse mixture-of-experts MLP (Qwen2-MoE, Qwen3-MoE, Mixtral): a router picks each
+//! The sparse mixture-of-experts MLP (Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE, gpt-oss): a router picks each
 //! token's top-k experts, each expert runs over the rows routed to it, and a row's output is
 //! its experts' outputs scaled by their routing weights and summed.
 //!
@@ -16,15 +16,16 @@
 use candle_core::Tensor;
 use rayon::prelude::*;
 
-use crate::config::{ModelConfig, MoeConfig};
+use crate::config::{ExpertNaming, ModelConfig, MoeConfig};
 use crate::error::{DetspecError, Result};
 use crate::ops;
 
+use super::fused_experts::FusedPart;
 use super::linear::{GemmOptions, Linear};
 use super::loader::WeightLoader;
 use super::moe_names::{ExpertPart, SparseLinear};
 
-/// One expert: a SwiGLU MLP.
+/// One expert: a SwiGLU MLP (gpt-oss's: with biases, gated by the clamped SwiGLU).
 #[derive(Debug)]
 pub(super) struct Expert {
     pub(super) gate: Linear,
@@ -49,8 +50,18 @@ impl Expert {
         })
     }
 
-    fn forward(&self, x: &Tensor, gemm: GemmOptions) -> candle_core::Result<Tensor> {
-        let act = ops::swiglu(&self.gate.apply(x, gemm)?, &self.up.apply(x, gemm)?)?;
+    /// `clamped`: gpt-oss's `(alpha, limit)` ([`ops::clamped_swiglu`]), else SwiGLU.
+    fn forward(
+        &self,
+        x: &Tensor,
+        gemm: GemmOptions,
+        clamped: Option<(f32, f32)>,
+    ) -> candle_core::Result<Tensor> {
+        let (gate, up) = (self.gate.apply(x, gemm)?, self.up.apply(x, gemm)?);
+        let act = match clamped {
+            Some((alpha, limit)) => ops::clamped_swiglu(&gate, &up, alpha, limit)?,
+            None => ops::swiglu(&gate, &up)?,
+        };
         self.down.apply(&act, gemm)
     }
 
@@ -73,6 +84,10 @@ pub(super) struct SparseMlp {
     pub(super) shared: Option<(Expert, Linear)>,
     top_k: usize,
     norm_topk_prob: bool,
+    /// gpt-oss's routing: a softmax over the top k logits.
+    softmax_over_top_k: bool,
+    /// gpt-oss's expert activation, `(alpha, limit)`.
+    clamped: Option<(f32, f32)>,
 }
 
 impl SparseMlp {
@@ -83,9 +98,12 @@ impl SparseMlp {
         moe: &MoeConfig,
         layer: usize,
     ) -> Result<Self> {
-        let experts = (0..moe.num_experts)
-            .map(|e| Expert::load(ld, cfg, moe, layer, |p| SparseLinear::Expert(e, p)))
-            .collect::<Result<_>>()?;
+        let experts = match moe.naming {
+            ExpertNaming::GptOss => load_stacked(ld, cfg, moe, layer)?,
+            _ => (0..moe.num_experts)
+                .map(|e| Expert::load(ld, cfg, moe, layer, |p| SparseLinear::Expert(e, p)))
+                .collect::<Result<_>>()?,
+        };
         let shared = match moe.shared_expert_intermediate_size {
             Some(_) => Some((
                 Expert::load(ld, cfg, moe, layer, SparseLinear::Shared)?,
@@ -99,7 +117,34 @@ impl SparseMlp {
             shared,
             top_k: moe.top_k,
             norm_topk_prob: moe.norm_topk_prob,
+            softmax_over_top_k: moe.naming.softmax_over_top_k(),
+            clamped: cfg.clamped_swiglu.map(|c| (c.alpha as f32, c.limit as f32)),
         })
+    }
+
+    /// Replaces every expert's part of the stacked tensor `part` (gpt-oss's, a weight
+    /// update; shaped as a checkpoint stores it, in the engine's dtypes).
+    pub(super) fn set_stacked(
+        &mut self,
+        part: FusedPart,
+        t: &Tensor,
+        bf16_act: bool,
+    ) -> Result<()> {
+        for (expert, pieces) in self.experts.iter_mut().zip(part.split(t, false)?) {
+            let parts: &[ExpertPart] = match part {
+                FusedPart::GateUp | FusedPart::GateUpBias => &[ExpertPart::Gate, ExpertPart::Up],
+                FusedPart::Down | FusedPart::DownBias => &[ExpertPart::Down],
+            };
+            for (&p, piece) in parts.iter().zip(pieces) {
+                let linear = expert.part_mut(p);
+                if part.is_matrix() {
+                    linear.weight = super::linear::LinearWeight::new(&piece, bf16_act)?;
+                } else {
+                    linear.bias = Some(piece);
+                }
+            }
+        }
+        Ok(())
     }
 
     /// The MLP's output for `x` (`[n, hidden]`). `fixed_blocks`: run the experts' GEMMs on
@@ -113,7 +158,11 @@ impl SparseMlp {
         let (n, _) = x.dims2()?;
         let dev = x.device();
         let routing = ops::with_f32_values(&self.router.apply(x, gemm)?, |logits| {
-            Routing::new(logits, self.experts.len(), self.top_k, self.norm_topk_prob)
+            if self.softmax_over_top_k {
+                Routing::softmax_over_top_k(logits, self.experts.len(), self.top_k)
+            } else {
+                Routing::new(logits, self.experts.len(), self.top_k, self.norm_topk_prob)
+            }
         })??;
         let expert_gemm = GemmOptions {
             invariant: gemm.invariant || fixed_blocks,
@@ -131,7 +180,7 @@ impl SparseMlp {
             .collect();
         let run = |&(expert, rows): &(&Expert, &Vec<u32>)| {
             let idx = Tensor::from_slice(rows, rows.len(), dev)?;
-            expert.forward(&x.index_select(&idx, 0)?, expert_gemm)
+            expert.forward(&x.index_select(&idx, 0)?, expert_gemm, self.clamped)
         };
         let outputs = if dev.is_cpu() {
             active
@@ -162,14 +211,13 @@ impl SparseMlp {
                 g.iter().map(|&v| ops::sigmoid(v)).collect::<Vec<f32>>()
             })?;
             let scale = Tensor::from_vec(scale, (n, 1), dev)?.to_dtype(x.dtype())?;
-            out = (out + expert.forward(x, gemm)?.broadcast_mul(&scale)?)?;
+            out = (out + expert.forward(x, gemm, None)?.broadcast_mul(&scale)?)?;
         }
         Ok(out)
     }
 }
 
-/// The linear layer `which` of layer `layer`'s sparse MLP (no bias: none of these models has
-/// one there).
+/// The linear layer `which` of layer `layer`'s sparse MLP (with a bias in gpt-oss only).
 fn load_linear(
     ld: &WeightLoader<'_>,
     cfg: &ModelConfig,
@@ -178,7 +226,46 @@ fn load_linear(
     which: SparseLinear,
 ) -> Result<Linear> {
     let [out_dim, in_dim] = which.shape(cfg, moe);
-    ld.linear(&which.path(moe.naming, layer), in_dim, out_dim, false)
+    let bias = moe.naming.has_biases();
+    ld.linear(&which.path(moe.naming, layer), in_dim, out_dim, bias)
+}
+
+/// gpt-oss's experts of layer `layer`, cut from its stacked tensors (`fused_experts`).
+fn load_stacked(
+    ld: &WeightLoader<'_>,
+    cfg: &ModelConfig,
+    moe: &MoeConfig,
+    layer: usize,
+) -> Result<Vec<Expert>> {
+    let part = |p: FusedPart| -> Result<Vec<Vec<Tensor>>> {
+        let (t, out_in) = ld.stacked_experts(p, layer, &p.shape(cfg, moe))?;
+        p.split(&t, out_in)
+    };
+    let (gate_up, gate_up_bias) = (part(FusedPart::GateUp)?, part(FusedPart::GateUpBias)?);
+    let (down, down_bias) = (part(FusedPart::Down)?, part(FusedPart::DownBias)?);
+    let mut experts = Vec::with_capacity(moe.num_experts);
+    for (((gu, gub), d), db) in gate_up
+        .into_iter()
+        .zip(gate_up_bias)
+        .zip(down)
+        .zip(down_bias)
+    {
+        let [gate, up] = <[Tensor; 2]>::try_from(gu)
+            .map_err(|_| DetspecError::param("weights", "gate/up are two halves"))?;
+        let [gate_b, up_b] = <[Tensor; 2]>::try_from(gub)
+            .map_err(|_| DetspecError::param("weights", "gate/up biases are two halves"))?;
+        let one = |v: Vec<Tensor>| {
+            v.into_iter()
+                .next()
+                .ok_or_else(|| DetspecError::param("weights", "down_proj has one piece"))
+        };
+        experts.push(Expert {
+            gate: ld.linear_from(&gate, Some(gate_b))?,
+            up: ld.linear_from(&up, Some(up_b))?,
+            down: ld.linear_from(&one(d)?, Some(one(db)?))?,
+        });
+    }
+    Ok(experts)
 }
 
 /// Where each row goes: per expert the rows routed to it, in row order; per row its experts
@@ -200,15 +287,7 @@ impl Routing {
         top_k: usize,
         norm: bool,
     ) -> Result<Self> {
-        if num_experts == 0 || !logits.len().is_multiple_of(num_experts) {
-            return Err(DetspecError::param(
-                "num_experts",
-                format!(
-                    "{} router logits are not rows of {num_experts}",
-                    logits.len()
-                ),
-            ));
-        }
+        Self::check(logits, num_experts)?;
         let mut rows = vec![Vec::new(); num_experts];
         let mut picks = Vec::with_capacity(logits.len() / num_experts);
         let mut order: Vec<usize> = Vec::with_capacity(num_experts);
@@ -240,6 +319,56 @@ impl Routing {
             picks.push(top);
         }
         Ok(Self { rows, picks })
+    }
+
+    /// The routing of rows whose router logits are `logits` (gpt-oss's): the `top_k` largest
+    /// logits (ties to the lower index), and their softmax in f32 (max-subtracted,
+    /// `ops::exp_nonpositive`, summed largest first as transformers' `topk` orders them).
+    pub(super) fn softmax_over_top_k(
+        logits: &[f32],
+        num_experts: usize,
+        top_k: usize,
+    ) -> Result<Self> {
+        Self::check(logits, num_experts)?;
+        let mut rows = vec![Vec::new(); num_experts];
+        let mut picks = Vec::with_capacity(logits.len() / num_experts);
+        let mut order: Vec<usize> = Vec::with_capacity(num_experts);
+        for (r, row) in logits.chunks(num_experts).enumerate() {
+            order.clear();
+            order.extend(0..num_experts);
+            order.sort_by(|&a, &b| row[b].total_cmp(&row[a]));
+            order.truncate(top_k);
+            let max = order.first().map_or(0.0, |&e| row[e]);
+            let exps: Vec<f32> = order
+                .iter()
+                .map(|&e| ops::exp_nonpositive(row[e] - max))
+                .collect();
+            let sum: f32 = exps.iter().sum();
+            let mut top: Vec<(usize, f32)> = order
+                .iter()
+                .zip(&exps)
+                .map(|(&e, &x)| (e, x / sum))
+                .collect();
+            top.sort_by_key(|&(e, _)| e);
+            for &(e, _) in &top {
+                rows[e].push(r as u32);
+            }
+            picks.push(top);
+        }
+        Ok(Self { rows, picks })
+    }
+
+    fn check(logits: &[f32], num_experts: usize) -> Result<()> {
+        if num_experts == 0 || !logits.len().is_multiple_of(num_experts) {
+            return Err(DetspecError::param(
+                "num_experts",
+                format!(
+                    "{} router logits are not rows of {num_experts}",
+                    logits.len()
+                ),
+            ));
+        }
+        Ok(())
     }
 
     /// For each of a row's k contributions, in expert-id order: every row's index into the
@@ -301,6 +430,25 @@ mod tests {
         let plain = Routing::new(&logits, 4, 2, false).unwrap();
         let total: f32 = e.iter().sum();
         assert!((plain.picks[0][1].1 - e[2] / total).abs() < 1e-6);
+    }
+
+    #[test]
+    fn softmax_over_top_k_equals_renormalised_top_k_up_to_rounding() {
+        let logits: Vec<f32> = (0..48)
+            .map(|i| ((i * 29 % 13) as f32 - 6.0) * 0.37)
+            .collect();
+        let a = Routing::softmax_over_top_k(&logits, 8, 3).unwrap();
+        let b = Routing::new(&logits, 8, 3, true).unwrap();
+        assert_eq!(a.rows, b.rows);
+        for (x, y) in a.picks.iter().zip(&b.picks) {
+            for (&(e, w), &(f, v)) in x.iter().zip(y) {
+                assert_eq!(e, f);
+                assert!((w - v).abs() < 1e-6, "{w} vs {v}");
+            }
+        }
+        // Ties go to the lower expert.
+        let tie = Routing::softmax_over_top_k(&[1.0, 2.0, 2.0, 0.0], 4, 1).unwrap();
+        assert_eq!(tie.picks[0], vec![(1, 1.0)]);
     }
 
     #[test]

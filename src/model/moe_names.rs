@@ -9,6 +9,8 @@ use candle_core::Tensor;
 use crate::config::{ExpertNaming, ModelConfig, MoeConfig};
 use crate::error::{DetspecError, Result};
 
+use super::fused_experts::FusedPart;
+
 /// A part of an expert's MLP.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum ExpertPart {
@@ -22,9 +24,11 @@ impl ExpertPart {
 
     fn name(self, naming: ExpertNaming) -> &'static str {
         match (naming, self) {
-            (ExpertNaming::Qwen, Self::Gate) => "gate_proj",
-            (ExpertNaming::Qwen, Self::Up) => "up_proj",
-            (ExpertNaming::Qwen, Self::Down) => "down_proj",
+            // gpt-oss's checkpoints stack the experts (`fused_experts`); these names are the
+            // parts' in the engine alone.
+            (ExpertNaming::Qwen | ExpertNaming::GptOss, Self::Gate) => "gate_proj",
+            (ExpertNaming::Qwen | ExpertNaming::GptOss, Self::Up) => "up_proj",
+            (ExpertNaming::Qwen | ExpertNaming::GptOss, Self::Down) => "down_proj",
             (ExpertNaming::Mixtral, Self::Gate) => "w1",
             (ExpertNaming::Mixtral, Self::Up) => "w3",
             (ExpertNaming::Mixtral, Self::Down) => "w2",
@@ -47,6 +51,7 @@ impl SparseLinear {
     pub(super) fn path(self, naming: ExpertNaming, layer: usize) -> String {
         let root = format!("model.layers.{layer}.{}", block(naming));
         match self {
+            Self::Router if naming == ExpertNaming::GptOss => format!("{root}.router"),
             Self::Router => format!("{root}.gate"),
             Self::Expert(e, part) => format!("{root}.experts.{e}.{}", part.name(naming)),
             Self::Shared(part) => format!("{root}.shared_expert.{}", part.name(naming)),
@@ -74,7 +79,7 @@ impl SparseLinear {
 /// The module under a decoder layer that holds its sparse MLP.
 fn block(naming: ExpertNaming) -> &'static str {
     match naming {
-        ExpertNaming::Qwen => "mlp",
+        ExpertNaming::Qwen | ExpertNaming::GptOss => "mlp",
         ExpertNaming::Mixtral => "block_sparse_moe",
     }
 }
@@ -92,15 +97,36 @@ fn sparse_parts(moe: &MoeConfig) -> Vec<SparseLinear> {
     out
 }
 
-/// Every linear layer of layer `layer`'s sparse MLP: its module path and `[out, in]` shape.
-pub(super) fn sparse_linears(
+/// Every parameter of layer `layer`'s sparse MLP as a checkpoint names it, with its shape:
+/// each linear layer's weight (and bias, gpt-oss's router); gpt-oss's experts as its stacked
+/// tensors (`fused_experts`).
+pub(super) fn sparse_params(
     cfg: &ModelConfig,
     moe: &MoeConfig,
     layer: usize,
-) -> Vec<(String, [usize; 2])> {
+) -> Vec<(String, Vec<usize>)> {
+    if moe.naming == ExpertNaming::GptOss {
+        let router = SparseLinear::Router.path(moe.naming, layer);
+        let mut out = vec![
+            (
+                format!("{router}.weight"),
+                vec![moe.num_experts, cfg.hidden_size],
+            ),
+            (format!("{router}.bias"), vec![moe.num_experts]),
+        ];
+        out.extend(
+            FusedPart::ALL
+                .into_iter()
+                .map(|p| (p.path(layer), p.shape(cfg, moe))),
+        );
+        return out;
+    }
     sparse_parts(moe)
         .into_iter()
-        .map(|p| (p.path(moe.naming, layer), p.shape(cfg, moe)))
+        .map(|p| {
+            let name = format!("{}.weight", p.path(moe.naming, layer));
+            (name, p.shape(cfg, moe).to_vec())
+        })
         .collect()
 }
 
@@ -141,7 +167,12 @@ pub fn unfuse_experts(
     cfg: &ModelConfig,
     updates: Vec<(String, Tensor)>,
 ) -> Result<Vec<(String, Tensor)>> {
-    let Some(moe) = &cfg.moe else {
+    // gpt-oss's in-memory names are its checkpoints'.
+    let Some(moe) = cfg
+        .moe
+        .as_ref()
+        .filter(|m| m.naming != ExpertNaming::GptOss)
+    else {
         return Ok(updates);
     };
     let mut out = Vec::with_capacity(updates.len());

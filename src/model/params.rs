@@ -11,7 +11,7 @@ use crate::config::ModelConfig;
 use crate::error::{DetspecError, Result};
 use crate::ops::{bf16_to_f32, with_bf16_bits, with_f32_values};
 
-use super::moe_names::sparse_linears;
+use super::moe_names::sparse_params;
 
 /// Every parameter name a checkpoint of `cfg` holds, with its shape, in name order.
 /// `lm_head.weight` is listed for tied models too (torch's `state_dict()` yields it); it then
@@ -54,9 +54,7 @@ pub fn param_shapes(cfg: &ModelConfig) -> BTreeMap<String, Vec<usize>> {
         linear(format!("{p}.self_attn.o_proj"), h * d, hs, cfg.o_bias);
         match &cfg.moe {
             Some(moe) if moe.is_sparse(i) => {
-                for (name, [o, i]) in sparse_linears(cfg, moe, i) {
-                    linear(name, i, o, false);
-                }
+                m.extend(sparse_params(cfg, moe, i));
             }
             _ if fused.gate_up => {
                 linear(format!("{p}.mlp.gate_up_proj"), hs, 2 * is, false);
@@ -70,6 +68,9 @@ pub fn param_shapes(cfg: &ModelConfig) -> BTreeMap<String, Vec<usize>> {
         }
         for norm in cfg.architecture.sublayer_norms().into_iter().flatten() {
             m.insert(format!("{p}.{norm}.weight"), vec![hs]);
+        }
+        if cfg.architecture.has_attention_sinks() {
+            m.insert(format!("{p}.self_attn.sinks"), vec![h]);
         }
         if cfg.qk_norm {
             let (q, k) = if cfg.architecture.norms_whole_qk() {

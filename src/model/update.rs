@@ -5,9 +5,13 @@ use candle_core::{DType, Tensor};
 
 use crate::error::Result;
 
-use super::decoder::{Mlp, Model};
+use std::sync::Arc;
+
+use super::decoder::{host_sinks, Mlp, Model};
+use super::fused_experts::FusedPart;
 use super::linear::{Linear, LinearWeight, Projection};
 use super::loader::offset_norm;
+use super::moe::SparseMlp;
 use super::moe_names::parse_sparse_linear;
 use super::params::{check_update, tensor_hash, unknown};
 
@@ -23,6 +27,10 @@ enum Slot<'a> {
     PartBias(&'a mut Projection, usize),
     /// Every layer of a projection a checkpoint stores as one matrix, of these widths.
     FusedWeight(&'a mut Projection, Vec<usize>),
+    /// A stacked tensor of every expert's part (gpt-oss's, `fused_experts`).
+    Stacked(&'a mut SparseMlp, FusedPart),
+    /// gpt-oss's per-head sink logits.
+    Sinks(&'a mut Option<Arc<[f32]>>),
     Embedding,
 }
 
@@ -84,6 +92,21 @@ impl Model {
                     p.set_fused_weight(&t, &widths, bf16_act)?;
                     t
                 }
+                Slot::Stacked(moe, part) => {
+                    let t = t.to_dtype(matrix)?;
+                    let t = if part.is_matrix() {
+                        t
+                    } else {
+                        t.to_dtype(vector)?
+                    };
+                    moe.set_stacked(part, &t, bf16_act)?;
+                    t
+                }
+                Slot::Sinks(s) => {
+                    let t = t.to_dtype(matrix)?.to_dtype(vector)?;
+                    *s = Some(host_sinks(&t)?);
+                    t
+                }
                 Slot::PartBias(p, part) => {
                     let t = t.to_dtype(matrix)?.to_dtype(vector)?;
                     p.set_bias(part, t.clone())?;
@@ -117,6 +140,13 @@ impl Model {
         let (gate_up, down) = match &mut layer.mlp {
             Mlp::Dense { gate_up, down } => (Some(gate_up), Some(down)),
             Mlp::Sparse(moe) => {
+                let stacked = module
+                    .strip_prefix("mlp.")
+                    .filter(|&m| m == "experts")
+                    .and_then(|_| FusedPart::parse(kind));
+                if let Some(part) = stacked {
+                    return Some(Slot::Stacked(moe, part));
+                }
                 if let Some(which) = self
                     .cfg
                     .moe
@@ -169,6 +199,7 @@ impl Model {
             "mlp.down_proj" => return linear_slot(down?, kind),
             "self_attn.q_norm" => return layer.q_norm.as_mut().map(Slot::Norm),
             "self_attn.k_norm" => return layer.k_norm.as_mut().map(Slot::Norm),
+            "self_attn" if kind == "sinks" => return Some(Slot::Sinks(&mut layer.sinks)),
             _ => return None,
         };
         match kind {

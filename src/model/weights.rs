@@ -132,6 +132,11 @@ impl Checkpoint {
         Ok(files)
     }
 
+    /// The file users would look at to find a tensor.
+    pub fn manifest(&self) -> &Path {
+        &self.manifest
+    }
+
     /// Whether the checkpoint holds `name`.
     pub fn contains(&self, name: &str) -> bool {
         self.index.contains_key(name)
@@ -163,6 +168,36 @@ impl Checkpoint {
         shape: &[usize],
         f: impl FnOnce(DType, &[u8], &dyn Fn(String) -> DetspecError) -> R,
     ) -> Result<R> {
+        self.with_stored(name, shape, |stored, data, bad| {
+            let src_dtype = match stored {
+                StDtype::F32 => DType::F32,
+                StDtype::F16 => DType::F16,
+                StDtype::BF16 => DType::BF16,
+                other => {
+                    return Err(bad(format!(
+                        "expected a float tensor (f32, f16, bf16), found {other:?}"
+                    )))
+                }
+            };
+            Ok(f(src_dtype, data, bad))
+        })?
+    }
+
+    /// `name`'s bytes, a `u8` tensor of `shape` (MXFP4's blocks and scales).
+    pub fn load_u8(&self, name: &str, shape: &[usize]) -> Result<Vec<u8>> {
+        self.with_stored(name, shape, |stored, data, bad| match stored {
+            StDtype::U8 => Ok(data.to_vec()),
+            other => Err(bad(format!("expected a u8 tensor, found {other:?}"))),
+        })?
+    }
+
+    /// [`Self::with_raw`] for a tensor of any stored dtype.
+    fn with_stored<R>(
+        &self,
+        name: &str,
+        shape: &[usize],
+        f: impl FnOnce(StDtype, &[u8], &dyn Fn(String) -> DetspecError) -> R,
+    ) -> Result<R> {
         let (shard, stored) = self
             .index
             .get(name)
@@ -187,17 +222,7 @@ impl Checkpoint {
                 view.shape()
             )));
         }
-        let src_dtype = match view.dtype() {
-            StDtype::F32 => DType::F32,
-            StDtype::F16 => DType::F16,
-            StDtype::BF16 => DType::BF16,
-            other => {
-                return Err(bad(format!(
-                    "expected a float tensor (f32, f16, bf16), found {other:?}"
-                )))
-            }
-        };
-        let out = f(src_dtype, view.data(), &bad);
+        let out = f(view.dtype(), view.data(), &bad);
         #[cfg(unix)]
         {
             let offset = view.data().as_ptr() as usize - mmap.as_ptr() as usize;

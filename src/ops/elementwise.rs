@@ -13,7 +13,7 @@ use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, Layout, Shape, Tensor}
 use rayon::prelude::*;
 
 use super::isa::isa_kernel;
-use super::math::{gelu_tanh, silu, tanh};
+use super::math::{gelu_tanh, sigmoid, silu, tanh};
 use super::CpuIsa;
 use super::{contiguous_f32, filled_f32};
 use crate::config::Activation;
@@ -53,6 +53,25 @@ isa_kernel! {
     fn softcap_into(isa: CpuIsa, out: &mut [MaybeUninit<f32>], x: &[f32], cap: f32) {
         for (o, &v) in out.iter_mut().zip(x) {
             o.write(tanh(v / cap) * cap);
+        }
+    }
+}
+
+isa_kernel! {
+    /// gpt-oss's expert gate, `(u + 1) · (g · σ(α g))` with `g` clamped to at most `limit` and
+    /// `u` to `[-limit, limit]`, in transformers' order ([`sigmoid`]: our exponential).
+    fn clamped_swiglu_into(
+        isa: CpuIsa,
+        out: &mut [MaybeUninit<f32>],
+        gate: &[f32],
+        up: &[f32],
+        alpha: f32,
+        limit: f32,
+    ) {
+        for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+            let g = g.min(limit);
+            let u = u.clamp(-limit, limit);
+            o.write((u + 1.0) * (g * sigmoid(g * alpha)));
         }
     }
 }
@@ -325,6 +344,52 @@ impl CustomOp1 for Softcap {
             ))
         })
     }
+}
+
+/// gpt-oss's expert gate ([`clamped_swiglu`]); CPU only (gpt-oss is refused on a GPU).
+struct ClampedSwiglu {
+    alpha: f32,
+    limit: f32,
+}
+
+impl CustomOp2 for ClampedSwiglu {
+    fn name(&self) -> &'static str {
+        "detspec-clamped-swiglu"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let name = self.name();
+        if l1.dims() != l2.dims() {
+            bail!("{name}: shapes {:?} and {:?} differ", l1.dims(), l2.dims());
+        }
+        let (g, u) = (contiguous_f32(s1, l1, name)?, contiguous_f32(s2, l2, name)?);
+        let (isa, alpha, limit) = (CpuIsa::detect(), self.alpha, self.limit);
+        // Every element is written: the chunks of `out` pair up with those of `g` and `u`.
+        let out = filled_f32(g.len(), |out| {
+            out.par_chunks_mut(CHUNK)
+                .zip(g.par_chunks(CHUNK).zip(u.par_chunks(CHUNK)))
+                .for_each(|(o, (g, u))| clamped_swiglu_into(isa, o, g, u, alpha, limit))
+        });
+        Ok((CpuStorage::F32(out), l1.shape().clone()))
+    }
+}
+
+/// gpt-oss's expert gate of `gate` and `up` (same shape): `(u + 1) · g · σ(alpha · g)`, `g`
+/// clamped to at most `limit`, `u` to `[-limit, limit]`.
+pub fn clamped_swiglu(
+    gate: &Tensor,
+    up: &Tensor,
+    alpha: f32,
+    limit: f32,
+) -> candle_core::Result<Tensor> {
+    gate.contiguous()?
+        .apply_op2_no_bwd(&up.contiguous()?, &ClampedSwiglu { alpha, limit })
 }
 
 /// `tanh(x / cap) · cap` per element (Gemma 2's final logits).

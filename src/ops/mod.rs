@@ -28,7 +28,7 @@ pub use attention_plan::{AttentionMetadata, AttentionSchedule};
 pub use cache_write::{write_k, write_kv};
 #[cfg(feature = "cuda")]
 pub use cuda::multiprocessors as cuda_multiprocessors;
-pub use elementwise::{add, gated, gated_halves, softcap, swiglu, swiglu_halves};
+pub use elementwise::{add, clamped_swiglu, gated, gated_halves, softcap, swiglu, swiglu_halves};
 pub use gemm::{
     matmul_packed, matmul_packed_profiled, packed_matmul, packed_matmul_reduced,
     packed_matmul_with, split_k_parts, PackedWeight, Reduction,
@@ -47,7 +47,7 @@ pub use isa::CpuIsa;
 pub use math::{bf16_bits, bf16_to_f32, exp_nonpositive, gelu_tanh, sigmoid, silu, tanh};
 pub use matmul::{invariant_matmul, INVARIANT_GEMM_ROWS};
 pub use page_copy::copy_pages;
-pub use paged_attention::{paged_attention, paged_attention_with_isa};
+pub use paged_attention::{paged_attention, paged_attention_with_isa, paged_attention_with_sinks};
 pub use rms_norm::{add_rms_norm, rms_norm};
 pub use rope::{apply_rope, apply_rope_interleaved, rope_qkv};
 pub use rope_cache::rope_qkv_into_cache;

@@ -27,6 +27,8 @@ use super::{contiguous_f32, exp_nonpositive, tanh, zeroed, CpuIsa};
 struct PagedAttention {
     meta: Arc<AttentionMetadata>,
     scale: f32,
+    /// gpt-oss's per-head sink logits ([`paged_attention_with_sinks`]).
+    sinks: Option<Arc<[f32]>>,
     isa: CpuIsa,
 }
 
@@ -62,6 +64,7 @@ impl CustomOp3 for PagedAttention {
                         v_cache: $v_cache,
                         meta: &self.meta,
                         scale: self.scale,
+                        sinks: self.sinks.as_deref(),
                         rows,
                         heads,
                         kv_heads,
@@ -101,6 +104,9 @@ impl CustomOp3 for PagedAttention {
         vs: &candle_core::CudaStorage,
         vl: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        if self.sinks.is_some() {
+            bail!("paged_attention: attention sinks have no CUDA kernel (the CPU's only)");
+        }
         let shape = AttentionShape::read(&self.meta, ql, kl, vl)?;
         let out = super::cuda_attention::paged_attention(
             &self.meta,
@@ -136,6 +142,8 @@ struct AttentionArgs<'a, E> {
     v_cache: &'a [E],
     meta: &'a AttentionMetadata,
     scale: f32,
+    /// Per query head, a logit that joins every softmax without a value (gpt-oss).
+    sinks: Option<&'a [f32]>,
     rows: usize,
     heads: usize,
     kv_heads: usize,
@@ -151,6 +159,12 @@ impl<'a, E: KvElem> AttentionArgs<'a, E> {
             scale: self.scale,
             softcap: self.meta.softcap,
         }
+    }
+
+    /// Query head `head`'s sink logit, if the model has sinks.
+    #[inline(always)]
+    fn sink(&self, head: usize) -> Option<f32> {
+        self.sinks.map(|s| s[head])
     }
 
     /// Query heads per KV head.
@@ -388,8 +402,8 @@ impl<'a, E: KvElem> AttentionArgs<'a, E> {
                 &mut scratch,
             );
         }
-        for (o, &(_, denom)) in out.chunks_mut(self.dim).zip(&state) {
-            normalise(o, denom);
+        for (i, (o, &st)) in out.chunks_mut(self.dim).zip(&state).enumerate() {
+            normalise(o, st, self.sink(kvh * g + i % g));
         }
     }
 
@@ -482,8 +496,8 @@ impl<E: KvElem> AttentionArgs<'_, E> {
             }
             j = end;
         }
-        for (o, &(_, denom)) in out.chunks_mut(dim).zip(&state) {
-            normalise(o, denom);
+        for (head, (o, &st)) in out.chunks_mut(dim).zip(&state).enumerate() {
+            normalise(o, st, self.sink(head));
         }
     }
 }
@@ -858,13 +872,26 @@ mod x86 {
     }
 }
 
-/// Scales `o` by `1 / denom` (when anything was attended).
+/// Scales `o`, a query's values summed with weights `exp(s - max)`, into the softmax's
+/// weighted mean, given its `(max, denom)` (when anything was attended). A `sink` logit joins
+/// the softmax without a value (gpt-oss): it adds `exp(sink - max)` to the denominator, taken
+/// from the larger of the two so no exponent is positive (transformers subtracts the max of
+/// the scores and the sink alike). A function of the final state alone, so every schedule that
+/// reaches the same state gives the same bits.
 #[inline(always)]
-fn normalise(o: &mut [f32], denom: f32) {
-    if denom > 0.0 {
-        let inv = 1.0 / denom;
-        o.iter_mut().for_each(|x| *x *= inv);
+fn normalise(o: &mut [f32], (max, denom): (f32, f32), sink: Option<f32>) {
+    if denom <= 0.0 {
+        return;
     }
+    let inv = match sink {
+        None => 1.0 / denom,
+        Some(s) if s <= max => 1.0 / (denom + exp_nonpositive(s - max)),
+        Some(s) => {
+            let r = exp_nonpositive(max - s);
+            r / (denom * r + 1.0)
+        }
+    };
+    o.iter_mut().for_each(|x| *x *= inv);
 }
 
 // Per-task entry points compiled for each instruction set: the rayon closures below are
@@ -1074,8 +1101,8 @@ fn attention<E: KvElem>(a: &AttentionArgs<E>, isa: CpuIsa) -> Vec<f32> {
                 if is_fixed(row) {
                     let mut state = vec![(f32::NEG_INFINITY, 0f32); g];
                     a.split_task_isa(isa, (row, kvh), (0, 1), o, &mut state);
-                    for (o, &(_, denom)) in o.chunks_mut(dim).zip(&state) {
-                        normalise(o, denom);
+                    for (i, (o, &st)) in o.chunks_mut(dim).zip(&state).enumerate() {
+                        normalise(o, st, a.sink(kvh * g + i));
                     }
                     return;
                 }
@@ -1095,7 +1122,7 @@ fn attention<E: KvElem>(a: &AttentionArgs<E>, isa: CpuIsa) -> Vec<f32> {
                             *o += a * w;
                         }
                     }
-                    normalise(o, denom);
+                    normalise(o, (m, denom), a.sink(head));
                 }
             });
             out
@@ -1141,6 +1168,28 @@ pub fn paged_attention(
     paged_attention_with_isa(q, k_cache, v_cache, meta, scale, CpuIsa::detect())
 }
 
+/// [`paged_attention_with_isa`] with attention sinks (gpt-oss): `sinks[h]` is query head
+/// `h`'s learned logit, which joins each of its softmaxes as a key without a value, so a
+/// head can attend to nothing. CPU only.
+pub fn paged_attention_with_sinks(
+    q: &Tensor,
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    meta: Arc<AttentionMetadata>,
+    scale: f32,
+    sinks: Arc<[f32]>,
+    isa: CpuIsa,
+) -> candle_core::Result<Tensor> {
+    let heads = q.dims().get(1).copied().unwrap_or(0);
+    if sinks.len() != heads {
+        bail!(
+            "paged_attention: {} sinks for {heads} query heads",
+            sinks.len()
+        );
+    }
+    run(q, k_cache, v_cache, meta, scale, Some(sinks), isa)
+}
+
 /// [`paged_attention`] with a given instruction set (one this CPU has: see
 /// [`CpuIsa::available`]); every instruction set gives the same bits.
 pub fn paged_attention_with_isa(
@@ -1151,9 +1200,26 @@ pub fn paged_attention_with_isa(
     scale: f32,
     isa: CpuIsa,
 ) -> candle_core::Result<Tensor> {
+    run(q, k_cache, v_cache, meta, scale, None, isa)
+}
+
+fn run(
+    q: &Tensor,
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    meta: Arc<AttentionMetadata>,
+    scale: f32,
+    sinks: Option<Arc<[f32]>>,
+    isa: CpuIsa,
+) -> candle_core::Result<Tensor> {
     if !CpuIsa::available().contains(&isa) {
         bail!("paged_attention: this CPU cannot run {isa:?}");
     }
-    q.contiguous()?
-        .apply_op3_no_bwd(k_cache, v_cache, &PagedAttention { meta, scale, isa })
+    let op = PagedAttention {
+        meta,
+        scale,
+        sinks,
+        isa,
+    };
+    q.contiguous()?.apply_op3_no_bwd(k_cache, v_cache, &op)
 }

@@ -406,6 +406,29 @@ MODEL_SPECS: dict[str, dict] = {
         "rope": {"rope_type": "default", "rope_theta": 10000.0},
         "extra": {"pad_token_id": 0, "num_experts": 8, "num_experts_per_tok": 2},
     },
+    # gpt-oss: biases on q/k/v/o, a learned sink logit per head, a sliding layer (window 8, so
+    # the longer prompts outgrow it) and a full one, YaRN without truncation, and 8 experts
+    # with biases, stacked in one tensor per part, top-2 by a softmax over the two logits,
+    # gated by SwiGLU clamped at 1.0 (low enough that the random model's gates reach it).
+    "gpt_oss": {
+        "arch": "gpt_oss",
+        "seed": 109,
+        "rope": {
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 4.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "original_max_position_embeddings": 64,
+            "truncate": False,
+        },
+        "extra": {
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+            "sliding_window": 8,
+            "swiglu_limit": 1.0,
+        },
+    },
     "mixtral": {
         "arch": "mixtral",
         "seed": 31,
@@ -436,6 +459,7 @@ _CONFIG_CLASSES = {
     "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
     "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM),
+    "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
 }
 
 
@@ -484,8 +508,10 @@ def _randomise_(model: torch.nn.Module, seed: int) -> None:
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):  # input/post-attn/final norm, q_norm, k_norm
                 param.copy_(0.5 + torch.rand(param.shape, generator=gen))
-            elif name.endswith(".bias"):
+            elif name.endswith((".bias", "_bias")):  # gpt-oss's experts': `gate_up_proj_bias`
                 param.copy_(0.5 * torch.randn(param.shape, generator=gen))
+            elif name.endswith(".sinks"):  # gpt-oss's per-head sink logits
+                param.copy_(torch.randn(param.shape, generator=gen))
 
 
 def build_hf_model(spec: dict) -> torch.nn.Module:

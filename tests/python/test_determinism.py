@@ -152,8 +152,9 @@ def needle_in_haystack(
 # LongRoPE on three quarters of each head (phi4_mini), OLMo 2's q/k norms before a mixture of
 # experts (olmoe), rope on half of each head pairing neighbours (glm4), the same pairing on
 # whole heads with biases everywhere (ernie45), a sliding layer and a full one without rope
-# (exaone4), queries scaled by position past the original context (ministral3). Their windows
-# (24 keys) are shorter than the haystacks' prompts.
+# (exaone4), queries scaled by position past the original context (ministral3), sink logits in
+# every softmax before biased experts (gpt_oss). Their windows (8–24 keys) are shorter than
+# the haystacks' prompts.
 @pytest.mark.parametrize(
     "name",
     [
@@ -171,6 +172,7 @@ def needle_in_haystack(
         "ernie45",
         "exaone4",
         "ministral3",
+        "gpt_oss",
     ],
 )
 def test_needle_in_haystack_on_every_decoder_layout(model_zoo, name: str) -> None:
