@@ -1436,6 +1436,70 @@ pub(super) mod tests {
         assert!(vl.qkv_bias && vl.sliding_window.is_none() && !vl.tie_word_embeddings);
     }
 
+    /// gpt-oss-20b's config as the hub has it: MXFP4 experts (accepted for gpt-oss alone),
+    /// YaRN without truncation serving 131,072, sliding and full layers alternating.
+    #[test]
+    fn gpt_oss_20b_config_loads_with_its_mxfp4_experts() {
+        let kinds: Vec<&str> = (0..24)
+            .map(|i| match i % 2 {
+                0 => "\"sliding_attention\"",
+                _ => "\"full_attention\"",
+            })
+            .collect();
+        let json = |quant: &str| {
+            format!(
+                r#"{{"architectures": ["GptOssForCausalLM"], "attention_bias": true,
+                "eos_token_id": 200002, "experts_per_token": 4, "head_dim": 64,
+                "hidden_act": "silu", "hidden_size": 2880, "initial_context_length": 4096,
+                "intermediate_size": 2880, "layer_types": [{}],
+                "max_position_embeddings": 131072, "model_type": "gpt_oss",
+                "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": 24,
+                "num_key_value_heads": 8, "num_local_experts": 32, "pad_token_id": 199999,
+                "quantization_config": {{"modules_to_not_convert": ["model.layers.*.self_attn",
+                "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"],
+                "quant_method": "{quant}"}}, "rms_norm_eps": 1e-05,
+                "rope_scaling": {{"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                "original_max_position_embeddings": 4096, "rope_type": "yarn",
+                "truncate": false}}, "rope_theta": 150000, "router_aux_loss_coef": 0.9,
+                "sliding_window": 128, "swiglu_limit": 7.0, "tie_word_embeddings": false,
+                "vocab_size": 201088}}"#,
+                kinds.join(", ")
+            )
+        };
+        let c = parse(&json("mxfp4")).unwrap();
+        assert_eq!(c.architecture, Architecture::GptOss);
+        assert!(c.architecture.has_attention_sinks() && c.qkv_bias && c.o_bias);
+        assert_eq!((c.max_context(), c.sliding_window), (131_072, Some(128)));
+        assert!(c.layer_slides(0) && !c.layer_slides(1) && c.layer_slides(22));
+        let moe = c.moe.clone().unwrap();
+        assert_eq!(
+            (moe.num_experts, moe.top_k, moe.expert_intermediate_size),
+            (32, 4, 2880)
+        );
+        assert_eq!(moe.naming, ExpertNaming::GptOss);
+        assert_eq!(
+            c.clamped_swiglu,
+            Some(ClampedSwiglu {
+                alpha: 1.702,
+                limit: 7.0
+            })
+        );
+        // 21 B parameters: their bf16 bytes, the experts' stacked tensors counted as matrices.
+        let (bytes, _) =
+            crate::model::weight_bytes(&c, candle_core::DType::BF16, &candle_core::Device::Cpu);
+        assert!((40e9..44e9).contains(&(bytes as f64)), "{bytes}");
+        // Another method is refused, naming it; so is a bad activation setting.
+        let e = parse(&json("fp8")).unwrap_err().to_string();
+        assert!(
+            e.contains("quantization_config.quant_method") && e.contains("fp8"),
+            "{e}"
+        );
+        let e = parse(&json("mxfp4").replace(r#""swiglu_limit": 7.0"#, r#""swiglu_limit": -1"#))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("swiglu_limit"), "{e}");
+    }
+
     #[test]
     fn ministral3_scales_queries_past_yarns_original_context() {
         let rope = r#""rope_parameters": {"rope_type": "yarn", "rope_theta": 1000000.0,

@@ -199,9 +199,7 @@ impl EngineCore {
         } else {
             cfg.device
         };
-        if let Some((field, message)) = (!device.is_cpu())
-            .then(|| cuda_lacks(&model_cfg))
-            .flatten()
+        if let Some((field, message)) = (!device.is_cpu()).then(|| cuda_lacks(&model_cfg)).flatten()
         {
             return Err(DetspecError::InvalidConfig {
                 path: model_cfg.path.clone(),

@@ -4,9 +4,8 @@
 //!
 //! The layout (transformers' `GptOssExperts`): `gate_up_proj` `[experts, hidden, 2 × width]`
 //! multiplies from the right, its columns alternating gate and up; `down_proj`
-//! `[experts, width, hidden]` likewise. MXFP4 checkpoints hold the transposes,
-//! `[experts, out, in]`, as 4-bit blocks (`super::mxfp4`); both become `[experts, out, in]`
-//! here.
+//! `[experts, width, hidden]` likewise. (MXFP4 checkpoints hold the transposes as 4-bit
+//! blocks, `super::mxfp4`; the loader widens them into this layout.)
 
 use candle_core::Tensor;
 
@@ -70,11 +69,10 @@ impl FusedPart {
         }
     }
 
-    /// Per expert, the pieces of `t` (this part, shaped as [`Self::shape`]; a matrix part may
-    /// instead be `[experts, out, in]` already, `out_in`): for `GateUp` the gate's and up's
-    /// `[width, hidden]` weights, for `GateUpBias` their biases, for `Down` its `[hidden,
-    /// width]` weight, for `DownBias` its bias.
-    pub(super) fn split(self, t: &Tensor, out_in: bool) -> Result<Vec<Vec<Tensor>>> {
+    /// Per expert, the pieces of `t` (this part, shaped as [`Self::shape`]): for `GateUp` the
+    /// gate's and up's `[width, hidden]` weights, for `GateUpBias` their biases, for `Down`
+    /// its `[hidden, width]` weight, for `DownBias` its bias.
+    pub(super) fn split(self, t: &Tensor) -> Result<Vec<Vec<Tensor>>> {
         let per_expert = |t: &Tensor| -> candle_core::Result<Vec<Tensor>> {
             Ok(match self {
                 FusedPart::GateUp | FusedPart::GateUpBias => {
@@ -92,7 +90,7 @@ impl FusedPart {
             })
         };
         // `[experts, out, in]` for the matrices, `[experts, out]` for the biases.
-        let t = if self.is_matrix() && !out_in {
+        let t = if self.is_matrix() {
             t.transpose(1, 2)?
         } else {
             t.clone()

@@ -191,21 +191,22 @@ impl<'a> WeightLoader<'a> {
 
     /// gpt-oss's stacked expert tensor `part` of layer `layer` (`fused_experts`), shaped
     /// `shape` as a bf16/f32 checkpoint stores it; a matrix in the weights' dtype, biases in
-    /// the activations'. An MXFP4 checkpoint's matrices (`…_blocks`, `…_scales`) are widened,
-    /// `[experts, out, in]`: the flag says which form came.
+    /// the activations'. An MXFP4 checkpoint's matrices (`…_blocks`, `…_scales`) are widened
+    /// and hashed in that shape too, so they are the same parameters as the checkpoint of
+    /// their widened values.
     pub(super) fn stacked_experts(
         &self,
         part: FusedPart,
         layer: usize,
         shape: &[usize],
-    ) -> Result<(Tensor, bool)> {
+    ) -> Result<Tensor> {
         let name = part.path(layer);
         if !part.is_matrix() {
-            return Ok((self.load(&name, shape)?, false));
+            return self.load(&name, shape);
         }
         let blocks_name = format!("{name}_blocks");
         if !self.ck.contains(&blocks_name) {
-            return Ok((self.load_matrix(&name, shape)?, false));
+            return self.load_matrix(&name, shape);
         }
         // `[experts, in, out]` stored as `[experts, out, in / 32, 16]` codes and scales.
         let &[experts, in_dim, out_dim] = shape else {
@@ -228,9 +229,11 @@ impl<'a> WeightLoader<'a> {
             .load_u8(&format!("{name}_scales"), &[experts, out_dim, groups])?;
         let values = mxfp4::dequantize(&blocks, &scales);
         let t = Tensor::from_vec(values, (experts, out_dim, in_dim), &Device::Cpu)?
-            .to_dtype(self.dtype)?;
+            .transpose(1, 2)?
+            .to_dtype(self.dtype)?
+            .contiguous()?;
         self.hashes.borrow_mut().insert(name, tensor_hash(&t)?);
-        Ok((t.to_device(self.device)?, true))
+        Ok(t.to_device(self.device)?)
     }
 
     /// Hashed on the host before the upload: hashing a GPU tensor would copy it back.

@@ -130,7 +130,7 @@ impl SparseMlp {
         t: &Tensor,
         bf16_act: bool,
     ) -> Result<()> {
-        for (expert, pieces) in self.experts.iter_mut().zip(part.split(t, false)?) {
+        for (expert, pieces) in self.experts.iter_mut().zip(part.split(t)?) {
             let parts: &[ExpertPart] = match part {
                 FusedPart::GateUp | FusedPart::GateUpBias => &[ExpertPart::Gate, ExpertPart::Up],
                 FusedPart::Down | FusedPart::DownBias => &[ExpertPart::Down],
@@ -238,8 +238,7 @@ fn load_stacked(
     layer: usize,
 ) -> Result<Vec<Expert>> {
     let part = |p: FusedPart| -> Result<Vec<Vec<Tensor>>> {
-        let (t, out_in) = ld.stacked_experts(p, layer, &p.shape(cfg, moe))?;
-        p.split(&t, out_in)
+        p.split(&ld.stacked_experts(p, layer, &p.shape(cfg, moe))?)
     };
     let (gate_up, gate_up_bias) = (part(FusedPart::GateUp)?, part(FusedPart::GateUpBias)?);
     let (down, down_bias) = (part(FusedPart::Down)?, part(FusedPart::DownBias)?);

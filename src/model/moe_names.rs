@@ -51,8 +51,7 @@ impl SparseLinear {
     pub(super) fn path(self, naming: ExpertNaming, layer: usize) -> String {
         let root = format!("model.layers.{layer}.{}", block(naming));
         match self {
-            Self::Router if naming == ExpertNaming::GptOss => format!("{root}.router"),
-            Self::Router => format!("{root}.gate"),
+            Self::Router => format!("{root}.{}", router(naming)),
             Self::Expert(e, part) => format!("{root}.experts.{e}.{}", part.name(naming)),
             Self::Shared(part) => format!("{root}.shared_expert.{}", part.name(naming)),
             Self::SharedGate => format!("{root}.shared_expert_gate"),
@@ -81,6 +80,14 @@ fn block(naming: ExpertNaming) -> &'static str {
     match naming {
         ExpertNaming::Qwen | ExpertNaming::GptOss => "mlp",
         ExpertNaming::Mixtral => "block_sparse_moe",
+    }
+}
+
+/// The router's name under [`block`].
+fn router(naming: ExpertNaming) -> &'static str {
+    match naming {
+        ExpertNaming::GptOss => "router",
+        ExpertNaming::Qwen | ExpertNaming::Mixtral => "gate",
     }
 }
 
@@ -140,7 +147,7 @@ pub(super) fn parse_sparse_linear(moe: &MoeConfig, module: &str) -> Option<Spars
             .find(|p| p.name(moe.naming) == name)
     };
     match rest {
-        "gate" => return Some(SparseLinear::Router),
+        r if r == router(moe.naming) => return Some(SparseLinear::Router),
         "shared_expert_gate" if moe.shared_expert_intermediate_size.is_some() => {
             return Some(SparseLinear::SharedGate)
         }

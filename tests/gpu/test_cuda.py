@@ -94,11 +94,17 @@ def test_fingerprint_names_the_gpu_and_dtype(model_zoo):
 
 
 @pytest.mark.parametrize(
-    "arch, field", [("phi4_mini", "partial_rotary_factor"), ("glm4", "architectures")]
+    "arch, field",
+    [
+        ("phi4_mini", "partial_rotary_factor"),
+        ("glm4", "architectures"),
+        ("gpt_oss", "architectures"),
+    ],
 )
-def test_ropes_the_gpu_kernels_lack_are_refused_at_load(model_zoo, arch, field):
-    """Partial rotation (Phi-4-mini) and neighbour pairs (GLM) run on the CPU only: on a GPU
-    the load fails naming the config field, before any weight is read."""
+def test_models_the_gpu_kernels_lack_are_refused_at_load(model_zoo, arch, field):
+    """Partial rotation (Phi-4-mini), neighbour pairs (GLM) and attention sinks with clamped
+    SwiGLU experts (gpt-oss) run on the CPU only: on a GPU the load fails naming the config
+    field, before any weight is read."""
     with pytest.raises(detspec.ModelLoadError, match=field):
         detspec.LLM(str(model_zoo.get(arch).path), device="cuda")
 
