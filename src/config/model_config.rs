@@ -68,12 +68,20 @@ pub enum Architecture {
     /// stored fused, gated by a clamped SwiGLU ([`ClampedSwiglu`]) and routed by a softmax over
     /// the top k logits.
     GptOss,
+    /// Granite 3 MoE: Granite's multipliers over a sparse MLP whose experts checkpoints stack
+    /// (`block_sparse_moe.input_linear`), routed by a softmax over the top k logits.
+    GraniteMoe,
+    /// Granite MoE Shared: Granite MoE with an ungated shared MLP beside the experts.
+    GraniteMoeShared,
+    /// Seed-OSS: Llama's layers with biases on q/k/v (`attention_bias`, on by default) and on
+    /// o_proj only by `attention_out_bias`.
+    SeedOss,
 }
 
 impl Architecture {
     /// Each architecture's `*ForCausalLM` class (`architectures`) and its `model_type`, the
     /// fallback for a config without `architectures`.
-    const CAUSAL_LM: [(&'static str, &'static str, Architecture); 21] = [
+    const CAUSAL_LM: [(&'static str, &'static str, Architecture); 24] = [
         ("LlamaForCausalLM", "llama", Architecture::Llama),
         ("MistralForCausalLM", "mistral", Architecture::Mistral),
         ("Qwen2ForCausalLM", "qwen2", Architecture::Qwen2),
@@ -99,11 +107,22 @@ impl Architecture {
             Architecture::Ministral3,
         ),
         ("GptOssForCausalLM", "gpt_oss", Architecture::GptOss),
+        ("SeedOssForCausalLM", "seed_oss", Architecture::SeedOss),
+        (
+            "GraniteMoeForCausalLM",
+            "granitemoe",
+            Architecture::GraniteMoe,
+        ),
+        (
+            "GraniteMoeSharedForCausalLM",
+            "granitemoeshared",
+            Architecture::GraniteMoeShared,
+        ),
     ];
 
     /// Sequence classifiers (reward models, classifiers: `score` instead of `lm_head`) of the
     /// dense families; transformers has no MoE classifier heads.
-    const CLASSIFIERS: [(&'static str, Architecture); 14] = [
+    const CLASSIFIERS: [(&'static str, Architecture); 15] = [
         ("LlamaForSequenceClassification", Architecture::Llama),
         ("MistralForSequenceClassification", Architecture::Mistral),
         ("Qwen2ForSequenceClassification", Architecture::Qwen2),
@@ -122,6 +141,7 @@ impl Architecture {
             Architecture::Ministral3,
         ),
         ("SmolLM3ForSequenceClassification", Architecture::SmolLm3),
+        ("SeedOssForSequenceClassification", Architecture::SeedOss),
     ];
 
     /// Which of each layer's projections checkpoints store as one matrix.
@@ -407,6 +427,8 @@ struct RawConfig {
     clip_qkv: Option<f64>,
     /// ERNIE 4.5's bias switch for every projection.
     use_bias: Option<bool>,
+    /// Seed-OSS's bias switch for o_proj (`attention_bias` is q/k/v's).
+    attention_out_bias: Option<bool>,
     /// gpt-oss's experts' activation ([`ClampedSwiglu`]).
     swiglu_alpha: Option<f64>,
     swiglu_limit: Option<f64>,
@@ -537,7 +559,12 @@ impl ModelConfig {
                 format!("{num_key_value_heads} does not divide num_attention_heads={num_attention_heads}"),
             ));
         }
-        let head_dim = match raw.head_dim {
+        // Seed-OSS's heads are 128 wide where its config does not say (transformers' default).
+        let raw_head_dim = match architecture {
+            Architecture::SeedOss => raw.head_dim.or(Some(128)),
+            _ => raw.head_dim,
+        };
+        let head_dim = match raw_head_dim {
             Some(d) if d > 0 => d,
             Some(_) => return Err(err("head_dim", "must be > 0".into())),
             None => {
@@ -575,6 +602,10 @@ impl ModelConfig {
             // `attention_bias` (on by default) is q/k/v's; o_proj has none.
             Architecture::Glm | Architecture::Glm4 => (raw.attention_bias.unwrap_or(true), false),
             Architecture::Ernie45 => (use_bias, use_bias),
+            Architecture::SeedOss => (
+                raw.attention_bias.unwrap_or(true),
+                raw.attention_out_bias.unwrap_or(false),
+            ),
             // transformers' default is on; every gpt-oss checkpoint has them.
             Architecture::GptOss => {
                 let on = raw.attention_bias.unwrap_or(true);
@@ -607,9 +638,12 @@ impl ModelConfig {
             | Architecture::Olmo2
             | Architecture::Olmoe
             | Architecture::Granite
+            | Architecture::GraniteMoe
+            | Architecture::GraniteMoeShared
             | Architecture::Glm
             | Architecture::Glm4
-            | Architecture::Ernie45 => None,
+            | Architecture::Ernie45
+            | Architecture::SeedOss => None,
             // Its window applies to the layers without rope only (below).
             Architecture::SmolLm3 => raw
                 .sliding_window
@@ -625,6 +659,8 @@ impl ModelConfig {
             Architecture::Qwen3Moe => Some((ExpertNaming::Qwen, false, true)),
             Architecture::Olmoe => Some((ExpertNaming::Qwen, false, false)),
             Architecture::GptOss => Some((ExpertNaming::GptOss, false, false)),
+            Architecture::GraniteMoe => Some((ExpertNaming::Granite, false, false)),
+            Architecture::GraniteMoeShared => Some((ExpertNaming::Granite, true, false)),
             _ => None,
         }
         .map(|(naming, shared, own_width)| {
@@ -798,9 +834,12 @@ impl ModelConfig {
             sliding_window,
             sliding_layers,
             rope_sliding,
-            granite: (architecture == Architecture::Granite)
-                .then(|| Self::parse_granite(&raw, path))
-                .transpose()?,
+            granite: matches!(
+                architecture,
+                Architecture::Granite | Architecture::GraniteMoe | Architecture::GraniteMoeShared
+            )
+            .then(|| Self::parse_granite(&raw, path))
+            .transpose()?,
             rope_layers,
             eos_token_ids: raw.eos_token_id.into_vec(),
             bos_token_id: raw.bos_token_id.into_vec().first().copied(),
@@ -1434,6 +1473,63 @@ pub(super) mod tests {
             (128, RopeScaling::None)
         );
         assert!(vl.qkv_bias && vl.sliding_window.is_none() && !vl.tie_word_embeddings);
+    }
+
+    /// Granite 3.1's MoE (3B-A800M) and Seed-OSS-36B, shaped as the hub has them.
+    #[test]
+    fn granite_moe_and_seed_oss_hub_configs_load() {
+        let granite = |arch: &str, shared: &str| {
+            parse(&format!(
+                r#"{{"architectures": ["{arch}"], "attention_bias": false,
+                "attention_multiplier": 0.015625, "bos_token_id": 0, "embedding_multiplier": 12.0,
+                "eos_token_id": 0, "hidden_act": "silu", "hidden_size": 1536,
+                "intermediate_size": 512, "logits_scaling": 6.0, "max_position_embeddings": 131072,
+                "num_attention_heads": 24, "num_experts_per_tok": 8, "num_hidden_layers": 32,
+                "num_key_value_heads": 8, "num_local_experts": 40, "residual_multiplier": 0.22,
+                "rms_norm_eps": 1e-06, "rope_theta": 10000000.0, "tie_word_embeddings": true,
+                "vocab_size": 49155{shared}}}"#
+            ))
+        };
+        let c = granite("GraniteMoeForCausalLM", "").unwrap();
+        let moe = c.moe.clone().unwrap();
+        assert_eq!(
+            (moe.num_experts, moe.top_k, moe.expert_intermediate_size),
+            (40, 8, 512)
+        );
+        assert_eq!(moe.naming, ExpertNaming::Granite);
+        assert!(moe.naming.softmax_over_top_k() && moe.shared_expert_intermediate_size.is_none());
+        assert_eq!(c.granite.map(|g| g.logits), Some(6.0));
+        let c = granite(
+            "GraniteMoeSharedForCausalLM",
+            r#", "shared_intermediate_size": 1024"#,
+        )
+        .unwrap();
+        assert_eq!(c.moe.unwrap().shared_expert_intermediate_size, Some(1024));
+        // Shared with a width of 0 has none; without the field it names it.
+        let c = granite(
+            "GraniteMoeSharedForCausalLM",
+            r#", "shared_intermediate_size": 0"#,
+        )
+        .unwrap();
+        assert_eq!(c.moe.unwrap().shared_expert_intermediate_size, None);
+        let e = granite("GraniteMoeSharedForCausalLM", "")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("shared_intermediate_size"), "{e}");
+        let seed = parse(
+            r#"{"architectures": ["SeedOssForCausalLM"], "attention_bias": true,
+            "attention_dropout": 0.1, "attention_out_bias": false, "bos_token_id": 0,
+            "eos_token_id": 2, "head_dim": 128, "hidden_act": "silu", "hidden_size": 5120,
+            "intermediate_size": 27648, "max_position_embeddings": 524288, "mlp_bias": false,
+            "model_type": "seed_oss", "num_attention_heads": 80, "num_hidden_layers": 64,
+            "num_key_value_heads": 8, "residual_dropout": 0.1, "rms_norm_eps": 1e-06,
+            "rope_scaling": {"rope_type": "default"}, "rope_theta": 10000000.0,
+            "tie_word_embeddings": false, "torch_dtype": "bfloat16", "vocab_size": 155136}"#,
+        )
+        .unwrap();
+        assert_eq!(seed.architecture, Architecture::SeedOss);
+        assert!(seed.qkv_bias && !seed.o_bias && seed.sliding_window.is_none());
+        assert_eq!(seed.head_dim, 128);
     }
 
     /// gpt-oss-20b's config as the hub has it: MXFP4 experts (accepted for gpt-oss alone),

@@ -20,6 +20,11 @@ pub enum ExpertNaming {
     /// (gate and up columns alternating), `mlp.experts.down_proj` `[experts, width, hidden]`,
     /// and `…_bias`; or MXFP4's `…_blocks` and `…_scales` in place of the matrices.
     GptOss,
+    /// Granite MoE: `block_sparse_moe.router.layer`, every expert's gate and up in
+    /// `block_sparse_moe.input_linear.weight` `[experts, 2 × width, hidden]` (gate rows first),
+    /// their down projections in `output_linear.weight`; Granite MoE Shared's ungated
+    /// `shared_mlp.{input,output}_linear`.
+    Granite,
 }
 
 impl ExpertNaming {
@@ -28,11 +33,17 @@ impl ExpertNaming {
         self == ExpertNaming::GptOss
     }
 
-    /// Whether the routing weights are a softmax over the top k logits (gpt-oss's), rather
-    /// than the top k of a softmax over all of them. The same numbers when renormalised, but
-    /// not the same roundings.
+    /// Whether the routing weights are a softmax over the top k logits (gpt-oss's, Granite's),
+    /// rather than the top k of a softmax over all of them. The same numbers when
+    /// renormalised, but not the same roundings.
     pub fn softmax_over_top_k(self) -> bool {
-        self == ExpertNaming::GptOss
+        self.stacked()
+    }
+
+    /// Whether checkpoints hold each part of every expert in one tensor
+    /// (`model::fused_experts`), rather than a matrix per expert.
+    pub fn stacked(self) -> bool {
+        matches!(self, ExpertNaming::GptOss | ExpertNaming::Granite)
     }
 }
 
@@ -48,7 +59,8 @@ pub struct MoeConfig {
     /// The top-k routing weights renormalised to sum to one (Mixtral and gpt-oss always;
     /// Qwen's `norm_topk_prob`).
     pub norm_topk_prob: bool,
-    /// Qwen2-MoE's shared expert: every token runs it, scaled by a sigmoid gate; its width.
+    /// Qwen2-MoE's shared expert (every token runs it, scaled by a sigmoid gate), or Granite
+    /// MoE Shared's (ungated): its width.
     pub shared_expert_intermediate_size: Option<usize>,
     /// Per decoder layer: whether its MLP is the sparse block (else a dense MLP of
     /// `intermediate_size`; Qwen's `mlp_only_layers` and `decoder_sparse_step`).
@@ -73,6 +85,8 @@ pub(super) struct RawMoe {
     moe_intermediate_size: Option<usize>,
     norm_topk_prob: Option<bool>,
     shared_expert_intermediate_size: Option<usize>,
+    /// Granite MoE Shared's name for it.
+    shared_intermediate_size: Option<usize>,
     decoder_sparse_step: Option<usize>,
     mlp_only_layers: Option<Vec<usize>>,
 }
@@ -119,14 +133,18 @@ impl RawMoe {
             (true, Some(n)) => n,
             (true, None) => return Err(err("moe_intermediate_size", "missing".into())),
         };
-        let shared_expert_intermediate_size =
-            match (shared_expert, self.shared_expert_intermediate_size) {
-                (false, _) | (true, Some(0)) => None,
-                (true, Some(n)) => Some(n),
-                (true, None) => {
-                    return Err(err("shared_expert_intermediate_size", "missing".into()))
-                }
-            };
+        let (shared_field, shared_width) = match naming {
+            ExpertNaming::Granite => ("shared_intermediate_size", self.shared_intermediate_size),
+            _ => (
+                "shared_expert_intermediate_size",
+                self.shared_expert_intermediate_size,
+            ),
+        };
+        let shared_expert_intermediate_size = match (shared_expert, shared_width) {
+            (false, _) | (true, Some(0)) => None,
+            (true, Some(n)) => Some(n),
+            (true, None) => return Err(err(shared_field, "missing".into())),
+        };
         let step = self.decoder_sparse_step.unwrap_or(1);
         if step == 0 {
             return Err(err("decoder_sparse_step", "must be > 0".into()));
@@ -146,7 +164,7 @@ impl RawMoe {
             top_k,
             expert_intermediate_size,
             norm_topk_prob: match naming {
-                ExpertNaming::Mixtral | ExpertNaming::GptOss => true,
+                ExpertNaming::Mixtral | ExpertNaming::GptOss | ExpertNaming::Granite => true,
                 ExpertNaming::Qwen => self.norm_topk_prob.unwrap_or(false),
             },
             shared_expert_intermediate_size,

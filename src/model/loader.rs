@@ -10,7 +10,6 @@ use candle_core::{DType, Device, Tensor};
 use crate::error::{DetspecError, Result};
 use crate::ops::{PackedWeightAbf16, PackedWeightBf16};
 
-use super::fused_experts::FusedPart;
 use super::linear::{Linear, LinearWeight, Projection};
 use super::mxfp4;
 use super::params::{bf16_hash, tensor_hash, ParamHashes};
@@ -189,24 +188,28 @@ impl<'a> WeightLoader<'a> {
         })
     }
 
-    /// gpt-oss's stacked expert tensor `part` of layer `layer` (`fused_experts`), shaped
-    /// `shape` as a bf16/f32 checkpoint stores it; a matrix in the weights' dtype, biases in
-    /// the activations'. An MXFP4 checkpoint's matrices (`…_blocks`, `…_scales`) are widened
-    /// and hashed in that shape too, so they are the same parameters as the checkpoint of
-    /// their widened values.
+    /// Whether linear layers are packed for the bf16-activation GEMM.
+    pub(super) fn bf16_act(&self) -> bool {
+        self.bf16_act
+    }
+
+    /// A stacked expert tensor `name` (`fused_experts`), shaped `shape` as a bf16/f32
+    /// checkpoint stores it: a `matrix` in the weights' dtype, else biases in the
+    /// activations'. gpt-oss's MXFP4 matrices (`…_blocks`, `…_scales`) are widened and hashed
+    /// in that shape too, so they are the same parameters as the checkpoint of their widened
+    /// values.
     pub(super) fn stacked_experts(
         &self,
-        part: FusedPart,
-        layer: usize,
+        name: &str,
         shape: &[usize],
+        matrix: bool,
     ) -> Result<Tensor> {
-        let name = part.path(layer);
-        if !part.is_matrix() {
-            return self.load(&name, shape);
+        if !matrix {
+            return self.load(name, shape);
         }
         let blocks_name = format!("{name}_blocks");
         if !self.ck.contains(&blocks_name) {
-            return self.load_matrix(&name, shape);
+            return self.load_matrix(name, shape);
         }
         // `[experts, in, out]` stored as `[experts, out, in / 32, 16]` codes and scales.
         let &[experts, in_dim, out_dim] = shape else {
@@ -232,7 +235,9 @@ impl<'a> WeightLoader<'a> {
             .transpose(1, 2)?
             .to_dtype(self.dtype)?
             .contiguous()?;
-        self.hashes.borrow_mut().insert(name, tensor_hash(&t)?);
+        self.hashes
+            .borrow_mut()
+            .insert(name.to_string(), tensor_hash(&t)?);
         Ok(t.to_device(self.device)?)
     }
 

@@ -21,7 +21,7 @@ use crate::error::{DetspecError, Result};
 use crate::ops;
 
 use super::fused_experts::FusedPart;
-use super::linear::{GemmOptions, Linear};
+use super::linear::{GemmOptions, Linear, LinearWeight};
 use super::loader::WeightLoader;
 use super::moe_names::{ExpertPart, SparseLinear};
 
@@ -74,14 +74,22 @@ impl Expert {
     }
 }
 
+/// An expert every row runs, added to the routed experts' sum.
+#[derive(Debug)]
+pub(super) struct SharedExpert {
+    pub(super) expert: Expert,
+    /// Qwen2-MoE's `[1, hidden]` sigmoid gate scaling it per row (Granite's is ungated).
+    pub(super) gate: Option<Linear>,
+}
+
 /// A decoder layer's sparse MLP.
 #[derive(Debug)]
 pub(super) struct SparseMlp {
     /// `[num_experts, hidden]`: the router's logits.
     pub(super) router: Linear,
     pub(super) experts: Vec<Expert>,
-    /// Qwen2-MoE's shared expert and its `[1, hidden]` sigmoid gate.
-    pub(super) shared: Option<(Expert, Linear)>,
+    /// The shared expert every row runs (Qwen2-MoE's, Granite MoE Shared's).
+    pub(super) shared: Option<SharedExpert>,
     top_k: usize,
     norm_topk_prob: bool,
     /// gpt-oss's routing: a softmax over the top k logits.
@@ -98,18 +106,20 @@ impl SparseMlp {
         moe: &MoeConfig,
         layer: usize,
     ) -> Result<Self> {
-        let experts = match moe.naming {
-            ExpertNaming::GptOss => load_stacked(ld, cfg, moe, layer)?,
-            _ => (0..moe.num_experts)
+        let (experts, shared) = if moe.naming.stacked() {
+            load_stacked(ld, cfg, moe, layer)?
+        } else {
+            let experts = (0..moe.num_experts)
                 .map(|e| Expert::load(ld, cfg, moe, layer, |p| SparseLinear::Expert(e, p)))
-                .collect::<Result<_>>()?,
-        };
-        let shared = match moe.shared_expert_intermediate_size {
-            Some(_) => Some((
-                Expert::load(ld, cfg, moe, layer, SparseLinear::Shared)?,
-                load_linear(ld, cfg, moe, layer, SparseLinear::SharedGate)?,
-            )),
-            None => None,
+                .collect::<Result<_>>()?;
+            let shared = match moe.shared_expert_intermediate_size {
+                Some(_) => Some(SharedExpert {
+                    expert: Expert::load(ld, cfg, moe, layer, SparseLinear::Shared)?,
+                    gate: Some(load_linear(ld, cfg, moe, layer, SparseLinear::SharedGate)?),
+                }),
+                None => None,
+            };
+            (experts, shared)
         };
         Ok(Self {
             router: load_linear(ld, cfg, moe, layer, SparseLinear::Router)?,
@@ -122,29 +132,24 @@ impl SparseMlp {
         })
     }
 
-    /// Replaces every expert's part of the stacked tensor `part` (gpt-oss's, a weight
-    /// update; shaped as a checkpoint stores it, in the engine's dtypes).
+    /// Replaces every expert's part of the stacked tensor `part` (a weight update of
+    /// gpt-oss or Granite MoE; shaped as a checkpoint of `naming` stores it, in the engine's
+    /// dtypes).
     pub(super) fn set_stacked(
         &mut self,
+        naming: ExpertNaming,
         part: FusedPart,
         t: &Tensor,
         bf16_act: bool,
     ) -> Result<()> {
-        for (expert, pieces) in self.experts.iter_mut().zip(part.split(t)?) {
-            let parts: &[ExpertPart] = match part {
-                FusedPart::GateUp | FusedPart::GateUpBias => &[ExpertPart::Gate, ExpertPart::Up],
-                FusedPart::Down | FusedPart::DownBias => &[ExpertPart::Down],
-            };
-            for (&p, piece) in parts.iter().zip(pieces) {
-                let linear = expert.part_mut(p);
-                if part.is_matrix() {
-                    linear.weight = super::linear::LinearWeight::new(&piece, bf16_act)?;
-                } else {
-                    linear.bias = Some(piece);
-                }
-            }
-        }
-        Ok(())
+        let shared = self.shared.as_mut().map(|s| &mut s.expert);
+        put(
+            &mut self.experts,
+            shared,
+            part,
+            part.split(naming, t)?,
+            bf16_act,
+        )
     }
 
     /// The MLP's output for `x` (`[n, hidden]`). `fixed_blocks`: run the experts' GEMMs on
@@ -206,12 +211,18 @@ impl SparseMlp {
         }
         let mut out =
             out.ok_or_else(|| DetspecError::param("num_experts_per_tok", "must be > 0"))?;
-        if let Some((expert, gate)) = &self.shared {
-            let scale = ops::with_f32_values(&gate.apply(x, gemm)?, |g| {
-                g.iter().map(|&v| ops::sigmoid(v)).collect::<Vec<f32>>()
-            })?;
-            let scale = Tensor::from_vec(scale, (n, 1), dev)?.to_dtype(x.dtype())?;
-            out = (out + expert.forward(x, gemm, None)?.broadcast_mul(&scale)?)?;
+        if let Some(shared) = &self.shared {
+            let y = shared.expert.forward(x, gemm, None)?;
+            let y = match &shared.gate {
+                Some(gate) => {
+                    let scale = ops::with_f32_values(&gate.apply(x, gemm)?, |g| {
+                        g.iter().map(|&v| ops::sigmoid(v)).collect::<Vec<f32>>()
+                    })?;
+                    y.broadcast_mul(&Tensor::from_vec(scale, (n, 1), dev)?.to_dtype(x.dtype())?)?
+                }
+                None => y,
+            };
+            out = (out + y)?;
         }
         Ok(out)
     }
@@ -230,41 +241,83 @@ fn load_linear(
     ld.linear(&which.path(moe.naming, layer), in_dim, out_dim, bias)
 }
 
-/// gpt-oss's experts of layer `layer`, cut from its stacked tensors (`fused_experts`).
+/// The experts (and shared expert) of layer `layer` of a checkpoint that stacks them (gpt-oss,
+/// Granite MoE: `fused_experts`), cut from its tensors.
 fn load_stacked(
     ld: &WeightLoader<'_>,
     cfg: &ModelConfig,
     moe: &MoeConfig,
     layer: usize,
-) -> Result<Vec<Expert>> {
-    let part = |p: FusedPart| -> Result<Vec<Vec<Tensor>>> {
-        p.split(&ld.stacked_experts(p, layer, &p.shape(cfg, moe))?)
+) -> Result<(Vec<Expert>, Option<SharedExpert>)> {
+    let naming = moe.naming;
+    let split = |p: FusedPart| -> Result<Vec<Vec<Tensor>>> {
+        let t = ld.stacked_experts(
+            &p.path(naming, layer),
+            &p.shape(naming, cfg, moe),
+            p.is_matrix(),
+        )?;
+        p.split(naming, &t)
     };
-    let (gate_up, gate_up_bias) = (part(FusedPart::GateUp)?, part(FusedPart::GateUpBias)?);
-    let (down, down_bias) = (part(FusedPart::Down)?, part(FusedPart::DownBias)?);
-    let mut experts = Vec::with_capacity(moe.num_experts);
-    for (((gu, gub), d), db) in gate_up
-        .into_iter()
-        .zip(gate_up_bias)
-        .zip(down)
-        .zip(down_bias)
-    {
-        let [gate, up] = <[Tensor; 2]>::try_from(gu)
-            .map_err(|_| DetspecError::param("weights", "gate/up are two halves"))?;
-        let [gate_b, up_b] = <[Tensor; 2]>::try_from(gub)
-            .map_err(|_| DetspecError::param("weights", "gate/up biases are two halves"))?;
-        let one = |v: Vec<Tensor>| {
-            v.into_iter()
-                .next()
-                .ok_or_else(|| DetspecError::param("weights", "down_proj has one piece"))
-        };
-        experts.push(Expert {
-            gate: ld.linear_from(&gate, Some(gate_b))?,
-            up: ld.linear_from(&up, Some(up_b))?,
-            down: ld.linear_from(&one(d)?, Some(one(db)?))?,
-        });
+    // Experts of the matrices `gate_up` and `down`; their biases come after.
+    let build = |gate_up: FusedPart, down: FusedPart| -> Result<Vec<Expert>> {
+        let mut experts = Vec::new();
+        for (gu, d) in split(gate_up)?.into_iter().zip(split(down)?) {
+            let [gate, up] = <[Tensor; 2]>::try_from(gu)
+                .map_err(|_| DetspecError::param("weights", "gate/up are two halves"))?;
+            let [down] = <[Tensor; 1]>::try_from(d)
+                .map_err(|_| DetspecError::param("weights", "down is one matrix"))?;
+            experts.push(Expert {
+                gate: ld.linear_from(&gate, None)?,
+                up: ld.linear_from(&up, None)?,
+                down: ld.linear_from(&down, None)?,
+            });
+        }
+        Ok(experts)
+    };
+    let mut experts = build(FusedPart::GateUp, FusedPart::Down)?;
+    let mut shared = match moe.shared_expert_intermediate_size {
+        Some(_) => build(FusedPart::SharedGateUp, FusedPart::SharedDown)?
+            .pop()
+            .map(|expert| SharedExpert { expert, gate: None }),
+        None => None,
+    };
+    let parts = FusedPart::all(naming, shared.is_some());
+    for &p in parts.iter().filter(|p| !p.is_matrix()) {
+        let target = shared.as_mut().map(|s| &mut s.expert);
+        put(&mut experts, target, p, split(p)?, ld.bf16_act())?;
     }
-    Ok(experts)
+    Ok((experts, shared))
+}
+
+/// Puts `pieces` (stacked part `part` cut per expert, `FusedPart::split`) into the experts, or
+/// the shared expert for a shared part: a matrix as a weight, packed for the GEMM
+/// (`bf16_act`: for the bf16-activation mode's), or a bias.
+fn put(
+    experts: &mut [Expert],
+    shared: Option<&mut Expert>,
+    part: FusedPart,
+    pieces: Vec<Vec<Tensor>>,
+    bf16_act: bool,
+) -> Result<()> {
+    let targets: Vec<&mut Expert> = match part.is_shared() {
+        true => shared.into_iter().collect(),
+        false => experts.iter_mut().collect(),
+    };
+    let halves: &[ExpertPart] = match part {
+        FusedPart::Down | FusedPart::DownBias | FusedPart::SharedDown => &[ExpertPart::Down],
+        _ => &[ExpertPart::Gate, ExpertPart::Up],
+    };
+    for (expert, pieces) in targets.into_iter().zip(pieces) {
+        for (&p, piece) in halves.iter().zip(pieces) {
+            let linear = expert.part_mut(p);
+            if part.is_matrix() {
+                linear.weight = LinearWeight::new(&piece, bf16_act)?;
+            } else {
+                linear.bias = Some(piece);
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Where each row goes: per expert the rows routed to it, in row order; per row its experts
@@ -398,8 +451,8 @@ impl SparseMlp {
         match which {
             SparseLinear::Router => Some(&mut self.router),
             SparseLinear::Expert(e, part) => Some(self.experts.get_mut(e)?.part_mut(part)),
-            SparseLinear::Shared(part) => Some(self.shared.as_mut()?.0.part_mut(part)),
-            SparseLinear::SharedGate => Some(&mut self.shared.as_mut()?.1),
+            SparseLinear::Shared(part) => Some(self.shared.as_mut()?.expert.part_mut(part)),
+            SparseLinear::SharedGate => self.shared.as_mut()?.gate.as_mut(),
         }
     }
 }

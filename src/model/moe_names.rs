@@ -24,14 +24,14 @@ impl ExpertPart {
 
     fn name(self, naming: ExpertNaming) -> &'static str {
         match (naming, self) {
-            // gpt-oss's checkpoints stack the experts (`fused_experts`); these names are the
-            // parts' in the engine alone.
-            (ExpertNaming::Qwen | ExpertNaming::GptOss, Self::Gate) => "gate_proj",
-            (ExpertNaming::Qwen | ExpertNaming::GptOss, Self::Up) => "up_proj",
-            (ExpertNaming::Qwen | ExpertNaming::GptOss, Self::Down) => "down_proj",
             (ExpertNaming::Mixtral, Self::Gate) => "w1",
             (ExpertNaming::Mixtral, Self::Up) => "w3",
             (ExpertNaming::Mixtral, Self::Down) => "w2",
+            // Qwen's. gpt-oss's and Granite's checkpoints stack the experts
+            // (`fused_experts`): for them these names are the engine's alone.
+            (_, Self::Gate) => "gate_proj",
+            (_, Self::Up) => "up_proj",
+            (_, Self::Down) => "down_proj",
         }
     }
 }
@@ -79,7 +79,7 @@ impl SparseLinear {
 fn block(naming: ExpertNaming) -> &'static str {
     match naming {
         ExpertNaming::Qwen | ExpertNaming::GptOss => "mlp",
-        ExpertNaming::Mixtral => "block_sparse_moe",
+        ExpertNaming::Mixtral | ExpertNaming::Granite => "block_sparse_moe",
     }
 }
 
@@ -87,6 +87,7 @@ fn block(naming: ExpertNaming) -> &'static str {
 fn router(naming: ExpertNaming) -> &'static str {
     match naming {
         ExpertNaming::GptOss => "router",
+        ExpertNaming::Granite => "router.layer",
         ExpertNaming::Qwen | ExpertNaming::Mixtral => "gate",
     }
 }
@@ -105,26 +106,28 @@ fn sparse_parts(moe: &MoeConfig) -> Vec<SparseLinear> {
 }
 
 /// Every parameter of layer `layer`'s sparse MLP as a checkpoint names it, with its shape:
-/// each linear layer's weight (and bias, gpt-oss's router); gpt-oss's experts as its stacked
-/// tensors (`fused_experts`).
+/// each linear layer's weight (and bias, gpt-oss's router); gpt-oss's and Granite's experts as
+/// their stacked tensors (`fused_experts`).
 pub(super) fn sparse_params(
     cfg: &ModelConfig,
     moe: &MoeConfig,
     layer: usize,
 ) -> Vec<(String, Vec<usize>)> {
-    if moe.naming == ExpertNaming::GptOss {
-        let router = SparseLinear::Router.path(moe.naming, layer);
-        let mut out = vec![
-            (
-                format!("{router}.weight"),
-                vec![moe.num_experts, cfg.hidden_size],
-            ),
-            (format!("{router}.bias"), vec![moe.num_experts]),
-        ];
+    let naming = moe.naming;
+    if naming.stacked() {
+        let router = SparseLinear::Router.path(naming, layer);
+        let mut out = vec![(
+            format!("{router}.weight"),
+            vec![moe.num_experts, cfg.hidden_size],
+        )];
+        if naming.has_biases() {
+            out.push((format!("{router}.bias"), vec![moe.num_experts]));
+        }
+        let shared = moe.shared_expert_intermediate_size.is_some();
         out.extend(
-            FusedPart::ALL
-                .into_iter()
-                .map(|p| (p.path(layer), p.shape(cfg, moe))),
+            FusedPart::all(naming, shared)
+                .iter()
+                .map(|p| (p.path(naming, layer), p.shape(naming, cfg, moe))),
         );
         return out;
     }
@@ -165,6 +168,37 @@ pub(super) fn parse_sparse_linear(moe: &MoeConfig, module: &str) -> Option<Spars
     Some(SparseLinear::Expert(e, part(name)?))
 }
 
+/// `updates` with transformers' in-memory names of Granite MoE's experts and router
+/// (`block_sparse_moe.experts.gate_up_proj`, `.down_proj`, `.router.weight`) turned into its
+/// checkpoints' (`block_sparse_moe.input_linear.weight`, `.output_linear.weight`,
+/// `.router.layer.weight`): the same tensors under other names.
+fn granite_names(updates: Vec<(String, Tensor)>) -> Vec<(String, Tensor)> {
+    const RENAMES: [(&str, &str); 3] = [
+        (
+            ".block_sparse_moe.experts.gate_up_proj",
+            ".block_sparse_moe.input_linear.weight",
+        ),
+        (
+            ".block_sparse_moe.experts.down_proj",
+            ".block_sparse_moe.output_linear.weight",
+        ),
+        (
+            ".block_sparse_moe.router.weight",
+            ".block_sparse_moe.router.layer.weight",
+        ),
+    ];
+    updates
+        .into_iter()
+        .map(|(name, t)| {
+            let renamed = RENAMES.iter().find_map(|(memory, file)| {
+                name.strip_suffix(memory)
+                    .map(|layer| format!("{layer}{file}"))
+            });
+            (renamed.unwrap_or(name), t)
+        })
+        .collect()
+}
+
 /// `updates` with transformers' in-memory names of a sparse model's experts turned into the
 /// checkpoint's: since transformers 5 a model's `state_dict()` holds each layer's experts fused,
 /// `mlp.experts.gate_up_proj` `[experts, 2 × width, hidden]` (gate rows first) and
@@ -182,6 +216,9 @@ pub fn unfuse_experts(
     else {
         return Ok(updates);
     };
+    if moe.naming == ExpertNaming::Granite {
+        return Ok(granite_names(updates));
+    }
     let mut out = Vec::with_capacity(updates.len());
     for (name, t) in updates {
         let Some((layer, field)) = name

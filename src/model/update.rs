@@ -3,6 +3,8 @@
 
 use candle_core::{DType, Tensor};
 
+use crate::config::ExpertNaming;
+
 use crate::error::Result;
 
 use std::sync::Arc;
@@ -27,8 +29,8 @@ enum Slot<'a> {
     PartBias(&'a mut Projection, usize),
     /// Every layer of a projection a checkpoint stores as one matrix, of these widths.
     FusedWeight(&'a mut Projection, Vec<usize>),
-    /// A stacked tensor of every expert's part (gpt-oss's, `fused_experts`).
-    Stacked(&'a mut SparseMlp, FusedPart),
+    /// A stacked tensor of every expert's part (gpt-oss's, Granite MoE's: `fused_experts`).
+    Stacked(&'a mut SparseMlp, ExpertNaming, FusedPart),
     /// gpt-oss's per-head sink logits.
     Sinks(&'a mut Option<Arc<[f32]>>),
     Embedding,
@@ -92,14 +94,14 @@ impl Model {
                     p.set_fused_weight(&t, &widths, bf16_act)?;
                     t
                 }
-                Slot::Stacked(moe, part) => {
+                Slot::Stacked(moe, naming, part) => {
                     let t = t.to_dtype(matrix)?;
                     let t = if part.is_matrix() {
                         t
                     } else {
                         t.to_dtype(vector)?
                     };
-                    moe.set_stacked(part, &t, bf16_act)?;
+                    moe.set_stacked(naming, part, &t, bf16_act)?;
                     t
                 }
                 Slot::Sinks(s) => {
@@ -135,17 +137,17 @@ impl Model {
         }
         let rest = name.strip_prefix("model.layers.")?;
         let (index, field) = rest.split_once('.')?;
-        let layer = self.layers.get_mut(index.parse::<usize>().ok()?)?;
+        let layer_index = index.parse::<usize>().ok()?;
+        let layer = self.layers.get_mut(layer_index)?;
         let (module, kind) = field.rsplit_once('.')?;
         let (gate_up, down) = match &mut layer.mlp {
             Mlp::Dense { gate_up, down } => (Some(gate_up), Some(down)),
             Mlp::Sparse(moe) => {
-                let stacked = module
-                    .strip_prefix("mlp.")
-                    .filter(|&m| m == "experts")
-                    .and_then(|_| FusedPart::parse(kind));
-                if let Some(part) = stacked {
-                    return Some(Slot::Stacked(moe, part));
+                if let Some(m) = self.cfg.moe.as_ref() {
+                    let shared = m.shared_expert_intermediate_size.is_some();
+                    if let Some(part) = FusedPart::parse(m.naming, shared, layer_index, name) {
+                        return Some(Slot::Stacked(moe, m.naming, part));
+                    }
                 }
                 if let Some(which) = self
                     .cfg

@@ -39,7 +39,9 @@ def f32(xs) -> list[bytes]:
 # --------------------------------------------------------------------------- mixtures of experts
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"])
+@pytest.mark.parametrize(
+    "arch", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe", "granitemoeshared"]
+)
 def test_moe_f32_greedy_matches_transformers(model_zoo, token_prompts, arch):
     case = model_zoo.get(arch)
     llm = detspec.LLM(str(case.path), device="cuda", dtype="float32")

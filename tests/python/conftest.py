@@ -231,6 +231,15 @@ MODEL_SPECS: dict[str, dict] = {
         "rope": {"rope_type": "default", "rope_theta": 500000.0},
         "extra": {"pad_token_id": 0, "use_bias": True},
     },
+    # Seed-OSS: Llama's layers with q/k/v biases (on by default) and an o_proj bias by its own
+    # switch (attention_out_bias, on here to load it).
+    "seed_oss": {
+        "arch": "seed_oss",
+        "seed": 137,
+        "head_dim": 16,
+        "rope": {"rope_type": "default", "rope_theta": 10000000.0},
+        "extra": {"attention_out_bias": True},
+    },
     # EXAONE 4.0: OLMo 2's norms of the sublayers' outputs, q/k normed per head, one layer
     # within a window shorter than the longer prompts and one attending to every key without
     # rope.
@@ -429,6 +438,40 @@ MODEL_SPECS: dict[str, dict] = {
             "swiglu_limit": 1.0,
         },
     },
+    # Granite 3 MoE: Granite's four multipliers over experts stacked in one tensor per part
+    # (`input_linear`: gate rows, then up), routed by a softmax over the top-2 logits; the
+    # Shared variant adds an ungated shared MLP. (Seed 127's model had a prompt whose first two
+    # tokens were 5 % of the logit range apart: bf16's routing flips reordered them, failing
+    # the bf16 check's first-token agreement. 139's first tokens are further apart.)
+    "granitemoe": {
+        "arch": "granitemoe",
+        "seed": 139,
+        "rope": {"rope_type": "default", "rope_theta": 10000.0},
+        "extra": {
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+            "intermediate_size": 48,
+            "embedding_multiplier": 3.0,
+            "residual_multiplier": 0.5,
+            "attention_multiplier": 0.2,
+            "logits_scaling": 2.0,
+        },
+    },
+    "granitemoeshared": {
+        "arch": "granitemoeshared",
+        "seed": 131,
+        "rope": {"rope_type": "default", "rope_theta": 10000.0},
+        "extra": {
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+            "intermediate_size": 48,
+            "shared_intermediate_size": 96,
+            "embedding_multiplier": 3.0,
+            "residual_multiplier": 0.5,
+            "attention_multiplier": 0.2,
+            "logits_scaling": 2.0,
+        },
+    },
     "mixtral": {
         "arch": "mixtral",
         "seed": 31,
@@ -460,6 +503,12 @@ _CONFIG_CLASSES = {
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
     "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM),
     "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
+    "granitemoe": (transformers.GraniteMoeConfig, transformers.GraniteMoeForCausalLM),
+    "granitemoeshared": (
+        transformers.GraniteMoeSharedConfig,
+        transformers.GraniteMoeSharedForCausalLM,
+    ),
+    "seed_oss": (transformers.SeedOssConfig, transformers.SeedOssForCausalLM),
 }
 
 
@@ -787,11 +836,18 @@ CLASSIFIERS = {
         transformers.Glm4ForSequenceClassification,
         ["negative", "positive"],
     ),
+    # Seed-OSS's: q/k/v biases under the score head.
+    "seed_oss_reward": (
+        transformers.SeedOssConfig,
+        transformers.SeedOssForSequenceClassification,
+        ["LABEL_0"],
+    ),
 }
 
 # Settings a classifier's family needs beyond the shared ones.
 _CLASSIFIER_EXTRA = {
     "glm4_classifier": {"head_dim": 16},
+    "seed_oss_reward": {"head_dim": 16},
     "gemma2_reward": {
         "head_dim": 16,
         "query_pre_attn_scalar": 16,

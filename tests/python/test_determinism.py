@@ -153,8 +153,9 @@ def needle_in_haystack(
 # experts (olmoe), rope on half of each head pairing neighbours (glm4), the same pairing on
 # whole heads with biases everywhere (ernie45), a sliding layer and a full one without rope
 # (exaone4), queries scaled by position past the original context (ministral3), sink logits in
-# every softmax before biased experts (gpt_oss). Their windows (8–24 keys) are shorter than
-# the haystacks' prompts.
+# every softmax before biased experts (gpt_oss), stacked experts beside a shared MLP under
+# Granite's multipliers (granitemoeshared), q/k/v and o biases (seed_oss). Their windows (8–24
+# keys) are shorter than the haystacks' prompts.
 @pytest.mark.parametrize(
     "name",
     [
@@ -173,6 +174,8 @@ def needle_in_haystack(
         "exaone4",
         "ministral3",
         "gpt_oss",
+        "granitemoeshared",
+        "seed_oss",
     ],
 )
 def test_needle_in_haystack_on_every_decoder_layout(model_zoo, name: str) -> None:

@@ -67,6 +67,7 @@ def outputs_bits(llm: detspec.LLM) -> list[tuple[list[int], list[int]]]:
         "olmo3",
         "gemma2",
         "gemma3",
+        "granitemoeshared",
     ],
 )
 def test_update_weights_follows_transformers_and_restores_bit_for_bit(model_zoo, name):
