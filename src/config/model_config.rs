@@ -332,6 +332,8 @@ pub struct ModelConfig {
     pub query_pre_attn_scalar: Option<f64>,
     /// gpt-oss's experts' activation (`None`: SwiGLU, or the dense MLP's `hidden_act`).
     pub clamped_swiglu: Option<ClampedSwiglu>,
+    /// gpt-oss's experts stored in MXFP4 (`quantization_config.quant_method: mxfp4`).
+    pub mxfp4_experts: bool,
     /// Gemma's tanh soft caps, `c · tanh(x / c)`: on the scaled attention scores (before the
     /// softmax) and on the logits.
     pub attn_logit_softcapping: Option<f64>,
@@ -822,6 +824,7 @@ impl ModelConfig {
             final_logit_softcapping,
             query_scale_beta,
             clamped_swiglu,
+            mxfp4_experts,
             query_pre_attn_scalar: raw
                 .query_pre_attn_scalar
                 .filter(|_| gemma)
@@ -1581,8 +1584,12 @@ pub(super) mod tests {
             })
         );
         // 21 B parameters: their bf16 bytes, the experts' stacked tensors counted as matrices.
-        let (bytes, _) =
-            crate::model::weight_bytes(&c, candle_core::DType::BF16, &candle_core::Device::Cpu);
+        let (bytes, _) = crate::model::weight_bytes(
+            &c,
+            candle_core::DType::BF16,
+            &candle_core::Device::Cpu,
+            false,
+        );
         assert!((40e9..44e9).contains(&(bytes as f64)), "{bytes}");
         // Another method is refused, naming it; so is a bad activation setting.
         let e = parse(&json("fp8")).unwrap_err().to_string();

@@ -14,8 +14,8 @@ use candle_core::{DType, Device};
 use rayon::prelude::*;
 
 use crate::config::{
-    device_label, device_memory, DeviceSpec, EngineConfig, KernelProfile, ModelConfig,
-    DEFAULT_KV_CACHE_BYTES,
+    device_label, device_memory, ActivationDtype, DeviceSpec, EngineConfig, KernelProfile,
+    ModelConfig, DEFAULT_KV_CACHE_BYTES,
 };
 use crate::dvr::DeterminismPolicy;
 use crate::error::{DetspecError, Result};
@@ -228,10 +228,12 @@ impl EngineCore {
                         kv_dtype,
                     ))
                 });
-        crate::model::check_fits(dir, &model_cfg, dtype, kv_bytes as u64, device)?;
         let act = cfg
             .activation_dtype
             .resolve(device_spec, dtype, cfg.kernel_profile)?;
+        // The CPU's GEMM with f32 activations runs MXFP4 experts as stored (`ops::gemm_mxfp4`).
+        let keeps_mxfp4 = device.is_cpu() && act == ActivationDtype::F32;
+        crate::model::check_fits(dir, &model_cfg, dtype, keeps_mxfp4, kv_bytes as u64, device)?;
         let model = Model::load_with(dir, model_cfg, device, dtype, act)?
             .with_kernel_profile(cfg.kernel_profile);
         let mc = model.config().clone();

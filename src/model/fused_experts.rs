@@ -109,6 +109,28 @@ impl FusedPart {
         }
     }
 
+    /// A matrix part's outputs as rows of its `[out, in]` form (an MXFP4 checkpoint's rows):
+    /// gate's and up's (alternating in gpt-oss, halves in Granite), or down's.
+    pub(super) fn output_rows(
+        self,
+        naming: ExpertNaming,
+        cfg: &ModelConfig,
+        moe: &MoeConfig,
+    ) -> Vec<Vec<usize>> {
+        let width = match self {
+            FusedPart::SharedGateUp => moe.shared_expert_intermediate_size.unwrap_or(0),
+            FusedPart::GateUp => moe.expert_intermediate_size,
+            _ => return vec![(0..cfg.hidden_size).collect()],
+        };
+        match naming {
+            ExpertNaming::GptOss => vec![
+                (0..width).map(|i| 2 * i).collect(),
+                (0..width).map(|i| 2 * i + 1).collect(),
+            ],
+            _ => vec![(0..width).collect(), (width..2 * width).collect()],
+        }
+    }
+
     /// Per expert (one for a shared part), the pieces of `t` (this part of a checkpoint of
     /// `naming`, shaped as [`Self::shape`]): for a gate/up part the gate's and up's `[width,
     /// hidden]` weights, for `GateUpBias` their biases, for a down part its `[hidden, width]`

@@ -9,7 +9,8 @@ use crate::config::KernelProfile;
 use crate::error::{DetspecError, Result};
 use crate::ops::{
     self, invariant_matmul, matmul_packed_abf16, matmul_packed_bf16_profiled,
-    matmul_packed_profiled, PackedWeight, PackedWeightAbf16, PackedWeightBf16,
+    matmul_packed_mxfp4_profiled, matmul_packed_profiled, PackedWeight, PackedWeightAbf16,
+    PackedWeightBf16, PackedWeightMxfp4,
 };
 
 /// `x @ w^T (+ b)`.
@@ -29,6 +30,9 @@ pub(super) enum LinearWeight {
     /// CPU, bf16 weights in the bf16-activation mode: packed in k pairs for the bf16 × bf16
     /// GEMM (`ops::gemm_abf16`; inputs rounded to bf16 inside).
     PackedAbf16(Arc<PackedWeightAbf16>),
+    /// CPU, gpt-oss's MXFP4 experts kept as the checkpoint stores them (`ops::gemm_mxfp4`:
+    /// the bits of the widened weights' GEMM).
+    PackedMxfp4(Arc<PackedWeightMxfp4>),
     /// Other devices: `[in, out]`, transposed and contiguous once at load.
     Dense(Tensor),
 }
@@ -78,6 +82,9 @@ impl LinearWeight {
         match self {
             Self::Packed(w) => matmul_packed_profiled(x, w, gemm.profile, gemm.invariant),
             Self::PackedBf16(w) => matmul_packed_bf16_profiled(x, w, gemm.profile, gemm.invariant),
+            Self::PackedMxfp4(w) => {
+                matmul_packed_mxfp4_profiled(x, w, gemm.profile, gemm.invariant)
+            }
             // One kernel at every M (the mode runs the invariant profile only).
             Self::PackedAbf16(w) => matmul_packed_abf16(x, w, gemm.amx),
             Self::Dense(w) if gemm.invariant => invariant_matmul(x, w),

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Tensor};
 
 use crate::error::{DetspecError, Result};
-use crate::ops::{PackedWeightAbf16, PackedWeightBf16};
+use crate::ops::{PackedWeightAbf16, PackedWeightBf16, PackedWeightMxfp4};
 
 use super::linear::{Linear, LinearWeight, Projection};
 use super::mxfp4;
@@ -179,15 +179,6 @@ impl<'a> WeightLoader<'a> {
         LinearWeight::new(&self.load_matrix(name, &[out_dim, in_dim])?, self.bf16_act)
     }
 
-    /// A linear layer of a weight `w` (`[out, in]`, the weights' dtype) cut from a larger
-    /// tensor, and its bias.
-    pub(super) fn linear_from(&self, w: &Tensor, bias: Option<Tensor>) -> Result<Linear> {
-        Ok(Linear {
-            weight: LinearWeight::new(w, self.bf16_act)?,
-            bias,
-        })
-    }
-
     /// Whether linear layers are packed for the bf16-activation GEMM.
     pub(super) fn bf16_act(&self) -> bool {
         self.bf16_act
@@ -207,9 +198,65 @@ impl<'a> WeightLoader<'a> {
         if !matrix {
             return self.load(name, shape);
         }
+        let Some(m) = self.mxfp4(name, shape)? else {
+            return self.load_matrix(name, shape);
+        };
+        let t = Tensor::from_vec(
+            m.dequantize(),
+            (m.experts, m.out_dim, m.in_dim),
+            &Device::Cpu,
+        )?
+        .transpose(1, 2)?
+        .to_dtype(self.dtype)?
+        .contiguous()?;
+        self.hashes
+            .borrow_mut()
+            .insert(name.to_string(), tensor_hash(&t)?);
+        Ok(t.to_device(self.device)?)
+    }
+
+    /// gpt-oss's MXFP4 stacked matrix `name` (`shape` `[experts, in, out]` as widened) kept
+    /// as MXFP4 for the CPU's MXFP4 GEMM, where it runs (the CPU with f32 activations): per
+    /// expert, a weight for each of `outputs`, the checkpoint rows that are its columns
+    /// (gpt-oss's gate and up alternate rows). Hashed as its widened values, so the
+    /// fingerprint is the widened checkpoint's. `None`: the checkpoint holds it widened, or
+    /// the engine widens it here (`stacked_experts`).
+    pub(super) fn packed_mxfp4_experts(
+        &self,
+        name: &str,
+        shape: &[usize],
+        outputs: &[Vec<usize>],
+    ) -> Result<Option<Vec<Vec<LinearWeight>>>> {
+        if !self.device.is_cpu() || self.bf16_act {
+            return Ok(None);
+        }
+        let Some(m) = self.mxfp4(name, shape)? else {
+            return Ok(None);
+        };
+        let experts = (0..m.experts)
+            .map(|e| {
+                let (blocks, scales) = m.expert(e);
+                outputs
+                    .iter()
+                    .map(|rows| {
+                        let w = PackedWeightMxfp4::from_blocks(blocks, scales, rows, m.in_dim)?;
+                        Ok(LinearWeight::PackedMxfp4(Arc::new(w)))
+                    })
+                    .collect::<Result<Vec<_>>>()
+            })
+            .collect::<Result<Vec<_>>>()?;
+        self.hashes
+            .borrow_mut()
+            .insert(name.to_string(), m.widened_hash());
+        Ok(Some(experts))
+    }
+
+    /// The MXFP4 blocks and scales of stacked matrix `name` (`shape` `[experts, in, out]` as
+    /// widened), if the checkpoint holds it so.
+    fn mxfp4(&self, name: &str, shape: &[usize]) -> Result<Option<mxfp4::Mxfp4Experts>> {
         let blocks_name = format!("{name}_blocks");
         if !self.ck.contains(&blocks_name) {
-            return self.load_matrix(name, shape);
+            return Ok(None);
         }
         // `[experts, in, out]` stored as `[experts, out, in / 32, 16]` codes and scales.
         let &[experts, in_dim, out_dim] = shape else {
@@ -230,15 +277,13 @@ impl<'a> WeightLoader<'a> {
         let scales = self
             .ck
             .load_u8(&format!("{name}_scales"), &[experts, out_dim, groups])?;
-        let values = mxfp4::dequantize(&blocks, &scales);
-        let t = Tensor::from_vec(values, (experts, out_dim, in_dim), &Device::Cpu)?
-            .transpose(1, 2)?
-            .to_dtype(self.dtype)?
-            .contiguous()?;
-        self.hashes
-            .borrow_mut()
-            .insert(name.to_string(), tensor_hash(&t)?);
-        Ok(t.to_device(self.device)?)
+        Ok(Some(mxfp4::Mxfp4Experts {
+            blocks,
+            scales,
+            experts,
+            out_dim,
+            in_dim,
+        }))
     }
 
     /// Hashed on the host before the upload: hashing a GPU tensor would copy it back.

@@ -258,18 +258,37 @@ fn load_stacked(
         )?;
         p.split(naming, &t)
     };
+    // Per expert, the weights of a matrix part's outputs (gate and up, or down): kept in
+    // MXFP4 where the checkpoint has it so and the CPU's MXFP4 GEMM runs, else cut from the
+    // widened tensor.
+    let weights = |p: FusedPart| -> Result<Vec<Vec<LinearWeight>>> {
+        let (path, shape) = (p.path(naming, layer), p.shape(naming, cfg, moe));
+        if let Some(w) = ld.packed_mxfp4_experts(&path, &shape, &p.output_rows(naming, cfg, moe))? {
+            return Ok(w);
+        }
+        split(p)?
+            .iter()
+            .map(|pieces| {
+                pieces
+                    .iter()
+                    .map(|t| LinearWeight::new(t, ld.bf16_act()))
+                    .collect()
+            })
+            .collect()
+    };
     // Experts of the matrices `gate_up` and `down`; their biases come after.
     let build = |gate_up: FusedPart, down: FusedPart| -> Result<Vec<Expert>> {
         let mut experts = Vec::new();
-        for (gu, d) in split(gate_up)?.into_iter().zip(split(down)?) {
-            let [gate, up] = <[Tensor; 2]>::try_from(gu)
+        for (gu, d) in weights(gate_up)?.into_iter().zip(weights(down)?) {
+            let [gate, up] = <[LinearWeight; 2]>::try_from(gu)
                 .map_err(|_| DetspecError::param("weights", "gate/up are two halves"))?;
-            let [down] = <[Tensor; 1]>::try_from(d)
+            let [down] = <[LinearWeight; 1]>::try_from(d)
                 .map_err(|_| DetspecError::param("weights", "down is one matrix"))?;
+            let linear = |weight| Linear { weight, bias: None };
             experts.push(Expert {
-                gate: ld.linear_from(&gate, None)?,
-                up: ld.linear_from(&up, None)?,
-                down: ld.linear_from(&down, None)?,
+                gate: linear(gate),
+                up: linear(up),
+                down: linear(down),
             });
         }
         Ok(experts)

@@ -5,13 +5,65 @@
 //! and one E8M0 scale byte, the block's power of two biased by 127. A value is the code's
 //! number times that power, which bf16 (and f32) hold exactly: widening loses nothing.
 
-/// The E2M1 code points: sign bit, two exponent bits, one mantissa bit.
-const E2M1: [f32; 16] = [
-    0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
-];
+use xxhash_rust::xxh3::Xxh3;
+
+use crate::ops::{E2M1, E8M0};
 
 /// Bytes of codes per block (32 values).
 pub(super) const BLOCK_BYTES: usize = 16;
+
+/// A stacked matrix's MXFP4 tensors: per expert, an `[out, in]` matrix as `blocks`
+/// (`[out, in / 32, 16]`) and `scales` (`[out, in / 32]`).
+pub(super) struct Mxfp4Experts {
+    pub(super) blocks: Vec<u8>,
+    pub(super) scales: Vec<u8>,
+    pub(super) experts: usize,
+    pub(super) out_dim: usize,
+    pub(super) in_dim: usize,
+}
+
+impl Mxfp4Experts {
+    /// Expert `e`'s blocks and scales.
+    pub(super) fn expert(&self, e: usize) -> (&[u8], &[u8]) {
+        let (codes, scales) = (
+            self.out_dim * self.in_dim / 2,
+            self.out_dim * self.in_dim / 32,
+        );
+        (
+            &self.blocks[e * codes..(e + 1) * codes],
+            &self.scales[e * scales..(e + 1) * scales],
+        )
+    }
+
+    /// Every value, `[experts, out, in]`.
+    pub(super) fn dequantize(&self) -> Vec<f32> {
+        dequantize(&self.blocks, &self.scales)
+    }
+
+    /// `tensor_hash` of the widened tensor as a bf16/f32 checkpoint stores it, `[experts, in,
+    /// out]` (xxh3 of its f32 values, streamed 32 inputs at a time: no widened copy).
+    pub(super) fn widened_hash(&self) -> u64 {
+        let (out_dim, groups) = (self.out_dim, self.in_dim / 32);
+        let mut h = Xxh3::new();
+        let mut band = vec![0f32; 32 * out_dim]; // [32 inputs][out]
+        for e in 0..self.experts {
+            let (blocks, scales) = self.expert(e);
+            for g in 0..groups {
+                for j in 0..out_dim {
+                    let at = j * groups + g;
+                    let block = &blocks[at * BLOCK_BYTES..(at + 1) * BLOCK_BYTES];
+                    let power = E8M0[usize::from(scales[at])];
+                    for (i, &byte) in block.iter().enumerate() {
+                        band[2 * i * out_dim + j] = E2M1[usize::from(byte & 0x0f)] * power;
+                        band[(2 * i + 1) * out_dim + j] = E2M1[usize::from(byte >> 4)] * power;
+                    }
+                }
+                h.update(bytemuck::cast_slice(&band));
+            }
+        }
+        h.digest()
+    }
+}
 
 /// The values of `blocks` (`[rows, groups, 16]` code bytes) scaled by `scales` (`[rows,
 /// groups]` E8M0 bytes), row-major `[rows, groups × 32]`. A scale byte of 255 (E8M0's NaN)
@@ -19,7 +71,7 @@ pub(super) const BLOCK_BYTES: usize = 16;
 pub(super) fn dequantize(blocks: &[u8], scales: &[u8]) -> Vec<f32> {
     let mut out = Vec::with_capacity(blocks.len() * 2);
     for (block, &scale) in blocks.chunks_exact(BLOCK_BYTES).zip(scales) {
-        let power = 2f32.powi(i32::from(scale) - 127);
+        let power = E8M0[usize::from(scale)];
         for &byte in block {
             out.push(E2M1[usize::from(byte & 0x0f)] * power);
             out.push(E2M1[usize::from(byte >> 4)] * power);

@@ -131,26 +131,47 @@ impl PackedWeight {
 }
 
 /// A weight packed into column panels of [`NR`] columns, k-major: what the microkernel walks.
-/// f32 panels ([`PackedWeight`]) and bf16 panels (`gemm_bf16::PackedWeightBf16`) share the
-/// kernel; only how one k step of a panel is stored, and widened to NR f32 values, differs. The
-/// widening is exact, so the arithmetic (one FMA per k, in order) is the same for both.
+/// f32 panels ([`PackedWeight`]), bf16 panels (`gemm_bf16::PackedWeightBf16`) and MXFP4
+/// panels (`gemm_mxfp4::PackedWeightMxfp4`) share the kernel; only how a panel's k steps are
+/// stored, and widened to NR f32 values, differs. The widening is exact, so the arithmetic
+/// (one FMA per k, in order) is the same for all.
 pub(super) trait Panels: Sync {
-    /// One k step of a panel (NR weights) as stored.
-    type Step: Copy;
+    /// One panel's k steps as stored.
+    type Panel<'a>: PanelSteps
+    where
+        Self: 'a;
     /// Inner dimension K.
     fn k(&self) -> usize;
     /// Output columns N.
     fn n(&self) -> usize;
     /// Panel `p`'s K steps.
-    fn panel(&self, p: usize) -> &[Self::Step];
-    /// The NR f32 weights of a step, column order.
-    fn widen(step: &Self::Step) -> [f32; NR];
+    fn panel(&self, p: usize) -> Self::Panel<'_>;
     /// The candle op's name.
     const OP_NAME: &'static str;
 }
 
+/// The k steps of one panel.
+pub(super) trait PanelSteps: Copy {
+    /// The steps in k order, each as its NR f32 weights in column order.
+    fn widened(self) -> impl Iterator<Item = [f32; NR]>;
+    /// The steps from `k0` on.
+    fn from_step(self, k0: usize) -> Self;
+}
+
+impl PanelSteps for &[[f32; NR]] {
+    #[inline(always)]
+    fn widened(self) -> impl Iterator<Item = [f32; NR]> {
+        self.iter().copied()
+    }
+
+    #[inline(always)]
+    fn from_step(self, k0: usize) -> Self {
+        &self[k0..]
+    }
+}
+
 impl Panels for PackedWeight {
-    type Step = [f32; NR];
+    type Panel<'a> = &'a [[f32; NR]];
     const OP_NAME: &'static str = "detspec-packed-matmul";
 
     fn k(&self) -> usize {
@@ -166,11 +187,6 @@ impl Panels for PackedWeight {
             .as_chunks::<NR>()
             .0
     }
-
-    #[inline(always)]
-    fn widen(step: &[f32; NR]) -> [f32; NR] {
-        *step
-    }
 }
 
 /// `R` rows of A (row stride `lda`, `k` columns) times columns `C0..C0+C` of one packed panel:
@@ -179,16 +195,15 @@ impl Panels for PackedWeight {
 /// # Safety
 /// `a` must address `R` rows of `k` readable floats at stride `lda`; `panel` holds `k` steps.
 #[inline(always)]
-unsafe fn microkernel<W: Panels, const R: usize, const C0: usize, const C: usize>(
+unsafe fn microkernel<P: PanelSteps, const R: usize, const C0: usize, const C: usize>(
     a: *const f32,
     lda: usize,
-    panel: &[W::Step],
+    panel: P,
     k: usize,
 ) -> [[f32; C]; R] {
     let mut acc = [[0f32; C]; R];
-    for (kk, step) in panel.iter().enumerate().take(k) {
-        // The columns outside C0..C0+C are widened for nothing and dropped by the compiler.
-        let bk = W::widen(step);
+    // The columns outside C0..C0+C are widened for nothing and dropped by the compiler.
+    for (kk, bk) in panel.widened().enumerate().take(k) {
         for (r, acc_r) in acc.iter_mut().enumerate() {
             // SAFETY: r < R and kk < k, inside the rows the caller vouches for.
             let av = unsafe { *a.add(r * lda + kk) };
@@ -205,10 +220,10 @@ unsafe fn microkernel<W: Panels, const R: usize, const C0: usize, const C: usize
 /// # Safety
 /// As for [`microkernel`].
 #[inline(always)]
-unsafe fn split_k_microkernel<W: Panels, const R: usize, const C0: usize, const C: usize>(
+unsafe fn split_k_microkernel<P: PanelSteps, const R: usize, const C0: usize, const C: usize>(
     a: *const f32,
     lda: usize,
-    panel: &[W::Step],
+    panel: P,
     k: usize,
     parts: usize,
 ) -> [[f32; C]; R] {
@@ -216,7 +231,8 @@ unsafe fn split_k_microkernel<W: Panels, const R: usize, const C0: usize, const 
     for part in 0..parts {
         let (k0, k1) = (part * k / parts, (part + 1) * k / parts);
         // SAFETY: columns k0..k1 of the caller's rows, and the panel's steps k0..k1.
-        let acc = unsafe { microkernel::<W, R, C0, C>(a.add(k0), lda, &panel[k0..k1], k1 - k0) };
+        let acc =
+            unsafe { microkernel::<P, R, C0, C>(a.add(k0), lda, panel.from_step(k0), k1 - k0) };
         for (s, acc) in sum.iter_mut().zip(&acc) {
             for (s, &x) in s.iter_mut().zip(acc) {
                 *s += round_bf16(x);
@@ -290,14 +306,15 @@ unsafe fn panel_rows<W: Panels>(
                 let acc = unsafe {
                     match reduction {
                         Reduction::Sequential => {
-                            microkernel::<W, $r, { $c0 }, { $c }>(a_ptr, k, panel, k)
+                            microkernel::<W::Panel<'_>, $r, { $c0 }, { $c }>(a_ptr, k, panel, k)
                         }
-                        Reduction::SplitK(parts) => split_k_microkernel::<W, $r, { $c0 }, { $c }>(
-                            a_ptr,
-                            k,
-                            panel,
-                            k,
-                            parts.clamp(1, k),
+                        Reduction::SplitK(parts) => split_k_microkernel::<
+                            W::Panel<'_>,
+                            $r,
+                            { $c0 },
+                            { $c },
+                        >(
+                            a_ptr, k, panel, k, parts.clamp(1, k)
                         ),
                     }
                 };

@@ -24,7 +24,7 @@ use std::sync::Arc;
 
 use candle_core::{bail, Tensor};
 
-use super::gemm::{apply_packed, matmul_panels, Panels, Reduction, NR};
+use super::gemm::{apply_packed, matmul_panels, PanelSteps, Panels, Reduction, NR};
 use super::CpuIsa;
 use crate::config::KernelProfile;
 
@@ -98,8 +98,28 @@ impl PackedWeightBf16 {
     }
 }
 
+impl PanelSteps for &[[u32; WORDS]] {
+    #[inline(always)]
+    fn widened(self) -> impl Iterator<Item = [f32; NR]> {
+        self.iter().map(|step| {
+            let mut out = [0f32; NR];
+            let (lo, hi) = out.split_at_mut(WORDS);
+            for ((l, h), &word) in lo.iter_mut().zip(hi.iter_mut()).zip(step) {
+                *l = f32::from_bits(word << 16);
+                *h = f32::from_bits(word & 0xffff_0000);
+            }
+            out
+        })
+    }
+
+    #[inline(always)]
+    fn from_step(self, k0: usize) -> Self {
+        &self[k0..]
+    }
+}
+
 impl Panels for PackedWeightBf16 {
-    type Step = [u32; WORDS];
+    type Panel<'a> = &'a [[u32; WORDS]];
     const OP_NAME: &'static str = "detspec-packed-matmul-bf16";
 
     fn k(&self) -> usize {
@@ -112,17 +132,6 @@ impl Panels for PackedWeightBf16 {
 
     fn panel(&self, p: usize) -> &[[u32; WORDS]] {
         &self.data[p * self.k..(p + 1) * self.k]
-    }
-
-    #[inline(always)]
-    fn widen(step: &[u32; WORDS]) -> [f32; NR] {
-        let mut out = [0f32; NR];
-        let (lo, hi) = out.split_at_mut(WORDS);
-        for ((l, h), &word) in lo.iter_mut().zip(hi.iter_mut()).zip(step) {
-            *l = f32::from_bits(word << 16);
-            *h = f32::from_bits(word & 0xffff_0000);
-        }
-        out
     }
 }
 

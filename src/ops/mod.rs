@@ -15,6 +15,7 @@ mod elementwise;
 mod gemm;
 mod gemm_abf16;
 mod gemm_bf16;
+mod gemm_mxfp4;
 mod isa;
 mod math;
 mod matmul;
@@ -41,6 +42,10 @@ pub use gemm_abf16::{
 pub use gemm_bf16::{
     matmul_packed_bf16, matmul_packed_bf16_profiled, packed_matmul_bf16, packed_matmul_bf16_with,
     PackedWeightBf16,
+};
+pub use gemm_mxfp4::{
+    matmul_packed_mxfp4_profiled, packed_matmul_mxfp4, packed_matmul_mxfp4_with, PackedWeightMxfp4,
+    E2M1, E8M0, MXFP4_BLOCK,
 };
 pub(crate) use isa::isa_kernel;
 pub use isa::CpuIsa;

@@ -2,9 +2,11 @@
 test): its checkpoints' MXFP4 experts, and weight updates by its stacked expert names.
 
 gpt-oss ships its experts in MXFP4 (4-bit codes in blocks of 32 with a power-of-two scale per
-block). detspec widens them at load; the values are exact in bf16 and f32, so an MXFP4
-checkpoint is the same model, bit for bit and by fingerprint, as the checkpoint of its widened
-weights. The reference widening is transformers' own (``convert_moe_packed_tensors``).
+block). On the CPU with f32 activations detspec keeps them so and multiplies by them with its
+MXFP4 GEMM; in the bf16-activation mode (and on other devices) it widens them at load. Their
+values are exact in bf16 and f32, so either way an MXFP4 checkpoint is the same model, bit for
+bit and by fingerprint, as the checkpoint of its widened weights. The reference widening is
+transformers' own (``convert_moe_packed_tensors``).
 """
 
 from __future__ import annotations
@@ -97,6 +99,17 @@ def test_mxfp4_experts_widen_to_the_same_model(model_zoo, tmp_path: Path) -> Non
     assert a == b
     # Negative control: the model before quantization is another model.
     assert detspec.LLM(str(case.path)).fingerprint != packed.fingerprint
+    # In bf16 too, and in the bf16-activation mode, which widens the experts to bf16 at load
+    # (its GEMM multiplies bf16 by bf16).
+    for kwargs in ({"dtype": "bfloat16"}, {"dtype": "bfloat16", "activation_dtype": "bfloat16"}):
+        a, b = (
+            detspec.LLM(str(d), num_kv_pages=256, **kwargs) for d in (tmp_path / "mxfp4", widened)
+        )
+        assert a.fingerprint == b.fingerprint, kwargs
+        out = [
+            fingerprint_bits(x.generate([TARGET_PROMPT], target, use_tqdm=False)[0]) for x in (a, b)
+        ]
+        assert out[0] == out[1], kwargs
 
 
 def test_mxfp4_errors_name_the_tensor_or_field(model_zoo, tmp_path: Path) -> None:

@@ -1,0 +1,227 @@
+//! The CPU GEMM with MXFP4 weights (gpt-oss's experts): `x @ W` where `x` is f32 and `W` is
+//! held as its checkpoint stores it, 4-bit E2M1 codes with one power-of-two scale per 32
+//! inputs, packed once at load. Activations, products and accumulation are f32.
+//!
+//! Same kernel as the f32 GEMM (`ops::gemm`: same panels, register block, task split and
+//! driver); only a panel's storage differs. Each k step of a panel holds its [`NR`] = 32
+//! codes in 16 bytes (byte `c`: column `c` in the low nibble, column `c + 16` in the high),
+//! and each run of 32 k steps the 32 columns' scale exponents. A step widens to f32 as
+//! `E2M1[code] · 2^(scale − 127)`: exact (an E2M1 value has at most two significant bits), so
+//! every output element is the f32 GEMM's FMA chain over the exactly widened weights. The
+//! MXFP4 GEMM gives **the bits of the f32 and bf16 GEMMs on the widened weights**, and their
+//! invariances (`tests/gemm_mxfp4.rs`), in 0.53 bytes a weight where bf16 takes 2.
+
+use std::sync::Arc;
+
+use candle_core::{bail, Tensor};
+
+use super::gemm::{apply_packed, matmul_panels, PanelSteps, Panels, Reduction, NR};
+use super::CpuIsa;
+use crate::config::KernelProfile;
+
+/// Inputs sharing one scale.
+pub const MXFP4_BLOCK: usize = 32;
+/// Bytes of codes per panel step (two codes a byte).
+const STEP_BYTES: usize = NR / 2;
+
+/// The E2M1 code points: sign bit, two exponent bits, one mantissa bit.
+pub const E2M1: [f32; 16] = [
+    0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
+];
+
+/// `2^(e − 127)` for every E8M0 scale byte `e` (255, E8M0's NaN, gives 2^128: infinite, as
+/// transformers' `ldexp` does).
+pub static E8M0: [f32; 256] = e8m0_table();
+
+const fn e8m0_table() -> [f32; 256] {
+    let mut t = [0f32; 256];
+    let mut e = 1;
+    while e < 255 {
+        t[e] = f32::from_bits((e as u32) << 23);
+        e += 1;
+    }
+    t[0] = f32::from_bits(1 << 22); // 2^-127, subnormal
+    t[255] = f32::INFINITY;
+    t
+}
+
+/// A `[K, N]` weight in MXFP4, packed into column panels for [`packed_matmul_mxfp4`].
+#[derive(Debug)]
+pub struct PackedWeightMxfp4 {
+    k: usize,
+    n: usize,
+    /// Per panel, K steps of codes.
+    codes: Vec<[u8; STEP_BYTES]>,
+    /// Per panel, K / 32 runs of the columns' scale bytes.
+    scales: Vec<[u8; NR]>,
+}
+
+impl PackedWeightMxfp4 {
+    /// Packs `W^T` from a checkpoint's MXFP4 tensors of one `[rows, k]` matrix: `blocks`
+    /// (`[rows, k / 32, 16]` code bytes, the low nibble the even input) and `scales`
+    /// (`[rows, k / 32]`). Column `j` of `W` is checkpoint row `rows[j]` (gpt-oss's gate and
+    /// up alternate rows).
+    pub fn from_blocks(
+        blocks: &[u8],
+        scales: &[u8],
+        rows: &[usize],
+        k: usize,
+    ) -> candle_core::Result<Self> {
+        use rayon::prelude::*;
+        let n = rows.len();
+        if k == 0 || n == 0 || !k.is_multiple_of(MXFP4_BLOCK) {
+            bail!("packed MXFP4 weight: [{k}, {n}] (k must be a multiple of {MXFP4_BLOCK})");
+        }
+        let groups = k / MXFP4_BLOCK;
+        let row_bytes = groups * STEP_BYTES;
+        let stored = blocks.len() / row_bytes.max(1);
+        if blocks.len() % row_bytes != 0 || scales.len() != stored * groups {
+            bail!(
+                "packed MXFP4 weight: {} code bytes and {} scales are not rows of {k} inputs",
+                blocks.len(),
+                scales.len()
+            );
+        }
+        if let Some(bad) = rows.iter().find(|&&r| r >= stored) {
+            bail!("packed MXFP4 weight: row {bad} of {stored}");
+        }
+        let panels = n.div_ceil(NR);
+        let mut codes = vec![[0u8; STEP_BYTES]; panels * k];
+        let mut packed_scales = vec![[0u8; NR]; panels * groups];
+        // The code of input `kk` of checkpoint row `r`.
+        let code = |r: usize, kk: usize| {
+            let byte = blocks[r * row_bytes + kk / 2];
+            if kk % 2 == 0 {
+                byte & 0x0f
+            } else {
+                byte >> 4
+            }
+        };
+        codes
+            .par_chunks_mut(k)
+            .zip(packed_scales.par_chunks_mut(groups))
+            .enumerate()
+            .for_each(|(p, (panel, panel_scales))| {
+                let cols = &rows[p * NR..((p + 1) * NR).min(n)];
+                for (kk, step) in panel.iter_mut().enumerate() {
+                    for (c, &r) in cols.iter().enumerate() {
+                        let (byte, shift) = (c % STEP_BYTES, 4 * (c / STEP_BYTES));
+                        step[byte] |= code(r, kk) << shift;
+                    }
+                }
+                for (g, run) in panel_scales.iter_mut().enumerate() {
+                    for (c, &r) in cols.iter().enumerate() {
+                        run[c] = scales[r * groups + g];
+                    }
+                }
+            });
+        Ok(Self {
+            k,
+            n,
+            codes,
+            scales: packed_scales,
+        })
+    }
+
+    /// Inner dimension K.
+    pub fn k(&self) -> usize {
+        self.k
+    }
+
+    /// Output columns N.
+    pub fn n(&self) -> usize {
+        self.n
+    }
+
+    /// Bytes the packed weight holds (17 per 32 elements, plus the last panel's padding).
+    pub fn bytes(&self) -> usize {
+        std::mem::size_of_val(self.codes.as_slice()) + std::mem::size_of_val(self.scales.as_slice())
+    }
+}
+
+/// One panel's steps from step `k0` on.
+#[derive(Clone, Copy)]
+pub(super) struct Mxfp4Panel<'a> {
+    codes: &'a [[u8; STEP_BYTES]],
+    scales: &'a [[u8; NR]],
+    k0: usize,
+}
+
+impl PanelSteps for Mxfp4Panel<'_> {
+    #[inline(always)]
+    fn widened(self) -> impl Iterator<Item = [f32; NR]> {
+        self.codes[self.k0..]
+            .iter()
+            .enumerate()
+            .map(move |(i, step)| {
+                let run = &self.scales[(self.k0 + i) / MXFP4_BLOCK];
+                let mut out = [0f32; NR];
+                let (lo, hi) = out.split_at_mut(STEP_BYTES);
+                for (c, (&byte, (l, h))) in step.iter().zip(lo.iter_mut().zip(hi)).enumerate() {
+                    *l = E2M1[usize::from(byte & 0x0f)] * E8M0[usize::from(run[c])];
+                    *h = E2M1[usize::from(byte >> 4)] * E8M0[usize::from(run[c + STEP_BYTES])];
+                }
+                out
+            })
+    }
+
+    #[inline(always)]
+    fn from_step(self, k0: usize) -> Self {
+        Self {
+            k0: self.k0 + k0,
+            ..self
+        }
+    }
+}
+
+impl Panels for PackedWeightMxfp4 {
+    type Panel<'a> = Mxfp4Panel<'a>;
+    const OP_NAME: &'static str = "detspec-packed-matmul-mxfp4";
+
+    fn k(&self) -> usize {
+        self.k
+    }
+
+    fn n(&self) -> usize {
+        self.n
+    }
+
+    fn panel(&self, p: usize) -> Mxfp4Panel<'_> {
+        let groups = self.k / MXFP4_BLOCK;
+        Mxfp4Panel {
+            codes: &self.codes[p * self.k..(p + 1) * self.k],
+            scales: &self.scales[p * groups..(p + 1) * groups],
+            k0: 0,
+        }
+    }
+}
+
+/// `a[m, k] @ w` into a new `[m, n]` buffer, with the given instruction set.
+pub fn packed_matmul_mxfp4_with(
+    a: &[f32],
+    m: usize,
+    w: &PackedWeightMxfp4,
+    isa: CpuIsa,
+) -> candle_core::Result<Vec<f32>> {
+    matmul_panels(a, m, w, isa, Reduction::Sequential)
+}
+
+/// `a[m, k] @ w` with the best instruction set of this CPU.
+pub fn packed_matmul_mxfp4(
+    a: &[f32],
+    m: usize,
+    w: &PackedWeightMxfp4,
+) -> candle_core::Result<Vec<f32>> {
+    packed_matmul_mxfp4_with(a, m, w, CpuIsa::detect())
+}
+
+/// `x[m, k] @ w` as a candle op (CPU; `x` f32, output f32), with the reduction `profile`
+/// picks for M rows (`invariant`: the batch-invariant mode's fixed-block GEMM).
+pub fn matmul_packed_mxfp4_profiled(
+    x: &Tensor,
+    w: &Arc<PackedWeightMxfp4>,
+    profile: KernelProfile,
+    invariant: bool,
+) -> candle_core::Result<Tensor> {
+    apply_packed(x, w, profile, invariant)
+}
