@@ -155,7 +155,7 @@ pub(super) trait PanelSteps: Copy {
     /// The steps in k order, each as its NR f32 weights in column order.
     fn widened(self) -> impl Iterator<Item = [f32; NR]>;
     /// The steps from `k0` on.
-    fn from_step(self, k0: usize) -> Self;
+    fn skip_steps(self, k0: usize) -> Self;
 }
 
 impl PanelSteps for &[[f32; NR]] {
@@ -165,7 +165,7 @@ impl PanelSteps for &[[f32; NR]] {
     }
 
     #[inline(always)]
-    fn from_step(self, k0: usize) -> Self {
+    fn skip_steps(self, k0: usize) -> Self {
         &self[k0..]
     }
 }
@@ -232,7 +232,7 @@ unsafe fn split_k_microkernel<P: PanelSteps, const R: usize, const C0: usize, co
         let (k0, k1) = (part * k / parts, (part + 1) * k / parts);
         // SAFETY: columns k0..k1 of the caller's rows, and the panel's steps k0..k1.
         let acc =
-            unsafe { microkernel::<P, R, C0, C>(a.add(k0), lda, panel.from_step(k0), k1 - k0) };
+            unsafe { microkernel::<P, R, C0, C>(a.add(k0), lda, panel.skip_steps(k0), k1 - k0) };
         for (s, acc) in sum.iter_mut().zip(&acc) {
             for (s, &x) in s.iter_mut().zip(acc) {
                 *s += round_bf16(x);

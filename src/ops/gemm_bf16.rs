@@ -113,7 +113,7 @@ impl PanelSteps for &[[u32; WORDS]] {
     }
 
     #[inline(always)]
-    fn from_step(self, k0: usize) -> Self {
+    fn skip_steps(self, k0: usize) -> Self {
         &self[k0..]
     }
 }

@@ -75,7 +75,7 @@ impl PackedWeightMxfp4 {
         let groups = k / MXFP4_BLOCK;
         let row_bytes = groups * STEP_BYTES;
         let stored = blocks.len() / row_bytes.max(1);
-        if blocks.len() % row_bytes != 0 || scales.len() != stored * groups {
+        if !blocks.len().is_multiple_of(row_bytes) || scales.len() != stored * groups {
             bail!(
                 "packed MXFP4 weight: {} code bytes and {} scales are not rows of {k} inputs",
                 blocks.len(),
@@ -91,7 +91,7 @@ impl PackedWeightMxfp4 {
         // The code of input `kk` of checkpoint row `r`.
         let code = |r: usize, kk: usize| {
             let byte = blocks[r * row_bytes + kk / 2];
-            if kk % 2 == 0 {
+            if kk.is_multiple_of(2) {
                 byte & 0x0f
             } else {
                 byte >> 4
@@ -166,7 +166,7 @@ impl PanelSteps for Mxfp4Panel<'_> {
     }
 
     #[inline(always)]
-    fn from_step(self, k0: usize) -> Self {
+    fn skip_steps(self, k0: usize) -> Self {
         Self {
             k0: self.k0 + k0,
             ..self
