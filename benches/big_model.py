@@ -1,10 +1,13 @@
 """A real-size model on the CPU: load time, peak RSS, batch-1 decode against the memory-bandwidth
 bound, batch-16 throughput (issue 24). A benchmark, not a test.
 
-Write the model first (random weights, no download; ~16 GB for the 8B shape in bfloat16):
+Write the model first (random weights, no download; ~16 GB for the 8B shape in bfloat16;
+13.8 GB for gpt-oss-20b's with its experts in MXFP4):
 
     python benches/write_random_llama.py --shape llama3-8b --streaming --out /tmp/llama3-8b-bf16
     python benches/big_model.py /tmp/llama3-8b-bf16 --out /tmp/big-model.json
+    python benches/write_random_gpt_oss.py --out /tmp/gpt-oss-20b-mxfp4
+    python benches/big_model.py /tmp/gpt-oss-20b-mxfp4 --out /tmp/gpt-oss.json
 
 Steps: (1) the memory bandwidth of this machine, measured (numpy sums over a 1 GiB array,
 best of 5, one thread; and 2 threads via two processes); (2) ``LLM(model, dtype=...)`` timed
@@ -63,20 +66,22 @@ def rss_now() -> int:
     return 0
 
 
-def weight_bytes_per_token(cfg: dict, itemsize: int) -> int:
+def weight_bytes_per_token(cfg: dict, itemsize: int, mxfp4_kept: bool = False) -> int:
     """Bytes of weights one token reads: of a mixture of experts (every layer sparse), the
-    router and the ``num_experts_per_tok`` experts it runs."""
+    router and the ``num_experts_per_tok`` experts it runs; MXFP4 experts the engine keeps so
+    (gpt-oss on the CPU with f32 activations) at 17 bytes a 32 weights."""
     hs, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     d = cfg.get("head_dim") or hs // cfg["num_attention_heads"]
     h, kvh = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    expert_bytes = 17 / 32 if mxfp4_kept else itemsize
     if experts:
         width = cfg.get("moe_intermediate_size", inter)
-        mlp = experts * hs + cfg["num_experts_per_tok"] * 3 * hs * width
+        mlp = experts * hs * itemsize + cfg["num_experts_per_tok"] * 3 * hs * width * expert_bytes
     else:
-        mlp = 3 * hs * inter
-    per_layer = hs * h * d * 2 + hs * kvh * d * 2 + mlp
-    return (cfg["num_hidden_layers"] * per_layer + vocab * hs + hs) * itemsize
+        mlp = 3 * hs * inter * itemsize
+    per_layer = (hs * h * d * 2 + hs * kvh * d * 2) * itemsize + mlp
+    return int(cfg["num_hidden_layers"] * per_layer + (vocab * hs + hs) * itemsize)
 
 
 def main() -> None:
@@ -141,7 +146,9 @@ def main() -> None:
     res["b1_tokens"] = out.outputs[0].token_ids
     res["b1_load"] = os.getloadavg()[0]
     itemsize = 2 if "bf16" in llm.fingerprint.split("-") else 4
-    res["weight_bytes_per_token"] = weight_bytes_per_token(cfg, itemsize)
+    mxfp4 = (cfg.get("quantization_config") or {}).get("quant_method") == "mxfp4"
+    mxfp4_kept = mxfp4 and "abf16" not in llm.fingerprint
+    res["weight_bytes_per_token"] = weight_bytes_per_token(cfg, itemsize, mxfp4_kept)
     if "bandwidth_2p_GBps" in res:
         bound = res["bandwidth_2p_GBps"] * 1e9 / res["weight_bytes_per_token"]
         res["b1_bound_tok_s"] = bound

@@ -9,18 +9,22 @@ use std::sync::Arc;
 
 use candle_core::{Device, Tensor};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use detspec::config::KernelProfile;
 use detspec::ops::{
-    bf16_bits, matmul_packed, matmul_packed_abf16, matmul_packed_bf16, PackedWeight,
-    PackedWeightAbf16, PackedWeightBf16,
+    bf16_bits, matmul_packed, matmul_packed_abf16, matmul_packed_bf16,
+    matmul_packed_mxfp4_profiled, PackedWeight, PackedWeightAbf16, PackedWeightBf16,
+    PackedWeightMxfp4,
 };
 
-/// (K, N) of the bench model's linear layers: q/o, k/v, gate/up, down, lm_head.
+/// (K, N) of the bench model's linear layers: q/o, k/v, gate/up, down, lm_head; and a
+/// gpt-oss-20b expert's gate/up.
 const SHAPES: &[(usize, usize)] = &[
     (512, 512),
     (512, 256),
     (512, 1408),
     (1408, 512),
     (512, 32000),
+    (2880, 2880),
 ];
 
 fn values(n: usize, seed: u32) -> Vec<f32> {
@@ -42,6 +46,14 @@ fn gemm(c: &mut Criterion) {
         let packed16 = Arc::new(PackedWeightBf16::from_row_major_bits(&bits, k, n).expect("pack"));
         let packed_a16 =
             Arc::new(PackedWeightAbf16::from_row_major_bits(&bits, k, n).expect("pack"));
+        // MXFP4 (gpt-oss's experts): random codes, scales near 2^-6.
+        let codes: Vec<u8> = (0..n * k / 2)
+            .map(|i| (i * 2654435761usize >> 7) as u8)
+            .collect();
+        let scales: Vec<u8> = (0..n * k / 32).map(|i| 119 + (i % 4) as u8).collect();
+        let rows: Vec<usize> = (0..n).collect();
+        let packed4 =
+            Arc::new(PackedWeightMxfp4::from_blocks(&codes, &scales, &rows, k).expect("pack"));
         let mut g = c.benchmark_group(format!("gemm_k{k}_n{n}"));
         g.sample_size(20);
         for m in [1usize, 16, 64, 1024] {
@@ -52,6 +64,12 @@ fn gemm(c: &mut Criterion) {
             });
             g.bench_with_input(BenchmarkId::new("packed_bf16", m), &m, |b, _| {
                 b.iter(|| matmul_packed_bf16(&x, &packed16).expect("packed bf16"))
+            });
+            g.bench_with_input(BenchmarkId::new("packed_mxfp4", m), &m, |b, _| {
+                b.iter(|| {
+                    matmul_packed_mxfp4_profiled(&x, &packed4, KernelProfile::Invariant, false)
+                        .expect("packed mxfp4")
+                })
             });
             g.bench_with_input(BenchmarkId::new("packed_abf16", m), &m, |b, _| {
                 b.iter(|| matmul_packed_abf16(&x, &packed_a16, false).expect("packed abf16"))

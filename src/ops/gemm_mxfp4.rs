@@ -16,6 +16,7 @@ use std::sync::Arc;
 use candle_core::{bail, Tensor};
 
 use super::gemm::{apply_packed, matmul_panels, PanelSteps, Panels, Reduction, NR};
+use super::isa::isa_kernel;
 use super::CpuIsa;
 use crate::config::KernelProfile;
 
@@ -147,22 +148,15 @@ pub(super) struct Mxfp4Panel<'a> {
     k0: usize,
 }
 
-impl PanelSteps for Mxfp4Panel<'_> {
+impl<'a> PanelSteps for Mxfp4Panel<'a> {
     #[inline(always)]
     fn widened(self) -> impl Iterator<Item = [f32; NR]> {
-        self.codes[self.k0..]
-            .iter()
-            .enumerate()
-            .map(move |(i, step)| {
-                let run = &self.scales[(self.k0 + i) / MXFP4_BLOCK];
-                let mut out = [0f32; NR];
-                let (lo, hi) = out.split_at_mut(STEP_BYTES);
-                for (c, (&byte, (l, h))) in step.iter().zip(lo.iter_mut().zip(hi)).enumerate() {
-                    *l = E2M1[usize::from(byte & 0x0f)] * E8M0[usize::from(run[c])];
-                    *h = E2M1[usize::from(byte >> 4)] * E8M0[usize::from(run[c + STEP_BYTES])];
-                }
-                out
-            })
+        Mxfp4Steps {
+            panel: self,
+            at: self.k0,
+            scale: [0f32; NR],
+            isa: CpuIsa::detect(),
+        }
     }
 
     #[inline(always)]
@@ -170,6 +164,90 @@ impl PanelSteps for Mxfp4Panel<'_> {
         Self {
             k0: self.k0 + k0,
             ..self
+        }
+    }
+}
+
+/// The widened steps of an [`Mxfp4Panel`]: each run's 32 column scales are widened once, when
+/// the run begins.
+struct Mxfp4Steps<'a> {
+    panel: Mxfp4Panel<'a>,
+    /// The next step.
+    at: usize,
+    /// The current run's scales, `2^(e − 127)` per column.
+    scale: [f32; NR],
+    isa: CpuIsa,
+}
+
+impl Iterator for Mxfp4Steps<'_> {
+    type Item = [f32; NR];
+
+    #[inline(always)]
+    fn next(&mut self) -> Option<[f32; NR]> {
+        let step = self.panel.codes.get(self.at)?;
+        if self.at == self.panel.k0 || self.at.is_multiple_of(MXFP4_BLOCK) {
+            let run = &self.panel.scales[self.at / MXFP4_BLOCK];
+            for (s, &e) in self.scale.iter_mut().zip(run) {
+                *s = E8M0[usize::from(e)];
+            }
+        }
+        self.at += 1;
+        Some(widen_step(self.isa, step, &self.scale))
+    }
+}
+
+/// One step's 32 weights: codes times their columns' scales.
+#[inline(always)]
+fn widen(step: &[u8; STEP_BYTES], scale: &[f32; NR]) -> [f32; NR] {
+    let mut out = [0f32; NR];
+    let (lo, hi) = out.split_at_mut(STEP_BYTES);
+    let (slo, shi) = scale.split_at(STEP_BYTES);
+    for (i, &byte) in step.iter().enumerate() {
+        lo[i] = e2m1(byte & 0x0f) * slo[i];
+        hi[i] = e2m1(byte >> 4) * shi[i];
+    }
+    out
+}
+
+isa_kernel! {
+    /// [`widen`] as a call of its own, compiled for each instruction set. Inlined into the
+    /// microkernel, it was vectorised in blocks of 4 to 8 rows but not in the 1- to 3-row
+    /// blocks of decode (13× the bf16 GEMM's time at M = 1; 4.5× as a call). A call spills
+    /// the larger blocks' accumulators (M = 16: 5× bf16 as a call, 1.8× inlined); an MoE
+    /// expert's GEMMs see few rows, so the call.
+    #[inline(never)]
+    fn widen_step(isa: CpuIsa, step: &[u8; STEP_BYTES], scale: &[f32; NR]) -> [f32; NR] {
+        widen(step, scale)
+    }
+}
+
+/// The E2M1 value of `code`, from its bits rather than a table (a table lookup per weight
+/// does not vectorise): sign, then for exponent bits `e` > 0 the f32 `1.m × 2^(e − 1)`, for
+/// `e` = 0 the subnormal `m × 0.5`. Equal to [`E2M1`]`[code]` (tested).
+#[inline(always)]
+fn e2m1(code: u8) -> f32 {
+    let c = u32::from(code);
+    let (e, m) = ((c >> 1) & 3, c & 1);
+    let magnitude = if e == 0 {
+        m * (126 << 23)
+    } else {
+        ((126 + e) << 23) | (m << 22)
+    };
+    f32::from_bits(((c & 8) << 28) | magnitude)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn e2m1_from_bits_is_the_table() {
+        for code in 0..16u8 {
+            assert_eq!(
+                e2m1(code).to_bits(),
+                E2M1[usize::from(code)].to_bits(),
+                "{code}"
+            );
         }
     }
 }
