@@ -236,22 +236,6 @@ fn e2m1(code: u8) -> f32 {
     f32::from_bits(((c & 8) << 28) | magnitude)
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn e2m1_from_bits_is_the_table() {
-        for code in 0..16u8 {
-            assert_eq!(
-                e2m1(code).to_bits(),
-                E2M1[usize::from(code)].to_bits(),
-                "{code}"
-            );
-        }
-    }
-}
-
 impl Panels for PackedWeightMxfp4 {
     type Panel<'a> = Mxfp4Panel<'a>;
     const OP_NAME: &'static str = "detspec-packed-matmul-mxfp4";
@@ -302,4 +286,20 @@ pub fn matmul_packed_mxfp4_profiled(
     invariant: bool,
 ) -> candle_core::Result<Tensor> {
     apply_packed(x, w, profile, invariant)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn e2m1_from_bits_is_the_table() {
+        for code in 0..16u8 {
+            assert_eq!(
+                e2m1(code).to_bits(),
+                E2M1[usize::from(code)].to_bits(),
+                "{code}"
+            );
+        }
+    }
 }
