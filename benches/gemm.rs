@@ -48,7 +48,7 @@ fn gemm(c: &mut Criterion) {
             Arc::new(PackedWeightAbf16::from_row_major_bits(&bits, k, n).expect("pack"));
         // MXFP4 (gpt-oss's experts): random codes, scales near 2^-6.
         let codes: Vec<u8> = (0..n * k / 2)
-            .map(|i| (i * 2654435761usize >> 7) as u8)
+            .map(|i| ((i * 2654435761usize) >> 7) as u8)
             .collect();
         let scales: Vec<u8> = (0..n * k / 32).map(|i| 119 + (i % 4) as u8).collect();
         let rows: Vec<usize> = (0..n).collect();
