@@ -358,18 +358,12 @@ impl Routing {
         top_k: usize,
         norm: bool,
     ) -> Result<Self> {
-        Self::check(logits, num_experts)?;
-        let mut rows = vec![Vec::new(); num_experts];
-        let mut picks = Vec::with_capacity(logits.len() / num_experts);
-        let mut order: Vec<usize> = Vec::with_capacity(num_experts);
         let mut exps: Vec<f32> = Vec::with_capacity(num_experts);
-        for (r, row) in logits.chunks(num_experts).enumerate() {
+        Self::by_row(logits, num_experts, |row, order| {
             let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             exps.clear();
             exps.extend(row.iter().map(|&v| ops::exp_nonpositive(v - max)));
             let sum: f32 = exps.iter().sum();
-            order.clear();
-            order.extend(0..num_experts);
             // Largest first; equal probabilities keep index order (a stable sort).
             order.sort_by(|&a, &b| exps[b].total_cmp(&exps[a]));
             let mut top: Vec<(usize, f32)> = order
@@ -383,30 +377,20 @@ impl Routing {
                     *p /= total;
                 }
             }
-            top.sort_by_key(|&(e, _)| e);
-            for &(e, _) in &top {
-                rows[e].push(r as u32);
-            }
-            picks.push(top);
-        }
-        Ok(Self { rows, picks })
+            top
+        })
     }
 
-    /// The routing of rows whose router logits are `logits` (gpt-oss's): the `top_k` largest
-    /// logits (ties to the lower index), and their softmax in f32 (max-subtracted,
-    /// `ops::exp_nonpositive`, summed largest first as transformers' `topk` orders them).
+    /// The routing of rows whose router logits are `logits` (gpt-oss's, Granite's): the
+    /// `top_k` largest logits (ties to the lower index), and their softmax in f32
+    /// (max-subtracted, `ops::exp_nonpositive`, summed largest first as transformers' `topk`
+    /// orders them).
     pub(super) fn softmax_over_top_k(
         logits: &[f32],
         num_experts: usize,
         top_k: usize,
     ) -> Result<Self> {
-        Self::check(logits, num_experts)?;
-        let mut rows = vec![Vec::new(); num_experts];
-        let mut picks = Vec::with_capacity(logits.len() / num_experts);
-        let mut order: Vec<usize> = Vec::with_capacity(num_experts);
-        for (r, row) in logits.chunks(num_experts).enumerate() {
-            order.clear();
-            order.extend(0..num_experts);
+        Self::by_row(logits, num_experts, |row, order| {
             order.sort_by(|&a, &b| row[b].total_cmp(&row[a]));
             order.truncate(top_k);
             let max = order.first().map_or(0.0, |&e| row[e]);
@@ -415,11 +399,29 @@ impl Routing {
                 .map(|&e| ops::exp_nonpositive(row[e] - max))
                 .collect();
             let sum: f32 = exps.iter().sum();
-            let mut top: Vec<(usize, f32)> = order
+            order
                 .iter()
                 .zip(&exps)
                 .map(|(&e, &x)| (e, x / sum))
-                .collect();
+                .collect()
+        })
+    }
+
+    /// The routing whose per-row picks `pick(row's logits, 0..num_experts)` gives (experts and
+    /// weights, any order; `order` is scratch for it), put in expert-id order.
+    fn by_row(
+        logits: &[f32],
+        num_experts: usize,
+        mut pick: impl FnMut(&[f32], &mut Vec<usize>) -> Vec<(usize, f32)>,
+    ) -> Result<Self> {
+        Self::check(logits, num_experts)?;
+        let mut rows = vec![Vec::new(); num_experts];
+        let mut picks = Vec::with_capacity(logits.len() / num_experts);
+        let mut order: Vec<usize> = Vec::with_capacity(num_experts);
+        for (r, row) in logits.chunks(num_experts).enumerate() {
+            order.clear();
+            order.extend(0..num_experts);
+            let mut top = pick(row, &mut order);
             top.sort_by_key(|&(e, _)| e);
             for &(e, _) in &top {
                 rows[e].push(r as u32);

@@ -76,6 +76,18 @@ isa_kernel! {
     }
 }
 
+/// The f32 data of a binary map's two operands of one shape (op `name`'s, for errors).
+fn operands<'a>(
+    name: &str,
+    (s1, l1): (&'a CpuStorage, &Layout),
+    (s2, l2): (&'a CpuStorage, &Layout),
+) -> candle_core::Result<(&'a [f32], &'a [f32])> {
+    if l1.dims() != l2.dims() {
+        bail!("{name}: shapes {:?} and {:?} differ", l1.dims(), l2.dims());
+    }
+    Ok((contiguous_f32(s1, l1, name)?, contiguous_f32(s2, l2, name)?))
+}
+
 /// A binary map's CPU kernel: `out[i] = f(a[i], b[i])`.
 type BinaryKernel = fn(CpuIsa, &mut [MaybeUninit<f32>], &[f32], &[f32]);
 
@@ -131,12 +143,7 @@ impl CustomOp2 for Binary {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let name = self.name();
-        if l1.dims() != l2.dims() {
-            bail!("{name}: shapes {:?} and {:?} differ", l1.dims(), l2.dims());
-        }
-        let a = contiguous_f32(s1, l1, name)?;
-        let b = contiguous_f32(s2, l2, name)?;
+        let (a, b) = operands(self.name(), (s1, l1), (s2, l2))?;
         Ok((CpuStorage::F32(self.apply(a, b)), l1.shape().clone()))
     }
 
@@ -364,11 +371,7 @@ impl CustomOp2 for ClampedSwiglu {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let name = self.name();
-        if l1.dims() != l2.dims() {
-            bail!("{name}: shapes {:?} and {:?} differ", l1.dims(), l2.dims());
-        }
-        let (g, u) = (contiguous_f32(s1, l1, name)?, contiguous_f32(s2, l2, name)?);
+        let (g, u) = operands(self.name(), (s1, l1), (s2, l2))?;
         let (isa, alpha, limit) = (CpuIsa::detect(), self.alpha, self.limit);
         // Every element is written: the chunks of `out` pair up with those of `g` and `u`.
         let out = filled_f32(g.len(), |out| {
