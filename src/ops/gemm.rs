@@ -156,6 +156,35 @@ pub(super) trait PanelSteps: Copy {
     fn widened(self) -> impl Iterator<Item = [f32; NR]>;
     /// The steps from `k0` on.
     fn skip_steps(self, k0: usize) -> Self;
+
+    /// `acc` (R rows × columns `C0..C0+C`) with the FMA chain over steps `0..k` continued:
+    /// `acc[r][c] = fma(a[r][kk], w[kk][C0 + c], acc[r][c])` for kk in order. Storage may
+    /// widen its steps otherwise ([`widened`](Self::widened) step by step, here), never change
+    /// this arithmetic.
+    ///
+    /// # Safety
+    /// `a` must address `R` rows of `k` readable floats at stride `lda`; the panel holds `k`
+    /// steps.
+    #[inline(always)]
+    unsafe fn fold<const R: usize, const C0: usize, const C: usize>(
+        self,
+        a: *const f32,
+        lda: usize,
+        k: usize,
+        mut acc: [[f32; C]; R],
+    ) -> [[f32; C]; R] {
+        // The columns outside C0..C0+C are widened for nothing and dropped by the compiler.
+        for (kk, bk) in self.widened().enumerate().take(k) {
+            for (r, acc_r) in acc.iter_mut().enumerate() {
+                // SAFETY: r < R and kk < k, inside the rows the caller vouches for.
+                let av = unsafe { *a.add(r * lda + kk) };
+                for c in 0..C {
+                    acc_r[c] = av.mul_add(bk[C0 + c], acc_r[c]);
+                }
+            }
+        }
+        acc
+    }
 }
 
 impl PanelSteps for &[[f32; NR]] {
@@ -201,18 +230,8 @@ unsafe fn microkernel<P: PanelSteps, const R: usize, const C0: usize, const C: u
     panel: P,
     k: usize,
 ) -> [[f32; C]; R] {
-    let mut acc = [[0f32; C]; R];
-    // The columns outside C0..C0+C are widened for nothing and dropped by the compiler.
-    for (kk, bk) in panel.widened().enumerate().take(k) {
-        for (r, acc_r) in acc.iter_mut().enumerate() {
-            // SAFETY: r < R and kk < k, inside the rows the caller vouches for.
-            let av = unsafe { *a.add(r * lda + kk) };
-            for c in 0..C {
-                acc_r[c] = av.mul_add(bk[C0 + c], acc_r[c]);
-            }
-        }
-    }
-    acc
+    // SAFETY: forwarded from the caller.
+    unsafe { panel.fold::<R, C0, C>(a, lda, k, [[0f32; C]; R]) }
 }
 
 /// [`microkernel`] over `parts` contiguous ranges of k, combined as [`Reduction::SplitK`] says.
