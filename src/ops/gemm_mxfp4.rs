@@ -5,9 +5,10 @@
 //! Same kernel as the f32 GEMM (`ops::gemm`: same panels, register block, task split and
 //! driver); only a panel's storage differs. Each k step of a panel holds its [`NR`] = 32
 //! codes in 16 bytes (byte `c`: column `c` in the low nibble, column `c + 16` in the high),
-//! and each run of 32 k steps the 32 columns' scale exponents. A step widens to f32 as
-//! `E2M1[code] · 2^(scale − 127)`: exact (an E2M1 value has at most two significant bits), so
-//! every output element is the f32 GEMM's FMA chain over the exactly widened weights. The
+//! and each run of 32 k steps the 32 columns' scale exponents. A run widens to f32, as
+//! `E2M1[code] · 2^(scale − 127)`, into a 4 KB buffer the f32 microkernel folds
+//! (`PanelSteps::fold`). The widening is exact (an E2M1 value has at most two significant
+//! bits), so every output element is the f32 GEMM's FMA chain over the widened weights. The
 //! MXFP4 GEMM gives **the bits of the f32 and bf16 GEMMs on the widened weights**, and their
 //! invariances (`tests/gemm_mxfp4.rs`), in 0.53 bytes a weight where bf16 takes 2.
 
