@@ -1,6 +1,7 @@
-//! The sparse mixture-of-experts MLP (Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE, gpt-oss): a router picks each
-//! token's top-k experts, each expert runs over the rows routed to it, and a row's output is
-//! its experts' outputs scaled by their routing weights and summed.
+//! The sparse mixture-of-experts MLP (Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE, Granite MoE,
+//! gpt-oss): a router picks each token's top-k experts, each expert runs over the rows routed
+//! to it, and a row's output is its experts' outputs scaled by their routing weights and
+//! summed.
 //!
 //! Why it keeps the determinism contract: everything a row's output depends on is a function
 //! of that row alone, computed in a fixed order. The router is a linear layer like any other;
@@ -92,7 +93,7 @@ pub(super) struct SparseMlp {
     pub(super) shared: Option<SharedExpert>,
     top_k: usize,
     norm_topk_prob: bool,
-    /// gpt-oss's routing: a softmax over the top k logits.
+    /// gpt-oss's and Granite's routing: a softmax over the top k logits.
     softmax_over_top_k: bool,
     /// gpt-oss's expert activation, `(alpha, limit)`.
     clamped: Option<(f32, f32)>,
