@@ -198,17 +198,17 @@ impl<'a> WeightLoader<'a> {
         if !matrix {
             return self.load(name, shape);
         }
-        let Some(m) = self.mxfp4(name, shape)? else {
+        let widened = self.with_mxfp4(name, shape, |m| {
+            let t = Tensor::from_vec(
+                m.dequantize(),
+                (m.experts, m.out_dim, m.in_dim),
+                &Device::Cpu,
+            )?;
+            Ok(t.transpose(1, 2)?.to_dtype(self.dtype)?.contiguous()?)
+        })?;
+        let Some(t) = widened else {
             return self.load_matrix(name, shape);
         };
-        let t = Tensor::from_vec(
-            m.dequantize(),
-            (m.experts, m.out_dim, m.in_dim),
-            &Device::Cpu,
-        )?
-        .transpose(1, 2)?
-        .to_dtype(self.dtype)?
-        .contiguous()?;
         self.hashes
             .borrow_mut()
             .insert(name.to_string(), tensor_hash(&t)?);
@@ -230,30 +230,36 @@ impl<'a> WeightLoader<'a> {
         if !self.device.is_cpu() || self.bf16_act {
             return Ok(None);
         }
-        let Some(m) = self.mxfp4(name, shape)? else {
-            return Ok(None);
-        };
-        let experts = (0..m.experts)
-            .map(|e| {
-                let (blocks, scales) = m.expert(e);
-                outputs
-                    .iter()
-                    .map(|rows| {
-                        let w = PackedWeightMxfp4::from_blocks(blocks, scales, rows, m.in_dim)?;
-                        Ok(LinearWeight::PackedMxfp4(Arc::new(w)))
-                    })
-                    .collect::<Result<Vec<_>>>()
-            })
-            .collect::<Result<Vec<_>>>()?;
-        self.hashes
-            .borrow_mut()
-            .insert(name.to_string(), m.widened_hash());
-        Ok(Some(experts))
+        // Packed straight from the mapped file (no copy of the 4-bit tensors is made).
+        let packed = self.with_mxfp4(name, shape, |m| {
+            let experts = (0..m.experts)
+                .map(|e| {
+                    let (blocks, scales) = m.expert(e);
+                    outputs
+                        .iter()
+                        .map(|rows| {
+                            let w = PackedWeightMxfp4::from_blocks(blocks, scales, rows, m.in_dim)?;
+                            Ok(LinearWeight::PackedMxfp4(Arc::new(w)))
+                        })
+                        .collect::<Result<Vec<_>>>()
+                })
+                .collect::<Result<Vec<_>>>()?;
+            Ok((experts, m.widened_hash()))
+        })?;
+        Ok(packed.map(|(experts, hash)| {
+            self.hashes.borrow_mut().insert(name.to_string(), hash);
+            experts
+        }))
     }
 
-    /// The MXFP4 blocks and scales of stacked matrix `name` (`shape` `[experts, in, out]` as
-    /// widened), if the checkpoint holds it so.
-    fn mxfp4(&self, name: &str, shape: &[usize]) -> Result<Option<mxfp4::Mxfp4Experts>> {
+    /// `f` of the MXFP4 blocks and scales of stacked matrix `name` (`shape` `[experts, in,
+    /// out]` as widened), as they lie in the mapped file, if the checkpoint holds it so.
+    fn with_mxfp4<R>(
+        &self,
+        name: &str,
+        shape: &[usize],
+        f: impl FnOnce(&mxfp4::Mxfp4Experts<'_>) -> Result<R>,
+    ) -> Result<Option<R>> {
         let blocks_name = format!("{name}_blocks");
         if !self.ck.contains(&blocks_name) {
             return Ok(None);
@@ -270,20 +276,21 @@ impl<'a> WeightLoader<'a> {
             });
         }
         let groups = in_dim / 32;
-        let blocks = self.ck.load_u8(
-            &blocks_name,
-            &[experts, out_dim, groups, mxfp4::BLOCK_BYTES],
-        )?;
-        let scales = self
-            .ck
-            .load_u8(&format!("{name}_scales"), &[experts, out_dim, groups])?;
-        Ok(Some(mxfp4::Mxfp4Experts {
-            blocks,
-            scales,
-            experts,
-            out_dim,
-            in_dim,
-        }))
+        let blocks_shape = [experts, out_dim, groups, mxfp4::BLOCK_BYTES];
+        let scales_name = format!("{name}_scales");
+        let out = self.ck.with_u8(&blocks_name, &blocks_shape, |blocks| {
+            self.ck
+                .with_u8(&scales_name, &[experts, out_dim, groups], |scales| {
+                    f(&mxfp4::Mxfp4Experts {
+                        blocks,
+                        scales,
+                        experts,
+                        out_dim,
+                        in_dim,
+                    })
+                })?
+        })??;
+        Ok(Some(out))
     }
 
     /// Hashed on the host before the upload: hashing a GPU tensor would copy it back.

@@ -14,15 +14,15 @@ pub(super) const BLOCK_BYTES: usize = 16;
 
 /// A stacked matrix's MXFP4 tensors: per expert, an `[out, in]` matrix as `blocks`
 /// (`[out, in / 32, 16]`) and `scales` (`[out, in / 32]`).
-pub(super) struct Mxfp4Experts {
-    pub(super) blocks: Vec<u8>,
-    pub(super) scales: Vec<u8>,
+pub(super) struct Mxfp4Experts<'a> {
+    pub(super) blocks: &'a [u8],
+    pub(super) scales: &'a [u8],
     pub(super) experts: usize,
     pub(super) out_dim: usize,
     pub(super) in_dim: usize,
 }
 
-impl Mxfp4Experts {
+impl Mxfp4Experts<'_> {
     /// Expert `e`'s blocks and scales.
     pub(super) fn expert(&self, e: usize) -> (&[u8], &[u8]) {
         let (codes, scales) = (
@@ -37,7 +37,7 @@ impl Mxfp4Experts {
 
     /// Every value, `[experts, out, in]`.
     pub(super) fn dequantize(&self) -> Vec<f32> {
-        dequantize(&self.blocks, &self.scales)
+        dequantize(self.blocks, self.scales)
     }
 
     /// `tensor_hash` of the widened tensor as a bf16/f32 checkpoint stores it, `[experts, in,

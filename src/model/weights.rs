@@ -183,10 +183,11 @@ impl Checkpoint {
         })?
     }
 
-    /// `name`'s bytes, a `u8` tensor of `shape` (MXFP4's blocks and scales).
-    pub fn load_u8(&self, name: &str, shape: &[usize]) -> Result<Vec<u8>> {
+    /// `f` of `name`'s bytes as stored, a `u8` tensor of `shape` (MXFP4's blocks and scales),
+    /// in the mapped file: no copy.
+    pub fn with_u8<R>(&self, name: &str, shape: &[usize], f: impl FnOnce(&[u8]) -> R) -> Result<R> {
         self.with_stored(name, shape, |stored, data, bad| match stored {
-            StDtype::U8 => Ok(data.to_vec()),
+            StDtype::U8 => Ok(f(data)),
             other => Err(bad(format!("expected a u8 tensor, found {other:?}"))),
         })?
     }
