@@ -231,8 +231,7 @@ impl EngineCore {
         let act = cfg
             .activation_dtype
             .resolve(device_spec, dtype, cfg.kernel_profile)?;
-        // The CPU's GEMM with f32 activations runs MXFP4 experts as stored (`ops::gemm_mxfp4`).
-        let keeps_mxfp4 = device.is_cpu() && act == ActivationDtype::F32;
+        let keeps_mxfp4 = crate::model::keeps_mxfp4(device, act != ActivationDtype::F32);
         crate::model::check_fits(dir, &model_cfg, dtype, keeps_mxfp4, kv_bytes as u64, device)?;
         let model = Model::load_with(dir, model_cfg, device, dtype, act)?
             .with_kernel_profile(cfg.kernel_profile);

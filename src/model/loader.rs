@@ -227,7 +227,7 @@ impl<'a> WeightLoader<'a> {
         shape: &[usize],
         outputs: &[Vec<usize>],
     ) -> Result<Option<Vec<Vec<LinearWeight>>>> {
-        if !self.device.is_cpu() || self.bf16_act {
+        if !mxfp4::keeps_mxfp4(self.device, self.bf16_act) {
             return Ok(None);
         }
         // Packed straight from the mapped file (no copy of the 4-bit tensors is made).

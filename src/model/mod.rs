@@ -19,5 +19,6 @@ pub use memory::{
     available_memory, check_fits, forward_headroom, kv_bytes_for_utilization, weight_bytes,
 };
 pub use moe_names::unfuse_experts;
+pub use mxfp4::keeps_mxfp4;
 pub use params::{check_update, param_shapes};
 pub use weights::{language_model_name, Checkpoint};

@@ -9,6 +9,12 @@ use xxhash_rust::xxh3::Xxh3;
 
 use crate::ops::{E2M1, E8M0};
 
+/// Whether the engine keeps MXFP4 experts as stored on `device` (the CPU's MXFP4 GEMM takes
+/// f32 activations; the bf16-activation mode's GEMM, and other devices, widen them).
+pub fn keeps_mxfp4(device: &candle_core::Device, bf16_activations: bool) -> bool {
+    device.is_cpu() && !bf16_activations
+}
+
 /// Bytes of codes per block (32 values).
 pub(super) const BLOCK_BYTES: usize = 16;
 

@@ -152,50 +152,67 @@ pub(super) trait Panels: Sync {
 
 /// The k steps of one panel.
 pub(super) trait PanelSteps: Copy {
-    /// The steps in k order, each as its NR f32 weights in column order.
-    fn widened(self) -> impl Iterator<Item = [f32; NR]>;
     /// The steps from `k0` on.
     fn skip_steps(self, k0: usize) -> Self;
 
     /// `acc` (R rows × columns `C0..C0+C`) with the FMA chain over steps `0..k` continued:
-    /// `acc[r][c] = fma(a[r][kk], w[kk][C0 + c], acc[r][c])` for kk in order. Storage may
-    /// widen its steps otherwise ([`widened`](Self::widened) step by step, here), never change
-    /// this arithmetic.
+    /// `acc[r][c] = fma(a[r][kk], w[kk][C0 + c], acc[r][c])` for kk in order ([`fold_steps`]
+    /// over the widened steps). Storage may widen its steps as it likes, never change this
+    /// arithmetic.
     ///
     /// # Safety
     /// `a` must address `R` rows of `k` readable floats at stride `lda`; the panel holds `k`
     /// steps.
+    unsafe fn fold<const R: usize, const C0: usize, const C: usize>(
+        self,
+        a: *const f32,
+        lda: usize,
+        k: usize,
+        acc: [[f32; C]; R],
+    ) -> [[f32; C]; R];
+}
+
+/// [`PanelSteps::fold`] over `steps`, a panel's steps widened to NR f32 weights each.
+///
+/// # Safety
+/// As for [`PanelSteps::fold`].
+#[inline(always)]
+pub(super) unsafe fn fold_steps<const R: usize, const C0: usize, const C: usize>(
+    steps: impl Iterator<Item = [f32; NR]>,
+    a: *const f32,
+    lda: usize,
+    k: usize,
+    mut acc: [[f32; C]; R],
+) -> [[f32; C]; R] {
+    // The columns outside C0..C0+C are widened for nothing and dropped by the compiler.
+    for (kk, bk) in steps.enumerate().take(k) {
+        for (r, acc_r) in acc.iter_mut().enumerate() {
+            // SAFETY: r < R and kk < k, inside the rows the caller vouches for.
+            let av = unsafe { *a.add(r * lda + kk) };
+            for c in 0..C {
+                acc_r[c] = av.mul_add(bk[C0 + c], acc_r[c]);
+            }
+        }
+    }
+    acc
+}
+
+impl PanelSteps for &[[f32; NR]] {
+    #[inline(always)]
+    fn skip_steps(self, k0: usize) -> Self {
+        &self[k0..]
+    }
+
     #[inline(always)]
     unsafe fn fold<const R: usize, const C0: usize, const C: usize>(
         self,
         a: *const f32,
         lda: usize,
         k: usize,
-        mut acc: [[f32; C]; R],
+        acc: [[f32; C]; R],
     ) -> [[f32; C]; R] {
-        // The columns outside C0..C0+C are widened for nothing and dropped by the compiler.
-        for (kk, bk) in self.widened().enumerate().take(k) {
-            for (r, acc_r) in acc.iter_mut().enumerate() {
-                // SAFETY: r < R and kk < k, inside the rows the caller vouches for.
-                let av = unsafe { *a.add(r * lda + kk) };
-                for c in 0..C {
-                    acc_r[c] = av.mul_add(bk[C0 + c], acc_r[c]);
-                }
-            }
-        }
-        acc
-    }
-}
-
-impl PanelSteps for &[[f32; NR]] {
-    #[inline(always)]
-    fn widened(self) -> impl Iterator<Item = [f32; NR]> {
-        self.iter().copied()
-    }
-
-    #[inline(always)]
-    fn skip_steps(self, k0: usize) -> Self {
-        &self[k0..]
+        // SAFETY: forwarded from the caller.
+        unsafe { fold_steps::<R, C0, C>(self.iter().copied(), a, lda, k, acc) }
     }
 }
 

@@ -24,7 +24,7 @@ use std::sync::Arc;
 
 use candle_core::{bail, Tensor};
 
-use super::gemm::{apply_packed, matmul_panels, PanelSteps, Panels, Reduction, NR};
+use super::gemm::{apply_packed, fold_steps, matmul_panels, PanelSteps, Panels, Reduction, NR};
 use super::CpuIsa;
 use crate::config::KernelProfile;
 
@@ -100,8 +100,19 @@ impl PackedWeightBf16 {
 
 impl PanelSteps for &[[u32; WORDS]] {
     #[inline(always)]
-    fn widened(self) -> impl Iterator<Item = [f32; NR]> {
-        self.iter().map(|step| {
+    fn skip_steps(self, k0: usize) -> Self {
+        &self[k0..]
+    }
+
+    #[inline(always)]
+    unsafe fn fold<const R: usize, const C0: usize, const C: usize>(
+        self,
+        a: *const f32,
+        lda: usize,
+        k: usize,
+        acc: [[f32; C]; R],
+    ) -> [[f32; C]; R] {
+        let widened = self.iter().map(|step| {
             let mut out = [0f32; NR];
             let (lo, hi) = out.split_at_mut(WORDS);
             for ((l, h), &word) in lo.iter_mut().zip(hi.iter_mut()).zip(step) {
@@ -109,12 +120,9 @@ impl PanelSteps for &[[u32; WORDS]] {
                 *h = f32::from_bits(word & 0xffff_0000);
             }
             out
-        })
-    }
-
-    #[inline(always)]
-    fn skip_steps(self, k0: usize) -> Self {
-        &self[k0..]
+        });
+        // SAFETY: forwarded from the caller.
+        unsafe { fold_steps::<R, C0, C>(widened, a, lda, k, acc) }
     }
 }
 

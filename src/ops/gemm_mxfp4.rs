@@ -151,16 +151,6 @@ pub(super) struct Mxfp4Panel<'a> {
 
 impl<'a> PanelSteps for Mxfp4Panel<'a> {
     #[inline(always)]
-    fn widened(self) -> impl Iterator<Item = [f32; NR]> {
-        Mxfp4Steps {
-            panel: self,
-            at: self.k0,
-            scale: [0f32; NR],
-            isa: CpuIsa::detect(),
-        }
-    }
-
-    #[inline(always)]
     fn skip_steps(self, k0: usize) -> Self {
         Self {
             k0: self.k0 + k0,
@@ -169,9 +159,9 @@ impl<'a> PanelSteps for Mxfp4Panel<'a> {
     }
 
     /// A run of up to 32 steps at a time: widened into a buffer by one call ([`widen_run`]),
-    /// then folded as an f32 panel. The FMA chain is the trait's; widened step by step inside
-    /// the microkernel instead, the codes were not vectorised in decode's 1- to 3-row blocks
-    /// (13× the bf16 GEMM's time at M = 1), and a call per step spilled the larger blocks'
+    /// then folded as an f32 panel. Widened step by step inside the microkernel instead (as
+    /// the bf16 panels are), the codes were not vectorised in decode's 1- to 3-row blocks (13×
+    /// the bf16 GEMM's time at M = 1), and a call per step spilled the larger blocks'
     /// accumulators.
     #[inline(always)]
     unsafe fn fold<const R: usize, const C0: usize, const C: usize>(
@@ -202,34 +192,6 @@ impl<'a> PanelSteps for Mxfp4Panel<'a> {
             kk += n;
         }
         acc
-    }
-}
-
-/// The widened steps of an [`Mxfp4Panel`]: each run's 32 column scales are widened once, when
-/// the run begins.
-struct Mxfp4Steps<'a> {
-    panel: Mxfp4Panel<'a>,
-    /// The next step.
-    at: usize,
-    /// The current run's scales, `2^(e − 127)` per column.
-    scale: [f32; NR],
-    isa: CpuIsa,
-}
-
-impl Iterator for Mxfp4Steps<'_> {
-    type Item = [f32; NR];
-
-    #[inline(always)]
-    fn next(&mut self) -> Option<[f32; NR]> {
-        let step = self.panel.codes.get(self.at)?;
-        if self.at == self.panel.k0 || self.at.is_multiple_of(MXFP4_BLOCK) {
-            let run = &self.panel.scales[self.at / MXFP4_BLOCK];
-            for (s, &e) in self.scale.iter_mut().zip(run) {
-                *s = E8M0[usize::from(e)];
-            }
-        }
-        self.at += 1;
-        Some(widen_step(self.isa, step, &self.scale))
     }
 }
 
@@ -298,18 +260,6 @@ isa_kernel! {
         for (o, step) in out.iter_mut().zip(steps) {
             *o = widen(step, &scale);
         }
-    }
-}
-
-isa_kernel! {
-    /// [`widen`] as a call of its own, compiled for each instruction set. Inlined into the
-    /// microkernel, it was vectorised in blocks of 4 to 8 rows but not in the 1- to 3-row
-    /// blocks of decode (13× the bf16 GEMM's time at M = 1; 4.5× as a call). A call spills
-    /// the larger blocks' accumulators (M = 16: 5× bf16 as a call, 1.8× inlined); an MoE
-    /// expert's GEMMs see few rows, so the call.
-    #[inline(never)]
-    fn widen_step(isa: CpuIsa, step: &[u8; STEP_BYTES], scale: &[f32; NR]) -> [f32; NR] {
-        widen(step, scale)
     }
 }
 
