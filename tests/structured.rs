@@ -210,36 +210,39 @@ proptest! {
         }
     }
 
-    /// `starts_after`: no mask until the gate token is in the prefix; after its first
-    /// occurrence, the mask of the ungated constraint over what follows it, whatever was
-    /// asked before (free tokens, the gate rolled back and reached again elsewhere).
+    /// `starts_after`: no mask until the gate's run of tokens is in the prefix; after its
+    /// first occurrence, the mask of the ungated constraint over what follows it, whatever
+    /// was asked before (free tokens, which may hold the gate's first tokens without the
+    /// rest; the gate rolled back and reached again elsewhere).
     #[test]
-    fn a_gated_constraint_is_free_before_its_token_and_the_constraint_after_it(
+    fn a_gated_constraint_is_free_before_its_tokens_and_the_constraint_after_them(
         seed in 1u64..u64::MAX,
+        gate_len in 1usize..4,
         free in proptest::collection::vec(0u32..VOCAB as u32, 0..12),
         queries in proptest::collection::vec((0usize..1000, 0usize..1000), 1..24),
     ) {
-        const GATE: u32 = 300;
-        let free: Vec<u32> = free.into_iter().filter(|&t| t != GATE).collect();
-        let gated_so = StructuredOutputs { starts_after: Some(GATE), ..json_schema() };
+        let gate: Vec<u32> = (300..300 + gate_len as u32).collect();
+        // The free part never holds the whole gate, but may hold its first token.
+        let free: Vec<u32> = free.into_iter().map(|t| if t == 301 { 300 } else { t }).collect();
+        let gated_so = StructuredOutputs { starts_after: Some(gate.clone()), ..json_schema() };
         let mut gated = grammars().compile(&gated_so).unwrap();
         let mut walker = grammars().compile(&json_schema()).unwrap();
         let answer = walk(&mut walker, seed, 40);
         // Two outputs: the gate after the free tokens, and after only part of them.
         let cut = free.len() / 2;
         let paths = [
-            [&free[..], &[GATE], &answer[..]].concat(),
-            [&free[..cut], &[GATE], &answer[..]].concat(),
+            [&free[..], &gate[..], &answer[..]].concat(),
+            [&free[..cut], &gate[..], &answer[..]].concat(),
         ];
         for (q, which) in queries {
             let p = &paths[which % 2];
             let len = q % (p.len() + 1);
             let got = gated.mask_after(&p[..len]).unwrap();
-            match p[..len].iter().position(|&t| t == GATE) {
+            match p[..len].windows(gate.len()).position(|w| w == &gate[..]) {
                 None => prop_assert!(got.is_none(), "a mask before the gate ({} tokens)", len),
                 Some(at) => {
                     let mut fresh = grammars().compile(&json_schema()).unwrap();
-                    let want = mask(&mut fresh, &p[at + 1..len]);
+                    let want = mask(&mut fresh, &p[at + gate.len()..len]);
                     prop_assert_eq!(&got.unwrap()[..], &want[..], "prefix of {} tokens", len);
                 }
             }
@@ -304,14 +307,19 @@ fn bad_constraints_are_refused_with_the_field_named() {
     let e = compile(StructuredOutputs::default());
     assert_eq!(e.param_name(), Some("structured_outputs"));
     let e = compile(StructuredOutputs {
-        starts_after: Some(VOCAB as u32),
+        starts_after: Some(vec![VOCAB as u32]),
         ..json_schema()
     });
     assert_eq!(e.param_name(), Some("structured_outputs.starts_after"));
     assert!(e.to_string().contains("512"), "{e}");
+    let e = compile(StructuredOutputs {
+        starts_after: Some(vec![]),
+        ..json_schema()
+    });
+    assert_eq!(e.param_name(), Some("structured_outputs.starts_after"));
     // A gate alone is no constraint.
     let e = compile(StructuredOutputs {
-        starts_after: Some(3),
+        starts_after: Some(vec![3]),
         ..Default::default()
     });
     assert_eq!(e.param_name(), Some("structured_outputs"));
@@ -411,7 +419,7 @@ fn gated(deterministic: bool) -> Request {
     let mut r = constrained(deterministic);
     r.params.max_tokens = 90;
     r.params.structured_outputs = Some(StructuredOutputs {
-        starts_after: Some(THINK_END),
+        starts_after: Some(vec![THINK_END]),
         ..json_schema()
     });
     r.params.logit_bias.insert(THINK_END, 3.0);

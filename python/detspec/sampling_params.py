@@ -28,10 +28,11 @@ class StructuredOutputsParams:
     """A Lark grammar (llguidance's dialect; ``%json{...}`` embeds a JSON schema)."""
     json_object: bool | None = None
     """Any JSON object."""
-    starts_after: int | None = None
-    """A token id: the constraint applies to the output after this token's first
-    occurrence, which the model reaches freely (a reasoning model's ``</think>``: the
-    thinking is free, the answer constrained). Not a constraint of its own."""
+    starts_after: int | list[int] | None = None
+    """A token id, or a run of them: the constraint applies to the output after its first
+    occurrence, which the model reaches freely (a reasoning model's ``</think>``; gpt-oss's
+    ``<|channel|>final<|message|>``): the thinking is free, the answer constrained. Not a
+    constraint of its own."""
 
     def to_dict(self) -> dict[str, Any]:
         """The fields the Rust core reads."""

@@ -231,7 +231,15 @@ fn structured_from_dict(py: Python<'_>, d: &Bound<'_, PyDict>) -> PyResult<Struc
             "grammar" => so.grammar = Some(v.extract().map_err(|_| wrong("a string"))?),
             "choice" => so.choice = Some(v.extract().map_err(|_| wrong("a list of strings"))?),
             "json_object" => so.json_object = v.extract().map_err(|_| wrong("a bool"))?,
-            "starts_after" => so.starts_after = Some(v.extract().map_err(|_| wrong("a token id"))?),
+            "starts_after" => {
+                let gate = match v.extract::<u32>() {
+                    Ok(t) => vec![t],
+                    Err(_) => v
+                        .extract()
+                        .map_err(|_| wrong("a token id or a list of token ids"))?,
+                };
+                so.starts_after = Some(gate);
+            }
             _ => {
                 return Err(to_pyerr(
                     py,

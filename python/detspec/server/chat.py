@@ -22,7 +22,8 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
 def conversation(messages: list[P.ChatMessage]) -> list[dict[str, Any]]:
     """Messages as the chat template reads them: content parts joined into one string, a
     call's ``arguments`` parsed into a dict (as vLLM and transformers' templates expect), an
-    answer's reasoning as ``reasoning_content`` (Qwen3's templates read it)."""
+    answer's reasoning as ``reasoning_content`` (Qwen3's templates read it) and ``thinking``
+    (gpt-oss's)."""
     conv = []
     for i, m in enumerate(messages):
         if isinstance(m.content, list):
@@ -38,7 +39,7 @@ def conversation(messages: list[P.ChatMessage]) -> list[dict[str, Any]]:
             d["tool_calls"] = [_template_call(i, j, c) for j, c in enumerate(m.tool_calls)]
         reasoning = m.reasoning if m.reasoning is not None else m.reasoning_content
         if reasoning is not None:
-            d["reasoning_content"] = reasoning
+            d["reasoning_content"] = d["thinking"] = reasoning
         conv.append(d)
     return conv
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from detspec.errors import DetspecError, InvalidRequestError
 from detspec.sampling_params import SamplingParams
 from detspec.server.errors import ApiError
+from detspec.server.harmony import HarmonyReader
 from detspec.server.reasoning import ReasoningPlan, ReasoningSplit
 from detspec.server.structured import Constraint, constraint_invalid
 from detspec.server.tools import CallIds, ChoiceTools, ToolPlan
@@ -38,7 +39,7 @@ class Job:
     choice_tools: dict[int, ChoiceTools] = field(default_factory=dict)
     # chat with --reasoning-parser: how the output splits, and each choice's split
     reasoning: ReasoningPlan | None = None
-    choice_reasoning: dict[int, ReasoningSplit] = field(default_factory=dict)
+    choice_reasoning: dict[int, ReasoningSplit | HarmonyReader] = field(default_factory=dict)
     # the LoRA adapter it runs with (its `model` names a loaded one), and the fingerprint the
     # engine gave it (which names the adapter's weights)
     lora: str | None = None
@@ -66,14 +67,15 @@ class Job:
             t = self.choice_tools[choice] = ChoiceTools(self.tools, ids, choice)
         return t
 
-    def reasoning_of(self, choice: int) -> ReasoningSplit | None:
+    def reasoning_of(self, choice: int) -> ReasoningSplit | HarmonyReader | None:
         """The reasoning split of one choice (None: no reasoning parser)."""
         plan = self.reasoning
         if plan is None:
             return None
         s = self.choice_reasoning.get(choice)
         if s is None:
-            s = self.choice_reasoning[choice] = ReasoningSplit(plan.parser, plan.thinking)
+            calls = self.tools is not None and self.tools.reads_harmony
+            s = self.choice_reasoning[choice] = plan.split(calls)
         return s
 
     def reasoning_tokens(self) -> int | None:

@@ -1,8 +1,8 @@
 """Reasoning outputs (vLLM's and SGLang's ``--reasoning-parser``): a thinking model's output
 split into its reasoning, the ``<think> ... </think>`` block, and its answer, the content.
 
-Two formats, by vLLM's names; both use ``<think>`` and ``</think>``, which must be single
-tokens of the tokenizer (checked when the server starts):
+Two formats, by vLLM's names, use ``<think>`` and ``</think>``, which must be single tokens
+of the tokenizer (checked when the server starts):
 
 * ``deepseek_r1`` -- DeepSeek-R1 and its distills, QwQ: the output begins inside the block
   (the template may have opened it, or the model opens it itself);
@@ -21,6 +21,10 @@ the same token opens a request's output constraint (``response_format``,
 only (``StructuredOutputsParams.starts_after``), so a model thinks freely and then answers in
 the schema. A reasoning request is as reproducible as any other: the split and the gate are
 functions of the output tokens.
+
+The third, ``openai_gptoss``, is gpt-oss's Harmony format (``harmony``): its reasoning is a
+message on the ``analysis`` channel, its answer one on ``final``, and its tool calls
+messages to ``functions.*``; it is the default for a gpt-oss checkpoint.
 """
 
 from __future__ import annotations
@@ -29,13 +33,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from detspec.server.harmony import NAME as HARMONY
+from detspec.server.harmony import HarmonyFormat, HarmonyReader, harmony_format
+
 if TYPE_CHECKING:
     from detspec.llm import Tokenizer
 
 START, END = "<think>", "</think>"
 
 # name -> the chat_template_kwargs switch that turns thinking off (None: none)
-PARSERS: dict[str, str | None] = {"deepseek_r1": None, "qwen3": "enable_thinking"}
+PARSERS: dict[str, str | None] = {
+    "deepseek_r1": None,
+    "qwen3": "enable_thinking",
+    HARMONY: None,
+}
 
 
 @dataclass(frozen=True)
@@ -59,11 +70,13 @@ class ReasoningParser:
         return not (switch is not None and template_kwargs.get(switch) is False)
 
 
-def reasoning_parser(name: str, tokenizer: Tokenizer | None) -> ReasoningParser:
+def reasoning_parser(name: str, tokenizer: Tokenizer | None) -> ReasoningParser | HarmonyFormat:
     """The parser ``name`` on ``tokenizer``; ``ValueError`` when unknown or when its tags
     are not single tokens."""
     if name not in PARSERS:
         raise ValueError(f"unknown reasoning parser {name!r} (known: {', '.join(PARSERS)})")
+    if name == HARMONY:
+        return harmony_format(tokenizer)
     if tokenizer is None:
         raise ValueError(f"the {name} reasoning parser needs the model's tokenizer")
     ids = {}
@@ -83,9 +96,24 @@ def reasoning_parser(name: str, tokenizer: Tokenizer | None) -> ReasoningParser:
 class ReasoningPlan:
     """What one chat request's output does with reasoning."""
 
-    parser: ReasoningParser
-    thinking: bool  # the output begins inside the block
+    parser: ReasoningParser | HarmonyFormat
+    thinking: bool  # the output begins inside the block (Harmony: before the answer)
     include: bool  # the reasoning is returned (vLLM's ``include_reasoning``)
+    # Harmony: the generation prompt (text, tokens), which may have begun the first message
+    primer: tuple[str, tuple[int, ...]] = ("", ())
+
+    def split(self, calls: bool) -> ReasoningSplit | HarmonyReader:
+        """A split of one choice's output; ``calls``: tool calls are read (Harmony's)."""
+        if isinstance(self.parser, HarmonyFormat):
+            return self.parser.reader(calls, self.primer)
+        return ReasoningSplit(self.parser, self.thinking)
+
+    @property
+    def gate(self) -> tuple[int, ...]:
+        """The tokens after which the answer's output constraint starts."""
+        if isinstance(self.parser, HarmonyFormat):
+            return self.parser.final_header
+        return (self.parser.end_id,)
 
 
 def generation_prompt(with_prompt: Sequence[int], without: Sequence[int]) -> Sequence[int]:

@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 from collections.abc import Generator
+from pathlib import Path
 from typing import Any
 
 from detspec.engine_args import SETTINGS_BY_NAME, engine_settings_from_args
@@ -114,7 +115,7 @@ def build_from_args(args: argparse.Namespace, **config: Any) -> Any:
         default_seed=args.default_seed,
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
-        reasoning_parser=args.reasoning_parser,
+        reasoning_parser=args.reasoning_parser or default_reasoning_parser(engine.model),
         **config,
     )
     try:
@@ -122,6 +123,27 @@ def build_from_args(args: argparse.Namespace, **config: Any) -> Any:
     except ValueError as e:  # a setting the model cannot have (a parser's tags)
         engine.shutdown()
         raise SetupError(str(e)) from None
+
+
+def default_reasoning_parser(model_dir: str) -> str | None:
+    """The reasoning parser a model gets without ``--reasoning-parser``: gpt-oss always
+    answers in its Harmony format, which is read as vLLM reads it (``openai_gptoss``)."""
+    import json
+
+    from detspec.server.harmony import NAME
+
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict) or config.get("model_type") != "gpt_oss":
+        return None
+    logging.getLogger("detspec.server").info(
+        "gpt-oss answers in Harmony: its reasoning, answer and calls are read by the %s "
+        "reasoning parser",
+        NAME,
+    )
+    return NAME
 
 
 def chat_template(spec: str | None, engine: Any) -> tuple[str | None, str]:

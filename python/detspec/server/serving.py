@@ -27,6 +27,8 @@ from detspec.server import protocol as P
 from detspec.server.chat import conversation, render_chat
 from detspec.server.defaults import DEFAULT_SEED, RequestDefaults
 from detspec.server.errors import RETRY_AFTER, ApiError, engine_error, invalid
+from detspec.server.harmony import START as HARMONY_START
+from detspec.server.harmony import HarmonyFormat
 from detspec.server.jobs import Job, completion_prompts, keeps_special_tokens
 from detspec.server.logprobs import LogprobShaper
 from detspec.server.metrics import ServerMetrics
@@ -136,6 +138,13 @@ class OpenAIServer:
             if config.reasoning_parser is not None
             else None
         )
+        harmony = isinstance(self.reasoning_parser, HarmonyFormat)
+        if self.tool_parser is not None and harmony != PARSERS[self.tool_parser].harmony:
+            raise ValueError(
+                "gpt-oss's tool calls are Harmony messages: --tool-call-parser openai goes "
+                "with --reasoning-parser openai_gptoss, and that reasoning parser with no "
+                f"other tool-call parser (got {self.tool_parser} and {config.reasoning_parser})"
+            )
         self.determinism = config.determinism or engine.determinism
         if self.defaults.deterministic_by_default and self.determinism == "off":
             raise ValueError(
@@ -562,6 +571,13 @@ class OpenAIServer:
         model = self.check_model(req.model)
         self.common_checks(req)
         tools = plan_tools(req, self.tool_parser)
+        if isinstance(self.reasoning_parser, HarmonyFormat) and tools.mode in ("required", "named"):
+            raise ApiError(
+                400,
+                f"tool_choice {tools.mode!r} is not supported for gpt-oss's Harmony format "
+                '(its calls are messages the model addresses to a tool); use "auto"',
+                "tool_choice",
+            )
         constraints = request_constraints(req)
         if tools.constraint is not None:  # the request's own one is the one too many
             constraints.insert(0, tools.constraint)
@@ -588,7 +604,7 @@ class OpenAIServer:
         if self.reasoning_parser is not None:
             reasoning = await self.reasoning_plan(self.reasoning_parser, req, ids, tools.tools)
             if reasoning.thinking and constraint is not None:
-                constraint = constraint.after_token(reasoning.parser.end_id)
+                constraint = constraint.after_tokens(reasoning.gate)
             if not req.separate_reasoning:
                 reasoning = None
         if req.max_completion_tokens is not None:
@@ -620,14 +636,17 @@ class OpenAIServer:
 
     async def reasoning_plan(
         self,
-        parser: ReasoningParser,
+        parser: ReasoningParser | HarmonyFormat,
         req: P.ChatCompletionRequest,
         ids: list[int],
         tools: list[dict[str, Any]] | None,
     ) -> ReasoningPlan:
         """Whether the answer to ``ids`` (``req`` rendered) begins inside a thinking block:
         the generation prompt's tags decide, so the conversation is rendered once more
-        without it (only when the prompt holds a tag at all)."""
+        without it (only when the prompt holds a tag at all). Harmony's reader starts from
+        the prompt's last message, from its last ``<|start|>``."""
+        if isinstance(parser, HarmonyFormat):
+            return await self._harmony_plan(parser, req, ids)
         gen: list[int] = []
         tagged = parser.start_id in ids or parser.end_id in ids
         if req.continue_final_message and self.tokenizer is not None:
@@ -647,6 +666,16 @@ class OpenAIServer:
             gen = list(generation_prompt(ids, without))
         thinking = parser.thinks(gen, req.chat_template_kwargs or {})
         return ReasoningPlan(parser, thinking, req.include_reasoning)
+
+    async def _harmony_plan(
+        self, fmt: HarmonyFormat, req: P.ChatCompletionRequest, ids: list[int]
+    ) -> ReasoningPlan:
+        starts = [i for i, t in enumerate(ids) if fmt.markers.get(t) == HARMONY_START]
+        tail = tuple(ids[starts[-1] :]) if starts and self.tokenizer is not None else ()
+        text = await asyncio.to_thread(self.tokenizer.decode, list(tail), False) if tail else ""
+        primer = (text, tail)
+        before_answer = not fmt.reader(False, primer).answering
+        return ReasoningPlan(fmt, before_answer, req.include_reasoning, primer)
 
     # ---------------------------------------------------------------- common response path
 

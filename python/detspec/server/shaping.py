@@ -12,6 +12,7 @@ from typing import Any
 from detspec.outputs import RequestOutput
 from detspec.sampling_params import SamplingParams
 from detspec.server import protocol as P
+from detspec.server.harmony import HarmonyReader
 from detspec.server.jobs import Job
 from detspec.server.logprobs import LogprobShaper
 
@@ -131,6 +132,8 @@ def _answer(
     finish_reason = c.finish_reason
     reasoning = ""
     split = job.reasoning_of(c.index)
+    if isinstance(split, HarmonyReader):
+        return _harmony_answer(job, c, split, text)
     if split is not None:
         reasoning, text = split.feed(text, c.token_ids)
         if finish_reason is not None:
@@ -144,6 +147,27 @@ def _answer(
     if finish_reason is not None:
         more, more_calls, finish_reason = tools.finish(finish_reason)
         content += more
+        calls += more_calls
+    return reasoning, content, calls, finish_reason
+
+
+def _harmony_answer(
+    job: Job, c: Any, reader: HarmonyReader, text: str
+) -> tuple[str, str, list[dict[str, Any]], str | None]:
+    """``_answer`` of gpt-oss's Harmony format, whose reader parses the calls too."""
+    finish_reason = c.finish_reason
+    reasoning, answer = reader.feed(text, c.token_ids)
+    if finish_reason is not None:
+        more_reasoning, more = reader.finish()
+        reasoning += more_reasoning
+        answer.extend(more)
+    tools = job.tools_of(c.index)
+    if tools is None:
+        return reasoning, answer.content, [], finish_reason
+    content, calls = tools.take(answer)
+    if finish_reason is not None:
+        more_content, more_calls, finish_reason = tools.finish(finish_reason)
+        content += more_content
         calls += more_calls
     return reasoning, content, calls, finish_reason
 

@@ -12,6 +12,7 @@ client sent.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,15 +41,16 @@ class Constraint:
     params: dict[str, str]
     # what the client sent (for the "more than one" error)
     source: str
-    # the constraint starts after this token (a reasoning model's end of thinking)
-    starts_after: int | None = None
+    # the constraint starts after these tokens (a reasoning model's end of thinking)
+    starts_after: tuple[int, ...] | None = None
 
     def engine_params(self) -> StructuredOutputsParams:
-        return StructuredOutputsParams(**self.fields, starts_after=self.starts_after)
+        gate = list(self.starts_after) if self.starts_after is not None else None
+        return StructuredOutputsParams(**self.fields, starts_after=gate)
 
-    def after_token(self, token: int) -> Constraint:
-        """This constraint, applied to the output after ``token`` only."""
-        return dataclasses.replace(self, starts_after=token)
+    def after_tokens(self, tokens: Sequence[int]) -> Constraint:
+        """This constraint, applied to the output after the first run of ``tokens`` only."""
+        return dataclasses.replace(self, starts_after=tuple(tokens))
 
     def http_param(self, engine_param: str | None) -> str:
         """The request field behind an engine error's ``param``."""

@@ -7,7 +7,9 @@ One per output format, chosen by ``detspec serve --tool-call-parser`` (vLLM's na
 * ``llama3_json`` -- the output *is* the calls: ``{"name": ..., "parameters": {...}}``,
   optionally after ``<|python_tag|>``, several separated by ``;`` (Llama 3.1+);
 * ``mistral`` -- content, then ``[TOOL_CALLS]`` and a JSON array of calls
-  (``[{"name": ..., "arguments": {...}}]``), or the newer ``[TOOL_CALLS]name[ARGS]{...}``.
+  (``[{"name": ..., "arguments": {...}}]``), or the newer ``[TOOL_CALLS]name[ARGS]{...}``;
+* ``openai`` -- gpt-oss's Harmony messages to ``functions.*``: read with the rest of the
+  format by its reasoning parser (``harmony``), so this parser only names it.
 
 Parsers are incremental: ``feed(text)`` returns the content that can be shown now and the calls
 completed so far, ``finish()`` the rest. A non-streamed response is ``feed(all) + finish()``,
@@ -78,6 +80,8 @@ class ToolParser:
     short_ids: ClassVar[bool] = False
     # its marker is a special token: the output is decoded with special tokens kept
     needs_special_tokens: ClassVar[bool] = False
+    # the calls are Harmony messages, read by the openai_gptoss reasoning parser
+    harmony: ClassVar[bool] = False
 
     def feed(self, text: str) -> Parsed:
         raise NotImplementedError
@@ -268,6 +272,21 @@ class MistralToolParser(_TailParser):
         return calls
 
 
+class OpenAIToolParser(ToolParser):
+    """gpt-oss's calls (``harmony.HarmonyReader`` reads them): the text it would be fed is
+    already the answer's content."""
+
+    name = "openai"
+    harmony = True
+    needs_special_tokens = True
+
+    def feed(self, text: str) -> Parsed:
+        return Parsed(text)
+
+    def finish(self) -> Parsed:
+        return Parsed()
+
+
 PARSERS: dict[str, type[ToolParser]] = {
-    p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser)
+    p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser, OpenAIToolParser)
 }

@@ -71,6 +71,12 @@ class ToolPlan:
         return self.mode == "auto" and self.parser is not None and self.parser.needs_special_tokens
 
     @property
+    def reads_harmony(self) -> bool:
+        """The calls are Harmony messages, which the reasoning parser's reader parses
+        (``ChoiceTools.take``)."""
+        return self.mode == "auto" and self.parser is not None and self.parser.harmony
+
+    @property
     def parses_output(self) -> bool:
         return self.mode != "none" and (self.mode != "auto" or self.parser is not None)
 
@@ -220,7 +226,9 @@ class ChoiceTools:
         self.calls.append(copy.deepcopy(call))
         return call
 
-    def _parsed(self, p: Parsed) -> tuple[str, list[dict[str, Any]]]:
+    def take(self, p: Parsed) -> tuple[str, list[dict[str, Any]]]:
+        """Content and calls another reader parsed: the content to send and the calls'
+        deltas."""
         calls: list[ParsedCall] = p.calls
         if not self.plan.parallel:
             calls = calls[: max(0, 1 - len(self.calls))]
@@ -231,7 +239,7 @@ class ChoiceTools:
     def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         mode = self.plan.mode
         if self._parser is not None:
-            return self._parsed(self._parser.feed(text))
+            return self.take(self._parser.feed(text))
         if mode == "named":
             if not self.calls:
                 assert self.plan.named is not None
@@ -249,7 +257,7 @@ class ChoiceTools:
         (``required``, ``auto``) and the output ended normally."""
         content, deltas = "", []
         if self._parser is not None:
-            content, deltas = self._parsed(self._parser.finish())
+            content, deltas = self.take(self._parser.finish())
         elif self.plan.mode == "named" and not self.calls:
             assert self.plan.named is not None
             deltas = [self._call(self.plan.named, "")]
@@ -259,7 +267,7 @@ class ChoiceTools:
                 content = self._text
                 self.content += content
             else:
-                content, deltas = self._parsed(Parsed("", calls))
+                content, deltas = self.take(Parsed("", calls))
         if self.calls and self.plan.mode != "named" and finish_reason == "stop":
             finish_reason = "tool_calls"
         return content, deltas, finish_reason

@@ -44,9 +44,10 @@ pub struct StructuredOutputs {
     /// Any JSON object.
     pub json_object: bool,
     /// When set, the constraint applies to the output after the first occurrence of this
-    /// token, which the model reaches freely (a reasoning model's end-of-thinking token:
-    /// the thinking is free, the answer is constrained). Not a constraint of its own.
-    pub starts_after: Option<u32>,
+    /// run of tokens, which the model reaches freely (a reasoning model's end-of-thinking
+    /// token; gpt-oss's `<|channel|>final<|message|>`, the header of its answer): the
+    /// thinking is free, the answer is constrained. Not a constraint of its own.
+    pub starts_after: Option<Vec<u32>>,
 }
 
 /// Separators and whitespace of generated JSON: compact, one space after `,` and `:` (what
@@ -331,10 +332,17 @@ impl Grammars {
     }
 
     fn compile_uncached(&self, constraint: &StructuredOutputs) -> Result<TokenConstraint> {
-        if let Some(t) = constraint.starts_after {
-            if t as usize >= self.vocab_size {
+        if let Some(gate) = &constraint.starts_after {
+            let param = "structured_outputs.starts_after";
+            if gate.is_empty() {
                 return Err(DetspecError::param(
-                    "structured_outputs.starts_after",
+                    param,
+                    "is empty (give one token id or more)",
+                ));
+            }
+            if let Some(&t) = gate.iter().find(|&&t| t as usize >= self.vocab_size) {
+                return Err(DetspecError::param(
+                    param,
                     format!(
                         "token id {t} is outside the vocabulary (size {})",
                         self.vocab_size
@@ -359,7 +367,7 @@ impl Grammars {
         Ok(TokenConstraint::new(
             matcher,
             self.vocab_size,
-            constraint.starts_after,
+            constraint.starts_after.clone(),
         ))
     }
 }

@@ -29,9 +29,9 @@ pub struct TokenConstraint {
     /// Masks by output index (`(i, mask after the first i tokens)`), of prefixes of `fed`.
     masks: VecDeque<(usize, TokenMask)>,
     vocab_size: usize,
-    /// The constraint starts after this token's first occurrence (`StructuredOutputs::
-    /// starts_after`); the parser sees only the output after it.
-    starts_after: Option<u32>,
+    /// The constraint starts after this run of tokens' first occurrence
+    /// (`StructuredOutputs::starts_after`); the parser sees only the output after it.
+    starts_after: Option<Arc<[u32]>>,
 }
 
 impl std::fmt::Debug for TokenConstraint {
@@ -51,26 +51,26 @@ impl Clone for TokenConstraint {
             fed: self.fed.clone(),
             masks: self.masks.clone(),
             vocab_size: self.vocab_size,
-            starts_after: self.starts_after,
+            starts_after: self.starts_after.clone(),
         }
     }
 }
 
 impl TokenConstraint {
-    pub(super) fn new(matcher: Matcher, vocab_size: usize, starts_after: Option<u32>) -> Self {
+    pub(super) fn new(matcher: Matcher, vocab_size: usize, starts_after: Option<Vec<u32>>) -> Self {
         Self {
             matcher,
             fed: Vec::new(),
             masks: VecDeque::new(),
             vocab_size,
-            starts_after,
+            starts_after: starts_after.map(Into::into),
         }
     }
 
     /// The tokens allowed after `prefix` (a sequence's output so far, or a prefix of it);
     /// `None` while the constraint has not started (`starts_after` not yet in `prefix`:
     /// any token may come). The gate is a function of the prefix too, so a rollback past
-    /// the gate token closes it again.
+    /// the gate's tokens closes it again.
     ///
     /// Once the grammar is complete only EOS is allowed (the sequence then ends by the usual
     /// EOS rule); tokens after that are not fed to the parser.
@@ -80,10 +80,10 @@ impl TokenConstraint {
     /// does not allow (it was not sampled under this constraint) or the parser gives up (its
     /// step limits).
     pub fn mask_after(&mut self, prefix: &[u32]) -> Result<Option<TokenMask>> {
-        let prefix = match self.starts_after {
+        let prefix = match &self.starts_after {
             None => prefix,
-            Some(gate) => match prefix.iter().position(|&t| t == gate) {
-                Some(at) => &prefix[at + 1..],
+            Some(gate) => match prefix.windows(gate.len()).position(|w| w == &gate[..]) {
+                Some(at) => &prefix[at + gate.len()..],
                 None => return Ok(None),
             },
         };

@@ -1,0 +1,104 @@
+"""A model whose output is written by its prompt: for tests of output formats (gpt-oss's
+Harmony) that a random model would never produce.
+
+A one-layer Qwen2 whose attention looks exactly ``OFFSET`` positions back, whatever the
+tokens: its query and key are constant (biases, zero weights), and the query's phase per
+RoPE frequency is set so that the score peaks at that distance (with base 100 the nearest
+other distance scores 3.6 × the amplitude lower, thousands of logits at this amplitude).
+The value is the token's embedding, the MLP is off, and the output layer is the embedding
+matrix, so the next token is the token ``OFFSET`` back: a prompt whose last ``OFFSET``
+tokens begin with a script makes the model say that script, token for token, on any
+engine (this one and transformers alike). ``script_prompt`` pads a conversation so.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import transformers
+from conftest import BOS_ID, EOS_ID, TOKENIZER_VOCAB, VOCAB_SIZE, build_tokenizer
+from tokenizers import Tokenizer
+
+OFFSET = 128  # the token this many positions back is the next one
+HIDDEN = 128
+ROPE_BASE = 100.0
+AMPLITUDE = 120.0  # of the query: the attention score's peak is 64 × this / sqrt(128)
+MARKERS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>"]
+STOPS = ["<|return|>", "<|call|>"]  # end the output, as gpt-oss's generation config says
+
+# A Harmony-style chat template written for the tests: each message as gpt-oss's template
+# writes it (an assistant's reasoning, sent back as `thinking`, as its analysis message).
+HARMONY_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['thinking'] %}<|start|>assistant<|channel|>analysis<|message|>"
+    "{{ m['thinking'] }}<|end|>{% endif %}"
+    "<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start|>assistant{% endif %}"
+)
+
+
+def harmony_ids() -> dict[str, int]:
+    """Each Harmony marker's token id in the scripted model's tokenizer."""
+    return {m: TOKENIZER_VOCAB + i for i, m in enumerate(MARKERS + STOPS)}
+
+
+def write_harmony_tokenizer(out: Path) -> Tokenizer:
+    """The tests' tiny tokenizer with Harmony's markers as special tokens, and the chat
+    template above."""
+    build_tokenizer(out)
+    tok = json.loads((out / "tokenizer.json").read_text())
+    for m, i in harmony_ids().items():
+        tok["added_tokens"].append(
+            {"id": i, "content": m, "single_word": False, "lstrip": False, "rstrip": False,
+             "normalized": False, "special": True}
+        )  # fmt: skip
+    (out / "tokenizer.json").write_text(json.dumps(tok))
+    cfg = json.loads((out / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = HARMONY_TEMPLATE
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return Tokenizer.from_file(str(out / "tokenizer.json"))
+
+
+def write_scripted_model(out: Path) -> Path:
+    """The copying model of this module's doc, with the Harmony tokenizer, in ``out``."""
+    write_harmony_tokenizer(out)
+    stops = [EOS_ID, *(harmony_ids()[s] for s in STOPS)]
+    cfg = transformers.Qwen2Config(
+        vocab_size=VOCAB_SIZE, hidden_size=HIDDEN, intermediate_size=32,
+        num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1, head_dim=HIDDEN,
+        max_position_embeddings=512, rope_theta=ROPE_BASE, tie_word_embeddings=False,
+        rms_norm_eps=1e-6, bos_token_id=BOS_ID, eos_token_id=stops,
+    )  # fmt: skip
+    model = transformers.Qwen2ForCausalLM(cfg)
+    half = HIDDEN // 2
+    freq = ROPE_BASE ** (-torch.arange(half, dtype=torch.float64) * 2 / HIDDEN)
+    # score(distance d) = AMPLITUDE * sum_j cos((d - OFFSET + 1) * freq_j): the query at
+    # position p peaks at the key p - (OFFSET - 1), whose token is next.
+    phase = -(OFFSET - 1) * freq
+    with torch.no_grad():
+        emb = torch.randn(VOCAB_SIZE, HIDDEN, generator=torch.Generator().manual_seed(0))
+        model.model.embed_tokens.weight.copy_(emb)
+        model.lm_head.weight.copy_(emb)
+        attn = model.model.layers[0].self_attn
+        attn.q_proj.weight.zero_()
+        attn.k_proj.weight.zero_()
+        q = AMPLITUDE * torch.cat([torch.cos(phase), torch.sin(phase)])
+        attn.q_proj.bias.copy_(q.float())
+        attn.k_proj.bias.copy_(torch.cat([torch.ones(half), torch.zeros(half)]))
+        attn.v_proj.weight.copy_(torch.eye(HIDDEN))
+        attn.v_proj.bias.zero_()
+        attn.o_proj.weight.copy_(20 * torch.eye(HIDDEN))  # the copy outweighs the residual
+        model.model.layers[0].mlp.down_proj.weight.zero_()
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def padding(prompt_len: int, script_at: int) -> int:
+    """How many one-token fillers after the script put it ``OFFSET`` tokens before the
+    end of a prompt of ``prompt_len`` tokens (without them) where it starts at
+    ``script_at``."""
+    n = script_at + OFFSET - prompt_len
+    assert n >= 0, f"the script and what follows it exceed {OFFSET} tokens"
+    return n
