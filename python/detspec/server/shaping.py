@@ -15,6 +15,7 @@ from detspec.server import protocol as P
 from detspec.server.harmony import HarmonyReader
 from detspec.server.jobs import Job
 from detspec.server.logprobs import LogprobShaper
+from detspec.server.tool_parsers import Parsed
 
 
 def usage(
@@ -125,16 +126,23 @@ def _answer(
     """A chat choice's new output (``c``: all of it, or a stream's delta) as its reasoning,
     its content, its tool-call deltas and its finish reason (``tool_calls`` when calls
     ended it). The reasoning split comes first; a tool reader sees the answer only (a named
-    tool's call opens with the answer's first text)."""
+    tool's call opens with the answer's first text). Harmony's reader parses the calls
+    too, and hands them to the tool reader parsed."""
     text = c.text
     if job.keeps_special_tokens:
         text = strip_stop_token(text, c, decode_token)
     finish_reason = c.finish_reason
     reasoning = ""
     split = job.reasoning_of(c.index)
+    answer: Parsed | None = None
     if isinstance(split, HarmonyReader):
-        return _harmony_answer(job, c, split, text)
-    if split is not None:
+        reasoning, answer = split.feed(text, c.token_ids)
+        if finish_reason is not None:
+            more_reasoning, more = split.finish()
+            reasoning += more_reasoning
+            answer.extend(more)
+        text = answer.content
+    elif split is not None:
         reasoning, text = split.feed(text, c.token_ids)
         if finish_reason is not None:
             reasoning += split.finish()
@@ -142,29 +150,10 @@ def _answer(
     if tools is None:
         return reasoning, text, [], finish_reason
     content, calls = "", []
-    if split is None or not split.thinking:
+    if answer is not None:
+        content, calls = tools.take(answer)
+    elif split is None or not split.thinking:
         content, calls = tools.feed(text)
-    if finish_reason is not None:
-        more, more_calls, finish_reason = tools.finish(finish_reason)
-        content += more
-        calls += more_calls
-    return reasoning, content, calls, finish_reason
-
-
-def _harmony_answer(
-    job: Job, c: Any, reader: HarmonyReader, text: str
-) -> tuple[str, str, list[dict[str, Any]], str | None]:
-    """``_answer`` of gpt-oss's Harmony format, whose reader parses the calls too."""
-    finish_reason = c.finish_reason
-    reasoning, answer = reader.feed(text, c.token_ids)
-    if finish_reason is not None:
-        more_reasoning, more = reader.finish()
-        reasoning += more_reasoning
-        answer.extend(more)
-    tools = job.tools_of(c.index)
-    if tools is None:
-        return reasoning, answer.content, [], finish_reason
-    content, calls = tools.take(answer)
     if finish_reason is not None:
         more_content, more_calls, finish_reason = tools.finish(finish_reason)
         content += more_content
