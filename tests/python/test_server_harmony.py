@@ -9,8 +9,9 @@ The properties: the analysis message is the reasoning and the final message the 
 request reads no calls); streamed deltas add up to the whole answer, logprob bits included;
 the Responses API returns a reasoning item and a function call; an output constraint starts
 after the final message's header (the scripted analysis is said freely, the answer is JSON
-of the schema); a deterministic request's call ids repeat; the reasoning sent back reaches
-the template as ``thinking``; ``tool_choice`` required is a 400; a tool-call parser without
+of the schema); ``tool_choice`` required turns a scripted answer into a call and a named
+function turns a scripted call into that function's; a deterministic request's call ids
+repeat; the reasoning sent back reaches the template as ``thinking``; a tool-call parser without
 the format's reasoning parser is refused at start-up, and a gpt-oss checkpoint gets the
 format's reasoning parser by default.
 """
@@ -44,11 +45,29 @@ CALLS = (
     "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
     '<|message|>{"city": "Paris"}<|call|>'
 )
+# Closed schemas: the scripted model, constrained off its script, must reach the end.
 WEATHER = {
     "type": "function",
     "function": {
         "name": "get_weather",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+LOOKUP = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "parameters": {
+            "type": "object",
+            "properties": {"topic": {"type": "string", "enum": ["news", "sport"]}},
+            "required": ["topic"],
+            "additionalProperties": False,
+        },
     },
 }
 WARM = {
@@ -185,10 +204,41 @@ def test_a_message_to_a_function_is_a_tool_call(client, server, tok):
     assert '{"city": "Paris"}' in none.message.model_extra["reasoning"]
 
 
-def test_required_tool_choice_is_refused(client, server, tok):
-    with pytest.raises(openai.BadRequestError, match="tool_choice 'required'") as e:
-        chat(client, server, tok, CALLS, tools=[WEATHER], tool_choice="required")
-    assert e.value.body["param"] == "tool_choice"
+def test_required_makes_an_answer_a_call(client, server, tok):
+    """The script answers; ``required`` lets its analysis through and turns what follows
+    into a call of one of the tools, with arguments of its schema."""
+    ch = chat(client, server, tok, SAYS, tools=[WEATHER, LOOKUP], tool_choice="required")
+    ch = ch.choices[0]
+    assert ch.finish_reason == "tool_calls" and ch.message.content is None
+    assert ch.message.model_extra["reasoning"] == THINK
+    (call,) = ch.message.tool_calls
+    tool = {"get_weather": WEATHER, "lookup": LOOKUP}[call.function.name]
+    jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+
+
+def test_a_named_function_is_the_one_called(client, server, tok):
+    """The script calls get_weather; naming lookup makes the call lookup's."""
+    named = {"type": "function", "function": {"name": "lookup"}}
+    ch = chat(client, server, tok, CALLS, tools=[WEATHER, LOOKUP], tool_choice=named)
+    ch = ch.choices[0]
+    assert ch.finish_reason == "stop"  # as OpenAI's for a named function
+    (call,) = ch.message.tool_calls
+    assert call.function.name == "lookup"
+    jsonschema.validate(json.loads(call.function.arguments), LOOKUP["function"]["parameters"])
+    assert ch.message.model_extra["reasoning"] == "Need the weather."
+    # the same request streamed: the same call
+    s = collect(chat(client, server, tok, CALLS, tools=[WEATHER, LOOKUP], tool_choice=named,
+                     stream=True))  # fmt: skip
+    assert [(c["name"], c["args"]) for c in s["calls"].values()] == [
+        ("lookup", call.function.arguments)
+    ]
+
+
+def test_a_tool_choice_and_a_response_format_are_one_constraint_too_many(client, server, tok):
+    fmt = {"type": "json_schema", "json_schema": {"name": "warm", "schema": WARM}}
+    with pytest.raises(openai.BadRequestError, match="one output constraint"):
+        chat(client, server, tok, SAYS, tools=[WEATHER], tool_choice="required",
+             response_format=fmt)  # fmt: skip
 
 
 def test_the_responses_api_returns_the_reasoning_and_the_call(client, server, tok):

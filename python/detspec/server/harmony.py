@@ -25,6 +25,10 @@ fed as the output comes, so a stream's pieces add up to the whole answer. An ans
 constraint (``response_format``) starts after ``<|channel|>final<|message|>``: the model
 reasons freely, then answers in the schema. A call cut short (``max_tokens``) is a call if
 its arguments parse as JSON; otherwise its text is content, as the other tool parsers do.
+
+``tool_choice`` ``required`` or a named function constrain the whole output with a grammar
+(``tool_grammar``): at most one analysis message, then a message to one of the functions
+(the named one) whose body is JSON of its parameters schema, ended by ``<|call|>``.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from detspec.server.tool_parsers import Parsed, ParsedCall
 
@@ -55,6 +59,15 @@ ENDS = (END, RETURN, CALL)
 # The header of the answer: an output constraint starts after its tokens.
 FINAL_HEADER = f"{CHANNEL}final{MESSAGE}"
 FUNCTIONS = "functions."
+
+# JSON as OpenAI's models and json.dumps write it (the json constraint's own options,
+# sampling::structured::JSON_OPTIONS): a model cannot pad it with whitespace forever.
+_JSON_LAYOUT = {
+    "item_separator": ", ",
+    "key_separator": ": ",
+    "whitespace_flexible": False,
+    "coerce_one_of": True,
+}
 
 _RECIPIENT = re.compile(r"\bto=([^\s<]+)")  # up to a space or a marker
 
@@ -93,6 +106,30 @@ def harmony_format(tokenizer: Tokenizer | None) -> HarmonyFormat:
             )
         markers[ids[0]] = m
     return HarmonyFormat(markers, tuple(tokenizer.encode(FINAL_HEADER, False)))
+
+
+def tool_grammar(tools: list[tuple[str, dict[str, Any]]]) -> str:
+    """A Lark grammar (llguidance's dialect, where ``<|end|>`` is that special token) of an
+    answer that calls one of ``tools`` (name, parameters schema): an optional analysis
+    message, then ``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>``,
+    arguments of NAME's schema and ``<|call|>`` (the form gpt-oss's template writes)."""
+    calls = []
+    for i, (name, schema) in enumerate(tools):
+        schema = {"x-guidance": _JSON_LAYOUT, **schema}
+        calls.append(
+            f'call_{i}: {json.dumps(name)} " " {CONSTRAIN} "json" {MESSAGE} '
+            f"%json {json.dumps(schema)}"
+        )
+    names = " | ".join(f"call_{i}" for i in range(len(tools)))
+    return "\n".join(
+        [
+            "start: analysis? call",
+            f'analysis: {CHANNEL} "analysis" {MESSAGE} THOUGHT {END} {START} "assistant"',
+            "THOUGHT: /(.|\\n)*/",
+            f'call: {CHANNEL} "commentary to={FUNCTIONS}" ({names}) {CALL}',
+            *calls,
+        ]
+    )
 
 
 @dataclass(frozen=True)

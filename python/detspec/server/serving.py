@@ -49,7 +49,7 @@ from detspec.server.structured import (
     single,
 )
 from detspec.server.tool_parsers import PARSERS
-from detspec.server.tools import ToolPlan, check_tools, plan_tools
+from detspec.server.tools import ToolPlan, check_tools, harmony_calls, plan_tools
 
 
 @dataclass(frozen=True)
@@ -572,12 +572,8 @@ class OpenAIServer:
         self.common_checks(req)
         tools = plan_tools(req, self.tool_parser)
         if isinstance(self.reasoning_parser, HarmonyFormat) and tools.mode in ("required", "named"):
-            raise ApiError(
-                400,
-                f"tool_choice {tools.mode!r} is not supported for gpt-oss's Harmony format "
-                '(its calls are messages the model addresses to a tool); use "auto"',
-                "tool_choice",
-            )
+            assert req.tools is not None
+            tools = harmony_calls(tools, req.tools)
         constraints = request_constraints(req)
         if tools.constraint is not None:  # the request's own one is the one too many
             constraints.insert(0, tools.constraint)
@@ -603,7 +599,7 @@ class OpenAIServer:
         reasoning = None
         if self.reasoning_parser is not None:
             reasoning = await self.reasoning_plan(self.reasoning_parser, req, ids, tools.tools)
-            if reasoning.thinking and constraint is not None:
+            if reasoning.thinking and constraint is not None and not constraint.whole_output:
                 constraint = constraint.after_tokens(reasoning.gate)
             if not req.separate_reasoning:
                 reasoning = None

@@ -43,6 +43,9 @@ class Constraint:
     source: str
     # the constraint starts after these tokens (a reasoning model's end of thinking)
     starts_after: tuple[int, ...] | None = None
+    # it describes the whole output, reasoning included (a Harmony tool call's grammar):
+    # never gated by a reasoning parser
+    whole_output: bool = False
 
     def engine_params(self) -> StructuredOutputsParams:
         gate = list(self.starts_after) if self.starts_after is not None else None

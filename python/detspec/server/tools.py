@@ -12,6 +12,10 @@ chat template gets, the constraint that enforces ``required`` and a named functi
 * ``{"type": "function", "function": {"name": N}}`` -- constrained to N's parameters schema;
   the output is the call's arguments; finish reason ``stop`` (as OpenAI and vLLM).
 
+With gpt-oss's Harmony format (``--reasoning-parser openai_gptoss``) a call is a message the
+model addresses to a function: ``required`` and a named function constrain the whole output
+to one such message (``harmony_calls``), and the Harmony reader reads the calls of every mode.
+
 Call ids are ``call_`` and 24 hex digits (9 alphanumerics with the Mistral parser, as its
 templates want). A deterministic request's ids are a hash of its seed, prompt and the call's
 position, so a replay returns the same ids; other requests get random ones.
@@ -20,6 +24,7 @@ position, so a replay returns the same ids; other requests get random ones.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import json
 import uuid
@@ -28,6 +33,7 @@ from typing import Any, Literal
 
 from detspec.server import protocol as P
 from detspec.server.errors import ApiError
+from detspec.server.harmony import tool_grammar
 from detspec.server.structured import Constraint
 from detspec.server.tool_parsers import PARSERS, Parsed, ParsedCall, ToolParser
 
@@ -74,7 +80,7 @@ class ToolPlan:
     def reads_harmony(self) -> bool:
         """The calls are Harmony messages, which the reasoning parser's reader parses
         (``ChoiceTools.take``)."""
-        return self.mode == "auto" and self.parser is not None and self.parser.harmony
+        return self.mode != "none" and self.parser is not None and self.parser.harmony
 
     @property
     def parses_output(self) -> bool:
@@ -152,6 +158,20 @@ def plan_tools(req: P.ChatCompletionRequest, parser: str | None) -> ToolPlan:
         f"({', '.join(t.function.name for t in tools)})",
         "tool_choice",
     )
+
+
+def harmony_calls(plan: ToolPlan, tools: list[P.ChatTool]) -> ToolPlan:
+    """``required`` or a named function for gpt-oss's Harmony format: the whole output is
+    constrained to an optional analysis message and a call of one of the tools (the named
+    one), read as any Harmony call; the finish reasons stay ``required``'s and a named
+    function's."""
+    chosen = [(i, t) for i, t in enumerate(tools) if plan.named in (None, t.function.name)]
+    grammar = tool_grammar(
+        [(t.function.name, t.function.parameters or EMPTY_PARAMETERS) for _, t in chosen]
+    )
+    param = f"tools[{chosen[0][0]}].function.parameters" if plan.named else "tools"
+    constraint = Constraint({"grammar": grammar}, {"grammar": param}, param, whole_output=True)
+    return dataclasses.replace(plan, parser=PARSERS["openai"], constraint=constraint)
 
 
 def required_schema(tools: list[P.ChatTool], parallel: bool) -> dict[str, Any]:
@@ -258,6 +278,8 @@ class ChoiceTools:
         content, deltas = "", []
         if self._parser is not None:
             content, deltas = self.take(self._parser.finish())
+        elif self.plan.reads_harmony:
+            pass  # the Harmony reader handed over its calls
         elif self.plan.mode == "named" and not self.calls:
             assert self.plan.named is not None
             deltas = [self._call(self.plan.named, "")]
