@@ -547,6 +547,21 @@ def build_tokenizer(out_dir: Path) -> Path:
     return out_dir
 
 
+def add_tokens(tok_dir: Path, tokens: dict[int, str], special: bool, chat_template: str) -> None:
+    """Adds ``tokens`` (id -> text) to the tokenizer in ``tok_dir`` as added tokens (special
+    or not) and sets its chat template."""
+    tok = json.loads((tok_dir / "tokenizer.json").read_text())
+    for i, text in tokens.items():
+        tok["added_tokens"].append(
+            {"id": i, "content": text, "single_word": False, "lstrip": False, "rstrip": False,
+             "normalized": False, "special": special}
+        )  # fmt: skip
+    (tok_dir / "tokenizer.json").write_text(json.dumps(tok))
+    cfg = json.loads((tok_dir / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = chat_template
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps(cfg))
+
+
 # --------------------------------------------------------------------------- models
 
 

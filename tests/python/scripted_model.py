@@ -13,12 +13,11 @@ engine (this one and transformers alike). ``script_prompt`` pads a conversation 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 import transformers
-from conftest import BOS_ID, EOS_ID, TOKENIZER_VOCAB, VOCAB_SIZE, build_tokenizer
+from conftest import BOS_ID, EOS_ID, TOKENIZER_VOCAB, VOCAB_SIZE, add_tokens, build_tokenizer
 from tokenizers import Tokenizer
 
 OFFSET = 128  # the token this many positions back is the next one
@@ -48,16 +47,8 @@ def write_harmony_tokenizer(out: Path) -> Tokenizer:
     """The tests' tiny tokenizer with Harmony's markers as special tokens, and the chat
     template above."""
     build_tokenizer(out)
-    tok = json.loads((out / "tokenizer.json").read_text())
-    for m, i in harmony_ids().items():
-        tok["added_tokens"].append(
-            {"id": i, "content": m, "single_word": False, "lstrip": False, "rstrip": False,
-             "normalized": False, "special": True}
-        )  # fmt: skip
-    (out / "tokenizer.json").write_text(json.dumps(tok))
-    cfg = json.loads((out / "tokenizer_config.json").read_text())
-    cfg["chat_template"] = HARMONY_TEMPLATE
-    (out / "tokenizer_config.json").write_text(json.dumps(cfg))
+    markers = {i: m for m, i in harmony_ids().items()}
+    add_tokens(out, markers, special=True, chat_template=HARMONY_TEMPLATE)
     return Tokenizer.from_file(str(out / "tokenizer.json"))
 
 

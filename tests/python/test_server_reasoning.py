@@ -26,6 +26,7 @@ from pathlib import Path
 import jsonschema
 import openai
 import pytest
+from conftest import add_tokens
 from server_fixtures import (  # noqa: F401
     CITY_SCHEMA,
     SERVED_NAME,
@@ -51,16 +52,7 @@ THINK = {"logit_bias": {str(END_ID): 4.5}}  # </think> after a few free tokens
 def reasoning_model_dir(demo_model_dir, tmp_path_factory) -> str:
     d = Path(tmp_path_factory.mktemp("reasoning-model")) / "m"
     shutil.copytree(demo_model_dir, d)
-    tok = json.loads((d / "tokenizer.json").read_text())
-    for i, tag in ((START_ID, "<think>"), (END_ID, END)):
-        tok["added_tokens"].append(
-            {"id": i, "content": tag, "single_word": False, "lstrip": False, "rstrip": False,
-             "normalized": False, "special": False}
-        )  # fmt: skip
-    (d / "tokenizer.json").write_text(json.dumps(tok))
-    cfg = json.loads((d / "tokenizer_config.json").read_text())
-    cfg["chat_template"] = TEMPLATE
-    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    add_tokens(d, {START_ID: "<think>", END_ID: END}, special=False, chat_template=TEMPLATE)
     return str(d)
 
 

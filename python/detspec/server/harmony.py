@@ -172,6 +172,7 @@ class HarmonyReader:
         self.call_name = ""
         self.args = ""
         self.fresh = False  # no text of the body being read said yet
+        self.loose, self.loose_said = "", False  # text outside any message
         self.reset_output()
 
     def reset_output(self) -> None:
@@ -243,8 +244,13 @@ class HarmonyReader:
             self._say("reasoning", text, out)
         elif self.kind == "content":
             self._say("content", text, out)
-        elif text.strip():  # between messages, outside any: shown, not lost
+        elif self.loose_said:  # between messages, outside any: shown, not lost
             self._say("content", text, out)
+        else:  # (whitespace alone there is layout, held until text follows)
+            self.loose += text
+            if self.loose.strip():
+                self.loose_said = True
+                self._say("content", self.loose, out)
 
     def _marker(self, marker: str, out: _Out) -> None:
         if marker == START:
@@ -278,6 +284,7 @@ class HarmonyReader:
             self._end_call(out, closed=True)
         self.kind = None
         self.in_header, self.header = False, ""
+        self.loose, self.loose_said = "", False
 
     def _end_call(self, out: _Out, closed: bool) -> None:
         args, self.args = self.args.strip(), ""
