@@ -1,6 +1,7 @@
 //! The linear layers' GEMM: detspec's packed, fixed-order kernel (f32 weights, and bf16 weights
 //! widened in registers; bf16 weights × bf16-rounded activations on `VDPBF16PS` or its
-//! emulation, the `activation_dtype="bfloat16"` mode) against candle's CPU matmul, at the bench model's shapes
+//! emulation, the `activation_dtype="bfloat16"` mode; MXFP4 weights in both modes) against
+//! candle's CPU matmul, at the bench model's shapes
 //! (`DemoModelSpec::bench`) and decode batch sizes 1 / 16 / 64.
 //!
 //! `cargo bench --bench gemm`
@@ -73,6 +74,9 @@ fn gemm(c: &mut Criterion) {
             });
             g.bench_with_input(BenchmarkId::new("packed_abf16", m), &m, |b, _| {
                 b.iter(|| matmul_packed_abf16(&x, &packed_a16, false).expect("packed abf16"))
+            });
+            g.bench_with_input(BenchmarkId::new("packed_mxfp4_abf16", m), &m, |b, _| {
+                b.iter(|| matmul_packed_abf16(&x, &packed4, false).expect("mxfp4 abf16"))
             });
             if detspec::ops::DotIsa::amx_available() {
                 g.bench_with_input(BenchmarkId::new("packed_abf16_amx", m), &m, |b, _| {

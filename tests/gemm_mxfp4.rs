@@ -1,14 +1,17 @@
 //! The MXFP4 GEMM gives the f32 GEMM's bits on the widened weights: for every M, column
 //! selection (gpt-oss's gate rows are every other row), instruction set and kernel profile;
-//! so it inherits that GEMM's batch-, position- and thread-invariance.
+//! so it inherits that GEMM's batch-, position- and thread-invariance. In the bf16-activation
+//! mode, the same packed weight gives that mode's GEMM's bits on the widened weights stored in
+//! bf16, on the instruction and in the emulation, denormal and infinite scales included.
 
 use std::sync::Arc;
 
 use candle_core::{Device, Tensor};
 use detspec::config::KernelProfile;
 use detspec::ops::{
-    matmul_packed_mxfp4_profiled, matmul_packed_profiled, packed_matmul_mxfp4_with,
-    packed_matmul_with, CpuIsa, PackedWeight, PackedWeightMxfp4, E2M1, E8M0, MXFP4_BLOCK,
+    matmul_packed_mxfp4_profiled, matmul_packed_profiled, packed_matmul_abf16_with,
+    packed_matmul_mxfp4_with, packed_matmul_with, CpuIsa, DotIsa, PackedWeight, PackedWeightAbf16,
+    PackedWeightMxfp4, E2M1, E8M0, MXFP4_BLOCK,
 };
 
 /// A tiny deterministic generator (xorshift).
@@ -86,6 +89,41 @@ fn mxfp4_gemm_is_the_f32_gemm_on_the_widened_weights() {
                 let want = matmul_packed_profiled(&x, &reference, profile, false).unwrap();
                 let flat = |t: Tensor| bits(&t.flatten_all().unwrap().to_vec1::<f32>().unwrap());
                 assert_eq!(flat(got), flat(want), "split-K k={k} n={n} m={m}");
+            }
+        }
+    }
+}
+
+#[test]
+fn mxfp4_in_the_bf16_activation_gemm_is_that_gemm_on_the_widened_bf16_weights() {
+    for (k, stored, seed) in [(64, 40, 11), (96, 70, 12), (320, 96, 13)] {
+        let (blocks, mut scales) = mxfp4(stored, k, seed);
+        // Scales whose values are denormal in bf16 (0 and 1), and 255 (infinite, as widened).
+        if seed == 12 {
+            for (i, s) in scales.iter_mut().enumerate() {
+                *s = [0, 1, 2, 255, 121][i % 5];
+            }
+        }
+        let all: Vec<usize> = (0..stored).collect();
+        let odd: Vec<usize> = (1..stored).step_by(2).collect();
+        for rows in [all, odd] {
+            let n = rows.len();
+            let packed = PackedWeightMxfp4::from_blocks(&blocks, &scales, &rows, k).unwrap();
+            let dense: Vec<u16> = widened(&blocks, &scales, &rows, k)
+                .iter()
+                .map(|x| {
+                    assert_eq!(x.to_bits() & 0xffff, 0, "not exact in bf16: {x}");
+                    (x.to_bits() >> 16) as u16
+                })
+                .collect();
+            let reference = PackedWeightAbf16::from_transposed_bits(&dense, n, k).unwrap();
+            for m in [1, 3, 13, 64] {
+                let a = activations(m, k, seed + m as u64);
+                let want = packed_matmul_abf16_with(&a, m, &reference, DotIsa::Emulated).unwrap();
+                for isa in DotIsa::available() {
+                    let got = packed_matmul_abf16_with(&a, m, &packed, isa).unwrap();
+                    assert_eq!(bits(&got), bits(&want), "k={k} n={n} m={m} {isa:?}");
+                }
             }
         }
     }

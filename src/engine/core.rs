@@ -14,8 +14,8 @@ use candle_core::{DType, Device};
 use rayon::prelude::*;
 
 use crate::config::{
-    device_label, device_memory, ActivationDtype, DeviceSpec, EngineConfig, KernelProfile,
-    ModelConfig, DEFAULT_KV_CACHE_BYTES,
+    device_label, device_memory, DeviceSpec, EngineConfig, KernelProfile, ModelConfig,
+    DEFAULT_KV_CACHE_BYTES,
 };
 use crate::dvr::DeterminismPolicy;
 use crate::error::{DetspecError, Result};
@@ -231,7 +231,7 @@ impl EngineCore {
         let act = cfg
             .activation_dtype
             .resolve(device_spec, dtype, cfg.kernel_profile)?;
-        let keeps_mxfp4 = crate::model::keeps_mxfp4(device, act != ActivationDtype::F32);
+        let keeps_mxfp4 = crate::model::keeps_mxfp4(device, act);
         crate::model::check_fits(dir, &model_cfg, dtype, keeps_mxfp4, kv_bytes as u64, device)?;
         let model = Model::load_with(dir, model_cfg, device, dtype, act)?
             .with_kernel_profile(cfg.kernel_profile);

@@ -33,6 +33,9 @@ pub(super) enum LinearWeight {
     /// CPU, gpt-oss's MXFP4 experts kept as the checkpoint stores them (`ops::gemm_mxfp4`:
     /// the bits of the widened weights' GEMM).
     PackedMxfp4(Arc<PackedWeightMxfp4>),
+    /// The same in the bf16-activation mode, for its GEMM (`ops::gemm_abf16`, each panel
+    /// widened to bf16 as it is needed: the bits of the widened bf16 weights).
+    PackedMxfp4Abf16(Arc<PackedWeightMxfp4>),
     /// Other devices: `[in, out]`, transposed and contiguous once at load.
     Dense(Tensor),
 }
@@ -87,6 +90,7 @@ impl LinearWeight {
             }
             // One kernel at every M (the mode runs the invariant profile only).
             Self::PackedAbf16(w) => matmul_packed_abf16(x, w, gemm.amx),
+            Self::PackedMxfp4Abf16(w) => matmul_packed_abf16(x, w, false),
             Self::Dense(w) if gemm.invariant => invariant_matmul(x, w),
             Self::Dense(w) => x.matmul(w),
         }

@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 
+use crate::config::ActivationDtype;
 use crate::error::{DetspecError, Result};
 use crate::ops::{PackedWeightAbf16, PackedWeightBf16, PackedWeightMxfp4};
 
@@ -25,6 +26,8 @@ pub(super) struct WeightLoader<'a> {
     vector_dtype: DType,
     /// Linear layers packed for the bf16-activation GEMM.
     bf16_act: bool,
+    /// The activations (`bf16_act`'s mode, and whether AMX runs it).
+    act: ActivationDtype,
     hashes: RefCell<ParamHashes>,
 }
 
@@ -34,14 +37,15 @@ impl<'a> WeightLoader<'a> {
         device: &'a Device,
         dtype: DType,
         vector_dtype: DType,
-        bf16_act: bool,
+        act: ActivationDtype,
     ) -> Self {
         Self {
             ck,
             device,
             dtype,
             vector_dtype,
-            bf16_act,
+            bf16_act: matches!(act, ActivationDtype::Bf16 | ActivationDtype::Bf16Amx),
+            act,
             hashes: RefCell::default(),
         }
     }
@@ -216,7 +220,7 @@ impl<'a> WeightLoader<'a> {
     }
 
     /// gpt-oss's MXFP4 stacked matrix `name` (`shape` `[experts, in, out]` as widened) kept
-    /// as MXFP4 for the CPU's MXFP4 GEMM, where it runs (the CPU with f32 activations): per
+    /// as MXFP4 where the CPU's GEMMs read it (`mxfp4::keeps_mxfp4`): per
     /// expert, a weight for each of `outputs`, the checkpoint rows that are its columns
     /// (gpt-oss's gate and up alternate rows). Hashed as its widened values, so the
     /// fingerprint is the widened checkpoint's. `None`: the checkpoint holds it widened, or
@@ -227,9 +231,10 @@ impl<'a> WeightLoader<'a> {
         shape: &[usize],
         outputs: &[Vec<usize>],
     ) -> Result<Option<Vec<Vec<LinearWeight>>>> {
-        if !mxfp4::keeps_mxfp4(self.device, self.bf16_act) {
+        if !mxfp4::keeps_mxfp4(self.device, self.act) {
             return Ok(None);
         }
+        let bf16_act = self.bf16_act;
         // Packed straight from the mapped file (no copy of the 4-bit tensors is made).
         let packed = self.with_mxfp4(name, shape, |m| {
             let experts = (0..m.experts)
@@ -239,7 +244,11 @@ impl<'a> WeightLoader<'a> {
                         .iter()
                         .map(|rows| {
                             let w = PackedWeightMxfp4::from_blocks(blocks, scales, rows, m.in_dim)?;
-                            Ok(LinearWeight::PackedMxfp4(Arc::new(w)))
+                            Ok(if bf16_act {
+                                LinearWeight::PackedMxfp4Abf16(Arc::new(w))
+                            } else {
+                                LinearWeight::PackedMxfp4(Arc::new(w))
+                            })
                         })
                         .collect::<Result<Vec<_>>>()
                 })

@@ -11,12 +11,19 @@
 //! bits), so every output element is the f32 GEMM's FMA chain over the widened weights. The
 //! MXFP4 GEMM gives **the bits of the f32 and bf16 GEMMs on the widened weights**, and their
 //! invariances (`tests/gemm_mxfp4.rs`), in 0.53 bytes a weight where bf16 takes 2.
+//!
+//! The bf16-activation mode's GEMM (`ops::gemm_abf16`) reads the same packed weight: each
+//! panel is widened, as that GEMM is about to multiply by it, into the bf16 pair words its
+//! stored weights hold ([`PairPanels`]). A widened value is exact in bf16 too (its f32 bits'
+//! top half), so that GEMM gives the bits it gives on the widened weights stored in bf16.
 
+use std::cell::RefCell;
 use std::sync::Arc;
 
 use candle_core::{bail, Tensor};
 
 use super::gemm::{apply_packed, matmul_panels, PanelSteps, Panels, Reduction, NR};
+use super::gemm_abf16::{PairPanel, PairPanels};
 use super::isa::isa_kernel;
 use super::CpuIsa;
 use crate::config::KernelProfile;
@@ -25,6 +32,8 @@ use crate::config::KernelProfile;
 pub const MXFP4_BLOCK: usize = 32;
 /// Bytes of codes per panel step (two codes a byte).
 const STEP_BYTES: usize = NR / 2;
+/// MXFP4 blocks the bf16-activation GEMM widens at a time (`PairPanels::RUN_STEPS`).
+const RUN_BLOCKS: usize = 4;
 
 /// The E2M1 code points: sign bit, two exponent bits, one mantissa bit.
 pub const E2M1: [f32; 16] = [
@@ -263,6 +272,147 @@ isa_kernel! {
     }
 }
 
+/// The bf16 pair words of a run's weights (step pairs `2s`, `2s + 1` in one word per column:
+/// the even step's bf16 bits low, the odd step's high), the layout of `ops::gemm_abf16`'s
+/// panels. A widened weight's bf16 bits are its f32 bits' top half (exact: see the module).
+#[inline(always)]
+fn pair_words(even: &[f32; NR], odd: &[f32; NR], out: &mut [u32]) {
+    for ((o, e), d) in out.iter_mut().zip(even).zip(odd) {
+        *o = (e.to_bits() >> 16) | (d.to_bits() & 0xffff_0000);
+    }
+}
+
+isa_kernel! {
+    /// A run's 32 steps of codes widened with the run's `scales` into its 16 steps of bf16
+    /// pair words (`out`: 16 × NR words).
+    #[inline(never)]
+    fn widen_run_pairs(isa: CpuIsa, steps: &[[u8; STEP_BYTES]], scales: &[u8; NR], out: &mut [u32]) {
+        let mut scale = [0f32; NR];
+        for (s, &e) in scale.iter_mut().zip(scales) {
+            *s = E8M0[usize::from(e)];
+        }
+        for (pair, words) in steps.chunks_exact(2).zip(out.chunks_exact_mut(NR)) {
+            pair_words(&widen(&pair[0], &scale), &widen(&pair[1], &scale), words);
+        }
+    }
+}
+
+/// [`widen_run_pairs`] with AVX-512 (`vpermps` lookups, as [`widen_run_avx512`]).
+///
+/// # Safety
+/// The CPU has AVX-512F; `steps` holds 32 steps and `out` 16 × NR words.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn widen_run_pairs_avx512(steps: &[[u8; STEP_BYTES]], scales: &[u8; NR], out: &mut [u32]) {
+    use std::arch::x86_64::*;
+    let mut scale = [0f32; NR];
+    for (s, &e) in scale.iter_mut().zip(scales) {
+        *s = E8M0[usize::from(e)];
+    }
+    // SAFETY: every load and store is of 16 lanes inside the arrays named (the contract's
+    // sizes).
+    unsafe {
+        let table = _mm512_loadu_ps(E2M1.as_ptr());
+        let (slo, shi) = (
+            _mm512_loadu_ps(scale.as_ptr()),
+            _mm512_loadu_ps(scale.as_ptr().add(STEP_BYTES)),
+        );
+        let nibble = _mm512_set1_epi32(0x0f);
+        let top = _mm512_set1_epi32(0xffff_0000_u32 as i32);
+        // The 32 columns of one step, as f32 bits: columns 0..16 and 16..32.
+        let widened = |step: &[u8; STEP_BYTES]| {
+            let codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(step.as_ptr().cast()));
+            let lo = _mm512_permutexvar_ps(_mm512_and_si512(codes, nibble), table);
+            let hi = _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(codes), table);
+            (
+                _mm512_castps_si512(_mm512_mul_ps(lo, slo)),
+                _mm512_castps_si512(_mm512_mul_ps(hi, shi)),
+            )
+        };
+        for (s, words) in out.chunks_exact_mut(NR).enumerate().take(MXFP4_BLOCK / 2) {
+            let (elo, ehi) = widened(&steps[2 * s]);
+            let (olo, ohi) = widened(&steps[2 * s + 1]);
+            let lo = _mm512_or_si512(_mm512_srli_epi32::<16>(elo), _mm512_and_si512(olo, top));
+            let hi = _mm512_or_si512(_mm512_srli_epi32::<16>(ehi), _mm512_and_si512(ohi, top));
+            _mm512_storeu_si512(words.as_mut_ptr().cast(), lo);
+            _mm512_storeu_si512(words.as_mut_ptr().add(STEP_BYTES).cast(), hi);
+        }
+    }
+}
+
+thread_local! {
+    /// The panel being multiplied by, widened to bf16 pair words (one per worker thread).
+    static PAIRS: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) };
+}
+
+impl PackedWeightMxfp4 {
+    /// Panel `p` as `ops::gemm_abf16`'s K/2 steps of NR pair words, into `out`.
+    fn widen_pairs(&self, p: usize, out: &mut Vec<u32>) {
+        out.resize(self.k / 2 * NR, 0);
+        for (run, words) in out.chunks_mut(Self::RUN_STEPS * NR).enumerate() {
+            self.widen_run(p, run, words);
+        }
+    }
+}
+
+impl PairPanels for PackedWeightMxfp4 {
+    const OP_NAME: &'static str = "detspec-packed-matmul-mxfp4-abf16";
+
+    fn k(&self) -> usize {
+        self.k
+    }
+
+    fn n(&self) -> usize {
+        self.n
+    }
+
+    /// Four MXFP4 blocks (128 k steps, 8 KB of pair words: L1-resident). One block a run
+    /// measured 36 % slower at M = 64 (the sums' loads and stores per run), four within 2 %
+    /// of the whole panel there and faster at M = 1.
+    const RUN_STEPS: usize = RUN_BLOCKS * MXFP4_BLOCK / 2;
+
+    fn widen_run(&self, p: usize, run: usize, out: &mut [u32]) {
+        let groups = self.k / MXFP4_BLOCK;
+        let first = run * RUN_BLOCKS;
+        let blocks = first..(first + RUN_BLOCKS).min(groups);
+        let isa = CpuIsa::detect();
+        for (g, words) in blocks.zip(out.chunks_exact_mut(MXFP4_BLOCK / 2 * NR)) {
+            let at = p * self.k + g * MXFP4_BLOCK;
+            let (steps, scales) = (
+                &self.codes[at..at + MXFP4_BLOCK],
+                &self.scales[p * groups + g],
+            );
+            #[cfg(target_arch = "x86_64")]
+            if isa == CpuIsa::Avx512 {
+                // SAFETY: the CPU has AVX-512 (`CpuIsa::detect`); 32 steps; `words` is 16 × NR.
+                unsafe { widen_run_pairs_avx512(steps, scales, words) };
+                continue;
+            }
+            widen_run_pairs(isa, steps, scales, words);
+        }
+    }
+
+    /// Widened into this thread's buffer. It may hold a denormal only where a scale is 2^-126
+    /// or less (the smallest non-zero code is 0.5).
+    fn with_panel<R>(&self, p: usize, f: impl FnOnce(PairPanel<'_>) -> R) -> R {
+        let groups = self.k / MXFP4_BLOCK;
+        let denormal = self.scales[p * groups..(p + 1) * groups]
+            .iter()
+            .flatten()
+            .any(|&e| e <= 1);
+        PAIRS.with_borrow_mut(|words| {
+            self.widen_pairs(p, words);
+            f(PairPanel {
+                words,
+                denormal,
+                kp: self.k / 2,
+                n: self.n,
+                p,
+            })
+        })
+    }
+}
+
 /// The E2M1 value of `code`, from its bits rather than a table (a table lookup per weight
 /// does not vectorise): sign, then for exponent bits `e` > 0 the f32 `1.m × 2^(e − 1)`, for
 /// `e` = 0 the subnormal `m × 0.5`. Equal to [`E2M1`]`[code]` (tested).
@@ -365,6 +515,39 @@ mod tests {
             // SAFETY: checked just above.
             unsafe { widen_run_avx512(&steps, &scales, &mut out) };
             assert_eq!(bits(&out), bits(&want), "avx512 permute");
+        }
+    }
+
+    /// Every widening to bf16 pair words gives the top halves of the table's f32 values: the
+    /// even step's low, the odd step's high.
+    #[test]
+    fn every_pair_widening_gives_the_same_bits() {
+        let steps: Vec<[u8; STEP_BYTES]> = (0..MXFP4_BLOCK)
+            .map(|i| std::array::from_fn(|b| (i * 29 + b * 7) as u8))
+            .collect();
+        let scales: [u8; NR] = std::array::from_fn(|c| [0, 1, 2, 127, 200, 254, 255][c % 7]);
+        let value = |s: usize, c: usize| {
+            let byte = steps[s][c % STEP_BYTES];
+            let code = if c < STEP_BYTES { byte & 15 } else { byte >> 4 };
+            E2M1[usize::from(code)] * E8M0[usize::from(scales[c])]
+        };
+        let want: Vec<u32> = (0..MXFP4_BLOCK / 2)
+            .flat_map(|s| (0..NR).map(move |c| (s, c)))
+            .map(|(s, c)| {
+                (value(2 * s, c).to_bits() >> 16) | (value(2 * s + 1, c).to_bits() & 0xffff_0000)
+            })
+            .collect();
+        for isa in CpuIsa::available() {
+            let mut out = vec![0u32; MXFP4_BLOCK / 2 * NR];
+            widen_run_pairs(isa, &steps, &scales, &mut out);
+            assert_eq!(out, want, "{isa:?}");
+        }
+        #[cfg(target_arch = "x86_64")]
+        if CpuIsa::Avx512.supported() {
+            let mut out = vec![0u32; MXFP4_BLOCK / 2 * NR];
+            // SAFETY: checked just above; 32 steps, 16 × NR words.
+            unsafe { widen_run_pairs_avx512(&steps, &scales, &mut out) };
+            assert_eq!(out, want, "avx512 permute");
         }
     }
 

@@ -37,7 +37,7 @@ pub use gemm::{
 pub use gemm_abf16::{
     dot_bf16_pair_emulated, dot_bf16_pairs_hw, matmul_packed_abf16, packed_matmul_abf16,
     packed_matmul_abf16_with, round_activation_bf16, round_activations_hw, DotIsa,
-    PackedWeightAbf16, CANONICAL_NAN,
+    PackedWeightAbf16, PairPanels, CANONICAL_NAN,
 };
 pub use gemm_bf16::{
     matmul_packed_bf16, matmul_packed_bf16_profiled, packed_matmul_bf16, packed_matmul_bf16_with,

@@ -2,10 +2,11 @@
 test): its checkpoints' MXFP4 experts, and weight updates by its stacked expert names.
 
 gpt-oss ships its experts in MXFP4 (4-bit codes in blocks of 32 with a power-of-two scale per
-block). On the CPU with f32 activations detspec keeps them so and multiplies by them with its
-MXFP4 GEMM; in the bf16-activation mode (and on other devices) it widens them at load. Their
-values are exact in bf16 and f32, so either way an MXFP4 checkpoint is the same model, bit for
-bit and by fingerprint, as the checkpoint of its widened weights. The reference widening is
+block). On the CPU detspec keeps them so: with f32 activations its MXFP4 GEMM multiplies by
+them, in the bf16-activation mode that mode's GEMM widens each panel to bf16 as it needs it
+(on AMX tiles, and on other devices, they are widened at load). Their values are exact in bf16
+and f32, so either way an MXFP4 checkpoint is the same model, bit for bit and by fingerprint,
+as the checkpoint of its widened weights. The reference widening is
 transformers' own (``convert_moe_packed_tensors``).
 """
 
@@ -99,8 +100,8 @@ def test_mxfp4_experts_widen_to_the_same_model(model_zoo, tmp_path: Path) -> Non
     assert a == b
     # Negative control: the model before quantization is another model.
     assert detspec.LLM(str(case.path)).fingerprint != packed.fingerprint
-    # In bf16 too, and in the bf16-activation mode, which widens the experts to bf16 at load
-    # (its GEMM multiplies bf16 by bf16).
+    # In bf16 too, and in the bf16-activation mode, whose GEMM widens the kept experts' panels
+    # to bf16 as it multiplies (bf16 by bf16).
     for kwargs in ({"dtype": "bfloat16"}, {"dtype": "bfloat16", "activation_dtype": "bfloat16"}):
         a, b = (
             detspec.LLM(str(d), num_kv_pages=256, **kwargs) for d in (tmp_path / "mxfp4", widened)

@@ -2,7 +2,7 @@
 //! docs) run as plain FMAs where a check shows its flushing changed nothing, and lane by lane
 //! where it might. Same bits as the definition and the instruction.
 
-use super::{dot_bf16_pair_emulated, PackedWeightAbf16, CANONICAL_NAN, NR, WORDS};
+use super::{dot_bf16_pair_emulated, PairPanel, CANONICAL_NAN, NR, WORDS};
 
 /// Pairs of k per chunk of [`microkernel_emulated`]'s fast path: what one fallback redoes.
 const CHUNK: usize = 32;
@@ -119,7 +119,7 @@ unsafe fn store<const R: usize, const C: usize>(
     }
 }
 
-/// Rows `0..m` of `wide` (widened pairs, stride `kp`) times panel `p` into `out` (row stride `n`),
+/// Rows `0..m` of `wide` (widened pairs, stride `kp`) times `panel` into `out` (row stride `n`),
 /// emulated, in blocks of up to 3 rows × half a panel (6 accumulators, 4 widened weight
 /// vectors, 2 of the smallest magnitudes and the activation pair: AVX2's 16 registers).
 ///
@@ -129,15 +129,13 @@ unsafe fn store<const R: usize, const C: usize>(
 pub(super) unsafe fn panel_rows_emulated(
     wide: &[[f32; 2]],
     m: usize,
-    w: &PackedWeightAbf16,
-    p: usize,
+    panel: PairPanel<'_>,
     out: *mut f32,
 ) {
     const HALF: usize = NR / 2;
-    let (kp, n) = (w.kp, w.n);
-    let panel = w.panel(p);
-    let denormal = w.denormal_panels[p];
-    let c0 = p * NR;
+    let (kp, n, denormal) = (panel.kp, panel.n, panel.denormal);
+    let c0 = panel.p * NR;
+    let panel = panel.words;
     let width = NR.min(n - c0);
     let mut r0 = 0;
     while r0 < m {
@@ -169,12 +167,11 @@ pub(super) unsafe fn panel_rows_emulated(
 pub(super) unsafe fn panel_rows_emulated_fma(
     wide: &[[f32; 2]],
     m: usize,
-    w: &PackedWeightAbf16,
-    p: usize,
+    panel: PairPanel<'_>,
     out: *mut f32,
 ) {
     // SAFETY: forwarded from the caller.
-    unsafe { panel_rows_emulated(wide, m, w, p, out) }
+    unsafe { panel_rows_emulated(wide, m, panel, out) }
 }
 
 /// Paired activations as the emulation's fast path reads them: each word's odd (high) and

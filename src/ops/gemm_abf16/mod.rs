@@ -324,12 +324,6 @@ impl PackedWeightAbf16 {
         std::mem::size_of_val(self.data.as_slice())
     }
 
-    /// Panel `p`'s `kp` steps (what the exact kernels walk).
-    fn panel(&self, p: usize) -> &[u32] {
-        let start = p * self.kps * WORDS;
-        &self.data[start..start + self.kp * WORDS]
-    }
-
     /// Panel `p`'s `kps` steps, zero steps included (AMX's whole tiles).
     #[cfg(target_arch = "x86_64")]
     fn panel_padded(&self, p: usize) -> &[u32] {
@@ -399,15 +393,86 @@ unsafe fn pair_row_avx512(src: &[f32], dst: &mut [MaybeUninit<u32>]) {
     pair_row(src, dst)
 }
 
+/// One panel as the exact kernels read it: `kp` steps of [`WORDS`] pair words.
+#[derive(Clone, Copy)]
+pub struct PairPanel<'a> {
+    pub(crate) words: &'a [u32],
+    /// It may hold a denormal weight (the emulation's fast path assumes none; a panel said to
+    /// when it does not only runs the definition, same bits).
+    pub(crate) denormal: bool,
+    pub(crate) kp: usize,
+    /// The weight's columns (the output's row stride).
+    pub(crate) n: usize,
+    /// Its index: it is the output's columns `p * NR ..`.
+    pub(crate) p: usize,
+}
+
+/// A weight the bf16-activation GEMM multiplies by, as panels of pair words: stored so
+/// ([`PackedWeightAbf16`]), or widened into them as they are needed (MXFP4's, whose values
+/// are exact in bf16, so the bits are those of the stored widened weight).
+pub trait PairPanels: Sync + Send + std::fmt::Debug + 'static {
+    const OP_NAME: &'static str;
+
+    fn k(&self) -> usize;
+
+    fn n(&self) -> usize;
+
+    /// `f` of panel `p`.
+    fn with_panel<R>(&self, p: usize, f: impl FnOnce(PairPanel<'_>) -> R) -> R;
+
+    /// Steps a panel is widened in at a time by [`Self::widen_run`] on `VDPBF16PS` (whose
+    /// kernel carries its sums from run to run); 0: it is read whole ([`Self::with_panel`]).
+    const RUN_STEPS: usize = 0;
+
+    /// Run `run` (steps `run × RUN_STEPS ..`) of panel `p` into `out` (RUN_STEPS × NR words).
+    fn widen_run(&self, p: usize, run: usize, out: &mut [u32]) {
+        let _ = (p, run, out);
+    }
+
+    /// `a[m, k] @ self` on AMX tiles ([`DotIsa::Amx`]).
+    fn amx_matmul(&self, a: &[f32], m: usize) -> candle_core::Result<Vec<f32>> {
+        let _ = (a, m);
+        bail!("{}: no AMX kernel for this weight", Self::OP_NAME)
+    }
+}
+
+impl PairPanels for PackedWeightAbf16 {
+    const OP_NAME: &'static str = "detspec-packed-matmul-abf16";
+
+    fn k(&self) -> usize {
+        self.k
+    }
+
+    fn n(&self) -> usize {
+        self.n
+    }
+
+    fn with_panel<R>(&self, p: usize, f: impl FnOnce(PairPanel<'_>) -> R) -> R {
+        let start = p * self.kps * WORDS;
+        f(PairPanel {
+            words: &self.data[start..start + self.kp * WORDS],
+            denormal: self.denormal_panels[p],
+            kp: self.kp,
+            n: self.n,
+            p,
+        })
+    }
+
+    fn amx_matmul(&self, a: &[f32], m: usize) -> candle_core::Result<Vec<f32>> {
+        amx_matmul(a, m, self)
+    }
+}
+
 /// `a[m, k] @ w` into a new `[m, n]` buffer, with the given way of running the dot products
 /// (an instruction set this CPU lacks falls back to the emulation: same bits).
-pub fn packed_matmul_abf16_with(
+pub fn packed_matmul_abf16_with<W: PairPanels>(
     a: &[f32],
     m: usize,
-    w: &PackedWeightAbf16,
+    w: &W,
     isa: DotIsa,
 ) -> candle_core::Result<Vec<f32>> {
-    let (k, n, kp) = (w.k, w.n, w.kp);
+    let (k, n) = (w.k(), w.n());
+    let kp = k.div_ceil(2);
     if a.len() != m * k {
         bail!(
             "packed bf16-activation matmul: input has {} values, expected [{m}, {k}]",
@@ -420,7 +485,7 @@ pub fn packed_matmul_abf16_with(
         isa
     };
     if isa == DotIsa::Amx {
-        return amx_matmul(a, m, w);
+        return w.amx_matmul(a, m);
     }
     #[cfg(target_arch = "x86_64")]
     let fma =
@@ -434,17 +499,27 @@ pub fn packed_matmul_abf16_with(
     Ok(for_each_block(m, n, k, ROW_BLOCK, |r0, rows, p, out| {
         let a_block = &pairs[r0 * kp..(r0 + rows) * kp];
         let wide_block = wide.get(r0 * kp..(r0 + rows) * kp).unwrap_or_default();
-        // SAFETY: `out` is row r0 of the m × n buffer and rows r0..r0+rows of panel p are
-        // this task's alone; AVX-512 BF16 (resp. AVX2+FMA) is used only where detected.
-        unsafe {
-            match isa {
-                #[cfg(target_arch = "x86_64")]
-                DotIsa::Avx512Bf16 => x86::panel_rows(a_block, rows, w, p, out),
-                #[cfg(target_arch = "x86_64")]
-                DotIsa::Emulated if fma => panel_rows_emulated_fma(wide_block, rows, w, p, out),
-                _ => panel_rows_emulated(wide_block, rows, w, p, out),
-            }
+        #[cfg(target_arch = "x86_64")]
+        if isa == DotIsa::Avx512Bf16 && W::RUN_STEPS > 0 {
+            // SAFETY: as below.
+            unsafe { x86::panel_rows_runs(a_block, rows, w, p, out) };
+            return;
         }
+        w.with_panel(p, |panel| {
+            // SAFETY: `out` is row r0 of the m × n buffer and rows r0..r0+rows of panel p are
+            // this task's alone; AVX-512 BF16 (resp. AVX2+FMA) is used only where detected.
+            unsafe {
+                match isa {
+                    #[cfg(target_arch = "x86_64")]
+                    DotIsa::Avx512Bf16 => x86::panel_rows(a_block, rows, panel, out),
+                    #[cfg(target_arch = "x86_64")]
+                    DotIsa::Emulated if fma => {
+                        panel_rows_emulated_fma(wide_block, rows, panel, out)
+                    }
+                    _ => panel_rows_emulated(wide_block, rows, panel, out),
+                }
+            }
+        })
     }))
 }
 
@@ -485,27 +560,27 @@ fn amx_matmul(a: &[f32], m: usize, w: &PackedWeightAbf16) -> candle_core::Result
 }
 
 /// `a[m, k] @ w` with the fastest way this CPU has.
-pub fn packed_matmul_abf16(
+pub fn packed_matmul_abf16<W: PairPanels>(
     a: &[f32],
     m: usize,
-    w: &PackedWeightAbf16,
+    w: &W,
 ) -> candle_core::Result<Vec<f32>> {
     packed_matmul_abf16_with(a, m, w, DotIsa::detect())
 }
 
-struct PackedMatmulAbf16 {
-    w: Arc<PackedWeightAbf16>,
+struct PackedMatmulAbf16<W> {
+    w: Arc<W>,
     amx: bool,
 }
 
-impl CustomOp1 for PackedMatmulAbf16 {
+impl<W: PairPanels> CustomOp1 for PackedMatmulAbf16<W> {
     fn name(&self) -> &'static str {
-        "detspec-packed-matmul-abf16"
+        W::OP_NAME
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
         let x = contiguous_f32(s, l, "matmul input")?;
-        let (wk, wn) = (self.w.k, self.w.n);
+        let (wk, wn) = (self.w.k(), self.w.n());
         let (m, k) = match l.dims() {
             [m, k] => (*m, *k),
             dims => bail!("matmul: input must be [rows, {wk}], got {dims:?}"),
@@ -518,16 +593,16 @@ impl CustomOp1 for PackedMatmulAbf16 {
         } else {
             DotIsa::detect()
         };
-        let out = packed_matmul_abf16_with(x, m, &self.w, isa)?;
+        let out = packed_matmul_abf16_with(x, m, &*self.w, isa)?;
         Ok((CpuStorage::F32(out), Shape::from((m, wn))))
     }
 }
 
 /// `x[m, k] @ w` as a candle op (CPU; `x` f32, rounded to bf16 inside; output f32); `amx`: on
 /// AMX tiles ([`DotIsa::Amx`], its own bits), else the exact kernels.
-pub fn matmul_packed_abf16(
+pub fn matmul_packed_abf16<W: PairPanels>(
     x: &Tensor,
-    w: &Arc<PackedWeightAbf16>,
+    w: &Arc<W>,
     amx: bool,
 ) -> candle_core::Result<Tensor> {
     x.contiguous()?
