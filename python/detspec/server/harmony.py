@@ -112,7 +112,9 @@ def tool_grammar(tools: list[tuple[str, dict[str, Any]]]) -> str:
     """A Lark grammar (llguidance's dialect, where ``<|end|>`` is that special token) of an
     answer that calls one of ``tools`` (name, parameters schema): an optional analysis
     message, then ``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>``,
-    arguments of NAME's schema and ``<|call|>`` (the form gpt-oss's template writes)."""
+    arguments of NAME's schema and ``<|call|>`` (the form OpenAI's Harmony guide shows the model
+    writing; its chat template writes earlier calls with the recipient first, which the reader
+    takes too)."""
     calls = []
     for i, (name, schema) in enumerate(tools):
         schema = {"x-guidance": _JSON_LAYOUT, **schema}
