@@ -99,25 +99,20 @@ impl PackedWeightMxfp4 {
         let panels = n.div_ceil(NR);
         let mut codes = vec![[0u8; STEP_BYTES]; panels * k];
         let mut packed_scales = vec![[0u8; NR]; panels * groups];
-        // The code of input `kk` of checkpoint row `r`.
-        let code = |r: usize, kk: usize| {
-            let byte = blocks[r * row_bytes + kk / 2];
-            if kk.is_multiple_of(2) {
-                byte & 0x0f
-            } else {
-                byte >> 4
-            }
-        };
         codes
             .par_chunks_mut(k)
             .zip(packed_scales.par_chunks_mut(groups))
             .enumerate()
             .for_each(|(p, (panel, panel_scales))| {
                 let cols = &rows[p * NR..((p + 1) * NR).min(n)];
-                for (kk, step) in panel.iter_mut().enumerate() {
-                    for (c, &r) in cols.iter().enumerate() {
-                        let (byte, shift) = (c % STEP_BYTES, 4 * (c / STEP_BYTES));
-                        step[byte] |= code(r, kk) << shift;
+                // A checkpoint row at a time, read in order (one byte: inputs 2j and 2j + 1);
+                // the panel (k × 16 bytes) stays in cache while its 32 rows stream in.
+                for (c, &r) in cols.iter().enumerate() {
+                    let (byte, shift) = (c % STEP_BYTES, 4 * (c / STEP_BYTES));
+                    let row = &blocks[r * row_bytes..(r + 1) * row_bytes];
+                    for (pair, &b) in panel.chunks_exact_mut(2).zip(row) {
+                        pair[0][byte] |= (b & 0x0f) << shift;
+                        pair[1][byte] |= (b >> 4) << shift;
                     }
                 }
                 for (g, run) in panel_scales.iter_mut().enumerate() {
