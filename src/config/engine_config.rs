@@ -227,6 +227,11 @@ impl ActivationDtype {
         }
     }
 
+    /// The bf16-activation mode, on AMX or not (the linear layers take bf16 × bf16 weights).
+    pub fn is_bf16(&self) -> bool {
+        matches!(self, Self::Bf16 | Self::Bf16Amx)
+    }
+
     pub fn as_str(&self) -> &'static str {
         match self {
             Self::Auto => "auto",

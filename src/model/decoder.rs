@@ -130,7 +130,7 @@ impl Model {
         dtype: DType,
         act: ActivationDtype,
     ) -> Result<Self> {
-        let bf16_act = matches!(act, ActivationDtype::Bf16 | ActivationDtype::Bf16Amx);
+        let bf16_act = act.is_bf16();
         if bf16_act && !(device.is_cpu() && dtype == DType::BF16) {
             return Err(DetspecError::param(
                 "activation_dtype",

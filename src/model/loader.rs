@@ -24,9 +24,7 @@ pub(super) struct WeightLoader<'a> {
     dtype: DType,
     /// Vectors (norms, biases): the activations' dtype.
     vector_dtype: DType,
-    /// Linear layers packed for the bf16-activation GEMM.
-    bf16_act: bool,
-    /// The activations (`bf16_act`'s mode, and whether AMX runs it).
+    /// The activations: linear layers are packed for the bf16-activation GEMM in its modes.
     act: ActivationDtype,
     hashes: RefCell<ParamHashes>,
 }
@@ -44,7 +42,6 @@ impl<'a> WeightLoader<'a> {
             device,
             dtype,
             vector_dtype,
-            bf16_act: matches!(act, ActivationDtype::Bf16 | ActivationDtype::Bf16Amx),
             act,
             hashes: RefCell::default(),
         }
@@ -106,7 +103,7 @@ impl<'a> WeightLoader<'a> {
             .iter()
             .map(|(p, out)| self.load_matrix(&format!("{p}.weight"), &[*out, in_dim]))
             .collect::<Result<Vec<_>>>()?;
-        let weight = LinearWeight::new(&Tensor::cat(&weights, 0)?, self.bf16_act)?;
+        let weight = LinearWeight::new(&Tensor::cat(&weights, 0)?, self.bf16_act())?;
         let bias = if bias {
             let biases = prefixes
                 .iter()
@@ -134,7 +131,7 @@ impl<'a> WeightLoader<'a> {
     ) -> Result<Projection> {
         let out: usize = widths.iter().sum();
         let w = self.load_matrix(&format!("{prefix}.weight"), &[out, in_dim])?;
-        Projection::from_fused(&w, widths, stacked, self.bf16_act)
+        Projection::from_fused(&w, widths, stacked, self.bf16_act())
     }
 
     /// A linear layer's `[out, in]` weight in the form the device's GEMM wants. A bf16 weight
@@ -164,7 +161,7 @@ impl<'a> WeightLoader<'a> {
                             &owned
                         }
                     };
-                    let packed = if self.bf16_act {
+                    let packed = if self.bf16_act() {
                         LinearWeight::PackedAbf16(Arc::new(
                             PackedWeightAbf16::from_transposed_bits(bits, out_dim, in_dim)?,
                         ))
@@ -180,12 +177,15 @@ impl<'a> WeightLoader<'a> {
                 return Ok(packed);
             }
         }
-        LinearWeight::new(&self.load_matrix(name, &[out_dim, in_dim])?, self.bf16_act)
+        LinearWeight::new(
+            &self.load_matrix(name, &[out_dim, in_dim])?,
+            self.bf16_act(),
+        )
     }
 
     /// Whether linear layers are packed for the bf16-activation GEMM.
     pub(super) fn bf16_act(&self) -> bool {
-        self.bf16_act
+        self.act.is_bf16()
     }
 
     /// A stacked expert tensor `name` (`fused_experts`), shaped `shape` as a bf16/f32
@@ -234,7 +234,7 @@ impl<'a> WeightLoader<'a> {
         if !mxfp4::keeps_mxfp4(self.device, self.act) {
             return Ok(None);
         }
-        let bf16_act = self.bf16_act;
+        let bf16_act = self.bf16_act();
         // Packed straight from the mapped file (no copy of the 4-bit tensors is made).
         let packed = self.with_mxfp4(name, shape, |m| {
             let experts = (0..m.experts)

@@ -984,6 +984,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_device_count, m)?)?;
     m.add("CUDA_BUILD", cfg!(feature = "cuda"))?;
     m.add("KERNEL_VERSION", crate::engine::KERNEL_VERSION)?;
+    m.add("JSON_OPTIONS", crate::sampling::JSON_OPTIONS)?;
     m.add(
         "DEFAULT_MAX_LOGPROBS",
         crate::sampling::DEFAULT_MAX_LOGPROBS,

@@ -21,4 +21,4 @@ pub use next_token::sample_next;
 pub use params::{SamplingParams, DEFAULT_MAX_LOGPROBS, GREEDY_TEMPERATURE_EPS, MAX_LOGIT_BIAS};
 pub use rng::{completion_seed, gumbel, request_seed_from_entropy, uniform, GUMBEL_MAX};
 pub use sampler::{rank_of, sample, score_token, SampleInput, SampledToken};
-pub use structured::{Grammars, StructuredOutputs, TokenConstraint, TokenMask};
+pub use structured::{Grammars, StructuredOutputs, TokenConstraint, TokenMask, JSON_OPTIONS};

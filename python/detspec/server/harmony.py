@@ -37,8 +37,9 @@ import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
+from detspec import _core
 from detspec.server.tool_parsers import Parsed, ParsedCall
 
 if TYPE_CHECKING:
@@ -60,14 +61,9 @@ ENDS = (END, RETURN, CALL)
 FINAL_HEADER = f"{CHANNEL}final{MESSAGE}"
 FUNCTIONS = "functions."
 
-# JSON as OpenAI's models and json.dumps write it (the json constraint's own options,
-# sampling::structured::JSON_OPTIONS): a model cannot pad it with whitespace forever.
-_JSON_LAYOUT = {
-    "item_separator": ", ",
-    "key_separator": ": ",
-    "whitespace_flexible": False,
-    "coerce_one_of": True,
-}
+# JSON as the json constraint writes it (compact; the engine's own layout): a model cannot
+# pad it with whitespace forever.
+_JSON_LAYOUT = json.loads(_core.JSON_OPTIONS)
 
 _RECIPIENT = re.compile(r"\bto=([^\s<]+)")  # up to a space or a marker
 
@@ -78,9 +74,9 @@ class HarmonyFormat:
 
     markers: dict[int, str]  # token id -> the marker's text
     final_header: tuple[int, ...]  # FINAL_HEADER's tokens
-    name: str = NAME
+    name: ClassVar[str] = NAME
     # The markers are special tokens: the output is decoded with special tokens kept.
-    special: bool = True
+    special: ClassVar[bool] = True
 
     def reader(self, calls: bool, primer: tuple[str, Sequence[int]] = ("", ())) -> HarmonyReader:
         """A reader of one choice's output; ``calls``: the request reads tool calls;
@@ -92,20 +88,30 @@ class HarmonyFormat:
         return r
 
 
+def single_token_ids(parser: str, tokenizer: Tokenizer | None, tags: Sequence[str]) -> list[int]:
+    """Each of ``tags``' one token id (the reasoning parsers' tags and markers);
+    ``ValueError`` naming ``parser`` when there is no tokenizer or a tag is not one token."""
+    if tokenizer is None:
+        raise ValueError(f"the {parser} reasoning parser needs the model's tokenizer")
+    ids = []
+    for tag in tags:
+        found = tokenizer.encode(tag, False)
+        if len(found) != 1:
+            raise ValueError(
+                f"the {parser} reasoning parser needs {tag!r} as one token of the tokenizer; "
+                f"it encodes to {len(found)} tokens {found}"
+            )
+        ids.append(found[0])
+    return ids
+
+
 def harmony_format(tokenizer: Tokenizer | None) -> HarmonyFormat:
     """Harmony on ``tokenizer``; ``ValueError`` when a marker is not one token."""
-    if tokenizer is None:
-        raise ValueError(f"the {NAME} reasoning parser needs the model's tokenizer")
-    markers = {}
-    for m in MARKERS:
-        ids = tokenizer.encode(m, False)
-        if len(ids) != 1:
-            raise ValueError(
-                f"the {NAME} reasoning parser (gpt-oss's Harmony format) needs {m!r} as one "
-                f"token of the tokenizer; it encodes to {len(ids)} tokens {ids}"
-            )
-        markers[ids[0]] = m
-    return HarmonyFormat(markers, tuple(tokenizer.encode(FINAL_HEADER, False)))
+    ids = single_token_ids(f"{NAME} (gpt-oss's Harmony format)", tokenizer, MARKERS)
+    assert tokenizer is not None  # (single_token_ids refuses none)
+    return HarmonyFormat(
+        dict(zip(ids, MARKERS, strict=True)), tuple(tokenizer.encode(FINAL_HEADER, False))
+    )
 
 
 def tool_grammar(tools: list[tuple[str, dict[str, Any]]]) -> str:

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from detspec.server.harmony import NAME as HARMONY
-from detspec.server.harmony import HarmonyFormat, HarmonyReader, harmony_format
+from detspec.server.harmony import HarmonyFormat, HarmonyReader, harmony_format, single_token_ids
 
 if TYPE_CHECKING:
     from detspec.llm import Tokenizer
@@ -77,19 +77,10 @@ def reasoning_parser(name: str, tokenizer: Tokenizer | None) -> ReasoningParser 
         raise ValueError(f"unknown reasoning parser {name!r} (known: {', '.join(PARSERS)})")
     if name == HARMONY:
         return harmony_format(tokenizer)
-    if tokenizer is None:
-        raise ValueError(f"the {name} reasoning parser needs the model's tokenizer")
-    ids = {}
-    for tag in (START, END):
-        found = tokenizer.encode(tag, False)
-        if len(found) != 1:
-            raise ValueError(
-                f"the {name} reasoning parser needs {tag!r} as one token of the tokenizer; it "
-                f"encodes to {len(found)} tokens {found}"
-            )
-        ids[tag] = found[0]
-    special = tokenizer.decode([ids[END]], True) != END
-    return ReasoningParser(name, ids[START], ids[END], special)
+    start_id, end_id = single_token_ids(name, tokenizer, (START, END))
+    assert tokenizer is not None  # (single_token_ids refuses none)
+    special = tokenizer.decode([end_id], True) != END
+    return ReasoningParser(name, start_id, end_id, special)
 
 
 @dataclass(frozen=True)

@@ -53,8 +53,9 @@ pub struct StructuredOutputs {
 /// Separators and whitespace of generated JSON: compact, one space after `,` and `:` (what
 /// OpenAI's models and `json.dumps` write). llguidance's default allows any whitespace between
 /// tokens, where a model that likes newlines may never close the object. A schema's own
-/// `x-guidance` object overrides these.
-const JSON_OPTIONS: &str = r#"{"item_separator": ", ", "key_separator": ": ",
+/// `x-guidance` object overrides these. (The server's Harmony tool grammar embeds schemas
+/// with these too: exported to Python as `_core.JSON_OPTIONS`.)
+pub const JSON_OPTIONS: &str = r#"{"item_separator": ", ", "key_separator": ": ",
     "whitespace_flexible": false, "coerce_one_of": true}"#;
 
 impl StructuredOutputs {
