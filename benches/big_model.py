@@ -66,21 +66,24 @@ def rss_now() -> int:
     return 0
 
 
-def weight_bytes_per_token(cfg: dict, itemsize: int, mxfp4_kept: bool = False) -> int:
+def weight_bytes_per_token(cfg: dict, itemsize: int, kept: str | None = None) -> int:
     """Bytes of weights one token reads: of a mixture of experts (every layer sparse), the
-    router and the ``num_experts_per_tok`` experts it runs; MXFP4 experts the engine keeps so
-    (gpt-oss on the CPU, but on AMX tiles) at 17 bytes a 32 weights."""
+    router and the ``num_experts_per_tok`` experts it runs. Quantized weights the engine keeps
+    so (``kept``; on the CPU, but on AMX tiles): MXFP4 experts at 17 bytes a 32 weights, an
+    FP8 checkpoint's layer matrices at a byte a weight (their scales, 4 bytes a 16 K block,
+    left out)."""
     hs, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     d = cfg.get("head_dim") or hs // cfg["num_attention_heads"]
     h, kvh = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
-    expert_bytes = 17 / 32 if mxfp4_kept else itemsize
+    layer_bytes = 1 if kept == "fp8" else itemsize
+    expert_bytes = 17 / 32 if kept == "mxfp4" else layer_bytes
     if experts:
         width = cfg.get("moe_intermediate_size", inter)
         mlp = experts * hs * itemsize + cfg["num_experts_per_tok"] * 3 * hs * width * expert_bytes
     else:
-        mlp = 3 * hs * inter * itemsize
-    per_layer = (hs * h * d * 2 + hs * kvh * d * 2) * itemsize + mlp
+        mlp = 3 * hs * inter * layer_bytes
+    per_layer = (hs * h * d * 2 + hs * kvh * d * 2) * layer_bytes + mlp
     return int(cfg["num_hidden_layers"] * per_layer + (vocab * hs + hs) * itemsize)
 
 
@@ -146,9 +149,11 @@ def main() -> None:
     res["b1_tokens"] = out.outputs[0].token_ids
     res["b1_load"] = os.getloadavg()[0]
     itemsize = 2 if "bf16" in llm.fingerprint.split("-") else 4
-    mxfp4 = (cfg.get("quantization_config") or {}).get("quant_method") == "mxfp4"
-    mxfp4_kept = mxfp4 and "abf16amx" not in llm.fingerprint
-    res["weight_bytes_per_token"] = weight_bytes_per_token(cfg, itemsize, mxfp4_kept)
+    method = (cfg.get("quantization_config") or {}).get("quant_method")
+    kept = {"mxfp4": "mxfp4", "fp8": "fp8", "compressed-tensors": "fp8"}.get(method)
+    if "abf16amx" in llm.fingerprint:
+        kept = None
+    res["weight_bytes_per_token"] = weight_bytes_per_token(cfg, itemsize, kept)
     if "bandwidth_2p_GBps" in res:
         bound = res["bandwidth_2p_GBps"] * 1e9 / res["weight_bytes_per_token"]
         res["b1_bound_tok_s"] = bound

@@ -17,6 +17,13 @@ embedding weights N(0, 0.02), norms 1, ``--seed`` makes it reproducible.
 
     python benches/write_random_llama.py --shape llama3-8b --streaming --out /tmp/llama3-8b-bf16
 
+``--fp8`` writes the decoder layers' matrices as an FP8 checkpoint does (transformers' ``fp8``
+format, DeepSeek-V3's and Qwen3-FP8's: E4M3 codes, an f32 ``weight_scale_inv`` per 128 × 128
+block, a block's scale its largest magnitude over 448); the embedding and LM head stay in
+``--dtype``.
+
+    python benches/write_random_llama.py --shape llama3-8b --fp8 --out /tmp/llama3-8b-fp8
+
 ``--peaked`` writes a model with a trained model's kind of confidence instead (for DVR, whose
 cost depends on how often the fast path and the verifier disagree on a token): every token
 ``t`` has a planted successor ``perm1[t]`` whose logit is ``--top-logit`` (default 20) while
@@ -268,6 +275,13 @@ def write_torch(args: argparse.Namespace) -> None:
 
     dtype = getattr(torch, args.dtype)
     cfg = config_dict(args.shape, args.dtype, args.max_position_embeddings, args.num_layers)
+    if args.fp8:
+        cfg["quantization_config"] = {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": list(FP8_BLOCK),
+        }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "config.json").write_text(json.dumps(cfg, indent=2))
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -286,6 +300,8 @@ def write_torch(args: argparse.Namespace) -> None:
                 t = planted.tensor(name, shape).to(dtype)
             else:
                 t = torch.randn(shape, generator=gen, device=device, dtype=dtype) * 0.02
+            if args.fp8 and len(shape) == 2 and name.startswith("model.layers."):
+                t, tensors[f"{name}_scale_inv"] = fp8_blocks(t.float())
             tensors[name] = t.cpu()
             weight_map[name] = fname
             total += t.numel()
@@ -293,6 +309,22 @@ def write_torch(args: argparse.Namespace) -> None:
     index = {"metadata": {"total_size": total * dtype.itemsize}, "weight_map": weight_map}
     (args.out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
     print(f"wrote {args.out}: {total / 1e9:.2f}B parameters, {args.dtype} ({device})")
+
+
+FP8_BLOCK = (128, 128)
+
+
+def fp8_blocks(w):
+    """E4M3 codes of ``w`` (f32 ``[rows, cols]``, both multiples of 128) and its scales, one a
+    128 × 128 block (the block's largest magnitude over 448)."""
+    import torch
+
+    rows, cols = w.shape
+    br, bc = FP8_BLOCK
+    blocks = w.view(rows // br, br, cols // bc, bc)
+    scales = (blocks.abs().amax(dim=(1, 3)) / 448.0).clamp(min=1e-12)
+    codes = (blocks / scales[:, None, :, None]).to(torch.float8_e4m3fn).view(rows, cols)
+    return codes, scales.contiguous()
 
 
 class Planted:
@@ -365,12 +397,15 @@ def main() -> None:
         action="store_true",
         help="numpy only, one tensor at a time (for checkpoints larger than memory in float32)",
     )
+    p.add_argument("--fp8", action="store_true", help="FP8 layer matrices (module doc)")
     p.add_argument("--peaked", action="store_true", help="planted successors (module doc)")
     p.add_argument("--top-logit", type=float, default=20.0)
     p.add_argument("--choice-fraction", type=float, default=0.0)
     p.add_argument("--choice-gap", type=float, default=1.5)
     p.add_argument("--residual-scale", type=float, default=0.02)
     args = p.parse_args()
+    if args.fp8 and (args.streaming or args.peaked):
+        raise SystemExit("--fp8 needs the torch writer, without --peaked")
     if args.peaked and (args.streaming or SHAPES[args.shape]["tie_word_embeddings"]):
         raise SystemExit("--peaked needs the torch writer and an untied lm_head")
     if args.peaked and "moe" in SHAPES[args.shape]:

@@ -6,6 +6,7 @@ mod head;
 pub(crate) mod json;
 mod model_config;
 mod moe_config;
+mod quant;
 mod rope;
 mod text_config;
 
@@ -19,4 +20,5 @@ pub use model_config::{
     Activation, Architecture, ClampedSwiglu, Fused, GraniteScales, ModelConfig,
 };
 pub use moe_config::{ExpertNaming, MoeConfig};
+pub use quant::Fp8Weights;
 pub use rope::{RopeConfig, RopeScaling};

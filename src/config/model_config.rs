@@ -12,6 +12,7 @@ use serde_json::Value;
 use super::head::Head;
 use super::json::{parse_json, TokenIds};
 use super::moe_config::{ExpertNaming, MoeConfig, RawMoe};
+use super::quant::{parse_quantization, Fp8Weights, Quantization};
 use super::rope::{self, RawRope, RopeConfig, RopeDefaults, RopeScaling};
 use super::text_config::decoder_json;
 use crate::error::{DetspecError, Result};
@@ -334,6 +335,8 @@ pub struct ModelConfig {
     pub clamped_swiglu: Option<ClampedSwiglu>,
     /// gpt-oss's experts stored in MXFP4 (`quantization_config.quant_method: mxfp4`).
     pub mxfp4_experts: bool,
+    /// Linear weights stored in FP8, widened at load ([`Fp8Weights`]).
+    pub fp8_weights: Option<Fp8Weights>,
     /// Gemma's tanh soft caps, `c · tanh(x / c)`: on the scaled attention scores (before the
     /// softmax) and on the logits.
     pub attn_logit_softcapping: Option<f64>,
@@ -434,7 +437,7 @@ struct RawConfig {
     /// gpt-oss's experts' activation ([`ClampedSwiglu`]).
     swiglu_alpha: Option<f64>,
     swiglu_limit: Option<f64>,
-    /// A quantized checkpoint's method and settings (refused).
+    /// A quantized checkpoint's method and settings (`super::quant`).
     quantization_config: Option<Value>,
     /// Newer transformers: `rope_theta` and the scaling in one object.
     rope_parameters: Option<RawRope>,
@@ -491,30 +494,26 @@ impl ModelConfig {
         };
 
         let (architecture, head) = Self::parse_architecture(&raw, path)?;
-        // A quantized checkpoint's weights are not what the loader reads (GPTQ/AWQ pack them
-        // into other tensors, FP8 and MXFP4 store another dtype beside scales): refused here,
-        // naming the method, rather than failing on the first tensor.
-        let quant_method = raw
+        // A quantized checkpoint is read in the formats `super::quant` names (FP8 weights,
+        // gpt-oss's MXFP4 experts) and refused otherwise, naming the method, rather than
+        // failing on the first tensor.
+        let quantization = raw
             .quantization_config
             .as_ref()
-            .map(|q| q.get("quant_method").and_then(Value::as_str));
-        // gpt-oss's own MXFP4 experts are widened at load (`model::mxfp4`).
-        let mxfp4_experts =
-            architecture == Architecture::GptOss && quant_method == Some(Some("mxfp4"));
-        if let Some(method) = quant_method.filter(|_| !mxfp4_experts) {
+            .map(parse_quantization)
+            .transpose()
+            .map_err(|(field, message)| err(&field, message))?;
+        let mxfp4_experts = quantization == Some(Quantization::Mxfp4);
+        if mxfp4_experts && architecture != Architecture::GptOss {
             return Err(err(
-                if method.is_some() {
-                    "quantization_config.quant_method"
-                } else {
-                    "quantization_config"
-                },
-                format!(
-                    "{}: quantized checkpoints are not supported (detspec loads float32, \
-                     bfloat16 and float16 weights); load the unquantized checkpoint",
-                    method.unwrap_or("a quantized checkpoint")
-                ),
+                "quantization_config.quant_method",
+                "mxfp4: read for gpt-oss's experts only; load the unquantized checkpoint".into(),
             ));
         }
+        let fp8_weights = match quantization {
+            Some(Quantization::Fp8(w)) => Some(w),
+            _ => None,
+        };
         // Gemma's defaults are in the config by now (`super::text_config`).
         let gemma = architecture.is_gemma();
         let (act_field, act_name) = if gemma {
@@ -825,6 +824,7 @@ impl ModelConfig {
             query_scale_beta,
             clamped_swiglu,
             mxfp4_experts,
+            fp8_weights,
             query_pre_attn_scalar: raw
                 .query_pre_attn_scalar
                 .filter(|_| gemma)
@@ -1592,9 +1592,9 @@ pub(super) mod tests {
         );
         assert!((40e9..44e9).contains(&(bytes as f64)), "{bytes}");
         // Another method is refused, naming it; so is a bad activation setting.
-        let e = parse(&json("fp8")).unwrap_err().to_string();
+        let e = parse(&json("awq")).unwrap_err().to_string();
         assert!(
-            e.contains("quantization_config.quant_method") && e.contains("fp8"),
+            e.contains("quantization_config.quant_method") && e.contains("awq"),
             "{e}"
         );
         let e = parse(&json("mxfp4").replace(r#""swiglu_limit": 7.0"#, r#""swiglu_limit": -1"#))
@@ -1650,15 +1650,41 @@ pub(super) mod tests {
             (
                 format!(
                     r#"{{"architectures": ["Mistral3ForConditionalGeneration"],
-                    "quantization_config": {{"quant_method": "fp8"}},
+                    "quantization_config": {{"quant_method": "gptq", "bits": 4}},
                     "text_config": {{{BASE}}}}}"#
                 ),
-                "`text_config.quantization_config.quant_method`: fp8",
+                "`text_config.quantization_config.quant_method`: gptq",
             ),
         ] {
             let e = parse(&config).unwrap_err().to_string();
             assert!(e.contains(want), "{want}: {e}");
         }
+    }
+
+    #[test]
+    fn fp8_checkpoints_load_with_their_scales_layout() {
+        // A wrapper's quantization is at its top level (Ministral 3's FP8 checkpoints).
+        let c = parse(&format!(
+            r#"{{"architectures": ["Mistral3ForConditionalGeneration"],
+            "quantization_config": {{"quant_method": "fp8", "activation_scheme": "static",
+                "weight_block_size": null, "modules_to_not_convert": ["lm_head"]}},
+            "text_config": {{{BASE}}}}}"#
+        ))
+        .unwrap();
+        let w = c.fp8_weights.unwrap();
+        assert_eq!((w.block, w.scale_suffix), ([None, None], "_scale_inv"));
+        assert!(!c.mxfp4_experts);
+        // MXFP4 outside gpt-oss is refused, naming the method.
+        let e = parse(&format!(
+            r#"{{"architectures": ["LlamaForCausalLM"], {BASE},
+            "quantization_config": {{"quant_method": "mxfp4"}}}}"#
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("quantization_config.quant_method") && e.contains("gpt-oss"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -231,8 +231,15 @@ impl EngineCore {
         let act = cfg
             .activation_dtype
             .resolve(device_spec, dtype, cfg.kernel_profile)?;
-        let keeps_mxfp4 = crate::model::keeps_mxfp4(device, act);
-        crate::model::check_fits(dir, &model_cfg, dtype, keeps_mxfp4, kv_bytes as u64, device)?;
+        let keeps_quantized = crate::model::keeps_quantized(device, act);
+        crate::model::check_fits(
+            dir,
+            &model_cfg,
+            dtype,
+            keeps_quantized,
+            kv_bytes as u64,
+            device,
+        )?;
         let model = Model::load_with(dir, model_cfg, device, dtype, act)?
             .with_kernel_profile(cfg.kernel_profile);
         let mc = model.config().clone();

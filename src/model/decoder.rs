@@ -139,7 +139,7 @@ impl Model {
         }
         let ck = Checkpoint::open(dir)?;
         let act_dtype = if device.is_cpu() { DType::F32 } else { dtype };
-        let ld = WeightLoader::new(&ck, device, dtype, act_dtype, act);
+        let ld = WeightLoader::new(&ck, device, dtype, act_dtype, act, cfg.fp8_weights);
         let (h, kvh, d) = (
             cfg.num_attention_heads,
             cfg.num_key_value_heads,

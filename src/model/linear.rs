@@ -9,8 +9,8 @@ use crate::config::KernelProfile;
 use crate::error::{DetspecError, Result};
 use crate::ops::{
     self, invariant_matmul, matmul_packed_abf16, matmul_packed_bf16_profiled,
-    matmul_packed_mxfp4_profiled, matmul_packed_profiled, PackedWeight, PackedWeightAbf16,
-    PackedWeightBf16, PackedWeightMxfp4,
+    matmul_packed_fp8_profiled, matmul_packed_mxfp4_profiled, matmul_packed_profiled, PackedWeight,
+    PackedWeightAbf16, PackedWeightBf16, PackedWeightFp8, PackedWeightMxfp4,
 };
 
 /// `x @ w^T (+ b)`.
@@ -36,6 +36,12 @@ pub(super) enum LinearWeight {
     /// The same in the bf16-activation mode, for its GEMM (`ops::gemm_abf16`, each panel
     /// widened to bf16 as it is needed: the bits of the widened bf16 weights).
     PackedMxfp4Abf16(Arc<PackedWeightMxfp4>),
+    /// CPU, an FP8 checkpoint's weight kept as stored (`ops::gemm_fp8`: the bits of the
+    /// widened weights' GEMM, in f32 or rounded to bf16 as the engine's dtype is).
+    PackedFp8(Arc<PackedWeightFp8>),
+    /// The same in the bf16-activation mode, for its GEMM (`ops::gemm_abf16`, a few blocks
+    /// widened and rounded to bf16 at a time: the bits of the rounded weights).
+    PackedFp8Abf16(Arc<PackedWeightFp8>),
     /// Other devices: `[in, out]`, transposed and contiguous once at load.
     Dense(Tensor),
 }
@@ -91,6 +97,8 @@ impl LinearWeight {
             // One kernel at every M (the mode runs the invariant profile only).
             Self::PackedAbf16(w) => matmul_packed_abf16(x, w, gemm.amx),
             Self::PackedMxfp4Abf16(w) => matmul_packed_abf16(x, w, false),
+            Self::PackedFp8(w) => matmul_packed_fp8_profiled(x, w, gemm.profile, gemm.invariant),
+            Self::PackedFp8Abf16(w) => matmul_packed_abf16(x, w, false),
             Self::Dense(w) if gemm.invariant => invariant_matmul(x, w),
             Self::Dense(w) => x.matmul(w),
         }

@@ -7,14 +7,23 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::config::ActivationDtype;
+use crate::config::{ActivationDtype, Fp8Weights};
 use crate::error::{DetspecError, Result};
-use crate::ops::{PackedWeightAbf16, PackedWeightBf16, PackedWeightMxfp4};
+use crate::ops::{PackedWeightAbf16, PackedWeightBf16, PackedWeightFp8, PackedWeightMxfp4};
 
+use super::fp8;
 use super::linear::{Linear, LinearWeight, Projection};
 use super::mxfp4;
 use super::params::{bf16_hash, tensor_hash, ParamHashes};
 use super::weights::Checkpoint;
+
+/// Whether the engine keeps quantized weights (gpt-oss's MXFP4 experts, FP8 linear layers) as
+/// stored on `device` with activations `act`: on the CPU, for its quantized GEMMs (f32
+/// activations) or the bf16-activation GEMM's exact kernels, which widen a panel as they need
+/// it. AMX tiles and other devices take them widened at load.
+pub fn keeps_quantized(device: &Device, act: ActivationDtype) -> bool {
+    device.is_cpu() && act != ActivationDtype::Bf16Amx
+}
 
 /// Loads parameters from a checkpoint in the engine's dtype, hashing each as it goes.
 pub(super) struct WeightLoader<'a> {
@@ -26,6 +35,8 @@ pub(super) struct WeightLoader<'a> {
     vector_dtype: DType,
     /// The activations: linear layers are packed for the bf16-activation GEMM in its modes.
     act: ActivationDtype,
+    /// How the checkpoint stores its FP8 matrices, if it has any.
+    fp8: Option<Fp8Weights>,
     hashes: RefCell<ParamHashes>,
 }
 
@@ -36,6 +47,7 @@ impl<'a> WeightLoader<'a> {
         dtype: DType,
         vector_dtype: DType,
         act: ActivationDtype,
+        fp8: Option<Fp8Weights>,
     ) -> Self {
         Self {
             ck,
@@ -43,6 +55,7 @@ impl<'a> WeightLoader<'a> {
             dtype,
             vector_dtype,
             act,
+            fp8,
             hashes: RefCell::default(),
         }
     }
@@ -143,7 +156,19 @@ impl<'a> WeightLoader<'a> {
         out_dim: usize,
         in_dim: usize,
     ) -> Result<LinearWeight> {
-        if self.device.is_cpu() && self.dtype == DType::BF16 && cfg!(target_endian = "little") {
+        // The bf16-activation GEMM reads k in pairs: an odd-K matrix is widened at load.
+        let keeps_fp8 =
+            keeps_quantized(self.device, self.act) && !(self.bf16_act() && in_dim % 2 == 1);
+        if let Some(fp8) = self.fp8.filter(|_| keeps_fp8) {
+            if self.stores_fp8(name)? {
+                return self.packed_fp8(&fp8, name, out_dim, in_dim);
+            }
+        }
+        if self.device.is_cpu()
+            && self.dtype == DType::BF16
+            && cfg!(target_endian = "little")
+            && !self.stores_fp8(name)?
+        {
             let packed = self
                 .ck
                 .with_raw(name, &[out_dim, in_dim], |src, bytes, _| {
@@ -183,6 +208,37 @@ impl<'a> WeightLoader<'a> {
         )
     }
 
+    /// FP8 matrix `name` kept as stored, packed for the CPU's FP8 GEMM (or, in the
+    /// bf16-activation mode, that mode's GEMM). Hashed as its widened values in the engine's
+    /// dtype, so the fingerprint is the widened checkpoint's.
+    fn packed_fp8(
+        &self,
+        fp8: &Fp8Weights,
+        name: &str,
+        out_dim: usize,
+        in_dim: usize,
+    ) -> Result<LinearWeight> {
+        let scales = self.fp8_scales(fp8, name, out_dim, in_dim)?;
+        let block = fp8.block_dims(out_dim, in_dim);
+        let round_bf16 = self.dtype == DType::BF16;
+        let (packed, hash) = self
+            .ck
+            .with_f8_e4m3(name, &[out_dim, in_dim], |codes, bad| {
+                let packed =
+                    PackedWeightFp8::from_codes(codes, &scales, out_dim, in_dim, block, round_bf16)
+                        .map_err(|e| bad(e.to_string()))?;
+                let hash = fp8::widened_hash(codes, &scales, out_dim, in_dim, fp8, round_bf16);
+                Ok::<_, DetspecError>((packed, hash))
+            })??;
+        self.hashes.borrow_mut().insert(name.to_string(), hash);
+        let packed = Arc::new(packed);
+        Ok(if self.bf16_act() {
+            LinearWeight::PackedFp8Abf16(packed)
+        } else {
+            LinearWeight::PackedFp8(packed)
+        })
+    }
+
     /// Whether linear layers are packed for the bf16-activation GEMM.
     pub(super) fn bf16_act(&self) -> bool {
         self.act.is_bf16()
@@ -220,7 +276,7 @@ impl<'a> WeightLoader<'a> {
     }
 
     /// gpt-oss's MXFP4 stacked matrix `name` (`shape` `[experts, in, out]` as widened) kept
-    /// as MXFP4 where the CPU's GEMMs read it (`mxfp4::keeps_mxfp4`): per
+    /// as MXFP4 where the CPU's GEMMs read it ([`keeps_quantized`]): per
     /// expert, a weight for each of `outputs`, the checkpoint rows that are its columns
     /// (gpt-oss's gate and up alternate rows). Hashed as its widened values, so the
     /// fingerprint is the widened checkpoint's. `None`: the checkpoint holds it widened, or
@@ -231,7 +287,7 @@ impl<'a> WeightLoader<'a> {
         shape: &[usize],
         outputs: &[Vec<usize>],
     ) -> Result<Option<Vec<Vec<LinearWeight>>>> {
-        if !mxfp4::keeps_mxfp4(self.device, self.act) {
+        if !keeps_quantized(self.device, self.act) {
             return Ok(None);
         }
         let bf16_act = self.bf16_act();
@@ -302,12 +358,76 @@ impl<'a> WeightLoader<'a> {
         Ok(Some(out))
     }
 
-    /// Hashed on the host before the upload: hashing a GPU tensor would copy it back.
-    fn load_as(&self, name: &str, shape: &[usize], dtype: DType) -> Result<Tensor> {
-        let t = self
+    /// Whether the checkpoint stores matrix `name` in FP8.
+    fn stores_fp8(&self, name: &str) -> Result<bool> {
+        Ok(self.fp8.is_some() && self.ck.stored_layout(name)?.0 == safetensors::Dtype::F8_E4M3)
+    }
+
+    /// FP8 matrix `name` (`shape` `[rows, cols]`) widened by its scales (`fp8::widen`), in f32
+    /// on the host.
+    fn widen_fp8(&self, fp8: &Fp8Weights, name: &str, shape: &[usize]) -> Result<Tensor> {
+        let &[rows, cols] = shape else {
+            return Err(DetspecError::BadTensor {
+                name: name.to_string(),
+                path: self.ck.manifest().to_path_buf(),
+                message: format!("FP8 weights are read as matrices, expected shape {shape:?}"),
+            });
+        };
+        let scales = self.fp8_scales(fp8, name, rows, cols)?;
+        let values = self.ck.with_f8_e4m3(name, shape, |codes, bad| {
+            fp8::widen(codes, &scales, rows, cols, fp8).map_err(|i| {
+                bad(format!(
+                    "weight [{}, {}] is not a number (its code {:#04x}, or its scale)",
+                    i / cols,
+                    i % cols,
+                    codes[i]
+                ))
+            })
+        })??;
+        Ok(Tensor::from_vec(values, (rows, cols), &Device::Cpu)?)
+    }
+
+    /// The scales of FP8 matrix `name` (`[rows, cols]`), row-major, checked against the
+    /// config's block layout.
+    fn fp8_scales(
+        &self,
+        fp8: &Fp8Weights,
+        name: &str,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Vec<f32>> {
+        let scale_name = format!("{name}{}", fp8.scale_suffix);
+        let want = fp8.scale_shape(rows, cols);
+        // Stored as `[r, c]`, or with its unit dimensions dropped (`[]` for one per matrix,
+        // `[rows]` per channel).
+        let (_, stored) = self.ck.stored_layout(&scale_name)?;
+        let squeezed = |s: &[usize]| s.iter().copied().filter(|&d| d != 1).collect::<Vec<_>>();
+        if squeezed(&stored) != squeezed(&want) {
+            return Err(DetspecError::BadTensor {
+                name: scale_name,
+                path: self.ck.manifest().to_path_buf(),
+                message: format!(
+                    "expected the scales of `{name}` {rows} x {cols} in blocks of {:?}: shape \
+                     {want:?}, found {stored:?}",
+                    fp8.block
+                ),
+            });
+        }
+        Ok(self
             .ck
-            .load(name, shape, self.dtype, &Device::Cpu)?
-            .to_dtype(dtype)?;
+            .load(&scale_name, &stored, DType::F32, &Device::Cpu)?
+            .flatten_all()?
+            .to_vec1::<f32>()?)
+    }
+
+    /// Hashed on the host before the upload: hashing a GPU tensor would copy it back. An FP8
+    /// matrix is widened first, so it is hashed as the checkpoint of its widened values.
+    fn load_as(&self, name: &str, shape: &[usize], dtype: DType) -> Result<Tensor> {
+        let stored = match self.fp8.as_ref() {
+            Some(fp8) if self.stores_fp8(name)? => self.widen_fp8(fp8, name, shape)?,
+            _ => self.ck.load(name, shape, self.dtype, &Device::Cpu)?,
+        };
+        let t = stored.to_dtype(self.dtype)?.to_dtype(dtype)?;
         let h = tensor_hash(&t)?;
         self.hashes.borrow_mut().insert(name.to_string(), h);
         Ok(t.to_device(self.device)?)

@@ -11,16 +11,17 @@ use crate::error::{gib, DetspecError, Result};
 use super::params::param_shapes;
 
 /// Bytes the engine holds for a `cfg` model's weights in `dtype` on `device`: matrices in
-/// `dtype` (gpt-oss's stacked experts too; in MXFP4, 17 bytes a 32 weights, where
-/// `keeps_mxfp4`: the CPU's MXFP4 GEMM runs them), vectors (norms, biases) in the activations'
-/// dtype (f32 on the CPU). A tied LM head counts twice: it is packed (CPU) or transposed (GPU)
+/// `dtype` (gpt-oss's stacked experts too), vectors (norms, biases) in the activations' dtype
+/// (f32 on the CPU). Where `keeps_quantized` (the CPU's quantized GEMMs run them as stored):
+/// MXFP4 experts in 17 bytes a 32 weights, an FP8 checkpoint's layer matrices in a byte a
+/// weight (its LM head and embedding, which such checkpoints leave unquantized, in `dtype`). A tied LM head counts twice: it is packed (CPU) or transposed (GPU)
 /// apart from the embedding. Also the largest single matrix, which loading holds twice for a
 /// moment (read, then packed).
 pub fn weight_bytes(
     cfg: &ModelConfig,
     dtype: DType,
     device: &Device,
-    keeps_mxfp4: bool,
+    keeps_quantized: bool,
 ) -> (u64, u64) {
     let vector = if device.is_cpu() { DType::F32 } else { dtype };
     let mut total = 0u64;
@@ -28,8 +29,12 @@ pub fn weight_bytes(
     for (name, shape) in param_shapes(cfg) {
         let elems: u64 = shape.iter().map(|&d| d as u64).product();
         let mxfp4 = cfg.mxfp4_experts && shape.len() == 3 && name.contains(".mlp.experts.");
-        let bytes = if mxfp4 && keeps_mxfp4 {
+        let fp8 =
+            cfg.fp8_weights.is_some() && shape.len() == 2 && name.starts_with("model.layers.");
+        let bytes = if mxfp4 && keeps_quantized {
             elems * 17 / 32
+        } else if fp8 && keeps_quantized {
+            elems
         } else {
             elems * if shape.len() >= 2 { dtype } else { vector }.size_in_bytes() as u64
         };
@@ -49,14 +54,14 @@ pub fn available_memory() -> Option<u64> {
 }
 
 /// Fails, before anything is allocated, if the weights of the `cfg` model in `dir` (in `dtype`,
-/// gpt-oss's MXFP4 experts kept so where `keeps_mxfp4`)
+/// quantized weights kept so where `keeps_quantized`)
 /// plus a KV pool of `kv_bytes` need more than the memory available. CPU only (a GPU's memory
 /// is the GPU's to refuse); skipped where the available memory is unknown.
 pub fn check_fits(
     dir: &Path,
     cfg: &ModelConfig,
     dtype: DType,
-    keeps_mxfp4: bool,
+    keeps_quantized: bool,
     kv_bytes: u64,
     device: &Device,
 ) -> Result<()> {
@@ -66,7 +71,7 @@ pub fn check_fits(
     let Some(available) = available_memory() else {
         return Ok(());
     };
-    let (weights, largest) = weight_bytes(cfg, dtype, device, keeps_mxfp4);
+    let (weights, largest) = weight_bytes(cfg, dtype, device, keeps_quantized);
     let needed = weights + largest + kv_bytes;
     if needed <= available {
         return Ok(());

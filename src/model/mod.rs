@@ -1,6 +1,7 @@
 //! Weight loading, the decoder forward pass, and parameters by name (weight updates).
 
 mod decoder;
+mod fp8;
 mod fused_experts;
 mod linear;
 mod loader;
@@ -14,11 +15,11 @@ mod update;
 mod weights;
 
 pub use decoder::{ForwardBatch, Model};
+pub use loader::keeps_quantized;
 pub use lora::{LoraAdapter, LoraBase};
 pub use memory::{
     available_memory, check_fits, forward_headroom, kv_bytes_for_utilization, weight_bytes,
 };
 pub use moe_names::unfuse_experts;
-pub use mxfp4::keeps_mxfp4;
 pub use params::{check_update, param_shapes};
 pub use weights::{language_model_name, Checkpoint};

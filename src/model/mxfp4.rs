@@ -5,18 +5,9 @@
 //! and one E8M0 scale byte, the block's power of two biased by 127. A value is the code's
 //! number times that power, which bf16 (and f32) hold exactly: widening loses nothing.
 
-use crate::config::ActivationDtype;
-
 use xxhash_rust::xxh3::Xxh3;
 
 use crate::ops::{E2M1, E8M0};
-
-/// Whether the engine keeps MXFP4 experts as stored on `device` with activations `act`: on
-/// the CPU, for the MXFP4 GEMM (f32 activations) or the bf16-activation GEMM's exact kernels,
-/// which widen a panel as they need it. AMX tiles and other devices take them widened.
-pub fn keeps_mxfp4(device: &candle_core::Device, act: ActivationDtype) -> bool {
-    device.is_cpu() && act != ActivationDtype::Bf16Amx
-}
 
 /// Bytes of codes per block (32 values).
 pub(super) const BLOCK_BYTES: usize = 16;

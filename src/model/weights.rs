@@ -192,6 +192,45 @@ impl Checkpoint {
         })?
     }
 
+    /// `name`'s dtype and shape as stored.
+    pub fn stored_layout(&self, name: &str) -> Result<(StDtype, Vec<usize>)> {
+        let (shard, stored) = self.locate(name)?;
+        let (path, mmap) = &self.shards[shard];
+        let st = SafeTensors::deserialize(mmap)
+            .map_err(|e| DetspecError::file(path, format!("not a valid safetensors file: {e}")))?;
+        let view = st.tensor(stored).map_err(|e| DetspecError::BadTensor {
+            name: stored.to_string(),
+            path: path.clone(),
+            message: format!("cannot read: {e}"),
+        })?;
+        Ok((view.dtype(), view.shape().to_vec()))
+    }
+
+    /// `f` of `name`'s bytes as stored, an FP8 E4M3 tensor of `shape`, in the mapped file: no
+    /// copy.
+    pub fn with_f8_e4m3<R>(
+        &self,
+        name: &str,
+        shape: &[usize],
+        f: impl FnOnce(&[u8], &dyn Fn(String) -> DetspecError) -> R,
+    ) -> Result<R> {
+        self.with_stored(name, shape, |stored, data, bad| match stored {
+            StDtype::F8_E4M3 => Ok(f(data, bad)),
+            other => Err(bad(format!("expected an F8_E4M3 tensor, found {other:?}"))),
+        })?
+    }
+
+    /// The shard holding `name`, and the name it is stored under there.
+    fn locate(&self, name: &str) -> Result<(usize, &str)> {
+        self.index
+            .get(name)
+            .map(|(shard, stored)| (*shard, stored.as_str()))
+            .ok_or_else(|| DetspecError::MissingTensor {
+                name: name.to_string(),
+                path: self.manifest.clone(),
+            })
+    }
+
     /// [`Self::with_raw`] for a tensor of any stored dtype.
     fn with_stored<R>(
         &self,
@@ -199,16 +238,10 @@ impl Checkpoint {
         shape: &[usize],
         f: impl FnOnce(StDtype, &[u8], &dyn Fn(String) -> DetspecError) -> R,
     ) -> Result<R> {
-        let (shard, stored) = self
-            .index
-            .get(name)
-            .ok_or_else(|| DetspecError::MissingTensor {
-                name: name.to_string(),
-                path: self.manifest.clone(),
-            })?;
-        let (path, mmap) = &self.shards[*shard];
+        let (shard, stored) = self.locate(name)?;
+        let (path, mmap) = &self.shards[shard];
         let bad = |message: String| DetspecError::BadTensor {
-            name: stored.clone(),
+            name: stored.to_string(),
             path: path.clone(),
             message,
         };

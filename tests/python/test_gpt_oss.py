@@ -125,8 +125,8 @@ def test_mxfp4_errors_name_the_tensor_or_field(model_zoo, tmp_path: Path) -> Non
         detspec.LLM(str(tmp_path / "m"))
     # Another quantization method is refused at the config, naming it.
     config = json.loads((case.path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8"}
-    other = tmp_path / "fp8"
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    other = tmp_path / "awq"
     shutil.copytree(case.path, other)
     (other / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match="quant_method"):
