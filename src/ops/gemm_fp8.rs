@@ -290,6 +290,65 @@ unsafe fn widen_avx512(steps: Steps<'_>, round: bool, out: &mut [[f32; NR]]) {
     }
 }
 
+impl PackedWeightFp8 {
+    /// Whether panel `p`'s pair words may come from [`widen_pairs_avx512bf16`]: on a CPU with
+    /// AVX-512 BF16, with the AVX-512 widening's conditions, scale blocks of even length (a
+    /// step pair shares its scale), and no weight of the panel denormal (the conversion
+    /// instruction reads denormals as zero; the panel's weights are at least 2^-9 times its
+    /// smallest scale).
+    #[cfg(target_arch = "x86_64")]
+    fn pairs_by_instruction(&self, p: usize) -> bool {
+        super::gemm_abf16::DotIsa::detect() == super::gemm_abf16::DotIsa::Avx512Bf16
+            && self.fast_scales
+            && self.k_block.is_multiple_of(2)
+            && !self.denormal[p]
+            && !denormals_are_zero()
+    }
+}
+
+/// Step pairs widened as [`widen_avx512`] widens them and rounded to bf16 by
+/// `VCVTNE2PS2BF16` (to nearest even, as `round_bf16`, for the normal values it is given),
+/// interleaved into pair words by one `VPERMW`: a third of the instructions of widening,
+/// rounding and pairing apart.
+///
+/// # Safety
+/// The CPU has AVX-512F, BW and BF16; the steps' scale blocks have even length and start at
+/// an even step; `out` holds NR words per step pair.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+unsafe fn widen_pairs_avx512bf16(steps: Steps<'_>, out: &mut [u32]) {
+    use std::arch::x86_64::*;
+    const HALF: usize = NR / 2;
+    // SAFETY: every load and store is of 16 lanes inside the arrays named.
+    unsafe {
+        let fields = _mm512_set1_epi32(0x87f0_0000_u32 as i32);
+        let rebias = _mm512_set1_ps(2f32.powi(120));
+        // 16-bit lanes: the even step's column c (lane c), then the odd step's (lane 16 + c).
+        let interleave = _mm512_set_epi16(
+            31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20,
+            4, 19, 3, 18, 2, 17, 1, 16, 0,
+        );
+        let value = |codes: *const u8, scale: __m512| {
+            let x = _mm512_slli_epi32::<20>(_mm512_cvtepi8_epi32(_mm_loadu_si128(codes.cast())));
+            _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(x, fields)), scale)
+        };
+        let mut words = out.chunks_exact_mut(NR);
+        for (piece, scale) in steps.by_scale() {
+            let slo = _mm512_mul_ps(_mm512_loadu_ps(scale.as_ptr()), rebias);
+            let shi = _mm512_mul_ps(_mm512_loadu_ps(scale.as_ptr().add(HALF)), rebias);
+            for (pair, w) in piece.chunks_exact(2).zip(words.by_ref()) {
+                for (h, s) in [(0, slo), (HALF, shi)] {
+                    let even = value(pair[0].as_ptr().add(h), s);
+                    let odd = value(pair[1].as_ptr().add(h), s);
+                    let bf: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(odd, even));
+                    let paired = _mm512_permutexvar_epi16(interleave, bf);
+                    _mm512_storeu_si512(w.as_mut_ptr().add(h).cast(), paired);
+                }
+            }
+        }
+    }
+}
+
 /// Whether this thread's floating-point unit reads denormal inputs as zero (MXCSR's DAZ, which
 /// some libraries set: torch's `set_flush_denormal`).
 #[cfg(target_arch = "x86_64")]
@@ -388,6 +447,19 @@ impl PairPanels for PackedWeightFp8 {
     fn widen_run(&self, p: usize, run: usize, out: &mut [u32]) {
         let first = run * PAIR_RUN * 2;
         let steps = (PAIR_RUN * 2).min(self.k - first);
+        #[cfg(target_arch = "x86_64")]
+        if self.pairs_by_instruction(p) {
+            let steps = Steps {
+                codes: &self.codes[p * self.k + first..][..steps],
+                scales: &self.scales[p * self.k_blocks..(p + 1) * self.k_blocks],
+                k_block: self.k_block,
+                at: first,
+            };
+            // SAFETY: the CPU has AVX-512 BF16 (`pairs_by_instruction`); `out` holds a word
+            // per column of every step pair.
+            unsafe { widen_pairs_avx512bf16(steps, out) };
+            return;
+        }
         WIDE.with_borrow_mut(|wide| {
             wide.resize(steps, [0f32; NR]);
             self.widen_steps(p, first, true, wide);
