@@ -16,6 +16,7 @@
 //! the bits of that GEMM on the rounded weights stored in bf16.
 
 use std::cell::RefCell;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use candle_core::{bail, Tensor};
@@ -85,6 +86,8 @@ pub struct PackedWeightFp8 {
     denormal: Vec<bool>,
     /// Every scale times 2^120 is finite, so the AVX-512 widening may multiply by that.
     fast_scales: bool,
+    /// This weight's number ([`NEXT_ID`]).
+    id: u64,
 }
 
 impl PackedWeightFp8 {
@@ -159,6 +162,7 @@ impl PackedWeightFp8 {
             round_bf16,
             denormal,
             fast_scales: scales.iter().all(|s| s.abs() < 2f32.powi(7)),
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
         })
     }
 
@@ -381,7 +385,10 @@ impl PanelSteps for Fp8Panel<'_> {
     }
 
     /// Runs of up to 32 steps, each widened into a buffer by one call, then folded as an f32
-    /// panel (as MXFP4's panels are, for the same reasons: see `gemm_mxfp4`).
+    /// panel (as MXFP4's panels are, for the same reasons: see `gemm_mxfp4`). A block of 4
+    /// rows or more (the GEMM has more than a few rows, so it passes the panel for each block
+    /// of them) folds the whole panel widened once into this thread's buffer instead
+    /// ([`WIDENED`]): the same values, so the same bits.
     #[inline(always)]
     unsafe fn fold<const R: usize, const C0: usize, const C: usize>(
         self,
@@ -390,6 +397,22 @@ impl PanelSteps for Fp8Panel<'_> {
         k: usize,
         mut acc: [[f32; C]; R],
     ) -> [[f32; C]; R] {
+        if R >= 4 {
+            // Not in a closure (`with_borrow_mut`): a closure does not inherit the caller's
+            // target features, and the microkernel inlined into one ran scalar (150x slower).
+            let cell: *const RefCell<WidenedPanel> = WIDENED.with(|c| c as *const _);
+            // SAFETY: this thread's own value, alive as long as the thread.
+            let mut panel = unsafe { &*cell }.borrow_mut();
+            if panel.key != Some((self.w.id, self.p)) {
+                panel.steps.resize(self.w.k, [0f32; NR]);
+                self.w
+                    .widen_steps(self.p, 0, self.w.round_bf16, &mut panel.steps);
+                panel.key = Some((self.w.id, self.p));
+            }
+            let steps: &[[f32; NR]] = &panel.steps[self.k0..self.k0 + k];
+            // SAFETY: the caller's contract; `steps` holds its k steps.
+            return unsafe { steps.fold::<R, C0, C>(a, lda, k, acc) };
+        }
         let mut run = [[0f32; NR]; RUN];
         let mut kk = 0;
         while kk < k {
@@ -422,7 +445,21 @@ impl Panels for PackedWeightFp8 {
     }
 }
 
+/// A panel widened whole: its steps, and which it is (weight number, panel index).
+struct WidenedPanel {
+    key: Option<(u64, usize)>,
+    steps: Vec<[f32; NR]>,
+}
+
+/// Each packed weight's number, so a thread's [`WIDENED`] panel is known by it (never reused,
+/// unlike an address).
+static NEXT_ID: AtomicU64 = AtomicU64::new(0);
+
 thread_local! {
+    /// The last panel this thread widened whole.
+    static WIDENED: RefCell<WidenedPanel> = const {
+        RefCell::new(WidenedPanel { key: None, steps: Vec::new() })
+    };
     /// Steps widened to f32 on their way to pair words, and the panel being multiplied by as
     /// pair words (one each per worker thread).
     static WIDE: RefCell<Vec<[f32; NR]>> = const { RefCell::new(Vec::new()) };
