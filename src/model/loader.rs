@@ -156,18 +156,17 @@ impl<'a> WeightLoader<'a> {
         out_dim: usize,
         in_dim: usize,
     ) -> Result<LinearWeight> {
+        let stored_fp8 = self.stores_fp8(name)?;
         // The bf16-activation GEMM reads k in pairs: an odd-K matrix is widened at load.
         let keeps_fp8 =
             keeps_quantized(self.device, self.act) && !(self.bf16_act() && in_dim % 2 == 1);
-        if let Some(fp8) = self.fp8.filter(|_| keeps_fp8) {
-            if self.stores_fp8(name)? {
-                return self.packed_fp8(&fp8, name, out_dim, in_dim);
-            }
+        if let Some(fp8) = self.fp8.filter(|_| stored_fp8 && keeps_fp8) {
+            return self.packed_fp8(&fp8, name, out_dim, in_dim);
         }
         if self.device.is_cpu()
             && self.dtype == DType::BF16
             && cfg!(target_endian = "little")
-            && !self.stores_fp8(name)?
+            && !stored_fp8
         {
             let packed = self
                 .ck

@@ -68,7 +68,8 @@ fn round_bf16(w: f32) -> f32 {
     f32::from_bits(b.wrapping_add(0x7fff + ((b >> 16) & 1)) & 0xffff_0000)
 }
 
-/// A `[K, N]` weight in FP8, packed into column panels for [`packed_matmul_fp8`].
+/// A `[K, N]` weight in FP8, packed into column panels for [`matmul_packed_fp8_profiled`]
+/// (and, in the bf16-activation mode, `gemm_abf16`).
 #[derive(Debug)]
 pub struct PackedWeightFp8 {
     k: usize,
@@ -572,15 +573,6 @@ pub fn packed_matmul_fp8_with(
     isa: CpuIsa,
 ) -> candle_core::Result<Vec<f32>> {
     matmul_panels(a, m, w, isa, Reduction::Sequential)
-}
-
-/// `a[m, k] @ w` with the best instruction set of this CPU.
-pub fn packed_matmul_fp8(
-    a: &[f32],
-    m: usize,
-    w: &PackedWeightFp8,
-) -> candle_core::Result<Vec<f32>> {
-    packed_matmul_fp8_with(a, m, w, CpuIsa::detect())
 }
 
 /// `x[m, k] @ w` as a candle op (CPU; `x` f32, output f32), with the reduction `profile`

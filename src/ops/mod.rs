@@ -44,9 +44,7 @@ pub use gemm_bf16::{
     matmul_packed_bf16, matmul_packed_bf16_profiled, packed_matmul_bf16, packed_matmul_bf16_with,
     PackedWeightBf16,
 };
-pub use gemm_fp8::{
-    matmul_packed_fp8_profiled, packed_matmul_fp8, packed_matmul_fp8_with, PackedWeightFp8, E4M3,
-};
+pub use gemm_fp8::{matmul_packed_fp8_profiled, packed_matmul_fp8_with, PackedWeightFp8, E4M3};
 pub use gemm_mxfp4::{
     matmul_packed_mxfp4_profiled, packed_matmul_mxfp4, packed_matmul_mxfp4_with, PackedWeightMxfp4,
     E2M1, E8M0, MXFP4_BLOCK,
