@@ -1685,6 +1685,22 @@ pub(super) mod tests {
             e.contains("quantization_config.quant_method") && e.contains("gpt-oss"),
             "{e}"
         );
+        // What the memory check counts for a Llama-3.1-8B-shaped FP8 checkpoint: its layer
+        // matrices a byte a weight where the CPU keeps them (embedding and LM head in bf16),
+        // else all of it in bf16.
+        let c = parse(
+            r#"{"architectures": ["LlamaForCausalLM"], "hidden_size": 4096,
+            "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": false,
+            "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}"#,
+        )
+        .unwrap();
+        let bytes = |kept| {
+            let cpu = candle_core::Device::Cpu;
+            crate::model::weight_bytes(&c, candle_core::DType::BF16, &cpu, kept).0 as f64
+        };
+        assert!((9.0e9..9.2e9).contains(&bytes(true)), "{}", bytes(true));
+        assert!((16.0e9..16.1e9).contains(&bytes(false)), "{}", bytes(false));
     }
 
     #[test]

@@ -20,6 +20,8 @@
 //! block of accumulators in registers (up to 8 rows × NR columns with AVX-512's 32 registers,
 //! 6 rows × NR/2 with AVX2's 16: [`Blocking`]) and walks k once.
 
+use std::cell::RefCell;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use candle_core::{bail, CpuStorage, CustomOp1, Layout, Shape, Tensor};
@@ -144,10 +146,72 @@ pub(super) trait Panels: Sync {
     fn k(&self) -> usize;
     /// Output columns N.
     fn n(&self) -> usize;
-    /// Panel `p`'s K steps.
-    fn panel(&self, p: usize) -> Self::Panel<'_>;
+    /// Panel `p`'s K steps, for a GEMM of `rows` rows (which passes the panel once per
+    /// register block of them).
+    fn panel(&self, p: usize, rows: usize) -> Self::Panel<'_>;
     /// The candle op's name.
     const OP_NAME: &'static str;
+}
+
+/// A panel widened whole to f32: its steps, and which it is (weight number, panel index).
+struct WidenedPanel {
+    key: Option<(u64, usize)>,
+    steps: Vec<[f32; NR]>,
+}
+
+thread_local! {
+    /// The last panel this thread widened whole ([`fold_widened_panel`]).
+    static WIDENED: RefCell<WidenedPanel> = const {
+        RefCell::new(WidenedPanel { key: None, steps: Vec::new() })
+    };
+}
+
+/// Numbers for weights whose panels [`fold_widened_panel`] keeps (never reused, unlike an
+/// address).
+static NEXT_WEIGHT: AtomicU64 = AtomicU64::new(0);
+
+/// A number for a new packed weight, by which [`fold_widened_panel`] knows its panels.
+pub(super) fn new_weight_number() -> u64 {
+    NEXT_WEIGHT.fetch_add(1, Ordering::Relaxed)
+}
+
+/// Rows past which a GEMM passes a panel more than once (its largest register block): where a
+/// quantized panel is widened whole once ([`fold_widened_panel`]) rather than run by run.
+pub(super) const WIDEN_WHOLE_PAST: usize = 8;
+
+/// [`PanelSteps::fold`] for a quantized panel that several register blocks read: the panel
+/// `key` (weight number, panel index) widened whole into this thread's buffer by `widen`
+/// (its `k_total` steps) unless it is the one already there, then its steps `range` folded
+/// as f32 steps. The GEMM passes a panel once per block of rows, so a panel widened
+/// whole once serves them all, where widening it run by run inside each block would repeat
+/// the work (MXFP4's, FP8's panels). The same widened values, so the same bits.
+///
+/// # Safety
+/// As for [`PanelSteps::fold`].
+#[inline(always)]
+pub(super) unsafe fn fold_widened_panel<const R: usize, const C0: usize, const C: usize>(
+    key: (u64, usize),
+    k_total: usize,
+    widen: impl FnOnce(&mut [[f32; NR]]),
+    range: std::ops::Range<usize>,
+    a: *const f32,
+    lda: usize,
+    acc: [[f32; C]; R],
+) -> [[f32; C]; R] {
+    // Not in a closure (`with_borrow_mut`): a closure does not inherit the caller's target
+    // features, and the microkernel inlined into one ran scalar (150x slower).
+    let cell: *const RefCell<WidenedPanel> = WIDENED.with(|c| c as *const _);
+    // SAFETY: this thread's own value, alive as long as the thread.
+    let mut panel = unsafe { &*cell }.borrow_mut();
+    if panel.key != Some(key) {
+        panel.steps.resize(k_total, [0f32; NR]);
+        widen(&mut panel.steps);
+        panel.key = Some(key);
+    }
+    let k = range.len();
+    let steps: &[[f32; NR]] = &panel.steps[range];
+    // SAFETY: the caller's contract; `steps` holds its k steps.
+    unsafe { steps.fold::<R, C0, C>(a, lda, k, acc) }
 }
 
 /// The k steps of one panel.
@@ -228,7 +292,7 @@ impl Panels for PackedWeight {
         self.n
     }
 
-    fn panel(&self, p: usize) -> &[[f32; NR]] {
+    fn panel(&self, p: usize, _rows: usize) -> &[[f32; NR]] {
         self.data[p * self.k * NR..(p + 1) * self.k * NR]
             .as_chunks::<NR>()
             .0
@@ -313,7 +377,7 @@ unsafe fn panel_rows<W: Panels>(
 ) {
     const HALF: usize = NR / 2;
     let (k, n) = (w.k(), w.n());
-    let panel = w.panel(p);
+    let panel = w.panel(p, m);
     let c0 = p * NR;
     let width = NR.min(n - c0);
     // Writes rows r0.. of the block `acc`, whose columns start at panel column `first`.

@@ -138,7 +138,7 @@ impl Panels for PackedWeightBf16 {
         self.n
     }
 
-    fn panel(&self, p: usize) -> &[[u32; WORDS]] {
+    fn panel(&self, p: usize, _rows: usize) -> &[[u32; WORDS]] {
         &self.data[p * self.k..(p + 1) * self.k]
     }
 }

@@ -16,12 +16,14 @@
 //! the bits of that GEMM on the rounded weights stored in bf16.
 
 use std::cell::RefCell;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use candle_core::{bail, Tensor};
 
-use super::gemm::{apply_packed, matmul_panels, PanelSteps, Panels, Reduction, NR};
+use super::gemm::{
+    apply_packed, fold_widened_panel, matmul_panels, new_weight_number, PanelSteps, Panels,
+    Reduction, NR, WIDEN_WHOLE_PAST,
+};
 use super::gemm_abf16::{PairPanel, PairPanels};
 use super::isa::isa_kernel;
 use super::CpuIsa;
@@ -87,7 +89,7 @@ pub struct PackedWeightFp8 {
     denormal: Vec<bool>,
     /// Every scale times 2^120 is finite, so the AVX-512 widening may multiply by that.
     fast_scales: bool,
-    /// This weight's number ([`NEXT_ID`]).
+    /// This weight's number (`gemm::fold_widened_panel`).
     id: u64,
 }
 
@@ -163,7 +165,7 @@ impl PackedWeightFp8 {
             round_bf16,
             denormal,
             fast_scales: scales.iter().all(|s| s.abs() < 2f32.powi(7)),
-            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            id: new_weight_number(),
         })
     }
 
@@ -374,6 +376,9 @@ pub(super) struct Fp8Panel<'a> {
     w: &'a PackedWeightFp8,
     p: usize,
     k0: usize,
+    /// Widened whole, once per thread (`gemm::fold_widened_panel`): the GEMM's register
+    /// blocks will read it more than once.
+    whole: bool,
 }
 
 impl PanelSteps for Fp8Panel<'_> {
@@ -386,10 +391,8 @@ impl PanelSteps for Fp8Panel<'_> {
     }
 
     /// Runs of up to 32 steps, each widened into a buffer by one call, then folded as an f32
-    /// panel (as MXFP4's panels are, for the same reasons: see `gemm_mxfp4`). A block of 4
-    /// rows or more (the GEMM has more than a few rows, so it passes the panel for each block
-    /// of them) folds the whole panel widened once into this thread's buffer instead
-    /// ([`WIDENED`]): the same values, so the same bits.
+    /// panel (as MXFP4's panels are, for the same reasons: see `gemm_mxfp4`); or, where the
+    /// GEMM's row blocks read the panel more than once, the panel widened whole once.
     #[inline(always)]
     unsafe fn fold<const R: usize, const C0: usize, const C: usize>(
         self,
@@ -398,21 +401,21 @@ impl PanelSteps for Fp8Panel<'_> {
         k: usize,
         mut acc: [[f32; C]; R],
     ) -> [[f32; C]; R] {
-        if R >= 4 {
-            // Not in a closure (`with_borrow_mut`): a closure does not inherit the caller's
-            // target features, and the microkernel inlined into one ran scalar (150x slower).
-            let cell: *const RefCell<WidenedPanel> = WIDENED.with(|c| c as *const _);
-            // SAFETY: this thread's own value, alive as long as the thread.
-            let mut panel = unsafe { &*cell }.borrow_mut();
-            if panel.key != Some((self.w.id, self.p)) {
-                panel.steps.resize(self.w.k, [0f32; NR]);
-                self.w
-                    .widen_steps(self.p, 0, self.w.round_bf16, &mut panel.steps);
-                panel.key = Some((self.w.id, self.p));
-            }
-            let steps: &[[f32; NR]] = &panel.steps[self.k0..self.k0 + k];
-            // SAFETY: the caller's contract; `steps` holds its k steps.
-            return unsafe { steps.fold::<R, C0, C>(a, lda, k, acc) };
+        if self.whole {
+            let w = self.w;
+            let widen = |steps: &mut [[f32; NR]]| w.widen_steps(self.p, 0, w.round_bf16, steps);
+            // SAFETY: the caller's contract.
+            return unsafe {
+                fold_widened_panel::<R, C0, C>(
+                    (w.id, self.p),
+                    w.k,
+                    widen,
+                    self.k0..self.k0 + k,
+                    a,
+                    lda,
+                    acc,
+                )
+            };
         }
         let mut run = [[0f32; NR]; RUN];
         let mut kk = 0;
@@ -441,26 +444,17 @@ impl Panels for PackedWeightFp8 {
         self.n
     }
 
-    fn panel(&self, p: usize) -> Fp8Panel<'_> {
-        Fp8Panel { w: self, p, k0: 0 }
+    fn panel(&self, p: usize, rows: usize) -> Fp8Panel<'_> {
+        Fp8Panel {
+            w: self,
+            p,
+            k0: 0,
+            whole: rows > WIDEN_WHOLE_PAST,
+        }
     }
 }
 
-/// A panel widened whole: its steps, and which it is (weight number, panel index).
-struct WidenedPanel {
-    key: Option<(u64, usize)>,
-    steps: Vec<[f32; NR]>,
-}
-
-/// Each packed weight's number, so a thread's [`WIDENED`] panel is known by it (never reused,
-/// unlike an address).
-static NEXT_ID: AtomicU64 = AtomicU64::new(0);
-
 thread_local! {
-    /// The last panel this thread widened whole.
-    static WIDENED: RefCell<WidenedPanel> = const {
-        RefCell::new(WidenedPanel { key: None, steps: Vec::new() })
-    };
     /// Steps widened to f32 on their way to pair words, and the panel being multiplied by as
     /// pair words (one each per worker thread).
     static WIDE: RefCell<Vec<[f32; NR]>> = const { RefCell::new(Vec::new()) };

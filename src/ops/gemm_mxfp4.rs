@@ -22,7 +22,10 @@ use std::sync::Arc;
 
 use candle_core::{bail, Tensor};
 
-use super::gemm::{apply_packed, matmul_panels, PanelSteps, Panels, Reduction, NR};
+use super::gemm::{
+    apply_packed, fold_widened_panel, matmul_panels, new_weight_number, PanelSteps, Panels,
+    Reduction, NR, WIDEN_WHOLE_PAST,
+};
 use super::gemm_abf16::{PairPanel, PairPanels};
 use super::isa::isa_kernel;
 use super::CpuIsa;
@@ -65,6 +68,8 @@ pub struct PackedWeightMxfp4 {
     codes: Vec<[u8; STEP_BYTES]>,
     /// Per panel, K / 32 runs of the columns' scale bytes.
     scales: Vec<[u8; NR]>,
+    /// This weight's number (`gemm::fold_widened_panel`).
+    id: u64,
 }
 
 impl PackedWeightMxfp4 {
@@ -126,6 +131,7 @@ impl PackedWeightMxfp4 {
             n,
             codes,
             scales: packed_scales,
+            id: new_weight_number(),
         })
     }
 
@@ -151,6 +157,11 @@ pub(super) struct Mxfp4Panel<'a> {
     codes: &'a [[u8; STEP_BYTES]],
     scales: &'a [[u8; NR]],
     k0: usize,
+    /// The weight's number and the panel's index.
+    key: (u64, usize),
+    /// Widened whole, once per thread (`gemm::fold_widened_panel`): the GEMM's register
+    /// blocks will read it more than once.
+    whole: bool,
 }
 
 impl<'a> PanelSteps for Mxfp4Panel<'a> {
@@ -175,28 +186,63 @@ impl<'a> PanelSteps for Mxfp4Panel<'a> {
         k: usize,
         mut acc: [[f32; C]; R],
     ) -> [[f32; C]; R] {
-        let mut run = [[0f32; NR]; MXFP4_BLOCK];
         let isa = CpuIsa::detect();
+        if self.whole {
+            let widen = |steps: &mut [[f32; NR]]| {
+                for (g, (run, codes)) in steps
+                    .chunks_exact_mut(MXFP4_BLOCK)
+                    .zip(self.codes.chunks_exact(MXFP4_BLOCK))
+                    .enumerate()
+                {
+                    if let Ok(run) = <&mut [[f32; NR]; MXFP4_BLOCK]>::try_from(run) {
+                        widen_any(isa, codes, &self.scales[g], run);
+                    }
+                }
+            };
+            let k_total = self.codes.len();
+            // SAFETY: the caller's contract.
+            return unsafe {
+                fold_widened_panel::<R, C0, C>(
+                    self.key,
+                    k_total,
+                    widen,
+                    self.k0..self.k0 + k,
+                    a,
+                    lda,
+                    acc,
+                )
+            };
+        }
+        let mut run = [[0f32; NR]; MXFP4_BLOCK];
         let mut kk = 0;
         while kk < k {
             let at = self.k0 + kk;
             let n = (MXFP4_BLOCK - at % MXFP4_BLOCK).min(k - kk);
             let scales = &self.scales[at / MXFP4_BLOCK];
-            #[cfg(target_arch = "x86_64")]
-            if isa == CpuIsa::Avx512 {
-                // SAFETY: the CPU has AVX-512 (`CpuIsa::detect`).
-                unsafe { widen_run_avx512(&self.codes[at..at + n], scales, &mut run) };
-            } else {
-                widen_run(isa, &self.codes[at..at + n], scales, &mut run);
-            }
-            #[cfg(not(target_arch = "x86_64"))]
-            widen_run(isa, &self.codes[at..at + n], scales, &mut run);
+            widen_any(isa, &self.codes[at..at + n], scales, &mut run);
             // SAFETY: columns kk..kk + n of the caller's rows; `run` holds n steps.
             acc = unsafe { run[..n].fold::<R, C0, C>(a.add(kk), lda, n, acc) };
             kk += n;
         }
         acc
     }
+}
+
+/// Up to a run's 32 steps widened into `out`, with the best kernel `isa` has.
+#[inline(always)]
+fn widen_any(
+    isa: CpuIsa,
+    steps: &[[u8; STEP_BYTES]],
+    scales: &[u8; NR],
+    out: &mut [[f32; NR]; MXFP4_BLOCK],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if isa == CpuIsa::Avx512 {
+        // SAFETY: `isa` is this CPU's (`CpuIsa::detect`).
+        unsafe { widen_run_avx512(steps, scales, out) };
+        return;
+    }
+    widen_run(isa, steps, scales, out);
 }
 
 /// One step's 32 weights: codes times their columns' scales.
@@ -435,12 +481,14 @@ impl Panels for PackedWeightMxfp4 {
         self.n
     }
 
-    fn panel(&self, p: usize) -> Mxfp4Panel<'_> {
+    fn panel(&self, p: usize, rows: usize) -> Mxfp4Panel<'_> {
         let groups = self.k / MXFP4_BLOCK;
         Mxfp4Panel {
             codes: &self.codes[p * self.k..(p + 1) * self.k],
             scales: &self.scales[p * groups..(p + 1) * groups],
             k0: 0,
+            key: (self.id, p),
+            whole: rows > WIDEN_WHOLE_PAST,
         }
     }
 }
