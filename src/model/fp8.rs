@@ -9,14 +9,15 @@ use crate::config::Fp8Weights;
 use crate::ops::E4M3;
 
 /// Each row of the `[rows, cols]` matrix of E4M3 `codes` (row-major) widened by `scales`
-/// (row-major, `fp8.scale_shape(rows, cols)`), in order, into a row buffer `f` reads.
+/// (row-major, `fp8.scale_shape(rows, cols)`), in order, into a row buffer `f` reads (and may
+/// change).
 fn for_each_row(
     codes: &[u8],
     scales: &[f32],
     rows: usize,
     cols: usize,
     fp8: &Fp8Weights,
-    mut f: impl FnMut(&[f32]),
+    mut f: impl FnMut(&mut [f32]),
 ) {
     let [_, scale_cols] = fp8.scale_shape(rows, cols);
     let [block_rows, block_cols] = fp8.block_dims(rows, cols);
@@ -26,7 +27,7 @@ fn for_each_row(
         for (c, (w, &code)) in row.iter_mut().zip(codes).enumerate() {
             *w = E4M3[usize::from(code)] * row_scales[c / block_cols];
         }
-        f(&row);
+        f(&mut row);
     }
 }
 
@@ -62,14 +63,11 @@ pub fn widened_hash(
     let mut h = Xxh3::new();
     for_each_row(codes, scales, rows, cols, fp8, |row| {
         if round_bf16 {
-            let rounded: Vec<f32> = row
-                .iter()
-                .map(|&w| half::bf16::from_f32(w).to_f32())
-                .collect();
-            h.update(bytemuck::cast_slice(&rounded));
-        } else {
-            h.update(bytemuck::cast_slice(row));
+            for w in row.iter_mut() {
+                *w = half::bf16::from_f32(*w).to_f32();
+            }
         }
+        h.update(bytemuck::cast_slice(row));
     });
     h.digest()
 }

@@ -15,7 +15,7 @@ use super::fp8;
 use super::linear::{Linear, LinearWeight, Projection};
 use super::mxfp4;
 use super::params::{bf16_hash, tensor_hash, ParamHashes};
-use super::weights::Checkpoint;
+use super::weights::{Checkpoint, StDtype};
 
 /// Whether the engine keeps quantized weights (gpt-oss's MXFP4 experts, FP8 linear layers) as
 /// stored on `device` with activations `act`: on the CPU, for its quantized GEMMs (f32
@@ -220,15 +220,16 @@ impl<'a> WeightLoader<'a> {
         let scales = self.fp8_scales(fp8, name, out_dim, in_dim)?;
         let block = fp8.block_dims(out_dim, in_dim);
         let round_bf16 = self.dtype == DType::BF16;
-        let (packed, hash) = self
-            .ck
-            .with_f8_e4m3(name, &[out_dim, in_dim], |codes, bad| {
-                let packed =
-                    PackedWeightFp8::from_codes(codes, &scales, out_dim, in_dim, block, round_bf16)
-                        .map_err(|e| bad(e.to_string()))?;
-                let hash = fp8::widened_hash(codes, &scales, out_dim, in_dim, fp8, round_bf16);
-                Ok::<_, DetspecError>((packed, hash))
-            })??;
+        let (packed, hash) =
+            self.ck
+                .with_bytes(name, &[out_dim, in_dim], StDtype::F8_E4M3, |codes, bad| {
+                    let packed = PackedWeightFp8::from_codes(
+                        codes, &scales, out_dim, in_dim, block, round_bf16,
+                    )
+                    .map_err(|e| bad(e.to_string()))?;
+                    let hash = fp8::widened_hash(codes, &scales, out_dim, in_dim, fp8, round_bf16);
+                    Ok::<_, DetspecError>((packed, hash))
+                })??;
         self.hashes.borrow_mut().insert(name.to_string(), hash);
         let packed = Arc::new(packed);
         Ok(if self.bf16_act() {
@@ -342,24 +343,30 @@ impl<'a> WeightLoader<'a> {
         let groups = in_dim / 32;
         let blocks_shape = [experts, out_dim, groups, mxfp4::BLOCK_BYTES];
         let scales_name = format!("{name}_scales");
-        let out = self.ck.with_u8(&blocks_name, &blocks_shape, |blocks| {
+        let out =
             self.ck
-                .with_u8(&scales_name, &[experts, out_dim, groups], |scales| {
-                    f(&mxfp4::Mxfp4Experts {
-                        blocks,
-                        scales,
-                        experts,
-                        out_dim,
-                        in_dim,
-                    })
-                })?
-        })??;
+                .with_bytes(&blocks_name, &blocks_shape, StDtype::U8, |blocks, _| {
+                    self.ck.with_bytes(
+                        &scales_name,
+                        &[experts, out_dim, groups],
+                        StDtype::U8,
+                        |scales, _| {
+                            f(&mxfp4::Mxfp4Experts {
+                                blocks,
+                                scales,
+                                experts,
+                                out_dim,
+                                in_dim,
+                            })
+                        },
+                    )?
+                })??;
         Ok(Some(out))
     }
 
     /// Whether the checkpoint stores matrix `name` in FP8.
     fn stores_fp8(&self, name: &str) -> Result<bool> {
-        Ok(self.fp8.is_some() && self.ck.stored_layout(name)?.0 == safetensors::Dtype::F8_E4M3)
+        Ok(self.fp8.is_some() && self.ck.stored_layout(name)?.0 == StDtype::F8_E4M3)
     }
 
     /// FP8 matrix `name` (`shape` `[rows, cols]`) widened by its scales (`fp8::widen`), in f32
@@ -373,16 +380,18 @@ impl<'a> WeightLoader<'a> {
             });
         };
         let scales = self.fp8_scales(fp8, name, rows, cols)?;
-        let values = self.ck.with_f8_e4m3(name, shape, |codes, bad| {
-            fp8::widen(codes, &scales, rows, cols, fp8).map_err(|i| {
-                bad(format!(
-                    "weight [{}, {}] is not a number (its code {:#04x}, or its scale)",
-                    i / cols,
-                    i % cols,
-                    codes[i]
-                ))
-            })
-        })??;
+        let values = self
+            .ck
+            .with_bytes(name, shape, StDtype::F8_E4M3, |codes, bad| {
+                fp8::widen(codes, &scales, rows, cols, fp8).map_err(|i| {
+                    bad(format!(
+                        "weight [{}, {}] is not a number (its code {:#04x}, or its scale)",
+                        i / cols,
+                        i % cols,
+                        codes[i]
+                    ))
+                })
+            })??;
         Ok(Tensor::from_vec(values, (rows, cols), &Device::Cpu)?)
     }
 
@@ -401,7 +410,7 @@ impl<'a> WeightLoader<'a> {
         // `[rows]` per channel).
         let (_, stored) = self.ck.stored_layout(&scale_name)?;
         let squeezed = |s: &[usize]| s.iter().copied().filter(|&d| d != 1).collect::<Vec<_>>();
-        if squeezed(&stored) != squeezed(&want) {
+        if squeezed(stored) != squeezed(&want) {
             return Err(DetspecError::BadTensor {
                 name: scale_name,
                 path: self.ck.manifest().to_path_buf(),
@@ -414,7 +423,7 @@ impl<'a> WeightLoader<'a> {
         }
         Ok(self
             .ck
-            .load(&scale_name, &stored, DType::F32, &Device::Cpu)?
+            .load(&scale_name, stored, DType::F32, &Device::Cpu)?
             .flatten_all()?
             .to_vec1::<f32>()?)
     }

@@ -9,7 +9,8 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
 use memmap2::Mmap;
-use safetensors::{Dtype as StDtype, SafeTensors};
+pub use safetensors::Dtype as StDtype;
+use safetensors::SafeTensors;
 
 use crate::error::{DetspecError, Result};
 
@@ -47,9 +48,19 @@ pub fn is_vision_name(name: &str) -> bool {
 /// ([`language_model_name`]), the rest of it (the vision tower) is not read.
 pub struct Checkpoint {
     shards: Vec<(PathBuf, Mmap)>,
-    index: HashMap<String, (usize, String)>,
+    index: HashMap<String, Stored>,
     /// The file users would look at to find a tensor (index json or the single file).
     manifest: PathBuf,
+}
+
+/// Where a tensor is, and its layout, as its shard's header says (read once, at open).
+#[derive(Debug, Clone)]
+struct Stored {
+    shard: usize,
+    /// The name the file stores it under.
+    name: String,
+    dtype: StDtype,
+    shape: Vec<usize>,
 }
 
 impl Checkpoint {
@@ -80,14 +91,20 @@ impl Checkpoint {
             let st = SafeTensors::deserialize(&mmap).map_err(|e| {
                 DetspecError::file(&path, format!("not a valid safetensors file: {e}"))
             })?;
-            for name in st.names() {
-                index.insert(name.to_string(), (i, name.to_string()));
+            for (name, view) in st.tensors() {
+                let stored = Stored {
+                    shard: i,
+                    name: name.clone(),
+                    dtype: view.dtype(),
+                    shape: view.shape().to_vec(),
+                };
+                index.insert(name, stored);
             }
             drop(st);
             shards.push((path, mmap));
         }
         if !index.contains_key("model.embed_tokens.weight") {
-            let wrapped: Vec<(String, (usize, String))> = index
+            let wrapped: Vec<(String, Stored)> = index
                 .iter()
                 .filter_map(|(n, at)| language_model_name(n).map(|c| (c, at.clone())))
                 .collect();
@@ -183,48 +200,36 @@ impl Checkpoint {
         })?
     }
 
-    /// `f` of `name`'s bytes as stored, a `u8` tensor of `shape` (MXFP4's blocks and scales),
-    /// in the mapped file: no copy.
-    pub fn with_u8<R>(&self, name: &str, shape: &[usize], f: impl FnOnce(&[u8]) -> R) -> Result<R> {
-        self.with_stored(name, shape, |stored, data, bad| match stored {
-            StDtype::U8 => Ok(f(data)),
-            other => Err(bad(format!("expected a u8 tensor, found {other:?}"))),
+    /// `f` of `name`'s bytes as stored, a tensor of `dtype` and `shape` (MXFP4's `u8` blocks
+    /// and scales, FP8's `F8_E4M3` codes), in the mapped file: no copy. `f` also gets the
+    /// constructor of an error naming the tensor.
+    pub fn with_bytes<R>(
+        &self,
+        name: &str,
+        shape: &[usize],
+        dtype: StDtype,
+        f: impl FnOnce(&[u8], &dyn Fn(String) -> DetspecError) -> R,
+    ) -> Result<R> {
+        self.with_stored(name, shape, |stored, data, bad| {
+            if stored == dtype {
+                Ok(f(data, bad))
+            } else {
+                Err(bad(format!(
+                    "expected a {dtype:?} tensor, found {stored:?}"
+                )))
+            }
         })?
     }
 
     /// `name`'s dtype and shape as stored.
-    pub fn stored_layout(&self, name: &str) -> Result<(StDtype, Vec<usize>)> {
-        let (shard, stored) = self.locate(name)?;
-        let (path, mmap) = &self.shards[shard];
-        let st = SafeTensors::deserialize(mmap)
-            .map_err(|e| DetspecError::file(path, format!("not a valid safetensors file: {e}")))?;
-        let view = st.tensor(stored).map_err(|e| DetspecError::BadTensor {
-            name: stored.to_string(),
-            path: path.clone(),
-            message: format!("cannot read: {e}"),
-        })?;
-        Ok((view.dtype(), view.shape().to_vec()))
+    pub fn stored_layout(&self, name: &str) -> Result<(StDtype, &[usize])> {
+        let stored = self.locate(name)?;
+        Ok((stored.dtype, &stored.shape))
     }
 
-    /// `f` of `name`'s bytes as stored, an FP8 E4M3 tensor of `shape`, in the mapped file: no
-    /// copy.
-    pub fn with_f8_e4m3<R>(
-        &self,
-        name: &str,
-        shape: &[usize],
-        f: impl FnOnce(&[u8], &dyn Fn(String) -> DetspecError) -> R,
-    ) -> Result<R> {
-        self.with_stored(name, shape, |stored, data, bad| match stored {
-            StDtype::F8_E4M3 => Ok(f(data, bad)),
-            other => Err(bad(format!("expected an F8_E4M3 tensor, found {other:?}"))),
-        })?
-    }
-
-    /// The shard holding `name`, and the name it is stored under there.
-    fn locate(&self, name: &str) -> Result<(usize, &str)> {
+    fn locate(&self, name: &str) -> Result<&Stored> {
         self.index
             .get(name)
-            .map(|(shard, stored)| (*shard, stored.as_str()))
             .ok_or_else(|| DetspecError::MissingTensor {
                 name: name.to_string(),
                 path: self.manifest.clone(),
@@ -238,10 +243,14 @@ impl Checkpoint {
         shape: &[usize],
         f: impl FnOnce(StDtype, &[u8], &dyn Fn(String) -> DetspecError) -> R,
     ) -> Result<R> {
-        let (shard, stored) = self.locate(name)?;
-        let (path, mmap) = &self.shards[shard];
+        let Stored {
+            shard,
+            name: stored,
+            ..
+        } = self.locate(name)?;
+        let (path, mmap) = &self.shards[*shard];
         let bad = |message: String| DetspecError::BadTensor {
-            name: stored.to_string(),
+            name: stored.clone(),
             path: path.clone(),
             message,
         };

@@ -245,6 +245,12 @@ fn widen_any(
     widen_run(isa, steps, scales, out);
 }
 
+/// A run's columns' scales as f32 (`E8M0` of each scale byte).
+#[inline(always)]
+fn scale_values(scales: &[u8; NR]) -> [f32; NR] {
+    std::array::from_fn(|c| E8M0[usize::from(scales[c])])
+}
+
 /// One step's 32 weights: codes times their columns' scales.
 #[inline(always)]
 fn widen(step: &[u8; STEP_BYTES], scale: &[f32; NR]) -> [f32; NR] {
@@ -271,10 +277,7 @@ unsafe fn widen_run_avx512(
     out: &mut [[f32; NR]; MXFP4_BLOCK],
 ) {
     use std::arch::x86_64::*;
-    let mut scale = [0f32; NR];
-    for (s, &e) in scale.iter_mut().zip(scales) {
-        *s = E8M0[usize::from(e)];
-    }
+    let scale = scale_values(scales);
     // SAFETY: every load and store is of 16 lanes inside the arrays named.
     unsafe {
         let table = _mm512_loadu_ps(E2M1.as_ptr());
@@ -303,10 +306,7 @@ isa_kernel! {
         scales: &[u8; NR],
         out: &mut [[f32; NR]; MXFP4_BLOCK],
     ) {
-        let mut scale = [0f32; NR];
-        for (s, &e) in scale.iter_mut().zip(scales) {
-            *s = E8M0[usize::from(e)];
-        }
+        let scale = scale_values(scales);
         for (o, step) in out.iter_mut().zip(steps) {
             *o = widen(step, &scale);
         }
@@ -328,10 +328,7 @@ isa_kernel! {
     /// pair words (`out`: 16 × NR words).
     #[inline(never)]
     fn widen_run_pairs(isa: CpuIsa, steps: &[[u8; STEP_BYTES]], scales: &[u8; NR], out: &mut [u32]) {
-        let mut scale = [0f32; NR];
-        for (s, &e) in scale.iter_mut().zip(scales) {
-            *s = E8M0[usize::from(e)];
-        }
+        let scale = scale_values(scales);
         for (pair, words) in steps.chunks_exact(2).zip(out.chunks_exact_mut(NR)) {
             pair_words(&widen(&pair[0], &scale), &widen(&pair[1], &scale), words);
         }
@@ -346,10 +343,7 @@ isa_kernel! {
 #[target_feature(enable = "avx512f")]
 unsafe fn widen_run_pairs_avx512(steps: &[[u8; STEP_BYTES]], scales: &[u8; NR], out: &mut [u32]) {
     use std::arch::x86_64::*;
-    let mut scale = [0f32; NR];
-    for (s, &e) in scale.iter_mut().zip(scales) {
-        *s = E8M0[usize::from(e)];
-    }
+    let scale = scale_values(scales);
     // SAFETY: every load and store is of 16 lanes inside the arrays named (the contract's
     // sizes).
     unsafe {
