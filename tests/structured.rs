@@ -222,8 +222,11 @@ proptest! {
         queries in proptest::collection::vec((0usize..1000, 0usize..1000), 1..24),
     ) {
         let gate: Vec<u32> = (300..300 + gate_len as u32).collect();
-        // The free part never holds the whole gate, but may hold its first token.
-        let free: Vec<u32> = free.into_iter().map(|t| if t == 301 { 300 } else { t }).collect();
+        // The free part never holds the whole gate (it never holds the gate's last token), but
+        // may hold its first token.
+        let last = 300 + gate_len as u32 - 1;
+        let stand_in = if gate_len > 1 { 300 } else { 299 };
+        let free: Vec<u32> = free.into_iter().map(|t| if t == last { stand_in } else { t }).collect();
         let gated_so = StructuredOutputs { starts_after: Some(gate.clone()), ..json_schema() };
         let mut gated = grammars().compile(&gated_so).unwrap();
         let mut walker = grammars().compile(&json_schema()).unwrap();
