@@ -19,6 +19,6 @@ pub use head::Head;
 pub use model_config::{
     Activation, Architecture, ClampedSwiglu, Fused, GraniteScales, ModelConfig,
 };
-pub use moe_config::{ExpertNaming, MoeConfig};
+pub use moe_config::{ExpertNaming, MoeConfig, SigmoidRouting};
 pub use quant::Fp8Weights;
 pub use rope::{RopeConfig, RopeScaling};

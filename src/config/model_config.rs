@@ -77,12 +77,17 @@ pub enum Architecture {
     /// Seed-OSS: Llama's layers with biases on q/k/v (`attention_bias`, on by default) and on
     /// o_proj only by `attention_out_bias`.
     SeedOss,
+    /// GLM-4.5/4.6/4.7 (`Glm4MoeForCausalLM`): Llama's layers with q/k/v biases
+    /// (`attention_bias`), per-head q/k norms by `use_qk_norm`, rope on the first half of each
+    /// head pairing halves (Phi-3's layout), dense MLPs in the first `first_k_dense_replace`
+    /// layers and DeepSeek-V3's experts after them ([`ExpertNaming::DeepSeek`]).
+    Glm4Moe,
 }
 
 impl Architecture {
     /// Each architecture's `*ForCausalLM` class (`architectures`) and its `model_type`, the
     /// fallback for a config without `architectures`.
-    const CAUSAL_LM: [(&'static str, &'static str, Architecture); 24] = [
+    const CAUSAL_LM: [(&'static str, &'static str, Architecture); 25] = [
         ("LlamaForCausalLM", "llama", Architecture::Llama),
         ("MistralForCausalLM", "mistral", Architecture::Mistral),
         ("Qwen2ForCausalLM", "qwen2", Architecture::Qwen2),
@@ -109,6 +114,7 @@ impl Architecture {
         ),
         ("GptOssForCausalLM", "gpt_oss", Architecture::GptOss),
         ("SeedOssForCausalLM", "seed_oss", Architecture::SeedOss),
+        ("Glm4MoeForCausalLM", "glm4_moe", Architecture::Glm4Moe),
         (
             "GraniteMoeForCausalLM",
             "granitemoe",
@@ -434,6 +440,8 @@ struct RawConfig {
     use_bias: Option<bool>,
     /// Seed-OSS's bias switch for o_proj (`attention_bias` is q/k/v's).
     attention_out_bias: Option<bool>,
+    /// GLM-4.5's switch for per-head q/k norms.
+    use_qk_norm: Option<bool>,
     /// gpt-oss's experts' activation ([`ClampedSwiglu`]).
     swiglu_alpha: Option<f64>,
     swiglu_limit: Option<f64>,
@@ -603,6 +611,7 @@ impl ModelConfig {
             // `attention_bias` (on by default) is q/k/v's; o_proj has none.
             Architecture::Glm | Architecture::Glm4 => (raw.attention_bias.unwrap_or(true), false),
             Architecture::Ernie45 => (use_bias, use_bias),
+            Architecture::Glm4Moe => (attention_bias, false),
             Architecture::SeedOss => (
                 raw.attention_bias.unwrap_or(true),
                 raw.attention_out_bias.unwrap_or(false),
@@ -644,7 +653,8 @@ impl ModelConfig {
             | Architecture::Glm
             | Architecture::Glm4
             | Architecture::Ernie45
-            | Architecture::SeedOss => None,
+            | Architecture::SeedOss
+            | Architecture::Glm4Moe => None,
             // Its window applies to the layers without rope only (below).
             Architecture::SmolLm3 => raw
                 .sliding_window
@@ -662,6 +672,7 @@ impl ModelConfig {
             Architecture::GptOss => Some((ExpertNaming::GptOss, false, false)),
             Architecture::GraniteMoe => Some((ExpertNaming::Granite, false, false)),
             Architecture::GraniteMoeShared => Some((ExpertNaming::Granite, true, false)),
+            Architecture::Glm4Moe => Some((ExpertNaming::DeepSeek, true, true)),
             _ => None,
         }
         .map(|(naming, shared, own_width)| {
@@ -808,16 +819,17 @@ impl ModelConfig {
                 Architecture::Ernie45 => use_bias,
                 _ => raw.mlp_bias.unwrap_or(false) && !architecture.fused().gate_up,
             },
-            qk_norm: matches!(
-                architecture,
+            qk_norm: match architecture {
                 Architecture::Qwen3
-                    | Architecture::Qwen3Moe
-                    | Architecture::Olmo2
-                    | Architecture::Olmo3
-                    | Architecture::Olmoe
-                    | Architecture::Gemma3
-                    | Architecture::Exaone4
-            ),
+                | Architecture::Qwen3Moe
+                | Architecture::Olmo2
+                | Architecture::Olmo3
+                | Architecture::Olmoe
+                | Architecture::Gemma3
+                | Architecture::Exaone4 => true,
+                Architecture::Glm4Moe => raw.use_qk_norm.unwrap_or(false),
+                _ => false,
+            },
             hidden_act,
             attn_logit_softcapping,
             final_logit_softcapping,
@@ -884,8 +896,11 @@ impl ModelConfig {
         path: &Path,
     ) -> Result<usize> {
         // GLM's configs rotate half of each head unless they say otherwise.
-        let glm_default = matches!(architecture, Architecture::Glm | Architecture::Glm4)
-            .then(|| (0.5, "partial_rotary_factor (GLM's default)".to_string()));
+        let glm_default = matches!(
+            architecture,
+            Architecture::Glm | Architecture::Glm4 | Architecture::Glm4Moe
+        )
+        .then(|| (0.5, "partial_rotary_factor (GLM's default)".to_string()));
         let Some((f, field)) = rope::rotary_fraction(
             raw.rope_parameters.as_ref(),
             raw.rope_scaling.as_ref(),
@@ -904,7 +919,7 @@ impl ModelConfig {
         }
         if !matches!(
             architecture,
-            Architecture::Phi3 | Architecture::Glm | Architecture::Glm4
+            Architecture::Phi3 | Architecture::Glm | Architecture::Glm4 | Architecture::Glm4Moe
         ) {
             return Err(err(format!(
                 "{f}: only the Phi-3 and GLM layouts rotate part of each head ({architecture:?} \

@@ -1,6 +1,6 @@
 //! The mixture-of-experts part of a Hugging Face `config.json` (Qwen2-MoE, Qwen3-MoE, Mixtral,
-//! OLMoE, gpt-oss): how many experts, how many each token is routed to, which layers are sparse, and
-//! how the checkpoint names the experts' tensors.
+//! OLMoE, gpt-oss, Granite MoE, GLM-4.5): how many experts, how many each token is routed to and
+//! how, which layers are sparse, and how the checkpoint names the experts' tensors.
 
 use std::path::Path;
 
@@ -25,6 +25,10 @@ pub enum ExpertNaming {
     /// their down projections in `output_linear.weight`; Granite MoE Shared's ungated
     /// `shared_mlp.{input,output}_linear`.
     Granite,
+    /// DeepSeek-V3's (GLM-4.5's): Qwen's expert names, an f32 router `mlp.gate` with
+    /// `mlp.gate.e_score_correction_bias`, routed by [`SigmoidRouting`], and ungated shared
+    /// experts `mlp.shared_experts.{gate,up,down}_proj`.
+    DeepSeek,
 }
 
 impl ExpertNaming {
@@ -40,6 +44,12 @@ impl ExpertNaming {
         self.stacked()
     }
 
+    /// Whether the router's weight is held and applied in f32 whatever the model's dtype
+    /// (transformers keeps DeepSeek-V3's `gate.weight` and its bias in f32).
+    pub fn router_f32(self) -> bool {
+        self == ExpertNaming::DeepSeek
+    }
+
     /// Whether checkpoints hold each part of every expert in one tensor
     /// (`model::fused_experts`), rather than a matrix per expert.
     pub fn stacked(self) -> bool {
@@ -47,8 +57,21 @@ impl ExpertNaming {
     }
 }
 
-/// A sparse decoder's mixture-of-experts settings, checked.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+/// DeepSeek-V3's routing (transformers' `DeepseekV3TopkRouter`, GLM-4.5's): each expert's score
+/// is the sigmoid of its logit; experts are chosen by score plus a per-expert correction bias,
+/// within the `topk_group` of `n_group` groups whose two best biased scores sum highest; a
+/// chosen expert's weight is its unbiased score, renormalised over the chosen ones where
+/// `norm_topk_prob`, then times `routed_scaling_factor`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SigmoidRouting {
+    pub n_group: usize,
+    pub topk_group: usize,
+    pub routed_scaling_factor: f32,
+}
+
+/// A sparse decoder's mixture-of-experts settings, checked. Its `Debug` text is part of the
+/// fingerprint's model hash (`engine::fingerprint`).
+#[derive(Clone, PartialEq)]
 pub struct MoeConfig {
     pub num_experts: usize,
     /// Experts each token runs (`num_experts_per_tok`).
@@ -60,12 +83,37 @@ pub struct MoeConfig {
     /// Qwen's `norm_topk_prob`).
     pub norm_topk_prob: bool,
     /// Qwen2-MoE's shared expert (every token runs it, scaled by a sigmoid gate), or Granite
-    /// MoE Shared's (ungated): its width.
+    /// MoE Shared's and DeepSeek's (ungated; DeepSeek's `n_shared_experts` side by side, one
+    /// MLP as wide as all of them): its width.
     pub shared_expert_intermediate_size: Option<usize>,
+    /// DeepSeek's routing ([`ExpertNaming::DeepSeek`]).
+    pub sigmoid_routing: Option<SigmoidRouting>,
     /// Per decoder layer: whether its MLP is the sparse block (else a dense MLP of
     /// `intermediate_size`; Qwen's `mlp_only_layers` and `decoder_sparse_step`).
     pub sparse_layers: Vec<bool>,
     pub naming: ExpertNaming,
+}
+
+/// The derived form, with DeepSeek's routing written only where a model has it, so the
+/// other sparse models' fingerprints are what they were before it existed.
+impl std::fmt::Debug for MoeConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut s = f.debug_struct("MoeConfig");
+        s.field("num_experts", &self.num_experts)
+            .field("top_k", &self.top_k)
+            .field("expert_intermediate_size", &self.expert_intermediate_size)
+            .field("norm_topk_prob", &self.norm_topk_prob)
+            .field(
+                "shared_expert_intermediate_size",
+                &self.shared_expert_intermediate_size,
+            )
+            .field("sparse_layers", &self.sparse_layers)
+            .field("naming", &self.naming);
+        if let Some(r) = &self.sigmoid_routing {
+            s.field("sigmoid_routing", r);
+        }
+        s.finish()
+    }
 }
 
 impl MoeConfig {
@@ -81,6 +129,13 @@ impl MoeConfig {
 pub(super) struct RawMoe {
     num_experts: Option<usize>,
     num_local_experts: Option<usize>,
+    /// DeepSeek's names: its expert count, shared experts, routing, and dense first layers.
+    n_routed_experts: Option<usize>,
+    n_shared_experts: Option<usize>,
+    n_group: Option<usize>,
+    topk_group: Option<usize>,
+    routed_scaling_factor: Option<f64>,
+    first_k_dense_replace: Option<usize>,
     num_experts_per_tok: Option<usize>,
     moe_intermediate_size: Option<usize>,
     norm_topk_prob: Option<bool>,
@@ -110,10 +165,15 @@ impl RawMoe {
             field: field.to_string(),
             message,
         };
-        let (field, num_experts) = match (self.num_experts, self.num_local_experts) {
-            (Some(n), _) => ("num_experts", n),
-            (None, Some(n)) => ("num_local_experts", n),
-            (None, None) => return Err(err("num_experts", "missing".into())),
+        let (field, num_experts) = match (
+            self.num_experts,
+            self.num_local_experts,
+            self.n_routed_experts,
+        ) {
+            (Some(n), _, _) => ("num_experts", n),
+            (None, Some(n), _) => ("num_local_experts", n),
+            (None, None, Some(n)) => ("n_routed_experts", n),
+            (None, None, None) => return Err(err("num_experts", "missing".into())),
         };
         if num_experts == 0 {
             return Err(err(field, "must be > 0".into()));
@@ -135,6 +195,11 @@ impl RawMoe {
         };
         let (shared_field, shared_width) = match naming {
             ExpertNaming::Granite => ("shared_intermediate_size", self.shared_intermediate_size),
+            // transformers' default is one shared expert.
+            ExpertNaming::DeepSeek => (
+                "n_shared_experts",
+                Some(expert_intermediate_size * self.n_shared_experts.unwrap_or(1)),
+            ),
             _ => (
                 "shared_expert_intermediate_size",
                 self.shared_expert_intermediate_size,
@@ -156,9 +221,17 @@ impl RawMoe {
                 format!("layer {bad}, but the model has {num_layers} layers"),
             ));
         }
+        // DeepSeek's first layers are dense (transformers' default: one).
+        let first_sparse = match naming {
+            ExpertNaming::DeepSeek => self.first_k_dense_replace.unwrap_or(1),
+            _ => 0,
+        };
         let sparse_layers = (0..num_layers)
-            .map(|l| !dense_only.contains(&l) && (l + 1) % step == 0)
+            .map(|l| l >= first_sparse && !dense_only.contains(&l) && (l + 1) % step == 0)
             .collect();
+        let sigmoid_routing = (naming == ExpertNaming::DeepSeek)
+            .then(|| self.sigmoid_routing(num_experts, top_k, &err))
+            .transpose()?;
         Ok(MoeConfig {
             num_experts,
             top_k,
@@ -166,10 +239,58 @@ impl RawMoe {
             norm_topk_prob: match naming {
                 ExpertNaming::Mixtral | ExpertNaming::GptOss | ExpertNaming::Granite => true,
                 ExpertNaming::Qwen => self.norm_topk_prob.unwrap_or(false),
+                ExpertNaming::DeepSeek => self.norm_topk_prob.unwrap_or(true),
             },
             shared_expert_intermediate_size,
+            sigmoid_routing,
             sparse_layers,
             naming,
+        })
+    }
+
+    /// DeepSeek's routing settings, checked as its router needs them: groups that split the
+    /// experts evenly, each with the two experts its group score sums (where there is more
+    /// than one group), and enough experts in the kept groups for the top k.
+    fn sigmoid_routing(
+        &self,
+        num_experts: usize,
+        top_k: usize,
+        err: &dyn Fn(&str, String) -> DetspecError,
+    ) -> Result<SigmoidRouting> {
+        let n_group = self.n_group.unwrap_or(1);
+        let topk_group = self.topk_group.unwrap_or(1);
+        if n_group == 0 || !num_experts.is_multiple_of(n_group) {
+            return Err(err(
+                "n_group",
+                format!("{n_group} groups must split the {num_experts} experts evenly"),
+            ));
+        }
+        let per_group = num_experts / n_group;
+        if n_group > 1 && per_group < 2 {
+            return Err(err(
+                "n_group",
+                format!(
+                    "{n_group} groups of {per_group} expert; a group's score sums its best two"
+                ),
+            ));
+        }
+        if topk_group == 0 || topk_group > n_group || topk_group * per_group < top_k {
+            return Err(err(
+                "topk_group",
+                format!(
+                    "{topk_group} must be in 1..={n_group} (n_group) and keep at least \
+                     num_experts_per_tok = {top_k} experts ({per_group} a group)"
+                ),
+            ));
+        }
+        let scale = self.routed_scaling_factor.unwrap_or(1.0);
+        if !(scale.is_finite() && scale > 0.0) {
+            return Err(err("routed_scaling_factor", format!("{scale} must be > 0")));
+        }
+        Ok(SigmoidRouting {
+            n_group,
+            topk_group,
+            routed_scaling_factor: scale as f32,
         })
     }
 }
@@ -245,6 +366,82 @@ mod tests {
         )
         .unwrap_err();
         assert!(e.to_string().contains("clip_qkv"), "{e}");
+    }
+
+    #[test]
+    fn glm4_moe_routes_as_deepseek_with_dense_first_layers_and_shared_experts() {
+        let glm = r#", "n_routed_experts": 8, "num_experts_per_tok": 2,
+            "moe_intermediate_size": 16, "n_shared_experts": 2, "first_k_dense_replace": 2,
+            "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5, "use_qk_norm": true,
+            "attention_bias": true, "rope_parameters": {"rope_type": "default",
+            "rope_theta": 10000.0, "partial_rotary_factor": 0.5}"#;
+        let c = parse("Glm4MoeForCausalLM", glm).unwrap();
+        let moe = c.moe.clone().unwrap();
+        assert_eq!(
+            (moe.num_experts, moe.top_k, moe.naming),
+            (8, 2, ExpertNaming::DeepSeek)
+        );
+        assert_eq!(moe.sparse_layers, vec![false, false, true, true]);
+        assert_eq!(moe.shared_expert_intermediate_size, Some(32));
+        assert_eq!(
+            moe.sigmoid_routing,
+            Some(SigmoidRouting {
+                n_group: 4,
+                topk_group: 2,
+                routed_scaling_factor: 2.5
+            })
+        );
+        assert!(moe.norm_topk_prob && c.qk_norm && c.qkv_bias && !c.o_bias);
+        // Half of each head rotates, pairing halves (Phi-3's layout), by default too.
+        assert_eq!((c.head_dim, c.rotary_dim), (16, 8));
+        assert!(!c.architecture.rope_interleaved());
+        let plain = parse(
+            "Glm4MoeForCausalLM",
+            r#", "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8"#,
+        )
+        .unwrap();
+        let moe = plain.moe.unwrap();
+        assert_eq!(moe.sparse_layers, vec![false, true, true, true]);
+        assert_eq!(plain.rotary_dim, 8);
+        assert!(!plain.qk_norm && !plain.qkv_bias && moe.norm_topk_prob);
+        assert_eq!(moe.shared_expert_intermediate_size, Some(8));
+        for (extra, field) in [
+            (r#", "n_group": 3"#, "n_group"),
+            (r#", "n_group": 8"#, "n_group"),
+            (r#", "n_group": 2, "topk_group": 3"#, "topk_group"),
+            (r#", "n_group": 4, "topk_group": 0"#, "topk_group"),
+            (r#", "routed_scaling_factor": 0.0"#, "routed_scaling_factor"),
+        ] {
+            let json = format!(
+                r#", "n_routed_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 8{extra}"#
+            );
+            let e = parse("Glm4MoeForCausalLM", &json).unwrap_err();
+            assert!(e.to_string().contains(field), "{field}: {e}");
+        }
+        // topk_group 1 of 4 groups keeps 2 experts, fewer than the top 3.
+        let e = parse(
+            "Glm4MoeForCausalLM",
+            r#", "n_routed_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 8,
+            "n_group": 4, "topk_group": 1"#,
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("topk_group"), "{e}");
+    }
+
+    #[test]
+    fn other_sparse_models_describe_themselves_as_before_deepseeks_routing() {
+        // The fingerprint hashes this text: it must not change for models without the routing.
+        let c = parse(
+            "Qwen3MoeForCausalLM",
+            r#", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8"#,
+        )
+        .unwrap();
+        assert_eq!(
+            format!("{:?}", c.moe.unwrap()),
+            "MoeConfig { num_experts: 4, top_k: 2, expert_intermediate_size: 8, \
+             norm_topk_prob: false, shared_expert_intermediate_size: None, \
+             sparse_layers: [true, true, true, true], naming: Qwen }"
+        );
     }
 
     #[test]

@@ -72,6 +72,20 @@ impl<'a> WeightLoader<'a> {
         Ok(offset_norm(&self.load(name, shape)?, offset)?)
     }
 
+    /// A parameter held in f32 whatever the engine's dtype (DeepSeek's router and its bias,
+    /// which transformers keeps in f32): its stored values exactly.
+    pub(super) fn load_f32(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        let t = match self.fp8.as_ref() {
+            Some(fp8) if self.stores_fp8(name)? => self.widen_fp8(fp8, name, shape)?,
+            _ => self.ck.load(name, shape, DType::F32, &Device::Cpu)?,
+        }
+        .to_dtype(DType::F32)?;
+        self.hashes
+            .borrow_mut()
+            .insert(name.to_string(), tensor_hash(&t)?);
+        Ok(t.to_device(self.device)?)
+    }
+
     /// A matrix (linear weight, embedding), in the weights' dtype.
     pub(super) fn load_matrix(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
         self.load_as(name, shape, self.dtype)

@@ -14,17 +14,19 @@
 //! prefill pass change a row's bits, so those passes run the experts on fixed row blocks
 //! (`fixed_blocks`), which no routing can change.
 
-use candle_core::Tensor;
+use std::sync::Arc;
+
+use candle_core::{DType, Tensor};
 use rayon::prelude::*;
 
-use crate::config::{ExpertNaming, ModelConfig, MoeConfig};
+use crate::config::{ExpertNaming, ModelConfig, MoeConfig, SigmoidRouting};
 use crate::error::{DetspecError, Result};
 use crate::ops;
 
 use super::fused_experts::FusedPart;
 use super::linear::{GemmOptions, Linear, LinearWeight};
 use super::loader::WeightLoader;
-use super::moe_names::{ExpertPart, SparseLinear};
+use super::moe_names::{has_shared_gate, router_bias_name, ExpertPart, SparseLinear};
 
 /// One expert: a SwiGLU MLP (gpt-oss's: with biases, gated by the clamped SwiGLU).
 #[derive(Debug)]
@@ -83,18 +85,33 @@ pub(super) struct SharedExpert {
     pub(super) gate: Option<Linear>,
 }
 
+/// How a router's logits become each row's experts and weights.
+#[derive(Debug)]
+pub(super) enum RoutingRule {
+    /// The top k of a softmax over all logits, renormalised where `norm` (Qwen's, Mixtral's).
+    TopKOfSoftmax { norm: bool },
+    /// A softmax over the top k logits (gpt-oss's, Granite's).
+    SoftmaxOverTopK,
+    /// DeepSeek's sigmoid scores chosen by group with a correction bias (GLM-4.5's); its
+    /// router runs in f32.
+    Sigmoid {
+        rule: SigmoidRouting,
+        norm: bool,
+        /// `e_score_correction_bias`, one per expert.
+        bias: Arc<[f32]>,
+    },
+}
+
 /// A decoder layer's sparse MLP.
 #[derive(Debug)]
 pub(super) struct SparseMlp {
     /// `[num_experts, hidden]`: the router's logits.
     pub(super) router: Linear,
     pub(super) experts: Vec<Expert>,
-    /// The shared expert every row runs (Qwen2-MoE's, Granite MoE Shared's).
+    /// The shared expert every row runs (Qwen2-MoE's, Granite MoE Shared's, DeepSeek's).
     pub(super) shared: Option<SharedExpert>,
     top_k: usize,
-    norm_topk_prob: bool,
-    /// gpt-oss's and Granite's routing: a softmax over the top k logits.
-    softmax_over_top_k: bool,
+    pub(super) routing: RoutingRule,
     /// gpt-oss's expert activation, `(alpha, limit)`.
     clamped: Option<(f32, f32)>,
 }
@@ -116,19 +133,45 @@ impl SparseMlp {
             let shared = match moe.shared_expert_intermediate_size {
                 Some(_) => Some(SharedExpert {
                     expert: Expert::load(ld, cfg, moe, layer, SparseLinear::Shared)?,
-                    gate: Some(load_linear(ld, cfg, moe, layer, SparseLinear::SharedGate)?),
+                    gate: has_shared_gate(moe)
+                        .then(|| load_linear(ld, cfg, moe, layer, SparseLinear::SharedGate))
+                        .transpose()?,
                 }),
                 None => None,
             };
             (experts, shared)
         };
+        let router = if moe.naming.router_f32() {
+            let [out_dim, in_dim] = SparseLinear::Router.shape(cfg, moe);
+            let path = SparseLinear::Router.path(moe.naming, layer);
+            let w = ld.load_f32(&format!("{path}.weight"), &[out_dim, in_dim])?;
+            Linear {
+                weight: LinearWeight::new(&w, false)?,
+                bias: None,
+            }
+        } else {
+            load_linear(ld, cfg, moe, layer, SparseLinear::Router)?
+        };
+        let routing = match (moe.sigmoid_routing, router_bias_name(moe, layer)) {
+            (Some(rule), Some(name)) => RoutingRule::Sigmoid {
+                rule,
+                norm: moe.norm_topk_prob,
+                bias: ld
+                    .load_f32(&name, &[moe.num_experts])?
+                    .to_vec1::<f32>()?
+                    .into(),
+            },
+            _ if moe.naming.softmax_over_top_k() => RoutingRule::SoftmaxOverTopK,
+            _ => RoutingRule::TopKOfSoftmax {
+                norm: moe.norm_topk_prob,
+            },
+        };
         Ok(Self {
-            router: load_linear(ld, cfg, moe, layer, SparseLinear::Router)?,
+            router,
             experts,
             shared,
             top_k: moe.top_k,
-            norm_topk_prob: moe.norm_topk_prob,
-            softmax_over_top_k: moe.naming.softmax_over_top_k(),
+            routing,
             clamped: cfg.clamped_swiglu.map(|c| (c.alpha as f32, c.limit as f32)),
         })
     }
@@ -163,11 +206,20 @@ impl SparseMlp {
     ) -> Result<Tensor> {
         let (n, _) = x.dims2()?;
         let dev = x.device();
-        let routing = ops::with_f32_values(&self.router.apply(x, gemm)?, |logits| {
-            if self.softmax_over_top_k {
-                Routing::softmax_over_top_k(logits, self.experts.len(), self.top_k)
-            } else {
-                Routing::new(logits, self.experts.len(), self.top_k, self.norm_topk_prob)
+        let logits = match self.routing {
+            RoutingRule::Sigmoid { .. } => self.router.apply(&x.to_dtype(DType::F32)?, gemm)?,
+            _ => self.router.apply(x, gemm)?,
+        };
+        let num_experts = self.experts.len();
+        let routing = ops::with_f32_values(&logits, |logits| match &self.routing {
+            RoutingRule::TopKOfSoftmax { norm } => {
+                Routing::new(logits, num_experts, self.top_k, *norm)
+            }
+            RoutingRule::SoftmaxOverTopK => {
+                Routing::softmax_over_top_k(logits, num_experts, self.top_k)
+            }
+            RoutingRule::Sigmoid { rule, norm, bias } => {
+                Routing::sigmoid(logits, num_experts, self.top_k, bias, rule, *norm)
             }
         })??;
         let expert_gemm = GemmOptions {
@@ -408,6 +460,71 @@ impl Routing {
         })
     }
 
+    /// DeepSeek's routing of rows whose router logits are `logits` ([`SigmoidRouting`]): each
+    /// expert's score its logit's sigmoid; where there are groups, the `topk_group` groups
+    /// whose two best biased scores sum highest (ties to the lower group); in them, the
+    /// `top_k` best biased scores (ties to the lower expert), weighted by their unbiased
+    /// scores, over the scores' sum (largest first) plus 1e-20 where `norm`, times the
+    /// scaling factor.
+    pub(super) fn sigmoid(
+        logits: &[f32],
+        num_experts: usize,
+        top_k: usize,
+        bias: &[f32],
+        rule: &SigmoidRouting,
+        norm: bool,
+    ) -> Result<Self> {
+        if bias.len() != num_experts || rule.n_group == 0 {
+            return Err(DetspecError::param(
+                "e_score_correction_bias",
+                format!("{} values for {num_experts} experts", bias.len()),
+            ));
+        }
+        let per_group = num_experts / rule.n_group;
+        let mut scores: Vec<f32> = Vec::with_capacity(num_experts);
+        let mut choice: Vec<f32> = Vec::with_capacity(num_experts);
+        let mut groups: Vec<usize> = Vec::with_capacity(rule.n_group);
+        Self::by_row(logits, num_experts, |row, order| {
+            scores.clear();
+            scores.extend(row.iter().map(|&v| ops::sigmoid(v)));
+            choice.clear();
+            choice.extend(scores.iter().zip(bias).map(|(&s, &b)| s + b));
+            if rule.n_group > 1 {
+                let group_score = |g: usize| {
+                    let (mut best, mut second) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
+                    for &v in &choice[g * per_group..(g + 1) * per_group] {
+                        if v > best {
+                            (best, second) = (v, best);
+                        } else if v > second {
+                            second = v;
+                        }
+                    }
+                    best + second
+                };
+                let group_scores: Vec<f32> = (0..rule.n_group).map(group_score).collect();
+                groups.clear();
+                groups.extend(0..rule.n_group);
+                groups.sort_by(|&a, &b| group_scores[b].total_cmp(&group_scores[a]));
+                groups.truncate(rule.topk_group);
+                order.retain(|&e| groups.contains(&(e / per_group)));
+            }
+            // Best first; equal scores keep index order (a stable sort).
+            order.sort_by(|&a, &b| choice[b].total_cmp(&choice[a]));
+            order.truncate(top_k);
+            let mut top: Vec<(usize, f32)> = order.iter().map(|&e| (e, scores[e])).collect();
+            if norm {
+                let total = top.iter().map(|&(_, w)| w).sum::<f32>() + 1e-20;
+                for (_, w) in &mut top {
+                    *w /= total;
+                }
+            }
+            for (_, w) in &mut top {
+                *w *= rule.routed_scaling_factor;
+            }
+            top
+        })
+    }
+
     /// The routing whose per-row picks `pick(row's logits, 0..num_experts)` gives (experts and
     /// weights, any order; `order` is scratch for it), put in expert-id order.
     fn by_row(
@@ -554,6 +671,98 @@ mod tests {
                 .map(|&(e, w)| (e, w.to_bits()))
                 .collect();
             assert_eq!(a, b);
+        }
+    }
+
+    #[test]
+    fn sigmoid_routing_chooses_by_group_and_bias_and_weighs_by_score() {
+        // Four groups of two; the best two groups' experts compete for the top 2.
+        let logits = [3.0, -3.0, 1.0, 1.0, 2.0, 0.0, 2.5, -5.0];
+        let rule = SigmoidRouting {
+            n_group: 4,
+            topk_group: 2,
+            routed_scaling_factor: 2.0,
+        };
+        let s: Vec<f32> = logits.iter().map(|&v| ops::sigmoid(v)).collect();
+        let weights = |a: usize, b: usize| {
+            let total = s[a] + s[b] + 1e-20;
+            vec![(a, s[a] / total * 2.0), (b, s[b] / total * 2.0)]
+        };
+        // No bias: group 0 sums 0.95 + 0.05, so groups 1 and 2 win; experts 4 and 2 (not 6,
+        // the second best overall, whose group lost).
+        let zero = [0.0; 8];
+        let r = Routing::sigmoid(&logits, 8, 2, &zero, &rule, true).unwrap();
+        assert_eq!(r.picks[0], weights(2, 4));
+        // Expert 1's bias lifts group 0 over group 2; its own biased score (0.55) still loses
+        // to expert 2's and 3's (0.73, tied: the lower wins). Weights are the unbiased scores.
+        let mut bias = zero;
+        bias[1] = 0.5;
+        let r = Routing::sigmoid(&logits, 8, 2, &bias, &rule, true).unwrap();
+        assert_eq!(r.picks[0], weights(0, 2));
+        // One group: the plain top 2 by biased score, unnormalised, scaled.
+        let one = SigmoidRouting {
+            n_group: 1,
+            topk_group: 1,
+            ..rule
+        };
+        let r = Routing::sigmoid(&logits, 8, 2, &zero, &one, false).unwrap();
+        assert_eq!(r.picks[0], vec![(0, s[0] * 2.0), (6, s[6] * 2.0)]);
+        assert!(Routing::sigmoid(&logits, 8, 2, &[0.0; 7], &rule, true).is_err());
+    }
+
+    #[test]
+    fn sigmoid_routing_equals_masked_repeated_argmax() {
+        // transformers' reading: mask the losing groups' experts to -inf, then take the top k;
+        // here by repeated argmax (first maximum wins), against the engine's sorts.
+        let (experts, top_k) = (12, 3);
+        let rule = SigmoidRouting {
+            n_group: 4,
+            topk_group: 2,
+            routed_scaling_factor: 1.5,
+        };
+        let logits: Vec<f32> = (0..experts * 40)
+            .map(|i| (((i * 7919) % 23) as f32 - 11.0) * 0.25)
+            .collect();
+        let bias: Vec<f32> = (0..experts).map(|e| (e % 5) as f32 * 0.05).collect();
+        let r = Routing::sigmoid(&logits, experts, top_k, &bias, &rule, true).unwrap();
+        let argmax =
+            |v: &[f32]| (0..v.len()).fold(0, |best, i| if v[i] > v[best] { i } else { best });
+        for (row, got) in logits.chunks(experts).zip(&r.picks) {
+            let s: Vec<f32> = row.iter().map(|&v| ops::sigmoid(v)).collect();
+            let mut choice: Vec<f32> = s.iter().zip(&bias).map(|(a, b)| a + b).collect();
+            let mut group: Vec<f32> = choice
+                .chunks(3)
+                .map(|g| {
+                    let mut g = g.to_vec();
+                    g.sort_by(|a, b| b.total_cmp(a));
+                    g[0] + g[1]
+                })
+                .collect();
+            let mut kept = [false; 4];
+            for _ in 0..rule.topk_group {
+                let g = argmax(&group);
+                kept[g] = true;
+                group[g] = f32::NEG_INFINITY;
+            }
+            for (e, c) in choice.iter_mut().enumerate() {
+                if !kept[e / 3] {
+                    *c = f32::NEG_INFINITY;
+                }
+            }
+            let mut picked = Vec::new();
+            for _ in 0..top_k {
+                let e = argmax(&choice);
+                picked.push(e);
+                choice[e] = f32::NEG_INFINITY;
+            }
+            let total = picked.iter().map(|&e| s[e]).sum::<f32>() + 1e-20;
+            let mut want: Vec<(usize, u32)> = picked
+                .iter()
+                .map(|&e| (e, (s[e] / total * 1.5).to_bits()))
+                .collect();
+            want.sort();
+            let got: Vec<(usize, u32)> = got.iter().map(|&(e, w)| (e, w.to_bits())).collect();
+            assert_eq!(got, want, "row {row:?}");
         }
     }
 }

@@ -53,7 +53,7 @@ impl SparseLinear {
         match self {
             Self::Router => format!("{root}.{}", router(naming)),
             Self::Expert(e, part) => format!("{root}.experts.{e}.{}", part.name(naming)),
-            Self::Shared(part) => format!("{root}.shared_expert.{}", part.name(naming)),
+            Self::Shared(part) => format!("{root}.{}.{}", shared(naming), part.name(naming)),
             Self::SharedGate => format!("{root}.shared_expert_gate"),
         }
     }
@@ -78,7 +78,7 @@ impl SparseLinear {
 /// The module under a decoder layer that holds its sparse MLP.
 fn block(naming: ExpertNaming) -> &'static str {
     match naming {
-        ExpertNaming::Qwen | ExpertNaming::GptOss => "mlp",
+        ExpertNaming::Qwen | ExpertNaming::GptOss | ExpertNaming::DeepSeek => "mlp",
         ExpertNaming::Mixtral | ExpertNaming::Granite => "block_sparse_moe",
     }
 }
@@ -88,8 +88,31 @@ fn router(naming: ExpertNaming) -> &'static str {
     match naming {
         ExpertNaming::GptOss => "router",
         ExpertNaming::Granite => "router.layer",
-        ExpertNaming::Qwen | ExpertNaming::Mixtral => "gate",
+        ExpertNaming::Qwen | ExpertNaming::Mixtral | ExpertNaming::DeepSeek => "gate",
     }
+}
+
+/// The shared expert's name under [`block`] (where its parts are named apart).
+fn shared(naming: ExpertNaming) -> &'static str {
+    match naming {
+        ExpertNaming::DeepSeek => "shared_experts",
+        _ => "shared_expert",
+    }
+}
+
+/// Whether the shared expert is scaled by Qwen2-MoE's sigmoid gate (`shared_expert_gate`).
+pub(super) fn has_shared_gate(moe: &MoeConfig) -> bool {
+    moe.shared_expert_intermediate_size.is_some() && moe.naming == ExpertNaming::Qwen
+}
+
+/// The name of the router's per-expert correction bias (DeepSeek's), if it has one.
+pub(super) fn router_bias_name(moe: &MoeConfig, layer: usize) -> Option<String> {
+    moe.sigmoid_routing.map(|_| {
+        format!(
+            "{}.e_score_correction_bias",
+            SparseLinear::Router.path(moe.naming, layer)
+        )
+    })
 }
 
 /// Every linear layer of a sparse MLP, in checkpoint order.
@@ -100,6 +123,8 @@ fn sparse_parts(moe: &MoeConfig) -> Vec<SparseLinear> {
     }
     if moe.shared_expert_intermediate_size.is_some() {
         out.extend(ExpertPart::ALL.map(SparseLinear::Shared));
+    }
+    if has_shared_gate(moe) {
         out.push(SparseLinear::SharedGate);
     }
     out
@@ -131,13 +156,15 @@ pub(super) fn sparse_params(
         );
         return out;
     }
-    sparse_parts(moe)
+    let mut out: Vec<_> = sparse_parts(moe)
         .into_iter()
         .map(|p| {
             let name = format!("{}.weight", p.path(moe.naming, layer));
             (name, p.shape(cfg, moe).to_vec())
         })
-        .collect()
+        .collect();
+    out.extend(router_bias_name(moe, layer).map(|name| (name, vec![moe.num_experts])));
+    out
 }
 
 /// Which linear layer of a sparse MLP the module path `module` (relative to its decoder
@@ -151,12 +178,13 @@ pub(super) fn parse_sparse_linear(moe: &MoeConfig, module: &str) -> Option<Spars
     };
     match rest {
         r if r == router(moe.naming) => return Some(SparseLinear::Router),
-        "shared_expert_gate" if moe.shared_expert_intermediate_size.is_some() => {
-            return Some(SparseLinear::SharedGate)
-        }
+        "shared_expert_gate" if has_shared_gate(moe) => return Some(SparseLinear::SharedGate),
         _ => {}
     }
-    if let Some(name) = rest.strip_prefix("shared_expert.") {
+    if let Some(name) = rest
+        .strip_prefix(shared(moe.naming))
+        .and_then(|r| r.strip_prefix('.'))
+    {
         return moe
             .shared_expert_intermediate_size
             .and(part(name))

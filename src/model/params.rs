@@ -214,4 +214,32 @@ mod tests {
         let mlp0 = shapes.keys().filter(|k| k.starts_with(l0)).count();
         assert_eq!(mlp0, 1 + 9 + 3 + 1);
     }
+
+    #[test]
+    fn a_deepseek_routed_model_lists_its_router_bias_and_ungated_shared_experts() {
+        let cfg = ModelConfig::from_json_str(
+            r#"{"architectures": ["Glm4MoeForCausalLM"], "hidden_size": 16,
+            "intermediate_size": 40, "num_hidden_layers": 2, "num_attention_heads": 2,
+            "vocab_size": 50, "n_routed_experts": 4, "num_experts_per_tok": 2,
+            "moe_intermediate_size": 8, "n_shared_experts": 2}"#,
+            Path::new("/m/config.json"),
+        )
+        .unwrap();
+        let shapes = param_shapes(&cfg);
+        let l1 = "model.layers.1.mlp";
+        assert_eq!(shapes[&format!("{l1}.gate.weight")], vec![4, 16]);
+        assert_eq!(
+            shapes[&format!("{l1}.gate.e_score_correction_bias")],
+            vec![4]
+        );
+        assert_eq!(
+            shapes[&format!("{l1}.shared_experts.down_proj.weight")],
+            vec![16, 16]
+        );
+        // Layer 1's MLP: router and its bias, 4 experts × 3, the shared experts × 3, no gate.
+        let mlp1 = shapes.keys().filter(|k| k.starts_with(l1)).count();
+        assert_eq!(mlp1, 2 + 12 + 3);
+        // Layer 0 is dense (`first_k_dense_replace` defaults to 1).
+        assert_eq!(shapes["model.layers.0.mlp.gate_proj.weight"], vec![40, 16]);
+    }
 }

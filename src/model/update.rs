@@ -13,8 +13,8 @@ use super::decoder::{host_sinks, Mlp, Model};
 use super::fused_experts::FusedPart;
 use super::linear::{Linear, LinearWeight, Projection};
 use super::loader::offset_norm;
-use super::moe::SparseMlp;
-use super::moe_names::parse_sparse_linear;
+use super::moe::{RoutingRule, SparseMlp};
+use super::moe_names::{parse_sparse_linear, router_bias_name, SparseLinear};
 use super::params::{check_update, tensor_hash, unknown};
 
 /// Where a named parameter lives in the model.
@@ -23,6 +23,10 @@ enum Slot<'a> {
     Norm(&'a mut Tensor),
     Bias(&'a mut Option<Tensor>),
     Linear(&'a mut LinearWeight),
+    /// A linear layer's weight held in f32 whatever the engine's dtype (DeepSeek's router).
+    F32Linear(&'a mut LinearWeight),
+    /// DeepSeek's router's correction bias, held in f32 on the host.
+    RouterBias(&'a mut Arc<[f32]>),
     /// Weight of layer `.1` of a projection (apart or stacked).
     PartWeight(&'a mut Projection, usize),
     /// Bias of layer `.1` of a projection.
@@ -82,6 +86,16 @@ impl Model {
                 Slot::Linear(w) => {
                     let t = t.to_dtype(matrix)?;
                     *w = LinearWeight::new(&t, bf16_act)?;
+                    t
+                }
+                Slot::F32Linear(w) => {
+                    let t = t.to_dtype(DType::F32)?;
+                    *w = LinearWeight::new(&t, false)?;
+                    t
+                }
+                Slot::RouterBias(b) => {
+                    let t = t.to_dtype(DType::F32)?;
+                    *b = t.to_vec1::<f32>()?.into();
                     t
                 }
                 Slot::PartWeight(p, part) => {
@@ -149,13 +163,21 @@ impl Model {
                         return Some(Slot::Stacked(moe, m.naming, part));
                     }
                 }
-                if let Some(which) = self
-                    .cfg
-                    .moe
-                    .as_ref()
-                    .and_then(|m| parse_sparse_linear(m, module))
-                {
-                    return linear_slot(moe.linear_mut(which)?, kind);
+                if let Some(m) = self.cfg.moe.as_ref() {
+                    if router_bias_name(m, layer_index).as_deref() == Some(name) {
+                        return match &mut moe.routing {
+                            RoutingRule::Sigmoid { bias, .. } => Some(Slot::RouterBias(bias)),
+                            _ => None,
+                        };
+                    }
+                    if let Some(which) = parse_sparse_linear(m, module) {
+                        let linear = moe.linear_mut(which)?;
+                        if which == SparseLinear::Router && m.naming.router_f32() {
+                            return (kind == "weight")
+                                .then_some(Slot::F32Linear(&mut linear.weight));
+                        }
+                        return linear_slot(linear, kind);
+                    }
                 }
                 (None, None)
             }

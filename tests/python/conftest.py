@@ -478,6 +478,29 @@ MODEL_SPECS: dict[str, dict] = {
         "rope": {"rope_type": "default", "rope_theta": 1000000.0},
         "extra": {"num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": None},
     },
+    # GLM-4.5 (DeepSeek-V3's experts): a dense first layer, then 8 experts in 4 groups whose 2
+    # best groups compete, chosen by sigmoid score plus a correction bias (randomised below),
+    # weighed by score, renormalised and scaled by 2.5, beside an ungated shared expert; q/k/v
+    # biases, per-head q/k norms, rope on the first half of each head pairing halves.
+    "glm4_moe": {
+        "arch": "glm4_moe",
+        "seed": 151,
+        "head_dim": 32,
+        "rope": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        "extra": {
+            "num_hidden_layers": 3,
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 48,
+            "n_shared_experts": 1,
+            "first_k_dense_replace": 1,
+            "n_group": 4,
+            "topk_group": 2,
+            "routed_scaling_factor": 2.5,
+            "use_qk_norm": True,
+            "attention_bias": True,
+        },
+    },
 }
 ARCH_NAMES = tuple(MODEL_SPECS)
 
@@ -509,6 +532,7 @@ _CONFIG_CLASSES = {
         transformers.GraniteMoeSharedForCausalLM,
     ),
     "seed_oss": (transformers.SeedOssConfig, transformers.SeedOssForCausalLM),
+    "glm4_moe": (transformers.Glm4MoeConfig, transformers.Glm4MoeForCausalLM),
 }
 
 
@@ -576,6 +600,9 @@ def _randomise_(model: torch.nn.Module, seed: int) -> None:
                 param.copy_(0.5 * torch.randn(param.shape, generator=gen))
             elif name.endswith(".sinks"):  # gpt-oss's per-head sink logits
                 param.copy_(torch.randn(param.shape, generator=gen))
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek's router (a buffer)
+                buf.copy_(0.1 * torch.randn(buf.shape, generator=gen))
 
 
 def build_hf_model(spec: dict) -> torch.nn.Module:

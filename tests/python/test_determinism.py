@@ -154,8 +154,9 @@ def needle_in_haystack(
 # whole heads with biases everywhere (ernie45), a sliding layer and a full one without rope
 # (exaone4), queries scaled by position past the original context (ministral3), sink logits in
 # every softmax before biased experts (gpt_oss), stacked experts beside a shared MLP under
-# Granite's multipliers (granitemoeshared), q/k/v and o biases (seed_oss). Their windows (8–24
-# keys) are shorter than the haystacks' prompts.
+# Granite's multipliers (granitemoeshared), q/k/v and o biases (seed_oss), DeepSeek's grouped
+# sigmoid routing after a dense layer (glm4_moe). Their windows (8–24 keys) are shorter than
+# the haystacks' prompts.
 @pytest.mark.parametrize(
     "name",
     [
@@ -176,6 +177,7 @@ def needle_in_haystack(
         "gpt_oss",
         "granitemoeshared",
         "seed_oss",
+        "glm4_moe",
     ],
 )
 def test_needle_in_haystack_on_every_decoder_layout(model_zoo, name: str) -> None:

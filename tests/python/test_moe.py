@@ -318,3 +318,67 @@ def test_mixtral_update_from_a_transformers_state_dict(tmp_path: Path) -> None:
     assert fingerprint_bits(llm.generate([TARGET_PROMPT], target, use_tqdm=False)[0]) == (
         fingerprint_bits(ref.generate([TARGET_PROMPT], target, use_tqdm=False)[0])
     )
+
+
+def _glm_reference(model: torch.nn.Module) -> torch.nn.Module:
+    """GLM-4.5's model as a bf16 engine computes it: every weight rounded to bf16 but the
+    router's (transformers keeps ``mlp.gate.weight`` and its correction bias in f32), evaluated
+    in f32."""
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if not name.endswith("mlp.gate.weight"):
+                p.copy_(p.to(torch.bfloat16).float())
+    return ref
+
+
+def test_glm4_moe_router_stays_f32_and_its_bias_is_a_parameter(model_zoo) -> None:
+    """GLM-4.5 (DeepSeek-V3's routing) in bf16: the router's weight and correction bias are held
+    and applied in f32, as transformers holds them, so the engine is the rounded model with an
+    f32 router (within f32 rounding; a bf16 router moves every expert weight by ~1e-3). The
+    correction bias only chooses experts; an update of it is followed (as transformers with the
+    new buffer) and restoring it restores the bits."""
+    case = model_zoo.get("glm4_moe")
+    llm = detspec.LLM(str(case.path), dtype="bfloat16", kv_cache_dtype="float32")
+    rng = np.random.default_rng(3)  # the zoo's vocabulary is 512
+    seqs = [[int(t) for t in rng.integers(3, 500, size=n)] for n in (24, 9)]
+
+    def worst(got_all, ref_model) -> float:
+        return max(
+            float(np.abs(got - (r := hf_logits(ref_model, s))).max() / np.abs(r).max())
+            for s, got in zip(seqs, got_all, strict=True)
+        )
+
+    ref = _glm_reference(case.model)
+    before = llm.compute_logits(seqs)
+    assert worst(before, ref) <= 1e-4
+    # Negative control: the reference with its router rounded too is not the engine.
+    rounded_router = copy.deepcopy(ref)
+    with torch.no_grad():
+        for p in rounded_router.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    assert worst(before, rounded_router) > 1e-4
+
+    name = "model.layers.2.mlp.gate.e_score_correction_bias"
+    old = case.model.state_dict()[name].clone()
+    fp0 = llm.fingerprint
+    new = torch.randn(old.shape, generator=torch.Generator().manual_seed(9)) * 0.5
+    llm.update_weights([(name, new)])
+    assert llm.fingerprint != fp0
+    with torch.no_grad():
+        ref.get_buffer(name).copy_(new)
+    after = llm.compute_logits(seqs)
+    assert worst(after, ref) <= 1e-4
+    assert any(not np.array_equal(a, b) for a, b in zip(after, before, strict=True))
+    llm.update_weights([(name, old)])
+    assert llm.fingerprint == fp0
+    for a, b in zip(llm.compute_logits(seqs), before, strict=True):
+        assert np.array_equal(a, b)
+    # The router's weight is taken in f32 too.
+    router = "model.layers.1.mlp.gate.weight"
+    w = case.model.state_dict()[router] * 1.3 + 1e-3
+    llm.update_weights([(router, w)])
+    with torch.no_grad():
+        ref.get_buffer(name).copy_(old)
+        ref.get_parameter(router).copy_(w)
+    assert worst(llm.compute_logits(seqs), ref) <= 1e-4

@@ -68,6 +68,7 @@ def outputs_bits(llm: detspec.LLM) -> list[tuple[list[int], list[int]]]:
         "gemma2",
         "gemma3",
         "granitemoeshared",
+        "glm4_moe",
     ],
 )
 def test_update_weights_follows_transformers_and_restores_bit_for_bit(model_zoo, name):
