@@ -1,5 +1,5 @@
 """A model whose output is written by its prompt: for tests of output formats (gpt-oss's
-Harmony) that a random model would never produce.
+Harmony, GLM-4.5's calls) that a random model would never produce.
 
 A one-layer Qwen2 whose attention looks exactly ``OFFSET`` positions back, whatever the
 tokens: its query and key are constant (biases, zero weights), and the query's phase per
@@ -38,29 +38,46 @@ HARMONY_TEMPLATE = (
 )
 
 
+def marker_ids(markers: list[str] = MARKERS, stops: list[str] = STOPS) -> dict[str, int]:
+    """Each marker's (and stop's) token id in a scripted model's tokenizer."""
+    return {m: TOKENIZER_VOCAB + i for i, m in enumerate(markers + stops)}
+
+
 def harmony_ids() -> dict[str, int]:
     """Each Harmony marker's token id in the scripted model's tokenizer."""
-    return {m: TOKENIZER_VOCAB + i for i, m in enumerate(MARKERS + STOPS)}
+    return marker_ids()
 
 
-def write_harmony_tokenizer(out: Path) -> Tokenizer:
-    """The tests' tiny tokenizer with Harmony's markers as special tokens, and the chat
-    template above."""
+def write_harmony_tokenizer(
+    out: Path,
+    markers: list[str] = MARKERS,
+    stops: list[str] = STOPS,
+    template: str = HARMONY_TEMPLATE,
+) -> Tokenizer:
+    """The tests' tiny tokenizer with ``markers`` and ``stops`` (Harmony's by default) as
+    special tokens, and ``template`` as its chat template."""
     build_tokenizer(out)
-    markers = {i: m for m, i in harmony_ids().items()}
-    add_tokens(out, markers, special=True, chat_template=HARMONY_TEMPLATE)
+    ids = {i: m for m, i in marker_ids(markers, stops).items()}
+    add_tokens(out, ids, special=True, chat_template=template)
     return Tokenizer.from_file(str(out / "tokenizer.json"))
 
 
-def write_scripted_model(out: Path) -> Path:
-    """The copying model of this module's doc, with the Harmony tokenizer, in ``out``."""
-    write_harmony_tokenizer(out)
-    stops = [EOS_ID, *(harmony_ids()[s] for s in STOPS)]
+def write_scripted_model(
+    out: Path,
+    markers: list[str] = MARKERS,
+    stops: list[str] = STOPS,
+    template: str = HARMONY_TEMPLATE,
+) -> Path:
+    """The copying model of this module's doc, with a tokenizer of ``markers`` and ``stops``
+    (Harmony's by default; the stops end the output) and chat ``template``, in ``out``."""
+    write_harmony_tokenizer(out, markers, stops, template)
+    ids = marker_ids(markers, stops)
+    stop_ids = [EOS_ID, *(ids[s] for s in stops)]
     cfg = transformers.Qwen2Config(
         vocab_size=VOCAB_SIZE, hidden_size=HIDDEN, intermediate_size=32,
         num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1, head_dim=HIDDEN,
         max_position_embeddings=512, rope_theta=ROPE_BASE, tie_word_embeddings=False,
-        rms_norm_eps=1e-6, bos_token_id=BOS_ID, eos_token_id=stops,
+        rms_norm_eps=1e-6, bos_token_id=BOS_ID, eos_token_id=stop_ids,
     )  # fmt: skip
     model = transformers.Qwen2ForCausalLM(cfg)
     half = HIDDEN // 2

@@ -1,4 +1,4 @@
-"""Tool-call parsers and the per-choice tool reader (pure Python, no server): the three
+"""Tool-call parsers and the per-choice tool reader (pure Python, no server): the
 formats, malformed calls returned as content, and streaming (any split of the text) adding up
 to exactly the non-streamed answer."""
 
@@ -8,6 +8,8 @@ import pytest
 
 from detspec.server import protocol as P
 from detspec.server.tool_parsers import (
+    PARSERS,
+    Glm45ToolParser,
     HermesToolParser,
     Llama3JsonToolParser,
     MistralToolParser,
@@ -103,6 +105,43 @@ CASES = [
         [WEATHER, ParsedCall("get_time", "{}")],
     ),
     (MistralToolParser, "[TOOL_CALLS] [{\"name\": ", "[TOOL_CALLS] [{\"name\": ", []),
+    (Glm45ToolParser, "No tools needed.", "No tools needed.", []),
+    (
+        Glm45ToolParser,
+        "Let me check.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n"
+        "<arg_value>Paris</arg_value>\n</tool_call>",
+        "Let me check.\n",
+        [WEATHER],
+    ),
+    # GLM-4.7: no newline after the name; two calls; a call without arguments; without the
+    # tools' schemas, values are JSON where they parse
+    (
+        Glm45ToolParser,
+        "<tool_call>get_weather<arg_key>city</arg_key><arg_value>\"Paris\"</arg_value>"
+        "</tool_call>\n<tool_call>get_time</tool_call>"
+        "<tool_call>f<arg_key>n</arg_key><arg_value>3</arg_value><arg_key>x</arg_key>"
+        "<arg_value>[1, {\"a\": null}]</arg_value><arg_key>s</arg_key><arg_value>hi there"
+        "</arg_value></tool_call>",
+        "",
+        [WEATHER, ParsedCall("get_time", "{}"),
+         ParsedCall("f", '{"n": 3, "x": [1, {"a": null}], "s": "hi there"}')],
+    ),
+    # an unclosed last call is read to the end
+    (
+        Glm45ToolParser,
+        "<tool_call>get_weather\n<arg_key>city</arg_key><arg_value>Paris</arg_value>",
+        "",
+        [WEATHER],
+    ),
+    # not a call: no name, text between the pairs, an unclosed pair; content, not a crash
+    (Glm45ToolParser, "<tool_call><arg_key>a</arg_key><arg_value>1</arg_value></tool_call>",
+     "<tool_call><arg_key>a</arg_key><arg_value>1</arg_value></tool_call>", []),
+    (Glm45ToolParser, "<tool_call>f\n<arg_key>a</arg_key>x<arg_value>1</arg_value></tool_call>",
+     "<tool_call>f\n<arg_key>a</arg_key>x<arg_value>1</arg_value></tool_call>", []),
+    (Glm45ToolParser, "<tool_call>f\n<arg_key>a</arg_key><arg_value>1", "<tool_call>f\n"
+     "<arg_key>a</arg_key><arg_value>1", []),
+    (Glm45ToolParser, "<tool_call>two words</tool_call>", "<tool_call>two words</tool_call>",
+     []),
 ]  # fmt: skip
 
 
@@ -122,6 +161,53 @@ def test_hermes_streams_content_before_the_call_is_complete() -> None:
     out = p.feed('"arguments": {"city": "Paris"}}</tool_call>')
     assert out.calls == [WEATHER] and out.content == ""
     assert p.finish() == Parsed()
+
+
+def test_glm45_reads_values_by_the_tools_schemas() -> None:
+    """A value is the argument's text where the tool's schema types it ``string`` (``007``,
+    ``true``, ``{x}`` stay text), else JSON where it parses; vLLM's reading of GLM's calls."""
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "book",
+                "parameters": {
+                    "type": "object",
+                    "properties": {
+                        "code": {"type": "string"},
+                        "flag": {"type": "string"},
+                        "note": {"type": "string"},
+                        "seats": {"type": "integer"},
+                        "vip": {"type": "boolean"},
+                    },
+                },
+            },
+        }
+    ]
+    text = (
+        "<tool_call>book\n<arg_key>code</arg_key>\n<arg_value>007</arg_value>\n"
+        "<arg_key>flag</arg_key>\n<arg_value>true</arg_value>\n<arg_key>note</arg_key>\n"
+        "<arg_value>{x}</arg_value>\n<arg_key>seats</arg_key>\n<arg_value>2</arg_value>\n"
+        "<arg_key>vip</arg_key>\n<arg_value>false</arg_value>\n</tool_call>"
+    )
+    want = ParsedCall(
+        "book", '{"code": "007", "flag": "true", "note": "{x}", "seats": 2, "vip": false}'
+    )
+    assert Glm45ToolParser.parse(text, tools).calls == [want]
+    for size in (1, 3, 7):
+        p = Glm45ToolParser(tools)
+        out = Parsed()
+        for i in range(0, len(text), size):
+            out.extend(p.feed(text[i : i + size]))
+        out.extend(p.finish())
+        assert out.calls == [want], size
+    # Without the schemas the same text reads 007 as text (not JSON) and true as a boolean.
+    assert Glm45ToolParser.parse(text).calls[0].arguments == (
+        '{"code": "007", "flag": true, "note": "{x}", "seats": 2, "vip": false}'
+    )
+    # GLM-4.7's name for the same format, both keeping the special tokens they are made of.
+    assert PARSERS["glm47"].parse(text, tools).calls == [want]
+    assert PARSERS["glm45"].needs_special_tokens and PARSERS["glm47"].needs_special_tokens
 
 
 def tool(name: str, params: dict | None = None) -> P.ChatTool:

@@ -7,7 +7,8 @@ of the tokenizer (checked when the server starts):
 * ``deepseek_r1`` -- DeepSeek-R1 and its distills, QwQ: the output begins inside the block
   (the template may have opened it, or the model opens it itself);
 * ``qwen3`` -- the same, except that ``chat_template_kwargs: {"enable_thinking": false}``
-  means no thinking when the template does not say otherwise.
+  means no thinking when the template does not say otherwise; ``glm45`` (GLM-4.5/4.6/4.7,
+  whose templates take the same switch) reads the same way.
 
 Whether the output begins inside the block is read off the generation prompt (what the chat
 template appended after the last message): its last tag decides (``<think>``: inside;
@@ -45,6 +46,7 @@ START, END = "<think>", "</think>"
 PARSERS: dict[str, str | None] = {
     "deepseek_r1": None,
     "qwen3": "enable_thinking",
+    "glm45": "enable_thinking",
     HARMONY: None,
 }
 

@@ -93,14 +93,16 @@ def add_app_arguments(p: argparse.ArgumentParser) -> None:
         choices=sorted(PARSERS),
         default=None,
         help="the model's tool-call format: hermes (<tool_call> JSON: Qwen2/Qwen3, Hermes), "
-        "llama3_json (Llama 3.1+ JSON calls), mistral ([TOOL_CALLS]), openai (gpt-oss's "
-        "Harmony calls; with --reasoning-parser openai_gptoss)",
+        "llama3_json (Llama 3.1+ JSON calls), mistral ([TOOL_CALLS]), glm45 / glm47 "
+        "(GLM-4.5/4.6/4.7's <arg_key>/<arg_value> calls), openai (gpt-oss's Harmony calls; with "
+        "--reasoning-parser openai_gptoss)",
     )
     p.add_argument(
         "--reasoning-parser",
         choices=sorted(REASONING_PARSERS),
         default=None,
         help="a thinking model's format: deepseek_r1 (DeepSeek-R1 and distills, QwQ), qwen3, "
+        "glm45, "
         "openai_gptoss (gpt-oss's Harmony; the default for a gpt-oss checkpoint); chat answers "
         "then carry `reasoning` (and `reasoning_content`) beside `content`, and output "
         "constraints apply after the thinking",

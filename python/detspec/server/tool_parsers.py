@@ -8,18 +8,25 @@ One per output format, chosen by ``detspec serve --tool-call-parser`` (vLLM's na
   optionally after ``<|python_tag|>``, several separated by ``;`` (Llama 3.1+);
 * ``mistral`` -- content, then ``[TOOL_CALLS]`` and a JSON array of calls
   (``[{"name": ..., "arguments": {...}}]``), or the newer ``[TOOL_CALLS]name[ARGS]{...}``;
+* ``glm45`` (and ``glm47``) -- GLM-4.5/4.6/4.7's ``<tool_call>name`` then
+  ``<arg_key>k</arg_key><arg_value>v</arg_value>`` pairs, ``</tool_call>``: a value is the
+  argument's text where the tool's schema says ``string``, else JSON (text where it does not
+  parse), as vLLM reads it;
 * ``openai`` -- gpt-oss's Harmony messages to ``functions.*``: read with the rest of the
   format by its reasoning parser (``harmony``), so this parser only names it.
 
 Parsers are incremental: ``feed(text)`` returns the content that can be shown now and the calls
-completed so far, ``finish()`` the rest. A non-streamed response is ``feed(all) + finish()``,
-so a stream's pieces add up to exactly the non-streamed answer. A call whose JSON does not parse
-(or lacks a name) is not a call: its text is returned as content.
+completed so far, ``finish()`` the rest. A parser is made per output, with the request's tools
+(``tools``: the request's ``tools`` as dicts, which GLM's format needs for its argument types).
+A non-streamed response is ``feed(all) + finish()``, so a stream's pieces add up to exactly the
+non-streamed answer. A call that does not parse (or lacks a name) is not a call: its text is
+returned as content.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -83,6 +90,9 @@ class ToolParser:
     # the calls are Harmony messages, read by the openai_gptoss reasoning parser
     harmony: ClassVar[bool] = False
 
+    def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
+        self.tools = tools or []
+
     def feed(self, text: str) -> Parsed:
         raise NotImplementedError
 
@@ -90,23 +100,30 @@ class ToolParser:
         raise NotImplementedError
 
     @classmethod
-    def parse(cls, text: str) -> Parsed:
+    def parse(cls, text: str, tools: list[dict[str, Any]] | None = None) -> Parsed:
         """The whole output at once."""
-        p = cls()
+        p = cls(tools)
         out = p.feed(text)
         out.extend(p.finish())
         return out
 
 
-class HermesToolParser(ToolParser):
-    name = "hermes"
-    START = "<tool_call>"
-    END = "</tool_call>"
+class _TaggedCallParser(ToolParser):
+    """Formats whose calls are bodies between ``START`` and ``END``, any number of them among
+    the content; an unclosed last call is read to the end. ``_call`` reads a body."""
 
-    def __init__(self) -> None:
+    START: ClassVar[str] = "<tool_call>"
+    END: ClassVar[str] = "</tool_call>"
+
+    def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
+        super().__init__(tools)
         self.buf = ""
         self.in_call = False
         self.seen_call = False
+
+    def _call(self, body: str) -> ParsedCall:
+        """The call ``body`` holds; ``ValueError`` if it is not one."""
+        raise NotImplementedError
 
     def _content(self, text: str) -> str:
         # whitespace between or after calls is layout, not content
@@ -114,7 +131,7 @@ class HermesToolParser(ToolParser):
 
     def _close(self, body: str, closed: bool) -> Parsed:
         try:
-            call = call_from_json(json.loads(body))
+            call = self._call(body)
         except ValueError:
             return Parsed(self.START + body + (self.END if closed else ""))
         return Parsed("", [call])
@@ -152,6 +169,65 @@ class HermesToolParser(ToolParser):
         return Parsed(self._content(buf))
 
 
+class HermesToolParser(_TaggedCallParser):
+    name = "hermes"
+
+    def _call(self, body: str) -> ParsedCall:
+        return call_from_json(json.loads(body))
+
+
+class Glm45ToolParser(_TaggedCallParser):
+    """``<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n
+    </tool_call>``: the name, then nothing but key/value pairs (GLM-4.7 writes no newline after
+    the name). Its tags are special tokens."""
+
+    name = "glm45"
+    needs_special_tokens = True
+    PAIR = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>\s*", re.DOTALL)
+
+    def _string_args(self, tool: str) -> set[str]:
+        """The arguments of ``tool`` whose schema type is ``string``."""
+        for t in self.tools:
+            f = t.get("function") or {}
+            if f.get("name") == tool:
+                props = (f.get("parameters") or {}).get("properties") or {}
+                return {
+                    k for k, v in props.items() if isinstance(v, dict) and v.get("type") == "string"
+                }
+        return set()
+
+    def _call(self, body: str) -> ParsedCall:
+        at = body.find("<arg_key>")
+        name = (body if at < 0 else body[:at]).strip()
+        if not name or any(c.isspace() or c == "<" for c in name):
+            raise ValueError("not a call: no name")
+        strings = self._string_args(name)
+        args: dict[str, Any] = {}
+        i = len(body) if at < 0 else at
+        while i < len(body):
+            m = self.PAIR.match(body, i)
+            if m is None:
+                if body[i:].strip():
+                    raise ValueError("not a call: text between the arguments")
+                break
+            key, value = m.group(1).strip(), m.group(2)
+            if key in strings:
+                args[key] = value
+            else:
+                try:
+                    args[key] = json.loads(value)
+                except ValueError:
+                    args[key] = value
+            i = m.end()
+        return ParsedCall(name, json.dumps(args, ensure_ascii=False))
+
+
+class Glm47ToolParser(Glm45ToolParser):
+    """vLLM's name for GLM-4.7's format, which the same reader reads."""
+
+    name = "glm47"
+
+
 class _TailParser(ToolParser):
     """Formats whose calls run from a marker to the end of the output: content before the
     marker streams; the calls are parsed once the output is complete (all or nothing: if
@@ -159,7 +235,8 @@ class _TailParser(ToolParser):
 
     MARKER: ClassVar[str]
 
-    def __init__(self) -> None:
+    def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
+        super().__init__(tools)
         self.buf = ""
         self.in_calls = False
 
@@ -216,8 +293,8 @@ class Llama3JsonToolParser(_TailParser):
     name = "llama3_json"
     MARKER = "<|python_tag|>"
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
+        super().__init__(tools)
         self.content_only = False
 
     def feed(self, text: str) -> Parsed:
@@ -288,5 +365,13 @@ class OpenAIToolParser(ToolParser):
 
 
 PARSERS: dict[str, type[ToolParser]] = {
-    p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser, OpenAIToolParser)
+    p.name: p
+    for p in (
+        HermesToolParser,
+        Llama3JsonToolParser,
+        MistralToolParser,
+        Glm45ToolParser,
+        Glm47ToolParser,
+        OpenAIToolParser,
+    )
 }

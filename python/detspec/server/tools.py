@@ -234,7 +234,7 @@ class ChoiceTools:
 
     def __post_init__(self) -> None:
         if self.plan.mode == "auto" and self.plan.parser is not None:
-            self._parser = self.plan.parser()
+            self._parser = self.plan.parser(self.plan.tools)
 
     def _call(self, name: str, arguments: str) -> dict[str, Any]:
         call = {

@@ -1,0 +1,207 @@
+"""GLM-4.5's output format through the real ``openai`` client over loopback HTTP
+(``--reasoning-parser glm45 --tool-call-parser glm45``, as vLLM serves GLM-4.5/4.6/4.7), on
+the scripted model (``scripted_model``: it says what its prompt scripts, token for token) with
+GLM's tags as special tokens and a GLM-style chat template.
+
+The properties: the ``<think>`` block is the reasoning, what follows it the content, and a
+``<tool_call>name<arg_key>…</arg_key><arg_value>…</arg_value></tool_call>`` a tool call whose
+arguments are typed by the request's tool schema (a ``string`` argument stays text, ``007``
+included; an integer one is JSON), finish reason ``tool_calls``; streamed deltas add up to the
+whole answer; with ``enable_thinking: false`` the template closes the block and the output is
+all content; a deterministic request's answer repeats bit for bit. Negative control: without
+the parsers the same output is one flat content string, tags and all.
+"""
+
+# ruff: noqa: F811  (pytest fixtures imported from server_fixtures)
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from scripted_model import padding, write_scripted_model
+from server_fixtures import SERVED_NAME, start_server
+from tokenizers import Tokenizer
+
+MARKERS = [
+    "<|system|>", "<|user|>", "<|assistant|>", "<think>", "</think>", "<tool_call>",
+    "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>",
+]  # fmt: skip
+STOPS = ["<|observation|>", "<|endoftext|>"]
+# GLM-4.5's template, reduced to what the tests read: each message after its role tag, the
+# thinking block closed at once when thinking is off.
+TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>"
+    "{% if enable_thinking is defined and not enable_thinking %}\n<think></think>{% endif %}"
+    "{% endif %}"
+)
+THINK = "The user wants a booking."
+CALL = (
+    "<tool_call>book\n<arg_key>code</arg_key>\n<arg_value>007</arg_value>\n"
+    "<arg_key>seats</arg_key>\n<arg_value>2</arg_value>\n</tool_call>"
+)
+SAYS = f"<think>{THINK}</think>\nBooking it.{CALL}<|observation|>"
+BOOK = {
+    "type": "function",
+    "function": {
+        "name": "book",
+        "parameters": {
+            "type": "object",
+            "properties": {"code": {"type": "string"}, "seats": {"type": "integer"}},
+            "required": ["code", "seats"],
+        },
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    out = Path(tmp_path_factory.mktemp("scripted-glm")) / "m"
+    return write_scripted_model(out, MARKERS, STOPS, TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir) -> Tokenizer:
+    return Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+
+
+def glm_server(tmp_path_factory, model_dir, name: str, *parsers: str):
+    return start_server(
+        tmp_path_factory,
+        name,
+        str(model_dir),
+        "--max-model-len", "512",
+        "--verify-strategy", "replay",
+        "--verify-window", "8",
+        "--verify-group", "4",
+        *parsers,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, model_dir):
+    s = glm_server(
+        tmp_path_factory,
+        model_dir,
+        "glm",
+        "--reasoning-parser", "glm45",
+        "--enable-auto-tool-choice", "--tool-call-parser", "glm45",
+    )  # fmt: skip
+    yield s
+    assert s.stop() == 0, s.log()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+
+
+def scripted(server, tok, script: str, **template_kwargs) -> list[dict]:
+    """Messages whose user message makes the scripted model say ``script``: the script, then
+    fillers (``<s>``, one token each) that put it ``OFFSET`` tokens before the end of the
+    rendered prompt."""
+    ids = tok.encode(script, add_special_tokens=False).ids
+
+    def render(content: str) -> list[int]:
+        body = {
+            "messages": [{"role": "user", "content": content}],
+            "chat_template_kwargs": template_kwargs,
+        }
+        r = httpx.post(server.base_url + "/tokenize", json=body)
+        r.raise_for_status()
+        return r.json()["tokens"]
+
+    prompt = render(script)
+    at = max(i for i in range(len(prompt)) if prompt[i : i + len(ids)] == ids)
+    return [{"role": "user", "content": script + "<s>" * padding(len(prompt), at)}]
+
+
+def chat(client, server, tok, script: str, template_kwargs=None, **kw):
+    template_kwargs = template_kwargs or {}
+    extra = {
+        "return_token_ids": True,
+        "chat_template_kwargs": template_kwargs,
+        **kw.pop("extra", {}),
+    }
+    messages = scripted(server, tok, script, **template_kwargs)
+    args = dict(model=SERVED_NAME, messages=messages, temperature=0.0, max_tokens=120)
+    return client.chat.completions.create(**{**args, **kw}, extra_body=extra)
+
+
+def test_think_block_content_and_a_typed_call(client, server, tok) -> None:
+    r = chat(client, server, tok, SAYS, tools=[BOOK], logprobs=True)
+    ch = r.choices[0]
+    assert ch.message.model_extra["reasoning"] == THINK
+    assert ch.message.content == "\nBooking it."
+    (call,) = ch.message.tool_calls
+    assert call.function.name == "book"
+    # the schema types `code` a string: 007 stays text; `seats` an integer: JSON
+    assert json.loads(call.function.arguments) == {"code": "007", "seats": 2}
+    assert ch.finish_reason == "tool_calls"
+    # streamed: the deltas add up to the same answer, logprob bits included
+    stream = client.chat.completions.create(
+        model=SERVED_NAME,
+        messages=scripted(server, tok, SAYS),
+        temperature=0.0,
+        max_tokens=120,
+        tools=[BOOK],
+        logprobs=True,
+        stream=True,
+    )
+    reasoning, content, args, name, finish, lps = "", "", "", None, None, []
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        c = chunk.choices[0]
+        reasoning += (c.delta.model_extra or {}).get("reasoning") or ""
+        content += c.delta.content or ""
+        for d in c.delta.tool_calls or []:
+            name = name or d.function.name
+            args += d.function.arguments or ""
+        if c.logprobs and c.logprobs.content:
+            lps += [struct.pack("<f", e.logprob) for e in c.logprobs.content]
+        finish = c.finish_reason or finish
+    assert (reasoning, content, name, finish) == (THINK, "\nBooking it.", "book", "tool_calls")
+    assert json.loads(args) == {"code": "007", "seats": 2}
+    assert lps == [struct.pack("<f", e.logprob) for e in ch.logprobs.content]
+
+
+def test_thinking_off_is_all_content(client, server, tok) -> None:
+    r = chat(client, server, tok, "It is booked.<|endoftext|>", {"enable_thinking": False})
+    m = r.choices[0].message
+    assert m.content == "It is booked." and not m.model_extra.get("reasoning")
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_a_deterministic_call_repeats_bit_for_bit(client, server, tok) -> None:
+    def once():
+        r = chat(
+            client, server, tok, SAYS, tools=[BOOK], logprobs=True,
+            temperature=0.7, seed=3, extra={"deterministic": True},
+        )  # fmt: skip
+        ch = r.choices[0]
+        return (
+            ch.model_extra["token_ids"],
+            [struct.pack("<f", e.logprob) for e in ch.logprobs.content],
+            [(c.id, c.function.name, c.function.arguments) for c in ch.message.tool_calls],
+        )
+
+    assert once() == once()
+
+
+def test_without_the_parsers_the_output_is_flat_content(tmp_path_factory, model_dir, tok):
+    s = glm_server(tmp_path_factory, model_dir, "glm-flat")
+    try:
+        c = openai.OpenAI(base_url=s.base_url + "/v1", api_key="unused", max_retries=0)
+        r = chat(c, s, tok, SAYS)
+        m = r.choices[0].message
+        assert not m.tool_calls and not m.model_extra.get("reasoning")
+        assert "arg_value" not in (m.content or "")  # special tokens are skipped when flat
+        assert THINK in m.content and "Booking it." in m.content
+    finally:
+        assert s.stop() == 0, s.log()
