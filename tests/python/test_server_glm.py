@@ -9,7 +9,8 @@ arguments are typed by the request's tool schema (a ``string`` argument stays te
 included; an integer one is JSON), finish reason ``tool_calls``; streamed deltas add up to the
 whole answer; with ``enable_thinking: false`` the template closes the block and the output is
 all content; a deterministic request's answer repeats bit for bit. Negative control: without
-the parsers the same output is one flat content string, tags and all.
+the parsers the same output is one flat content string. Qwen3-Coder's XML calls
+(``--tool-call-parser qwen3_coder``) are read the same way on the same model.
 """
 
 # ruff: noqa: F811  (pytest fixtures imported from server_fixtures)
@@ -203,5 +204,27 @@ def test_without_the_parsers_the_output_is_flat_content(tmp_path_factory, model_
         assert not m.tool_calls and not m.model_extra.get("reasoning")
         assert "arg_value" not in (m.content or "")  # special tokens are skipped when flat
         assert THINK in m.content and "Booking it." in m.content
+    finally:
+        assert s.stop() == 0, s.log()
+
+
+def test_qwen3_coder_calls_are_read_by_their_parser(tmp_path_factory, model_dir, tok):
+    """Qwen3-Coder's ``<function=…><parameter=…>`` calls (``--tool-call-parser qwen3_coder``,
+    tags as ordinary text), typed by the same schema, on the same scripted model."""
+    s = glm_server(
+        tmp_path_factory, model_dir, "qwen3-coder",
+        "--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder",
+    )  # fmt: skip
+    try:
+        c = openai.OpenAI(base_url=s.base_url + "/v1", api_key="unused", max_retries=0)
+        script = (
+            "Booking.\n<tool_call>\n<function=book>\n<parameter=code>\n007\n</parameter>\n"
+            "<parameter=seats>\n2\n</parameter>\n</function>\n</tool_call><|endoftext|>"
+        )
+        ch = chat(c, s, tok, script, tools=[BOOK]).choices[0]
+        assert ch.message.content == "Booking.\n" and ch.finish_reason == "tool_calls"
+        (call,) = ch.message.tool_calls
+        assert call.function.name == "book"
+        assert json.loads(call.function.arguments) == {"code": "007", "seats": 2}
     finally:
         assert s.stop() == 0, s.log()

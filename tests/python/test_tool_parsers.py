@@ -4,6 +4,9 @@ to exactly the non-streamed answer."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
+
 import pytest
 
 from detspec.server import protocol as P
@@ -15,6 +18,7 @@ from detspec.server.tool_parsers import (
     MistralToolParser,
     Parsed,
     ParsedCall,
+    Qwen3CoderToolParser,
     ToolParser,
 )
 from detspec.server.tools import CallIds, ChoiceTools, ToolPlan, plan_tools, required_schema
@@ -22,7 +26,7 @@ from detspec.server.tools import CallIds, ChoiceTools, ToolPlan, plan_tools, req
 WEATHER = ParsedCall("get_weather", '{"city": "Paris"}')
 
 
-def chunked(parser: type[ToolParser], text: str, size: int) -> Parsed:
+def chunked(parser: Callable[[], ToolParser], text: str, size: int) -> Parsed:
     p = parser()
     out = Parsed()
     for i in range(0, len(text), size):
@@ -142,6 +146,30 @@ CASES = [
      "<arg_key>a</arg_key><arg_value>1", []),
     (Glm45ToolParser, "<tool_call>two words</tool_call>", "<tool_call>two words</tool_call>",
      []),
+    # Qwen3-Coder: one newline off each side of a value; without schemas every value is text
+    (
+        Qwen3CoderToolParser,
+        "Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
+        "</parameter>\n</function>\n</tool_call>",
+        "Checking.\n",
+        [WEATHER],
+    ),
+    (
+        Qwen3CoderToolParser,
+        "<tool_call><function=f><parameter=n>3</parameter><parameter=code>\n\n  x = 1\n\n"
+        "</parameter><parameter=none>null</parameter></function><function=get_time></function>"
+        "</tool_call>",
+        "",
+        [ParsedCall("f", '{"n": "3", "code": "\\n  x = 1\\n", "none": null}'),
+         ParsedCall("get_time", "{}")],
+    ),
+    (Qwen3CoderToolParser, "<tool_call>\n<function=f>\n<parameter=a>1</parameter>",
+     "<tool_call>\n<function=f>\n<parameter=a>1</parameter>", []),  # unclosed function
+    (Qwen3CoderToolParser, "<tool_call><function=f>text<parameter=a>1</parameter></function>"
+     "</tool_call>", "<tool_call><function=f>text<parameter=a>1</parameter></function>"
+     "</tool_call>", []),
+    (Qwen3CoderToolParser, "<tool_call>{\"name\": \"f\"}</tool_call>",
+     "<tool_call>{\"name\": \"f\"}</tool_call>", []),
 ]  # fmt: skip
 
 
@@ -208,6 +236,45 @@ def test_glm45_reads_values_by_the_tools_schemas() -> None:
     # GLM-4.7's name for the same format, both keeping the special tokens they are made of.
     assert PARSERS["glm47"].parse(text, tools).calls == [want]
     assert PARSERS["glm45"].needs_special_tokens and PARSERS["glm47"].needs_special_tokens
+
+
+def test_qwen3_coder_types_values_by_the_tools_schemas() -> None:
+    """vLLM's reading of Qwen3-Coder's parameters: text for string types (``007``), integers
+    and numbers where they parse (an integral number as an integer), a boolean by ``true``,
+    JSON for objects and arrays, the text itself where a value does not parse (and never
+    NaN, which is not JSON), null for ``null``."""
+    props = {
+        "code": {"type": "string"},
+        "seats": {"type": "integer"},
+        "price": {"type": "number"},
+        "whole": {"type": "number"},
+        "vip": {"type": "boolean"},
+        "tags": {"type": "array"},
+        "meta": {"type": ["object", "null"]},
+        "bad": {"type": "integer"},
+        "nan": {"type": "number"},
+        "gone": {"type": "string"},
+    }
+    tools = [{"type": "function", "function": {"name": "book", "parameters": {
+        "type": "object", "properties": props}}}]  # fmt: skip
+    values = {
+        "code": "007", "seats": "2", "price": "9.5", "whole": "3.0", "vip": "True",
+        "tags": '["a", 1]', "meta": '{"k": [1]}', "bad": "two", "nan": "NaN", "gone": "null",
+    }  # fmt: skip
+    text = (
+        "<tool_call>\n<function=book>\n"
+        + "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in values.items())
+        + "</function>\n</tool_call>"
+    )
+    want = {
+        "code": "007", "seats": 2, "price": 9.5, "whole": 3, "vip": True, "tags": ["a", 1],
+        "meta": {"k": [1]}, "bad": "two", "nan": "NaN", "gone": None,
+    }  # fmt: skip
+    (call,) = Qwen3CoderToolParser.parse(text, tools).calls
+    assert call.name == "book" and json.loads(call.arguments) == want
+    assert PARSERS["qwen3_xml"].parse(text, tools).calls == [call]
+    for size in (1, 4, 9):
+        assert chunked(lambda: Qwen3CoderToolParser(tools), text, size).calls == [call]
 
 
 def tool(name: str, params: dict | None = None) -> P.ChatTool:

@@ -12,6 +12,9 @@ One per output format, chosen by ``detspec serve --tool-call-parser`` (vLLM's na
   ``<arg_key>k</arg_key><arg_value>v</arg_value>`` pairs, ``</tool_call>``: a value is the
   argument's text where the tool's schema says ``string``, else JSON (text where it does not
   parse), as vLLM reads it;
+* ``qwen3_coder`` (and ``qwen3_xml``) -- Qwen3-Coder's ``<tool_call><function=name>`` with
+  ``<parameter=k>v</parameter>`` pairs: a value typed by the tool's schema (text for strings
+  and for arguments the schema does not name; ``null`` is null), as vLLM reads it;
 * ``openai`` -- gpt-oss's Harmony messages to ``functions.*``: read with the rest of the
   format by its reasoning parser (``harmony``), so this parser only names it.
 
@@ -70,6 +73,16 @@ def call_from_json(obj: Any) -> ParsedCall:
     return ParsedCall(obj["name"], json.dumps(args, ensure_ascii=False))
 
 
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def strict_json(text: str) -> Any:
+    """``json.loads`` without Python's NaN and Infinity, which are not JSON: an argument read
+    as one would make the call's ``arguments`` text no client can parse."""
+    return json.loads(text, parse_constant=_refuse_constant)
+
+
 def _held_prefix(text: str, marker: str) -> int:
     """Length of the longest suffix of ``text`` that starts ``marker`` (it may be the
     beginning of a marker still arriving)."""
@@ -110,7 +123,7 @@ class ToolParser:
 
 class _TaggedCallParser(ToolParser):
     """Formats whose calls are bodies between ``START`` and ``END``, any number of them among
-    the content; an unclosed last call is read to the end. ``_call`` reads a body."""
+    the content; an unclosed last call is read to the end. ``_calls`` reads a body."""
 
     START: ClassVar[str] = "<tool_call>"
     END: ClassVar[str] = "</tool_call>"
@@ -121,9 +134,17 @@ class _TaggedCallParser(ToolParser):
         self.in_call = False
         self.seen_call = False
 
-    def _call(self, body: str) -> ParsedCall:
-        """The call ``body`` holds; ``ValueError`` if it is not one."""
+    def _calls(self, body: str) -> list[ParsedCall]:
+        """The calls ``body`` holds; ``ValueError`` if it is not calls."""
         raise NotImplementedError
+
+    def _schema(self, tool: str) -> dict[str, Any]:
+        """The properties of ``tool``'s parameters in the request's tools (none if absent)."""
+        for t in self.tools:
+            f = t.get("function") or {}
+            if f.get("name") == tool:
+                return (f.get("parameters") or {}).get("properties") or {}
+        return {}
 
     def _content(self, text: str) -> str:
         # whitespace between or after calls is layout, not content
@@ -131,10 +152,10 @@ class _TaggedCallParser(ToolParser):
 
     def _close(self, body: str, closed: bool) -> Parsed:
         try:
-            call = self._call(body)
+            calls = self._calls(body)
         except ValueError:
             return Parsed(self.START + body + (self.END if closed else ""))
-        return Parsed("", [call])
+        return Parsed("", calls)
 
     def feed(self, text: str) -> Parsed:
         self.buf += text
@@ -172,8 +193,8 @@ class _TaggedCallParser(ToolParser):
 class HermesToolParser(_TaggedCallParser):
     name = "hermes"
 
-    def _call(self, body: str) -> ParsedCall:
-        return call_from_json(json.loads(body))
+    def _calls(self, body: str) -> list[ParsedCall]:
+        return [call_from_json(json.loads(body))]
 
 
 class Glm45ToolParser(_TaggedCallParser):
@@ -185,23 +206,12 @@ class Glm45ToolParser(_TaggedCallParser):
     needs_special_tokens = True
     PAIR = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>\s*", re.DOTALL)
 
-    def _string_args(self, tool: str) -> set[str]:
-        """The arguments of ``tool`` whose schema type is ``string``."""
-        for t in self.tools:
-            f = t.get("function") or {}
-            if f.get("name") == tool:
-                props = (f.get("parameters") or {}).get("properties") or {}
-                return {
-                    k for k, v in props.items() if isinstance(v, dict) and v.get("type") == "string"
-                }
-        return set()
-
-    def _call(self, body: str) -> ParsedCall:
+    def _calls(self, body: str) -> list[ParsedCall]:
         at = body.find("<arg_key>")
         name = (body if at < 0 else body[:at]).strip()
         if not name or any(c.isspace() or c == "<" for c in name):
             raise ValueError("not a call: no name")
-        strings = self._string_args(name)
+        strings = {k for k, v in self._schema(name).items() if _schema_type(v) == "string"}
         args: dict[str, Any] = {}
         i = len(body) if at < 0 else at
         while i < len(body):
@@ -215,17 +225,93 @@ class Glm45ToolParser(_TaggedCallParser):
                 args[key] = value
             else:
                 try:
-                    args[key] = json.loads(value)
+                    args[key] = strict_json(value)
                 except ValueError:
                     args[key] = value
             i = m.end()
-        return ParsedCall(name, json.dumps(args, ensure_ascii=False))
+        return [ParsedCall(name, json.dumps(args, ensure_ascii=False))]
 
 
 class Glm47ToolParser(Glm45ToolParser):
     """vLLM's name for GLM-4.7's format, which the same reader reads."""
 
     name = "glm47"
+
+
+def _schema_type(prop: Any) -> str:
+    """A JSON schema property's type, lower case (the first non-null one of a list; ``string``
+    where it names none)."""
+    t = prop.get("type", "string") if isinstance(prop, dict) else "string"
+    if isinstance(t, list):
+        t = next((x for x in t if x != "null"), "string")
+    return str(t).lower()
+
+
+def _typed(value: str, prop: Any) -> Any:
+    """Qwen3-Coder's parameter text as its schema types it (vLLM's reading): text for
+    string-like types, an int or number where it parses as one, a boolean by ``true``, JSON for
+    the rest; the text itself where it does not parse."""
+    t = _schema_type(prop)
+    if t in ("string", "str", "text", "varchar", "char", "enum"):
+        return value
+    try:
+        if t.startswith(("int", "uint", "long", "short", "unsigned")):
+            return int(value)
+        if t.startswith(("num", "float")):
+            f = strict_json(value.strip())
+            if not isinstance(f, int | float) or isinstance(f, bool):
+                return value
+            return int(f) if float(f).is_integer() else f
+        if t in ("boolean", "bool", "binary"):
+            return value.strip().lower() == "true"
+        return strict_json(value)
+    except ValueError:
+        return value
+
+
+class Qwen3CoderToolParser(_TaggedCallParser):
+    """``<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n
+    </function>\n</tool_call>``: one or more functions, each nothing but parameters. A value
+    loses one newline on each side; ``null`` is null; an argument the tool's schema names is
+    typed by it (``_typed``), any other stays text."""
+
+    name = "qwen3_coder"
+    # Qwen's tokenizers make its tags ordinary tokens, others may not: kept either way.
+    needs_special_tokens = True
+    FUNCTION = re.compile(r"\s*<function=([^>\s]+)>(.*?)</function>\s*", re.DOTALL)
+    PARAMETER = re.compile(r"\s*<parameter=([^>]+)>(.*?)</parameter>\s*", re.DOTALL)
+
+    def _calls(self, body: str) -> list[ParsedCall]:
+        calls, i = [], 0
+        while i < len(body) and body[i:].strip():
+            f = self.FUNCTION.match(body, i)
+            if f is None:
+                raise ValueError("not a call: no <function=...>")
+            name, inner, schema = f.group(1), f.group(2), self._schema(f.group(1))
+            args: dict[str, Any] = {}
+            j = 0
+            while j < len(inner) and inner[j:].strip():
+                p = self.PARAMETER.match(inner, j)
+                if p is None:
+                    raise ValueError("not a call: text between the parameters")
+                key, value = p.group(1).strip(), p.group(2)
+                value = value.removeprefix("\n").removesuffix("\n")
+                if value.strip().lower() == "null":
+                    args[key] = None
+                else:
+                    args[key] = _typed(value, schema[key]) if key in schema else value
+                j = p.end()
+            calls.append(ParsedCall(name, json.dumps(args, ensure_ascii=False)))
+            i = f.end()
+        if not calls:
+            raise ValueError("not a call: no function")
+        return calls
+
+
+class Qwen3XmlToolParser(Qwen3CoderToolParser):
+    """vLLM's other name for Qwen3-Coder's format."""
+
+    name = "qwen3_xml"
 
 
 class _TailParser(ToolParser):
@@ -372,6 +458,8 @@ PARSERS: dict[str, type[ToolParser]] = {
         MistralToolParser,
         Glm45ToolParser,
         Glm47ToolParser,
+        Qwen3CoderToolParser,
+        Qwen3XmlToolParser,
         OpenAIToolParser,
     )
 }
