@@ -4,6 +4,7 @@ mod device;
 mod engine_config;
 mod head;
 pub(crate) mod json;
+mod mla_config;
 mod model_config;
 mod moe_config;
 mod quant;
@@ -16,6 +17,7 @@ pub use engine_config::{
     DEFAULT_KV_CACHE_BYTES,
 };
 pub use head::Head;
+pub use mla_config::MlaConfig;
 pub use model_config::{
     Activation, Architecture, ClampedSwiglu, Fused, GraniteScales, ModelConfig,
 };

@@ -11,6 +11,7 @@ use serde_json::Value;
 
 use super::head::Head;
 use super::json::{parse_json, TokenIds};
+use super::mla_config::{MlaConfig, RawMla};
 use super::moe_config::{ExpertNaming, MoeConfig, RawMoe};
 use super::quant::{parse_quantization, Fp8Weights, Quantization};
 use super::rope::{self, RawRope, RopeConfig, RopeDefaults, RopeScaling};
@@ -82,12 +83,15 @@ pub enum Architecture {
     /// head pairing halves (Phi-3's layout), dense MLPs in the first `first_k_dense_replace`
     /// layers and DeepSeek-V3's experts after them ([`ExpertNaming::DeepSeek`]).
     Glm4Moe,
+    /// DeepSeek-V3 (and R1, V3.1, Kimi K2, Moonlight): multi-head latent attention
+    /// ([`MlaConfig`]), dense first layers, then its experts ([`ExpertNaming::DeepSeek`]).
+    DeepseekV3,
 }
 
 impl Architecture {
     /// Each architecture's `*ForCausalLM` class (`architectures`) and its `model_type`, the
     /// fallback for a config without `architectures`.
-    const CAUSAL_LM: [(&'static str, &'static str, Architecture); 25] = [
+    const CAUSAL_LM: [(&'static str, &'static str, Architecture); 26] = [
         ("LlamaForCausalLM", "llama", Architecture::Llama),
         ("MistralForCausalLM", "mistral", Architecture::Mistral),
         ("Qwen2ForCausalLM", "qwen2", Architecture::Qwen2),
@@ -115,6 +119,11 @@ impl Architecture {
         ("GptOssForCausalLM", "gpt_oss", Architecture::GptOss),
         ("SeedOssForCausalLM", "seed_oss", Architecture::SeedOss),
         ("Glm4MoeForCausalLM", "glm4_moe", Architecture::Glm4Moe),
+        (
+            "DeepseekV3ForCausalLM",
+            "deepseek_v3",
+            Architecture::DeepseekV3,
+        ),
         (
             "GraniteMoeForCausalLM",
             "granitemoe",
@@ -350,6 +359,10 @@ pub struct ModelConfig {
     /// The mixture-of-experts settings of a sparse architecture (`None`: every layer's MLP is
     /// dense).
     pub moe: Option<MoeConfig>,
+    /// DeepSeek's latent attention (`None`: q/k/v projections). With it, `head_dim` is a
+    /// head's query/key width, `rotary_dim` its rotated part's, and every head has its own
+    /// key and value (`num_key_value_heads` = `num_attention_heads`).
+    pub mla: Option<MlaConfig>,
     /// Sliding-window attention span, when the checkpoint enables it.
     pub sliding_window: Option<usize>,
     /// Which layers attend within `sliding_window` (`layer_types`, OLMo 3); `None`: every
@@ -561,7 +574,14 @@ impl ModelConfig {
         }
         let hidden_size = positive("hidden_size", raw.hidden_size)?;
         let num_attention_heads = positive("num_attention_heads", raw.num_attention_heads)?;
-        let num_key_value_heads = raw.num_key_value_heads.unwrap_or(num_attention_heads);
+        // Latent attention expands its keys and values to every head.
+        let mla = (architecture == Architecture::DeepseekV3)
+            .then(|| parse_json::<RawMla>(text, path)?.check(path))
+            .transpose()?;
+        let num_key_value_heads = match &mla {
+            Some(_) => num_attention_heads,
+            None => raw.num_key_value_heads.unwrap_or(num_attention_heads),
+        };
         if num_key_value_heads == 0 || num_attention_heads % num_key_value_heads != 0 {
             return Err(err(
                 "num_key_value_heads",
@@ -574,6 +594,9 @@ impl ModelConfig {
             _ => raw.head_dim,
         };
         let head_dim = match raw_head_dim {
+            // A latent-attention head's query/key width (its config's `head_dim` is the
+            // rotated part's).
+            _ if mla.is_some() => mla.as_ref().map_or(0, MlaConfig::qk_head_dim),
             Some(d) if d > 0 => d,
             Some(_) => return Err(err("head_dim", "must be > 0".into())),
             None => {
@@ -654,7 +677,8 @@ impl ModelConfig {
             | Architecture::Glm4
             | Architecture::Ernie45
             | Architecture::SeedOss
-            | Architecture::Glm4Moe => None,
+            | Architecture::Glm4Moe
+            | Architecture::DeepseekV3 => None,
             // Its window applies to the layers without rope only (below).
             Architecture::SmolLm3 => raw
                 .sliding_window
@@ -672,7 +696,9 @@ impl ModelConfig {
             Architecture::GptOss => Some((ExpertNaming::GptOss, false, false)),
             Architecture::GraniteMoe => Some((ExpertNaming::Granite, false, false)),
             Architecture::GraniteMoeShared => Some((ExpertNaming::Granite, true, false)),
-            Architecture::Glm4Moe => Some((ExpertNaming::DeepSeek, true, true)),
+            Architecture::Glm4Moe | Architecture::DeepseekV3 => {
+                Some((ExpertNaming::DeepSeek, true, true))
+            }
             _ => None,
         }
         .map(|(naming, shared, own_width)| {
@@ -704,7 +730,10 @@ impl ModelConfig {
                 format!("{act_name}: the experts' kernels gate with SiLU only"),
             ));
         }
-        let rotary_dim = Self::parse_rotary_dim(&raw, architecture, head_dim, path)?;
+        let rotary_dim = match &mla {
+            Some(m) => m.qk_rope_head_dim,
+            None => Self::parse_rotary_dim(&raw, architecture, head_dim, path)?,
+        };
         let defaults = RopeDefaults {
             rope_theta: raw.rope_theta,
             sliding_rope_theta: raw.rope_local_base_freq,
@@ -846,6 +875,7 @@ impl ModelConfig {
                 })
                 .transpose()?,
             moe,
+            mla,
             sliding_window,
             sliding_layers,
             rope_sliding,
@@ -1098,6 +1128,9 @@ impl ModelConfig {
     /// What attention scores are scaled by: Granite's multiplier, Gemma's
     /// `query_pre_attn_scalar^-½`, or `head_dim^-½`.
     pub fn attention_scale(&self) -> f32 {
+        if let Some(m) = &self.mla {
+            return m.softmax_scale as f32;
+        }
         match (self.granite, self.query_pre_attn_scalar) {
             (Some(g), _) => g.attention as f32,
             (None, Some(q)) => q.powf(-0.5) as f32,
@@ -1494,6 +1527,41 @@ pub(super) mod tests {
     }
 
     /// Granite 3.1's MoE (3B-A800M) and Seed-OSS-36B, shaped as the hub has them.
+    #[test]
+    fn deepseek_v3s_hub_config_loads_as_latent_attention() {
+        // DeepSeek-V3's config.json (its classic rope keys; the MoE fields abridged).
+        let c = ModelConfig::from_json_str(
+            r#"{"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+            "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+            "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128,
+            "n_shared_experts": 1, "n_routed_experts": 256, "routed_scaling_factor": 2.5,
+            "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
+            "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "noaux_tc",
+            "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
+            "norm_topk_prob": true, "scoring_func": "sigmoid", "hidden_act": "silu",
+            "max_position_embeddings": 163840, "rms_norm_eps": 1e-06, "rope_theta": 10000,
+            "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+            "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096, "type": "yarn"},
+            "tie_word_embeddings": false, "vocab_size": 129280, "attention_bias": false,
+            "bos_token_id": 0, "eos_token_id": 1, "num_nextn_predict_layers": 1}"#,
+            Path::new("/m/config.json"),
+        )
+        .unwrap();
+        let mla = c.mla.clone().unwrap();
+        assert_eq!(
+            (c.head_dim, c.rotary_dim, c.num_key_value_heads),
+            (192, 64, 128)
+        );
+        assert_eq!((mla.kv_lora_rank, mla.q_lora_rank), (512, Some(1536)));
+        let m = 0.1 * 40f64.ln() + 1.0;
+        assert_eq!(c.attention_scale(), (m * m / 192f64.sqrt()) as f32);
+        let moe = c.moe.unwrap();
+        assert_eq!(moe.sparse_layers.iter().filter(|&&s| !s).count(), 3);
+        assert_eq!(moe.naming, ExpertNaming::DeepSeek);
+        assert!(matches!(c.rope.scaling, RopeScaling::Yarn { .. }));
+        assert!(!c.qkv_bias && !c.o_bias && !c.qk_norm);
+    }
+
     #[test]
     fn granite_moe_and_seed_oss_hub_configs_load() {
         let granite = |arch: &str, shared: &str| {

@@ -123,6 +123,15 @@ pub struct EngineCore {
 /// GLM's rotate part of each head); the attention kernel has no sinks and the elementwise
 /// ones no clamped SwiGLU (gpt-oss).
 fn cuda_lacks(cfg: &ModelConfig) -> Option<(&'static str, String)> {
+    if cfg.mla.is_some() {
+        return Some((
+            "architectures",
+            format!(
+                "{:?}'s latent attention runs on the CPU only (never run on a GPU)",
+                cfg.architecture
+            ),
+        ));
+    }
     if cfg.architecture.has_attention_sinks() {
         return Some((
             "architectures",

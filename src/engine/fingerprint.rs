@@ -7,7 +7,8 @@
 //! - `model`: the config values the forward reads (architecture, sizes, head layout, norm eps,
 //!   rope settings with LongRoPE's factor set, which follows `max_model_len`, the rotating
 //!   share of each head, sliding window, biases, q/k norm, tied embeddings, a sparse model's
-//!   experts and routing, a sequence classifier's labels), the EOS ids, and the bytes of the
+//!   experts and routing, latent attention's ranks and widths, a sequence classifier's
+//!   labels), the EOS ids, and the bytes of the
 //!   tokenizer, its config, the chat template and the generation config;
 //! - `dtype`, `device`: what the weights and KV are held in, and where;
 //! - `kernels`: [`KERNEL_VERSION`] plus the CPU kernel profile when it is not the invariant one,
@@ -76,6 +77,10 @@ pub fn model_digest(cfg: &ModelConfig, dir: &Path, eos: &[u32]) -> Result<u64> {
     // Only sparse models add this, so dense models' fingerprints are what they were.
     if let Some(moe) = &cfg.moe {
         h.update(format!("|moe{moe:?}").as_bytes());
+    }
+    // Likewise latent attention (DeepSeek-V3).
+    if let Some(mla) = &cfg.mla {
+        h.update(format!("|mla{mla:?}").as_bytes());
     }
     // Likewise models whose layers are of two kinds (which slide, and their rope).
     if let Some(sliding) = &cfg.sliding_layers {

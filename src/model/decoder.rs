@@ -19,6 +19,7 @@ use crate::ops::{self, AttentionMetadata};
 use super::linear::{GemmOptions, Linear, LinearWeight, Projection};
 use super::loader::WeightLoader;
 use super::lora::{LoraAdapter, LoraOutputs, LoraRows, LoraTarget};
+use super::mla::LatentAttention;
 use super::moe::SparseMlp;
 use super::params::ParamHashes;
 use super::weights::Checkpoint;
@@ -54,8 +55,10 @@ pub struct ForwardBatch {
 #[derive(Debug)]
 pub(super) struct Layer {
     pub(super) input_norm: Option<Tensor>,
-    /// q, k, v (stacked on a GPU unless q/k are normed before rope).
+    /// q, k, v (stacked on a GPU unless q/k are normed before rope); none with `latent`.
     pub(super) qkv: Projection,
+    /// DeepSeek's latent attention projections, in place of `qkv`.
+    pub(super) latent: Option<LatentAttention>,
     pub(super) o: Linear,
     /// Per head (`[head_dim]`), or over the whole projection (OLMo 2: `[heads × head_dim]`).
     /// Every norm weight is held as the kernels multiply by it (Gemma's `1 + w`,
@@ -200,14 +203,24 @@ impl Model {
                     down: ld.linear(&mlp("down_proj"), is, hs, cfg.mlp_bias)?,
                 },
             };
+            let latent = cfg
+                .mla
+                .as_ref()
+                .map(|m| LatentAttention::load(&ld, &cfg, m, i))
+                .transpose()?;
+            // o_proj reads every head's value.
+            let o_in = cfg.mla.as_ref().map_or(h * d, |m| h * m.v_head_dim);
             layers.push(Layer {
                 input_norm: input_norm?,
-                qkv: if fused.qkv {
+                qkv: if latent.is_some() {
+                    Projection::Apart(Vec::new())
+                } else if fused.qkv {
                     ld.fused_projection(&attn("qkv_proj"), &widths, hs, stack)?
                 } else {
                     ld.projection(&qkv, hs, cfg.qkv_bias, stack_qkv)?
                 },
-                o: ld.linear(&attn("o_proj"), h * d, hs, cfg.o_bias)?,
+                latent,
+                o: ld.linear(&attn("o_proj"), o_in, hs, cfg.o_bias)?,
                 q_norm: qk_norm("q_norm", h)?,
                 k_norm: qk_norm("k_norm", kvh)?,
                 attn_out_norm: attn_out_norm?,
@@ -485,13 +498,16 @@ impl Model {
                     .ok_or_else(|| candle_core::Error::Msg("LoRA returned no output".into()))
             };
             // q, with k and v written into the layer's cache at the rows' slots.
-            let q = match &layer.qkv {
-                Projection::Stacked { linear, .. } => {
+            let q = match (&layer.latent, &layer.qkv) {
+                (Some(latent), _) => {
+                    latent.q_into_cache(&hn, inv, cos, sin, k_cache, v_cache, slots.clone())?
+                }
+                (None, Projection::Stacked { linear, .. }) => {
                     let targets = [t_q[0], t_k[0], t_v[0]];
                     let y = one(&hn, linear.apply(&hn, inv)?, &targets)?;
                     ops::rope_qkv_into_cache(&y, cos, sin, h, kvh, k_cache, v_cache, slots.clone())?
                 }
-                Projection::Apart(qkv) => {
+                (None, Projection::Apart(qkv)) => {
                     let [q, k, v] = qkv.as_slice() else {
                         return Err(DetspecError::param("weights", "q/k/v are three layers"));
                     };
@@ -544,7 +560,10 @@ impl Model {
                 )?,
                 None => ops::paged_attention(&q, k_cache, v_cache, meta.clone(), scale)?,
             };
-            let attn = attn.reshape((n, h * d))?;
+            let attn = match &layer.latent {
+                Some(l) => l.values(&attn)?,
+                None => attn.reshape((n, h * d))?,
+            };
             let o = one(&attn, layer.o.apply(&attn, inv)?, &t_o)?;
             let o = residual_scale(out_norm(o, &layer.attn_out_norm)?)?;
             (x, hn) = add_then_norm(&x, &o, layer.mlp_norm.as_ref())?;

@@ -212,6 +212,15 @@ impl LoraAdapter {
         base: &LoraBase<'_>,
     ) -> Result<Self> {
         let (cfg, device, dtype, max_rank) = (base.config, base.device, base.dtype, base.max_rank);
+        if cfg.mla.is_some() {
+            return Err(DetspecError::InvalidConfig {
+                path: weights_path.to_path_buf(),
+                field: "target_modules".into(),
+                message: "LoRA adapters are not supported on latent-attention models \
+                          (DeepSeek-V3): their attention has no q/k/v projections to adapt"
+                    .into(),
+            });
+        }
         let halves = read_halves(bytes, weights_path, cfg, max_rank)?;
         let mut hash = Xxh3::new();
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);

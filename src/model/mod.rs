@@ -7,6 +7,7 @@ mod linear;
 mod loader;
 mod lora;
 mod memory;
+mod mla;
 mod moe;
 mod moe_names;
 mod mxfp4;

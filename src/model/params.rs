@@ -11,6 +11,7 @@ use crate::config::ModelConfig;
 use crate::error::{DetspecError, Result};
 use crate::ops::{bf16_to_f32, with_bf16_bits, with_f32_values};
 
+use super::mla::latent_params;
 use super::moe_names::sparse_params;
 
 /// Every parameter name a checkpoint of `cfg` holds, with its shape, in name order.
@@ -39,19 +40,23 @@ pub fn param_shapes(cfg: &ModelConfig) -> BTreeMap<String, Vec<usize>> {
             m.insert(format!("{name}.weight"), vec![o, i]);
         };
         let fused = cfg.architecture.fused();
-        if fused.qkv {
-            linear(
+        // (Latent attention's projections are listed with the norms below.)
+        match (&cfg.mla, fused.qkv) {
+            (Some(_), _) => {}
+            (None, true) => linear(
                 format!("{p}.self_attn.qkv_proj"),
                 hs,
                 (h + 2 * kvh) * d,
                 false,
-            );
-        } else {
-            linear(format!("{p}.self_attn.q_proj"), hs, h * d, cfg.qkv_bias);
-            linear(format!("{p}.self_attn.k_proj"), hs, kvh * d, cfg.qkv_bias);
-            linear(format!("{p}.self_attn.v_proj"), hs, kvh * d, cfg.qkv_bias);
+            ),
+            (None, false) => {
+                linear(format!("{p}.self_attn.q_proj"), hs, h * d, cfg.qkv_bias);
+                linear(format!("{p}.self_attn.k_proj"), hs, kvh * d, cfg.qkv_bias);
+                linear(format!("{p}.self_attn.v_proj"), hs, kvh * d, cfg.qkv_bias);
+            }
         }
-        linear(format!("{p}.self_attn.o_proj"), h * d, hs, cfg.o_bias);
+        let o_in = cfg.mla.as_ref().map_or(h * d, |m| h * m.v_head_dim);
+        linear(format!("{p}.self_attn.o_proj"), o_in, hs, cfg.o_bias);
         match &cfg.moe {
             Some(moe) if moe.is_sparse(i) => {
                 m.extend(sparse_params(cfg, moe, i));
@@ -68,6 +73,11 @@ pub fn param_shapes(cfg: &ModelConfig) -> BTreeMap<String, Vec<usize>> {
         }
         for norm in cfg.architecture.sublayer_norms().into_iter().flatten() {
             m.insert(format!("{p}.{norm}.weight"), vec![hs]);
+        }
+        if let Some(mla) = &cfg.mla {
+            for (name, shape) in latent_params(cfg, mla) {
+                m.insert(format!("{p}.self_attn.{name}"), shape);
+            }
         }
         if cfg.architecture.has_attention_sinks() {
             m.insert(format!("{p}.self_attn.sinks"), vec![h]);
@@ -241,5 +251,32 @@ mod tests {
         assert_eq!(mlp1, 2 + 12 + 3);
         // Layer 0 is dense (`first_k_dense_replace` defaults to 1).
         assert_eq!(shapes["model.layers.0.mlp.gate_proj.weight"], vec![40, 16]);
+    }
+
+    #[test]
+    fn a_latent_attention_model_lists_its_projections_and_norms() {
+        let cfg = ModelConfig::from_json_str(
+            r#"{"architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 16,
+            "intermediate_size": 40, "num_hidden_layers": 1, "num_attention_heads": 2,
+            "vocab_size": 50, "n_routed_experts": 4, "num_experts_per_tok": 2,
+            "moe_intermediate_size": 8, "q_lora_rank": 12, "kv_lora_rank": 6,
+            "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 10}"#,
+            Path::new("/m/config.json"),
+        )
+        .unwrap();
+        let shapes = param_shapes(&cfg);
+        let a = "model.layers.0.self_attn";
+        for (name, shape) in [
+            ("q_a_proj.weight", vec![12, 16]),
+            ("q_a_layernorm.weight", vec![12]),
+            ("q_b_proj.weight", vec![24, 12]),
+            ("kv_a_proj_with_mqa.weight", vec![10, 16]),
+            ("kv_a_layernorm.weight", vec![6]),
+            ("kv_b_proj.weight", vec![36, 6]),
+            ("o_proj.weight", vec![16, 20]),
+        ] {
+            assert_eq!(shapes[&format!("{a}.{name}")], shape, "{name}");
+        }
+        assert_eq!(shapes.keys().filter(|k| k.starts_with(a)).count(), 7);
     }
 }

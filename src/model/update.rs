@@ -13,6 +13,7 @@ use super::decoder::{host_sinks, Mlp, Model};
 use super::fused_experts::FusedPart;
 use super::linear::{Linear, LinearWeight, Projection};
 use super::loader::offset_norm;
+use super::mla::LatentParam;
 use super::moe::{RoutingRule, SparseMlp};
 use super::moe_names::{parse_sparse_linear, router_bias_name, SparseLinear};
 use super::params::{check_update, tensor_hash, unknown};
@@ -182,6 +183,16 @@ impl Model {
                 (None, None)
             }
         };
+        // Latent attention's own parameters (every `self_attn` one but o_proj).
+        let latent_name = module
+            .strip_prefix("self_attn.")
+            .filter(|n| *n != "o_proj" && layer.latent.is_some());
+        if let Some(name) = latent_name {
+            return match layer.latent.as_mut()?.param_mut(name)? {
+                LatentParam::Norm(norm) => (kind == "weight").then_some(Slot::Norm(norm)),
+                LatentParam::Linear(linear) => linear_slot(linear, kind),
+            };
+        }
         // The same name is a different norm by layout (`post_attention_layernorm`: the MLP's
         // input in the Llama family, the attention's output in OLMo 2 and Gemma).
         let names = self.cfg.architecture.sublayer_norms();

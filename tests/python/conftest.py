@@ -501,6 +501,62 @@ MODEL_SPECS: dict[str, dict] = {
             "attention_bias": True,
         },
     },
+    # DeepSeek-V3: multi-head latent attention (queries through a rank-48 bottleneck, keys and
+    # values from a rank-32 latent, 16 rotated dimensions per head paired as neighbours,
+    # values 24 wide), YaRN with DeepSeek's mscale in the softmax scale, and GLM-4.5's experts
+    # after a dense layer. The plain twin: queries from one matrix, rope pairing halves,
+    # values as wide as keys, the default rope.
+    "deepseek_v3": {
+        "arch": "deepseek_v3",
+        "seed": 157,
+        "rope": {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 64,
+            "mscale": 0.707,
+            "mscale_all_dim": 0.707,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+        },
+        "extra": {
+            "num_hidden_layers": 3,
+            "num_key_value_heads": 4,
+            "q_lora_rank": 48,
+            "kv_lora_rank": 32,
+            "qk_nope_head_dim": 32,
+            "qk_rope_head_dim": 16,
+            "v_head_dim": 24,
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 48,
+            "n_shared_experts": 1,
+            "first_k_dense_replace": 1,
+            "n_group": 4,
+            "topk_group": 2,
+            "routed_scaling_factor": 2.5,
+        },
+    },
+    "deepseek_v3_plain": {
+        "arch": "deepseek_v3",
+        "seed": 163,
+        "rope": {"rope_type": "default", "rope_theta": 10000.0},
+        "extra": {
+            "num_key_value_heads": 4,
+            "q_lora_rank": None,
+            "kv_lora_rank": 32,
+            "qk_nope_head_dim": 32,
+            "qk_rope_head_dim": 16,
+            "v_head_dim": 48,
+            "rope_interleave": False,
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 48,
+            "first_k_dense_replace": 1,
+            "n_group": 1,
+            "topk_group": 1,
+        },
+    },
 }
 ARCH_NAMES = tuple(MODEL_SPECS)
 
@@ -533,6 +589,7 @@ _CONFIG_CLASSES = {
     ),
     "seed_oss": (transformers.SeedOssConfig, transformers.SeedOssForCausalLM),
     "glm4_moe": (transformers.Glm4MoeConfig, transformers.Glm4MoeForCausalLM),
+    "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
 }
 
 

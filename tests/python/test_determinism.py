@@ -155,8 +155,8 @@ def needle_in_haystack(
 # (exaone4), queries scaled by position past the original context (ministral3), sink logits in
 # every softmax before biased experts (gpt_oss), stacked experts beside a shared MLP under
 # Granite's multipliers (granitemoeshared), q/k/v and o biases (seed_oss), DeepSeek's grouped
-# sigmoid routing after a dense layer (glm4_moe). Their windows (8–24 keys) are shorter than
-# the haystacks' prompts.
+# sigmoid routing after a dense layer (glm4_moe), latent attention expanded into the paged
+# cache (deepseek_v3). Their windows (8–24 keys) are shorter than the haystacks' prompts.
 @pytest.mark.parametrize(
     "name",
     [
@@ -178,6 +178,7 @@ def needle_in_haystack(
         "granitemoeshared",
         "seed_oss",
         "glm4_moe",
+        "deepseek_v3",
     ],
 )
 def test_needle_in_haystack_on_every_decoder_layout(model_zoo, name: str) -> None:

@@ -69,6 +69,8 @@ def outputs_bits(llm: detspec.LLM) -> list[tuple[list[int], list[int]]]:
         "gemma3",
         "granitemoeshared",
         "glm4_moe",
+        "deepseek_v3",
+        "deepseek_v3_plain",
     ],
 )
 def test_update_weights_follows_transformers_and_restores_bit_for_bit(model_zoo, name):
