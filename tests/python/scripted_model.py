@@ -14,7 +14,9 @@ engine (this one and transformers alike). ``script_prompt`` pads a conversation 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+import httpx
 import torch
 import transformers
 from conftest import BOS_ID, EOS_ID, TOKENIZER_VOCAB, VOCAB_SIZE, add_tokens, build_tokenizer
@@ -110,3 +112,25 @@ def padding(prompt_len: int, script_at: int) -> int:
     n = script_at + OFFSET - prompt_len
     assert n >= 0, f"the script and what follows it exceed {OFFSET} tokens"
     return n
+
+
+def scripted_messages(
+    base_url: str, tok: Tokenizer, script: str, before: tuple = (), **body: Any
+) -> list[dict]:
+    """Messages whose last user message makes the scripted model served at ``base_url`` say
+    ``script``: the script, then fillers (``<s>``, one token each) that put it ``OFFSET``
+    tokens before the end of the rendered prompt. ``body``: what else the chat request sends
+    that changes the rendering (``tools``, ``chat_template_kwargs``)."""
+    ids = tok.encode(script, add_special_tokens=False).ids
+
+    def render(content: str) -> list[int]:
+        messages = [*before, {"role": "user", "content": content}]
+        r = httpx.post(base_url + "/tokenize", json={"messages": messages, **body})
+        r.raise_for_status()
+        return r.json()["tokens"]
+
+    prompt = render(script)
+    at = max(i for i in range(len(prompt)) if prompt[i : i + len(ids)] == ids)
+    content = script + "<s>" * padding(len(prompt), at)
+    assert len(render(content)) == len(prompt) + padding(len(prompt), at)
+    return [*before, {"role": "user", "content": content}]

@@ -21,10 +21,9 @@ import json
 import struct
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
-from scripted_model import padding, write_scripted_model
+from scripted_model import scripted_messages, write_scripted_model
 from server_fixtures import SERVED_NAME, start_server
 from tokenizers import Tokenizer
 
@@ -103,23 +102,7 @@ def client(server) -> openai.OpenAI:
 
 
 def scripted(server, tok, script: str, **template_kwargs) -> list[dict]:
-    """Messages whose user message makes the scripted model say ``script``: the script, then
-    fillers (``<s>``, one token each) that put it ``OFFSET`` tokens before the end of the
-    rendered prompt."""
-    ids = tok.encode(script, add_special_tokens=False).ids
-
-    def render(content: str) -> list[int]:
-        body = {
-            "messages": [{"role": "user", "content": content}],
-            "chat_template_kwargs": template_kwargs,
-        }
-        r = httpx.post(server.base_url + "/tokenize", json=body)
-        r.raise_for_status()
-        return r.json()["tokens"]
-
-    prompt = render(script)
-    at = max(i for i in range(len(prompt)) if prompt[i : i + len(ids)] == ids)
-    return [{"role": "user", "content": script + "<s>" * padding(len(prompt), at)}]
+    return scripted_messages(server.base_url, tok, script, chat_template_kwargs=template_kwargs)
 
 
 def chat(client, server, tok, script: str, template_kwargs=None, **kw):

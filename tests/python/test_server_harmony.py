@@ -28,7 +28,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from scripted_model import padding, write_scripted_model
+from scripted_model import scripted_messages, write_scripted_model
 from server_fixtures import SERVED_NAME, start_server
 from tokenizers import Tokenizer
 
@@ -111,22 +111,7 @@ def client(server) -> openai.OpenAI:
 
 
 def scripted(server, tok, script: str, before: tuple = (), tools=None) -> list[dict]:
-    """Messages whose last user message makes the scripted model say ``script``: the
-    script, then fillers (``<s>``, one token each) that put it ``OFFSET`` tokens before the
-    end of the rendered prompt."""
-    ids = tok.encode(script, add_special_tokens=False).ids
-
-    def render(content: str) -> list[int]:
-        body = {"messages": [*before, {"role": "user", "content": content}], "tools": tools}
-        r = httpx.post(server.base_url + "/tokenize", json=body)
-        r.raise_for_status()
-        return r.json()["tokens"]
-
-    prompt = render(script)
-    at = max(i for i in range(len(prompt)) if prompt[i : i + len(ids)] == ids)
-    content = script + "<s>" * padding(len(prompt), at)
-    assert len(render(content)) == len(prompt) + padding(len(prompt), at)
-    return [*before, {"role": "user", "content": content}]
+    return scripted_messages(server.base_url, tok, script, before, tools=tools)
 
 
 def chat(client, server, tok, script: str, before: tuple = (), **kw):
