@@ -12,8 +12,10 @@ import pytest
 from detspec.server import protocol as P
 from detspec.server.tool_parsers import (
     PARSERS,
+    DeepSeekV3ToolParser,
     Glm45ToolParser,
     HermesToolParser,
+    KimiK2ToolParser,
     Llama3JsonToolParser,
     MistralToolParser,
     Parsed,
@@ -24,6 +26,13 @@ from detspec.server.tool_parsers import (
 from detspec.server.tools import CallIds, ChoiceTools, ToolPlan, plan_tools, required_schema
 
 WEATHER = ParsedCall("get_weather", '{"city": "Paris"}')
+# DeepSeek's and Kimi K2's markers (special tokens of their tokenizers)
+DS_CALLS, DS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+DS_CALL, DS_SEP, DS_CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
+KIMI_CALLS, KIMI_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+KIMI_CALL, KIMI_ARGS, KIMI_CALL_END = (
+    "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
+)  # fmt: skip
 
 
 def chunked(parser: Callable[[], ToolParser], text: str, size: int) -> Parsed:
@@ -170,6 +179,44 @@ CASES = [
      "</tool_call>", []),
     (Qwen3CoderToolParser, "<tool_call>{\"name\": \"f\"}</tool_call>",
      "<tool_call>{\"name\": \"f\"}</tool_call>", []),
+    # DeepSeek-V3: the type, the name, fenced JSON; two calls; then V3.1's bare form
+    (
+        DeepSeekV3ToolParser,
+        f"Let me check.{DS_CALLS}{DS_CALL}function{DS_SEP}get_weather\n```json\n"
+        f'{{"city": "Paris"}}\n```{DS_CALL_END}\n{DS_CALL}function{DS_SEP}get_time\n'
+        f"```json\n{{}}\n```{DS_CALL_END}{DS_END}",
+        "Let me check.",
+        [WEATHER, ParsedCall("get_time", "{}")],
+    ),
+    (
+        DeepSeekV3ToolParser,
+        f'{DS_CALLS}{DS_CALL}get_weather{DS_SEP}{{"city": "Paris"}}{DS_CALL_END}{DS_END}',
+        "",
+        [WEATHER],
+    ),
+    # the model stopped before closing the section (or the call)
+    (DeepSeekV3ToolParser, f'{DS_CALLS}{DS_CALL}get_weather{DS_SEP}{{"city": "Paris"}}', "",
+     [WEATHER]),
+    # not calls: text in the section, arguments not an object, no separator
+    (DeepSeekV3ToolParser, f'{DS_CALLS}hm{DS_CALL}f{DS_SEP}{{}}{DS_CALL_END}{DS_END}',
+     f'{DS_CALLS}hm{DS_CALL}f{DS_SEP}{{}}{DS_CALL_END}{DS_END}', []),
+    (DeepSeekV3ToolParser, f"{DS_CALLS}{DS_CALL}f{DS_SEP}[1]{DS_CALL_END}{DS_END}",
+     f"{DS_CALLS}{DS_CALL}f{DS_SEP}[1]{DS_CALL_END}{DS_END}", []),
+    (DeepSeekV3ToolParser, f"{DS_CALLS}{DS_CALL}f {{}}{DS_CALL_END}{DS_END}",
+     f"{DS_CALLS}{DS_CALL}f {{}}{DS_CALL_END}{DS_END}", []),
+    # Kimi K2: the model's ids are kept
+    (
+        KimiK2ToolParser,
+        f"Sure.{KIMI_CALLS}{KIMI_CALL}functions.get_weather:0{KIMI_ARGS}"
+        f'{{"city": "Paris"}}{KIMI_CALL_END}{KIMI_CALL}functions.get_time:1{KIMI_ARGS}{{}}'
+        f"{KIMI_CALL_END}{KIMI_END}",
+        "Sure.",
+        [ParsedCall("get_weather", '{"city": "Paris"}', id="functions.get_weather:0"),
+         ParsedCall("get_time", "{}", id="functions.get_time:1")],
+    ),
+    (KimiK2ToolParser, f"{KIMI_CALLS}{KIMI_CALL}get_weather{KIMI_ARGS}{{}}{KIMI_CALL_END}"
+     f"{KIMI_END}", f"{KIMI_CALLS}{KIMI_CALL}get_weather{KIMI_ARGS}{{}}{KIMI_CALL_END}"
+     f"{KIMI_END}", []),  # no index in the id
 ]  # fmt: skip
 
 
@@ -345,6 +392,21 @@ def test_auto_ids_are_deterministic_and_parallel_false_keeps_one() -> None:
     plain.feed("just text")
     assert plain.finish("stop")[2] == "stop"
     assert plain.message() == {"role": "assistant", "content": "just text"}
+
+
+def test_a_models_own_call_ids_are_kept() -> None:
+    """Kimi K2's calls carry ids (``functions.NAME:INDEX``) its template writes back into the
+    next prompt: the answer's ``tool_calls`` keep them, deterministic or not."""
+    text = (
+        f"{KIMI_CALLS}{KIMI_CALL}functions.get_weather:0{KIMI_ARGS}"
+        f'{{"city": "Paris"}}{KIMI_CALL_END}{KIMI_END}'
+    )
+    for deterministic in (True, False):
+        t = reader(ToolPlan("auto", parser=KimiK2ToolParser), deterministic)
+        t.feed(text)
+        assert t.finish("stop")[2] == "tool_calls"
+        assert [c["id"] for c in t.calls] == ["functions.get_weather:0"]
+    assert PARSERS["deepseek_v31"].needs_special_tokens and KimiK2ToolParser.needs_special_tokens
 
 
 def test_mistral_ids_are_nine_alphanumerics() -> None:

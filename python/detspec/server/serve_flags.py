@@ -95,7 +95,9 @@ def add_app_arguments(p: argparse.ArgumentParser) -> None:
         help="the model's tool-call format: hermes (<tool_call> JSON: Qwen2/Qwen3, Hermes), "
         "llama3_json (Llama 3.1+ JSON calls), mistral ([TOOL_CALLS]), glm45 / glm47 "
         "(GLM-4.5/4.6/4.7's <arg_key>/<arg_value> calls), qwen3_coder / qwen3_xml (Qwen3-Coder's "
-        "<function=...><parameter=...> calls), openai (gpt-oss's Harmony calls; with "
+        "<function=...><parameter=...> calls), deepseek_v3 / deepseek_v31 (DeepSeek's "
+        "<｜tool▁call▁begin｜> calls), kimi_k2 (Kimi K2's, ids kept), openai (gpt-oss's Harmony "
+        "calls; with "
         "--reasoning-parser openai_gptoss)",
     )
     p.add_argument(

@@ -15,6 +15,13 @@ One per output format, chosen by ``detspec serve --tool-call-parser`` (vLLM's na
 * ``qwen3_coder`` (and ``qwen3_xml``) -- Qwen3-Coder's ``<tool_call><function=name>`` with
   ``<parameter=k>v</parameter>`` pairs: a value typed by the tool's schema (text for strings
   and for arguments the schema does not name; ``null`` is null), as vLLM reads it;
+* ``deepseek_v3`` (and ``deepseek_v31``) -- DeepSeek-V3/R1's calls between
+  ``<｜tool▁calls▁begin｜>`` and ``<｜tool▁calls▁end｜>``, each
+  ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>name`` and its arguments in a ```` ```json ````
+  fence (V3.1: ``name<｜tool▁sep｜>{...}``), ``<｜tool▁call▁end｜>``;
+* ``kimi_k2`` -- Kimi K2's ``<|tool_calls_section_begin|>``, each
+  ``<|tool_call_begin|>functions.name:0<|tool_call_argument_begin|>{...}<|tool_call_end|>``;
+  the call's id is the model's (``functions.name:0``), which Kimi's template writes back;
 * ``openai`` -- gpt-oss's Harmony messages to ``functions.*``: read with the rest of the
   format by its reasoning parser (``harmony``), so this parser only names it.
 
@@ -38,6 +45,8 @@ from typing import Any, ClassVar
 class ParsedCall:
     name: str
     arguments: str  # JSON text
+    # the id the model gave the call (Kimi K2's), kept as the call's id; else one is made
+    id: str | None = None
 
 
 @dataclass
@@ -314,6 +323,99 @@ class Qwen3XmlToolParser(Qwen3CoderToolParser):
     name = "qwen3_xml"
 
 
+def _json_args(text: str) -> str:
+    """A call's arguments given as JSON text: an object, as compact JSON text (``ValueError``
+    if it is not one)."""
+    args = strict_json(text)
+    if not isinstance(args, dict):
+        raise ValueError("arguments are not an object")
+    return json.dumps(args, ensure_ascii=False)
+
+
+class _SectionParser(_TaggedCallParser):
+    """Formats whose calls sit in one section (``START`` … ``END``), each between
+    ``CALL_BEGIN`` and ``CALL_END``; nothing else may be in the section but whitespace.
+    ``_call`` reads one call's text. Their markers are special tokens."""
+
+    CALL_BEGIN: ClassVar[str]
+    CALL_END: ClassVar[str]
+    needs_special_tokens = True
+
+    def _call(self, text: str) -> ParsedCall:
+        raise NotImplementedError
+
+    def _calls(self, body: str) -> list[ParsedCall]:
+        calls, i = [], 0
+        while body[i:].strip():
+            start = body.find(self.CALL_BEGIN, i)
+            if start < 0 or body[i:start].strip():
+                raise ValueError("not a call: text in the calls section")
+            start += len(self.CALL_BEGIN)
+            end = body.find(self.CALL_END, start)
+            if end < 0:
+                end = len(body)  # the last call unclosed: read to the end
+            calls.append(self._call(body[start:end]))
+            i = end + len(self.CALL_END)
+        if not calls:
+            raise ValueError("not a call: an empty calls section")
+        return calls
+
+
+class DeepSeekV3ToolParser(_SectionParser):
+    """``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n
+    {"city": "Paris"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>``, and V3.1's
+    ``<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}<｜tool▁call▁end｜>``."""
+
+    name = "deepseek_v3"
+    START = "<｜tool▁calls▁begin｜>"
+    END = "<｜tool▁calls▁end｜>"
+    CALL_BEGIN = "<｜tool▁call▁begin｜>"
+    CALL_END = "<｜tool▁call▁end｜>"
+    SEP = "<｜tool▁sep｜>"
+    FENCED = re.compile(r"\s*([^\s`]+)\s*```(?:json)?\s*(.*?)\s*```\s*", re.DOTALL)
+
+    def _call(self, text: str) -> ParsedCall:
+        head, sep, rest = text.partition(self.SEP)
+        if not sep:
+            raise ValueError("not a call: no tool separator")
+        fenced = self.FENCED.fullmatch(rest) if head.strip() == "function" else None
+        if fenced is not None:  # V3: the type, the name, the arguments fenced
+            name, args = fenced.group(1), fenced.group(2)
+        else:  # V3.1: the name, the arguments
+            name, args = head.strip(), rest
+        if not name or any(c.isspace() for c in name):
+            raise ValueError("not a call: no name")
+        return ParsedCall(name, _json_args(args))
+
+
+class DeepSeekV31ToolParser(DeepSeekV3ToolParser):
+    """vLLM's name for DeepSeek-V3.1's form, which the same reader reads."""
+
+    name = "deepseek_v31"
+
+
+class KimiK2ToolParser(_SectionParser):
+    """``<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0
+    <|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>``:
+    the name is what lies between the id's ``.`` and ``:``; the id is kept."""
+
+    name = "kimi_k2"
+    START = "<|tool_calls_section_begin|>"
+    END = "<|tool_calls_section_end|>"
+    CALL_BEGIN = "<|tool_call_begin|>"
+    CALL_END = "<|tool_call_end|>"
+    ARGS = "<|tool_call_argument_begin|>"
+    CALL_ID = re.compile(r"(?:[^.\s:]+\.)?([^.\s:]+):\d+")
+
+    def _call(self, text: str) -> ParsedCall:
+        call_id, sep, args = text.partition(self.ARGS)
+        call_id = call_id.strip()
+        m = self.CALL_ID.fullmatch(call_id)
+        if not sep or m is None:
+            raise ValueError("not a call: no functions.NAME:INDEX id")
+        return ParsedCall(m.group(1), _json_args(args), id=call_id)
+
+
 class _TailParser(ToolParser):
     """Formats whose calls run from a marker to the end of the output: content before the
     marker streams; the calls are parsed once the output is complete (all or nothing: if
@@ -460,6 +562,9 @@ PARSERS: dict[str, type[ToolParser]] = {
         Glm47ToolParser,
         Qwen3CoderToolParser,
         Qwen3XmlToolParser,
+        DeepSeekV3ToolParser,
+        DeepSeekV31ToolParser,
+        KimiK2ToolParser,
         OpenAIToolParser,
     )
 }

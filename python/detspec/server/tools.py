@@ -236,10 +236,10 @@ class ChoiceTools:
         if self.plan.mode == "auto" and self.plan.parser is not None:
             self._parser = self.plan.parser(self.plan.tools)
 
-    def _call(self, name: str, arguments: str) -> dict[str, Any]:
+    def _call(self, name: str, arguments: str, call_id: str | None = None) -> dict[str, Any]:
         call = {
             "index": len(self.calls),
-            "id": self.ids.make(self.choice, len(self.calls)),
+            "id": call_id or self.ids.make(self.choice, len(self.calls)),
             "type": "function",
             "function": {"name": name, "arguments": arguments},
         }
@@ -252,7 +252,7 @@ class ChoiceTools:
         calls: list[ParsedCall] = p.calls
         if not self.plan.parallel:
             calls = calls[: max(0, 1 - len(self.calls))]
-        deltas = [self._call(c.name, c.arguments) for c in calls]
+        deltas = [self._call(c.name, c.arguments, c.id) for c in calls]
         self.content += p.content
         return p.content, deltas
 
