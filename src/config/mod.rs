@@ -21,6 +21,6 @@ pub use mla_config::MlaConfig;
 pub use model_config::{
     Activation, Architecture, ClampedSwiglu, Fused, GraniteScales, ModelConfig,
 };
-pub use moe_config::{ExpertNaming, MoeConfig, SigmoidRouting};
+pub use moe_config::{DeepSeekRouting, ExpertNaming, MoeConfig, Scoring};
 pub use quant::Fp8Weights;
 pub use rope::{RopeConfig, RopeScaling};

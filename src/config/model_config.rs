@@ -86,12 +86,15 @@ pub enum Architecture {
     /// DeepSeek-V3 (and R1, V3.1, Kimi K2, Moonlight): multi-head latent attention
     /// ([`MlaConfig`]), dense first layers, then its experts ([`ExpertNaming::DeepSeek`]).
     DeepseekV3,
+    /// DeepSeek-V2 and V2.5 (V2-Lite): V3's latent attention with rope always pairing
+    /// neighbours, and experts routed by softmax scores in groups (`Scoring::Softmax`).
+    DeepseekV2,
 }
 
 impl Architecture {
     /// Each architecture's `*ForCausalLM` class (`architectures`) and its `model_type`, the
     /// fallback for a config without `architectures`.
-    const CAUSAL_LM: [(&'static str, &'static str, Architecture); 26] = [
+    const CAUSAL_LM: [(&'static str, &'static str, Architecture); 27] = [
         ("LlamaForCausalLM", "llama", Architecture::Llama),
         ("MistralForCausalLM", "mistral", Architecture::Mistral),
         ("Qwen2ForCausalLM", "qwen2", Architecture::Qwen2),
@@ -123,6 +126,11 @@ impl Architecture {
             "DeepseekV3ForCausalLM",
             "deepseek_v3",
             Architecture::DeepseekV3,
+        ),
+        (
+            "DeepseekV2ForCausalLM",
+            "deepseek_v2",
+            Architecture::DeepseekV2,
         ),
         (
             "GraniteMoeForCausalLM",
@@ -574,10 +582,18 @@ impl ModelConfig {
         }
         let hidden_size = positive("hidden_size", raw.hidden_size)?;
         let num_attention_heads = positive("num_attention_heads", raw.num_attention_heads)?;
-        // Latent attention expands its keys and values to every head.
-        let mla = (architecture == Architecture::DeepseekV3)
-            .then(|| parse_json::<RawMla>(text, path)?.check(path))
-            .transpose()?;
+        // Latent attention expands its keys and values to every head. V2's rope always pairs
+        // neighbours (it rotates complex numbers).
+        let mla = matches!(
+            architecture,
+            Architecture::DeepseekV3 | Architecture::DeepseekV2
+        )
+        .then(|| parse_json::<RawMla>(text, path)?.check(path))
+        .transpose()?
+        .map(|m| MlaConfig {
+            rope_interleave: m.rope_interleave || architecture == Architecture::DeepseekV2,
+            ..m
+        });
         let num_key_value_heads = match &mla {
             Some(_) => num_attention_heads,
             None => raw.num_key_value_heads.unwrap_or(num_attention_heads),
@@ -678,7 +694,8 @@ impl ModelConfig {
             | Architecture::Ernie45
             | Architecture::SeedOss
             | Architecture::Glm4Moe
-            | Architecture::DeepseekV3 => None,
+            | Architecture::DeepseekV3
+            | Architecture::DeepseekV2 => None,
             // Its window applies to the layers without rope only (below).
             Architecture::SmolLm3 => raw
                 .sliding_window
@@ -696,7 +713,7 @@ impl ModelConfig {
             Architecture::GptOss => Some((ExpertNaming::GptOss, false, false)),
             Architecture::GraniteMoe => Some((ExpertNaming::Granite, false, false)),
             Architecture::GraniteMoeShared => Some((ExpertNaming::Granite, true, false)),
-            Architecture::Glm4Moe | Architecture::DeepseekV3 => {
+            Architecture::Glm4Moe | Architecture::DeepseekV3 | Architecture::DeepseekV2 => {
                 Some((ExpertNaming::DeepSeek, true, true))
             }
             _ => None,
@@ -712,7 +729,11 @@ impl ModelConfig {
                 own_width,
             )
         })
-        .transpose()?;
+        .transpose()?
+        .map(|m| match architecture {
+            Architecture::DeepseekV2 => m.with_softmax_scoring(),
+            _ => m,
+        });
         // OLMo 1's clamp of q, k and v (OLMoE's configs have none).
         if let Some(clip) = raw.clip_qkv {
             return Err(err(

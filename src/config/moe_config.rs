@@ -26,7 +26,7 @@ pub enum ExpertNaming {
     /// `shared_mlp.{input,output}_linear`.
     Granite,
     /// DeepSeek-V3's (GLM-4.5's): Qwen's expert names, an f32 router `mlp.gate` with
-    /// `mlp.gate.e_score_correction_bias`, routed by [`SigmoidRouting`], and ungated shared
+    /// `mlp.gate.e_score_correction_bias`, routed by [`DeepSeekRouting`], and ungated shared
     /// experts `mlp.shared_experts.{gate,up,down}_proj`.
     DeepSeek,
 }
@@ -57,16 +57,28 @@ impl ExpertNaming {
     }
 }
 
-/// DeepSeek-V3's routing (transformers' `DeepseekV3TopkRouter`, GLM-4.5's): each expert's score
-/// is the sigmoid of its logit; experts are chosen by score plus a per-expert correction bias,
-/// within the `topk_group` of `n_group` groups whose two best biased scores sum highest; a
-/// chosen expert's weight is its unbiased score, renormalised over the chosen ones where
-/// `norm_topk_prob`, then times `routed_scaling_factor`.
+/// DeepSeek's routing, in groups of experts, scaled by `routed_scaling_factor`:
+/// - V3's (transformers' `DeepseekV3TopkRouter`, GLM-4.5's; [`Scoring::Sigmoid`]): each
+///   expert's score is the sigmoid of its logit; experts are chosen by score plus a per-expert
+///   correction bias, within the `topk_group` of `n_group` groups whose two best biased scores
+///   sum highest; a chosen expert's weight is its unbiased score, renormalised over the chosen
+///   ones where `norm_topk_prob`;
+/// - V2's (`DeepseekV2TopkRouter`, [`Scoring::Softmax`]): scores are a softmax of the logits;
+///   the top k of them, within the `topk_group` groups whose best score is highest (V2's
+///   `group_limited_greedy`; one group is its `greedy`), weigh as they are.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct SigmoidRouting {
+pub struct DeepSeekRouting {
+    pub scoring: Scoring,
     pub n_group: usize,
     pub topk_group: usize,
     pub routed_scaling_factor: f32,
+}
+
+/// How DeepSeek's router scores experts ([`DeepSeekRouting`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scoring {
+    Sigmoid,
+    Softmax,
 }
 
 /// A sparse decoder's mixture-of-experts settings, checked. Its `Debug` text is part of the
@@ -87,7 +99,7 @@ pub struct MoeConfig {
     /// MLP as wide as all of them): its width.
     pub shared_expert_intermediate_size: Option<usize>,
     /// DeepSeek's routing ([`ExpertNaming::DeepSeek`]).
-    pub sigmoid_routing: Option<SigmoidRouting>,
+    pub deepseek_routing: Option<DeepSeekRouting>,
     /// Per decoder layer: whether its MLP is the sparse block (else a dense MLP of
     /// `intermediate_size`; Qwen's `mlp_only_layers` and `decoder_sparse_step`).
     pub sparse_layers: Vec<bool>,
@@ -109,14 +121,24 @@ impl std::fmt::Debug for MoeConfig {
             )
             .field("sparse_layers", &self.sparse_layers)
             .field("naming", &self.naming);
-        if let Some(r) = &self.sigmoid_routing {
-            s.field("sigmoid_routing", r);
+        if let Some(r) = &self.deepseek_routing {
+            s.field("deepseek_routing", r);
         }
         s.finish()
     }
 }
 
 impl MoeConfig {
+    /// DeepSeek-V2's routing in place of V3's: softmax scores, groups by their best, and the
+    /// top k's weights never renormalised (its router reads no `norm_topk_prob`).
+    pub(super) fn with_softmax_scoring(mut self) -> Self {
+        if let Some(r) = &mut self.deepseek_routing {
+            r.scoring = Scoring::Softmax;
+            self.norm_topk_prob = false;
+        }
+        self
+    }
+
     /// Whether decoder layer `layer`'s MLP is the sparse block.
     pub fn is_sparse(&self, layer: usize) -> bool {
         self.sparse_layers.get(layer).copied().unwrap_or(false)
@@ -229,8 +251,8 @@ impl RawMoe {
         let sparse_layers = (0..num_layers)
             .map(|l| l >= first_sparse && !dense_only.contains(&l) && (l + 1) % step == 0)
             .collect();
-        let sigmoid_routing = (naming == ExpertNaming::DeepSeek)
-            .then(|| self.sigmoid_routing(num_experts, top_k, &err))
+        let deepseek_routing = (naming == ExpertNaming::DeepSeek)
+            .then(|| self.deepseek_routing(num_experts, top_k, &err))
             .transpose()?;
         Ok(MoeConfig {
             num_experts,
@@ -242,7 +264,7 @@ impl RawMoe {
                 ExpertNaming::DeepSeek => self.norm_topk_prob.unwrap_or(true),
             },
             shared_expert_intermediate_size,
-            sigmoid_routing,
+            deepseek_routing,
             sparse_layers,
             naming,
         })
@@ -251,12 +273,12 @@ impl RawMoe {
     /// DeepSeek's routing settings, checked as its router needs them: groups that split the
     /// experts evenly, each with the two experts its group score sums (where there is more
     /// than one group), and enough experts in the kept groups for the top k.
-    fn sigmoid_routing(
+    fn deepseek_routing(
         &self,
         num_experts: usize,
         top_k: usize,
         err: &dyn Fn(&str, String) -> DetspecError,
-    ) -> Result<SigmoidRouting> {
+    ) -> Result<DeepSeekRouting> {
         let n_group = self.n_group.unwrap_or(1);
         let topk_group = self.topk_group.unwrap_or(1);
         if n_group == 0 || !num_experts.is_multiple_of(n_group) {
@@ -287,7 +309,8 @@ impl RawMoe {
         if !(scale.is_finite() && scale > 0.0) {
             return Err(err("routed_scaling_factor", format!("{scale} must be > 0")));
         }
-        Ok(SigmoidRouting {
+        Ok(DeepSeekRouting {
+            scoring: Scoring::Sigmoid,
             n_group,
             topk_group,
             routed_scaling_factor: scale as f32,
@@ -384,8 +407,9 @@ mod tests {
         assert_eq!(moe.sparse_layers, vec![false, false, true, true]);
         assert_eq!(moe.shared_expert_intermediate_size, Some(32));
         assert_eq!(
-            moe.sigmoid_routing,
-            Some(SigmoidRouting {
+            moe.deepseek_routing,
+            Some(DeepSeekRouting {
+                scoring: Scoring::Sigmoid,
                 n_group: 4,
                 topk_group: 2,
                 routed_scaling_factor: 2.5

@@ -19,7 +19,7 @@ use std::sync::Arc;
 use candle_core::{DType, Tensor};
 use rayon::prelude::*;
 
-use crate::config::{ExpertNaming, ModelConfig, MoeConfig, SigmoidRouting};
+use crate::config::{DeepSeekRouting, ExpertNaming, ModelConfig, MoeConfig};
 use crate::error::{DetspecError, Result};
 use crate::ops;
 
@@ -92,14 +92,16 @@ pub(super) enum RoutingRule {
     TopKOfSoftmax { norm: bool },
     /// A softmax over the top k logits (gpt-oss's, Granite's).
     SoftmaxOverTopK,
-    /// DeepSeek's sigmoid scores chosen by group with a correction bias (GLM-4.5's); its
+    /// DeepSeek-V3's sigmoid scores chosen by group with a correction bias (GLM-4.5's); its
     /// router runs in f32.
     Sigmoid {
-        rule: SigmoidRouting,
+        rule: DeepSeekRouting,
         norm: bool,
         /// `e_score_correction_bias`, one per expert.
         bias: Arc<[f32]>,
     },
+    /// DeepSeek-V2's softmax scores chosen by group; its router runs in f32.
+    GroupedSoftmax(DeepSeekRouting),
 }
 
 /// A decoder layer's sparse MLP.
@@ -152,7 +154,8 @@ impl SparseMlp {
         } else {
             load_linear(ld, cfg, moe, layer, SparseLinear::Router)?
         };
-        let routing = match (moe.sigmoid_routing, router_bias_name(moe, layer)) {
+        let routing = match (moe.deepseek_routing, router_bias_name(moe, layer)) {
+            (Some(rule), None) => RoutingRule::GroupedSoftmax(rule),
             (Some(rule), Some(name)) => RoutingRule::Sigmoid {
                 rule,
                 norm: moe.norm_topk_prob,
@@ -207,7 +210,9 @@ impl SparseMlp {
         let (n, _) = x.dims2()?;
         let dev = x.device();
         let logits = match self.routing {
-            RoutingRule::Sigmoid { .. } => self.router.apply(&x.to_dtype(DType::F32)?, gemm)?,
+            RoutingRule::Sigmoid { .. } | RoutingRule::GroupedSoftmax(_) => {
+                self.router.apply(&x.to_dtype(DType::F32)?, gemm)?
+            }
             _ => self.router.apply(x, gemm)?,
         };
         let num_experts = self.experts.len();
@@ -220,6 +225,9 @@ impl SparseMlp {
             }
             RoutingRule::Sigmoid { rule, norm, bias } => {
                 Routing::sigmoid(logits, num_experts, self.top_k, bias, rule, *norm)
+            }
+            RoutingRule::GroupedSoftmax(rule) => {
+                Routing::grouped_softmax(logits, num_experts, self.top_k, rule)
             }
         })??;
         let expert_gemm = GemmOptions {
@@ -460,7 +468,7 @@ impl Routing {
         })
     }
 
-    /// DeepSeek's routing of rows whose router logits are `logits` ([`SigmoidRouting`]): each
+    /// DeepSeek's routing of rows whose router logits are `logits` ([`DeepSeekRouting`]): each
     /// expert's score its logit's sigmoid; where there are groups, the `topk_group` groups
     /// whose two best biased scores sum highest (ties to the lower group); in them, the
     /// `top_k` best biased scores (ties to the lower expert), weighted by their unbiased
@@ -471,7 +479,7 @@ impl Routing {
         num_experts: usize,
         top_k: usize,
         bias: &[f32],
-        rule: &SigmoidRouting,
+        rule: &DeepSeekRouting,
         norm: bool,
     ) -> Result<Self> {
         if bias.len() != num_experts || rule.n_group == 0 {
@@ -522,6 +530,56 @@ impl Routing {
                 *w *= rule.routed_scaling_factor;
             }
             top
+        })
+    }
+
+    /// DeepSeek-V2's routing of rows whose router logits are `logits`: a softmax in f32 (as
+    /// [`Self::new`] takes it); where there are groups, the `topk_group` groups whose best
+    /// score is highest (ties to the lower group); in them, the `top_k` best scores (ties to
+    /// the lower expert), each weighing its score times the scaling factor.
+    pub(super) fn grouped_softmax(
+        logits: &[f32],
+        num_experts: usize,
+        top_k: usize,
+        rule: &DeepSeekRouting,
+    ) -> Result<Self> {
+        if rule.n_group == 0 || !num_experts.is_multiple_of(rule.n_group) {
+            return Err(DetspecError::param(
+                "n_group",
+                format!("{} groups for {num_experts} experts", rule.n_group),
+            ));
+        }
+        let per_group = num_experts / rule.n_group;
+        let mut scores: Vec<f32> = Vec::with_capacity(num_experts);
+        let mut groups: Vec<usize> = Vec::with_capacity(rule.n_group);
+        Self::by_row(logits, num_experts, |row, order| {
+            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            scores.clear();
+            scores.extend(row.iter().map(|&v| ops::exp_nonpositive(v - max)));
+            let sum: f32 = scores.iter().sum();
+            for s in scores.iter_mut() {
+                *s /= sum;
+            }
+            if rule.n_group > 1 {
+                let best = |g: usize| {
+                    scores[g * per_group..(g + 1) * per_group]
+                        .iter()
+                        .copied()
+                        .fold(f32::NEG_INFINITY, f32::max)
+                };
+                let group_scores: Vec<f32> = (0..rule.n_group).map(best).collect();
+                groups.clear();
+                groups.extend(0..rule.n_group);
+                groups.sort_by(|&a, &b| group_scores[b].total_cmp(&group_scores[a]));
+                groups.truncate(rule.topk_group);
+                order.retain(|&e| groups.contains(&(e / per_group)));
+            }
+            order.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]));
+            order.truncate(top_k);
+            order
+                .iter()
+                .map(|&e| (e, scores[e] * rule.routed_scaling_factor))
+                .collect()
         })
     }
 
@@ -675,10 +733,11 @@ mod tests {
     }
 
     #[test]
-    fn sigmoid_routing_chooses_by_group_and_bias_and_weighs_by_score() {
+    fn deepseek_routing_chooses_by_group_and_bias_and_weighs_by_score() {
         // Four groups of two; the best two groups' experts compete for the top 2.
         let logits = [3.0, -3.0, 1.0, 1.0, 2.0, 0.0, 2.5, -5.0];
-        let rule = SigmoidRouting {
+        let rule = DeepSeekRouting {
+            scoring: crate::config::Scoring::Sigmoid,
             n_group: 4,
             topk_group: 2,
             routed_scaling_factor: 2.0,
@@ -700,7 +759,7 @@ mod tests {
         let r = Routing::sigmoid(&logits, 8, 2, &bias, &rule, true).unwrap();
         assert_eq!(r.picks[0], weights(0, 2));
         // One group: the plain top 2 by biased score, unnormalised, scaled.
-        let one = SigmoidRouting {
+        let one = DeepSeekRouting {
             n_group: 1,
             topk_group: 1,
             ..rule
@@ -711,11 +770,12 @@ mod tests {
     }
 
     #[test]
-    fn sigmoid_routing_equals_masked_repeated_argmax() {
+    fn deepseek_routing_equals_masked_repeated_argmax() {
         // transformers' reading: mask the losing groups' experts to -inf, then take the top k;
         // here by repeated argmax (first maximum wins), against the engine's sorts.
         let (experts, top_k) = (12, 3);
-        let rule = SigmoidRouting {
+        let rule = DeepSeekRouting {
+            scoring: crate::config::Scoring::Sigmoid,
             n_group: 4,
             topk_group: 2,
             routed_scaling_factor: 1.5,
@@ -764,5 +824,46 @@ mod tests {
             let got: Vec<(usize, u32)> = got.iter().map(|&(e, w)| (e, w.to_bits())).collect();
             assert_eq!(got, want, "row {row:?}");
         }
+    }
+
+    #[test]
+    fn grouped_softmax_routing_keeps_the_best_groups_and_weighs_by_score() {
+        // DeepSeek-V2's: softmax, groups scored by their best, the top k of the kept groups,
+        // weights the scores times the scale (never renormalised).
+        let logits = [2.0, 1.9, 0.0, 1.8, 1.0, 0.5, -1.0, 0.9];
+        let rule = DeepSeekRouting {
+            scoring: crate::config::Scoring::Softmax,
+            n_group: 4,
+            topk_group: 2,
+            routed_scaling_factor: 1.5,
+        };
+        let max = 2.0f32;
+        let e: Vec<f32> = logits
+            .iter()
+            .map(|&v| ops::exp_nonpositive(v - max))
+            .collect();
+        let sum: f32 = e.iter().sum();
+        let p: Vec<f32> = e.iter().map(|&x| x / sum).collect();
+        // Groups {0,1} (best 2.0) and {2,3} (best 1.8) win over {4,5} (1.0) and {6,7} (0.9):
+        // the top 2 are experts 0 and 1.
+        let r = Routing::grouped_softmax(&logits, 8, 2, &rule).unwrap();
+        assert_eq!(r.picks[0], vec![(0, p[0] * 1.5), (1, p[1] * 1.5)]);
+        // Top 3: expert 3 (group 1) comes before 4 (1.0, its group lost).
+        let r = Routing::grouped_softmax(&logits, 8, 3, &rule).unwrap();
+        let got: Vec<usize> = r.picks[0].iter().map(|&(e, _)| e).collect();
+        assert_eq!(got, vec![0, 1, 3]);
+        // One group: the plain top k of the softmax.
+        let one = DeepSeekRouting {
+            n_group: 1,
+            topk_group: 1,
+            ..rule
+        };
+        let r = Routing::grouped_softmax(&logits, 8, 4, &one).unwrap();
+        let got: Vec<usize> = r.picks[0].iter().map(|&(e, _)| e).collect();
+        assert_eq!(got, vec![0, 1, 3, 4]);
+        assert!(
+            Routing::grouped_softmax(&logits, 8, 2, &DeepSeekRouting { n_group: 3, ..rule })
+                .is_err()
+        );
     }
 }

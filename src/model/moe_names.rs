@@ -6,7 +6,7 @@
 
 use candle_core::Tensor;
 
-use crate::config::{ExpertNaming, ModelConfig, MoeConfig};
+use crate::config::{ExpertNaming, ModelConfig, MoeConfig, Scoring};
 use crate::error::{DetspecError, Result};
 
 use super::fused_experts::FusedPart;
@@ -107,7 +107,8 @@ pub(super) fn has_shared_gate(moe: &MoeConfig) -> bool {
 
 /// The name of the router's per-expert correction bias (DeepSeek's), if it has one.
 pub(super) fn router_bias_name(moe: &MoeConfig, layer: usize) -> Option<String> {
-    moe.sigmoid_routing.map(|_| {
+    let sigmoid = moe.deepseek_routing.map(|r| r.scoring) == Some(Scoring::Sigmoid);
+    sigmoid.then(|| {
         format!(
             "{}.e_score_correction_bias",
             SparseLinear::Router.path(moe.naming, layer)

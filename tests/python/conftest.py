@@ -557,6 +557,41 @@ MODEL_SPECS: dict[str, dict] = {
             "topk_group": 1,
         },
     },
+    # DeepSeek-V2 (V2-Lite's layout: queries from one matrix): V3's latent attention with rope
+    # on complex pairs, YaRN as V2-Lite sets it; experts by softmax score, in 4 groups of 2
+    # whose best 2 compete (group_limited_greedy), weights scaled and not renormalised.
+    "deepseek_v2": {
+        "arch": "deepseek_v2",
+        "seed": 167,
+        "rope": {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 64,
+            "mscale": 0.707,
+            "mscale_all_dim": 0.707,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+        },
+        "extra": {
+            "num_hidden_layers": 3,
+            "num_key_value_heads": 4,
+            "q_lora_rank": None,
+            "kv_lora_rank": 32,
+            "qk_nope_head_dim": 32,
+            "qk_rope_head_dim": 16,
+            "v_head_dim": 32,
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 48,
+            "n_shared_experts": 2,
+            "first_k_dense_replace": 1,
+            "topk_method": "group_limited_greedy",
+            "n_group": 4,
+            "topk_group": 2,
+            "routed_scaling_factor": 1.5,
+        },
+    },
 }
 ARCH_NAMES = tuple(MODEL_SPECS)
 
@@ -590,6 +625,7 @@ _CONFIG_CLASSES = {
     "seed_oss": (transformers.SeedOssConfig, transformers.SeedOssForCausalLM),
     "glm4_moe": (transformers.Glm4MoeConfig, transformers.Glm4MoeForCausalLM),
     "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
+    "deepseek_v2": (transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM),
 }
 
 

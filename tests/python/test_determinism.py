@@ -179,6 +179,7 @@ def needle_in_haystack(
         "seed_oss",
         "glm4_moe",
         "deepseek_v3",
+        "deepseek_v2",
     ],
 )
 def test_needle_in_haystack_on_every_decoder_layout(model_zoo, name: str) -> None:

@@ -71,6 +71,7 @@ def outputs_bits(llm: detspec.LLM) -> list[tuple[list[int], list[int]]]:
         "glm4_moe",
         "deepseek_v3",
         "deepseek_v3_plain",
+        "deepseek_v2",
     ],
 )
 def test_update_weights_follows_transformers_and_restores_bit_for_bit(model_zoo, name):
