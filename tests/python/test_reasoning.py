@@ -5,6 +5,8 @@ generation prompt; a tokenizer without single-token tags is refused, naming the 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -115,6 +117,11 @@ def test_where_the_output_begins() -> None:
     assert R1.thinks([3, 4], {"enable_thinking": False})
     assert QWEN3.thinks([3, 4], {})
     assert not QWEN3.thinks([3, 4], {"enable_thinking": False})
+    # DeepSeek-V3.1: off unless `thinking` turns it on (its template's tag decides first)
+    v3 = dataclasses.replace(QWEN3, name="deepseek_v3")
+    assert not v3.thinks([3, 4], {}) and not v3.thinks([3, 4], {"enable_thinking": True})
+    assert v3.thinks([3, 4], {"thinking": True})
+    assert v3.thinks([3, START_ID], {}) and not v3.thinks([END_ID], {"thinking": True})
     # the generation prompt is what follows the rendering without it
     assert list(generation_prompt([1, 2, 3, START_ID], [1, 2, 3])) == [START_ID]
     assert list(generation_prompt([1, 2, 9, 8], [1, 2, 3])) == [9, 8]

@@ -8,7 +8,10 @@ of the tokenizer (checked when the server starts):
   (the template may have opened it, or the model opens it itself);
 * ``qwen3`` -- the same, except that ``chat_template_kwargs: {"enable_thinking": false}``
   means no thinking when the template does not say otherwise; ``glm45`` (GLM-4.5/4.6/4.7,
-  whose templates take the same switch) reads the same way.
+  whose templates take the same switch) reads the same way;
+* ``deepseek_v3`` -- DeepSeek-V3.1's hybrid: no thinking unless
+  ``chat_template_kwargs: {"thinking": true}`` (or the template opened the block), as vLLM's
+  parser of that name reads it; DeepSeek-V3 itself never thinks.
 
 Whether the output begins inside the block is read off the generation prompt (what the chat
 template appended after the last message): its last tag decides (``<think>``: inside;
@@ -42,12 +45,14 @@ if TYPE_CHECKING:
 
 START, END = "<think>", "</think>"
 
-# name -> the chat_template_kwargs switch that turns thinking off (None: none)
-PARSERS: dict[str, str | None] = {
-    "deepseek_r1": None,
-    "qwen3": "enable_thinking",
-    "glm45": "enable_thinking",
-    HARMONY: None,
+# name -> (the chat_template_kwargs switch that turns thinking on or off (None: none), whether
+# the output thinks when neither the switch nor the generation prompt says)
+PARSERS: dict[str, tuple[str | None, bool]] = {
+    "deepseek_r1": (None, True),
+    "qwen3": ("enable_thinking", True),
+    "glm45": ("enable_thinking", True),
+    "deepseek_v3": ("thinking", False),
+    HARMONY: (None, True),
 }
 
 
@@ -68,8 +73,9 @@ class ReasoningParser:
                 return False
             if t == self.start_id:
                 return True
-        switch = PARSERS[self.name]
-        return not (switch is not None and template_kwargs.get(switch) is False)
+        switch, default = PARSERS[self.name]
+        said = template_kwargs.get(switch) if switch is not None else None
+        return default if said is None else bool(said)
 
 
 def reasoning_parser(name: str, tokenizer: Tokenizer | None) -> ReasoningParser | HarmonyFormat:
