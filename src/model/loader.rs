@@ -75,15 +75,7 @@ impl<'a> WeightLoader<'a> {
     /// A parameter held in f32 whatever the engine's dtype (DeepSeek's router and its bias,
     /// which transformers keeps in f32): its stored values exactly.
     pub(super) fn load_f32(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
-        let t = match self.fp8.as_ref() {
-            Some(fp8) if self.stores_fp8(name)? => self.widen_fp8(fp8, name, shape)?,
-            _ => self.ck.load(name, shape, DType::F32, &Device::Cpu)?,
-        }
-        .to_dtype(DType::F32)?;
-        self.hashes
-            .borrow_mut()
-            .insert(name.to_string(), tensor_hash(&t)?);
-        Ok(t.to_device(self.device)?)
+        self.load_rounded(name, shape, DType::F32, DType::F32)
     }
 
     /// A matrix (linear weight, embedding), in the weights' dtype.
@@ -445,11 +437,22 @@ impl<'a> WeightLoader<'a> {
     /// Hashed on the host before the upload: hashing a GPU tensor would copy it back. An FP8
     /// matrix is widened first, so it is hashed as the checkpoint of its widened values.
     fn load_as(&self, name: &str, shape: &[usize], dtype: DType) -> Result<Tensor> {
+        self.load_rounded(name, shape, self.dtype, dtype)
+    }
+
+    /// Parameter `name` (FP8 widened) rounded to `round` and held in `hold`, hashed as held.
+    fn load_rounded(
+        &self,
+        name: &str,
+        shape: &[usize],
+        round: DType,
+        hold: DType,
+    ) -> Result<Tensor> {
         let stored = match self.fp8.as_ref() {
             Some(fp8) if self.stores_fp8(name)? => self.widen_fp8(fp8, name, shape)?,
-            _ => self.ck.load(name, shape, self.dtype, &Device::Cpu)?,
+            _ => self.ck.load(name, shape, round, &Device::Cpu)?,
         };
-        let t = stored.to_dtype(self.dtype)?.to_dtype(dtype)?;
+        let t = stored.to_dtype(round)?.to_dtype(hold)?;
         let h = tensor_hash(&t)?;
         self.hashes.borrow_mut().insert(name.to_string(), h);
         Ok(t.to_device(self.device)?)

@@ -155,15 +155,16 @@ impl SparseMlp {
             load_linear(ld, cfg, moe, layer, SparseLinear::Router)?
         };
         let routing = match (moe.deepseek_routing, router_bias_name(moe, layer)) {
-            (Some(rule), None) => RoutingRule::GroupedSoftmax(rule),
-            (Some(rule), Some(name)) => RoutingRule::Sigmoid {
+            // V3's sigmoid scoring, the one with a correction bias (`router_bias_name`).
+            (Some(rule), Some(bias)) => RoutingRule::Sigmoid {
                 rule,
                 norm: moe.norm_topk_prob,
                 bias: ld
-                    .load_f32(&name, &[moe.num_experts])?
+                    .load_f32(&bias, &[moe.num_experts])?
                     .to_vec1::<f32>()?
                     .into(),
             },
+            (Some(rule), None) => RoutingRule::GroupedSoftmax(rule),
             _ if moe.naming.softmax_over_top_k() => RoutingRule::SoftmaxOverTopK,
             _ => RoutingRule::TopKOfSoftmax {
                 norm: moe.norm_topk_prob,
@@ -488,37 +489,25 @@ impl Routing {
                 format!("{} values for {num_experts} experts", bias.len()),
             ));
         }
-        let per_group = num_experts / rule.n_group;
         let mut scores: Vec<f32> = Vec::with_capacity(num_experts);
         let mut choice: Vec<f32> = Vec::with_capacity(num_experts);
-        let mut groups: Vec<usize> = Vec::with_capacity(rule.n_group);
         Self::by_row(logits, num_experts, |row, order| {
             scores.clear();
             scores.extend(row.iter().map(|&v| ops::sigmoid(v)));
             choice.clear();
             choice.extend(scores.iter().zip(bias).map(|(&s, &b)| s + b));
-            if rule.n_group > 1 {
-                let group_score = |g: usize| {
-                    let (mut best, mut second) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
-                    for &v in &choice[g * per_group..(g + 1) * per_group] {
-                        if v > best {
-                            (best, second) = (v, best);
-                        } else if v > second {
-                            second = v;
-                        }
+            // A group's score: its two best biased scores, summed.
+            grouped_top_k(&choice, order, rule, top_k, |g| {
+                let (mut best, mut second) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
+                for &v in g {
+                    if v > best {
+                        (best, second) = (v, best);
+                    } else if v > second {
+                        second = v;
                     }
-                    best + second
-                };
-                let group_scores: Vec<f32> = (0..rule.n_group).map(group_score).collect();
-                groups.clear();
-                groups.extend(0..rule.n_group);
-                groups.sort_by(|&a, &b| group_scores[b].total_cmp(&group_scores[a]));
-                groups.truncate(rule.topk_group);
-                order.retain(|&e| groups.contains(&(e / per_group)));
-            }
-            // Best first; equal scores keep index order (a stable sort).
-            order.sort_by(|&a, &b| choice[b].total_cmp(&choice[a]));
-            order.truncate(top_k);
+                }
+                best + second
+            });
             let mut top: Vec<(usize, f32)> = order.iter().map(|&e| (e, scores[e])).collect();
             if norm {
                 let total = top.iter().map(|&(_, w)| w).sum::<f32>() + 1e-20;
@@ -549,9 +538,7 @@ impl Routing {
                 format!("{} groups for {num_experts} experts", rule.n_group),
             ));
         }
-        let per_group = num_experts / rule.n_group;
         let mut scores: Vec<f32> = Vec::with_capacity(num_experts);
-        let mut groups: Vec<usize> = Vec::with_capacity(rule.n_group);
         Self::by_row(logits, num_experts, |row, order| {
             let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             scores.clear();
@@ -560,22 +547,10 @@ impl Routing {
             for s in scores.iter_mut() {
                 *s /= sum;
             }
-            if rule.n_group > 1 {
-                let best = |g: usize| {
-                    scores[g * per_group..(g + 1) * per_group]
-                        .iter()
-                        .copied()
-                        .fold(f32::NEG_INFINITY, f32::max)
-                };
-                let group_scores: Vec<f32> = (0..rule.n_group).map(best).collect();
-                groups.clear();
-                groups.extend(0..rule.n_group);
-                groups.sort_by(|&a, &b| group_scores[b].total_cmp(&group_scores[a]));
-                groups.truncate(rule.topk_group);
-                order.retain(|&e| groups.contains(&(e / per_group)));
-            }
-            order.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]));
-            order.truncate(top_k);
+            // A group's score: its best.
+            grouped_top_k(&scores, order, rule, top_k, |g| {
+                g.iter().copied().fold(f32::NEG_INFINITY, f32::max)
+            });
             order
                 .iter()
                 .map(|&e| (e, scores[e] * rule.routed_scaling_factor))
@@ -640,6 +615,29 @@ impl Routing {
         }
         slots
     }
+}
+
+/// DeepSeek's choice: `order` (every expert) narrowed to the `topk_group` groups (of
+/// `n_group` equal runs of `values`) whose `group_score` is highest (ties to the lower group),
+/// then to the `top_k` highest `values`, best first (ties to the lower expert).
+fn grouped_top_k(
+    values: &[f32],
+    order: &mut Vec<usize>,
+    rule: &DeepSeekRouting,
+    top_k: usize,
+    group_score: impl Fn(&[f32]) -> f32,
+) {
+    if rule.n_group > 1 {
+        let per_group = values.len() / rule.n_group;
+        let scores: Vec<f32> = values.chunks(per_group).map(group_score).collect();
+        let mut groups: Vec<usize> = (0..rule.n_group).collect();
+        groups.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]));
+        groups.truncate(rule.topk_group);
+        order.retain(|&e| groups.contains(&(e / per_group)));
+    }
+    // A stable sort: equal values keep index order.
+    order.sort_by(|&a, &b| values[b].total_cmp(&values[a]));
+    order.truncate(top_k);
 }
 
 impl SparseMlp {

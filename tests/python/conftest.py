@@ -94,6 +94,18 @@ TEXT_PROMPTS = (
 )
 
 # name -> how to build it. "reuse" shares the HF model (and reference) of another entry.
+# YaRN as DeepSeek-V2-Lite sets it (its mscale also scales the softmax), at this zoo's size.
+DEEPSEEK_YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "mscale": 0.707,
+    "mscale_all_dim": 0.707,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+}
+
 MODEL_SPECS: dict[str, dict] = {
     "llama": {
         "arch": "llama",
@@ -509,16 +521,7 @@ MODEL_SPECS: dict[str, dict] = {
     "deepseek_v3": {
         "arch": "deepseek_v3",
         "seed": 157,
-        "rope": {
-            "rope_type": "yarn",
-            "rope_theta": 10000.0,
-            "factor": 4.0,
-            "original_max_position_embeddings": 64,
-            "mscale": 0.707,
-            "mscale_all_dim": 0.707,
-            "beta_fast": 32.0,
-            "beta_slow": 1.0,
-        },
+        "rope": DEEPSEEK_YARN,
         "extra": {
             "num_hidden_layers": 3,
             "num_key_value_heads": 4,
@@ -563,16 +566,7 @@ MODEL_SPECS: dict[str, dict] = {
     "deepseek_v2": {
         "arch": "deepseek_v2",
         "seed": 167,
-        "rope": {
-            "rope_type": "yarn",
-            "rope_theta": 10000.0,
-            "factor": 4.0,
-            "original_max_position_embeddings": 64,
-            "mscale": 0.707,
-            "mscale_all_dim": 0.707,
-            "beta_fast": 32.0,
-            "beta_slow": 1.0,
-        },
+        "rope": DEEPSEEK_YARN,
         "extra": {
             "num_hidden_layers": 3,
             "num_key_value_heads": 4,

@@ -86,6 +86,9 @@ CASES = [
     (HermesToolParser, '<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}'
      "</tool_call>", []),  # fmt: skip
     (HermesToolParser, "a <tool_ca", "a <tool_ca", []),
+    # NaN is Python's, not JSON: a call holding it would give clients unparseable arguments
+    (HermesToolParser, '<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>',
+     '<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>', []),
     (Llama3JsonToolParser, "The weather is fine.", "The weather is fine.", []),
     (
         Llama3JsonToolParser,

@@ -75,7 +75,7 @@ def call_from_json(obj: Any) -> ParsedCall:
             args = obj[key]
             break
     if isinstance(args, str):
-        json.loads(args)  # must be JSON text
+        strict_json(args)  # must be JSON text
         return ParsedCall(obj["name"], args)
     if not isinstance(args, dict):
         raise ValueError("arguments are not an object")
@@ -90,6 +90,19 @@ def strict_json(text: str) -> Any:
     """``json.loads`` without Python's NaN and Infinity, which are not JSON: an argument read
     as one would make the call's ``arguments`` text no client can parse."""
     return json.loads(text, parse_constant=_refuse_constant)
+
+
+def _runs(pattern: re.Pattern[str], text: str, start: int = 0) -> list[re.Match[str]]:
+    """Matches of ``pattern`` one right after another from ``start`` to the end of ``text``;
+    ``ValueError`` for any other text (whitespace around them is the pattern's to allow)."""
+    out, i = [], start
+    while text[i:].strip():
+        m = pattern.match(text, i)
+        if m is None:
+            raise ValueError("not a call: text between its parts")
+        out.append(m)
+        i = m.end()
+    return out
 
 
 def _held_prefix(text: str, marker: str) -> int:
@@ -203,7 +216,7 @@ class HermesToolParser(_TaggedCallParser):
     name = "hermes"
 
     def _calls(self, body: str) -> list[ParsedCall]:
-        return [call_from_json(json.loads(body))]
+        return [call_from_json(strict_json(body))]
 
 
 class Glm45ToolParser(_TaggedCallParser):
@@ -222,13 +235,7 @@ class Glm45ToolParser(_TaggedCallParser):
             raise ValueError("not a call: no name")
         strings = {k for k, v in self._schema(name).items() if _schema_type(v) == "string"}
         args: dict[str, Any] = {}
-        i = len(body) if at < 0 else at
-        while i < len(body):
-            m = self.PAIR.match(body, i)
-            if m is None:
-                if body[i:].strip():
-                    raise ValueError("not a call: text between the arguments")
-                break
+        for m in _runs(self.PAIR, body, len(body) if at < 0 else at):
             key, value = m.group(1).strip(), m.group(2)
             if key in strings:
                 args[key] = value
@@ -237,7 +244,6 @@ class Glm45ToolParser(_TaggedCallParser):
                     args[key] = strict_json(value)
                 except ValueError:
                     args[key] = value
-            i = m.end()
         return [ParsedCall(name, json.dumps(args, ensure_ascii=False))]
 
 
@@ -291,27 +297,18 @@ class Qwen3CoderToolParser(_TaggedCallParser):
     PARAMETER = re.compile(r"\s*<parameter=([^>]+)>(.*?)</parameter>\s*", re.DOTALL)
 
     def _calls(self, body: str) -> list[ParsedCall]:
-        calls, i = [], 0
-        while i < len(body) and body[i:].strip():
-            f = self.FUNCTION.match(body, i)
-            if f is None:
-                raise ValueError("not a call: no <function=...>")
-            name, inner, schema = f.group(1), f.group(2), self._schema(f.group(1))
+        calls = []
+        for f in _runs(self.FUNCTION, body):
+            name, schema = f.group(1), self._schema(f.group(1))
             args: dict[str, Any] = {}
-            j = 0
-            while j < len(inner) and inner[j:].strip():
-                p = self.PARAMETER.match(inner, j)
-                if p is None:
-                    raise ValueError("not a call: text between the parameters")
+            for p in _runs(self.PARAMETER, f.group(2)):
                 key, value = p.group(1).strip(), p.group(2)
                 value = value.removeprefix("\n").removesuffix("\n")
                 if value.strip().lower() == "null":
                     args[key] = None
                 else:
                     args[key] = _typed(value, schema[key]) if key in schema else value
-                j = p.end()
             calls.append(ParsedCall(name, json.dumps(args, ensure_ascii=False)))
-            i = f.end()
         if not calls:
             raise ValueError("not a call: no function")
         return calls
@@ -465,7 +462,7 @@ class _TailParser(ToolParser):
 
 def _json_values(text: str, sep: str) -> list[Any]:
     """JSON values one after another, separated by ``sep`` and/or whitespace."""
-    dec = json.JSONDecoder()
+    dec = json.JSONDecoder(parse_constant=_refuse_constant)
     values = []
     i = 0
     while True:
@@ -532,7 +529,7 @@ class MistralToolParser(_TailParser):
             name, sep, args = p.partition(self.ARGS)
             if not sep:
                 raise ValueError("no [ARGS]")
-            obj = json.loads(args)
+            obj = strict_json(args)
             calls.append(call_from_json({"name": name.strip(), "arguments": obj}))
         return calls
 
