@@ -12,7 +12,7 @@ use serde_json::Value;
 use super::head::Head;
 use super::json::{parse_json, TokenIds};
 use super::mla_config::{MlaConfig, RawMla};
-use super::moe_config::{ExpertNaming, MoeConfig, RawMoe};
+use super::moe_config::{ExpertNaming, MoeConfig, RawMoe, SparseShape};
 use super::quant::{parse_quantization, Fp8Weights, Quantization};
 use super::rope::{self, RawRope, RopeConfig, RopeDefaults, RopeScaling};
 use super::text_config::decoder_json;
@@ -86,6 +86,9 @@ pub enum Architecture {
     /// DeepSeek-V3 (and R1, V3.1, Kimi K2, Moonlight): multi-head latent attention
     /// ([`MlaConfig`]), dense first layers, then its experts ([`ExpertNaming::DeepSeek`]).
     DeepseekV3,
+    /// GLM-4.7-Flash (`Glm4MoeLiteForCausalLM`): DeepSeek-V3's layers, each layer's MLP
+    /// named in `mlp_layer_types` (by default the first dense, the rest sparse).
+    Glm4MoeLite,
     /// DeepSeek-V2 and V2.5 (V2-Lite): V3's latent attention with rope always pairing
     /// neighbours, and experts routed by softmax scores in groups (`Scoring::Softmax`).
     DeepseekV2,
@@ -94,7 +97,7 @@ pub enum Architecture {
 impl Architecture {
     /// Each architecture's `*ForCausalLM` class (`architectures`) and its `model_type`, the
     /// fallback for a config without `architectures`.
-    const CAUSAL_LM: [(&'static str, &'static str, Architecture); 27] = [
+    const CAUSAL_LM: [(&'static str, &'static str, Architecture); 28] = [
         ("LlamaForCausalLM", "llama", Architecture::Llama),
         ("MistralForCausalLM", "mistral", Architecture::Mistral),
         ("Qwen2ForCausalLM", "qwen2", Architecture::Qwen2),
@@ -131,6 +134,11 @@ impl Architecture {
             "DeepseekV2ForCausalLM",
             "deepseek_v2",
             Architecture::DeepseekV2,
+        ),
+        (
+            "Glm4MoeLiteForCausalLM",
+            "glm4_moe_lite",
+            Architecture::Glm4MoeLite,
         ),
         (
             "GraniteMoeForCausalLM",
@@ -586,7 +594,7 @@ impl ModelConfig {
         // neighbours (it rotates complex numbers).
         let mla = matches!(
             architecture,
-            Architecture::DeepseekV3 | Architecture::DeepseekV2
+            Architecture::DeepseekV3 | Architecture::DeepseekV2 | Architecture::Glm4MoeLite
         )
         .then(|| parse_json::<RawMla>(text, path)?.check(path))
         .transpose()?
@@ -695,7 +703,8 @@ impl ModelConfig {
             | Architecture::SeedOss
             | Architecture::Glm4Moe
             | Architecture::DeepseekV3
-            | Architecture::DeepseekV2 => None,
+            | Architecture::DeepseekV2
+            | Architecture::Glm4MoeLite => None,
             // Its window applies to the layers without rope only (below).
             Architecture::SmolLm3 => raw
                 .sliding_window
@@ -703,30 +712,33 @@ impl ModelConfig {
         };
         let num_hidden_layers = positive("num_hidden_layers", raw.num_hidden_layers)?;
         let intermediate_size = positive("intermediate_size", raw.intermediate_size)?;
-        // (naming, a shared expert, experts as wide as `moe_intermediate_size` rather than
-        // `intermediate_size`)
+        let sparse = |naming, shared_expert, own_width| SparseShape {
+            naming,
+            shared_expert,
+            own_width,
+            layer_types: architecture == Architecture::Glm4MoeLite,
+        };
         let moe = match architecture {
-            Architecture::Mixtral => Some((ExpertNaming::Mixtral, false, false)),
-            Architecture::Qwen2Moe => Some((ExpertNaming::Qwen, true, true)),
-            Architecture::Qwen3Moe => Some((ExpertNaming::Qwen, false, true)),
-            Architecture::Olmoe => Some((ExpertNaming::Qwen, false, false)),
-            Architecture::GptOss => Some((ExpertNaming::GptOss, false, false)),
-            Architecture::GraniteMoe => Some((ExpertNaming::Granite, false, false)),
-            Architecture::GraniteMoeShared => Some((ExpertNaming::Granite, true, false)),
-            Architecture::Glm4Moe | Architecture::DeepseekV3 | Architecture::DeepseekV2 => {
-                Some((ExpertNaming::DeepSeek, true, true))
-            }
+            Architecture::Mixtral => Some(sparse(ExpertNaming::Mixtral, false, false)),
+            Architecture::Qwen2Moe => Some(sparse(ExpertNaming::Qwen, true, true)),
+            Architecture::Qwen3Moe => Some(sparse(ExpertNaming::Qwen, false, true)),
+            Architecture::Olmoe => Some(sparse(ExpertNaming::Qwen, false, false)),
+            Architecture::GptOss => Some(sparse(ExpertNaming::GptOss, false, false)),
+            Architecture::GraniteMoe => Some(sparse(ExpertNaming::Granite, false, false)),
+            Architecture::GraniteMoeShared => Some(sparse(ExpertNaming::Granite, true, false)),
+            Architecture::Glm4Moe
+            | Architecture::DeepseekV3
+            | Architecture::DeepseekV2
+            | Architecture::Glm4MoeLite => Some(sparse(ExpertNaming::DeepSeek, true, true)),
             _ => None,
         }
-        .map(|(naming, shared, own_width)| {
+        .map(|shape| {
             // A second pass over the text: a flattened field would lose its name in errors.
             parse_json::<RawMoe>(text, path)?.check(
                 path,
-                naming,
+                shape,
                 num_hidden_layers,
                 intermediate_size,
-                shared,
-                own_width,
             )
         })
         .transpose()?

@@ -1,5 +1,5 @@
 //! The mixture-of-experts part of a Hugging Face `config.json` (Qwen2-MoE, Qwen3-MoE, Mixtral,
-//! OLMoE, gpt-oss, Granite MoE, GLM-4.5): how many experts, how many each token is routed to and
+//! OLMoE, gpt-oss, Granite MoE, GLM-4.5, DeepSeek, GLM-4.7-Flash): how many experts, how many each token is routed to and
 //! how, which layers are sparse, and how the checkpoint names the experts' tensors.
 
 use std::path::Path;
@@ -166,22 +166,41 @@ pub(super) struct RawMoe {
     shared_intermediate_size: Option<usize>,
     decoder_sparse_step: Option<usize>,
     mlp_only_layers: Option<Vec<usize>>,
+    /// GLM-4.7-Flash's `"dense"`/`"sparse"` per layer.
+    mlp_layer_types: Option<Vec<String>>,
+}
+
+/// What a sparse architecture's class reads from its config beyond the common fields.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct SparseShape {
+    pub naming: ExpertNaming,
+    /// A shared expert beside the routed ones (Qwen2-MoE's gated one, Granite MoE Shared's,
+    /// DeepSeek's).
+    pub shared_expert: bool,
+    /// Experts are `moe_intermediate_size` wide (Qwen's, DeepSeek's), not `intermediate_size`
+    /// (Mixtral's, OLMoE's).
+    pub own_width: bool,
+    /// Each layer's MLP is named in `mlp_layer_types` (GLM-4.7-Flash's class), in place of
+    /// DeepSeek's `first_k_dense_replace`.
+    pub layer_types: bool,
 }
 
 impl RawMoe {
-    /// The checked settings of a sparse architecture with `num_layers` decoder layers whose
-    /// dense MLP width is `intermediate_size`; `shared_expert`: the architecture has Qwen2-MoE's
-    /// gated shared expert; `own_width`: its experts are `moe_intermediate_size` wide (Qwen's),
-    /// not `intermediate_size` (Mixtral's, OLMoE's).
+    /// The checked settings of a sparse architecture of `shape` with `num_layers` decoder
+    /// layers whose dense MLP width is `intermediate_size`.
     pub(super) fn check(
         &self,
         path: &Path,
-        naming: ExpertNaming,
+        shape: SparseShape,
         num_layers: usize,
         intermediate_size: usize,
-        shared_expert: bool,
-        own_width: bool,
     ) -> Result<MoeConfig> {
+        let SparseShape {
+            naming,
+            shared_expert,
+            own_width,
+            layer_types,
+        } = shape;
         let err = |field: &str, message: String| DetspecError::InvalidConfig {
             path: path.to_path_buf(),
             field: field.to_string(),
@@ -248,9 +267,14 @@ impl RawMoe {
             ExpertNaming::DeepSeek => self.first_k_dense_replace.unwrap_or(1),
             _ => 0,
         };
-        let sparse_layers = (0..num_layers)
-            .map(|l| l >= first_sparse && !dense_only.contains(&l) && (l + 1) % step == 0)
-            .collect();
+        let sparse_layers = match (layer_types, &self.mlp_layer_types) {
+            (true, Some(types)) => Self::sparse_by_type(types, num_layers, &err)?,
+            // transformers' default: the first layer dense, the rest sparse.
+            (true, None) => (0..num_layers).map(|l| l > 0).collect(),
+            (false, _) => (0..num_layers)
+                .map(|l| l >= first_sparse && !dense_only.contains(&l) && (l + 1) % step == 0)
+                .collect(),
+        };
         let deepseek_routing = (naming == ExpertNaming::DeepSeek)
             .then(|| self.deepseek_routing(num_experts, top_k, &err))
             .transpose()?;
@@ -268,6 +292,33 @@ impl RawMoe {
             sparse_layers,
             naming,
         })
+    }
+
+    /// Each layer's MLP as `mlp_layer_types` names it: one of `"dense"` and `"sparse"` for
+    /// every layer.
+    fn sparse_by_type(
+        types: &[String],
+        num_layers: usize,
+        err: &dyn Fn(&str, String) -> DetspecError,
+    ) -> Result<Vec<bool>> {
+        if types.len() != num_layers {
+            return Err(err(
+                "mlp_layer_types",
+                format!("{} entries for {num_layers} layers", types.len()),
+            ));
+        }
+        types
+            .iter()
+            .enumerate()
+            .map(|(l, t)| match t.as_str() {
+                "dense" => Ok(false),
+                "sparse" => Ok(true),
+                other => Err(err(
+                    "mlp_layer_types",
+                    format!("layer {l}: {other:?} (expected \"dense\" or \"sparse\")"),
+                )),
+            })
+            .collect()
     }
 
     /// DeepSeek's routing settings, checked as its router needs them: groups that split the
@@ -450,6 +501,37 @@ mod tests {
         )
         .unwrap_err();
         assert!(e.to_string().contains("topk_group"), "{e}");
+    }
+
+    #[test]
+    fn glm4_moe_lite_names_each_layers_mlp_in_mlp_layer_types() {
+        let mla = r#", "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8,
+            "v_head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2,
+            "moe_intermediate_size": 8"#;
+        let sparse = |extra: &str| {
+            parse("Glm4MoeLiteForCausalLM", &format!("{mla}{extra}"))
+                .map(|c| c.moe.map(|m| m.sparse_layers))
+        };
+        // transformers' class reads the list, never first_k_dense_replace.
+        assert_eq!(
+            sparse(
+                r#", "first_k_dense_replace": 3,
+                "mlp_layer_types": ["sparse", "dense", "sparse", "dense"]"#
+            )
+            .unwrap(),
+            Some(vec![true, false, true, false])
+        );
+        // Its default: the first layer dense.
+        assert_eq!(sparse("").unwrap(), Some(vec![false, true, true, true]));
+        for bad in [
+            r#", "mlp_layer_types": ["dense", "sparse"]"#,
+            r#", "mlp_layer_types": ["dense", "sparse", "moe", "sparse"]"#,
+        ] {
+            let e = sparse(bad).unwrap_err();
+            assert!(e.to_string().contains("mlp_layer_types"), "{e}");
+        }
+        let c = parse("Glm4MoeLiteForCausalLM", mla).unwrap();
+        assert!(c.mla.is_some() && c.moe.unwrap().naming == ExpertNaming::DeepSeek);
     }
 
     #[test]

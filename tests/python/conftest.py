@@ -560,6 +560,29 @@ MODEL_SPECS: dict[str, dict] = {
             "topk_group": 1,
         },
     },
+    # GLM-4.7-Flash: DeepSeek-V3's layers (one group of experts, values as wide as keys, as
+    # its release has them), each layer's MLP named by mlp_layer_types: a pattern no
+    # first_k_dense_replace can write, so reading the wrong field shows.
+    "glm4_moe_lite": {
+        "arch": "glm4_moe_lite",
+        "seed": 173,
+        "rope": {"rope_type": "default", "rope_theta": 1000000.0},
+        "extra": {
+            "num_hidden_layers": 3,
+            "num_key_value_heads": 4,
+            "q_lora_rank": 48,
+            "kv_lora_rank": 32,
+            "qk_nope_head_dim": 24,
+            "qk_rope_head_dim": 16,
+            "v_head_dim": 40,
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 48,
+            "n_shared_experts": 1,
+            "mlp_layer_types": ["sparse", "dense", "sparse"],
+            "routed_scaling_factor": 1.8,
+        },
+    },
     # DeepSeek-V2 (V2-Lite's layout: queries from one matrix): V3's latent attention with rope
     # on complex pairs, YaRN as V2-Lite sets it; experts by softmax score, in 4 groups of 2
     # whose best 2 compete (group_limited_greedy), weights scaled and not renormalised.
@@ -620,6 +643,7 @@ _CONFIG_CLASSES = {
     "glm4_moe": (transformers.Glm4MoeConfig, transformers.Glm4MoeForCausalLM),
     "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
     "deepseek_v2": (transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM),
+    "glm4_moe_lite": (transformers.Glm4MoeLiteConfig, transformers.Glm4MoeLiteForCausalLM),
 }
 
 
