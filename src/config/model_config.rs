@@ -89,6 +89,12 @@ pub enum Architecture {
     /// GLM-4.7-Flash (`Glm4MoeLiteForCausalLM`): DeepSeek-V3's layers, each layer's MLP
     /// named in `mlp_layer_types` (by default the first dense, the rest sparse).
     Glm4MoeLite,
+    /// MiniMax-M2 (M2, M2.1, M2.5; `MiniMaxM2ForCausalLM`): OLMo 2's q/k norms over the whole
+    /// projections, rope on the first `rotary_dim` of each head pairing halves (Phi-3's
+    /// layout), and Mixtral's experts routed as DeepSeek-V3 routes in one group: sigmoid
+    /// scores, chosen with a correction bias (`block_sparse_moe.e_score_correction_bias`),
+    /// renormalised, unscaled.
+    MiniMaxM2,
     /// DeepSeek-V2 and V2.5 (V2-Lite): V3's latent attention with rope always pairing
     /// neighbours, and experts routed by softmax scores in groups (`Scoring::Softmax`).
     DeepseekV2,
@@ -97,7 +103,7 @@ pub enum Architecture {
 impl Architecture {
     /// Each architecture's `*ForCausalLM` class (`architectures`) and its `model_type`, the
     /// fallback for a config without `architectures`.
-    const CAUSAL_LM: [(&'static str, &'static str, Architecture); 28] = [
+    const CAUSAL_LM: [(&'static str, &'static str, Architecture); 29] = [
         ("LlamaForCausalLM", "llama", Architecture::Llama),
         ("MistralForCausalLM", "mistral", Architecture::Mistral),
         ("Qwen2ForCausalLM", "qwen2", Architecture::Qwen2),
@@ -139,6 +145,11 @@ impl Architecture {
             "Glm4MoeLiteForCausalLM",
             "glm4_moe_lite",
             Architecture::Glm4MoeLite,
+        ),
+        (
+            "MiniMaxM2ForCausalLM",
+            "minimax_m2",
+            Architecture::MiniMaxM2,
         ),
         (
             "GraniteMoeForCausalLM",
@@ -245,7 +256,10 @@ impl Architecture {
     pub fn norms_whole_qk(self) -> bool {
         matches!(
             self,
-            Architecture::Olmo2 | Architecture::Olmo3 | Architecture::Olmoe
+            Architecture::Olmo2
+                | Architecture::Olmo3
+                | Architecture::Olmoe
+                | Architecture::MiniMaxM2
         )
     }
 
@@ -438,6 +452,8 @@ struct RawConfig {
     rope_theta: Option<f64>,
     /// Phi-3's and GPT-NeoX's: rotate only this share of each head (refused unless 1).
     partial_rotary_factor: Option<f64>,
+    /// MiniMax-M2's rotated width per head.
+    rotary_dim: Option<usize>,
     /// Phi-3 keeps the pre-scaling context here, beside `rope_scaling`; it wins over the one
     /// inside (as transformers reads it).
     original_max_position_embeddings: Option<f64>,
@@ -704,7 +720,8 @@ impl ModelConfig {
             | Architecture::Glm4Moe
             | Architecture::DeepseekV3
             | Architecture::DeepseekV2
-            | Architecture::Glm4MoeLite => None,
+            | Architecture::Glm4MoeLite
+            | Architecture::MiniMaxM2 => None,
             // Its window applies to the layers without rope only (below).
             Architecture::SmolLm3 => raw
                 .sliding_window
@@ -726,6 +743,7 @@ impl ModelConfig {
             Architecture::GptOss => Some(sparse(ExpertNaming::GptOss, false, false)),
             Architecture::GraniteMoe => Some(sparse(ExpertNaming::Granite, false, false)),
             Architecture::GraniteMoeShared => Some(sparse(ExpertNaming::Granite, true, false)),
+            Architecture::MiniMaxM2 => Some(sparse(ExpertNaming::Mixtral, false, false)),
             Architecture::Glm4Moe
             | Architecture::DeepseekV3
             | Architecture::DeepseekV2
@@ -744,6 +762,7 @@ impl ModelConfig {
         .transpose()?
         .map(|m| match architecture {
             Architecture::DeepseekV2 => m.with_softmax_scoring(),
+            Architecture::MiniMaxM2 => m.with_biased_sigmoid_routing(),
             _ => m,
         });
         // OLMo 1's clamp of q, k and v (OLMoE's configs have none).
@@ -888,7 +907,8 @@ impl ModelConfig {
                 | Architecture::Olmo3
                 | Architecture::Olmoe
                 | Architecture::Gemma3
-                | Architecture::Exaone4 => true,
+                | Architecture::Exaone4
+                | Architecture::MiniMaxM2 => true,
                 Architecture::Glm4Moe => raw.use_qk_norm.unwrap_or(false),
                 _ => false,
             },
@@ -964,12 +984,18 @@ impl ModelConfig {
             Architecture::Glm | Architecture::Glm4 | Architecture::Glm4Moe
         )
         .then(|| (0.5, "partial_rotary_factor (GLM's default)".to_string()));
+        // MiniMax-M2's configs name the rotated width (transformers derives the factor).
+        let minimax_default = (architecture == Architecture::MiniMaxM2)
+            .then_some(raw.rotary_dim)
+            .flatten()
+            .map(|d| (d as f64 / head_dim as f64, "rotary_dim".to_string()));
         let Some((f, field)) = rope::rotary_fraction(
             raw.rope_parameters.as_ref(),
             raw.rope_scaling.as_ref(),
             raw.partial_rotary_factor,
         )
-        .or(glm_default) else {
+        .or(glm_default)
+        .or(minimax_default) else {
             return Ok(head_dim);
         };
         let err = |message: String| DetspecError::InvalidConfig {
@@ -982,7 +1008,11 @@ impl ModelConfig {
         }
         if !matches!(
             architecture,
-            Architecture::Phi3 | Architecture::Glm | Architecture::Glm4 | Architecture::Glm4Moe
+            Architecture::Phi3
+                | Architecture::Glm
+                | Architecture::Glm4
+                | Architecture::Glm4Moe
+                | Architecture::MiniMaxM2
         ) {
             return Err(err(format!(
                 "{f}: only the Phi-3 and GLM layouts rotate part of each head ({architecture:?} \

@@ -129,6 +129,21 @@ impl std::fmt::Debug for MoeConfig {
 }
 
 impl MoeConfig {
+    /// MiniMax-M2's routing: DeepSeek-V3's sigmoid scores and correction bias in one group,
+    /// renormalised and unscaled.
+    pub(super) fn with_biased_sigmoid_routing(self) -> Self {
+        Self {
+            deepseek_routing: Some(DeepSeekRouting {
+                scoring: Scoring::Sigmoid,
+                n_group: 1,
+                topk_group: 1,
+                routed_scaling_factor: 1.0,
+            }),
+            norm_topk_prob: true,
+            ..self
+        }
+    }
+
     /// DeepSeek-V2's routing in place of V3's: softmax scores, groups by their best, and the
     /// top k's weights never renormalised (its router reads no `norm_topk_prob`).
     pub(super) fn with_softmax_scoring(mut self) -> Self {
@@ -532,6 +547,50 @@ mod tests {
         }
         let c = parse("Glm4MoeLiteForCausalLM", mla).unwrap();
         assert!(c.mla.is_some() && c.moe.unwrap().naming == ExpertNaming::DeepSeek);
+    }
+
+    #[test]
+    fn minimax_m2_routes_mixtrals_experts_by_biased_sigmoid_in_one_group() {
+        // Its hub config names the rotated width only (`rotary_dim`), as here.
+        let c = parse(
+            "MiniMaxM2ForCausalLM",
+            r#", "head_dim": 32, "rotary_dim": 16, "num_local_experts": 8,
+            "num_experts_per_tok": 2, "use_qk_norm": true, "qk_norm_type": "per_layer",
+            "scoring_func": "sigmoid", "use_routing_bias": true"#,
+        )
+        .unwrap();
+        let moe = c.moe.unwrap();
+        assert_eq!(
+            (moe.naming, moe.expert_intermediate_size, moe.norm_topk_prob),
+            (ExpertNaming::Mixtral, 128, true)
+        );
+        assert_eq!(
+            moe.deepseek_routing,
+            Some(DeepSeekRouting {
+                scoring: Scoring::Sigmoid,
+                n_group: 1,
+                topk_group: 1,
+                routed_scaling_factor: 1.0
+            })
+        );
+        assert!(moe.shared_expert_intermediate_size.is_none());
+        assert!(c.qk_norm && c.architecture.norms_whole_qk());
+        assert_eq!((c.head_dim, c.rotary_dim), (32, 16));
+        // transformers' factor, where the config writes one, wins over the width.
+        let c = parse(
+            "MiniMaxM2ForCausalLM",
+            r#", "head_dim": 32, "rotary_dim": 16, "num_local_experts": 8,
+            "num_experts_per_tok": 2, "partial_rotary_factor": 0.25"#,
+        )
+        .unwrap();
+        assert_eq!(c.rotary_dim, 8);
+        let e = parse(
+            "MiniMaxM2ForCausalLM",
+            r#", "head_dim": 32, "rotary_dim": 15, "num_local_experts": 8,
+            "num_experts_per_tok": 2"#,
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("rotary_dim"), "{e}");
     }
 
     #[test]

@@ -105,15 +105,15 @@ pub(super) fn has_shared_gate(moe: &MoeConfig) -> bool {
     moe.shared_expert_intermediate_size.is_some() && moe.naming == ExpertNaming::Qwen
 }
 
-/// The name of the router's per-expert correction bias (DeepSeek's), if it has one.
+/// The name of the router's per-expert correction bias, if it has one: DeepSeek's under its
+/// router (`mlp.gate`), MiniMax-M2's beside it (`block_sparse_moe`).
 pub(super) fn router_bias_name(moe: &MoeConfig, layer: usize) -> Option<String> {
     let sigmoid = moe.deepseek_routing.map(|r| r.scoring) == Some(Scoring::Sigmoid);
-    sigmoid.then(|| {
-        format!(
-            "{}.e_score_correction_bias",
-            SparseLinear::Router.path(moe.naming, layer)
-        )
-    })
+    let owner = match moe.naming {
+        ExpertNaming::DeepSeek => SparseLinear::Router.path(moe.naming, layer),
+        naming => format!("model.layers.{layer}.{}", block(naming)),
+    };
+    sigmoid.then(|| format!("{owner}.e_score_correction_bias"))
 }
 
 /// Every linear layer of a sparse MLP, in checkpoint order.
@@ -231,7 +231,8 @@ fn granite_names(updates: Vec<(String, Tensor)>) -> Vec<(String, Tensor)> {
 /// `updates` with transformers' in-memory names of a sparse model's experts turned into the
 /// checkpoint's: since transformers 5 a model's `state_dict()` holds each layer's experts fused,
 /// `mlp.experts.gate_up_proj` `[experts, 2 × width, hidden]` (gate rows first) and
-/// `mlp.experts.down_proj` `[experts, hidden, width]`, and Mixtral's router as `mlp.gate`,
+/// `mlp.experts.down_proj` `[experts, hidden, width]`, and Mixtral's router as `mlp.gate`
+/// (MiniMax-M2's correction bias as `mlp.e_score_correction_bias`),
 /// while checkpoints (and the engine) name each expert's matrices. Other names pass unchanged.
 pub fn unfuse_experts(
     cfg: &ModelConfig,
@@ -277,6 +278,11 @@ pub fn unfuse_experts(
         let expert = |i: usize, part: ExpertPart| weight(SparseLinear::Expert(i, part));
         match field {
             "mlp.gate.weight" => out.push((weight(SparseLinear::Router), t)),
+            // MiniMax-M2's correction bias, `block_sparse_moe.e_score_correction_bias` on file.
+            "mlp.e_score_correction_bias" => match router_bias_name(moe, layer) {
+                Some(file) => out.push((file, t)),
+                None => out.push((name, t)),
+            },
             "mlp.experts.gate_up_proj" => {
                 fused([e, 2 * width, hidden])?;
                 for i in 0..e {

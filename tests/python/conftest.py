@@ -583,6 +583,21 @@ MODEL_SPECS: dict[str, dict] = {
             "routed_scaling_factor": 1.8,
         },
     },
+    # MiniMax-M2: q/k norms over the whole projections, rope on the first 16 of each head's 32
+    # dimensions pairing halves, and Mixtral-named experts routed by sigmoid score with a
+    # correction bias (randomised below), renormalised.
+    "minimax_m2": {
+        "arch": "minimax_m2",
+        "seed": 179,
+        "head_dim": 32,
+        "rope": {"rope_type": "default", "rope_theta": 5000000.0},
+        "extra": {
+            "rotary_dim": 16,
+            "intermediate_size": 48,
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+        },
+    },
     # DeepSeek-V2 (V2-Lite's layout: queries from one matrix): V3's latent attention with rope
     # on complex pairs, YaRN as V2-Lite sets it; experts by softmax score, in 4 groups of 2
     # whose best 2 compete (group_limited_greedy), weights scaled and not renormalised.
@@ -644,6 +659,7 @@ _CONFIG_CLASSES = {
     "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
     "deepseek_v2": (transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM),
     "glm4_moe_lite": (transformers.Glm4MoeLiteConfig, transformers.Glm4MoeLiteForCausalLM),
+    "minimax_m2": (transformers.MiniMaxM2Config, transformers.MiniMaxM2ForCausalLM),
 }
 
 

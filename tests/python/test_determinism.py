@@ -182,6 +182,7 @@ def needle_in_haystack(
         "deepseek_v3",
         "deepseek_v2",
         "glm4_moe_lite",
+        "minimax_m2",
     ],
 )
 def test_needle_in_haystack_on_every_decoder_layout(model_zoo, name: str) -> None:

@@ -156,6 +156,7 @@ def generated(llm: detspec.LLM):
         ("qwen3_moe", "fp8_block"),  # every expert's matrices
         ("glm4_moe", "fp8_block"),  # GLM-4.5-FP8's form: experts in FP8, the f32 router not
         ("deepseek_v3", "fp8_block"),  # DeepSeek-V3's own release format, latent attention too
+        ("minimax_m2", "fp8_block"),  # MiniMax-M2's release: Mixtral-named experts in FP8
         ("phi3", "compressed_channel"),  # q/k/v and gate/up stored fused
     ],
 )

@@ -382,3 +382,38 @@ def test_glm4_moe_router_stays_f32_and_its_bias_is_a_parameter(model_zoo) -> Non
         ref.get_buffer(name).copy_(old)
         ref.get_parameter(router).copy_(w)
     assert worst(llm.compute_logits(seqs), ref) <= 1e-4
+
+
+def test_minimax_m2_chooses_experts_by_its_correction_bias(model_zoo) -> None:
+    """MiniMax-M2's correction bias sits beside its router (``block_sparse_moe`` on file,
+    ``mlp.e_score_correction_bias`` in a trainer's ``state_dict()``) and only chooses experts:
+    an update of it under either name is followed as transformers follows the new buffer, and
+    restoring it restores the bits."""
+    case = model_zoo.get("minimax_m2")
+    llm = detspec.LLM(str(case.path), num_kv_pages=256)
+    rng = np.random.default_rng(4)
+    seqs = [[int(t) for t in rng.integers(3, 500, size=n)] for n in (24, 9)]
+    ref = copy.deepcopy(case.model)
+
+    def worst(got_all) -> float:
+        return max(
+            float(np.abs(got - (r := hf_logits(ref, s))).max() / np.abs(r).max())
+            for s, got in zip(seqs, got_all, strict=True)
+        )
+
+    before = llm.compute_logits(seqs)
+    assert worst(before) <= 1e-4
+    memory_name = "model.layers.1.mlp.e_score_correction_bias"
+    old = ref.get_buffer(memory_name).clone()
+    new = torch.randn(old.shape, generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        ref.get_buffer(memory_name).copy_(new)
+    # Negative control: the new bias chooses other experts, so the old engine is off.
+    assert worst(before) > 1e-4
+    for name in (memory_name, "model.layers.1.block_sparse_moe.e_score_correction_bias"):
+        llm.update_weights([(name, old)])
+        llm.update_weights([(name, new)])
+        assert worst(llm.compute_logits(seqs)) <= 1e-4, name
+    llm.update_weights([(memory_name, old)])
+    for a, b in zip(llm.compute_logits(seqs), before, strict=True):
+        assert np.array_equal(a, b)

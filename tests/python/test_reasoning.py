@@ -36,8 +36,10 @@ piece = st.one_of(
 )
 
 
-def split_whole(tokens: list[tuple[str, int]], thinking: bool) -> tuple[str, str, int]:
-    s = ReasoningSplit(QWEN3, thinking)
+def split_whole(
+    tokens: list[tuple[str, int]], thinking: bool, parser: ReasoningParser = QWEN3
+) -> tuple[str, str, int]:
+    s = ReasoningSplit(parser, thinking)
     r, c = s.feed("".join(t for t, _ in tokens), [i for _, i in tokens])
     return r + s.finish(), c, s.num_tokens
 
@@ -108,6 +110,30 @@ def test_a_leading_think_tag_is_dropped_and_held_back_while_it_may_be_one() -> N
     assert s.finish() == " <"
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    tokens=st.lists(piece, max_size=14),
+    cuts=st.lists(st.integers(0, 14), max_size=6),
+    thinking=st.booleans(),
+)
+def test_append_think_keeps_the_thinking_in_the_content(tokens, cuts, thinking) -> None:
+    """``minimax_m2_append_think`` (vLLM's): nothing is split off; the content is the output,
+    after the ``<think>`` the generation prompt opened, under any streaming, and the thinking
+    tokens are still counted as ``minimax_m2`` counts them."""
+    append = ReasoningParser("minimax_m2_append_think", START_ID, END_ID, special=False)
+    text = "".join(t for t, _ in tokens)
+    s = ReasoningSplit(append, thinking)
+    got_r = got_c = ""
+    bounds = sorted({0, len(tokens), *(min(c, len(tokens)) for c in cuts)})
+    for a, b in zip(bounds, bounds[1:], strict=False):
+        r, c = s.feed("".join(t for t, _ in tokens[a:b]), [i for _, i in tokens[a:b]])
+        got_r, got_c = got_r + r, got_c + c
+    assert got_r + s.finish() == ""
+    assert got_c == (START if thinking and tokens else "") + text
+    minimax = dataclasses.replace(append, name="minimax_m2")
+    assert s.num_tokens == split_whole(tokens, thinking, minimax)[2]
+
+
 def test_where_the_output_begins() -> None:
     # the generation prompt's last tag decides
     assert R1.thinks([3, START_ID, 4], {})
@@ -122,6 +148,10 @@ def test_where_the_output_begins() -> None:
     assert not v3.thinks([3, 4], {}) and not v3.thinks([3, 4], {"enable_thinking": True})
     assert v3.thinks([3, 4], {"thinking": True})
     assert v3.thinks([3, START_ID], {}) and not v3.thinks([END_ID], {"thinking": True})
+    # MiniMax-M2 (its template opens the block): inside unless the prompt closed it
+    for name in ("minimax_m2", "minimax_m2_append_think"):
+        m2 = dataclasses.replace(QWEN3, name=name)
+        assert m2.thinks([3, 4], {"enable_thinking": False}) and not m2.thinks([END_ID], {})
     # the generation prompt is what follows the rendering without it
     assert list(generation_prompt([1, 2, 3, START_ID], [1, 2, 3])) == [START_ID]
     assert list(generation_prompt([1, 2, 9, 8], [1, 2, 3])) == [9, 8]

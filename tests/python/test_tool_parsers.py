@@ -17,6 +17,7 @@ from detspec.server.tool_parsers import (
     HermesToolParser,
     KimiK2ToolParser,
     Llama3JsonToolParser,
+    MiniMaxM2ToolParser,
     MistralToolParser,
     Parsed,
     ParsedCall,
@@ -220,6 +221,28 @@ CASES = [
     (KimiK2ToolParser, f"{KIMI_CALLS}{KIMI_CALL}get_weather{KIMI_ARGS}{{}}{KIMI_CALL_END}"
      f"{KIMI_END}", f"{KIMI_CALLS}{KIMI_CALL}get_weather{KIMI_ARGS}{{}}{KIMI_CALL_END}"
      f"{KIMI_END}", []),  # no index in the id
+    # MiniMax-M2: invokes in one block, names quoted or not, values stripped; without
+    # schemas every value is text
+    (
+        MiniMaxM2ToolParser,
+        'Checking.\n<minimax:tool_call>\n<invoke name="get_weather">\n'
+        '<parameter name="city">\nParis\n</parameter>\n</invoke>\n<invoke name=get_time>'
+        "</invoke>\n</minimax:tool_call>",
+        "Checking.\n",
+        [WEATHER, ParsedCall("get_time", "{}")],
+    ),
+    (MiniMaxM2ToolParser, '<minimax:tool_call><invoke name="f"><parameter name=\'n\'> 3 '
+     "</parameter><parameter name=\"x\">nil</parameter></invoke>",
+     "", [ParsedCall("f", '{"n": "3", "x": null}')]),  # unclosed block: read to the end
+    # not calls: text between invokes, no invoke, an unclosed invoke, a name with a space
+    (MiniMaxM2ToolParser, '<minimax:tool_call>hm<invoke name="f"></invoke></minimax:tool_call>',
+     '<minimax:tool_call>hm<invoke name="f"></invoke></minimax:tool_call>', []),
+    (MiniMaxM2ToolParser, "<minimax:tool_call>\n</minimax:tool_call>",
+     "<minimax:tool_call>\n</minimax:tool_call>", []),
+    (MiniMaxM2ToolParser, '<minimax:tool_call><invoke name="f"><parameter name="a">1',
+     '<minimax:tool_call><invoke name="f"><parameter name="a">1', []),
+    (MiniMaxM2ToolParser, '<minimax:tool_call><invoke name="a b"></invoke></minimax:tool_call>',
+     '<minimax:tool_call><invoke name="a b"></invoke></minimax:tool_call>', []),
 ]  # fmt: skip
 
 
@@ -325,6 +348,49 @@ def test_qwen3_coder_types_values_by_the_tools_schemas() -> None:
     assert PARSERS["qwen3_xml"].parse(text, tools).calls == [call]
     for size in (1, 4, 9):
         assert chunked(lambda: Qwen3CoderToolParser(tools), text, size).calls == [call]
+
+
+def test_minimax_m2_types_values_by_the_tools_schemas() -> None:
+    """vLLM's reading of MiniMax-M2's parameters: ``null``/``none``/``nil`` are null; else the
+    first of integer, number, boolean (``yes``/``on``/``1`` too), object, array that the
+    schema allows (its ``anyOf`` choices and ``enum`` values' types included) and the text
+    parses as; text where it allows a string, or names no such parameter; else JSON where it
+    parses (never NaN, which is not JSON), else the text."""
+    props = {
+        "code": {"type": "string"},
+        "seats": {"anyOf": [{"type": "integer"}, {"type": "null"}]},
+        "price": {"type": "number"},
+        "whole": {"type": "number"},
+        "vip": {"type": "boolean"},
+        "level": {"enum": [1, 2, 3]},
+        "meta": {"type": ["object", "string"]},
+        "note": {"type": ["object", "string"]},
+        "bad": {"type": "integer"},
+        "nan": {"type": "number"},
+        "gone": {"type": "string"},
+    }
+    tools = [{"type": "function", "function": {"name": "book", "parameters": {
+        "type": "object", "properties": props}}}]  # fmt: skip
+    values = {
+        "code": "007", "seats": "2", "price": "9.5", "whole": "3.0", "vip": "yes", "level": "2",
+        "meta": '{"k": [1]}', "note": "{x}", "bad": "two", "nan": "NaN", "gone": "None",
+        "extra": "5",
+    }  # fmt: skip
+    text = (
+        '<minimax:tool_call>\n<invoke name="book">\n'
+        + "".join(f'<parameter name="{k}">{v}</parameter>\n' for k, v in values.items())
+        + "</invoke>\n</minimax:tool_call>"
+    )
+    want = {
+        "code": "007", "seats": 2, "price": 9.5, "whole": 3, "vip": True, "level": 2,
+        "meta": {"k": [1]}, "note": "{x}", "bad": "two", "nan": "NaN", "gone": None,
+        "extra": "5",
+    }  # fmt: skip
+    (call,) = MiniMaxM2ToolParser.parse(text, tools).calls
+    assert call.name == "book" and json.loads(call.arguments) == want
+    for size in (1, 4, 9):
+        assert chunked(lambda: MiniMaxM2ToolParser(tools), text, size).calls == [call]
+    assert PARSERS["minimax_m2"].needs_special_tokens
 
 
 def tool(name: str, params: dict | None = None) -> P.ChatTool:

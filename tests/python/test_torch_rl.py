@@ -73,6 +73,7 @@ def outputs_bits(llm: detspec.LLM) -> list[tuple[list[int], list[int]]]:
         "deepseek_v3_plain",
         "deepseek_v2",
         "glm4_moe_lite",
+        "minimax_m2",
     ],
 )
 def test_update_weights_follows_transformers_and_restores_bit_for_bit(model_zoo, name):

@@ -11,7 +11,11 @@ of the tokenizer (checked when the server starts):
   whose templates take the same switch) reads the same way;
 * ``deepseek_v3`` -- DeepSeek-V3.1's hybrid: no thinking unless
   ``chat_template_kwargs: {"thinking": true}`` (or the template opened the block), as vLLM's
-  parser of that name reads it; DeepSeek-V3 itself never thinks.
+  parser of that name reads it; DeepSeek-V3 itself never thinks;
+* ``minimax_m2`` -- MiniMax-M2 (its template opens the block): read as ``deepseek_r1``;
+  ``minimax_m2_append_think`` splits nothing off: the thinking stays in the content, the
+  ``<think>`` the template opened written before it, as vLLM's parser of that name returns it
+  (MiniMax asks clients to send the thinking back in the history).
 
 Whether the output begins inside the block is read off the generation prompt (what the chat
 template appended after the last message): its last tag decides (``<think>``: inside;
@@ -44,6 +48,7 @@ if TYPE_CHECKING:
     from detspec.llm import Tokenizer
 
 START, END = "<think>", "</think>"
+APPEND_THINK = "minimax_m2_append_think"
 
 # name -> (the chat_template_kwargs switch that turns thinking on or off (None: none), whether
 # the output thinks when neither the switch nor the generation prompt says)
@@ -52,6 +57,8 @@ PARSERS: dict[str, tuple[str | None, bool]] = {
     "qwen3": ("enable_thinking", True),
     "glm45": ("enable_thinking", True),
     "deepseek_v3": ("thinking", False),
+    "minimax_m2": (None, True),
+    APPEND_THINK: (None, True),
     HARMONY: (None, True),
 }
 
@@ -129,7 +136,8 @@ def generation_prompt(with_prompt: Sequence[int], without: Sequence[int]) -> Seq
 class ReasoningSplit:
     """One choice's output, fed as it comes (all at once when not streamed), split into
     reasoning and content. A ``<think>`` opening the reasoning (after whitespace) is
-    dropped; text is held back while it may still be that tag."""
+    dropped; text is held back while it may still be that tag. ``minimax_m2_append_think``
+    splits nothing: the output is content, after the ``<think>`` its prompt opened."""
 
     def __init__(self, parser: ReasoningParser, thinking: bool) -> None:
         self.parser = parser
@@ -137,7 +145,10 @@ class ReasoningSplit:
         self.began_thinking = thinking
         self.reasoning = ""  # all reasoning so far
         self.num_tokens = 0  # reasoning tokens (the tags not counted)
-        self._head: str | None = "" if thinking else None  # held back; None: settled
+        self._append = parser.name == APPEND_THINK
+        # held back; None: settled
+        self._head: str | None = "" if thinking and not self._append else None
+        self._opening = START if thinking and self._append else ""  # not yet written
 
     def feed(self, text: str, token_ids: Sequence[int]) -> tuple[str, str]:
         """(reasoning, content) of the next piece of output."""
@@ -145,12 +156,14 @@ class ReasoningSplit:
             return "", text
         ids = list(token_ids)
         p = self.parser
-        if p.end_id not in ids:
-            self.num_tokens += sum(t != p.start_id for t in ids)
-            return self._reasoning(text, final=False), ""
-        k = ids.index(p.end_id)
+        k = ids.index(p.end_id) if p.end_id in ids else len(ids)
         self.num_tokens += sum(t != p.start_id for t in ids[:k])
-        self.thinking = False
+        self.thinking = k == len(ids)
+        if self._append:
+            opening, self._opening = self._opening, ""
+            return "", opening + text
+        if self.thinking:
+            return self._reasoning(text, final=False), ""
         at = text.find(END)
         if at < 0:  # the tag's text was not decoded: all of this piece is reasoning
             return self._reasoning(text, final=True), ""

@@ -96,8 +96,8 @@ def add_app_arguments(p: argparse.ArgumentParser) -> None:
         "llama3_json (Llama 3.1+ JSON calls), mistral ([TOOL_CALLS]), glm45 / glm47 "
         "(GLM-4.5/4.6/4.7's <arg_key>/<arg_value> calls), qwen3_coder / qwen3_xml (Qwen3-Coder's "
         "<function=...><parameter=...> calls), deepseek_v3 / deepseek_v31 (DeepSeek's "
-        "<｜tool▁call▁begin｜> calls), kimi_k2 (Kimi K2's, ids kept), openai (gpt-oss's Harmony "
-        "calls; with "
+        "<｜tool▁call▁begin｜> calls), kimi_k2 (Kimi K2's, ids kept), minimax_m2 (MiniMax-M2's "
+        "<invoke name=...> calls), openai (gpt-oss's Harmony calls; with "
         "--reasoning-parser openai_gptoss)",
     )
     p.add_argument(
@@ -105,7 +105,8 @@ def add_app_arguments(p: argparse.ArgumentParser) -> None:
         choices=sorted(REASONING_PARSERS),
         default=None,
         help="a thinking model's format: deepseek_r1 (DeepSeek-R1 and distills, QwQ), qwen3, "
-        "glm45, deepseek_v3 (V3.1: thinking by chat_template_kwargs thinking=true), "
+        "glm45, deepseek_v3 (V3.1: thinking by chat_template_kwargs thinking=true), minimax_m2 "
+        "(and minimax_m2_append_think: the thinking kept in the content, <think> included), "
         "openai_gptoss (gpt-oss's Harmony; the default for a gpt-oss checkpoint); chat answers "
         "then carry `reasoning` (and `reasoning_content`) beside `content`, and output "
         "constraints apply after the thinking",

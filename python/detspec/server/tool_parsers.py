@@ -22,6 +22,9 @@ One per output format, chosen by ``detspec serve --tool-call-parser`` (vLLM's na
 * ``kimi_k2`` -- Kimi K2's ``<|tool_calls_section_begin|>``, each
   ``<|tool_call_begin|>functions.name:0<|tool_call_argument_begin|>{...}<|tool_call_end|>``;
   the call's id is the model's (``functions.name:0``), which Kimi's template writes back;
+* ``minimax_m2`` -- MiniMax-M2's ``<minimax:tool_call>`` with ``<invoke name="f">`` and
+  ``<parameter name="k">v</parameter>`` pairs: a value typed by the tool's schema (its
+  ``anyOf``/``enum`` types too; ``null`` is null), as vLLM reads it;
 * ``openai`` -- gpt-oss's Harmony messages to ``functions.*``: read with the rest of the
   format by its reasoning parser (``harmony``), so this parser only names it.
 
@@ -36,6 +39,7 @@ returned as content.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -320,6 +324,100 @@ class Qwen3XmlToolParser(Qwen3CoderToolParser):
     name = "qwen3_xml"
 
 
+def _schema_types(prop: Any) -> set[str]:
+    """Every type a JSON schema property allows, lower case: its ``type`` (or list of them),
+    its ``enum`` values' types, and those of its ``anyOf``/``oneOf``/``allOf`` choices;
+    ``{"string"}`` where it names none."""
+    if not isinstance(prop, dict):
+        return {"string"}
+    t = prop.get("type")
+    types = {str(x).lower() for x in (t if isinstance(t, list) else [t]) if x is not None}
+    for v in prop.get("enum") or []:
+        types.add(_JSON_TYPES.get(type(v), "string"))
+    for key in ("anyOf", "oneOf", "allOf"):
+        for choice in prop.get(key) or []:
+            types |= _schema_types(choice)
+    return types or {"string"}
+
+
+_JSON_TYPES: dict[type, str] = {
+    type(None): "null", bool: "boolean", int: "integer", float: "number", list: "array",
+    dict: "object", str: "string",
+}  # fmt: skip
+
+
+def _minimax_typed(value: str, types: set[str]) -> Any:
+    """MiniMax-M2's parameter text as vLLM's parser types it: null for ``null``/``none``/
+    ``nil``; else the first of integer, number (integral: an integer), boolean (``true``/
+    ``1``/``yes``/``on`` and their opposites), object or array (JSON) that the schema allows and
+    the text parses as; text where the schema allows a string; else JSON, or the text."""
+    if value.lower() in ("null", "none", "nil"):
+        return None
+    for t in ("integer", "int", "number", "float", "boolean", "bool", "object", "array"):
+        if t not in types:
+            continue
+        try:
+            if t in ("integer", "int"):
+                return int(value)
+            if t in ("number", "float"):
+                f = float(value)
+                if not math.isfinite(f):
+                    continue  # not JSON
+                return int(f) if f.is_integer() else f
+            if t in ("boolean", "bool"):
+                word = value.strip().lower()
+                if word in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+                    return word in ("true", "1", "yes", "on")
+                continue
+            return strict_json(value)
+        except ValueError:
+            continue
+    if types & {"string", "str", "text"}:
+        return value
+    try:
+        return strict_json(value)
+    except ValueError:
+        return value
+
+
+class MiniMaxM2ToolParser(_TaggedCallParser):
+    """``<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Paris
+    </parameter>\n</invoke>\n</minimax:tool_call>``: one or more invokes, each nothing but
+    parameters; names may be quoted; a value is its text stripped, typed by the tool's schema
+    (``_minimax_typed``; a parameter the schema does not name is text)."""
+
+    name = "minimax_m2"
+    START = "<minimax:tool_call>"
+    END = "</minimax:tool_call>"
+    needs_special_tokens = True
+    INVOKE = re.compile(r"\s*<invoke name=([^>]+)>(.*?)</invoke>\s*", re.DOTALL)
+    PARAMETER = re.compile(r"\s*<parameter name=([^>]+)>(.*?)</parameter>\s*", re.DOTALL)
+
+    @staticmethod
+    def _unquoted(name: str) -> str:
+        name = name.strip()
+        if len(name) >= 2 and name[0] == name[-1] and name[0] in "\"'":
+            return name[1:-1]
+        return name
+
+    def _calls(self, body: str) -> list[ParsedCall]:
+        calls = []
+        for f in _runs(self.INVOKE, body):
+            name = self._unquoted(f.group(1))
+            if not name or any(c.isspace() for c in name):
+                raise ValueError("not a call: no name")
+            schema = self._schema(name)
+            args = {}
+            for p in _runs(self.PARAMETER, f.group(2)):
+                key = self._unquoted(p.group(1))
+                types = _schema_types(schema[key]) if key in schema else {"string"}
+                args[key] = _minimax_typed(p.group(2).strip(), types)
+            calls.append(ParsedCall(name, json.dumps(args, ensure_ascii=False)))
+        if not calls:
+            raise ValueError("not a call: no invoke")
+        return calls
+
+
 def _json_args(text: str) -> str:
     """A call's arguments given as JSON text: an object, as compact JSON text (``ValueError``
     if it is not one)."""
@@ -562,6 +660,7 @@ PARSERS: dict[str, type[ToolParser]] = {
         DeepSeekV3ToolParser,
         DeepSeekV31ToolParser,
         KimiK2ToolParser,
+        MiniMaxM2ToolParser,
         OpenAIToolParser,
     )
 }

@@ -1,0 +1,229 @@
+"""MiniMax-M2's output format through the real ``openai`` client over loopback HTTP
+(``--reasoning-parser minimax_m2 --tool-call-parser minimax_m2``, as vLLM serves MiniMax-M2),
+on the scripted model (``scripted_model``: it says what its prompt scripts, token for token)
+with MiniMax's tags as tokens of their own and a MiniMax-style chat template, whose generation
+prompt opens the thinking block.
+
+The properties: the output up to ``</think>`` is the reasoning, what follows it the content,
+and ``<minimax:tool_call><invoke name="…"><parameter name="…">…</parameter></invoke>`` a
+tool call typed by the request's schema, finish reason ``tool_calls``; streamed deltas add up
+to the whole answer, logprob bits included; ``minimax_m2_append_think`` keeps the thinking in
+the content after the ``<think>`` the template opened; a deterministic request's answer
+repeats bit for bit. DeepSeek-V3's and Kimi K2's call sections (special tokens) are read by
+their parsers on the same model. Negative control: without the parsers the output is one flat
+content string.
+"""
+
+# ruff: noqa: F811  (pytest fixtures imported from server_fixtures)
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import openai
+import pytest
+from scripted_model import write_scripted_model
+from server_fixtures import SERVED_NAME, start_server
+from test_server_glm import chat, scripted
+from tokenizers import Tokenizer
+
+DS_CALLS, DS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+DS_CALL, DS_SEP, DS_CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
+KIMI_CALLS, KIMI_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+KIMI_CALL, KIMI_ARGS, KIMI_CALL_END = (
+    "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
+)  # fmt: skip
+MARKERS = [
+    "]~b]", "<think>", "</think>", "<minimax:tool_call>", "</minimax:tool_call>",
+    DS_CALLS, DS_END, DS_CALL, DS_SEP, DS_CALL_END,
+    KIMI_CALLS, KIMI_END, KIMI_CALL, KIMI_ARGS, KIMI_CALL_END,
+]  # fmt: skip
+STOPS = ["[e~["]
+# MiniMax-M2's template, reduced to what the tests read: each message after its role tag, the
+# answer's thinking block opened by the generation prompt.
+TEMPLATE = (
+    "{% for m in messages %}]~b]{{ m['role'] }}\n{{ m['content'] }}[e~[\n{% endfor %}"
+    "{% if add_generation_prompt %}]~b]ai\n<think>\n{% endif %}"
+)
+THINK = "A booking."
+# (the scripted model says at most 128 tokens; the tests' tokenizer spells tags letter by letter)
+CALL = (
+    '<minimax:tool_call><invoke name="book"><parameter name="code">007</parameter>'
+    '<parameter name="vip">yes</parameter></invoke></minimax:tool_call>'
+)
+SAYS = f"{THINK}</think>\nOK.\n{CALL}[e~["
+ARGS = {"code": "007", "vip": True}
+BOOK = {
+    "type": "function",
+    "function": {
+        "name": "book",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "code": {"type": "string"},
+                "vip": {"type": "boolean"},
+            },
+        },
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    out = Path(tmp_path_factory.mktemp("scripted-minimax")) / "m"
+    return write_scripted_model(out, MARKERS, STOPS, TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir) -> Tokenizer:
+    return Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+
+
+def serve(tmp_path_factory, model_dir, name: str, *parsers: str):
+    return start_server(
+        tmp_path_factory,
+        name,
+        str(model_dir),
+        "--max-model-len", "512",
+        "--verify-strategy", "replay",
+        "--verify-window", "8",
+        "--verify-group", "4",
+        *parsers,
+    )  # fmt: skip
+
+
+def openai_client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, model_dir):
+    s = serve(
+        tmp_path_factory,
+        model_dir,
+        "minimax",
+        "--reasoning-parser", "minimax_m2",
+        "--enable-auto-tool-choice", "--tool-call-parser", "minimax_m2",
+    )  # fmt: skip
+    yield s
+    assert s.stop() == 0, s.log()
+
+
+def test_reasoning_content_and_a_typed_call(server, tok) -> None:
+    client = openai_client(server)
+    r = chat(client, server, tok, SAYS, tools=[BOOK], logprobs=True)
+    ch = r.choices[0]
+    assert ch.message.model_extra["reasoning"] == THINK
+    assert ch.message.content == "\nOK.\n"
+    (call,) = ch.message.tool_calls
+    assert call.function.name == "book" and json.loads(call.function.arguments) == ARGS
+    assert ch.finish_reason == "tool_calls"
+    extra = {"chat_template_kwargs": {}, "return_token_ids": True}
+    stream = client.chat.completions.create(
+        model=SERVED_NAME,
+        messages=scripted(server, tok, SAYS),
+        temperature=0.0,
+        max_tokens=120,
+        tools=[BOOK],
+        logprobs=True,
+        stream=True,
+        extra_body=extra,
+    )
+    reasoning, content, args, name, finish, lps = "", "", "", None, None, []
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        c = chunk.choices[0]
+        reasoning += (c.delta.model_extra or {}).get("reasoning") or ""
+        content += c.delta.content or ""
+        for d in c.delta.tool_calls or []:
+            name = name or d.function.name
+            args += d.function.arguments or ""
+        if c.logprobs and c.logprobs.content:
+            lps += [struct.pack("<f", e.logprob) for e in c.logprobs.content]
+        finish = c.finish_reason or finish
+    assert (reasoning, content, name, finish) == (THINK, "\nOK.\n", "book", "tool_calls")
+    assert json.loads(args) == ARGS
+    assert lps == [struct.pack("<f", e.logprob) for e in ch.logprobs.content]
+
+
+def test_a_deterministic_call_repeats_bit_for_bit(server, tok) -> None:
+    client = openai_client(server)
+
+    def once():
+        r = chat(
+            client, server, tok, SAYS, tools=[BOOK], logprobs=True,
+            temperature=0.7, seed=3, extra={"deterministic": True},
+        )  # fmt: skip
+        ch = r.choices[0]
+        return (
+            ch.model_extra["token_ids"],
+            [struct.pack("<f", e.logprob) for e in ch.logprobs.content],
+            [(c.id, c.function.name, c.function.arguments) for c in ch.message.tool_calls],
+        )
+
+    assert once() == once()
+
+
+def test_append_think_keeps_the_thinking_in_the_content(tmp_path_factory, model_dir, tok):
+    s = serve(
+        tmp_path_factory, model_dir, "minimax-append",
+        "--reasoning-parser", "minimax_m2_append_think",
+        "--enable-auto-tool-choice", "--tool-call-parser", "minimax_m2",
+    )  # fmt: skip
+    try:
+        ch = chat(openai_client(s), s, tok, SAYS, tools=[BOOK]).choices[0]
+        assert ch.message.content == f"<think>{THINK}</think>\nOK.\n"
+        assert not ch.message.model_extra.get("reasoning")
+        (call,) = ch.message.tool_calls
+        assert json.loads(call.function.arguments) == ARGS
+    finally:
+        assert s.stop() == 0, s.log()
+
+
+@pytest.mark.parametrize(
+    ("parser", "script", "call_id"),
+    [
+        (
+            "deepseek_v3",
+            f"Booking.{DS_CALLS}{DS_CALL}function{DS_SEP}book\n```json\n"
+            f'{{"code": "007", "seats": 2}}\n```{DS_CALL_END}{DS_END}[e~[',
+            None,
+        ),
+        (
+            "kimi_k2",
+            f"Booking.{KIMI_CALLS}{KIMI_CALL}functions.book:0{KIMI_ARGS}"
+            f'{{"code": "007", "seats": 2}}{KIMI_CALL_END}{KIMI_END}[e~[',
+            "functions.book:0",
+        ),
+    ],
+)
+def test_call_sections_of_special_tokens(tmp_path_factory, model_dir, tok, parser, script, call_id):
+    """DeepSeek-V3's and Kimi K2's calls, whose markers are special tokens (decoded for the
+    parser, never shown), read over HTTP; Kimi's own call id is the one returned."""
+    s = serve(
+        tmp_path_factory, model_dir, parser, "--enable-auto-tool-choice",
+        "--tool-call-parser", parser,
+    )  # fmt: skip
+    try:
+        ch = chat(openai_client(s), s, tok, script, tools=[BOOK]).choices[0]
+        assert ch.message.content == "Booking." and ch.finish_reason == "tool_calls"
+        (call,) = ch.message.tool_calls
+        assert call.function.name == "book"
+        assert json.loads(call.function.arguments) == {"code": "007", "seats": 2}
+        if call_id is not None:
+            assert call.id == call_id
+    finally:
+        assert s.stop() == 0, s.log()
+
+
+def test_without_the_parsers_the_output_is_flat_content(tmp_path_factory, model_dir, tok):
+    s = serve(tmp_path_factory, model_dir, "minimax-flat")
+    try:
+        m = chat(openai_client(s), s, tok, SAYS, tools=None).choices[0].message
+        assert not m.tool_calls and not m.model_extra.get("reasoning")
+        assert THINK in m.content and "<invoke" in m.content
+    finally:
+        assert s.stop() == 0, s.log()
