@@ -89,6 +89,11 @@ pub enum Architecture {
     /// GLM-4.7-Flash (`Glm4MoeLiteForCausalLM`): DeepSeek-V3's layers, each layer's MLP
     /// named in `mlp_layer_types` (by default the first dense, the rest sparse).
     Glm4MoeLite,
+    /// ERNIE 4.5 MoE (21B-A3B, 300B-A47B; `Ernie4_5_MoeForCausalLM`): ERNIE 4.5's layers, the
+    /// layers from `moe_layer_start_index` to `moe_layer_end_index` sparse
+    /// ([`ExpertNaming::Ernie`]): an f32 router whose softmax scores plus a correction bias
+    /// choose the experts, weighed by their scores renormalised, beside ungated shared experts.
+    Ernie45Moe,
     /// MiniMax-M2 (M2, M2.1, M2.5; `MiniMaxM2ForCausalLM`): OLMo 2's q/k norms over the whole
     /// projections, rope on the first `rotary_dim` of each head pairing halves (Phi-3's
     /// layout), and Mixtral's experts routed as DeepSeek-V3 routes in one group: sigmoid
@@ -103,7 +108,7 @@ pub enum Architecture {
 impl Architecture {
     /// Each architecture's `*ForCausalLM` class (`architectures`) and its `model_type`, the
     /// fallback for a config without `architectures`.
-    const CAUSAL_LM: [(&'static str, &'static str, Architecture); 29] = [
+    const CAUSAL_LM: [(&'static str, &'static str, Architecture); 30] = [
         ("LlamaForCausalLM", "llama", Architecture::Llama),
         ("MistralForCausalLM", "mistral", Architecture::Mistral),
         ("Qwen2ForCausalLM", "qwen2", Architecture::Qwen2),
@@ -150,6 +155,11 @@ impl Architecture {
             "MiniMaxM2ForCausalLM",
             "minimax_m2",
             Architecture::MiniMaxM2,
+        ),
+        (
+            "Ernie4_5_MoeForCausalLM",
+            "ernie4_5_moe",
+            Architecture::Ernie45Moe,
         ),
         (
             "GraniteMoeForCausalLM",
@@ -207,7 +217,10 @@ impl Architecture {
     pub fn rope_interleaved(self) -> bool {
         matches!(
             self,
-            Architecture::Glm | Architecture::Glm4 | Architecture::Ernie45
+            Architecture::Glm
+                | Architecture::Glm4
+                | Architecture::Ernie45
+                | Architecture::Ernie45Moe
         )
     }
 
@@ -666,6 +679,13 @@ impl ModelConfig {
         let attention_bias = raw.attention_bias.unwrap_or(false);
         // ERNIE's one switch for every projection's bias.
         let use_bias = raw.use_bias.unwrap_or(false);
+        if use_bias && architecture == Architecture::Ernie45Moe {
+            return Err(err(
+                "use_bias",
+                "true: biases on ERNIE 4.5 MoE's projections and shared experts are not supported"
+                    .into(),
+            ));
+        }
         let (qkv_bias, o_bias) = match architecture {
             Architecture::Qwen2 => (true, false),
             Architecture::Qwen2Moe => (raw.qkv_bias.unwrap_or(true), false),
@@ -721,7 +741,8 @@ impl ModelConfig {
             | Architecture::DeepseekV3
             | Architecture::DeepseekV2
             | Architecture::Glm4MoeLite
-            | Architecture::MiniMaxM2 => None,
+            | Architecture::MiniMaxM2
+            | Architecture::Ernie45Moe => None,
             // Its window applies to the layers without rope only (below).
             Architecture::SmolLm3 => raw
                 .sliding_window
@@ -744,6 +765,7 @@ impl ModelConfig {
             Architecture::GraniteMoe => Some(sparse(ExpertNaming::Granite, false, false)),
             Architecture::GraniteMoeShared => Some(sparse(ExpertNaming::Granite, true, false)),
             Architecture::MiniMaxM2 => Some(sparse(ExpertNaming::Mixtral, false, false)),
+            Architecture::Ernie45Moe => Some(sparse(ExpertNaming::Ernie, true, true)),
             Architecture::Glm4Moe
             | Architecture::DeepseekV3
             | Architecture::DeepseekV2

@@ -29,6 +29,9 @@ pub enum ExpertNaming {
     /// `mlp.gate.e_score_correction_bias`, routed by [`DeepSeekRouting`], and ungated shared
     /// experts `mlp.shared_experts.{gate,up,down}_proj`.
     DeepSeek,
+    /// ERNIE 4.5's: DeepSeek's names, but the correction bias in
+    /// `mlp.moe_statics.e_score_correction_bias` (`[1, experts]`), chosen with softmax scores.
+    Ernie,
 }
 
 impl ExpertNaming {
@@ -47,7 +50,7 @@ impl ExpertNaming {
     /// Whether the router's weight is held and applied in f32 whatever the model's dtype
     /// (transformers keeps DeepSeek-V3's `gate.weight` and its bias in f32).
     pub fn router_f32(self) -> bool {
-        self == ExpertNaming::DeepSeek
+        matches!(self, ExpertNaming::DeepSeek | ExpertNaming::Ernie)
     }
 
     /// Whether checkpoints hold each part of every expert in one tensor
@@ -66,6 +69,9 @@ impl ExpertNaming {
 /// - V2's (`DeepseekV2TopkRouter`, [`Scoring::Softmax`]): scores are a softmax of the logits;
 ///   the top k of them, within the `topk_group` groups whose best score is highest (V2's
 ///   `group_limited_greedy`; one group is its `greedy`), weigh as they are.
+///
+/// MiniMax-M2 routes as V3 in one group, unscaled; ERNIE 4.5 as V3 in one group with softmax
+/// scores (its experts are chosen by softmax score plus the correction bias).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct DeepSeekRouting {
     pub scoring: Scoring,
@@ -183,6 +189,15 @@ pub(super) struct RawMoe {
     mlp_only_layers: Option<Vec<usize>>,
     /// GLM-4.7-Flash's `"dense"`/`"sparse"` per layer.
     mlp_layer_types: Option<Vec<String>>,
+    /// ERNIE 4.5's names: its expert count, top k, shared experts, and the sparse layers
+    /// (from the start index to the end one, -1 the last, every interval-th).
+    moe_num_experts: Option<usize>,
+    moe_k: Option<usize>,
+    moe_num_shared_experts: Option<usize>,
+    moe_layer_start_index: Option<usize>,
+    moe_layer_end_index: Option<i64>,
+    moe_layer_interval: Option<usize>,
+    moe_norm_min: Option<f64>,
 }
 
 /// What a sparse architecture's class reads from its config beyond the common fields.
@@ -225,21 +240,25 @@ impl RawMoe {
             self.num_experts,
             self.num_local_experts,
             self.n_routed_experts,
+            self.moe_num_experts,
         ) {
-            (Some(n), _, _) => ("num_experts", n),
-            (None, Some(n), _) => ("num_local_experts", n),
-            (None, None, Some(n)) => ("n_routed_experts", n),
-            (None, None, None) => return Err(err("num_experts", "missing".into())),
+            (Some(n), ..) => ("num_experts", n),
+            (None, Some(n), ..) => ("num_local_experts", n),
+            (None, None, Some(n), _) => ("n_routed_experts", n),
+            (None, None, None, Some(n)) => ("moe_num_experts", n),
+            (None, None, None, None) => return Err(err("num_experts", "missing".into())),
         };
         if num_experts == 0 {
             return Err(err(field, "must be > 0".into()));
         }
-        let top_k = self
-            .num_experts_per_tok
-            .ok_or_else(|| err("num_experts_per_tok", "missing".into()))?;
+        let (top_k_field, top_k) = match (self.num_experts_per_tok, self.moe_k) {
+            (Some(k), _) => ("num_experts_per_tok", k),
+            (None, Some(k)) => ("moe_k", k),
+            (None, None) => return Err(err("num_experts_per_tok", "missing".into())),
+        };
         if top_k == 0 || top_k > num_experts {
             return Err(err(
-                "num_experts_per_tok",
+                top_k_field,
                 format!("{top_k} must be in 1..={num_experts} ({field})"),
             ));
         }
@@ -256,6 +275,11 @@ impl RawMoe {
                 "n_shared_experts",
                 Some(expert_intermediate_size * self.n_shared_experts.unwrap_or(1)),
             ),
+            // transformers' default is two.
+            ExpertNaming::Ernie => (
+                "moe_num_shared_experts",
+                Some(expert_intermediate_size * self.moe_num_shared_experts.unwrap_or(2)),
+            ),
             _ => (
                 "shared_expert_intermediate_size",
                 self.shared_expert_intermediate_size,
@@ -266,9 +290,12 @@ impl RawMoe {
             (true, Some(n)) => Some(n),
             (true, None) => return Err(err(shared_field, "missing".into())),
         };
-        let step = self.decoder_sparse_step.unwrap_or(1);
+        let (step_field, step) = match naming {
+            ExpertNaming::Ernie => ("moe_layer_interval", self.moe_layer_interval.unwrap_or(1)),
+            _ => ("decoder_sparse_step", self.decoder_sparse_step.unwrap_or(1)),
+        };
         if step == 0 {
-            return Err(err("decoder_sparse_step", "must be > 0".into()));
+            return Err(err(step_field, "must be > 0".into()));
         }
         let dense_only = self.mlp_only_layers.clone().unwrap_or_default();
         if let Some(bad) = dense_only.iter().find(|&&l| l >= num_layers) {
@@ -277,22 +304,58 @@ impl RawMoe {
                 format!("layer {bad}, but the model has {num_layers} layers"),
             ));
         }
-        // DeepSeek's first layers are dense (transformers' default: one).
+        // DeepSeek's first layers are dense (transformers' default: one), as ERNIE's are
+        // before its start index (default one) and after its end index (-1: the last layer).
         let first_sparse = match naming {
             ExpertNaming::DeepSeek => self.first_k_dense_replace.unwrap_or(1),
+            ExpertNaming::Ernie => self.moe_layer_start_index.unwrap_or(1),
             _ => 0,
         };
+        let last_sparse = match (naming, self.moe_layer_end_index) {
+            (ExpertNaming::Ernie, Some(end)) if end < -1 => {
+                return Err(err(
+                    "moe_layer_end_index",
+                    format!("{end}: must be a layer index or -1 (the last)"),
+                ))
+            }
+            (ExpertNaming::Ernie, Some(end)) if end >= 0 => end as usize,
+            _ => num_layers.saturating_sub(1),
+        };
+        // The k best of a softmax over E experts sum to at least k / E: a smaller floor never
+        // binds, and the division is the plain renormalisation.
+        if let Some(floor) = self.moe_norm_min.filter(|_| naming == ExpertNaming::Ernie) {
+            if !(floor >= 0.0 && floor <= top_k as f64 / num_experts as f64) {
+                return Err(err(
+                    "moe_norm_min",
+                    format!(
+                        "{floor}: a floor above {top_k}/{num_experts} (the least sum of the top \
+                         k weights) is not supported"
+                    ),
+                ));
+            }
+        }
         let sparse_layers = match (layer_types, &self.mlp_layer_types) {
             (true, Some(types)) => Self::sparse_by_type(types, num_layers, &err)?,
             // transformers' default: the first layer dense, the rest sparse.
             (true, None) => (0..num_layers).map(|l| l > 0).collect(),
             (false, _) => (0..num_layers)
-                .map(|l| l >= first_sparse && !dense_only.contains(&l) && (l + 1) % step == 0)
+                .map(|l| {
+                    (first_sparse..=last_sparse).contains(&l)
+                        && !dense_only.contains(&l)
+                        && (l + 1) % step == 0
+                })
                 .collect(),
         };
-        let deepseek_routing = (naming == ExpertNaming::DeepSeek)
-            .then(|| self.deepseek_routing(num_experts, top_k, &err))
-            .transpose()?;
+        let deepseek_routing = match naming {
+            ExpertNaming::DeepSeek => Some(self.deepseek_routing(num_experts, top_k, &err)?),
+            ExpertNaming::Ernie => Some(DeepSeekRouting {
+                scoring: Scoring::Softmax,
+                n_group: 1,
+                topk_group: 1,
+                routed_scaling_factor: 1.0,
+            }),
+            _ => None,
+        };
         Ok(MoeConfig {
             num_experts,
             top_k,
@@ -301,6 +364,8 @@ impl RawMoe {
                 ExpertNaming::Mixtral | ExpertNaming::GptOss | ExpertNaming::Granite => true,
                 ExpertNaming::Qwen => self.norm_topk_prob.unwrap_or(false),
                 ExpertNaming::DeepSeek => self.norm_topk_prob.unwrap_or(true),
+                // Its router divides by the chosen scores' sum (at least `moe_norm_min`).
+                ExpertNaming::Ernie => true,
             },
             shared_expert_intermediate_size,
             deepseek_routing,
@@ -591,6 +656,56 @@ mod tests {
         )
         .unwrap_err();
         assert!(e.to_string().contains("rotary_dim"), "{e}");
+    }
+
+    #[test]
+    fn ernie45_moe_reads_its_own_names_and_sparse_layer_range() {
+        let ernie = |extra: &str| {
+            parse(
+                "Ernie4_5_MoeForCausalLM",
+                &format!(
+                    r#", "moe_num_experts": 8, "moe_k": 2, "moe_intermediate_size": 16{extra}"#
+                ),
+            )
+        };
+        // transformers' defaults: layers 1 to the last sparse, two shared experts.
+        let moe = ernie("").unwrap().moe.unwrap();
+        assert_eq!(
+            (moe.num_experts, moe.top_k, moe.naming),
+            (8, 2, ExpertNaming::Ernie)
+        );
+        assert_eq!(moe.sparse_layers, vec![false, true, true, true]);
+        assert_eq!(moe.shared_expert_intermediate_size, Some(32));
+        assert_eq!(
+            moe.deepseek_routing,
+            Some(DeepSeekRouting {
+                scoring: Scoring::Softmax,
+                n_group: 1,
+                topk_group: 1,
+                routed_scaling_factor: 1.0
+            })
+        );
+        assert!(moe.norm_topk_prob && moe.naming.router_f32());
+        let c = ernie(
+            r#", "moe_layer_start_index": 0, "moe_layer_end_index": 2,
+            "moe_layer_interval": 2, "moe_num_shared_experts": 0"#,
+        )
+        .unwrap();
+        let moe = c.moe.unwrap();
+        assert_eq!(moe.sparse_layers, vec![false, true, false, false]);
+        assert!(moe.shared_expert_intermediate_size.is_none());
+        assert!(c.architecture.rope_interleaved());
+        for (extra, field) in [
+            (r#", "moe_layer_end_index": -2"#, "moe_layer_end_index"),
+            (r#", "moe_layer_interval": 0"#, "moe_layer_interval"),
+            (r#", "moe_norm_min": 0.5"#, "moe_norm_min"),
+            (r#", "moe_k": 9"#, "moe_k"),
+            (r#", "use_bias": true"#, "use_bias"),
+        ] {
+            let e = ernie(extra).unwrap_err();
+            assert!(e.to_string().contains(field), "{field}: {e}");
+        }
+        assert!(ernie(r#", "moe_norm_min": 1e-12"#).is_ok());
     }
 
     #[test]

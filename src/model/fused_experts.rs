@@ -37,7 +37,13 @@ impl FusedPart {
             (ExpertNaming::GptOss, _) => &[GateUp, GateUpBias, Down, DownBias],
             (ExpertNaming::Granite, false) => &[GateUp, Down],
             (ExpertNaming::Granite, true) => &[GateUp, Down, SharedGateUp, SharedDown],
-            (ExpertNaming::Qwen | ExpertNaming::Mixtral | ExpertNaming::DeepSeek, _) => &[],
+            (
+                ExpertNaming::Qwen
+                | ExpertNaming::Mixtral
+                | ExpertNaming::DeepSeek
+                | ExpertNaming::Ernie,
+                _,
+            ) => &[],
         }
     }
 

@@ -19,14 +19,16 @@ use std::sync::Arc;
 use candle_core::{DType, Tensor};
 use rayon::prelude::*;
 
-use crate::config::{DeepSeekRouting, ExpertNaming, ModelConfig, MoeConfig};
+use crate::config::{DeepSeekRouting, ExpertNaming, ModelConfig, MoeConfig, Scoring};
 use crate::error::{DetspecError, Result};
 use crate::ops;
 
 use super::fused_experts::FusedPart;
 use super::linear::{GemmOptions, Linear, LinearWeight};
 use super::loader::WeightLoader;
-use super::moe_names::{has_shared_gate, router_bias_name, ExpertPart, SparseLinear};
+use super::moe_names::{
+    has_shared_gate, router_bias_name, router_bias_shape, ExpertPart, SparseLinear,
+};
 
 /// One expert: a SwiGLU MLP (gpt-oss's: with biases, gated by the clamped SwiGLU).
 #[derive(Debug)]
@@ -92,9 +94,10 @@ pub(super) enum RoutingRule {
     TopKOfSoftmax { norm: bool },
     /// A softmax over the top k logits (gpt-oss's, Granite's).
     SoftmaxOverTopK,
-    /// DeepSeek-V3's sigmoid scores chosen by group with a correction bias (GLM-4.5's); its
-    /// router runs in f32.
-    Sigmoid {
+    /// Scores (DeepSeek-V3's sigmoid, ERNIE's softmax) chosen by group with a correction bias
+    /// (GLM-4.5's, MiniMax-M2's); its router runs in f32 (MiniMax-M2's on its weight's
+    /// values, which transformers holds in the model's dtype).
+    Biased {
         rule: DeepSeekRouting,
         norm: bool,
         /// `e_score_correction_bias`, one per expert.
@@ -155,12 +158,13 @@ impl SparseMlp {
             load_linear(ld, cfg, moe, layer, SparseLinear::Router)?
         };
         let routing = match (moe.deepseek_routing, router_bias_name(moe, layer)) {
-            // V3's sigmoid scoring, the one with a correction bias (`router_bias_name`).
-            (Some(rule), Some(bias)) => RoutingRule::Sigmoid {
+            // Routing with a correction bias (`router_bias_name`).
+            (Some(rule), Some(bias)) => RoutingRule::Biased {
                 rule,
                 norm: moe.norm_topk_prob,
                 bias: ld
-                    .load_f32(&bias, &[moe.num_experts])?
+                    .load_f32(&bias, &router_bias_shape(moe))?
+                    .flatten_all()?
                     .to_vec1::<f32>()?
                     .into(),
             },
@@ -211,7 +215,7 @@ impl SparseMlp {
         let (n, _) = x.dims2()?;
         let dev = x.device();
         let logits = match self.routing {
-            RoutingRule::Sigmoid { .. } | RoutingRule::GroupedSoftmax(_) => {
+            RoutingRule::Biased { .. } | RoutingRule::GroupedSoftmax(_) => {
                 self.router.apply(&x.to_dtype(DType::F32)?, gemm)?
             }
             _ => self.router.apply(x, gemm)?,
@@ -224,8 +228,8 @@ impl SparseMlp {
             RoutingRule::SoftmaxOverTopK => {
                 Routing::softmax_over_top_k(logits, num_experts, self.top_k)
             }
-            RoutingRule::Sigmoid { rule, norm, bias } => {
-                Routing::sigmoid(logits, num_experts, self.top_k, bias, rule, *norm)
+            RoutingRule::Biased { rule, norm, bias } => {
+                Routing::biased(logits, num_experts, self.top_k, bias, rule, *norm)
             }
             RoutingRule::GroupedSoftmax(rule) => {
                 Routing::grouped_softmax(logits, num_experts, self.top_k, rule)
@@ -470,12 +474,13 @@ impl Routing {
     }
 
     /// DeepSeek's routing of rows whose router logits are `logits` ([`DeepSeekRouting`]): each
-    /// expert's score its logit's sigmoid; where there are groups, the `topk_group` groups
+    /// expert's score its logit's sigmoid (ERNIE's: the logits' softmax, as
+    /// [`Self::grouped_softmax`] takes it); where there are groups, the `topk_group` groups
     /// whose two best biased scores sum highest (ties to the lower group); in them, the
     /// `top_k` best biased scores (ties to the lower expert), weighted by their unbiased
-    /// scores, over the scores' sum (largest first) plus 1e-20 where `norm`, times the
-    /// scaling factor.
-    pub(super) fn sigmoid(
+    /// scores, over the scores' sum (largest first) plus 1e-20 where `norm` (ERNIE's floor
+    /// of `moe_norm_min` never binds: the config check), times the scaling factor.
+    pub(super) fn biased(
         logits: &[f32],
         num_experts: usize,
         top_k: usize,
@@ -492,8 +497,13 @@ impl Routing {
         let mut scores: Vec<f32> = Vec::with_capacity(num_experts);
         let mut choice: Vec<f32> = Vec::with_capacity(num_experts);
         Self::by_row(logits, num_experts, |row, order| {
-            scores.clear();
-            scores.extend(row.iter().map(|&v| ops::sigmoid(v)));
+            match rule.scoring {
+                Scoring::Sigmoid => {
+                    scores.clear();
+                    scores.extend(row.iter().map(|&v| ops::sigmoid(v)));
+                }
+                Scoring::Softmax => softmax_into(row, &mut scores),
+            }
             choice.clear();
             choice.extend(scores.iter().zip(bias).map(|(&s, &b)| s + b));
             // A group's score: its two best biased scores, summed.
@@ -540,13 +550,7 @@ impl Routing {
         }
         let mut scores: Vec<f32> = Vec::with_capacity(num_experts);
         Self::by_row(logits, num_experts, |row, order| {
-            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            scores.clear();
-            scores.extend(row.iter().map(|&v| ops::exp_nonpositive(v - max)));
-            let sum: f32 = scores.iter().sum();
-            for s in scores.iter_mut() {
-                *s /= sum;
-            }
+            softmax_into(row, &mut scores);
             // A group's score: its best.
             grouped_top_k(&scores, order, rule, top_k, |g| {
                 g.iter().copied().fold(f32::NEG_INFINITY, f32::max)
@@ -614,6 +618,18 @@ impl Routing {
             }
         }
         slots
+    }
+}
+
+/// `row`'s softmax in f32 into `out` (max-subtracted, `ops::exp_nonpositive`, summed in
+/// order).
+fn softmax_into(row: &[f32], out: &mut Vec<f32>) {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    out.clear();
+    out.extend(row.iter().map(|&v| ops::exp_nonpositive(v - max)));
+    let sum: f32 = out.iter().sum();
+    for s in out.iter_mut() {
+        *s /= sum;
     }
 }
 
@@ -735,7 +751,7 @@ mod tests {
         // Four groups of two; the best two groups' experts compete for the top 2.
         let logits = [3.0, -3.0, 1.0, 1.0, 2.0, 0.0, 2.5, -5.0];
         let rule = DeepSeekRouting {
-            scoring: crate::config::Scoring::Sigmoid,
+            scoring: Scoring::Sigmoid,
             n_group: 4,
             topk_group: 2,
             routed_scaling_factor: 2.0,
@@ -748,13 +764,13 @@ mod tests {
         // No bias: group 0 sums 0.95 + 0.05, so groups 1 and 2 win; experts 4 and 2 (not 6,
         // the second best overall, whose group lost).
         let zero = [0.0; 8];
-        let r = Routing::sigmoid(&logits, 8, 2, &zero, &rule, true).unwrap();
+        let r = Routing::biased(&logits, 8, 2, &zero, &rule, true).unwrap();
         assert_eq!(r.picks[0], weights(2, 4));
         // Expert 1's bias lifts group 0 over group 2; its own biased score (0.55) still loses
         // to expert 2's and 3's (0.73, tied: the lower wins). Weights are the unbiased scores.
         let mut bias = zero;
         bias[1] = 0.5;
-        let r = Routing::sigmoid(&logits, 8, 2, &bias, &rule, true).unwrap();
+        let r = Routing::biased(&logits, 8, 2, &bias, &rule, true).unwrap();
         assert_eq!(r.picks[0], weights(0, 2));
         // One group: the plain top 2 by biased score, unnormalised, scaled.
         let one = DeepSeekRouting {
@@ -762,9 +778,9 @@ mod tests {
             topk_group: 1,
             ..rule
         };
-        let r = Routing::sigmoid(&logits, 8, 2, &zero, &one, false).unwrap();
+        let r = Routing::biased(&logits, 8, 2, &zero, &one, false).unwrap();
         assert_eq!(r.picks[0], vec![(0, s[0] * 2.0), (6, s[6] * 2.0)]);
-        assert!(Routing::sigmoid(&logits, 8, 2, &[0.0; 7], &rule, true).is_err());
+        assert!(Routing::biased(&logits, 8, 2, &[0.0; 7], &rule, true).is_err());
     }
 
     #[test]
@@ -773,7 +789,7 @@ mod tests {
         // here by repeated argmax (first maximum wins), against the engine's sorts.
         let (experts, top_k) = (12, 3);
         let rule = DeepSeekRouting {
-            scoring: crate::config::Scoring::Sigmoid,
+            scoring: Scoring::Sigmoid,
             n_group: 4,
             topk_group: 2,
             routed_scaling_factor: 1.5,
@@ -782,7 +798,7 @@ mod tests {
             .map(|i| (((i * 7919) % 23) as f32 - 11.0) * 0.25)
             .collect();
         let bias: Vec<f32> = (0..experts).map(|e| (e % 5) as f32 * 0.05).collect();
-        let r = Routing::sigmoid(&logits, experts, top_k, &bias, &rule, true).unwrap();
+        let r = Routing::biased(&logits, experts, top_k, &bias, &rule, true).unwrap();
         let argmax =
             |v: &[f32]| (0..v.len()).fold(0, |best, i| if v[i] > v[best] { i } else { best });
         for (row, got) in logits.chunks(experts).zip(&r.picks) {
@@ -830,7 +846,7 @@ mod tests {
         // weights the scores times the scale (never renormalised).
         let logits = [2.0, 1.9, 0.0, 1.8, 1.0, 0.5, -1.0, 0.9];
         let rule = DeepSeekRouting {
-            scoring: crate::config::Scoring::Softmax,
+            scoring: Scoring::Softmax,
             n_group: 4,
             topk_group: 2,
             routed_scaling_factor: 1.5,

@@ -78,7 +78,10 @@ impl SparseLinear {
 /// The module under a decoder layer that holds its sparse MLP.
 fn block(naming: ExpertNaming) -> &'static str {
     match naming {
-        ExpertNaming::Qwen | ExpertNaming::GptOss | ExpertNaming::DeepSeek => "mlp",
+        ExpertNaming::Qwen
+        | ExpertNaming::GptOss
+        | ExpertNaming::DeepSeek
+        | ExpertNaming::Ernie => "mlp",
         ExpertNaming::Mixtral | ExpertNaming::Granite => "block_sparse_moe",
     }
 }
@@ -88,14 +91,17 @@ fn router(naming: ExpertNaming) -> &'static str {
     match naming {
         ExpertNaming::GptOss => "router",
         ExpertNaming::Granite => "router.layer",
-        ExpertNaming::Qwen | ExpertNaming::Mixtral | ExpertNaming::DeepSeek => "gate",
+        ExpertNaming::Qwen
+        | ExpertNaming::Mixtral
+        | ExpertNaming::DeepSeek
+        | ExpertNaming::Ernie => "gate",
     }
 }
 
 /// The shared expert's name under [`block`] (where its parts are named apart).
 fn shared(naming: ExpertNaming) -> &'static str {
     match naming {
-        ExpertNaming::DeepSeek => "shared_experts",
+        ExpertNaming::DeepSeek | ExpertNaming::Ernie => "shared_experts",
         _ => "shared_expert",
     }
 }
@@ -106,14 +112,28 @@ pub(super) fn has_shared_gate(moe: &MoeConfig) -> bool {
 }
 
 /// The name of the router's per-expert correction bias, if it has one: DeepSeek's under its
-/// router (`mlp.gate`), MiniMax-M2's beside it (`block_sparse_moe`).
+/// router (`mlp.gate`), MiniMax-M2's beside it (`block_sparse_moe`), ERNIE's in
+/// `mlp.moe_statics`. DeepSeek-V2's softmax routing has none.
 pub(super) fn router_bias_name(moe: &MoeConfig, layer: usize) -> Option<String> {
-    let sigmoid = moe.deepseek_routing.map(|r| r.scoring) == Some(Scoring::Sigmoid);
+    let biased = match moe.naming {
+        ExpertNaming::Ernie => true,
+        _ => moe.deepseek_routing.map(|r| r.scoring) == Some(Scoring::Sigmoid),
+    };
+    let root = format!("model.layers.{layer}.{}", block(moe.naming));
     let owner = match moe.naming {
         ExpertNaming::DeepSeek => SparseLinear::Router.path(moe.naming, layer),
-        naming => format!("model.layers.{layer}.{}", block(naming)),
+        ExpertNaming::Ernie => format!("{root}.moe_statics"),
+        _ => root,
     };
-    sigmoid.then(|| format!("{owner}.e_score_correction_bias"))
+    biased.then(|| format!("{owner}.e_score_correction_bias"))
+}
+
+/// The correction bias's shape on file: ERNIE's one row (`[1, experts]`), else `[experts]`.
+pub(super) fn router_bias_shape(moe: &MoeConfig) -> Vec<usize> {
+    match moe.naming {
+        ExpertNaming::Ernie => vec![1, moe.num_experts],
+        _ => vec![moe.num_experts],
+    }
 }
 
 /// Every linear layer of a sparse MLP, in checkpoint order.
@@ -164,7 +184,7 @@ pub(super) fn sparse_params(
             (name, p.shape(cfg, moe).to_vec())
         })
         .collect();
-    out.extend(router_bias_name(moe, layer).map(|name| (name, vec![moe.num_experts])));
+    out.extend(router_bias_name(moe, layer).map(|name| (name, router_bias_shape(moe))));
     out
 }
 
@@ -232,7 +252,7 @@ fn granite_names(updates: Vec<(String, Tensor)>) -> Vec<(String, Tensor)> {
 /// checkpoint's: since transformers 5 a model's `state_dict()` holds each layer's experts fused,
 /// `mlp.experts.gate_up_proj` `[experts, 2 × width, hidden]` (gate rows first) and
 /// `mlp.experts.down_proj` `[experts, hidden, width]`, and Mixtral's router as `mlp.gate`
-/// (MiniMax-M2's correction bias as `mlp.e_score_correction_bias`),
+/// (MiniMax-M2's correction bias as `mlp.e_score_correction_bias`, ERNIE's under its router),
 /// while checkpoints (and the engine) name each expert's matrices. Other names pass unchanged.
 pub fn unfuse_experts(
     cfg: &ModelConfig,
@@ -278,11 +298,14 @@ pub fn unfuse_experts(
         let expert = |i: usize, part: ExpertPart| weight(SparseLinear::Expert(i, part));
         match field {
             "mlp.gate.weight" => out.push((weight(SparseLinear::Router), t)),
-            // MiniMax-M2's correction bias, `block_sparse_moe.e_score_correction_bias` on file.
-            "mlp.e_score_correction_bias" => match router_bias_name(moe, layer) {
-                Some(file) => out.push((file, t)),
-                None => out.push((name, t)),
-            },
+            // MiniMax-M2's correction bias (`block_sparse_moe.e_score_correction_bias` on
+            // file) and ERNIE's (`mlp.moe_statics.e_score_correction_bias`).
+            "mlp.e_score_correction_bias" | "mlp.gate.moe_statics.e_score_correction_bias" => {
+                match router_bias_name(moe, layer) {
+                    Some(file) => out.push((file, t)),
+                    None => out.push((name, t)),
+                }
+            }
             "mlp.experts.gate_up_proj" => {
                 fused([e, 2 * width, hidden])?;
                 for i in 0..e {

@@ -96,7 +96,8 @@ impl Model {
                 }
                 Slot::RouterBias(b) => {
                     let t = t.to_dtype(DType::F32)?;
-                    *b = t.to_vec1::<f32>()?.into();
+                    // ERNIE's is one row, `[1, experts]`.
+                    *b = t.flatten_all()?.to_vec1::<f32>()?.into();
                     t
                 }
                 Slot::PartWeight(p, part) => {
@@ -167,7 +168,7 @@ impl Model {
                 if let Some(m) = self.cfg.moe.as_ref() {
                     if router_bias_name(m, layer_index).as_deref() == Some(name) {
                         return match &mut moe.routing {
-                            RoutingRule::Sigmoid { bias, .. } => Some(Slot::RouterBias(bias)),
+                            RoutingRule::Biased { bias, .. } => Some(Slot::RouterBias(bias)),
                             _ => None,
                         };
                     }

@@ -598,6 +598,27 @@ MODEL_SPECS: dict[str, dict] = {
             "num_experts_per_tok": 2,
         },
     },
+    # ERNIE 4.5 MoE (21B-A3B's layout): ERNIE's rope pairing neighbours on whole heads; the
+    # layers from moe_layer_start_index to moe_layer_end_index sparse (the middle one here:
+    # dense on both sides), an f32 router whose softmax plus a correction bias (randomised
+    # below) chooses, weights renormalised, beside a shared expert.
+    "ernie45_moe": {
+        "arch": "ernie45_moe",
+        "seed": 181,
+        "tie": True,
+        "head_dim": 16,
+        "rope": {"rope_type": "default", "rope_theta": 500000.0},
+        "extra": {
+            "num_hidden_layers": 3,
+            "pad_token_id": 0,
+            "moe_num_experts": 8,
+            "moe_k": 2,
+            "moe_intermediate_size": 48,
+            "moe_num_shared_experts": 1,
+            "moe_layer_start_index": 1,
+            "moe_layer_end_index": 1,
+        },
+    },
     # DeepSeek-V2 (V2-Lite's layout: queries from one matrix): V3's latent attention with rope
     # on complex pairs, YaRN as V2-Lite sets it; experts by softmax score, in 4 groups of 2
     # whose best 2 compete (group_limited_greedy), weights scaled and not renormalised.
@@ -660,6 +681,7 @@ _CONFIG_CLASSES = {
     "deepseek_v2": (transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM),
     "glm4_moe_lite": (transformers.Glm4MoeLiteConfig, transformers.Glm4MoeLiteForCausalLM),
     "minimax_m2": (transformers.MiniMaxM2Config, transformers.MiniMaxM2ForCausalLM),
+    "ernie45_moe": (transformers.Ernie4_5_MoeConfig, transformers.Ernie4_5_MoeForCausalLM),
 }
 
 

@@ -423,37 +423,29 @@ async def test_shutdown_aborts_in_flight_streams(model_dir):
 
 async def test_duplicate_request_id_fails_only_the_duplicate(engine):
     """A second stream with the id of a running request is rejected; the first stream is
-    not disturbed (it keeps its outputs and completes)."""
-    started = asyncio.Event()
+    not disturbed (it keeps its outputs and completes). Both are submitted to a paused engine,
+    which holds them and takes them in order at ``resume``, before its next step: the first is
+    in the engine when the duplicate arrives however loaded the machine (the tiny model could
+    otherwise finish it first)."""
 
     async def first():
-        outs = []
-        async for out in engine.generate([3, 4, 5], greedy(120), request_id="dup"):
-            outs.append(out)
-            started.set()
-        return outs
+        return [out async for out in engine.generate([3, 4, 5], greedy(120), request_id="dup")]
 
-    # The first stream may finish before the duplicate arrives (a race the engine may win on a
-    # fast machine; then the duplicate is simply a new request): retry until it is rejected.
-    for _attempt in range(5):
-        started.clear()
+    async def duplicate():
+        async for _ in engine.generate([6, 7], greedy(4), request_id="dup"):
+            pass
+
+    await engine.pause("keep")
+    try:
         task = asyncio.create_task(first())
-        await asyncio.wait_for(started.wait(), TIMEOUT)
-        try:
-            async for _ in engine.generate([6, 7], greedy(4), request_id="dup"):
-                pass
-        except InvalidRequestError as err:
-            assert "already running" in str(err)
-            break
-        await task
-    else:
-        pytest.fail("the first stream finished before the duplicate arrived, 5 times")
-    done, _ = await asyncio.wait([task], timeout=5.0)
-    if not done:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-    assert done, "the first stream with the id never finished"
-    outs = task.result()
+        await asyncio.sleep(0)  # the first is submitted (and held) before the duplicate
+        dup = asyncio.create_task(duplicate())
+        await asyncio.sleep(0)
+    finally:
+        await engine.resume()
+    with pytest.raises(InvalidRequestError, match="already running"):
+        await asyncio.wait_for(dup, TIMEOUT)
+    outs = await asyncio.wait_for(task, TIMEOUT)
     assert outs[-1].outputs[0].finish_reason == "length"
     assert len(outs[-1].outputs[0].token_ids) == 120
 

@@ -183,6 +183,7 @@ def needle_in_haystack(
         "deepseek_v2",
         "glm4_moe_lite",
         "minimax_m2",
+        "ernie45_moe",
     ],
 )
 def test_needle_in_haystack_on_every_decoder_layout(model_zoo, name: str) -> None:

@@ -417,3 +417,42 @@ def test_minimax_m2_chooses_experts_by_its_correction_bias(model_zoo) -> None:
     llm.update_weights([(memory_name, old)])
     for a, b in zip(llm.compute_logits(seqs), before, strict=True):
         assert np.array_equal(a, b)
+
+
+def test_ernie45_moe_router_stays_f32_and_its_bias_updates_by_either_name(model_zoo) -> None:
+    """ERNIE 4.5 MoE in bf16: transformers keeps its router and correction bias in f32 (as
+    GLM-4.5's), so the engine is the rounded model with an f32 router. The bias (one row,
+    ``mlp.moe_statics.e_score_correction_bias`` on file, under ``mlp.gate`` in a trainer's
+    ``state_dict()``) only chooses experts: an update under either name is followed as
+    transformers follows it, and restoring it restores the bits."""
+    case = model_zoo.get("ernie45_moe")
+    llm = detspec.LLM(str(case.path), dtype="bfloat16", kv_cache_dtype="float32")
+    rng = np.random.default_rng(5)
+    seqs = [[int(t) for t in rng.integers(3, 500, size=n)] for n in (24, 9)]
+    ref = copy.deepcopy(case.model)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if not name.endswith(("mlp.gate.weight", "e_score_correction_bias")):
+                p.copy_(p.to(torch.bfloat16).float())
+
+    def worst(got_all) -> float:
+        return max(
+            float(np.abs(got - (r := hf_logits(ref, s))).max() / np.abs(r).max())
+            for s, got in zip(seqs, got_all, strict=True)
+        )
+
+    before = llm.compute_logits(seqs)
+    assert worst(before) <= 1e-4
+    memory_name = "model.layers.1.mlp.gate.moe_statics.e_score_correction_bias"
+    old = ref.get_parameter(memory_name).detach().clone()
+    new = torch.randn(old.shape, generator=torch.Generator().manual_seed(9)) * 0.5
+    with torch.no_grad():
+        ref.get_parameter(memory_name).copy_(new)
+    assert worst(before) > 1e-4  # negative control: the new bias chooses other experts
+    for name in (memory_name, "model.layers.1.mlp.moe_statics.e_score_correction_bias"):
+        llm.update_weights([(name, old)])
+        llm.update_weights([(name, new)])
+        assert worst(llm.compute_logits(seqs)) <= 1e-4, name
+    llm.update_weights([(memory_name, old)])
+    for a, b in zip(llm.compute_logits(seqs), before, strict=True):
+        assert np.array_equal(a, b)

@@ -74,6 +74,7 @@ def outputs_bits(llm: detspec.LLM) -> list[tuple[list[int], list[int]]]:
         "deepseek_v2",
         "glm4_moe_lite",
         "minimax_m2",
+        "ernie45_moe",
     ],
 )
 def test_update_weights_follows_transformers_and_restores_bit_for_bit(model_zoo, name):
