@@ -19,7 +19,7 @@ pub use engine_config::{
 pub use head::Head;
 pub use mla_config::MlaConfig;
 pub use model_config::{
-    Activation, Architecture, ClampedSwiglu, Fused, GraniteScales, ModelConfig,
+    Activation, Architecture, ClampedSwiglu, DenseMlpNames, Fused, GraniteScales, ModelConfig,
 };
 pub use moe_config::{DeepSeekRouting, ExpertNaming, MoeConfig, Scoring};
 pub use quant::Fp8Weights;

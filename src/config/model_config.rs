@@ -75,6 +75,13 @@ pub enum Architecture {
     GraniteMoe,
     /// Granite MoE Shared: Granite MoE with an ungated shared MLP beside the experts.
     GraniteMoeShared,
+    /// Granite 4.0 (`GraniteMoeHybridForCausalLM`) with attention layers only (Micro, 1B,
+    /// 350M; the -H models' Mamba layers are refused, naming `layer_types`): Granite's
+    /// multipliers, rope or none by `position_embedding_type`; without experts
+    /// (`num_local_experts: 0`) each layer's MLP is its shared MLP
+    /// (`shared_mlp.input_linear`, `shared_mlp.output_linear`: [`DenseMlpNames::GraniteShared`]),
+    /// with them Granite MoE Shared's layers.
+    GraniteMoeHybrid,
     /// Seed-OSS: Llama's layers with biases on q/k/v (`attention_bias`, on by default) and on
     /// o_proj only by `attention_out_bias`.
     SeedOss,
@@ -108,7 +115,7 @@ pub enum Architecture {
 impl Architecture {
     /// Each architecture's `*ForCausalLM` class (`architectures`) and its `model_type`, the
     /// fallback for a config without `architectures`.
-    const CAUSAL_LM: [(&'static str, &'static str, Architecture); 30] = [
+    const CAUSAL_LM: [(&'static str, &'static str, Architecture); 31] = [
         ("LlamaForCausalLM", "llama", Architecture::Llama),
         ("MistralForCausalLM", "mistral", Architecture::Mistral),
         ("Qwen2ForCausalLM", "qwen2", Architecture::Qwen2),
@@ -171,6 +178,11 @@ impl Architecture {
             "granitemoeshared",
             Architecture::GraniteMoeShared,
         ),
+        (
+            "GraniteMoeHybridForCausalLM",
+            "granitemoehybrid",
+            Architecture::GraniteMoeHybrid,
+        ),
     ];
 
     /// Sequence classifiers (reward models, classifiers: `score` instead of `lm_head`) of the
@@ -203,10 +215,18 @@ impl Architecture {
             Architecture::Phi3 => Fused {
                 qkv: true,
                 gate_up: true,
+                ..Fused::default()
             },
             Architecture::Glm | Architecture::Glm4 => Fused {
                 qkv: false,
                 gate_up: true,
+                ..Fused::default()
+            },
+            // Its dense MLP is Granite MoE Shared's shared MLP.
+            Architecture::GraniteMoeHybrid => Fused {
+                qkv: false,
+                gate_up: true,
+                mlp: DenseMlpNames::GraniteShared,
             },
             _ => Fused::default(),
         }
@@ -302,13 +322,44 @@ impl Architecture {
     }
 }
 
-/// Which projections of a layer a checkpoint stores fused ([`Architecture::fused`]).
+/// Which projections of a layer a checkpoint stores fused ([`Architecture::fused`]), and
+/// under which names its dense MLP is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Fused {
     /// q/k/v as one `self_attn.qkv_proj` (rows q, then k, then v), without biases.
     pub qkv: bool,
-    /// gate/up as one `mlp.gate_up_proj` (gate rows first), without biases.
+    /// gate/up as one matrix (gate rows first), without biases: `mlp.gate_up_proj`.
     pub gate_up: bool,
+    pub mlp: DenseMlpNames,
+}
+
+/// Where a layer's dense MLP is in checkpoints.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DenseMlpNames {
+    /// `mlp.gate_proj`, `mlp.up_proj` (fused: `mlp.gate_up_proj`), `mlp.down_proj`.
+    #[default]
+    Mlp,
+    /// Granite 4's: gate and up fused in `shared_mlp.input_linear` (gate rows first), down
+    /// in `shared_mlp.output_linear`.
+    GraniteShared,
+}
+
+impl Fused {
+    /// The module of the fused gate/up matrix (where [`Fused::gate_up`]).
+    pub fn gate_up_module(self) -> &'static str {
+        match self.mlp {
+            DenseMlpNames::Mlp => "mlp.gate_up_proj",
+            DenseMlpNames::GraniteShared => "shared_mlp.input_linear",
+        }
+    }
+
+    /// The module of the down projection.
+    pub fn down_module(self) -> &'static str {
+        match self.mlp {
+            DenseMlpNames::Mlp => "mlp.down_proj",
+            DenseMlpNames::GraniteShared => "shared_mlp.output_linear",
+        }
+    }
 }
 
 /// The MLP's gate activation: `down(act(gate(x)) · up(x))`.
@@ -467,6 +518,11 @@ struct RawConfig {
     partial_rotary_factor: Option<f64>,
     /// MiniMax-M2's rotated width per head.
     rotary_dim: Option<usize>,
+    /// Granite 4's: its experts (0: none), its shared MLP's width (the dense MLP's without
+    /// experts), each layer's kind, and whether attention rotates (`"rope"`).
+    num_local_experts: Option<usize>,
+    shared_intermediate_size: Option<usize>,
+    position_embedding_type: Option<String>,
     /// Phi-3 keeps the pre-scaling context here, beside `rope_scaling`; it wins over the one
     /// inside (as transformers reads it).
     original_max_position_embeddings: Option<f64>,
@@ -742,14 +798,23 @@ impl ModelConfig {
             | Architecture::DeepseekV2
             | Architecture::Glm4MoeLite
             | Architecture::MiniMaxM2
-            | Architecture::Ernie45Moe => None,
+            | Architecture::Ernie45Moe
+            | Architecture::GraniteMoeHybrid => None,
             // Its window applies to the layers without rope only (below).
             Architecture::SmolLm3 => raw
                 .sliding_window
                 .filter(|_| raw.use_sliding_window.unwrap_or(false)),
         };
         let num_hidden_layers = positive("num_hidden_layers", raw.num_hidden_layers)?;
-        let intermediate_size = positive("intermediate_size", raw.intermediate_size)?;
+        // Granite 4 without experts: its shared MLP is the dense one (transformers' default
+        // width 1024).
+        let intermediate_size = match architecture {
+            Architecture::GraniteMoeHybrid if raw.num_local_experts == Some(0) => positive(
+                "shared_intermediate_size",
+                raw.shared_intermediate_size.or(Some(1024)),
+            )?,
+            _ => positive("intermediate_size", raw.intermediate_size)?,
+        };
         let sparse = |naming, shared_expert, own_width| SparseShape {
             naming,
             shared_expert,
@@ -764,6 +829,10 @@ impl ModelConfig {
             Architecture::GptOss => Some(sparse(ExpertNaming::GptOss, false, false)),
             Architecture::GraniteMoe => Some(sparse(ExpertNaming::Granite, false, false)),
             Architecture::GraniteMoeShared => Some(sparse(ExpertNaming::Granite, true, false)),
+            // (transformers' default is 8 experts: a config naming none is read as sparse)
+            Architecture::GraniteMoeHybrid if raw.num_local_experts != Some(0) => {
+                Some(sparse(ExpertNaming::Granite, true, false))
+            }
             Architecture::MiniMaxM2 => Some(sparse(ExpertNaming::Mixtral, false, false)),
             Architecture::Ernie45Moe => Some(sparse(ExpertNaming::Ernie, true, true)),
             Architecture::Glm4Moe
@@ -882,9 +951,15 @@ impl ModelConfig {
                 None
             }
         };
-        // EXAONE 4's full-attention layers have no rope (where it has a window at all).
+        // EXAONE 4's full-attention layers have no rope (where it has a window at all);
+        // Granite 4's layers rotate only where `position_embedding_type` says rope.
         let rope_layers = match architecture {
             Architecture::Exaone4 => sliding_layers.clone(),
+            Architecture::GraniteMoeHybrid => {
+                Self::check_granite_hybrid_layers(&raw, num_hidden_layers, path)?;
+                (raw.position_embedding_type.as_deref() != Some("rope"))
+                    .then(|| vec![false; num_hidden_layers])
+            }
             _ => smollm3_rope_layers,
         };
         let torch_dtype = [&raw.torch_dtype, &raw.dtype]
@@ -956,7 +1031,10 @@ impl ModelConfig {
             rope_sliding,
             granite: matches!(
                 architecture,
-                Architecture::Granite | Architecture::GraniteMoe | Architecture::GraniteMoeShared
+                Architecture::Granite
+                    | Architecture::GraniteMoe
+                    | Architecture::GraniteMoeShared
+                    | Architecture::GraniteMoeHybrid
             )
             .then(|| Self::parse_granite(&raw, path))
             .transpose()?,
@@ -994,6 +1072,38 @@ impl ModelConfig {
     /// (rounded down, as transformers' `int(head_dim · factor)`; GLM's default 0.5), which
     /// only the Phi-3 and GLM layouts read (their attention rotates the first part and passes
     /// the rest through; Llama's and the others' rotate whole heads).
+    /// Granite 4's `layer_types`, which must name attention layers only (`"attention"`,
+    /// transformers 5's `"full_attention"`): its Mamba layers (`"mamba"`, transformers'
+    /// `"linear_attention"`, every layer where the config names none) carry a recurrent
+    /// state the engine does not hold.
+    fn check_granite_hybrid_layers(raw: &RawConfig, num_layers: usize, path: &Path) -> Result<()> {
+        let err = |message: String| DetspecError::InvalidConfig {
+            path: path.to_path_buf(),
+            field: "layer_types".into(),
+            message,
+        };
+        let Some(types) = &raw.layer_types else {
+            return Err(err(
+                "missing (transformers' default: every layer Mamba, which is not supported)".into(),
+            ));
+        };
+        if types.len() != num_layers {
+            return Err(err(format!(
+                "{} entries for {num_layers} layers",
+                types.len()
+            )));
+        }
+        // Hub configs say "attention"; transformers 5 writes "full_attention".
+        let attention = |t: &str| t == "attention" || t == "full_attention";
+        match types.iter().enumerate().find(|(_, t)| !attention(t)) {
+            Some((l, t)) => Err(err(format!(
+                "layer {l} is {t:?}: only attention layers are supported (Granite 4.0's -H \
+                 models' Mamba layers are not)"
+            ))),
+            None => Ok(()),
+        }
+    }
+
     fn parse_rotary_dim(
         raw: &RawConfig,
         architecture: Architecture,
@@ -1298,6 +1408,50 @@ pub(super) mod tests {
         "num_attention_heads": 4, "vocab_size": 100"#;
 
     #[test]
+    fn granite4_runs_attention_layers_with_its_shared_mlp_and_refuses_mamba() {
+        let granite = |extra: &str| {
+            parse(&format!(
+                r#"{{"architectures": ["GraniteMoeHybridForCausalLM"], {BASE},
+                "shared_intermediate_size": 96{extra}}}"#
+            ))
+        };
+        // Micro's form: no experts, the shared MLP is the dense one, rope by name.
+        let c = granite(
+            r#", "layer_types": ["attention", "full_attention"],
+            "position_embedding_type": "rope", "num_local_experts": 0"#,
+        )
+        .unwrap();
+        assert!(c.moe.is_none() && c.granite.is_some() && c.rope_layers.is_none());
+        assert_eq!(c.intermediate_size, 96);
+        let fused = c.architecture.fused();
+        assert!(fused.gate_up && fused.mlp == DenseMlpNames::GraniteShared);
+        assert_eq!(
+            (fused.gate_up_module(), fused.down_module()),
+            ("shared_mlp.input_linear", "shared_mlp.output_linear")
+        );
+        // No rope where the config names none (the -H models' NoPE); experts beside it.
+        let c = granite(
+            r#", "layer_types": ["attention", "attention"], "num_local_experts": 4,
+            "num_experts_per_tok": 2"#,
+        )
+        .unwrap();
+        assert_eq!(c.rope_layers, Some(vec![false, false]));
+        assert_eq!(c.moe.unwrap().shared_expert_intermediate_size, Some(96));
+        // transformers' default is 8 experts: a config naming none is not read as dense.
+        let e = granite(r#", "layer_types": ["attention", "attention"]"#).unwrap_err();
+        assert!(e.to_string().contains("num_experts"), "{e}");
+        for extra in [
+            r#", "layer_types": ["attention", "mamba"]"#,
+            r#", "layer_types": ["linear_attention", "attention"]"#,
+            r#", "layer_types": ["attention"]"#,
+            "",
+        ] {
+            let e = granite(&format!(r#", "num_local_experts": 0{extra}"#)).unwrap_err();
+            assert!(e.to_string().contains("layer_types"), "{extra}: {e}");
+        }
+    }
+
+    #[test]
     fn errors_name_the_field() {
         let e = parse(r#"{"architectures": ["GPT2LMHeadModel"]}"#).unwrap_err();
         assert!(e.to_string().contains("GPT2LMHeadModel"), "{e}");
@@ -1405,7 +1559,8 @@ pub(super) mod tests {
             c.architecture.fused(),
             Fused {
                 qkv: false,
-                gate_up: true
+                gate_up: true,
+                ..Fused::default()
             }
         );
         assert!(c.architecture.rope_interleaved() && !Architecture::Phi3.rope_interleaved());
@@ -1885,7 +2040,8 @@ pub(super) mod tests {
             c.architecture.fused()
                 == Fused {
                     qkv: true,
-                    gate_up: true
+                    gate_up: true,
+                    ..Fused::default()
                 }
         );
         assert!(Architecture::Llama.fused() == Fused::default());

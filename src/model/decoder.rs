@@ -190,8 +190,13 @@ impl Model {
                     Mlp::Sparse(Box::new(SparseMlp::load(&ld, &cfg, moe, i)?))
                 }
                 _ if fused.gate_up => Mlp::Dense {
-                    gate_up: ld.fused_projection(&mlp("gate_up_proj"), &[is, is], hs, stack)?,
-                    down: ld.linear(&mlp("down_proj"), is, hs, false)?,
+                    gate_up: ld.fused_projection(
+                        &format!("{p}.{}", fused.gate_up_module()),
+                        &[is, is],
+                        hs,
+                        stack,
+                    )?,
+                    down: ld.linear(&format!("{p}.{}", fused.down_module()), is, hs, false)?,
                 },
                 _ => Mlp::Dense {
                     gate_up: ld.projection(

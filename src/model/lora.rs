@@ -76,18 +76,22 @@ impl LoraTarget {
 
     /// The targets the checkpoint module `module` (`self_attn.q_proj`) holds: one, or on a
     /// model that stores them fused (Phi-3: both; GLM: gate/up), q/k/v as
-    /// `self_attn.qkv_proj` and gate/up as `mlp.gate_up_proj`, each then under that name only.
+    /// `self_attn.qkv_proj` and gate/up as `mlp.gate_up_proj`, each then under that name only;
+    /// Granite 4's MLP under its own names (`shared_mlp.input_linear`, `.output_linear`).
     fn of_module(module: &str, fused: Fused) -> Option<&'static [LoraTarget]> {
         match module {
             "self_attn.qkv_proj" => fused.qkv.then_some(Self::GROUPS[0]),
-            "mlp.gate_up_proj" => fused.gate_up.then_some(Self::GROUPS[2]),
+            m if fused.gate_up && m == fused.gate_up_module() => Some(Self::GROUPS[2]),
+            m if m == fused.down_module() => Some(Self::GROUPS[3]),
             _ => {
                 let i = Self::ALL.iter().position(|t| t.module() == module)?;
                 let target = &Self::ALL[i..=i];
                 let in_fused = match target[0] {
                     Self::Q | Self::K | Self::V => fused.qkv,
                     Self::Gate | Self::Up => fused.gate_up,
-                    Self::O | Self::Down => false,
+                    Self::O => false,
+                    // (the model's down module matched above)
+                    Self::Down => true,
                 };
                 (!in_fused).then_some(target)
             }
@@ -698,6 +702,17 @@ mod tests {
         assert_eq!(of("self_attn.qkv_proj", glm), None);
         assert_eq!(of("mlp.gate_up_proj", glm), Some(&[Gate, Up][..]));
         assert_eq!(of("mlp.gate_proj", glm), None);
+        // Granite 4: its MLP under its own names only.
+        let granite = Architecture::GraniteMoeHybrid.fused();
+        assert_eq!(
+            of("shared_mlp.input_linear", granite),
+            Some(&[Gate, Up][..])
+        );
+        assert_eq!(of("shared_mlp.output_linear", granite), Some(&[Down][..]));
+        assert_eq!(of("self_attn.q_proj", granite), Some(&[Q][..]));
+        assert_eq!(of("mlp.down_proj", granite), None);
+        assert_eq!(of("mlp.gate_up_proj", granite), None);
+        assert_eq!(of("shared_mlp.input_linear", llama), None);
         let e = parse_name("model.layers.0.self_attn.q_proj.lora_A.weight", 2, phi3).unwrap_err();
         assert!(e.contains("qkv/o/gate_up/down"), "{e}");
         let e = parse_name("model.layers.0.mlp.up_proj.lora_A.weight", 2, glm).unwrap_err();

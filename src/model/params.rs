@@ -62,8 +62,8 @@ pub fn param_shapes(cfg: &ModelConfig) -> BTreeMap<String, Vec<usize>> {
                 m.extend(sparse_params(cfg, moe, i));
             }
             _ if fused.gate_up => {
-                linear(format!("{p}.mlp.gate_up_proj"), hs, 2 * is, false);
-                linear(format!("{p}.mlp.down_proj"), is, hs, false);
+                linear(format!("{p}.{}", fused.gate_up_module()), hs, 2 * is, false);
+                linear(format!("{p}.{}", fused.down_module()), is, hs, false);
             }
             _ => {
                 linear(format!("{p}.mlp.gate_proj"), hs, is, cfg.mlp_bias);

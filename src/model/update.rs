@@ -219,7 +219,7 @@ impl Model {
                     let widths = self.cfg.qkv_widths().to_vec();
                     return Some(Slot::FusedWeight(&mut layer.qkv, widths));
                 }
-                "mlp.gate_up_proj" if fused.gate_up => {
+                m if fused.gate_up && m == fused.gate_up_module() => {
                     return Some(Slot::FusedWeight(gate_up?, vec![is, is]))
                 }
                 _ => {}
@@ -232,7 +232,7 @@ impl Model {
             "mlp.gate_proj" => (gate_up?, 0),
             "mlp.up_proj" => (gate_up?, 1),
             "self_attn.o_proj" => return linear_slot(&mut layer.o, kind),
-            "mlp.down_proj" => return linear_slot(down?, kind),
+            m if m == fused.down_module() => return linear_slot(down?, kind),
             "self_attn.q_norm" => return layer.q_norm.as_mut().map(Slot::Norm),
             "self_attn.k_norm" => return layer.k_norm.as_mut().map(Slot::Norm),
             "self_attn" if kind == "sinks" => return Some(Slot::Sinks(&mut layer.sinks)),

@@ -484,6 +484,43 @@ MODEL_SPECS: dict[str, dict] = {
             "logits_scaling": 2.0,
         },
     },
+    # Granite 4.0 Micro / 1B / 350M (GraniteMoeHybrid, attention layers only): no experts, so
+    # each layer's MLP is its shared MLP (shared_mlp.input_linear, gate rows first); Granite's
+    # multipliers. Its twin with experts beside the shared MLP and no rope anywhere
+    # (position_embedding_type null, as the -H models set it).
+    "granite4": {
+        "arch": "granitemoehybrid",
+        "seed": 191,
+        "tie": True,
+        "rope": {"rope_type": "default", "rope_theta": 10000.0},
+        "extra": {
+            "num_local_experts": 0,
+            "shared_intermediate_size": 96,
+            "layer_types": ["attention", "attention"],
+            "position_embedding_type": "rope",
+            "embedding_multiplier": 3.0,
+            "residual_multiplier": 0.5,
+            "attention_multiplier": 0.2,
+            "logits_scaling": 2.0,
+        },
+    },
+    "granite4_moe_nope": {
+        "arch": "granitemoehybrid",
+        "seed": 193,
+        "rope": {"rope_type": "default", "rope_theta": 10000.0},
+        "extra": {
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+            "intermediate_size": 48,
+            "shared_intermediate_size": 64,
+            "layer_types": ["attention", "attention"],
+            "position_embedding_type": None,
+            "embedding_multiplier": 2.0,
+            "residual_multiplier": 0.7,
+            "attention_multiplier": 0.25,
+            "logits_scaling": 1.5,
+        },
+    },
     "mixtral": {
         "arch": "mixtral",
         "seed": 31,
@@ -682,6 +719,10 @@ _CONFIG_CLASSES = {
     "glm4_moe_lite": (transformers.Glm4MoeLiteConfig, transformers.Glm4MoeLiteForCausalLM),
     "minimax_m2": (transformers.MiniMaxM2Config, transformers.MiniMaxM2ForCausalLM),
     "ernie45_moe": (transformers.Ernie4_5_MoeConfig, transformers.Ernie4_5_MoeForCausalLM),
+    "granitemoehybrid": (
+        transformers.GraniteMoeHybridConfig,
+        transformers.GraniteMoeHybridForCausalLM,
+    ),
 }
 
 

@@ -184,6 +184,8 @@ def needle_in_haystack(
         "glm4_moe_lite",
         "minimax_m2",
         "ernie45_moe",
+        "granite4",
+        "granite4_moe_nope",
     ],
 )
 def test_needle_in_haystack_on_every_decoder_layout(model_zoo, name: str) -> None:

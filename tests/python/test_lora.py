@@ -126,6 +126,12 @@ PARITY_CASES = [
         {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"]},
         id="glm4-gate-up-fused",
     ),
+    # Granite 4 (attention layers only): its MLP is its shared MLP, gate/up fused.
+    pytest.param(
+        "granite4",
+        {"target_modules": ["q_proj", "o_proj", "input_linear", "output_linear"]},
+        id="granite4-shared-mlp",
+    ),
 ]
 
 

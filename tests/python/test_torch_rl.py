@@ -75,6 +75,8 @@ def outputs_bits(llm: detspec.LLM) -> list[tuple[list[int], list[int]]]:
         "glm4_moe_lite",
         "minimax_m2",
         "ernie45_moe",
+        "granite4",
+        "granite4_moe_nope",
     ],
 )
 def test_update_weights_follows_transformers_and_restores_bit_for_bit(model_zoo, name):
