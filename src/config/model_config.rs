@@ -12,7 +12,7 @@ use serde_json::Value;
 use super::head::Head;
 use super::json::{parse_json, TokenIds};
 use super::mla_config::{MlaConfig, RawMla};
-use super::moe_config::{ExpertNaming, MoeConfig, RawMoe, SparseShape};
+use super::moe_config::{DeepSeekDefaults, ExpertNaming, MoeConfig, RawMoe, SparseShape};
 use super::quant::{parse_quantization, Fp8Weights, Quantization};
 use super::rope::{self, RawRope, RopeConfig, RopeDefaults, RopeScaling};
 use super::text_config::decoder_json;
@@ -101,6 +101,11 @@ pub enum Architecture {
     /// ([`ExpertNaming::Ernie`]): an f32 router whose softmax scores plus a correction bias
     /// choose the experts, weighed by their scores renormalised, beside ungated shared experts.
     Ernie45Moe,
+    /// dots.llm1 (`Dots1ForCausalLM`): Qwen3's attention (per-head q/k norms) and layer kinds
+    /// (`layer_types`; transformers' default: the layers from `max_window_layers` on attend
+    /// within the window), DeepSeek-V3's experts with dots' defaults (no dense first layer,
+    /// weights not renormalised).
+    Dots1,
     /// MiniMax-M2 (M2, M2.1, M2.5; `MiniMaxM2ForCausalLM`): OLMo 2's q/k norms over the whole
     /// projections, rope on the first `rotary_dim` of each head pairing halves (Phi-3's
     /// layout), and Mixtral's experts routed as DeepSeek-V3 routes in one group: sigmoid
@@ -115,7 +120,7 @@ pub enum Architecture {
 impl Architecture {
     /// Each architecture's `*ForCausalLM` class (`architectures`) and its `model_type`, the
     /// fallback for a config without `architectures`.
-    const CAUSAL_LM: [(&'static str, &'static str, Architecture); 31] = [
+    const CAUSAL_LM: [(&'static str, &'static str, Architecture); 32] = [
         ("LlamaForCausalLM", "llama", Architecture::Llama),
         ("MistralForCausalLM", "mistral", Architecture::Mistral),
         ("Qwen2ForCausalLM", "qwen2", Architecture::Qwen2),
@@ -163,6 +168,7 @@ impl Architecture {
             "minimax_m2",
             Architecture::MiniMaxM2,
         ),
+        ("Dots1ForCausalLM", "dots1", Architecture::Dots1),
         (
             "Ernie4_5_MoeForCausalLM",
             "ernie4_5_moe",
@@ -518,6 +524,8 @@ struct RawConfig {
     partial_rotary_factor: Option<f64>,
     /// MiniMax-M2's rotated width per head.
     rotary_dim: Option<usize>,
+    /// dots.llm1's first sliding layer where `layer_types` is absent.
+    max_window_layers: Option<usize>,
     /// Granite 4's: its experts (0: none), its shared MLP's width (the dense MLP's without
     /// experts), each layer's kind, and whether attention rotates (`"rope"`).
     num_local_experts: Option<usize>,
@@ -800,6 +808,8 @@ impl ModelConfig {
             | Architecture::MiniMaxM2
             | Architecture::Ernie45Moe
             | Architecture::GraniteMoeHybrid => None,
+            // Its window applies to its sliding layers only (below).
+            Architecture::Dots1 => raw.sliding_window,
             // Its window applies to the layers without rope only (below).
             Architecture::SmolLm3 => raw
                 .sliding_window
@@ -820,6 +830,10 @@ impl ModelConfig {
             shared_expert,
             own_width,
             layer_types: architecture == Architecture::Glm4MoeLite,
+            deepseek_defaults: match architecture {
+                Architecture::Dots1 => DeepSeekDefaults::DOTS1,
+                _ => DeepSeekDefaults::DEEPSEEK,
+            },
         };
         let moe = match architecture {
             Architecture::Mixtral => Some(sparse(ExpertNaming::Mixtral, false, false)),
@@ -838,7 +852,8 @@ impl ModelConfig {
             Architecture::Glm4Moe
             | Architecture::DeepseekV3
             | Architecture::DeepseekV2
-            | Architecture::Glm4MoeLite => Some(sparse(ExpertNaming::DeepSeek, true, true)),
+            | Architecture::Glm4MoeLite
+            | Architecture::Dots1 => Some(sparse(ExpertNaming::DeepSeek, true, true)),
             _ => None,
         }
         .map(|shape| {
@@ -908,6 +923,7 @@ impl ModelConfig {
             Architecture::Gemma2 | Architecture::GptOss => {
                 Some(Self::parse_layer_types(&raw, num_hidden_layers, 2, path)?)
             }
+            Architecture::Dots1 => Self::dots1_sliding_layers(&raw, num_hidden_layers, path)?,
             Architecture::Gemma3 => {
                 // The classic keys' `rope_scaling` is the full layers'; the sliding ones keep
                 // plain rope of `rope_local_base_freq`.
@@ -1005,7 +1021,8 @@ impl ModelConfig {
                 | Architecture::Olmoe
                 | Architecture::Gemma3
                 | Architecture::Exaone4
-                | Architecture::MiniMaxM2 => true,
+                | Architecture::MiniMaxM2
+                | Architecture::Dots1 => true,
                 Architecture::Glm4Moe => raw.use_qk_norm.unwrap_or(false),
                 _ => false,
             },
@@ -1026,7 +1043,9 @@ impl ModelConfig {
                 .transpose()?,
             moe,
             mla,
-            sliding_window,
+            // dots.llm1's window only where a layer is sliding.
+            sliding_window: sliding_window
+                .filter(|_| architecture != Architecture::Dots1 || sliding_layers.is_some()),
             sliding_layers,
             rope_sliding,
             granite: matches!(
@@ -1102,6 +1121,24 @@ impl ModelConfig {
             ))),
             None => Ok(()),
         }
+    }
+
+    /// dots.llm1's layer kinds where any layer is sliding: `layer_types`, or transformers'
+    /// default, the layers from `max_window_layers` (62) on where there is a window.
+    fn dots1_sliding_layers(
+        raw: &RawConfig,
+        layers: usize,
+        path: &Path,
+    ) -> Result<Option<Vec<bool>>> {
+        let sliding = match (&raw.layer_types, raw.sliding_window) {
+            (Some(_), _) => Self::parse_layer_types(raw, layers, usize::MAX, path)?,
+            (None, None) => vec![false; layers],
+            (None, Some(_)) => {
+                let from = raw.max_window_layers.unwrap_or(62);
+                (0..layers).map(|l| l >= from).collect()
+            }
+        };
+        Ok(sliding.iter().any(|&s| s).then_some(sliding))
     }
 
     fn parse_rotary_dim(

@@ -213,6 +213,33 @@ pub(super) struct SparseShape {
     /// Each layer's MLP is named in `mlp_layer_types` (GLM-4.7-Flash's class), in place of
     /// DeepSeek's `first_k_dense_replace`.
     pub layer_types: bool,
+    /// What a DeepSeek-named config means by the fields it leaves out.
+    pub deepseek_defaults: DeepSeekDefaults,
+}
+
+/// transformers' defaults for DeepSeek's fields, which its classes set differently.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct DeepSeekDefaults {
+    pub first_k_dense_replace: usize,
+    pub norm_topk_prob: bool,
+    /// `None`: the field is required (its class has no usable default).
+    pub n_shared_experts: Option<usize>,
+}
+
+impl DeepSeekDefaults {
+    /// DeepSeek-V2/V3's, GLM-4.5's.
+    pub const DEEPSEEK: Self = Self {
+        first_k_dense_replace: 1,
+        norm_topk_prob: true,
+        n_shared_experts: Some(1),
+    };
+    /// dots.llm1's (`Dots1Config`): no dense first layer, weights not renormalised, and
+    /// `n_shared_experts` must be given.
+    pub const DOTS1: Self = Self {
+        first_k_dense_replace: 0,
+        norm_topk_prob: false,
+        n_shared_experts: None,
+    };
 }
 
 impl RawMoe {
@@ -230,6 +257,7 @@ impl RawMoe {
             shared_expert,
             own_width,
             layer_types,
+            deepseek_defaults: defaults,
         } = shape;
         let err = |field: &str, message: String| DetspecError::InvalidConfig {
             path: path.to_path_buf(),
@@ -273,7 +301,9 @@ impl RawMoe {
             // transformers' default is one shared expert.
             ExpertNaming::DeepSeek => (
                 "n_shared_experts",
-                Some(expert_intermediate_size * self.n_shared_experts.unwrap_or(1)),
+                self.n_shared_experts
+                    .or(defaults.n_shared_experts)
+                    .map(|n| expert_intermediate_size * n),
             ),
             // transformers' default is two.
             ExpertNaming::Ernie => (
@@ -307,7 +337,9 @@ impl RawMoe {
         // DeepSeek's first layers are dense (transformers' default: one), as ERNIE's are
         // before its start index (default one) and after its end index (-1: the last layer).
         let first_sparse = match naming {
-            ExpertNaming::DeepSeek => self.first_k_dense_replace.unwrap_or(1),
+            ExpertNaming::DeepSeek => self
+                .first_k_dense_replace
+                .unwrap_or(defaults.first_k_dense_replace),
             ExpertNaming::Ernie => self.moe_layer_start_index.unwrap_or(1),
             _ => 0,
         };
@@ -363,7 +395,7 @@ impl RawMoe {
             norm_topk_prob: match naming {
                 ExpertNaming::Mixtral | ExpertNaming::GptOss | ExpertNaming::Granite => true,
                 ExpertNaming::Qwen => self.norm_topk_prob.unwrap_or(false),
-                ExpertNaming::DeepSeek => self.norm_topk_prob.unwrap_or(true),
+                ExpertNaming::DeepSeek => self.norm_topk_prob.unwrap_or(defaults.norm_topk_prob),
                 // Its router divides by the chosen scores' sum (at least `moe_norm_min`).
                 ExpertNaming::Ernie => true,
             },
@@ -706,6 +738,43 @@ mod tests {
             assert!(e.to_string().contains(field), "{field}: {e}");
         }
         assert!(ernie(r#", "moe_norm_min": 1e-12"#).is_ok());
+    }
+
+    #[test]
+    fn dots1_routes_as_deepseek_with_its_own_defaults_and_qwen3s_layers() {
+        let dots = |extra: &str| {
+            parse(
+                "Dots1ForCausalLM",
+                &format!(
+                    r#", "n_routed_experts": 8, "num_experts_per_tok": 2,
+                    "moe_intermediate_size": 16{extra}"#
+                ),
+            )
+        };
+        // Dots1Config's defaults: every layer sparse, weights not renormalised; no window
+        // where max_window_layers (62) is past the last layer.
+        let c = dots(r#", "n_shared_experts": 2, "sliding_window": 4096"#).unwrap();
+        let moe = c.moe.unwrap();
+        assert_eq!(moe.sparse_layers, vec![true; 4]);
+        assert!(!moe.norm_topk_prob && moe.naming == ExpertNaming::DeepSeek);
+        assert_eq!(moe.shared_expert_intermediate_size, Some(32));
+        assert!(c.qk_norm && !c.architecture.norms_whole_qk());
+        assert!(c.sliding_window.is_none() && c.sliding_layers.is_none());
+        // Its layer kinds, and transformers' default from max_window_layers.
+        let c = dots(
+            r#", "n_shared_experts": 1, "sliding_window": 8,
+            "layer_types": ["full_attention", "sliding_attention", "full_attention",
+            "full_attention"]"#,
+        )
+        .unwrap();
+        assert_eq!(c.sliding_window, Some(8));
+        assert_eq!(c.sliding_layers, Some(vec![false, true, false, false]));
+        let c = dots(r#", "n_shared_experts": 1, "sliding_window": 8, "max_window_layers": 2"#)
+            .unwrap();
+        assert_eq!(c.sliding_layers, Some(vec![false, false, true, true]));
+        // Its class has no shared-expert count to fall back on.
+        let e = dots("").unwrap_err();
+        assert!(e.to_string().contains("n_shared_experts"), "{e}");
     }
 
     #[test]

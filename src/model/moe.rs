@@ -841,6 +841,35 @@ mod tests {
     }
 
     #[test]
+    fn ernie_routing_chooses_by_biased_softmax_and_weighs_by_softmax() {
+        // ERNIE 4.5's: softmax scores; the bias only chooses (it lifts expert 3 over 1 here);
+        // the chosen scores renormalised, unscaled.
+        let logits = [2.0f32, 1.0, -1.0, 0.5];
+        let bias = [0.0, 0.0, 0.0, 0.5];
+        let rule = DeepSeekRouting {
+            scoring: Scoring::Softmax,
+            n_group: 1,
+            topk_group: 1,
+            routed_scaling_factor: 1.0,
+        };
+        let r = Routing::biased(&logits, 4, 2, &bias, &rule, true).unwrap();
+        let mut p = Vec::new();
+        softmax_into(&logits, &mut p);
+        assert!(p[1] > p[3] && p[3] + bias[3] > p[1] + bias[1]);
+        let total = p[0] + p[3] + 1e-20;
+        let want = vec![(0, p[0] / total), (3, p[3] / total)];
+        let bits =
+            |v: &[(usize, f32)]| v.iter().map(|&(e, w)| (e, w.to_bits())).collect::<Vec<_>>();
+        assert_eq!(bits(&r.picks[0]), bits(&want));
+        // Without the bias, expert 1 is chosen.
+        let r = Routing::biased(&logits, 4, 2, &[0.0; 4], &rule, true).unwrap();
+        assert_eq!(
+            r.picks[0].iter().map(|&(e, _)| e).collect::<Vec<_>>(),
+            [0, 1]
+        );
+    }
+
+    #[test]
     fn grouped_softmax_routing_keeps_the_best_groups_and_weighs_by_score() {
         // DeepSeek-V2's: softmax, groups scored by their best, the top k of the kept groups,
         // weights the scores times the scale (never renormalised).

@@ -186,6 +186,7 @@ def needle_in_haystack(
         "ernie45_moe",
         "granite4",
         "granite4_moe_nope",
+        "dots1",
     ],
 )
 def test_needle_in_haystack_on_every_decoder_layout(model_zoo, name: str) -> None:

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from detspec.server.reasoning import (
     END,
+    KIMI_SECTION,
     START,
     ReasoningParser,
     ReasoningSplit,
@@ -134,6 +135,42 @@ def test_append_think_keeps_the_thinking_in_the_content(tokens, cuts, thinking) 
     assert s.num_tokens == split_whole(tokens, thinking, minimax)[2]
 
 
+SECTION_ID = 902
+KIMI = ReasoningParser("kimi_k2", START_ID, END_ID, special=False, section_id=SECTION_ID)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    tokens=st.lists(st.one_of(piece, st.just((KIMI_SECTION, SECTION_ID))), max_size=14),
+    cuts=st.lists(st.integers(0, 14), max_size=6),
+)
+def test_kimi_k2_a_tool_call_section_ends_the_reasoning_too(tokens, cuts) -> None:
+    """Kimi K2 Thinking (vLLM's ``kimi_k2``): the reasoning ends at the first ``</think>``
+    (dropped) or tool-call section (kept: it begins the content, for the tool parser), under
+    any streaming."""
+    text = "".join(t for t, _ in tokens)
+    ids = [i for _, i in tokens]
+    want_r, want_c, want_n = split_whole(tokens, True, KIMI)
+    k = next((i for i, t in enumerate(ids) if t in (END_ID, SECTION_ID)), len(ids))
+    before = "".join(t for t, _ in tokens[:k])
+    head = before.lstrip()
+    assert want_r == (head[len(START) :] if head.startswith(START) else before)
+    if k < len(ids):
+        after = "".join(t for t, _ in tokens[k + (ids[k] == END_ID) :])
+        assert want_c == after
+    else:
+        assert want_c == ""
+    assert want_n == sum(t != START_ID for t in ids[:k])
+    s = ReasoningSplit(KIMI, True)
+    got_r = got_c = ""
+    bounds = sorted({0, len(tokens), *(min(c, len(tokens)) for c in cuts)})
+    for a, b in zip(bounds, bounds[1:], strict=False):
+        r, c = s.feed("".join(t for t, _ in tokens[a:b]), [i for _, i in tokens[a:b]])
+        got_r, got_c = got_r + r, got_c + c
+    assert (got_r + s.finish(), got_c, s.num_tokens) == (want_r, want_c, want_n)
+    assert text.endswith(want_c)
+
+
 def test_where_the_output_begins() -> None:
     # the generation prompt's last tag decides
     assert R1.thinks([3, START_ID, 4], {})
@@ -148,6 +185,8 @@ def test_where_the_output_begins() -> None:
     assert not v3.thinks([3, 4], {}) and not v3.thinks([3, 4], {"enable_thinking": True})
     assert v3.thinks([3, 4], {"thinking": True})
     assert v3.thinks([3, START_ID], {}) and not v3.thinks([END_ID], {"thinking": True})
+    # Kimi K2 Thinking: on unless `thinking` turns it off
+    assert KIMI.thinks([3, 4], {}) and not KIMI.thinks([3, 4], {"thinking": False})
     # MiniMax-M2 (its template opens the block): inside unless the prompt closed it
     for name in ("minimax_m2", "minimax_m2_append_think"):
         m2 = dataclasses.replace(QWEN3, name=name)

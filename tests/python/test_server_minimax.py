@@ -219,6 +219,28 @@ def test_call_sections_of_special_tokens(tmp_path_factory, model_dir, tok, parse
         assert s.stop() == 0, s.log()
 
 
+def test_kimi_k2_reasoning_ends_at_its_tool_call_section(tmp_path_factory, model_dir, tok):
+    """Kimi K2 Thinking (``--reasoning-parser kimi_k2 --tool-call-parser kimi_k2``): with no
+    ``</think>``, its tool-call section ends the reasoning and is read as the call."""
+    s = serve(
+        tmp_path_factory, model_dir, "kimi-thinking", "--reasoning-parser", "kimi_k2",
+        "--enable-auto-tool-choice", "--tool-call-parser", "kimi_k2",
+    )  # fmt: skip
+    try:
+        script = (
+            f"{THINK}{KIMI_CALLS}{KIMI_CALL}functions.book:0{KIMI_ARGS}"
+            f'{{"code": "007"}}{KIMI_CALL_END}{KIMI_END}[e~['
+        )
+        ch = chat(openai_client(s), s, tok, script, tools=[BOOK]).choices[0]
+        assert ch.message.model_extra["reasoning"] == THINK
+        assert not ch.message.content and ch.finish_reason == "tool_calls"
+        (call,) = ch.message.tool_calls
+        assert call.id == "functions.book:0"
+        assert json.loads(call.function.arguments) == {"code": "007"}
+    finally:
+        assert s.stop() == 0, s.log()
+
+
 def test_without_the_parsers_the_output_is_flat_content(tmp_path_factory, model_dir, tok):
     s = serve(tmp_path_factory, model_dir, "minimax-flat")
     try:

@@ -77,6 +77,7 @@ def outputs_bits(llm: detspec.LLM) -> list[tuple[list[int], list[int]]]:
         "ernie45_moe",
         "granite4",
         "granite4_moe_nope",
+        "dots1",
     ],
 )
 def test_update_weights_follows_transformers_and_restores_bit_for_bit(model_zoo, name):

@@ -12,6 +12,10 @@ of the tokenizer (checked when the server starts):
 * ``deepseek_v3`` -- DeepSeek-V3.1's hybrid: no thinking unless
   ``chat_template_kwargs: {"thinking": true}`` (or the template opened the block), as vLLM's
   parser of that name reads it; DeepSeek-V3 itself never thinks;
+* ``kimi_k2`` -- Kimi K2 Thinking: thinking unless ``chat_template_kwargs:
+  {"thinking": false}``; a tool-call section (``<|tool_calls_section_begin|>``, where the
+  tokenizer has it as one token) also ends the reasoning, and stays in the content for the
+  ``kimi_k2`` tool parser, as vLLM's parser of that name reads it;
 * ``minimax_m2`` -- MiniMax-M2 (its template opens the block): read as ``deepseek_r1``;
   ``minimax_m2_append_think`` splits nothing off: the thinking stays in the content, the
   ``<think>`` the template opened written before it, as vLLM's parser of that name returns it
@@ -49,6 +53,8 @@ if TYPE_CHECKING:
 
 START, END = "<think>", "</think>"
 APPEND_THINK = "minimax_m2_append_think"
+# Kimi K2's tool-call section, which ends its reasoning where the model writes no </think>
+KIMI_SECTION = "<|tool_calls_section_begin|>"
 
 # name -> (the chat_template_kwargs switch that turns thinking on or off (None: none), whether
 # the output thinks when neither the switch nor the generation prompt says)
@@ -57,6 +63,7 @@ PARSERS: dict[str, tuple[str | None, bool]] = {
     "qwen3": ("enable_thinking", True),
     "glm45": ("enable_thinking", True),
     "deepseek_v3": ("thinking", False),
+    "kimi_k2": ("thinking", True),
     "minimax_m2": (None, True),
     APPEND_THINK: (None, True),
     HARMONY: (None, True),
@@ -72,6 +79,8 @@ class ReasoningParser:
     end_id: int
     # The tags are special tokens, which a decode with skip_special_tokens drops.
     special: bool
+    # A token that ends the reasoning too, kept in the content (Kimi K2's tool-call section).
+    section_id: int | None = None
 
     def thinks(self, generation_prompt: Sequence[int], template_kwargs: dict[str, Any]) -> bool:
         """Whether the output begins inside the thinking block."""
@@ -95,7 +104,11 @@ def reasoning_parser(name: str, tokenizer: Tokenizer | None) -> ReasoningParser 
     start_id, end_id = single_token_ids(name, tokenizer, (START, END))
     assert tokenizer is not None  # (single_token_ids refuses none)
     special = tokenizer.decode([end_id], True) != END
-    return ReasoningParser(name, start_id, end_id, special)
+    section_id = None
+    if name == "kimi_k2":
+        found = tokenizer.encode(KIMI_SECTION, False)
+        section_id = found[0] if len(found) == 1 else None
+    return ReasoningParser(name, start_id, end_id, special, section_id)
 
 
 @dataclass(frozen=True)
@@ -156,7 +169,8 @@ class ReasoningSplit:
             return "", text
         ids = list(token_ids)
         p = self.parser
-        k = ids.index(p.end_id) if p.end_id in ids else len(ids)
+        ends = (p.end_id, p.section_id)
+        k = next((i for i, t in enumerate(ids) if t in ends), len(ids))
         self.num_tokens += sum(t != p.start_id for t in ids[:k])
         self.thinking = k == len(ids)
         if self._append:
@@ -164,10 +178,12 @@ class ReasoningSplit:
             return "", opening + text
         if self.thinking:
             return self._reasoning(text, final=False), ""
-        at = text.find(END)
+        # </think> is dropped; a tool-call section starts the content
+        tag, kept = (END, False) if ids[k] == p.end_id else (KIMI_SECTION, True)
+        at = text.find(tag)
         if at < 0:  # the tag's text was not decoded: all of this piece is reasoning
             return self._reasoning(text, final=True), ""
-        return self._reasoning(text[:at], final=True), text[at + len(END) :]
+        return self._reasoning(text[:at], final=True), text[at if kept else at + len(tag) :]
 
     def finish(self) -> str:
         """Reasoning still held back when the output ends."""

@@ -105,7 +105,8 @@ def add_app_arguments(p: argparse.ArgumentParser) -> None:
         choices=sorted(REASONING_PARSERS),
         default=None,
         help="a thinking model's format: deepseek_r1 (DeepSeek-R1 and distills, QwQ), qwen3, "
-        "glm45, deepseek_v3 (V3.1: thinking by chat_template_kwargs thinking=true), minimax_m2 "
+        "glm45, deepseek_v3 (V3.1: thinking by chat_template_kwargs thinking=true), kimi_k2 "
+        "(Kimi K2 Thinking; a tool-call section ends the thinking too), minimax_m2 "
         "(and minimax_m2_append_think: the thinking kept in the content, <think> included), "
         "openai_gptoss (gpt-oss's Harmony; the default for a gpt-oss checkpoint); chat answers "
         "then carry `reasoning` (and `reasoning_content`) beside `content`, and output "
