@@ -55,10 +55,7 @@ pub struct ForwardBatch {
 #[derive(Debug)]
 pub(super) struct Layer {
     pub(super) input_norm: Option<Tensor>,
-    /// q, k, v (stacked on a GPU unless q/k are normed before rope); none with `latent`.
-    pub(super) qkv: Projection,
-    /// DeepSeek's latent attention projections, in place of `qkv`.
-    pub(super) latent: Option<LatentAttention>,
+    pub(super) qkv: QkvSource,
     pub(super) o: Linear,
     /// Per head (`[head_dim]`), or over the whole projection (OLMo 2: `[heads × head_dim]`).
     /// Every norm weight is held as the kernels multiply by it (Gemma's `1 + w`,
@@ -71,6 +68,15 @@ pub(super) struct Layer {
     pub(super) mlp: Mlp,
     /// gpt-oss's per-head sink logits, on the host (the CPU attention kernel reads them).
     pub(super) sinks: Option<Arc<[f32]>>,
+}
+
+/// Where a layer's queries, keys and values come from.
+#[derive(Debug)]
+pub(super) enum QkvSource {
+    /// q, k, v projections (stacked on a GPU unless q/k are normed before rope).
+    Heads(Projection),
+    /// DeepSeek's latent attention, its keys and values expanded per head.
+    Latent(Box<LatentAttention>),
 }
 
 /// A decoder layer's MLP.
@@ -208,23 +214,21 @@ impl Model {
                     down: ld.linear(&mlp("down_proj"), is, hs, cfg.mlp_bias)?,
                 },
             };
-            let latent = cfg
-                .mla
-                .as_ref()
-                .map(|m| LatentAttention::load(&ld, &cfg, m, i))
-                .transpose()?;
+
             // o_proj reads every head's value.
             let o_in = cfg.mla.as_ref().map_or(h * d, |m| h * m.v_head_dim);
             layers.push(Layer {
                 input_norm: input_norm?,
-                qkv: if latent.is_some() {
-                    Projection::Apart(Vec::new())
-                } else if fused.qkv {
-                    ld.fused_projection(&attn("qkv_proj"), &widths, hs, stack)?
-                } else {
-                    ld.projection(&qkv, hs, cfg.qkv_bias, stack_qkv)?
+                qkv: match &cfg.mla {
+                    Some(m) => QkvSource::Latent(Box::new(LatentAttention::load(&ld, &cfg, m, i)?)),
+                    None if fused.qkv => QkvSource::Heads(ld.fused_projection(
+                        &attn("qkv_proj"),
+                        &widths,
+                        hs,
+                        stack,
+                    )?),
+                    None => QkvSource::Heads(ld.projection(&qkv, hs, cfg.qkv_bias, stack_qkv)?),
                 },
-                latent,
                 o: ld.linear(&attn("o_proj"), o_in, hs, cfg.o_bias)?,
                 q_norm: qk_norm("q_norm", h)?,
                 k_norm: qk_norm("k_norm", kvh)?,
@@ -503,16 +507,16 @@ impl Model {
                     .ok_or_else(|| candle_core::Error::Msg("LoRA returned no output".into()))
             };
             // q, with k and v written into the layer's cache at the rows' slots.
-            let q = match (&layer.latent, &layer.qkv) {
-                (Some(latent), _) => {
+            let q = match &layer.qkv {
+                QkvSource::Latent(latent) => {
                     latent.q_into_cache(&hn, inv, cos, sin, k_cache, v_cache, slots.clone())?
                 }
-                (None, Projection::Stacked { linear, .. }) => {
+                QkvSource::Heads(Projection::Stacked { linear, .. }) => {
                     let targets = [t_q[0], t_k[0], t_v[0]];
                     let y = one(&hn, linear.apply(&hn, inv)?, &targets)?;
                     ops::rope_qkv_into_cache(&y, cos, sin, h, kvh, k_cache, v_cache, slots.clone())?
                 }
-                (None, Projection::Apart(qkv)) => {
+                QkvSource::Heads(Projection::Apart(qkv)) => {
                     let [q, k, v] = qkv.as_slice() else {
                         return Err(DetspecError::param("weights", "q/k/v are three layers"));
                     };
@@ -565,9 +569,9 @@ impl Model {
                 )?,
                 None => ops::paged_attention(&q, k_cache, v_cache, meta.clone(), scale)?,
             };
-            let attn = match &layer.latent {
-                Some(l) => l.values(&attn)?,
-                None => attn.reshape((n, h * d))?,
+            let attn = match &layer.qkv {
+                QkvSource::Latent(l) => l.values(&attn)?,
+                QkvSource::Heads(_) => attn.reshape((n, h * d))?,
             };
             let o = one(&attn, layer.o.apply(&attn, inv)?, &t_o)?;
             let o = residual_scale(out_norm(o, &layer.attn_out_norm)?)?;

@@ -9,7 +9,7 @@ use crate::error::Result;
 
 use std::sync::Arc;
 
-use super::decoder::{host_sinks, Mlp, Model};
+use super::decoder::{host_sinks, Mlp, Model, QkvSource};
 use super::fused_experts::FusedPart;
 use super::linear::{Linear, LinearWeight, Projection};
 use super::loader::offset_norm;
@@ -187,9 +187,12 @@ impl Model {
         // Latent attention's own parameters (every `self_attn` one but o_proj).
         let latent_name = module
             .strip_prefix("self_attn.")
-            .filter(|n| *n != "o_proj" && layer.latent.is_some());
+            .filter(|n| *n != "o_proj" && matches!(layer.qkv, QkvSource::Latent(_)));
         if let Some(name) = latent_name {
-            return match layer.latent.as_mut()?.param_mut(name)? {
+            let QkvSource::Latent(latent) = &mut layer.qkv else {
+                return None;
+            };
+            return match latent.param_mut(name)? {
                 LatentParam::Norm(norm) => (kind == "weight").then_some(Slot::Norm(norm)),
                 LatentParam::Linear(linear) => linear_slot(linear, kind),
             };
@@ -217,7 +220,7 @@ impl Model {
             match module {
                 "self_attn.qkv_proj" if fused.qkv => {
                     let widths = self.cfg.qkv_widths().to_vec();
-                    return Some(Slot::FusedWeight(&mut layer.qkv, widths));
+                    return Some(Slot::FusedWeight(heads(&mut layer.qkv)?, widths));
                 }
                 m if fused.gate_up && m == fused.gate_up_module() => {
                     return Some(Slot::FusedWeight(gate_up?, vec![is, is]))
@@ -226,9 +229,9 @@ impl Model {
             }
         }
         let (projection, part) = match module {
-            "self_attn.q_proj" => (&mut layer.qkv, 0),
-            "self_attn.k_proj" => (&mut layer.qkv, 1),
-            "self_attn.v_proj" => (&mut layer.qkv, 2),
+            "self_attn.q_proj" => (heads(&mut layer.qkv)?, 0),
+            "self_attn.k_proj" => (heads(&mut layer.qkv)?, 1),
+            "self_attn.v_proj" => (heads(&mut layer.qkv)?, 2),
             "mlp.gate_proj" => (gate_up?, 0),
             "mlp.up_proj" => (gate_up?, 1),
             "self_attn.o_proj" => return linear_slot(&mut layer.o, kind),
@@ -247,6 +250,14 @@ impl Model {
 }
 
 /// The weight or bias (`kind`) of a linear layer that stands alone.
+/// A layer's q/k/v projections (none on a latent-attention layer).
+fn heads(qkv: &mut QkvSource) -> Option<&mut Projection> {
+    match qkv {
+        QkvSource::Heads(p) => Some(p),
+        QkvSource::Latent(_) => None,
+    }
+}
+
 fn linear_slot<'a>(linear: &'a mut Linear, kind: &str) -> Option<Slot<'a>> {
     match kind {
         "weight" => Some(Slot::Linear(&mut linear.weight)),
