@@ -10,8 +10,8 @@ tool call typed by the request's schema, finish reason ``tool_calls``; streamed 
 to the whole answer, logprob bits included; ``minimax_m2_append_think`` keeps the thinking in
 the content after the ``<think>`` the template opened; a deterministic request's answer
 repeats bit for bit. DeepSeek-V3's and Kimi K2's call sections (special tokens) are read by
-their parsers on the same model. Negative control: without the parsers the output is one flat
-content string.
+their parsers on the same model, and Kimi K2 Thinking's reasoning ends at its call section.
+Negative control: without the parsers the output is one flat content string.
 """
 
 # ruff: noqa: F811  (pytest fixtures imported from server_fixtures)
