@@ -384,16 +384,14 @@ def test_glm4_moe_router_stays_f32_and_its_bias_is_a_parameter(model_zoo) -> Non
     assert worst(llm.compute_logits(seqs), ref) <= 1e-4
 
 
-def test_minimax_m2_chooses_experts_by_its_correction_bias(model_zoo) -> None:
-    """MiniMax-M2's correction bias sits beside its router (``block_sparse_moe`` on file,
-    ``mlp.e_score_correction_bias`` in a trainer's ``state_dict()``) and only chooses experts:
-    an update of it under either name is followed as transformers follows the new buffer, and
-    restoring it restores the bits."""
-    case = model_zoo.get("minimax_m2")
-    llm = detspec.LLM(str(case.path), num_kv_pages=256)
+def _check_bias_updates(llm, ref, file_name: str, memory_name: str, scale: float) -> None:
+    """``ref`` (transformers' model as the engine ``llm`` computes it) is ``llm``'s model; a
+    new correction bias chooses other experts (the negative control), and an update of it
+    under either name is followed as transformers follows it; restoring it restores the
+    bits."""
     rng = np.random.default_rng(4)
     seqs = [[int(t) for t in rng.integers(3, 500, size=n)] for n in (24, 9)]
-    ref = copy.deepcopy(case.model)
+    held = dict(ref.named_parameters()) | dict(ref.named_buffers())
 
     def worst(got_all) -> float:
         return max(
@@ -403,20 +401,34 @@ def test_minimax_m2_chooses_experts_by_its_correction_bias(model_zoo) -> None:
 
     before = llm.compute_logits(seqs)
     assert worst(before) <= 1e-4
-    memory_name = "model.layers.1.mlp.e_score_correction_bias"
-    old = ref.get_buffer(memory_name).clone()
-    new = torch.randn(old.shape, generator=torch.Generator().manual_seed(9))
+    old = held[memory_name].detach().clone()
+    new = torch.randn(old.shape, generator=torch.Generator().manual_seed(9)) * scale
     with torch.no_grad():
-        ref.get_buffer(memory_name).copy_(new)
-    # Negative control: the new bias chooses other experts, so the old engine is off.
+        held[memory_name].copy_(new)
     assert worst(before) > 1e-4
-    for name in (memory_name, "model.layers.1.block_sparse_moe.e_score_correction_bias"):
+    for name in (memory_name, file_name):
         llm.update_weights([(name, old)])
         llm.update_weights([(name, new)])
         assert worst(llm.compute_logits(seqs)) <= 1e-4, name
     llm.update_weights([(memory_name, old)])
     for a, b in zip(llm.compute_logits(seqs), before, strict=True):
         assert np.array_equal(a, b)
+
+
+def test_minimax_m2_chooses_experts_by_its_correction_bias(model_zoo) -> None:
+    """MiniMax-M2's correction bias sits beside its router (``block_sparse_moe`` on file,
+    ``mlp.e_score_correction_bias`` in a trainer's ``state_dict()``) and only chooses experts:
+    an update of it under either name is followed as transformers follows the new buffer, and
+    restoring it restores the bits."""
+    case = model_zoo.get("minimax_m2")
+    llm = detspec.LLM(str(case.path), num_kv_pages=256)
+    _check_bias_updates(
+        llm,
+        copy.deepcopy(case.model),
+        "model.layers.1.block_sparse_moe.e_score_correction_bias",
+        "model.layers.1.mlp.e_score_correction_bias",
+        scale=1.0,
+    )
 
 
 def test_ernie45_moe_router_stays_f32_and_its_bias_updates_by_either_name(model_zoo) -> None:
@@ -427,32 +439,15 @@ def test_ernie45_moe_router_stays_f32_and_its_bias_updates_by_either_name(model_
     transformers follows it, and restoring it restores the bits."""
     case = model_zoo.get("ernie45_moe")
     llm = detspec.LLM(str(case.path), dtype="bfloat16", kv_cache_dtype="float32")
-    rng = np.random.default_rng(5)
-    seqs = [[int(t) for t in rng.integers(3, 500, size=n)] for n in (24, 9)]
     ref = copy.deepcopy(case.model)
     with torch.no_grad():
         for name, p in ref.named_parameters():
             if not name.endswith(("mlp.gate.weight", "e_score_correction_bias")):
                 p.copy_(p.to(torch.bfloat16).float())
-
-    def worst(got_all) -> float:
-        return max(
-            float(np.abs(got - (r := hf_logits(ref, s))).max() / np.abs(r).max())
-            for s, got in zip(seqs, got_all, strict=True)
-        )
-
-    before = llm.compute_logits(seqs)
-    assert worst(before) <= 1e-4
-    memory_name = "model.layers.1.mlp.gate.moe_statics.e_score_correction_bias"
-    old = ref.get_parameter(memory_name).detach().clone()
-    new = torch.randn(old.shape, generator=torch.Generator().manual_seed(9)) * 0.5
-    with torch.no_grad():
-        ref.get_parameter(memory_name).copy_(new)
-    assert worst(before) > 1e-4  # negative control: the new bias chooses other experts
-    for name in (memory_name, "model.layers.1.mlp.moe_statics.e_score_correction_bias"):
-        llm.update_weights([(name, old)])
-        llm.update_weights([(name, new)])
-        assert worst(llm.compute_logits(seqs)) <= 1e-4, name
-    llm.update_weights([(memory_name, old)])
-    for a, b in zip(llm.compute_logits(seqs), before, strict=True):
-        assert np.array_equal(a, b)
+    _check_bias_updates(
+        llm,
+        ref,
+        "model.layers.1.mlp.moe_statics.e_score_correction_bias",
+        "model.layers.1.mlp.gate.moe_statics.e_score_correction_bias",
+        scale=0.5,
+    )

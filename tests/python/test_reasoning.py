@@ -45,6 +45,21 @@ def split_whole(
     return r + s.finish(), c, s.num_tokens
 
 
+def split_streamed(
+    tokens: list[tuple[str, int]], cuts: list[int], thinking: bool, parser: ReasoningParser
+) -> tuple[str, str, ReasoningSplit]:
+    """The reasoning and content of ``tokens`` fed in pieces cut at ``cuts`` (token
+    boundaries, as the engine's deltas come), and the split (its counts)."""
+    s = ReasoningSplit(parser, thinking)
+    got_r = got_c = ""
+    bounds = sorted({0, len(tokens), *(min(c, len(tokens)) for c in cuts)})
+    for a, b in zip(bounds, bounds[1:], strict=False):
+        chunk = tokens[a:b]
+        r, c = s.feed("".join(t for t, _ in chunk), [i for _, i in chunk])
+        got_r, got_c = got_r + r, got_c + c
+    return got_r + s.finish(), got_c, s
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     tokens=st.lists(piece, max_size=14),
@@ -56,14 +71,7 @@ def test_any_streaming_adds_up_to_the_whole(tokens, cuts, thinking) -> None:
     content concatenate to the non-streamed split, which is the text around the first
     ``</think>`` token."""
     want_r, want_c, want_n = split_whole(tokens, thinking)
-    s = ReasoningSplit(QWEN3, thinking)
-    got_r = got_c = ""
-    bounds = sorted({0, len(tokens), *(min(c, len(tokens)) for c in cuts)})
-    for a, b in zip(bounds, bounds[1:], strict=False):
-        chunk = tokens[a:b]
-        r, c = s.feed("".join(t for t, _ in chunk), [i for _, i in chunk])
-        got_r, got_c = got_r + r, got_c + c
-    got_r += s.finish()
+    got_r, got_c, s = split_streamed(tokens, cuts, thinking, QWEN3)
     assert (got_r, got_c, s.num_tokens) == (want_r, want_c, want_n)
     assert s.reasoning == want_r
     text = "".join(t for t, _ in tokens)
@@ -123,13 +131,8 @@ def test_append_think_keeps_the_thinking_in_the_content(tokens, cuts, thinking) 
     tokens are still counted as ``minimax_m2`` counts them."""
     append = ReasoningParser("minimax_m2_append_think", START_ID, END_ID, special=False)
     text = "".join(t for t, _ in tokens)
-    s = ReasoningSplit(append, thinking)
-    got_r = got_c = ""
-    bounds = sorted({0, len(tokens), *(min(c, len(tokens)) for c in cuts)})
-    for a, b in zip(bounds, bounds[1:], strict=False):
-        r, c = s.feed("".join(t for t, _ in tokens[a:b]), [i for _, i in tokens[a:b]])
-        got_r, got_c = got_r + r, got_c + c
-    assert got_r + s.finish() == ""
+    got_r, got_c, s = split_streamed(tokens, cuts, thinking, append)
+    assert got_r == ""
     assert got_c == (START if thinking and tokens else "") + text
     minimax = dataclasses.replace(append, name="minimax_m2")
     assert s.num_tokens == split_whole(tokens, thinking, minimax)[2]
@@ -161,13 +164,8 @@ def test_kimi_k2_a_tool_call_section_ends_the_reasoning_too(tokens, cuts) -> Non
     else:
         assert want_c == ""
     assert want_n == sum(t != START_ID for t in ids[:k])
-    s = ReasoningSplit(KIMI, True)
-    got_r = got_c = ""
-    bounds = sorted({0, len(tokens), *(min(c, len(tokens)) for c in cuts)})
-    for a, b in zip(bounds, bounds[1:], strict=False):
-        r, c = s.feed("".join(t for t, _ in tokens[a:b]), [i for _, i in tokens[a:b]])
-        got_r, got_c = got_r + r, got_c + c
-    assert (got_r + s.finish(), got_c, s.num_tokens) == (want_r, want_c, want_n)
+    got_r, got_c, s = split_streamed(tokens, cuts, True, KIMI)
+    assert (got_r, got_c, s.num_tokens) == (want_r, want_c, want_n)
     assert text.endswith(want_c)
 
 

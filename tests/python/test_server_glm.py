@@ -117,6 +117,39 @@ def chat(client, server, tok, script: str, template_kwargs=None, **kw):
     return client.chat.completions.create(**{**args, **kw}, extra_body=extra)
 
 
+def collect_stream(stream) -> tuple[str, str, str | None, str, str | None, list[bytes]]:
+    """A streamed chat answer's (reasoning, content, call name, call arguments, finish reason,
+    logprob bits), its deltas added up."""
+    reasoning, content, args, name, finish, lps = "", "", "", None, None, []
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        c = chunk.choices[0]
+        reasoning += (c.delta.model_extra or {}).get("reasoning") or ""
+        content += c.delta.content or ""
+        for d in c.delta.tool_calls or []:
+            name = name or d.function.name
+            args += d.function.arguments or ""
+        if c.logprobs and c.logprobs.content:
+            lps += [struct.pack("<f", e.logprob) for e in c.logprobs.content]
+        finish = c.finish_reason or finish
+    return reasoning, content, name, args, finish, lps
+
+
+def deterministic_call(client, server, tok, script: str, tools: list[dict]) -> tuple:
+    """One sampled deterministic chat answer's token ids, logprob bits and calls."""
+    r = chat(
+        client, server, tok, script, tools=tools, logprobs=True,
+        temperature=0.7, seed=3, extra={"deterministic": True},
+    )  # fmt: skip
+    ch = r.choices[0]
+    return (
+        ch.model_extra["token_ids"],
+        [struct.pack("<f", e.logprob) for e in ch.logprobs.content],
+        [(c.id, c.function.name, c.function.arguments) for c in ch.message.tool_calls],
+    )
+
+
 def test_think_block_content_and_a_typed_call(client, server, tok) -> None:
     r = chat(client, server, tok, SAYS, tools=[BOOK], logprobs=True)
     ch = r.choices[0]
@@ -137,19 +170,7 @@ def test_think_block_content_and_a_typed_call(client, server, tok) -> None:
         logprobs=True,
         stream=True,
     )
-    reasoning, content, args, name, finish, lps = "", "", "", None, None, []
-    for chunk in stream:
-        if not chunk.choices:
-            continue
-        c = chunk.choices[0]
-        reasoning += (c.delta.model_extra or {}).get("reasoning") or ""
-        content += c.delta.content or ""
-        for d in c.delta.tool_calls or []:
-            name = name or d.function.name
-            args += d.function.arguments or ""
-        if c.logprobs and c.logprobs.content:
-            lps += [struct.pack("<f", e.logprob) for e in c.logprobs.content]
-        finish = c.finish_reason or finish
+    reasoning, content, name, args, finish, lps = collect_stream(stream)
     assert (reasoning, content, name, finish) == (THINK, "\nBooking it.", "book", "tool_calls")
     assert json.loads(args) == {"code": "007", "seats": 2}
     assert lps == [struct.pack("<f", e.logprob) for e in ch.logprobs.content]
@@ -163,19 +184,8 @@ def test_thinking_off_is_all_content(client, server, tok) -> None:
 
 
 def test_a_deterministic_call_repeats_bit_for_bit(client, server, tok) -> None:
-    def once():
-        r = chat(
-            client, server, tok, SAYS, tools=[BOOK], logprobs=True,
-            temperature=0.7, seed=3, extra={"deterministic": True},
-        )  # fmt: skip
-        ch = r.choices[0]
-        return (
-            ch.model_extra["token_ids"],
-            [struct.pack("<f", e.logprob) for e in ch.logprobs.content],
-            [(c.id, c.function.name, c.function.arguments) for c in ch.message.tool_calls],
-        )
-
-    assert once() == once()
+    once = deterministic_call(client, server, tok, SAYS, [BOOK])
+    assert once == deterministic_call(client, server, tok, SAYS, [BOOK])
 
 
 def test_without_the_parsers_the_output_is_flat_content(tmp_path_factory, model_dir, tok):

@@ -26,7 +26,7 @@ import openai
 import pytest
 from scripted_model import write_scripted_model
 from server_fixtures import SERVED_NAME, start_server
-from test_server_glm import chat, scripted
+from test_server_glm import chat, collect_stream, deterministic_call, scripted
 from tokenizers import Tokenizer
 
 DS_CALLS, DS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
@@ -131,19 +131,7 @@ def test_reasoning_content_and_a_typed_call(server, tok) -> None:
         stream=True,
         extra_body=extra,
     )
-    reasoning, content, args, name, finish, lps = "", "", "", None, None, []
-    for chunk in stream:
-        if not chunk.choices:
-            continue
-        c = chunk.choices[0]
-        reasoning += (c.delta.model_extra or {}).get("reasoning") or ""
-        content += c.delta.content or ""
-        for d in c.delta.tool_calls or []:
-            name = name or d.function.name
-            args += d.function.arguments or ""
-        if c.logprobs and c.logprobs.content:
-            lps += [struct.pack("<f", e.logprob) for e in c.logprobs.content]
-        finish = c.finish_reason or finish
+    reasoning, content, name, args, finish, lps = collect_stream(stream)
     assert (reasoning, content, name, finish) == (THINK, "\nOK.\n", "book", "tool_calls")
     assert json.loads(args) == ARGS
     assert lps == [struct.pack("<f", e.logprob) for e in ch.logprobs.content]
@@ -151,20 +139,8 @@ def test_reasoning_content_and_a_typed_call(server, tok) -> None:
 
 def test_a_deterministic_call_repeats_bit_for_bit(server, tok) -> None:
     client = openai_client(server)
-
-    def once():
-        r = chat(
-            client, server, tok, SAYS, tools=[BOOK], logprobs=True,
-            temperature=0.7, seed=3, extra={"deterministic": True},
-        )  # fmt: skip
-        ch = r.choices[0]
-        return (
-            ch.model_extra["token_ids"],
-            [struct.pack("<f", e.logprob) for e in ch.logprobs.content],
-            [(c.id, c.function.name, c.function.arguments) for c in ch.message.tool_calls],
-        )
-
-    assert once() == once()
+    once = deterministic_call(client, server, tok, SAYS, [BOOK])
+    assert once == deterministic_call(client, server, tok, SAYS, [BOOK])
 
 
 def test_append_think_keeps_the_thinking_in_the_content(tmp_path_factory, model_dir, tok):
