@@ -70,7 +70,7 @@ def tok(model_dir) -> Tokenizer:
     return Tokenizer.from_file(str(model_dir / "tokenizer.json"))
 
 
-def glm_server(tmp_path_factory, model_dir, name: str, *parsers: str):
+def scripted_server(tmp_path_factory, model_dir, name: str, *parsers: str):
     return start_server(
         tmp_path_factory,
         name,
@@ -85,7 +85,7 @@ def glm_server(tmp_path_factory, model_dir, name: str, *parsers: str):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, model_dir):
-    s = glm_server(
+    s = scripted_server(
         tmp_path_factory,
         model_dir,
         "glm",
@@ -189,7 +189,7 @@ def test_a_deterministic_call_repeats_bit_for_bit(client, server, tok) -> None:
 
 
 def test_without_the_parsers_the_output_is_flat_content(tmp_path_factory, model_dir, tok):
-    s = glm_server(tmp_path_factory, model_dir, "glm-flat")
+    s = scripted_server(tmp_path_factory, model_dir, "glm-flat")
     try:
         c = openai.OpenAI(base_url=s.base_url + "/v1", api_key="unused", max_retries=0)
         r = chat(c, s, tok, SAYS)
@@ -204,7 +204,7 @@ def test_without_the_parsers_the_output_is_flat_content(tmp_path_factory, model_
 def test_qwen3_coder_calls_are_read_by_their_parser(tmp_path_factory, model_dir, tok):
     """Qwen3-Coder's ``<function=…><parameter=…>`` calls (``--tool-call-parser qwen3_coder``,
     tags as ordinary text), typed by the same schema, on the same scripted model."""
-    s = glm_server(
+    s = scripted_server(
         tmp_path_factory, model_dir, "qwen3-coder",
         "--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder",
     )  # fmt: skip

@@ -25,8 +25,8 @@ from pathlib import Path
 import openai
 import pytest
 from scripted_model import write_scripted_model
-from server_fixtures import SERVED_NAME, start_server
-from test_server_glm import chat, collect_stream, deterministic_call, scripted
+from server_fixtures import SERVED_NAME
+from test_server_glm import chat, collect_stream, deterministic_call, scripted, scripted_server
 from tokenizers import Tokenizer
 
 DS_CALLS, DS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
@@ -81,26 +81,13 @@ def tok(model_dir) -> Tokenizer:
     return Tokenizer.from_file(str(model_dir / "tokenizer.json"))
 
 
-def serve(tmp_path_factory, model_dir, name: str, *parsers: str):
-    return start_server(
-        tmp_path_factory,
-        name,
-        str(model_dir),
-        "--max-model-len", "512",
-        "--verify-strategy", "replay",
-        "--verify-window", "8",
-        "--verify-group", "4",
-        *parsers,
-    )  # fmt: skip
-
-
 def openai_client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, model_dir):
-    s = serve(
+    s = scripted_server(
         tmp_path_factory,
         model_dir,
         "minimax",
@@ -144,7 +131,7 @@ def test_a_deterministic_call_repeats_bit_for_bit(server, tok) -> None:
 
 
 def test_append_think_keeps_the_thinking_in_the_content(tmp_path_factory, model_dir, tok):
-    s = serve(
+    s = scripted_server(
         tmp_path_factory, model_dir, "minimax-append",
         "--reasoning-parser", "minimax_m2_append_think",
         "--enable-auto-tool-choice", "--tool-call-parser", "minimax_m2",
@@ -179,7 +166,7 @@ def test_append_think_keeps_the_thinking_in_the_content(tmp_path_factory, model_
 def test_call_sections_of_special_tokens(tmp_path_factory, model_dir, tok, parser, script, call_id):
     """DeepSeek-V3's and Kimi K2's calls, whose markers are special tokens (decoded for the
     parser, never shown), read over HTTP; Kimi's own call id is the one returned."""
-    s = serve(
+    s = scripted_server(
         tmp_path_factory, model_dir, parser, "--enable-auto-tool-choice",
         "--tool-call-parser", parser,
     )  # fmt: skip
@@ -198,7 +185,7 @@ def test_call_sections_of_special_tokens(tmp_path_factory, model_dir, tok, parse
 def test_kimi_k2_reasoning_ends_at_its_tool_call_section(tmp_path_factory, model_dir, tok):
     """Kimi K2 Thinking (``--reasoning-parser kimi_k2 --tool-call-parser kimi_k2``): with no
     ``</think>``, its tool-call section ends the reasoning and is read as the call."""
-    s = serve(
+    s = scripted_server(
         tmp_path_factory, model_dir, "kimi-thinking", "--reasoning-parser", "kimi_k2",
         "--enable-auto-tool-choice", "--tool-call-parser", "kimi_k2",
     )  # fmt: skip
@@ -218,7 +205,7 @@ def test_kimi_k2_reasoning_ends_at_its_tool_call_section(tmp_path_factory, model
 
 
 def test_without_the_parsers_the_output_is_flat_content(tmp_path_factory, model_dir, tok):
-    s = serve(tmp_path_factory, model_dir, "minimax-flat")
+    s = scripted_server(tmp_path_factory, model_dir, "minimax-flat")
     try:
         m = chat(openai_client(s), s, tok, SAYS, tools=None).choices[0].message
         assert not m.tool_calls and not m.model_extra.get("reasoning")
