@@ -106,6 +106,10 @@ pub enum Architecture {
     /// within the window), DeepSeek-V3's experts with dots' defaults (no dense first layer,
     /// weights not renormalised).
     Dots1,
+    /// Hunyuan dense (0.5B, 1.8B, 4B, 7B; `HunYuanDenseV1ForCausalLM`): Llama's layers with
+    /// per-head q/k norms applied after rope (`query_layernorm`, `key_layernorm`), and its
+    /// `"dynamic"` rope with an `alpha` read as a fixed NTK stretch of the base.
+    HunYuanDense,
     /// MiniMax-M2 (M2, M2.1, M2.5; `MiniMaxM2ForCausalLM`): OLMo 2's q/k norms over the whole
     /// projections, rope on the first `rotary_dim` of each head pairing halves (Phi-3's
     /// layout), and Mixtral's experts routed as DeepSeek-V3 routes in one group: sigmoid
@@ -120,7 +124,7 @@ pub enum Architecture {
 impl Architecture {
     /// Each architecture's `*ForCausalLM` class (`architectures`) and its `model_type`, the
     /// fallback for a config without `architectures`.
-    const CAUSAL_LM: [(&'static str, &'static str, Architecture); 32] = [
+    const CAUSAL_LM: [(&'static str, &'static str, Architecture); 33] = [
         ("LlamaForCausalLM", "llama", Architecture::Llama),
         ("MistralForCausalLM", "mistral", Architecture::Mistral),
         ("Qwen2ForCausalLM", "qwen2", Architecture::Qwen2),
@@ -169,6 +173,11 @@ impl Architecture {
             Architecture::MiniMaxM2,
         ),
         ("Dots1ForCausalLM", "dots1", Architecture::Dots1),
+        (
+            "HunYuanDenseV1ForCausalLM",
+            "hunyuan_v1_dense",
+            Architecture::HunYuanDense,
+        ),
         (
             "Ernie4_5_MoeForCausalLM",
             "ernie4_5_moe",
@@ -288,6 +297,15 @@ impl Architecture {
     /// softmax without a value (gpt-oss).
     pub fn has_attention_sinks(self) -> bool {
         self == Architecture::GptOss
+    }
+
+    /// The q/k norms' module names, and whether they apply after rope (HunYuan's) rather
+    /// than before it.
+    pub fn qk_norms(self) -> (&'static str, &'static str, bool) {
+        match self {
+            Architecture::HunYuanDense => ("query_layernorm", "key_layernorm", true),
+            _ => ("q_norm", "k_norm", false),
+        }
     }
 
     /// Whether q/k are normed over the whole projection (OLMo 2: `q_norm` of
@@ -807,7 +825,8 @@ impl ModelConfig {
             | Architecture::Glm4MoeLite
             | Architecture::MiniMaxM2
             | Architecture::Ernie45Moe
-            | Architecture::GraniteMoeHybrid => None,
+            | Architecture::GraniteMoeHybrid
+            | Architecture::HunYuanDense => None,
             // Its window applies to its sliding layers only (below).
             Architecture::Dots1 => raw.sliding_window,
             // Its window applies to the layers without rope only (below).
@@ -898,6 +917,7 @@ impl ModelConfig {
             original_max_position_embeddings: raw.original_max_position_embeddings,
             max_position_embeddings,
             rotary_dim,
+            ntk_alpha: architecture == Architecture::HunYuanDense,
         };
         let (rope, mut rope_sliding) = RopeConfig::parse_layers(
             raw.rope_parameters.as_ref(),
@@ -1022,7 +1042,8 @@ impl ModelConfig {
                 | Architecture::Gemma3
                 | Architecture::Exaone4
                 | Architecture::MiniMaxM2
-                | Architecture::Dots1 => true,
+                | Architecture::Dots1
+                | Architecture::HunYuanDense => true,
                 Architecture::Glm4Moe => raw.use_qk_norm.unwrap_or(false),
                 _ => false,
             },
@@ -1443,6 +1464,40 @@ pub(super) mod tests {
     /// The fields every test config needs.
     pub(in crate::config) const BASE: &str = r#""hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "vocab_size": 100"#;
+
+    #[test]
+    fn hunyuan_dense_stretches_its_base_by_alpha_and_norms_after_rope() {
+        let hunyuan = |rope: &str| {
+            parse(&format!(
+                r#"{{"architectures": ["HunYuanDenseV1ForCausalLM"], {BASE}, "head_dim": 16,
+                "rope_parameters": {rope}}}"#
+            ))
+        };
+        let c = hunyuan(
+            r#"{"rope_type": "dynamic", "alpha": 1000.0, "rope_theta": 10000.0, "factor": 1.0}"#,
+        )
+        .unwrap();
+        // transformers' ntk_alpha: theta · alpha^(d / (d − 2)), d the head width.
+        let want = 10000.0 * 1000f64.powf(16.0 / 14.0);
+        assert_eq!(c.rope.theta.to_bits(), want.to_bits());
+        assert_eq!(c.rope.scaling, RopeScaling::None);
+        assert!(c.qk_norm);
+        assert_eq!(
+            c.architecture.qk_norms(),
+            ("query_layernorm", "key_layernorm", true)
+        );
+        let e = hunyuan(r#"{"rope_type": "dynamic", "alpha": -1.0, "rope_theta": 10000.0}"#)
+            .unwrap_err();
+        assert!(e.to_string().contains("rope_parameters.alpha"), "{e}");
+        // Elsewhere "dynamic" is length-dependent NTK, which is not supported, alpha or not.
+        let e = parse(&format!(
+            r#"{{"architectures": ["LlamaForCausalLM"], {BASE},
+            "rope_parameters": {{"rope_type": "dynamic", "alpha": 2.0, "factor": 2.0}}}}"#
+        ))
+        .unwrap_err();
+        assert!(e.to_string().contains("rope_type"), "{e}");
+        assert_eq!(Architecture::Qwen3.qk_norms(), ("q_norm", "k_norm", false));
+    }
 
     #[test]
     fn granite4_runs_attention_layers_with_its_shared_mlp_and_refuses_mamba() {

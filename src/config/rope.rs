@@ -80,6 +80,8 @@ pub(super) struct RawRope {
     /// Ministral 3's query scaling past the original context (read by `ModelConfig`).
     pub(super) llama_4_scaling_beta: Option<f64>,
     partial_rotary_factor: Option<f64>,
+    /// HunYuan's NTK stretch of the base ([`RopeDefaults::ntk_alpha`]).
+    alpha: Option<f64>,
     /// transformers' `rope_parameters` nested by layer kind (OLMo 3): the settings of the
     /// full-attention layers and of the sliding-window ones.
     full_attention: Option<Box<RawRope>>,
@@ -100,6 +102,9 @@ pub(super) struct RopeDefaults {
     /// How many of each head's dimensions rotate ([`rotary_fraction`]); LongRoPE's factor
     /// sets hold one factor per pair of them.
     pub rotary_dim: usize,
+    /// HunYuan's reading of `"dynamic"` rope with an `alpha`: a fixed NTK stretch of the base
+    /// (`theta · alpha^(d / (d − 2))`), not length-dependent.
+    pub ntk_alpha: bool,
 }
 
 /// The share of each head that rotates (`partial_rotary_factor`) and the field it was read
@@ -180,6 +185,7 @@ impl RopeConfig {
             original_max_position_embeddings,
             max_position_embeddings,
             rotary_dim,
+            ntk_alpha,
         } = *top;
         let err = |field: &str, message: String| DetspecError::InvalidConfig {
             path: path.to_path_buf(),
@@ -202,6 +208,20 @@ impl RopeConfig {
             params
                 .and_then(get)
                 .ok_or_else(|| err(&format!("{params_field}.{key}"), "missing".into()))
+        };
+        let alpha = params.and_then(|p| p.alpha).filter(|_| ntk_alpha);
+        let (theta, rope_type) = match (rope_type, alpha) {
+            ("dynamic", Some(a)) if a.is_finite() && a > 0.0 && rotary_dim > 2 => {
+                let d = rotary_dim as f64;
+                (theta * a.powf(d / (d - 2.0)), "default")
+            }
+            ("dynamic", Some(a)) => {
+                return Err(err(
+                    &format!("{params_field}.alpha"),
+                    format!("{a}: must be > 0"),
+                ))
+            }
+            _ => (theta, rope_type),
         };
         let scaling = match rope_type {
             // Qwen2.5-VL's multimodal rope ("mrope", with `mrope_section`) is the plain one on

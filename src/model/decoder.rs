@@ -162,6 +162,7 @@ impl Model {
         // `rope_qkv` pairs halves).
         let stack = !device.is_cpu();
         let stack_qkv = stack && !cfg.qk_norm && !cfg.architecture.rope_interleaved();
+        let (q_norm_name, k_norm_name, _) = cfg.architecture.qk_norms();
         // Gemma's norms scale by `1 + w`.
         let norm_offset = cfg.architecture.norm_weight_offset();
         for i in 0..cfg.num_hidden_layers {
@@ -230,8 +231,8 @@ impl Model {
                     None => QkvSource::Heads(ld.projection(&qkv, hs, cfg.qkv_bias, stack_qkv)?),
                 },
                 o: ld.linear(&attn("o_proj"), o_in, hs, cfg.o_bias)?,
-                q_norm: qk_norm("q_norm", h)?,
-                k_norm: qk_norm("k_norm", kvh)?,
+                q_norm: qk_norm(q_norm_name, h)?,
+                k_norm: qk_norm(k_norm_name, kvh)?,
                 attn_out_norm: attn_out_norm?,
                 mlp_norm: mlp_norm?,
                 mlp_out_norm: mlp_out_norm?,
@@ -425,6 +426,7 @@ impl Model {
 
         let inv = self.gemm_options(batch);
         let whole_qk_norm = cfg.architecture.norms_whole_qk();
+        let (_, _, qk_norm_after_rope) = cfg.architecture.qk_norms();
         let interleaved = cfg.architecture.rope_interleaved();
         // Ministral 3's queries scaled by position, `[rows, 1, 1]`: in f32 as transformers
         // computes the scale, then in the activations' dtype.
@@ -540,7 +542,8 @@ impl Model {
                     let mut q = q.reshape((n, h, d))?;
                     let mut k = k.reshape((n, kvh, d))?;
                     let v = v.reshape((n, kvh, d))?;
-                    if let Some((qn, kn)) = norms.filter(|_| !whole_qk_norm) {
+                    let head_norms = norms.filter(|_| !whole_qk_norm);
+                    if let Some((qn, kn)) = head_norms.filter(|_| !qk_norm_after_rope) {
                         q = ops::rms_norm(&q, qn, eps)?;
                         k = ops::rms_norm(&k, kn, eps)?;
                     }
@@ -548,9 +551,15 @@ impl Model {
                         true => ops::apply_rope_interleaved(x, cos, sin),
                         false => ops::apply_rope(x, cos, sin),
                     };
-                    ops::write_k(k_cache, &rope(&k)?, slots.clone())?;
+                    let (mut q, mut k) = (rope(&q)?, rope(&k)?);
+                    // HunYuan norms the rotated heads.
+                    if let Some((qn, kn)) = head_norms.filter(|_| qk_norm_after_rope) {
+                        q = ops::rms_norm(&q, qn, eps)?;
+                        k = ops::rms_norm(&k, kn, eps)?;
+                    }
+                    ops::write_k(k_cache, &k, slots.clone())?;
                     ops::write_kv(v_cache, &v, slots.clone())?;
-                    rope(&q)?
+                    q
                 }
             };
             let q = match &query_scale {

@@ -88,8 +88,9 @@ pub fn param_shapes(cfg: &ModelConfig) -> BTreeMap<String, Vec<usize>> {
             } else {
                 (d, d)
             };
-            m.insert(format!("{p}.self_attn.q_norm.weight"), vec![q]);
-            m.insert(format!("{p}.self_attn.k_norm.weight"), vec![k]);
+            let (q_name, k_name, _) = cfg.architecture.qk_norms();
+            m.insert(format!("{p}.self_attn.{q_name}.weight"), vec![q]);
+            m.insert(format!("{p}.self_attn.{k_name}.weight"), vec![k]);
         }
     }
     m

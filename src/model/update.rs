@@ -215,6 +215,7 @@ impl Model {
         // A fused matrix replaces every layer it holds (`check_update` has refused the
         // separate names on such a model, and the fused ones elsewhere).
         let fused = self.cfg.architecture.fused();
+        let (q_norm_name, k_norm_name, _) = self.cfg.architecture.qk_norms();
         if kind == "weight" {
             let is = self.cfg.intermediate_size;
             match module {
@@ -236,8 +237,12 @@ impl Model {
             "mlp.up_proj" => (gate_up?, 1),
             "self_attn.o_proj" => return linear_slot(&mut layer.o, kind),
             m if m == fused.down_module() => return linear_slot(down?, kind),
-            "self_attn.q_norm" => return layer.q_norm.as_mut().map(Slot::Norm),
-            "self_attn.k_norm" => return layer.k_norm.as_mut().map(Slot::Norm),
+            m if m.strip_prefix("self_attn.") == Some(q_norm_name) => {
+                return layer.q_norm.as_mut().map(Slot::Norm)
+            }
+            m if m.strip_prefix("self_attn.") == Some(k_norm_name) => {
+                return layer.k_norm.as_mut().map(Slot::Norm)
+            }
             "self_attn" if kind == "sinks" => return Some(Slot::Sinks(&mut layer.sinks)),
             _ => return None,
         };

@@ -679,6 +679,15 @@ MODEL_SPECS: dict[str, dict] = {
             "routed_scaling_factor": 2.5,
         },
     },
+    # Hunyuan dense (Hunyuan-0.5B/1.8B/4B/7B): per-head q/k norms on the rotated heads, and
+    # "dynamic" rope with an alpha: a fixed NTK stretch of the base (transformers' ntk_alpha).
+    "hunyuan_dense": {
+        "arch": "hunyuan_v1_dense",
+        "seed": 227,
+        "head_dim": 16,
+        "rope": {"rope_type": "dynamic", "alpha": 1000.0, "rope_theta": 10000.0, "factor": 1.0},
+        "extra": {},
+    },
     # DeepSeek-V2 (V2-Lite's layout: queries from one matrix): V3's latent attention with rope
     # on complex pairs, YaRN as V2-Lite sets it; experts by softmax score, in 4 groups of 2
     # whose best 2 compete (group_limited_greedy), weights scaled and not renormalised.
@@ -743,6 +752,10 @@ _CONFIG_CLASSES = {
     "minimax_m2": (transformers.MiniMaxM2Config, transformers.MiniMaxM2ForCausalLM),
     "ernie45_moe": (transformers.Ernie4_5_MoeConfig, transformers.Ernie4_5_MoeForCausalLM),
     "dots1": (transformers.Dots1Config, transformers.Dots1ForCausalLM),
+    "hunyuan_v1_dense": (
+        transformers.HunYuanDenseV1Config,
+        transformers.HunYuanDenseV1ForCausalLM,
+    ),
     "granitemoehybrid": (
         transformers.GraniteMoeHybridConfig,
         transformers.GraniteMoeHybridForCausalLM,

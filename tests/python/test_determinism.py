@@ -187,6 +187,7 @@ def needle_in_haystack(
         "granite4",
         "granite4_moe_nope",
         "dots1",
+        "hunyuan_dense",
     ],
 )
 def test_needle_in_haystack_on_every_decoder_layout(model_zoo, name: str) -> None:
