@@ -110,6 +110,11 @@ pub enum Architecture {
     /// per-head q/k norms applied after rope (`query_layernorm`, `key_layernorm`), and its
     /// `"dynamic"` rope with an `alpha` read as a fixed NTK stretch of the base.
     HunYuanDense,
+    /// Apertus (8B, 70B; `ApertusForCausalLM`): Llama's attention with per-head q/k norms,
+    /// norms named `attention_layernorm` and `feedforward_layernorm`, and an ungated MLP,
+    /// `down(xIELU(up(x)))`, whose activation has learned scalars per layer
+    /// (`mlp.act_fn.{alpha_p, alpha_n, beta, eps}`).
+    Apertus,
     /// MiniMax-M2 (M2, M2.1, M2.5; `MiniMaxM2ForCausalLM`): OLMo 2's q/k norms over the whole
     /// projections, rope on the first `rotary_dim` of each head pairing halves (Phi-3's
     /// layout), and Mixtral's experts routed as DeepSeek-V3 routes in one group: sigmoid
@@ -124,7 +129,7 @@ pub enum Architecture {
 impl Architecture {
     /// Each architecture's `*ForCausalLM` class (`architectures`) and its `model_type`, the
     /// fallback for a config without `architectures`.
-    const CAUSAL_LM: [(&'static str, &'static str, Architecture); 33] = [
+    const CAUSAL_LM: [(&'static str, &'static str, Architecture); 34] = [
         ("LlamaForCausalLM", "llama", Architecture::Llama),
         ("MistralForCausalLM", "mistral", Architecture::Mistral),
         ("Qwen2ForCausalLM", "qwen2", Architecture::Qwen2),
@@ -173,6 +178,7 @@ impl Architecture {
             Architecture::MiniMaxM2,
         ),
         ("Dots1ForCausalLM", "dots1", Architecture::Dots1),
+        ("ApertusForCausalLM", "apertus", Architecture::Apertus),
         (
             "HunYuanDenseV1ForCausalLM",
             "hunyuan_v1_dense",
@@ -284,6 +290,12 @@ impl Architecture {
                 Some("post_attention_layernorm"),
                 Some("post_mlp_layernorm"),
             ],
+            Architecture::Apertus => [
+                Some("attention_layernorm"),
+                None,
+                Some("feedforward_layernorm"),
+                None,
+            ],
             _ => [
                 Some("input_layernorm"),
                 None,
@@ -291,6 +303,12 @@ impl Architecture {
                 None,
             ],
         }
+    }
+
+    /// Whether each layer's MLP is ungated, `down(xIELU(up(x)))` with the activation's
+    /// scalars its own parameters (Apertus), rather than `down(act(gate(x)) · up(x))`.
+    pub fn xielu_mlp(self) -> bool {
+        self == Architecture::Apertus
     }
 
     /// Whether each attention head has a learned sink logit (`self_attn.sinks`) that joins its
@@ -673,6 +691,19 @@ impl ModelConfig {
         } else {
             ("hidden_act", raw.hidden_act.as_deref().unwrap_or("silu"))
         };
+        // Apertus's MLP is ungated, its xIELU read from the layers' own scalars; `hidden_act`
+        // (the gate's) is then unused.
+        if architecture.xielu_mlp() && act_name != "xielu" {
+            return Err(err(
+                act_field,
+                format!("`{act_name}`: Apertus's ungated MLP runs xielu only"),
+            ));
+        }
+        let act_name = if architecture.xielu_mlp() {
+            "silu"
+        } else {
+            act_name
+        };
         let hidden_act = Activation::from_hf(act_name).ok_or_else(|| {
             err(
                 act_field,
@@ -826,7 +857,8 @@ impl ModelConfig {
             | Architecture::MiniMaxM2
             | Architecture::Ernie45Moe
             | Architecture::GraniteMoeHybrid
-            | Architecture::HunYuanDense => None,
+            | Architecture::HunYuanDense
+            | Architecture::Apertus => None,
             // Its window applies to its sliding layers only (below).
             Architecture::Dots1 => raw.sliding_window,
             // Its window applies to the layers without rope only (below).
@@ -1043,7 +1075,8 @@ impl ModelConfig {
                 | Architecture::Exaone4
                 | Architecture::MiniMaxM2
                 | Architecture::Dots1
-                | Architecture::HunYuanDense => true,
+                | Architecture::HunYuanDense
+                | Architecture::Apertus => true,
                 Architecture::Glm4Moe => raw.use_qk_norm.unwrap_or(false),
                 _ => false,
             },
@@ -1464,6 +1497,28 @@ pub(super) mod tests {
     /// The fields every test config needs.
     pub(in crate::config) const BASE: &str = r#""hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "vocab_size": 100"#;
+
+    #[test]
+    fn apertus_runs_xielu_only_with_its_own_norm_names() {
+        let apertus = |act: &str| {
+            parse(&format!(
+                r#"{{"architectures": ["ApertusForCausalLM"], {BASE}, "hidden_act": "{act}"}}"#
+            ))
+        };
+        let c = apertus("xielu").unwrap();
+        assert!(c.architecture.xielu_mlp() && c.qk_norm);
+        assert_eq!(
+            c.architecture.sublayer_norms(),
+            [
+                Some("attention_layernorm"),
+                None,
+                Some("feedforward_layernorm"),
+                None
+            ]
+        );
+        let e = apertus("silu").unwrap_err();
+        assert!(e.to_string().contains("hidden_act"), "{e}");
+    }
 
     #[test]
     fn hunyuan_dense_stretches_its_base_by_alpha_and_norms_after_rope() {

@@ -123,6 +123,12 @@ pub struct EngineCore {
 /// GLM's rotate part of each head); the attention kernel has no sinks and the elementwise
 /// ones no clamped SwiGLU (gpt-oss).
 fn cuda_lacks(cfg: &ModelConfig) -> Option<(&'static str, String)> {
+    if cfg.architecture.xielu_mlp() {
+        return Some((
+            "hidden_act",
+            format!("{:?}'s xielu has no CUDA kernel", cfg.architecture),
+        ));
+    }
     if cfg.mla.is_some() {
         return Some((
             "architectures",

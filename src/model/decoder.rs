@@ -89,6 +89,68 @@ pub(super) enum Mlp {
     },
     /// A mixture of experts (`model::moe`).
     Sparse(Box<SparseMlp>),
+    /// Apertus's ungated MLP: `down(xIELU(up(x)))`.
+    Xielu {
+        up: Linear,
+        down: Linear,
+        act: XieluParams,
+    },
+}
+
+/// Apertus's xIELU parameters as its checkpoint holds them (`mlp.act_fn.*`: `alpha_p` and
+/// `alpha_n` before their softplus, `beta`, `eps`), so that an update replaces one and the
+/// activation follows.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct XieluParams {
+    pub(super) alpha_p: f32,
+    pub(super) alpha_n: f32,
+    pub(super) beta: f32,
+    pub(super) eps: f32,
+}
+
+impl XieluParams {
+    /// The parameter names under `mlp.act_fn` and their shapes on file.
+    pub(super) const NAMES: [(&'static str, &'static [usize]); 4] = [
+        ("alpha_p", &[1]),
+        ("alpha_n", &[1]),
+        ("beta", &[]),
+        ("eps", &[]),
+    ];
+
+    fn load(ld: &WeightLoader<'_>, prefix: &str) -> Result<Self> {
+        let mut v = [0f32; 4];
+        for (slot, (name, shape)) in v.iter_mut().zip(Self::NAMES) {
+            let t = ld.load_f32(&format!("{prefix}.{name}"), shape)?;
+            *slot = t
+                .flatten_all()?
+                .to_vec1::<f32>()?
+                .first()
+                .copied()
+                .unwrap_or(0.0);
+        }
+        let [alpha_p, alpha_n, beta, eps] = v;
+        Ok(Self {
+            alpha_p,
+            alpha_n,
+            beta,
+            eps,
+        })
+    }
+
+    fn act(&self) -> ops::Xielu {
+        ops::Xielu::from_params(self.alpha_p, self.alpha_n, self.beta, self.eps)
+    }
+
+    /// The parameter `name` (one of [`Self::NAMES`]).
+    pub(super) fn param_mut(&mut self, name: &str) -> Option<&mut f32> {
+        match name {
+            "alpha_p" => Some(&mut self.alpha_p),
+            "alpha_n" => Some(&mut self.alpha_n),
+            "beta" => Some(&mut self.beta),
+            "eps" => Some(&mut self.eps),
+            _ => None,
+        }
+    }
 }
 
 /// A loaded decoder.
@@ -196,6 +258,11 @@ impl Model {
                 Some(moe) if moe.is_sparse(i) => {
                     Mlp::Sparse(Box::new(SparseMlp::load(&ld, &cfg, moe, i)?))
                 }
+                _ if cfg.architecture.xielu_mlp() => Mlp::Xielu {
+                    up: ld.linear(&mlp("up_proj"), hs, is, false)?,
+                    down: ld.linear(&mlp("down_proj"), is, hs, false)?,
+                    act: XieluParams::load(&ld, &mlp("act_fn"))?,
+                },
                 _ if fused.gate_up => Mlp::Dense {
                     gate_up: ld.fused_projection(
                         &format!("{p}.{}", fused.gate_up_module()),
@@ -587,6 +654,11 @@ impl Model {
             (x, hn) = add_then_norm(&x, &o, layer.mlp_norm.as_ref())?;
             let down = match &layer.mlp {
                 Mlp::Sparse(moe) => moe.forward(&hn, inv, !batch.fast_experts)?,
+                // (adapters of its up projection are refused at load)
+                Mlp::Xielu { up, down, act } => {
+                    let act = ops::xielu(&up.apply(&hn, inv)?, act.act())?;
+                    one(&act, down.apply(&act, inv)?, &t_down)?
+                }
                 Mlp::Dense { gate_up, down } => {
                     let act = match gate_up {
                         Projection::Stacked { linear, .. } => {

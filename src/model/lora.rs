@@ -377,6 +377,14 @@ fn read_halves(
             targets[0],
             LoraTarget::Gate | LoraTarget::Up | LoraTarget::Down
         );
+        // The adapters' MLP group is gate with up (one input, one GEMM pair); an ungated MLP
+        // has no gate to stand beside its up.
+        if matches!(targets[0], LoraTarget::Gate | LoraTarget::Up) && cfg.architecture.xielu_mlp() {
+            return Err(bad(format!(
+                "{module}: adapters of {:?}'s ungated MLP are supported on down_proj only",
+                cfg.architecture
+            )));
+        }
         if mlp_target && cfg.moe.as_ref().is_some_and(|m| m.is_sparse(layer)) {
             return Err(bad(format!(
                 "layer {layer}'s MLP is a mixture of experts, which has no {module}; adapters \

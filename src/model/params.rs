@@ -11,6 +11,7 @@ use crate::config::ModelConfig;
 use crate::error::{DetspecError, Result};
 use crate::ops::{bf16_to_f32, with_bf16_bits, with_f32_values};
 
+use super::decoder::XieluParams;
 use super::mla::latent_params;
 use super::moe_names::sparse_params;
 
@@ -60,6 +61,13 @@ pub fn param_shapes(cfg: &ModelConfig) -> BTreeMap<String, Vec<usize>> {
         match &cfg.moe {
             Some(moe) if moe.is_sparse(i) => {
                 m.extend(sparse_params(cfg, moe, i));
+            }
+            _ if cfg.architecture.xielu_mlp() => {
+                linear(format!("{p}.mlp.up_proj"), hs, is, false);
+                linear(format!("{p}.mlp.down_proj"), is, hs, false);
+                for (name, shape) in XieluParams::NAMES {
+                    m.insert(format!("{p}.mlp.act_fn.{name}"), shape.to_vec());
+                }
             }
             _ if fused.gate_up => {
                 linear(format!("{p}.{}", fused.gate_up_module()), hs, 2 * is, false);

@@ -38,6 +38,8 @@ enum Slot<'a> {
     Stacked(&'a mut SparseMlp, ExpertNaming, FusedPart),
     /// gpt-oss's per-head sink logits.
     Sinks(&'a mut Option<Arc<[f32]>>),
+    /// One value (Apertus's xIELU parameters).
+    Scalar(&'a mut f32),
     Embedding,
 }
 
@@ -92,6 +94,14 @@ impl Model {
                 Slot::F32Linear(w) => {
                     let t = t.to_dtype(DType::F32)?;
                     *w = LinearWeight::new(&t, false)?;
+                    t
+                }
+                Slot::Scalar(v) => {
+                    let t = t.to_dtype(DType::F32)?;
+                    // (`check_update` has checked its one element)
+                    if let Some(&x) = t.flatten_all()?.to_vec1::<f32>()?.first() {
+                        *v = x;
+                    }
                     t
                 }
                 Slot::RouterBias(b) => {
@@ -158,6 +168,12 @@ impl Model {
         let (module, kind) = field.rsplit_once('.')?;
         let (gate_up, down) = match &mut layer.mlp {
             Mlp::Dense { gate_up, down } => (Some(gate_up), Some(down)),
+            Mlp::Xielu { up, down, act } => match (module, kind) {
+                ("mlp.up_proj", _) => return linear_slot(up, kind),
+                ("mlp.down_proj", _) => return linear_slot(down, kind),
+                ("mlp.act_fn", name) => return act.param_mut(name).map(Slot::Scalar),
+                _ => (None, None),
+            },
             Mlp::Sparse(moe) => {
                 if let Some(m) = self.cfg.moe.as_ref() {
                     let shared = m.shared_expert_intermediate_size.is_some();

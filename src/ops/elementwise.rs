@@ -301,6 +301,77 @@ impl CustomOp1 for GatedHalves {
 /// Gemma 2's soft cap on the logits, `tanh(x / cap) · cap` per element.
 struct Softcap(f32);
 
+/// xIELU's scalars as it applies them (Apertus's `XIELUActivation`): `alpha_p` and `alpha_n`
+/// after their softplus (and `alpha_n`'s `+ beta`), `beta`, `eps`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Xielu {
+    pub alpha_p: f32,
+    pub alpha_n: f32,
+    pub beta: f32,
+    pub eps: f32,
+}
+
+impl Xielu {
+    /// From the checkpoint's parameters (`alpha_p`, `alpha_n` before softplus), as
+    /// transformers derives them: `softplus(alpha_p)`, `beta + softplus(alpha_n)`.
+    pub fn from_params(alpha_p: f32, alpha_n: f32, beta: f32, eps: f32) -> Self {
+        Self {
+            alpha_p: softplus(alpha_p),
+            alpha_n: beta + softplus(alpha_n),
+            beta,
+            eps,
+        }
+    }
+
+    /// One value: `alpha_p·x² + beta·x` where `x > 0`, else
+    /// `(expm1(min(x, eps)) − x)·alpha_n + beta·x`.
+    fn apply(self, x: f32) -> f32 {
+        if x > 0.0 {
+            self.alpha_p * x * x + self.beta * x
+        } else {
+            (x.min(self.eps).exp_m1() - x) * self.alpha_n + self.beta * x
+        }
+    }
+}
+
+/// torch's softplus (`log1p(exp(x))`, `x` itself above 20).
+fn softplus(x: f32) -> f32 {
+    if x > 20.0 {
+        x
+    } else {
+        x.exp().ln_1p()
+    }
+}
+
+impl CustomOp1 for Xielu {
+    fn name(&self) -> &'static str {
+        "detspec-xielu"
+    }
+
+    /// Element by element, so a row's bits never depend on the batch; no GPU kernel (Apertus
+    /// is refused on a GPU at load).
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let x = contiguous_f32(s, l, self.name())?;
+        let act = *self;
+        // Every element is written: the chunks of `out` pair up with those of `x`.
+        let out = filled_f32(x.len(), |out| {
+            out.par_chunks_mut(CHUNK)
+                .zip(x.par_chunks(CHUNK))
+                .for_each(|(o, x)| {
+                    for (o, &v) in o.iter_mut().zip(x) {
+                        o.write(act.apply(v));
+                    }
+                })
+        });
+        Ok((CpuStorage::F32(out), l.shape().clone()))
+    }
+}
+
+/// Apertus's xIELU of `x`, per element.
+pub fn xielu(x: &Tensor, act: Xielu) -> candle_core::Result<Tensor> {
+    x.contiguous()?.apply_op1_no_bwd(&act)
+}
+
 impl CustomOp1 for Softcap {
     fn name(&self) -> &'static str {
         "detspec-softcap"
@@ -427,4 +498,30 @@ pub fn gated(gate: &Tensor, up: &Tensor, act: Activation) -> candle_core::Result
 /// [`gated`] with SiLU: SwiGLU.
 pub fn swiglu(gate: &Tensor, up: &Tensor) -> candle_core::Result<Tensor> {
     gated(gate, up, Activation::Silu)
+}
+
+#[cfg(test)]
+mod xielu_tests {
+    use super::*;
+
+    #[test]
+    fn xielu_is_transformers_formula_on_both_sides_of_zero() {
+        let act = Xielu::from_params(0.3, -0.2, 0.5, -1e-6);
+        let sp = |v: f32| (1.0 + v.exp()).ln();
+        assert!((act.alpha_p - sp(0.3)).abs() < 1e-6);
+        assert!((act.alpha_n - (0.5 + sp(-0.2))).abs() < 1e-6);
+        for x in [-30.0f32, -2.5, -1e-3, -1e-7, 0.0, 1e-3, 0.7, 12.0] {
+            let want = if x > 0.0 {
+                act.alpha_p * x * x + 0.5 * x
+            } else {
+                (x.min(-1e-6).exp_m1() - x) * act.alpha_n + 0.5 * x
+            };
+            assert_eq!(act.apply(x).to_bits(), want.to_bits(), "{x}");
+        }
+        // torch's softplus returns its input above 20.
+        assert_eq!(Xielu::from_params(25.0, 0.0, 0.5, -1e-6).alpha_p, 25.0);
+        let x = Tensor::new(&[-1.0f32, 2.0], &candle_core::Device::Cpu).unwrap();
+        let y = xielu(&x, act).unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(y, vec![act.apply(-1.0), act.apply(2.0)]);
+    }
 }

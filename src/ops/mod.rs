@@ -30,7 +30,9 @@ pub use attention_plan::{AttentionMetadata, AttentionSchedule};
 pub use cache_write::{write_k, write_kv};
 #[cfg(feature = "cuda")]
 pub use cuda::multiprocessors as cuda_multiprocessors;
-pub use elementwise::{add, clamped_swiglu, gated, gated_halves, softcap, swiglu, swiglu_halves};
+pub use elementwise::{
+    add, clamped_swiglu, gated, gated_halves, softcap, swiglu, swiglu_halves, xielu, Xielu,
+};
 pub use gemm::{
     matmul_packed, matmul_packed_profiled, packed_matmul, packed_matmul_reduced,
     packed_matmul_with, split_k_parts, PackedWeight, Reduction,

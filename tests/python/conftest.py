@@ -688,6 +688,22 @@ MODEL_SPECS: dict[str, dict] = {
         "rope": {"rope_type": "dynamic", "alpha": 1000.0, "rope_theta": 10000.0, "factor": 1.0},
         "extra": {},
     },
+    # Apertus: per-head q/k norms, its own norm names, and an ungated MLP through xIELU, whose
+    # learned scalars are randomised below; Llama 3's rope as Apertus ships it.
+    "apertus": {
+        "arch": "apertus",
+        "seed": 229,
+        "head_dim": 16,
+        "rope": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+            "rope_theta": 12000000.0,
+        },
+        "extra": {},
+    },
     # DeepSeek-V2 (V2-Lite's layout: queries from one matrix): V3's latent attention with rope
     # on complex pairs, YaRN as V2-Lite sets it; experts by softmax score, in 4 groups of 2
     # whose best 2 compete (group_limited_greedy), weights scaled and not renormalised.
@@ -752,6 +768,7 @@ _CONFIG_CLASSES = {
     "minimax_m2": (transformers.MiniMaxM2Config, transformers.MiniMaxM2ForCausalLM),
     "ernie45_moe": (transformers.Ernie4_5_MoeConfig, transformers.Ernie4_5_MoeForCausalLM),
     "dots1": (transformers.Dots1Config, transformers.Dots1ForCausalLM),
+    "apertus": (transformers.ApertusConfig, transformers.ApertusForCausalLM),
     "hunyuan_v1_dense": (
         transformers.HunYuanDenseV1Config,
         transformers.HunYuanDenseV1ForCausalLM,
@@ -824,6 +841,8 @@ def _randomise_(model: torch.nn.Module, seed: int) -> None:
             if name.endswith("norm.weight"):  # input/post-attn/final norm, q_norm, k_norm
                 param.copy_(0.5 + torch.rand(param.shape, generator=gen))
             elif name.endswith((".bias", "_bias")):  # gpt-oss's experts': `gate_up_proj_bias`
+                param.copy_(0.5 * torch.randn(param.shape, generator=gen))
+            elif name.endswith(("act_fn.alpha_p", "act_fn.alpha_n")):  # Apertus's xIELU
                 param.copy_(0.5 * torch.randn(param.shape, generator=gen))
             elif name.endswith(".sinks"):  # gpt-oss's per-head sink logits
                 param.copy_(torch.randn(param.shape, generator=gen))

@@ -188,6 +188,7 @@ def needle_in_haystack(
         "granite4_moe_nope",
         "dots1",
         "hunyuan_dense",
+        "apertus",
     ],
 )
 def test_needle_in_haystack_on_every_decoder_layout(model_zoo, name: str) -> None:

@@ -132,6 +132,12 @@ PARITY_CASES = [
         {"target_modules": ["q_proj", "o_proj", "input_linear", "output_linear"]},
         id="granite4-shared-mlp",
     ),
+    # Apertus's ungated MLP: down only (up_proj adapters are refused: test below).
+    pytest.param(
+        "apertus",
+        {"target_modules": ["q_proj", "v_proj", "down_proj"]},
+        id="apertus-down",
+    ),
 ]
 
 
@@ -756,6 +762,22 @@ def test_latent_attention_models_refuse_adapters_and_keep_serving(model_zoo, tmp
     (before,) = llm.generate([[5, 6, 7]], sp, use_tqdm=False)
     with pytest.raises(DetspecError, match="field `target_modules`.*latent-attention"):
         llm.load_lora("mla", path)
+    assert llm.list_loras() == {}
+    (after,) = llm.generate([[5, 6, 7]], sp, use_tqdm=False)
+    assert out_bits(after) == out_bits(before)
+    llm.shutdown()
+
+
+def test_apertus_refuses_up_proj_adapters_and_keeps_serving(model_zoo, tmp_path):
+    """Apertus's MLP is ungated: an adapter of its up projection (which the engine's adapter
+    groups pair with a gate) is refused, naming the module, not applied in part."""
+    case = model_zoo.get("apertus")
+    path = _peft_dir(case.model, tmp_path, "up", target_modules=["q_proj", "up_proj"])
+    llm = detspec.LLM(str(case.path), enable_lora=True, num_kv_pages=128)
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, deterministic=True)
+    (before,) = llm.generate([[5, 6, 7]], sp, use_tqdm=False)
+    with pytest.raises(DetspecError, match="mlp.up_proj.*down_proj only"):
+        llm.load_lora("up", path)
     assert llm.list_loras() == {}
     (after,) = llm.generate([[5, 6, 7]], sp, use_tqdm=False)
     assert out_bits(after) == out_bits(before)

@@ -79,6 +79,7 @@ def outputs_bits(llm: detspec.LLM) -> list[tuple[list[int], list[int]]]:
         "granite4_moe_nope",
         "dots1",
         "hunyuan_dense",
+        "apertus",
     ],
 )
 def test_update_weights_follows_transformers_and_restores_bit_for_bit(model_zoo, name):
