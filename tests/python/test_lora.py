@@ -751,21 +751,27 @@ def test_an_adapter_sent_from_memory_is_the_adapter_saved_to_disk(
         llm.shutdown()
 
 
+def _refused_and_serving(case, adapter_dir, match: str) -> None:
+    """Loading ``adapter_dir`` on ``case``'s model fails with ``match``, and the engine serves
+    on unchanged: nothing loaded, the same bits as before."""
+    llm = detspec.LLM(str(case.path), enable_lora=True, num_kv_pages=128)
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, deterministic=True)
+    (before,) = llm.generate([[5, 6, 7]], sp, use_tqdm=False)
+    with pytest.raises(DetspecError, match=match):
+        llm.load_lora("refused", adapter_dir)
+    assert llm.list_loras() == {}
+    (after,) = llm.generate([[5, 6, 7]], sp, use_tqdm=False)
+    assert out_bits(after) == out_bits(before)
+    llm.shutdown()
+
+
 def test_latent_attention_models_refuse_adapters_and_keep_serving(model_zoo, tmp_path):
     """DeepSeek-V3's latent attention has no q/k/v projections for an adapter to change (the
     engine's adapters target q/k/v/o and the MLP): a PEFT adapter of its MLA projections is
     refused, naming the field, rather than loaded and silently not applied."""
     case = model_zoo.get("deepseek_v3")
     path = _peft_dir(case.model, tmp_path, "mla", target_modules=["q_b_proj", "kv_b_proj"])
-    llm = detspec.LLM(str(case.path), enable_lora=True, num_kv_pages=128)
-    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, deterministic=True)
-    (before,) = llm.generate([[5, 6, 7]], sp, use_tqdm=False)
-    with pytest.raises(DetspecError, match="field `target_modules`.*latent-attention"):
-        llm.load_lora("mla", path)
-    assert llm.list_loras() == {}
-    (after,) = llm.generate([[5, 6, 7]], sp, use_tqdm=False)
-    assert out_bits(after) == out_bits(before)
-    llm.shutdown()
+    _refused_and_serving(case, path, "field `target_modules`.*latent-attention")
 
 
 def test_apertus_refuses_up_proj_adapters_and_keeps_serving(model_zoo, tmp_path):
@@ -773,12 +779,4 @@ def test_apertus_refuses_up_proj_adapters_and_keeps_serving(model_zoo, tmp_path)
     groups pair with a gate) is refused, naming the module, not applied in part."""
     case = model_zoo.get("apertus")
     path = _peft_dir(case.model, tmp_path, "up", target_modules=["q_proj", "up_proj"])
-    llm = detspec.LLM(str(case.path), enable_lora=True, num_kv_pages=128)
-    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, deterministic=True)
-    (before,) = llm.generate([[5, 6, 7]], sp, use_tqdm=False)
-    with pytest.raises(DetspecError, match="mlp.up_proj.*down_proj only"):
-        llm.load_lora("up", path)
-    assert llm.list_loras() == {}
-    (after,) = llm.generate([[5, 6, 7]], sp, use_tqdm=False)
-    assert out_bits(after) == out_bits(before)
-    llm.shutdown()
+    _refused_and_serving(case, path, "mlp.up_proj.*down_proj only")

@@ -194,13 +194,23 @@ def test_disconnect_mid_stream_aborts(server) -> None:
 
 
 def test_disconnect_non_streaming_aborts(server) -> None:
+    """A client that hangs up aborts its request. The request arrives at a paused engine,
+    which holds it, so it cannot finish before the hang-up however fast the model is (the
+    tiny model once ran all 8000 tokens first); held and not aborted, it would run in full
+    once generation resumes."""
     before_tokens = server.metric("detspec:generation_tokens_total")
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(
-            server.base_url + "/v1/completions",
-            json={**OK, "max_tokens": 250, "ignore_eos": True, "n": 32},
-            timeout=0.2,
-        )
+    r = httpx.post(server.base_url + "/pause", json={"mode": "keep"}, timeout=30)
+    assert r.status_code == 200, r.text
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(
+                server.base_url + "/v1/completions",
+                json={**OK, "max_tokens": 250, "ignore_eos": True, "n": 32},
+                timeout=0.2,
+            )
+        time.sleep(1.0)  # the server sees the hang-up (an event; 1 s is ample)
+    finally:
+        assert httpx.post(server.base_url + "/resume", timeout=30).status_code == 200
     assert server.wait_kv_idle() == 0
     time.sleep(0.3)
     produced = server.metric("detspec:generation_tokens_total") - before_tokens
