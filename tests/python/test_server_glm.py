@@ -96,9 +96,14 @@ def server(tmp_path_factory, model_dir):
     assert s.stop() == 0, s.log()
 
 
+def openai_client(server) -> openai.OpenAI:
+    """The `openai` client of a test server, no retries."""
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+
+
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+    return openai_client(server)
 
 
 def scripted(server, tok, script: str, **template_kwargs) -> list[dict]:
@@ -191,7 +196,7 @@ def test_a_deterministic_call_repeats_bit_for_bit(client, server, tok) -> None:
 def test_without_the_parsers_the_output_is_flat_content(tmp_path_factory, model_dir, tok):
     s = scripted_server(tmp_path_factory, model_dir, "glm-flat")
     try:
-        c = openai.OpenAI(base_url=s.base_url + "/v1", api_key="unused", max_retries=0)
+        c = openai_client(s)
         r = chat(c, s, tok, SAYS)
         m = r.choices[0].message
         assert not m.tool_calls and not m.model_extra.get("reasoning")
@@ -209,7 +214,7 @@ def test_qwen3_coder_calls_are_read_by_their_parser(tmp_path_factory, model_dir,
         "--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder",
     )  # fmt: skip
     try:
-        c = openai.OpenAI(base_url=s.base_url + "/v1", api_key="unused", max_retries=0)
+        c = openai_client(s)
         script = (
             "Booking.\n<tool_call>\n<function=book>\n<parameter=code>\n007\n</parameter>\n"
             "<parameter=seats>\n2\n</parameter>\n</function>\n</tool_call><|endoftext|>"

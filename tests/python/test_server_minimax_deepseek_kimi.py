@@ -22,11 +22,17 @@ import json
 import struct
 from pathlib import Path
 
-import openai
 import pytest
 from scripted_model import write_scripted_model
 from server_fixtures import SERVED_NAME
-from test_server_glm import chat, collect_stream, deterministic_call, scripted, scripted_server
+from test_server_glm import (
+    chat,
+    collect_stream,
+    deterministic_call,
+    openai_client,
+    scripted,
+    scripted_server,
+)
 from tokenizers import Tokenizer
 
 DS_CALLS, DS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
@@ -79,10 +85,6 @@ def model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def tok(model_dir) -> Tokenizer:
     return Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-
-
-def openai_client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
 
 
 @pytest.fixture(scope="module")
