@@ -11,7 +11,7 @@ use candle_core::{DType, Device};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use detspec::config::ModelConfig;
 use detspec::demo::{write_demo_model, DemoModelSpec};
-use detspec::kv::KvPool;
+use detspec::kv::{KvPool, LayerCacheShape};
 use detspec::model::{ForwardBatch, Model};
 use detspec::ops::{with_f32_values, AttentionSchedule};
 use detspec::sampling::{sample_next, SamplingParams};
@@ -34,11 +34,9 @@ fn setup() -> Bench {
     let cfg = ModelConfig::from_model_dir(dir.path()).expect("config");
     let model = Model::load(dir.path(), cfg.clone(), &Device::Cpu, DType::F32).expect("load");
     let kv = KvPool::new(
-        cfg.num_hidden_layers,
+        LayerCacheShape::of_model(&cfg),
         1024,
         PAGE,
-        cfg.num_key_value_heads,
-        cfg.head_dim,
         DType::F32,
         &Device::Cpu,
     )

@@ -6,7 +6,9 @@
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
-use detspec::kv::{AtomicAllocator, BlockTable, KvManager, KvPool, PageAllocator};
+use detspec::kv::{
+    AtomicAllocator, BlockTable, KvManager, KvPool, LayerCache, LayerCacheShape, PageAllocator,
+};
 use detspec::ops::{copy_pages, write_k, write_kv};
 
 const PAGES: usize = 8;
@@ -227,23 +229,45 @@ fn copy_pages_other_dtypes() {
 
 #[test]
 fn pool_copy_pages_covers_every_layer() {
-    let pool = KvPool::new(3, PAGES, PS, KVH, HD, DType::F32, &Device::Cpu).unwrap();
+    let attention = LayerCacheShape::Attention {
+        kv_heads: KVH,
+        head_dim: HD,
+    };
+    // An LFM2-style convolution layer between attention layers: one row per token.
+    let rows = LayerCacheShape::Rows { width: KVH * HD };
+    let pool = KvPool::new(
+        vec![attention, rows, attention],
+        PAGES,
+        PS,
+        DType::F32,
+        &Device::Cpu,
+    )
+    .unwrap();
     for l in 0..3 {
-        let (k, v) = pool.layer(l).unwrap();
-        write_k(k, &row(l), Arc::new(vec![1])).unwrap();
-        write_kv(v, &row(10 + l), Arc::new(vec![2])).unwrap();
+        match pool.layer(l).unwrap() {
+            LayerCache::Attention { k, v } => {
+                write_k(k, &row(l), Arc::new(vec![1])).unwrap();
+                write_kv(v, &row(10 + l), Arc::new(vec![2])).unwrap();
+            }
+            LayerCache::Rows(r) => write_kv(r, &row(10 + l), Arc::new(vec![2])).unwrap(),
+        }
     }
     pool.copy_pages(&[(0, 5)]).unwrap();
     for l in 0..3 {
-        let (k, v) = pool.layer(l).unwrap();
-        // K is stored transposed per page ([pages, kv_heads, head_dim, page_size]): compare
-        // the whole page, which holds the written key.
-        let page = |p: usize| bits(&k.narrow(0, p, 1).unwrap());
-        assert_eq!(page(5), page(0));
-        assert!(
-            page(5).iter().any(|&b| b != 0),
-            "layer {l}: the key was written"
-        );
+        let v = match pool.layer(l).unwrap() {
+            LayerCache::Attention { k, v } => {
+                // K is stored transposed per page ([pages, kv_heads, head_dim, page_size]):
+                // compare the whole page, which holds the written key.
+                let page = |p: usize| bits(&k.narrow(0, p, 1).unwrap());
+                assert_eq!(page(5), page(0));
+                assert!(
+                    page(5).iter().any(|&b| b != 0),
+                    "layer {l}: the key was written"
+                );
+                v
+            }
+            LayerCache::Rows(r) => r,
+        };
         assert_eq!(at(v, 5 * PS as u32 + 2), bits(&row(10 + l)));
     }
     assert!(pool.copy_pages(&[(0, PAGES as u32)]).is_err());
@@ -251,7 +275,17 @@ fn pool_copy_pages_covers_every_layer() {
 
 #[test]
 fn pool_sizing() {
-    let per = KvPool::bytes_per_page(2, PS, KVH, HD, DType::F32);
+    let attention = LayerCacheShape::Attention {
+        kv_heads: KVH,
+        head_dim: HD,
+    };
+    let per = KvPool::bytes_per_page(&[attention; 2], PS, DType::F32);
+    assert_eq!(per, 2 * 2 * KVH * HD * PS * 4);
+    let with_rows = [attention, LayerCacheShape::Rows { width: 3 }];
+    assert_eq!(
+        KvPool::bytes_per_page(&with_rows, PS, DType::BF16),
+        (2 * KVH * HD + 3) * PS * 2
+    );
     assert_eq!(KvPool::num_pages_for(Some(7), 0, per).unwrap(), 7);
     assert_eq!(KvPool::num_pages_for(None, per * 10 + 1, per).unwrap(), 10);
     assert!(KvPool::num_pages_for(None, per - 1, per).is_err());

@@ -9,6 +9,7 @@ mod model_config;
 mod moe_config;
 mod quant;
 mod rope;
+mod short_conv;
 mod text_config;
 
 pub use device::{cuda_device_count, device_label, device_memory, DeviceSpec};
@@ -24,3 +25,4 @@ pub use model_config::{
 pub use moe_config::{DeepSeekRouting, ExpertNaming, MoeConfig, Scoring};
 pub use quant::Fp8Weights;
 pub use rope::{RopeConfig, RopeScaling};
+pub use short_conv::ShortConvConfig;

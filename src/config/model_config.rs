@@ -15,6 +15,7 @@ use super::mla_config::{MlaConfig, RawMla};
 use super::moe_config::{DeepSeekDefaults, ExpertNaming, MoeConfig, RawMoe, SparseShape};
 use super::quant::{parse_quantization, Fp8Weights, Quantization};
 use super::rope::{self, RawRope, RopeConfig, RopeDefaults, RopeScaling};
+use super::short_conv::{Lfm2Shape, RawLfm2, ShortConvConfig};
 use super::text_config::decoder_json;
 use crate::error::{DetspecError, Result};
 
@@ -124,12 +125,18 @@ pub enum Architecture {
     /// DeepSeek-V2 and V2.5 (V2-Lite): V3's latent attention with rope always pairing
     /// neighbours, and experts routed by softmax scores in groups (`Scoring::Softmax`).
     DeepseekV2,
+    /// LFM2 (350M, 700M, 1.2B, 2.6B; `Lfm2ForCausalLM`): most layers are gated short
+    /// convolutions ([`ShortConvConfig`]), the others attention with per-head q/k norms; its
+    /// own names for the norms (`operator_norm`, `ffn_norm`, `q_layernorm`, `k_layernorm`,
+    /// the final `embedding_norm`), the attention's output (`out_proj`) and the MLP
+    /// (`feed_forward.w1`/`w3`/`w2`: [`DenseMlpNames::Lfm2`]).
+    Lfm2,
 }
 
 impl Architecture {
     /// Each architecture's `*ForCausalLM` class (`architectures`) and its `model_type`, the
     /// fallback for a config without `architectures`.
-    const CAUSAL_LM: [(&'static str, &'static str, Architecture); 34] = [
+    const CAUSAL_LM: [(&'static str, &'static str, Architecture); 35] = [
         ("LlamaForCausalLM", "llama", Architecture::Llama),
         ("MistralForCausalLM", "mistral", Architecture::Mistral),
         ("Qwen2ForCausalLM", "qwen2", Architecture::Qwen2),
@@ -179,6 +186,7 @@ impl Architecture {
         ),
         ("Dots1ForCausalLM", "dots1", Architecture::Dots1),
         ("ApertusForCausalLM", "apertus", Architecture::Apertus),
+        ("Lfm2ForCausalLM", "lfm2", Architecture::Lfm2),
         (
             "HunYuanDenseV1ForCausalLM",
             "hunyuan_v1_dense",
@@ -249,6 +257,10 @@ impl Architecture {
                 gate_up: true,
                 mlp: DenseMlpNames::GraniteShared,
             },
+            Architecture::Lfm2 => Fused {
+                mlp: DenseMlpNames::Lfm2,
+                ..Fused::default()
+            },
             _ => Fused::default(),
         }
     }
@@ -296,6 +308,7 @@ impl Architecture {
                 Some("feedforward_layernorm"),
                 None,
             ],
+            Architecture::Lfm2 => [Some("operator_norm"), None, Some("ffn_norm"), None],
             _ => [
                 Some("input_layernorm"),
                 None,
@@ -322,7 +335,24 @@ impl Architecture {
     pub fn qk_norms(self) -> (&'static str, &'static str, bool) {
         match self {
             Architecture::HunYuanDense => ("query_layernorm", "key_layernorm", true),
+            Architecture::Lfm2 => ("q_layernorm", "k_layernorm", false),
             _ => ("q_norm", "k_norm", false),
+        }
+    }
+
+    /// The attention's output projection inside a layer.
+    pub fn o_proj_module(self) -> &'static str {
+        match self {
+            Architecture::Lfm2 => "self_attn.out_proj",
+            _ => "self_attn.o_proj",
+        }
+    }
+
+    /// The final norm's weight (before the LM head).
+    pub fn final_norm(self) -> &'static str {
+        match self {
+            Architecture::Lfm2 => "model.embedding_norm.weight",
+            _ => "model.norm.weight",
         }
     }
 
@@ -384,14 +414,24 @@ pub enum DenseMlpNames {
     /// Granite 4's: gate and up fused in `shared_mlp.input_linear` (gate rows first), down
     /// in `shared_mlp.output_linear`.
     GraniteShared,
+    /// LFM2's: `feed_forward.w1` (gate), `feed_forward.w3` (up), `feed_forward.w2` (down).
+    Lfm2,
 }
 
 impl Fused {
     /// The module of the fused gate/up matrix (where [`Fused::gate_up`]).
     pub fn gate_up_module(self) -> &'static str {
         match self.mlp {
-            DenseMlpNames::Mlp => "mlp.gate_up_proj",
+            DenseMlpNames::Mlp | DenseMlpNames::Lfm2 => "mlp.gate_up_proj",
             DenseMlpNames::GraniteShared => "shared_mlp.input_linear",
+        }
+    }
+
+    /// The modules of the gate and up projections stored apart.
+    pub fn gate_and_up_modules(self) -> [&'static str; 2] {
+        match self.mlp {
+            DenseMlpNames::Lfm2 => ["feed_forward.w1", "feed_forward.w3"],
+            DenseMlpNames::Mlp | DenseMlpNames::GraniteShared => ["mlp.gate_proj", "mlp.up_proj"],
         }
     }
 
@@ -400,6 +440,7 @@ impl Fused {
         match self.mlp {
             DenseMlpNames::Mlp => "mlp.down_proj",
             DenseMlpNames::GraniteShared => "shared_mlp.output_linear",
+            DenseMlpNames::Lfm2 => "feed_forward.w2",
         }
     }
 }
@@ -495,6 +536,8 @@ pub struct ModelConfig {
     /// The mixture-of-experts settings of a sparse architecture (`None`: every layer's MLP is
     /// dense).
     pub moe: Option<MoeConfig>,
+    /// LFM2's short-convolution layers (`None`: every layer attends).
+    pub short_conv: Option<ShortConvConfig>,
     /// DeepSeek's latent attention (`None`: q/k/v projections). With it, `head_dim` is a
     /// head's query/key width, `rotary_dim` its rotated part's, and every head has its own
     /// key and value (`num_key_value_heads` = `num_attention_heads`).
@@ -781,9 +824,17 @@ impl ModelConfig {
                 format!("rotary embeddings need an even head_dim, got {head_dim}"),
             ));
         }
-        let rms_norm_eps = raw.rms_norm_eps.unwrap_or(1e-6);
+        let num_hidden_layers = positive("num_hidden_layers", raw.num_hidden_layers)?;
+        let lfm2 = (architecture == Architecture::Lfm2)
+            .then(|| parse_json::<RawLfm2>(text, path)?.check(path, num_hidden_layers))
+            .transpose()?;
+        let (eps_field, eps) = match &lfm2 {
+            Some(Lfm2Shape { norm_eps, .. }) => ("norm_eps", *norm_eps),
+            None => ("rms_norm_eps", raw.rms_norm_eps),
+        };
+        let rms_norm_eps = eps.unwrap_or(1e-6);
         if rms_norm_eps.is_nan() || rms_norm_eps <= 0.0 {
-            return Err(err("rms_norm_eps", "must be > 0".into()));
+            return Err(err(eps_field, "must be > 0".into()));
         }
         let max_position_embeddings = raw.max_position_embeddings.unwrap_or(4096);
         if max_position_embeddings == 0 {
@@ -858,7 +909,8 @@ impl ModelConfig {
             | Architecture::Ernie45Moe
             | Architecture::GraniteMoeHybrid
             | Architecture::HunYuanDense
-            | Architecture::Apertus => None,
+            | Architecture::Apertus
+            | Architecture::Lfm2 => None,
             // Its window applies to its sliding layers only (below).
             Architecture::Dots1 => raw.sliding_window,
             // Its window applies to the layers without rope only (below).
@@ -866,7 +918,6 @@ impl ModelConfig {
                 .sliding_window
                 .filter(|_| raw.use_sliding_window.unwrap_or(false)),
         };
-        let num_hidden_layers = positive("num_hidden_layers", raw.num_hidden_layers)?;
         // Granite 4 without experts: its shared MLP is the dense one (transformers' default
         // width 1024).
         let intermediate_size = match architecture {
@@ -874,7 +925,10 @@ impl ModelConfig {
                 "shared_intermediate_size",
                 raw.shared_intermediate_size.or(Some(1024)),
             )?,
-            _ => positive("intermediate_size", raw.intermediate_size)?,
+            _ => match &lfm2 {
+                Some(shape) => shape.intermediate_size,
+                None => positive("intermediate_size", raw.intermediate_size)?,
+            },
         };
         let sparse = |naming, shared_expert, own_width| SparseShape {
             naming,
@@ -944,7 +998,10 @@ impl ModelConfig {
             None => Self::parse_rotary_dim(&raw, architecture, head_dim, path)?,
         };
         let defaults = RopeDefaults {
-            rope_theta: raw.rope_theta,
+            // LFM2's default theta (`Lfm2Config.default_theta`).
+            rope_theta: raw
+                .rope_theta
+                .or((architecture == Architecture::Lfm2).then_some(1e6)),
             sliding_rope_theta: raw.rope_local_base_freq,
             original_max_position_embeddings: raw.original_max_position_embeddings,
             max_position_embeddings,
@@ -1057,7 +1114,11 @@ impl ModelConfig {
             rotary_dim,
             max_position_embeddings,
             // A classifier's `score` layer is its own matrix even where the config says tied.
-            tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false)
+            tie_word_embeddings: lfm2
+                .as_ref()
+                .map_or(raw.tie_word_embeddings.unwrap_or(false), |s| {
+                    s.tie_word_embeddings
+                })
                 && head == Head::LanguageModel,
             qkv_bias,
             o_bias,
@@ -1076,7 +1137,8 @@ impl ModelConfig {
                 | Architecture::MiniMaxM2
                 | Architecture::Dots1
                 | Architecture::HunYuanDense
-                | Architecture::Apertus => true,
+                | Architecture::Apertus
+                | Architecture::Lfm2 => true,
                 Architecture::Glm4Moe => raw.use_qk_norm.unwrap_or(false),
                 _ => false,
             },
@@ -1096,6 +1158,7 @@ impl ModelConfig {
                 })
                 .transpose()?,
             moe,
+            short_conv: lfm2.map(|s| s.conv),
             mla,
             // dots.llm1's window only where a layer is sliding.
             sliding_window: sliding_window

@@ -19,7 +19,7 @@ use crate::config::{
 };
 use crate::dvr::DeterminismPolicy;
 use crate::error::{DetspecError, Result};
-use crate::kv::{BlockTable, KvManager, KvPool, KvStats, PageAllocator};
+use crate::kv::{BlockTable, KvManager, KvPool, KvStats, LayerCacheShape, PageAllocator};
 use crate::model::{ForwardBatch, Model};
 use crate::ops;
 use crate::ops::{AttentionMetadata, AttentionSchedule};
@@ -121,12 +121,18 @@ pub struct EngineCore {
 /// The config field and why, where a model needs what the CUDA kernels lack: the rope
 /// kernels rotate whole heads in halves (GLM's and ERNIE's pair neighbours, Phi-4-mini's and
 /// GLM's rotate part of each head); the attention kernel has no sinks and the elementwise
-/// ones no clamped SwiGLU (gpt-oss).
+/// ones no clamped SwiGLU (gpt-oss); there is no short-convolution kernel (LFM2).
 fn cuda_lacks(cfg: &ModelConfig) -> Option<(&'static str, String)> {
     if cfg.architecture.xielu_mlp() {
         return Some((
             "hidden_act",
             format!("{:?}'s xielu has no CUDA kernel", cfg.architecture),
+        ));
+    }
+    if cfg.short_conv.is_some() {
+        return Some((
+            "layer_types",
+            "LFM2's short convolutions have no CUDA kernel".into(),
         ));
     }
     if cfg.mla.is_some() {
@@ -236,10 +242,8 @@ impl EngineCore {
             cfg.num_kv_pages
                 .map_or(cfg.kv_cache_bytes.unwrap_or(DEFAULT_KV_CACHE_BYTES), |n| {
                     n.saturating_mul(KvPool::bytes_per_page(
-                        model_cfg.num_hidden_layers,
+                        &LayerCacheShape::of_model(&model_cfg),
                         cfg.page_size,
-                        model_cfg.num_key_value_heads,
-                        model_cfg.head_dim,
                         kv_dtype,
                     ))
                 });
@@ -258,26 +262,13 @@ impl EngineCore {
         let model = Model::load_with(dir, model_cfg, device, dtype, act)?
             .with_kernel_profile(cfg.kernel_profile);
         let mc = model.config().clone();
-        let per_page = KvPool::bytes_per_page(
-            mc.num_hidden_layers,
-            cfg.page_size,
-            mc.num_key_value_heads,
-            mc.head_dim,
-            kv_dtype,
-        );
+        let cache_shapes = LayerCacheShape::of_model(&mc);
+        let per_page = KvPool::bytes_per_page(&cache_shapes, cfg.page_size, kv_dtype);
         let num_pages = match cfg.num_kv_pages {
             Some(n) => n,
             None => (kv_budget(&cfg, &mc, dtype, device)? / per_page).max(1),
         };
-        let kv = KvPool::new(
-            mc.num_hidden_layers,
-            num_pages,
-            cfg.page_size,
-            mc.num_key_value_heads,
-            mc.head_dim,
-            kv_dtype,
-            device,
-        )?;
+        let kv = KvPool::new(cache_shapes, num_pages, cfg.page_size, kv_dtype, device)?;
         let alloc = Arc::new(KvManager::new(
             num_pages,
             cfg.page_size,

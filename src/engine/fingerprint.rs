@@ -82,6 +82,10 @@ pub fn model_digest(cfg: &ModelConfig, dir: &Path, eos: &[u32]) -> Result<u64> {
     if let Some(mla) = &cfg.mla {
         h.update(format!("|mla{mla:?}").as_bytes());
     }
+    // Likewise LFM2's convolution layers.
+    if let Some(conv) = &cfg.short_conv {
+        h.update(format!("|conv{conv:?}").as_bytes());
+    }
     // Likewise models whose layers are of two kinds (which slide, and their rope).
     if let Some(sliding) = &cfg.sliding_layers {
         h.update(format!("|slides{sliding:?}|rope_sliding{:?}", cfg.rope_sliding).as_bytes());

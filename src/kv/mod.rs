@@ -14,7 +14,7 @@ mod prefix;
 pub use allocator::{AtomicAllocator, PageAllocator, PageError, PageId, SimpleAllocator};
 pub use block_table::BlockTable;
 pub use manager::{KvManager, KvStats};
-pub use pool::KvPool;
+pub use pool::{KvPool, LayerCache, LayerCacheShape};
 pub use prefix::{
     chain_hash, namespace, root_hash, root_hash_of, salt_hash, FnvHasher, PageClass, PrefixCache,
     PrefixStats,

@@ -1,40 +1,88 @@
-//! The KV page pool, allocated once when the engine starts: per layer a K tensor
+//! The KV page pool, allocated once when the engine starts. An attention layer keeps a K tensor
 //! `[num_pages, kv_heads, head_dim, page_size]` (keys transposed per page, for the attention
 //! kernel's vector loop over a page's keys) and a V tensor `[num_pages, page_size, kv_heads,
-//! head_dim]`. A page is contiguous in both, so page copies do not care.
+//! head_dim]`; an LFM2 convolution layer one row per token, `[num_pages, page_size, 1, width]`
+//! (its convolution's input, which the next tokens' outputs read). A page is contiguous in
+//! each, so page copies do not care, and every per-token state lives in pages: rollback,
+//! prefix sharing and preemption treat a convolution layer as they treat attention.
 
 use candle_core::{DType, Device, Tensor};
 
+use crate::config::ModelConfig;
 use crate::error::{DetspecError, Result};
 use crate::ops::copy_pages;
 
 use super::PageId;
 
+/// What one layer keeps per token.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LayerCacheShape {
+    /// A key and a value of `kv_heads` heads of `head_dim`.
+    Attention { kv_heads: usize, head_dim: usize },
+    /// One row of `width` values.
+    Rows { width: usize },
+}
+
+impl LayerCacheShape {
+    /// Values one token takes.
+    fn per_token(self) -> usize {
+        match self {
+            Self::Attention { kv_heads, head_dim } => 2 * kv_heads * head_dim,
+            Self::Rows { width } => width,
+        }
+    }
+
+    /// Each layer's shape for a model: a convolution layer's row is its hidden size.
+    pub fn of_model(cfg: &ModelConfig) -> Vec<Self> {
+        (0..cfg.num_hidden_layers)
+            .map(|i| match &cfg.short_conv {
+                Some(conv) if conv.is_conv(i) => Self::Rows {
+                    width: cfg.hidden_size,
+                },
+                _ => Self::Attention {
+                    kv_heads: cfg.num_key_value_heads,
+                    head_dim: cfg.head_dim,
+                },
+            })
+            .collect()
+    }
+}
+
+/// One layer's storage.
+#[derive(Debug)]
+pub enum LayerCache {
+    Attention { k: Tensor, v: Tensor },
+    Rows(Tensor),
+}
+
+impl LayerCache {
+    fn tensors(&self) -> impl Iterator<Item = &Tensor> {
+        let (a, b) = match self {
+            Self::Attention { k, v } => (k, Some(v)),
+            Self::Rows(rows) => (rows, None),
+        };
+        std::iter::once(a).chain(b)
+    }
+}
+
 /// KV storage for every layer.
 #[derive(Debug)]
 pub struct KvPool {
-    /// (K, V) per layer; empty while the memory is released.
-    layers: Vec<(Tensor, Tensor)>,
+    /// Empty while the memory is released.
+    layers: Vec<LayerCache>,
+    /// What `restore` allocates.
+    shapes: Vec<LayerCacheShape>,
     page_size: usize,
     num_pages: usize,
-    /// What `restore` needs to allocate the layers again.
-    num_layers: usize,
-    kv_heads: usize,
-    head_dim: usize,
     dtype: DType,
     device: Device,
 }
 
 impl KvPool {
-    /// Bytes one page takes across all layers (K and V).
-    pub fn bytes_per_page(
-        num_layers: usize,
-        page_size: usize,
-        kv_heads: usize,
-        head_dim: usize,
-        dtype: DType,
-    ) -> usize {
-        2 * num_layers * page_size * kv_heads * head_dim * dtype.size_in_bytes()
+    /// Bytes one page takes across all layers.
+    pub fn bytes_per_page(shapes: &[LayerCacheShape], page_size: usize, dtype: DType) -> usize {
+        let per_token: usize = shapes.iter().map(|s| s.per_token()).sum();
+        per_token * page_size * dtype.size_in_bytes()
     }
 
     /// Pool size in pages from the user's settings: `num_kv_pages` when given, otherwise as many
@@ -69,11 +117,9 @@ impl KvPool {
     }
 
     pub fn new(
-        num_layers: usize,
+        shapes: Vec<LayerCacheShape>,
         num_pages: usize,
         page_size: usize,
-        kv_heads: usize,
-        head_dim: usize,
         dtype: DType,
         device: &Device,
     ) -> Result<Self> {
@@ -82,11 +128,9 @@ impl KvPool {
         }
         let mut pool = Self {
             layers: Vec::new(),
+            shapes,
             page_size,
             num_pages,
-            num_layers,
-            kv_heads,
-            head_dim,
             dtype,
             device: device.clone(),
         };
@@ -94,7 +138,7 @@ impl KvPool {
         Ok(pool)
     }
 
-    /// Frees every layer's K and V storage; [`KvPool::layer`] returns `None` until
+    /// Frees every layer's storage; [`KvPool::layer`] returns `None` until
     /// [`KvPool::restore`].
     pub fn release(&mut self) {
         self.layers = Vec::new();
@@ -102,18 +146,24 @@ impl KvPool {
 
     /// Allocates the layers (zeroed) if they are released; a no-op otherwise.
     pub fn restore(&mut self) -> Result<()> {
-        if !self.layers.is_empty() || self.num_layers == 0 {
+        if !self.layers.is_empty() || self.shapes.is_empty() {
             return Ok(());
         }
-        let k_shape = (self.num_pages, self.kv_heads, self.head_dim, self.page_size);
-        let v_shape = (self.num_pages, self.page_size, self.kv_heads, self.head_dim);
+        let (pages, page) = (self.num_pages, self.page_size);
         let (dtype, device) = (self.dtype, &self.device);
-        self.layers = (0..self.num_layers)
-            .map(|_| {
-                Ok((
-                    Tensor::zeros(k_shape, dtype, device)?,
-                    Tensor::zeros(v_shape, dtype, device)?,
-                ))
+        self.layers = self
+            .shapes
+            .iter()
+            .map(|shape| {
+                Ok(match *shape {
+                    LayerCacheShape::Attention { kv_heads, head_dim } => LayerCache::Attention {
+                        k: Tensor::zeros((pages, kv_heads, head_dim, page), dtype, device)?,
+                        v: Tensor::zeros((pages, page, kv_heads, head_dim), dtype, device)?,
+                    },
+                    LayerCacheShape::Rows { width } => {
+                        LayerCache::Rows(Tensor::zeros((pages, page, 1, width), dtype, device)?)
+                    }
+                })
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(())
@@ -121,19 +171,20 @@ impl KvPool {
 
     /// Whether the layers' memory is released.
     pub fn is_released(&self) -> bool {
-        self.layers.is_empty() && self.num_layers > 0
+        self.layers.is_empty() && !self.shapes.is_empty()
     }
 
-    /// Bytes the K and V tensors hold now.
+    /// Bytes the layers' tensors hold now.
     pub fn allocated_bytes(&self) -> usize {
         self.layers
             .iter()
-            .map(|(k, v)| (k.elem_count() + v.elem_count()) * self.dtype.size_in_bytes())
+            .flat_map(LayerCache::tensors)
+            .map(|t| t.elem_count() * self.dtype.size_in_bytes())
             .sum()
     }
 
-    /// (K, V) of layer `i`.
-    pub fn layer(&self, i: usize) -> Option<&(Tensor, Tensor)> {
+    /// Layer `i`'s storage.
+    pub fn layer(&self, i: usize) -> Option<&LayerCache> {
         self.layers.get(i)
     }
 
@@ -145,15 +196,14 @@ impl KvPool {
         self.num_pages
     }
 
-    /// Copies page `src` onto page `dst` in every layer's K and V: the data half of
+    /// Copies page `src` onto page `dst` in every layer's tensors: the data half of
     /// copy-on-write for the pairs returned by [`super::BlockTable::prepare_append`].
     pub fn copy_pages(&self, pairs: &[(PageId, PageId)]) -> Result<()> {
         if pairs.is_empty() {
             return Ok(());
         }
-        for (k, v) in &self.layers {
-            copy_pages(k, pairs)?;
-            copy_pages(v, pairs)?;
+        for t in self.layers.iter().flat_map(LayerCache::tensors) {
+            copy_pages(t, pairs)?;
         }
         Ok(())
     }

@@ -13,7 +13,7 @@ use candle_core::{DType, Device, Tensor};
 
 use crate::config::{ActivationDtype, KernelProfile, ModelConfig, RopeConfig};
 use crate::error::{DetspecError, Result};
-use crate::kv::KvPool;
+use crate::kv::{KvPool, LayerCache};
 use crate::ops::{self, AttentionMetadata};
 
 use super::linear::{GemmOptions, Linear, LinearWeight, Projection};
@@ -22,6 +22,7 @@ use super::lora::{LoraAdapter, LoraOutputs, LoraRows, LoraTarget};
 use super::mla::LatentAttention;
 use super::moe::SparseMlp;
 use super::params::ParamHashes;
+use super::short_conv::ShortConv;
 use super::weights::Checkpoint;
 
 /// One forward pass's inputs: a flat batch of tokens from one or more sequences.
@@ -52,20 +53,33 @@ pub struct ForwardBatch {
 /// Llama family norms each sublayer's input (`input_norm`, `mlp_norm`), OLMo 2 each
 /// sublayer's output before it is added (`attn_out_norm`, `mlp_out_norm`), Gemma both
 /// ([`crate::config::Architecture::sublayer_norms`]).
+/// Every norm weight is held as the kernels multiply by it (Gemma's `1 + w`,
+/// `loader::offset_norm`).
 #[derive(Debug)]
 pub(super) struct Layer {
     pub(super) input_norm: Option<Tensor>,
-    pub(super) qkv: QkvSource,
-    pub(super) o: Linear,
-    /// Per head (`[head_dim]`), or over the whole projection (OLMo 2: `[heads × head_dim]`).
-    /// Every norm weight is held as the kernels multiply by it (Gemma's `1 + w`,
-    /// `loader::offset_norm`).
-    pub(super) q_norm: Option<Tensor>,
-    pub(super) k_norm: Option<Tensor>,
+    pub(super) mixer: Mixer,
     pub(super) attn_out_norm: Option<Tensor>,
     pub(super) mlp_norm: Option<Tensor>,
     pub(super) mlp_out_norm: Option<Tensor>,
     pub(super) mlp: Mlp,
+}
+
+/// What mixes a layer's tokens: attention, or LFM2's short convolution.
+#[derive(Debug)]
+pub(super) enum Mixer {
+    Attention(Box<Attention>),
+    ShortConv(Box<ShortConv>),
+}
+
+/// A layer's attention parameters.
+#[derive(Debug)]
+pub(super) struct Attention {
+    pub(super) qkv: QkvSource,
+    pub(super) o: Linear,
+    /// Per head (`[head_dim]`), or over the whole projection (OLMo 2: `[heads × head_dim]`).
+    pub(super) q_norm: Option<Tensor>,
+    pub(super) k_norm: Option<Tensor>,
     /// gpt-oss's per-head sink logits, on the host (the CPU attention kernel reads them).
     pub(super) sinks: Option<Arc<[f32]>>,
 }
@@ -272,46 +286,62 @@ impl Model {
                     )?,
                     down: ld.linear(&format!("{p}.{}", fused.down_module()), is, hs, false)?,
                 },
-                _ => Mlp::Dense {
-                    gate_up: ld.projection(
-                        &[(mlp("gate_proj"), is), (mlp("up_proj"), is)],
-                        hs,
-                        cfg.mlp_bias,
-                        stack,
-                    )?,
-                    down: ld.linear(&mlp("down_proj"), is, hs, cfg.mlp_bias)?,
-                },
+                _ => {
+                    let module = |m: &str| format!("{p}.{m}");
+                    let [gate, up] = fused.gate_and_up_modules().map(module);
+                    Mlp::Dense {
+                        gate_up: ld.projection(&[(gate, is), (up, is)], hs, cfg.mlp_bias, stack)?,
+                        down: ld.linear(&module(fused.down_module()), is, hs, cfg.mlp_bias)?,
+                    }
+                }
             };
 
             // o_proj reads every head's value.
             let o_in = cfg.mla.as_ref().map_or(h * d, |m| h * m.v_head_dim);
+            let mixer = match &cfg.short_conv {
+                Some(conv) if conv.is_conv(i) => {
+                    Mixer::ShortConv(Box::new(ShortConv::load(&ld, &cfg, conv, &p)?))
+                }
+                _ => Mixer::Attention(Box::new(Attention {
+                    qkv: match &cfg.mla {
+                        Some(m) => {
+                            QkvSource::Latent(Box::new(LatentAttention::load(&ld, &cfg, m, i)?))
+                        }
+                        None if fused.qkv => QkvSource::Heads(ld.fused_projection(
+                            &attn("qkv_proj"),
+                            &widths,
+                            hs,
+                            stack,
+                        )?),
+                        None => {
+                            QkvSource::Heads(ld.projection(&qkv, hs, cfg.qkv_bias, stack_qkv)?)
+                        }
+                    },
+                    o: ld.linear(
+                        &format!("{p}.{}", cfg.architecture.o_proj_module()),
+                        o_in,
+                        hs,
+                        cfg.o_bias,
+                    )?,
+                    q_norm: qk_norm(q_norm_name, h)?,
+                    k_norm: qk_norm(k_norm_name, kvh)?,
+                    sinks: cfg
+                        .architecture
+                        .has_attention_sinks()
+                        .then(|| host_vector(&ld.load(&attn("sinks"), &[h])?))
+                        .transpose()?,
+                })),
+            };
             layers.push(Layer {
                 input_norm: input_norm?,
-                qkv: match &cfg.mla {
-                    Some(m) => QkvSource::Latent(Box::new(LatentAttention::load(&ld, &cfg, m, i)?)),
-                    None if fused.qkv => QkvSource::Heads(ld.fused_projection(
-                        &attn("qkv_proj"),
-                        &widths,
-                        hs,
-                        stack,
-                    )?),
-                    None => QkvSource::Heads(ld.projection(&qkv, hs, cfg.qkv_bias, stack_qkv)?),
-                },
-                o: ld.linear(&attn("o_proj"), o_in, hs, cfg.o_bias)?,
-                q_norm: qk_norm(q_norm_name, h)?,
-                k_norm: qk_norm(k_norm_name, kvh)?,
+                mixer,
                 attn_out_norm: attn_out_norm?,
                 mlp_norm: mlp_norm?,
                 mlp_out_norm: mlp_out_norm?,
                 mlp,
-                sinks: cfg
-                    .architecture
-                    .has_attention_sinks()
-                    .then(|| host_sinks(&ld.load(&attn("sinks"), &[h])?))
-                    .transpose()?,
             });
         }
-        let norm = ld.norm("model.norm.weight", &[hs], norm_offset)?;
+        let norm = ld.norm(cfg.architecture.final_norm(), &[hs], norm_offset)?;
         let embed_scale = match cfg.granite {
             Some(g) => Some(Tensor::new(g.embedding as f32, device)?),
             // transformers rounds Gemma's √hidden to the weights' dtype first.
@@ -554,7 +584,7 @@ impl Model {
             None => Ok(y),
         };
         for (li, layer) in self.layers.iter().enumerate() {
-            let (k_cache, v_cache) = kv.layer(li).ok_or_else(|| {
+            let cache = kv.layer(li).ok_or_else(|| {
                 DetspecError::param("num_layers", format!("KV pool has no layer {li}"))
             })?;
             let slides = cfg.layer_slides(li);
@@ -575,81 +605,119 @@ impl Model {
                     .pop()
                     .ok_or_else(|| candle_core::Error::Msg("LoRA returned no output".into()))
             };
-            // q, with k and v written into the layer's cache at the rows' slots.
-            let q = match &layer.qkv {
-                QkvSource::Latent(latent) => {
-                    latent.q_into_cache(&hn, inv, cos, sin, k_cache, v_cache, slots.clone())?
+            let o = match (&layer.mixer, cache) {
+                (Mixer::ShortConv(conv), LayerCache::Rows(rows)) => {
+                    conv.forward(&hn, rows, slots.clone(), &full_meta, inv)?
                 }
-                QkvSource::Heads(Projection::Stacked { linear, .. }) => {
-                    let targets = [t_q[0], t_k[0], t_v[0]];
-                    let y = one(&hn, linear.apply(&hn, inv)?, &targets)?;
-                    ops::rope_qkv_into_cache(&y, cos, sin, h, kvh, k_cache, v_cache, slots.clone())?
-                }
-                QkvSource::Heads(Projection::Apart(qkv)) => {
-                    let [q, k, v] = qkv.as_slice() else {
-                        return Err(DetspecError::param("weights", "q/k/v are three layers"));
-                    };
-                    let outs = vec![
-                        (q.apply(&hn, inv)?, &t_q[..]),
-                        (k.apply(&hn, inv)?, &t_k[..]),
-                        (v.apply(&hn, inv)?, &t_v[..]),
-                    ];
-                    let [q, k, v]: [Tensor; 3] = with_lora(&hn, outs)?
-                        .try_into()
-                        .map_err(|_| DetspecError::param("weights", "q/k/v are three layers"))?;
-                    // q/k norms apply over the whole projection (OLMo 2) before the split into
-                    // heads, or to each head after it (Qwen3).
-                    let norms = layer.q_norm.as_ref().zip(layer.k_norm.as_ref());
-                    let (q, k) = match norms {
-                        Some((qn, kn)) if whole_qk_norm => {
-                            (ops::rms_norm(&q, qn, eps)?, ops::rms_norm(&k, kn, eps)?)
+                (
+                    Mixer::Attention(attn),
+                    LayerCache::Attention {
+                        k: k_cache,
+                        v: v_cache,
+                    },
+                ) => {
+                    // q, with k and v written into the layer's cache at the rows' slots.
+                    let q = match &attn.qkv {
+                        QkvSource::Latent(latent) => latent.q_into_cache(
+                            &hn,
+                            inv,
+                            cos,
+                            sin,
+                            k_cache,
+                            v_cache,
+                            slots.clone(),
+                        )?,
+                        QkvSource::Heads(Projection::Stacked { linear, .. }) => {
+                            let targets = [t_q[0], t_k[0], t_v[0]];
+                            let y = one(&hn, linear.apply(&hn, inv)?, &targets)?;
+                            ops::rope_qkv_into_cache(
+                                &y,
+                                cos,
+                                sin,
+                                h,
+                                kvh,
+                                k_cache,
+                                v_cache,
+                                slots.clone(),
+                            )?
                         }
-                        _ => (q, k),
+                        QkvSource::Heads(Projection::Apart(qkv)) => {
+                            let [q, k, v] = qkv.as_slice() else {
+                                return Err(DetspecError::param(
+                                    "weights",
+                                    "q/k/v are three layers",
+                                ));
+                            };
+                            let outs = vec![
+                                (q.apply(&hn, inv)?, &t_q[..]),
+                                (k.apply(&hn, inv)?, &t_k[..]),
+                                (v.apply(&hn, inv)?, &t_v[..]),
+                            ];
+                            let [q, k, v]: [Tensor; 3] =
+                                with_lora(&hn, outs)?.try_into().map_err(|_| {
+                                    DetspecError::param("weights", "q/k/v are three layers")
+                                })?;
+                            // q/k norms apply over the whole projection (OLMo 2) before the split into
+                            // heads, or to each head after it (Qwen3).
+                            let norms = attn.q_norm.as_ref().zip(attn.k_norm.as_ref());
+                            let (q, k) = match norms {
+                                Some((qn, kn)) if whole_qk_norm => {
+                                    (ops::rms_norm(&q, qn, eps)?, ops::rms_norm(&k, kn, eps)?)
+                                }
+                                _ => (q, k),
+                            };
+                            let mut q = q.reshape((n, h, d))?;
+                            let mut k = k.reshape((n, kvh, d))?;
+                            let v = v.reshape((n, kvh, d))?;
+                            let head_norms = norms.filter(|_| !whole_qk_norm);
+                            if let Some((qn, kn)) = head_norms.filter(|_| !qk_norm_after_rope) {
+                                q = ops::rms_norm(&q, qn, eps)?;
+                                k = ops::rms_norm(&k, kn, eps)?;
+                            }
+                            let rope = |x: &Tensor| match interleaved {
+                                true => ops::apply_rope_interleaved(x, cos, sin),
+                                false => ops::apply_rope(x, cos, sin),
+                            };
+                            let (mut q, mut k) = (rope(&q)?, rope(&k)?);
+                            // HunYuan norms the rotated heads.
+                            if let Some((qn, kn)) = head_norms.filter(|_| qk_norm_after_rope) {
+                                q = ops::rms_norm(&q, qn, eps)?;
+                                k = ops::rms_norm(&k, kn, eps)?;
+                            }
+                            ops::write_k(k_cache, &k, slots.clone())?;
+                            ops::write_kv(v_cache, &v, slots.clone())?;
+                            q
+                        }
                     };
-                    let mut q = q.reshape((n, h, d))?;
-                    let mut k = k.reshape((n, kvh, d))?;
-                    let v = v.reshape((n, kvh, d))?;
-                    let head_norms = norms.filter(|_| !whole_qk_norm);
-                    if let Some((qn, kn)) = head_norms.filter(|_| !qk_norm_after_rope) {
-                        q = ops::rms_norm(&q, qn, eps)?;
-                        k = ops::rms_norm(&k, kn, eps)?;
-                    }
-                    let rope = |x: &Tensor| match interleaved {
-                        true => ops::apply_rope_interleaved(x, cos, sin),
-                        false => ops::apply_rope(x, cos, sin),
+                    let q = match &query_scale {
+                        Some(s) => q.broadcast_mul(s)?,
+                        None => q,
                     };
-                    let (mut q, mut k) = (rope(&q)?, rope(&k)?);
-                    // HunYuan norms the rotated heads.
-                    if let Some((qn, kn)) = head_norms.filter(|_| qk_norm_after_rope) {
-                        q = ops::rms_norm(&q, qn, eps)?;
-                        k = ops::rms_norm(&k, kn, eps)?;
-                    }
-                    ops::write_k(k_cache, &k, slots.clone())?;
-                    ops::write_kv(v_cache, &v, slots.clone())?;
-                    q
+                    let heads = match &attn.sinks {
+                        Some(sinks) => ops::paged_attention_with_sinks(
+                            &q,
+                            k_cache,
+                            v_cache,
+                            meta.clone(),
+                            scale,
+                            sinks.clone(),
+                            ops::CpuIsa::detect(),
+                        )?,
+                        None => ops::paged_attention(&q, k_cache, v_cache, meta.clone(), scale)?,
+                    };
+                    let heads = match &attn.qkv {
+                        QkvSource::Latent(l) => l.values(&heads)?,
+                        QkvSource::Heads(_) => heads.reshape((n, h * d))?,
+                    };
+                    one(&heads, attn.o.apply(&heads, inv)?, &t_o)?
+                }
+                _ => {
+                    return Err(DetspecError::param(
+                        "num_layers",
+                        format!("layer {li}'s cache does not match its kind"),
+                    ))
                 }
             };
-            let q = match &query_scale {
-                Some(s) => q.broadcast_mul(s)?,
-                None => q,
-            };
-            let attn = match &layer.sinks {
-                Some(sinks) => ops::paged_attention_with_sinks(
-                    &q,
-                    k_cache,
-                    v_cache,
-                    meta.clone(),
-                    scale,
-                    sinks.clone(),
-                    ops::CpuIsa::detect(),
-                )?,
-                None => ops::paged_attention(&q, k_cache, v_cache, meta.clone(), scale)?,
-            };
-            let attn = match &layer.qkv {
-                QkvSource::Latent(l) => l.values(&attn)?,
-                QkvSource::Heads(_) => attn.reshape((n, h * d))?,
-            };
-            let o = one(&attn, layer.o.apply(&attn, inv)?, &t_o)?;
             let o = residual_scale(out_norm(o, &layer.attn_out_norm)?)?;
             (x, hn) = add_then_norm(&x, &o, layer.mlp_norm.as_ref())?;
             let down = match &layer.mlp {
@@ -700,10 +768,12 @@ impl Model {
     }
 }
 
-/// Sink logits (`[heads]`, any dtype and device) as the CPU attention kernel reads them.
-pub(super) fn host_sinks(t: &Tensor) -> Result<Arc<[f32]>> {
+/// A parameter (`[heads]` sink logits, a convolution's `[width, 1, kernel]` taps; any dtype
+/// and device) in f32 on the host, flattened, where the CPU kernels read it.
+pub(super) fn host_vector(t: &Tensor) -> Result<Arc<[f32]>> {
     Ok(t.to_dtype(DType::F32)?
         .to_device(&Device::Cpu)?
+        .flatten_all()?
         .to_vec1::<f32>()?
         .into())
 }

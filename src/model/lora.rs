@@ -225,6 +225,15 @@ impl LoraAdapter {
                     .into(),
             });
         }
+        if cfg.short_conv.is_some() {
+            return Err(DetspecError::InvalidConfig {
+                path: weights_path.to_path_buf(),
+                field: "target_modules".into(),
+                message: "LoRA adapters are not supported on LFM2 (its convolution layers and \
+                          its module names have no adapter path yet)"
+                    .into(),
+            });
+        }
         let halves = read_halves(bytes, weights_path, cfg, max_rank)?;
         let mut hash = Xxh3::new();
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);

@@ -12,6 +12,7 @@ mod moe;
 mod moe_names;
 mod mxfp4;
 mod params;
+mod short_conv;
 mod update;
 mod weights;
 

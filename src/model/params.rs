@@ -14,6 +14,7 @@ use crate::ops::{bf16_to_f32, with_bf16_bits, with_f32_values};
 use super::decoder::XieluParams;
 use super::mla::latent_params;
 use super::moe_names::sparse_params;
+use super::short_conv::conv_params;
 
 /// Every parameter name a checkpoint of `cfg` holds, with its shape, in name order.
 /// `lm_head.weight` is listed for tied models too (torch's `state_dict()` yields it); it then
@@ -27,7 +28,7 @@ pub fn param_shapes(cfg: &ModelConfig) -> BTreeMap<String, Vec<usize>> {
     let (hs, is, vocab) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
     let mut m = BTreeMap::new();
     m.insert("model.embed_tokens.weight".into(), vec![vocab, hs]);
-    m.insert("model.norm.weight".into(), vec![hs]);
+    m.insert(cfg.architecture.final_norm().into(), vec![hs]);
     m.insert(
         cfg.head.weight_name().into(),
         vec![cfg.head.rows(vocab), hs],
@@ -41,8 +42,10 @@ pub fn param_shapes(cfg: &ModelConfig) -> BTreeMap<String, Vec<usize>> {
             m.insert(format!("{name}.weight"), vec![o, i]);
         };
         let fused = cfg.architecture.fused();
+        let conv = cfg.short_conv.as_ref().filter(|c| c.is_conv(i));
         // (Latent attention's projections are listed with the norms below.)
         match (&cfg.mla, fused.qkv) {
+            _ if conv.is_some() => {}
             (Some(_), _) => {}
             (None, true) => linear(
                 format!("{p}.self_attn.qkv_proj"),
@@ -57,7 +60,10 @@ pub fn param_shapes(cfg: &ModelConfig) -> BTreeMap<String, Vec<usize>> {
             }
         }
         let o_in = cfg.mla.as_ref().map_or(h * d, |m| h * m.v_head_dim);
-        linear(format!("{p}.self_attn.o_proj"), o_in, hs, cfg.o_bias);
+        if conv.is_none() {
+            let o = cfg.architecture.o_proj_module();
+            linear(format!("{p}.{o}"), o_in, hs, cfg.o_bias);
+        }
         match &cfg.moe {
             Some(moe) if moe.is_sparse(i) => {
                 m.extend(sparse_params(cfg, moe, i));
@@ -74,13 +80,20 @@ pub fn param_shapes(cfg: &ModelConfig) -> BTreeMap<String, Vec<usize>> {
                 linear(format!("{p}.{}", fused.down_module()), is, hs, false);
             }
             _ => {
-                linear(format!("{p}.mlp.gate_proj"), hs, is, cfg.mlp_bias);
-                linear(format!("{p}.mlp.up_proj"), hs, is, cfg.mlp_bias);
-                linear(format!("{p}.mlp.down_proj"), is, hs, cfg.mlp_bias);
+                let [gate, up] = fused.gate_and_up_modules();
+                linear(format!("{p}.{gate}"), hs, is, cfg.mlp_bias);
+                linear(format!("{p}.{up}"), hs, is, cfg.mlp_bias);
+                linear(format!("{p}.{}", fused.down_module()), is, hs, cfg.mlp_bias);
             }
         }
         for norm in cfg.architecture.sublayer_norms().into_iter().flatten() {
             m.insert(format!("{p}.{norm}.weight"), vec![hs]);
+        }
+        if let Some(conv) = conv {
+            for (name, shape) in conv_params(cfg, conv) {
+                m.insert(format!("{p}.conv.{name}"), shape);
+            }
+            continue;
         }
         if let Some(mla) = &cfg.mla {
             for (name, shape) in latent_params(cfg, mla) {

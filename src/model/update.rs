@@ -9,7 +9,7 @@ use crate::error::Result;
 
 use std::sync::Arc;
 
-use super::decoder::{host_sinks, Mlp, Model, QkvSource};
+use super::decoder::{host_vector, Attention, Mixer, Mlp, Model, QkvSource};
 use super::fused_experts::FusedPart;
 use super::linear::{Linear, LinearWeight, Projection};
 use super::loader::offset_norm;
@@ -36,8 +36,11 @@ enum Slot<'a> {
     FusedWeight(&'a mut Projection, Vec<usize>),
     /// A stacked tensor of every expert's part (gpt-oss's, Granite MoE's: `fused_experts`).
     Stacked(&'a mut SparseMlp, ExpertNaming, FusedPart),
-    /// gpt-oss's per-head sink logits.
-    Sinks(&'a mut Option<Arc<[f32]>>),
+    /// A vector held in f32 on the host, rounded to the weights' dtype: gpt-oss's per-head
+    /// sink logits, a convolution's bias.
+    HostVector(&'a mut Option<Arc<[f32]>>),
+    /// The same, always present: a convolution's taps.
+    HostValues(&'a mut Arc<[f32]>),
     /// One value (Apertus's xIELU parameters).
     Scalar(&'a mut f32),
     Embedding,
@@ -130,9 +133,14 @@ impl Model {
                     moe.set_stacked(naming, part, &t, bf16_act)?;
                     t
                 }
-                Slot::Sinks(s) => {
+                Slot::HostVector(s) => {
                     let t = t.to_dtype(matrix)?.to_dtype(vector)?;
-                    *s = Some(host_sinks(&t)?);
+                    *s = Some(host_vector(&t)?);
+                    t
+                }
+                Slot::HostValues(s) => {
+                    let t = t.to_dtype(matrix)?.to_dtype(vector)?;
+                    *s = host_vector(&t)?;
                     t
                 }
                 Slot::PartBias(p, part) => {
@@ -157,7 +165,9 @@ impl Model {
     fn slot(&mut self, name: &str) -> Option<Slot<'_>> {
         match name {
             "model.embed_tokens.weight" => return Some(Slot::Embedding),
-            "model.norm.weight" => return Some(Slot::Norm(&mut self.norm)),
+            n if n == self.cfg.architecture.final_norm() => {
+                return Some(Slot::Norm(&mut self.norm))
+            }
             n if n == self.cfg.head.weight_name() => return Some(Slot::Linear(&mut self.lm_head)),
             _ => {}
         }
@@ -200,12 +210,30 @@ impl Model {
                 (None, None)
             }
         };
+        let attn: Option<&mut Attention> = match &mut layer.mixer {
+            Mixer::Attention(a) => Some(a),
+            Mixer::ShortConv(conv) => {
+                // A convolution layer's own parameters.
+                match (module, kind) {
+                    ("conv.in_proj", _) => return linear_slot(&mut conv.in_proj, kind),
+                    ("conv.out_proj", _) => return linear_slot(&mut conv.out_proj, kind),
+                    ("conv.conv", "weight") => {
+                        return Some(Slot::HostValues(&mut conv.taps.weight))
+                    }
+                    ("conv.conv", "bias") => return Some(Slot::HostVector(&mut conv.taps.bias)),
+                    _ => None,
+                }
+            }
+        };
         // Latent attention's own parameters (every `self_attn` one but o_proj).
-        let latent_name = module
-            .strip_prefix("self_attn.")
-            .filter(|n| *n != "o_proj" && matches!(layer.qkv, QkvSource::Latent(_)));
-        if let Some(name) = latent_name {
-            let QkvSource::Latent(latent) = &mut layer.qkv else {
+        let latent = matches!(attn.as_deref(), Some(a) if matches!(a.qkv, QkvSource::Latent(_)));
+        let latent_name = module.strip_prefix("self_attn.").filter(|n| *n != "o_proj");
+        if let Some(name) = latent_name.filter(|_| latent) {
+            let Some(Attention {
+                qkv: QkvSource::Latent(latent),
+                ..
+            }) = attn
+            else {
                 return None;
             };
             return match latent.param_mut(name)? {
@@ -237,7 +265,7 @@ impl Model {
             match module {
                 "self_attn.qkv_proj" if fused.qkv => {
                     let widths = self.cfg.qkv_widths().to_vec();
-                    return Some(Slot::FusedWeight(heads(&mut layer.qkv)?, widths));
+                    return Some(Slot::FusedWeight(heads(attn?)?, widths));
                 }
                 m if fused.gate_up && m == fused.gate_up_module() => {
                     return Some(Slot::FusedWeight(gate_up?, vec![is, is]))
@@ -245,21 +273,24 @@ impl Model {
                 _ => {}
             }
         }
+        let [gate_name, up_name] = fused.gate_and_up_modules();
         let (projection, part) = match module {
-            "self_attn.q_proj" => (heads(&mut layer.qkv)?, 0),
-            "self_attn.k_proj" => (heads(&mut layer.qkv)?, 1),
-            "self_attn.v_proj" => (heads(&mut layer.qkv)?, 2),
-            "mlp.gate_proj" => (gate_up?, 0),
-            "mlp.up_proj" => (gate_up?, 1),
-            "self_attn.o_proj" => return linear_slot(&mut layer.o, kind),
+            "self_attn.q_proj" => (heads(attn?)?, 0),
+            "self_attn.k_proj" => (heads(attn?)?, 1),
+            "self_attn.v_proj" => (heads(attn?)?, 2),
+            m if m == gate_name => (gate_up?, 0),
+            m if m == up_name => (gate_up?, 1),
+            m if m == self.cfg.architecture.o_proj_module() => {
+                return linear_slot(&mut attn?.o, kind)
+            }
             m if m == fused.down_module() => return linear_slot(down?, kind),
             m if m.strip_prefix("self_attn.") == Some(q_norm_name) => {
-                return layer.q_norm.as_mut().map(Slot::Norm)
+                return attn?.q_norm.as_mut().map(Slot::Norm)
             }
             m if m.strip_prefix("self_attn.") == Some(k_norm_name) => {
-                return layer.k_norm.as_mut().map(Slot::Norm)
+                return attn?.k_norm.as_mut().map(Slot::Norm)
             }
-            "self_attn" if kind == "sinks" => return Some(Slot::Sinks(&mut layer.sinks)),
+            "self_attn" if kind == "sinks" => return Some(Slot::HostVector(&mut attn?.sinks)),
             _ => return None,
         };
         match kind {
@@ -272,8 +303,8 @@ impl Model {
 
 /// The weight or bias (`kind`) of a linear layer that stands alone.
 /// A layer's q/k/v projections (none on a latent-attention layer).
-fn heads(qkv: &mut QkvSource) -> Option<&mut Projection> {
-    match qkv {
+fn heads(attn: &mut Attention) -> Option<&mut Projection> {
+    match &mut attn.qkv {
         QkvSource::Heads(p) => Some(p),
         QkvSource::Latent(_) => None,
     }

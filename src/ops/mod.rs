@@ -25,6 +25,7 @@ mod paged_attention;
 mod rms_norm;
 mod rope;
 mod rope_cache;
+mod short_conv;
 
 pub use attention_plan::{AttentionMetadata, AttentionSchedule};
 pub use cache_write::{write_k, write_kv};
@@ -60,6 +61,7 @@ pub use paged_attention::{paged_attention, paged_attention_with_isa, paged_atten
 pub use rms_norm::{add_rms_norm, rms_norm};
 pub use rope::{apply_rope, apply_rope_interleaved, rope_qkv};
 pub use rope_cache::rope_qkv_into_cache;
+pub use short_conv::{short_conv, ConvTaps};
 
 use std::mem::MaybeUninit;
 

@@ -730,6 +730,24 @@ MODEL_SPECS: dict[str, dict] = {
             "routed_scaling_factor": 1.5,
         },
     },
+    # LFM2: gated short convolutions in most layers (their `B ⊙ x` rows in the paged cache),
+    # attention with per-head q/k norms in the others, its own module names, and an MLP width
+    # adjusted as `Lfm2MLP` adjusts it (2·128/3 → 85, up to a multiple of 16: 96). Biases on
+    # the convolutions (real checkpoints have none) so that loading them is checked too.
+    "lfm2": {
+        "arch": "lfm2",
+        "seed": 233,
+        "tie": True,
+        "rope": {"rope_type": "default", "rope_theta": 1000000.0},
+        "extra": {
+            "num_hidden_layers": 4,
+            "layer_types": ["conv", "full_attention", "conv", "conv"],
+            "conv_L_cache": 3,
+            "conv_bias": True,
+            "block_multiple_of": 16,
+            "norm_eps": 1e-5,
+        },
+    },
 }
 ARCH_NAMES = tuple(MODEL_SPECS)
 
@@ -769,6 +787,7 @@ _CONFIG_CLASSES = {
     "ernie45_moe": (transformers.Ernie4_5_MoeConfig, transformers.Ernie4_5_MoeForCausalLM),
     "dots1": (transformers.Dots1Config, transformers.Dots1ForCausalLM),
     "apertus": (transformers.ApertusConfig, transformers.ApertusForCausalLM),
+    "lfm2": (transformers.Lfm2Config, transformers.Lfm2ForCausalLM),
     "hunyuan_v1_dense": (
         transformers.HunYuanDenseV1Config,
         transformers.HunYuanDenseV1ForCausalLM,

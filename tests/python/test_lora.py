@@ -780,3 +780,11 @@ def test_apertus_refuses_up_proj_adapters_and_keeps_serving(model_zoo, tmp_path)
     case = model_zoo.get("apertus")
     path = _peft_dir(case.model, tmp_path, "up", target_modules=["q_proj", "up_proj"])
     _refused_and_serving(case, path, "mlp.up_proj.*down_proj only")
+
+
+def test_lfm2_refuses_adapters_and_keeps_serving(model_zoo, tmp_path):
+    """LFM2's adapters (attention, MLP or convolution modules) have no path in the engine
+    yet: one is refused, naming the field, not loaded and silently skipped."""
+    case = model_zoo.get("lfm2")
+    path = _peft_dir(case.model, tmp_path, "lfm2", target_modules=["q_proj", "w1", "in_proj"])
+    _refused_and_serving(case, path, "field `target_modules`.*LFM2")
