@@ -131,12 +131,16 @@ pub enum Architecture {
     /// the final `embedding_norm`), the attention's output (`out_proj`) and the MLP
     /// (`feed_forward.w1`/`w3`/`w2`: [`DenseMlpNames::Lfm2`]).
     Lfm2,
+    /// LFM2-MoE (8B-A1B; `Lfm2MoeForCausalLM`): LFM2's layers, the MLPs after the first
+    /// `num_dense_layers` sparse ([`ExpertNaming::Lfm2`]): sigmoid scores chosen with a
+    /// per-expert bias, renormalised, scaled.
+    Lfm2Moe,
 }
 
 impl Architecture {
     /// Each architecture's `*ForCausalLM` class (`architectures`) and its `model_type`, the
     /// fallback for a config without `architectures`.
-    const CAUSAL_LM: [(&'static str, &'static str, Architecture); 35] = [
+    const CAUSAL_LM: [(&'static str, &'static str, Architecture); 36] = [
         ("LlamaForCausalLM", "llama", Architecture::Llama),
         ("MistralForCausalLM", "mistral", Architecture::Mistral),
         ("Qwen2ForCausalLM", "qwen2", Architecture::Qwen2),
@@ -187,6 +191,7 @@ impl Architecture {
         ("Dots1ForCausalLM", "dots1", Architecture::Dots1),
         ("ApertusForCausalLM", "apertus", Architecture::Apertus),
         ("Lfm2ForCausalLM", "lfm2", Architecture::Lfm2),
+        ("Lfm2MoeForCausalLM", "lfm2_moe", Architecture::Lfm2Moe),
         (
             "HunYuanDenseV1ForCausalLM",
             "hunyuan_v1_dense",
@@ -257,7 +262,7 @@ impl Architecture {
                 gate_up: true,
                 mlp: DenseMlpNames::GraniteShared,
             },
-            Architecture::Lfm2 => Fused {
+            Architecture::Lfm2 | Architecture::Lfm2Moe => Fused {
                 mlp: DenseMlpNames::Lfm2,
                 ..Fused::default()
             },
@@ -308,7 +313,9 @@ impl Architecture {
                 Some("feedforward_layernorm"),
                 None,
             ],
-            Architecture::Lfm2 => [Some("operator_norm"), None, Some("ffn_norm"), None],
+            Architecture::Lfm2 | Architecture::Lfm2Moe => {
+                [Some("operator_norm"), None, Some("ffn_norm"), None]
+            }
             _ => [
                 Some("input_layernorm"),
                 None,
@@ -335,15 +342,20 @@ impl Architecture {
     pub fn qk_norms(self) -> (&'static str, &'static str, bool) {
         match self {
             Architecture::HunYuanDense => ("query_layernorm", "key_layernorm", true),
-            Architecture::Lfm2 => ("q_layernorm", "k_layernorm", false),
+            Architecture::Lfm2 | Architecture::Lfm2Moe => ("q_layernorm", "k_layernorm", false),
             _ => ("q_norm", "k_norm", false),
         }
+    }
+
+    /// LFM2 and LFM2-MoE: short convolutions, and LFM2's names.
+    pub fn is_lfm2(self) -> bool {
+        matches!(self, Architecture::Lfm2 | Architecture::Lfm2Moe)
     }
 
     /// The attention's output projection inside a layer.
     pub fn o_proj_module(self) -> &'static str {
         match self {
-            Architecture::Lfm2 => "self_attn.out_proj",
+            Architecture::Lfm2 | Architecture::Lfm2Moe => "self_attn.out_proj",
             _ => "self_attn.o_proj",
         }
     }
@@ -351,7 +363,7 @@ impl Architecture {
     /// The final norm's weight (before the LM head).
     pub fn final_norm(self) -> &'static str {
         match self {
-            Architecture::Lfm2 => "model.embedding_norm.weight",
+            Architecture::Lfm2 | Architecture::Lfm2Moe => "model.embedding_norm.weight",
             _ => "model.norm.weight",
         }
     }
@@ -825,8 +837,13 @@ impl ModelConfig {
             ));
         }
         let num_hidden_layers = positive("num_hidden_layers", raw.num_hidden_layers)?;
-        let lfm2 = (architecture == Architecture::Lfm2)
-            .then(|| parse_json::<RawLfm2>(text, path)?.check(path, num_hidden_layers))
+        let lfm2 = architecture
+            .is_lfm2()
+            .then(|| {
+                // LFM2-MoE's dense MLPs are `intermediate_size` wide as written.
+                let adjusts = architecture == Architecture::Lfm2;
+                parse_json::<RawLfm2>(text, path)?.check(path, num_hidden_layers, adjusts)
+            })
             .transpose()?;
         let (eps_field, eps) = match &lfm2 {
             Some(Lfm2Shape { norm_eps, .. }) => ("norm_eps", *norm_eps),
@@ -910,7 +927,8 @@ impl ModelConfig {
             | Architecture::GraniteMoeHybrid
             | Architecture::HunYuanDense
             | Architecture::Apertus
-            | Architecture::Lfm2 => None,
+            | Architecture::Lfm2
+            | Architecture::Lfm2Moe => None,
             // Its window applies to its sliding layers only (below).
             Architecture::Dots1 => raw.sliding_window,
             // Its window applies to the layers without rope only (below).
@@ -954,6 +972,7 @@ impl ModelConfig {
             }
             Architecture::MiniMaxM2 => Some(sparse(ExpertNaming::Mixtral, false, false)),
             Architecture::Ernie45Moe => Some(sparse(ExpertNaming::Ernie, true, true)),
+            Architecture::Lfm2Moe => Some(sparse(ExpertNaming::Lfm2, false, true)),
             Architecture::Glm4Moe
             | Architecture::DeepseekV3
             | Architecture::DeepseekV2
@@ -999,9 +1018,7 @@ impl ModelConfig {
         };
         let defaults = RopeDefaults {
             // LFM2's default theta (`Lfm2Config.default_theta`).
-            rope_theta: raw
-                .rope_theta
-                .or((architecture == Architecture::Lfm2).then_some(1e6)),
+            rope_theta: raw.rope_theta.or(architecture.is_lfm2().then_some(1e6)),
             sliding_rope_theta: raw.rope_local_base_freq,
             original_max_position_embeddings: raw.original_max_position_embeddings,
             max_position_embeddings,
@@ -1138,7 +1155,8 @@ impl ModelConfig {
                 | Architecture::Dots1
                 | Architecture::HunYuanDense
                 | Architecture::Apertus
-                | Architecture::Lfm2 => true,
+                | Architecture::Lfm2
+                | Architecture::Lfm2Moe => true,
                 Architecture::Glm4Moe => raw.use_qk_norm.unwrap_or(false),
                 _ => false,
             },

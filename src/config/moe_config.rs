@@ -32,6 +32,9 @@ pub enum ExpertNaming {
     /// ERNIE 4.5's: DeepSeek's names, but the correction bias in
     /// `mlp.moe_statics.e_score_correction_bias` (`[1, experts]`), chosen with softmax scores.
     Ernie,
+    /// LFM2-MoE's: `feed_forward.gate`, `feed_forward.experts.{e}.{w1,w3,w2}`, and the
+    /// per-expert bias `feed_forward.expert_bias` its sigmoid scores are chosen with.
+    Lfm2,
 }
 
 impl ExpertNaming {
@@ -198,6 +201,9 @@ pub(super) struct RawMoe {
     moe_layer_end_index: Option<i64>,
     moe_layer_interval: Option<usize>,
     moe_norm_min: Option<f64>,
+    /// LFM2-MoE's dense first layers and its switch for the experts' bias.
+    num_dense_layers: Option<usize>,
+    use_expert_bias: Option<bool>,
 }
 
 /// What a sparse architecture's class reads from its config beyond the common fields.
@@ -341,6 +347,8 @@ impl RawMoe {
                 .first_k_dense_replace
                 .unwrap_or(defaults.first_k_dense_replace),
             ExpertNaming::Ernie => self.moe_layer_start_index.unwrap_or(1),
+            // transformers' default: two.
+            ExpertNaming::Lfm2 => self.num_dense_layers.unwrap_or(2),
             _ => 0,
         };
         let last_sparse = match (naming, self.moe_layer_end_index) {
@@ -386,6 +394,7 @@ impl RawMoe {
                 topk_group: 1,
                 routed_scaling_factor: 1.0,
             }),
+            ExpertNaming::Lfm2 => Some(self.lfm2_routing(&err)?),
             _ => None,
         };
         Ok(MoeConfig {
@@ -398,11 +407,38 @@ impl RawMoe {
                 ExpertNaming::DeepSeek => self.norm_topk_prob.unwrap_or(defaults.norm_topk_prob),
                 // Its router divides by the chosen scores' sum (at least `moe_norm_min`).
                 ExpertNaming::Ernie => true,
+                ExpertNaming::Lfm2 => self.norm_topk_prob.unwrap_or(true),
             },
             shared_expert_intermediate_size,
             deepseek_routing,
             sparse_layers,
             naming,
+        })
+    }
+
+    /// LFM2-MoE's routing (`Lfm2MoeTopKRouter`): sigmoid scores chosen with the experts'
+    /// bias in one group, scaled by `routed_scaling_factor` (default 1). Its class can route
+    /// without the bias (`use_expert_bias: false`); no released checkpoint does, and that
+    /// reading is refused, naming the field.
+    fn lfm2_routing(&self, err: &dyn Fn(&str, String) -> DetspecError) -> Result<DeepSeekRouting> {
+        if self.use_expert_bias == Some(false) {
+            return Err(err(
+                "use_expert_bias",
+                "false: LFM2-MoE's routing without the experts' bias is not supported".into(),
+            ));
+        }
+        let scale = self.routed_scaling_factor.unwrap_or(1.0);
+        if !(scale.is_finite() && scale > 0.0) {
+            return Err(err(
+                "routed_scaling_factor",
+                format!("{scale}: must be > 0"),
+            ));
+        }
+        Ok(DeepSeekRouting {
+            scoring: Scoring::Sigmoid,
+            n_group: 1,
+            topk_group: 1,
+            routed_scaling_factor: scale as f32,
         })
     }
 

@@ -70,7 +70,14 @@ fn present<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Option
 }
 
 impl RawLfm2 {
-    pub(super) fn check(&self, path: &Path, num_layers: usize) -> Result<Lfm2Shape> {
+    /// The checked fields; `adjusts_width`: the MLP width is adjusted as `Lfm2MLP` adjusts it
+    /// (LFM2's; LFM2-MoE's dense MLPs take `intermediate_size` as written).
+    pub(super) fn check(
+        &self,
+        path: &Path,
+        num_layers: usize,
+        adjusts_width: bool,
+    ) -> Result<Lfm2Shape> {
         let err = |field: &str, message: String| DetspecError::InvalidConfig {
             path: path.to_path_buf(),
             field: field.to_string(),
@@ -117,7 +124,10 @@ impl RawLfm2 {
             .block_ff_dim
             .or(self.intermediate_size)
             .ok_or_else(|| err("intermediate_size", "missing".into()))?;
-        let intermediate_size = self.adjusted_width(width, &err)?;
+        let intermediate_size = match adjusts_width {
+            true => self.adjusted_width(width, &err)?,
+            false => width,
+        };
         if intermediate_size == 0 {
             return Err(err(
                 "intermediate_size",
@@ -187,7 +197,7 @@ mod tests {
             field: String::new(),
             message: e.to_string(),
         })?;
-        raw.check(Path::new("config.json"), layers)
+        raw.check(Path::new("config.json"), layers, true)
     }
 
     #[test]
@@ -236,6 +246,53 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(e.contains("norm_eps"), "{e}");
+    }
+
+    /// LFM2-8B-A1B's config: LFM2's layers, the MLP width as written, experts after the
+    /// dense first layers, routed with the experts' bias.
+    #[test]
+    fn the_model_config_reads_lfm2_moe() {
+        use crate::config::{Architecture, ExpertNaming, ModelConfig, Scoring};
+        let kinds = ["conv", "conv", "full_attention", "conv"];
+        let text = format!(
+            r#"{{"architectures": ["Lfm2MoeForCausalLM"], "hidden_size": 2048,
+            "intermediate_size": 7168, "moe_intermediate_size": 1792, "num_experts": 32,
+            "num_experts_per_tok": 4, "num_dense_layers": 2, "norm_topk_prob": true,
+            "use_expert_bias": true, "routed_scaling_factor": 1.0, "num_hidden_layers": 4,
+            "layer_types": {kinds:?}, "num_attention_heads": 32, "num_key_value_heads": 8,
+            "norm_eps": 1e-05, "vocab_size": 65536}}"#
+        );
+        let c = ModelConfig::from_json_str(&text, Path::new("config.json")).unwrap();
+        assert_eq!(c.architecture, Architecture::Lfm2Moe);
+        assert!(c.architecture.is_lfm2() && c.tie_word_embeddings);
+        assert_eq!(c.intermediate_size, 7168);
+        assert_eq!(
+            c.short_conv.as_ref().unwrap().layers,
+            [true, true, false, true]
+        );
+        let moe = c.moe.as_ref().unwrap();
+        assert_eq!(moe.naming, ExpertNaming::Lfm2);
+        assert_eq!(moe.sparse_layers, [false, false, true, true]);
+        assert_eq!(
+            (moe.num_experts, moe.top_k, moe.expert_intermediate_size),
+            (32, 4, 1792)
+        );
+        assert!(moe.norm_topk_prob && moe.shared_expert_intermediate_size.is_none());
+        let routing = moe.deepseek_routing.unwrap();
+        assert_eq!(routing.scoring, Scoring::Sigmoid);
+        assert_eq!((routing.n_group, routing.routed_scaling_factor), (1, 1.0));
+        let refused = |from: &str, to: &str| {
+            ModelConfig::from_json_str(&text.replace(from, to), Path::new("config.json"))
+                .unwrap_err()
+                .to_string()
+        };
+        let e = refused("\"use_expert_bias\": true", "\"use_expert_bias\": false");
+        assert!(e.contains("use_expert_bias"), "{e}");
+        let e = refused(
+            "\"routed_scaling_factor\": 1.0",
+            "\"routed_scaling_factor\": 0",
+        );
+        assert!(e.contains("routed_scaling_factor"), "{e}");
     }
 
     #[test]

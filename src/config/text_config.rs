@@ -27,7 +27,7 @@ struct Wrapper {
     flat_form: bool,
 }
 
-const WRAPPERS: [Wrapper; 4] = [
+const WRAPPERS: [Wrapper; 5] = [
     Wrapper {
         class: "Gemma3ForConditionalGeneration",
         model_type: "gemma3",
@@ -48,6 +48,13 @@ const WRAPPERS: [Wrapper; 4] = [
         text_type: "qwen2",
         aliases: &[("qwen2_5_vl_text", "qwen2")],
         flat_form: true,
+    },
+    Wrapper {
+        class: "Lfm2VlForConditionalGeneration",
+        model_type: "lfm2_vl",
+        text_type: "lfm2",
+        aliases: &[],
+        flat_form: false,
     },
     Wrapper {
         class: "Qwen3VLForConditionalGeneration",

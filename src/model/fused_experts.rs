@@ -41,7 +41,8 @@ impl FusedPart {
                 ExpertNaming::Qwen
                 | ExpertNaming::Mixtral
                 | ExpertNaming::DeepSeek
-                | ExpertNaming::Ernie,
+                | ExpertNaming::Ernie
+                | ExpertNaming::Lfm2,
                 _,
             ) => &[],
         }

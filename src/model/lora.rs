@@ -22,7 +22,7 @@ use candle_core::{DType, Device, Tensor};
 use safetensors::{Dtype as StDtype, SafeTensors};
 use xxhash_rust::xxh3::Xxh3;
 
-use crate::config::{Fused, KernelProfile, ModelConfig};
+use crate::config::{Architecture, KernelProfile, ModelConfig};
 use crate::error::{DetspecError, Result};
 
 use super::linear::{GemmOptions, LinearWeight};
@@ -61,30 +61,34 @@ impl LoraTarget {
         &[Self::Down],
     ];
 
-    /// The module path inside a layer, as in Hugging Face checkpoints.
-    fn module(self) -> &'static str {
+    /// The module path inside a layer, as `arch`'s checkpoints name it apart.
+    fn module(self, arch: Architecture) -> &'static str {
+        let fused = arch.fused();
+        let [gate, up] = fused.gate_and_up_modules();
         match self {
             Self::Q => "self_attn.q_proj",
             Self::K => "self_attn.k_proj",
             Self::V => "self_attn.v_proj",
-            Self::O => "self_attn.o_proj",
-            Self::Gate => "mlp.gate_proj",
-            Self::Up => "mlp.up_proj",
-            Self::Down => "mlp.down_proj",
+            Self::O => arch.o_proj_module(),
+            Self::Gate => gate,
+            Self::Up => up,
+            Self::Down => fused.down_module(),
         }
     }
 
     /// The targets the checkpoint module `module` (`self_attn.q_proj`) holds: one, or on a
     /// model that stores them fused (Phi-3: both; GLM: gate/up), q/k/v as
     /// `self_attn.qkv_proj` and gate/up as `mlp.gate_up_proj`, each then under that name only;
-    /// Granite 4's MLP under its own names (`shared_mlp.input_linear`, `.output_linear`).
-    fn of_module(module: &str, fused: Fused) -> Option<&'static [LoraTarget]> {
+    /// Granite 4's MLP under its own names (`shared_mlp.input_linear`, `.output_linear`),
+    /// LFM2's (`self_attn.out_proj`, `feed_forward.w1`/`w3`/`w2`).
+    fn of_module(module: &str, arch: Architecture) -> Option<&'static [LoraTarget]> {
+        let fused = arch.fused();
         match module {
             "self_attn.qkv_proj" => fused.qkv.then_some(Self::GROUPS[0]),
             m if fused.gate_up && m == fused.gate_up_module() => Some(Self::GROUPS[2]),
             m if m == fused.down_module() => Some(Self::GROUPS[3]),
             _ => {
-                let i = Self::ALL.iter().position(|t| t.module() == module)?;
+                let i = Self::ALL.iter().position(|t| t.module(arch) == module)?;
                 let target = &Self::ALL[i..=i];
                 let in_fused = match target[0] {
                     Self::Q | Self::K | Self::V => fused.qkv,
@@ -225,15 +229,6 @@ impl LoraAdapter {
                     .into(),
             });
         }
-        if cfg.short_conv.is_some() {
-            return Err(DetspecError::InvalidConfig {
-                path: weights_path.to_path_buf(),
-                field: "target_modules".into(),
-                message: "LoRA adapters are not supported on LFM2 (its convolution layers and \
-                          its module names have no adapter path yet)"
-                    .into(),
-            });
-        }
         let halves = read_halves(bytes, weights_path, cfg, max_rank)?;
         let mut hash = Xxh3::new();
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
@@ -242,7 +237,10 @@ impl LoraAdapter {
             let mut scaled: [Option<(Tensor, Tensor)>; 7] = Default::default();
             for (ti, half) in layer.into_iter().enumerate() {
                 let Some(half) = half else { continue };
-                let name = format!("layers.{li}.{}", LoraTarget::ALL[ti].module());
+                let name = format!(
+                    "layers.{li}.{}",
+                    LoraTarget::ALL[ti].module(cfg.architecture)
+                );
                 let (Some(a), Some(b)) = half else {
                     return Err(DetspecError::file(
                         weights_path,
@@ -379,9 +377,17 @@ fn read_halves(
             path: path.to_path_buf(),
             message,
         };
-        let fused = cfg.architecture.fused();
         let (layer, module, targets, is_a) =
-            parse_name(name, cfg.num_hidden_layers, fused).map_err(bad)?;
+            parse_name(name, cfg.num_hidden_layers, cfg.architecture).map_err(bad)?;
+        let attention_target = matches!(
+            targets[0],
+            LoraTarget::Q | LoraTarget::K | LoraTarget::V | LoraTarget::O
+        );
+        if attention_target && cfg.short_conv.as_ref().is_some_and(|c| c.is_conv(layer)) {
+            return Err(bad(format!(
+                "layer {layer} is a convolution, which has no {module}"
+            )));
+        }
         let mlp_target = matches!(
             targets[0],
             LoraTarget::Gate | LoraTarget::Up | LoraTarget::Down
@@ -520,12 +526,13 @@ fn check_config(c: &AdapterConfig, path: &Path, max_rank: usize) -> Result<()> {
 
 /// `(layer, module, its targets, is lora_A)` of a PEFT tensor name
 /// (`base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight`) on a model that stores
-/// q/k/v and gate/up as `fused` says ([`LoraTarget::of_module`]), or why not.
+/// q/k/v and gate/up as `arch` does ([`LoraTarget::of_module`]), or why not.
 fn parse_name(
     name: &str,
     num_layers: usize,
-    fused: Fused,
+    arch: Architecture,
 ) -> std::result::Result<(usize, &str, &'static [LoraTarget], bool), String> {
+    let fused = arch.fused();
     let unsupported = || {
         let modules = format!(
             "{}/o/{}/down",
@@ -551,7 +558,7 @@ fn parse_name(
     }
     for (suffix, is_a) in [(".lora_A.weight", true), (".lora_B.weight", false)] {
         if let Some(module) = rest.strip_suffix(suffix) {
-            if let Some(targets) = LoraTarget::of_module(module, fused) {
+            if let Some(targets) = LoraTarget::of_module(module, arch) {
                 return Ok((layer, module, targets, is_a));
             }
         }
@@ -698,14 +705,9 @@ mod tests {
 
     #[test]
     fn fused_models_take_their_fused_module_names_only() {
-        use crate::config::Architecture;
         use LoraTarget::*;
         let of = LoraTarget::of_module;
-        let (phi3, glm, llama) = (
-            Architecture::Phi3.fused(),
-            Architecture::Glm4.fused(),
-            Architecture::Llama.fused(),
-        );
+        let (phi3, glm, llama) = (Architecture::Phi3, Architecture::Glm4, Architecture::Llama);
         assert_eq!(of("self_attn.qkv_proj", phi3), Some(&[Q, K, V][..]));
         assert_eq!(of("mlp.gate_up_proj", phi3), Some(&[Gate, Up][..]));
         assert_eq!(of("self_attn.o_proj", phi3), Some(&[O][..]));
@@ -720,7 +722,7 @@ mod tests {
         assert_eq!(of("mlp.gate_up_proj", glm), Some(&[Gate, Up][..]));
         assert_eq!(of("mlp.gate_proj", glm), None);
         // Granite 4: its MLP under its own names only.
-        let granite = Architecture::GraniteMoeHybrid.fused();
+        let granite = Architecture::GraniteMoeHybrid;
         assert_eq!(
             of("shared_mlp.input_linear", granite),
             Some(&[Gate, Up][..])
@@ -730,6 +732,16 @@ mod tests {
         assert_eq!(of("mlp.down_proj", granite), None);
         assert_eq!(of("mlp.gate_up_proj", granite), None);
         assert_eq!(of("shared_mlp.input_linear", llama), None);
+        // LFM2: its own names for o and the MLP; the Llama names are none of its modules.
+        let lfm2 = Architecture::Lfm2;
+        assert_eq!(of("self_attn.out_proj", lfm2), Some(&[O][..]));
+        assert_eq!(of("feed_forward.w1", lfm2), Some(&[Gate][..]));
+        assert_eq!(of("feed_forward.w3", lfm2), Some(&[Up][..]));
+        assert_eq!(of("feed_forward.w2", lfm2), Some(&[Down][..]));
+        assert_eq!(of("self_attn.q_proj", lfm2), Some(&[Q][..]));
+        assert_eq!(of("self_attn.o_proj", lfm2), None);
+        assert_eq!(of("mlp.gate_proj", lfm2), None);
+        assert_eq!(of("conv.out_proj", lfm2), None);
         let e = parse_name("model.layers.0.self_attn.q_proj.lora_A.weight", 2, phi3).unwrap_err();
         assert!(e.contains("qkv/o/gate_up/down"), "{e}");
         let e = parse_name("model.layers.0.mlp.up_proj.lora_A.weight", 2, glm).unwrap_err();

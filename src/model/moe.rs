@@ -99,12 +99,23 @@ pub(super) enum RoutingRule {
     /// values, which transformers holds in the model's dtype).
     Biased {
         rule: DeepSeekRouting,
-        norm: bool,
+        /// Where the chosen weights are renormalised, what their sum is padded by
+        /// ([`renorm_epsilon`]).
+        norm: Option<f32>,
         /// `e_score_correction_bias`, one per expert.
         bias: Arc<[f32]>,
     },
     /// DeepSeek-V2's softmax scores chosen by group; its router runs in f32.
     GroupedSoftmax(DeepSeekRouting),
+}
+
+/// What the chosen weights' sum is padded by before they are divided by it: transformers'
+/// DeepSeek-V3 router adds 1e-20 (nothing, in f32, to a sum of sigmoids), LFM2-MoE's 1e-6.
+fn renorm_epsilon(naming: ExpertNaming) -> f32 {
+    match naming {
+        ExpertNaming::Lfm2 => 1e-6,
+        _ => 1e-20,
+    }
 }
 
 /// A decoder layer's sparse MLP.
@@ -161,7 +172,7 @@ impl SparseMlp {
             // Routing with a correction bias (`router_bias_name`).
             (Some(rule), Some(bias)) => RoutingRule::Biased {
                 rule,
-                norm: moe.norm_topk_prob,
+                norm: moe.norm_topk_prob.then(|| renorm_epsilon(moe.naming)),
                 bias: ld
                     .load_f32(&bias, &router_bias_shape(moe))?
                     .flatten_all()?
@@ -478,15 +489,16 @@ impl Routing {
     /// [`Self::grouped_softmax`] takes it); where there are groups, the `topk_group` groups
     /// whose two best biased scores sum highest (ties to the lower group); in them, the
     /// `top_k` best biased scores (ties to the lower expert), weighted by their unbiased
-    /// scores, over the scores' sum (largest first) plus 1e-20 where `norm` (ERNIE's floor
-    /// of `moe_norm_min` never binds: the config check), times the scaling factor.
+    /// scores, over the scores' sum (largest first) plus `norm`'s epsilon where there is one
+    /// (ERNIE's floor of `moe_norm_min` never binds: the config check), times the scaling
+    /// factor.
     pub(super) fn biased(
         logits: &[f32],
         num_experts: usize,
         top_k: usize,
         bias: &[f32],
         rule: &DeepSeekRouting,
-        norm: bool,
+        norm: Option<f32>,
     ) -> Result<Self> {
         if bias.len() != num_experts || rule.n_group == 0 {
             return Err(DetspecError::param(
@@ -519,8 +531,8 @@ impl Routing {
                 best + second
             });
             let mut top: Vec<(usize, f32)> = order.iter().map(|&e| (e, scores[e])).collect();
-            if norm {
-                let total = top.iter().map(|&(_, w)| w).sum::<f32>() + 1e-20;
+            if let Some(eps) = norm {
+                let total = top.iter().map(|&(_, w)| w).sum::<f32>() + eps;
                 for (_, w) in &mut top {
                     *w /= total;
                 }
@@ -672,6 +684,9 @@ impl SparseMlp {
 mod tests {
     use super::*;
 
+    /// DeepSeek's renormalisation ([`renorm_epsilon`]).
+    const DEEPSEEK_EPS: Option<f32> = Some(1e-20);
+
     #[test]
     fn routing_picks_top_k_in_expert_order_and_renormalises() {
         // Row 0 prefers experts 2 then 0; row 1 has a tie between 1 and 3 (the lower wins).
@@ -764,13 +779,13 @@ mod tests {
         // No bias: group 0 sums 0.95 + 0.05, so groups 1 and 2 win; experts 4 and 2 (not 6,
         // the second best overall, whose group lost).
         let zero = [0.0; 8];
-        let r = Routing::biased(&logits, 8, 2, &zero, &rule, true).unwrap();
+        let r = Routing::biased(&logits, 8, 2, &zero, &rule, DEEPSEEK_EPS).unwrap();
         assert_eq!(r.picks[0], weights(2, 4));
         // Expert 1's bias lifts group 0 over group 2; its own biased score (0.55) still loses
         // to expert 2's and 3's (0.73, tied: the lower wins). Weights are the unbiased scores.
         let mut bias = zero;
         bias[1] = 0.5;
-        let r = Routing::biased(&logits, 8, 2, &bias, &rule, true).unwrap();
+        let r = Routing::biased(&logits, 8, 2, &bias, &rule, DEEPSEEK_EPS).unwrap();
         assert_eq!(r.picks[0], weights(0, 2));
         // One group: the plain top 2 by biased score, unnormalised, scaled.
         let one = DeepSeekRouting {
@@ -778,9 +793,9 @@ mod tests {
             topk_group: 1,
             ..rule
         };
-        let r = Routing::biased(&logits, 8, 2, &zero, &one, false).unwrap();
+        let r = Routing::biased(&logits, 8, 2, &zero, &one, None).unwrap();
         assert_eq!(r.picks[0], vec![(0, s[0] * 2.0), (6, s[6] * 2.0)]);
-        assert!(Routing::biased(&logits, 8, 2, &[0.0; 7], &rule, true).is_err());
+        assert!(Routing::biased(&logits, 8, 2, &[0.0; 7], &rule, DEEPSEEK_EPS).is_err());
     }
 
     #[test]
@@ -798,7 +813,7 @@ mod tests {
             .map(|i| (((i * 7919) % 23) as f32 - 11.0) * 0.25)
             .collect();
         let bias: Vec<f32> = (0..experts).map(|e| (e % 5) as f32 * 0.05).collect();
-        let r = Routing::biased(&logits, experts, top_k, &bias, &rule, true).unwrap();
+        let r = Routing::biased(&logits, experts, top_k, &bias, &rule, DEEPSEEK_EPS).unwrap();
         let argmax =
             |v: &[f32]| (0..v.len()).fold(0, |best, i| if v[i] > v[best] { i } else { best });
         for (row, got) in logits.chunks(experts).zip(&r.picks) {
@@ -852,7 +867,7 @@ mod tests {
             topk_group: 1,
             routed_scaling_factor: 1.0,
         };
-        let r = Routing::biased(&logits, 4, 2, &bias, &rule, true).unwrap();
+        let r = Routing::biased(&logits, 4, 2, &bias, &rule, DEEPSEEK_EPS).unwrap();
         let mut p = Vec::new();
         softmax_into(&logits, &mut p);
         assert!(p[1] > p[3] && p[3] + bias[3] > p[1] + bias[1]);
@@ -862,7 +877,7 @@ mod tests {
             |v: &[(usize, f32)]| v.iter().map(|&(e, w)| (e, w.to_bits())).collect::<Vec<_>>();
         assert_eq!(bits(&r.picks[0]), bits(&want));
         // Without the bias, expert 1 is chosen.
-        let r = Routing::biased(&logits, 4, 2, &[0.0; 4], &rule, true).unwrap();
+        let r = Routing::biased(&logits, 4, 2, &[0.0; 4], &rule, DEEPSEEK_EPS).unwrap();
         assert_eq!(
             r.picks[0].iter().map(|&(e, _)| e).collect::<Vec<_>>(),
             [0, 1]

@@ -24,9 +24,9 @@ impl ExpertPart {
 
     fn name(self, naming: ExpertNaming) -> &'static str {
         match (naming, self) {
-            (ExpertNaming::Mixtral, Self::Gate) => "w1",
-            (ExpertNaming::Mixtral, Self::Up) => "w3",
-            (ExpertNaming::Mixtral, Self::Down) => "w2",
+            (ExpertNaming::Mixtral | ExpertNaming::Lfm2, Self::Gate) => "w1",
+            (ExpertNaming::Mixtral | ExpertNaming::Lfm2, Self::Up) => "w3",
+            (ExpertNaming::Mixtral | ExpertNaming::Lfm2, Self::Down) => "w2",
             // Qwen's. gpt-oss's and Granite's checkpoints stack the experts
             // (`fused_experts`): for them these names are the engine's alone.
             (_, Self::Gate) => "gate_proj",
@@ -83,6 +83,16 @@ fn block(naming: ExpertNaming) -> &'static str {
         | ExpertNaming::DeepSeek
         | ExpertNaming::Ernie => "mlp",
         ExpertNaming::Mixtral | ExpertNaming::Granite => "block_sparse_moe",
+        ExpertNaming::Lfm2 => "feed_forward",
+    }
+}
+
+/// [`block`] in transformers' in-memory names (`state_dict()`), where it differs: Mixtral's
+/// `block_sparse_moe` is `mlp` there.
+fn memory_block(naming: ExpertNaming) -> &'static str {
+    match naming {
+        ExpertNaming::Lfm2 => "feed_forward",
+        _ => "mlp",
     }
 }
 
@@ -94,7 +104,8 @@ fn router(naming: ExpertNaming) -> &'static str {
         ExpertNaming::Qwen
         | ExpertNaming::Mixtral
         | ExpertNaming::DeepSeek
-        | ExpertNaming::Ernie => "gate",
+        | ExpertNaming::Ernie
+        | ExpertNaming::Lfm2 => "gate",
     }
 }
 
@@ -113,7 +124,8 @@ pub(super) fn has_shared_gate(moe: &MoeConfig) -> bool {
 
 /// The name of the router's per-expert correction bias, if it has one: DeepSeek's under its
 /// router (`mlp.gate`), MiniMax-M2's beside it (`block_sparse_moe`), ERNIE's in
-/// `mlp.moe_statics`. DeepSeek-V2's softmax routing has none.
+/// `mlp.moe_statics`, LFM2-MoE's beside its router as `expert_bias`. DeepSeek-V2's softmax
+/// routing has none.
 pub(super) fn router_bias_name(moe: &MoeConfig, layer: usize) -> Option<String> {
     let biased = match moe.naming {
         ExpertNaming::Ernie => true,
@@ -125,7 +137,11 @@ pub(super) fn router_bias_name(moe: &MoeConfig, layer: usize) -> Option<String> 
         ExpertNaming::Ernie => format!("{root}.moe_statics"),
         _ => root,
     };
-    biased.then(|| format!("{owner}.e_score_correction_bias"))
+    let leaf = match moe.naming {
+        ExpertNaming::Lfm2 => "expert_bias",
+        _ => "e_score_correction_bias",
+    };
+    biased.then(|| format!("{owner}.{leaf}"))
 }
 
 /// The correction bias's shape on file: ERNIE's one row (`[1, experts]`), else `[experts]`.
@@ -296,17 +312,24 @@ pub fn unfuse_experts(
         };
         let weight = |which: SparseLinear| format!("{}.weight", which.path(moe.naming, layer));
         let expert = |i: usize, part: ExpertPart| weight(SparseLinear::Expert(i, part));
+        let Some(field) = field
+            .strip_prefix(memory_block(moe.naming))
+            .and_then(|f| f.strip_prefix('.'))
+        else {
+            out.push((name, t));
+            continue;
+        };
         match field {
-            "mlp.gate.weight" => out.push((weight(SparseLinear::Router), t)),
+            "gate.weight" => out.push((weight(SparseLinear::Router), t)),
             // MiniMax-M2's correction bias (`block_sparse_moe.e_score_correction_bias` on
             // file) and ERNIE's (`mlp.moe_statics.e_score_correction_bias`).
-            "mlp.e_score_correction_bias" | "mlp.gate.moe_statics.e_score_correction_bias" => {
+            "e_score_correction_bias" | "gate.moe_statics.e_score_correction_bias" => {
                 match router_bias_name(moe, layer) {
                     Some(file) => out.push((file, t)),
                     None => out.push((name, t)),
                 }
             }
-            "mlp.experts.gate_up_proj" => {
+            "experts.gate_up_proj" => {
                 fused([e, 2 * width, hidden])?;
                 for i in 0..e {
                     let w = t.get(i)?;
@@ -320,7 +343,7 @@ pub fn unfuse_experts(
                     ));
                 }
             }
-            "mlp.experts.down_proj" => {
+            "experts.down_proj" => {
                 fused([e, hidden, width])?;
                 for i in 0..e {
                     out.push((expert(i, ExpertPart::Down), t.get(i)?.contiguous()?));

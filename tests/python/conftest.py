@@ -748,6 +748,25 @@ MODEL_SPECS: dict[str, dict] = {
             "norm_eps": 1e-5,
         },
     },
+    # LFM2-MoE: LFM2's layers, a dense first MLP (`intermediate_size` as written), then
+    # experts under `feed_forward` chosen by sigmoid score plus a per-expert bias
+    # (`feed_forward.expert_bias`, randomised), renormalised (sum + 1e-6), scaled by 1.5.
+    "lfm2_moe": {
+        "arch": "lfm2_moe",
+        "seed": 239,
+        "tie": True,
+        "rope": {"rope_type": "default", "rope_theta": 1000000.0},
+        "extra": {
+            "num_hidden_layers": 4,
+            "layer_types": ["conv", "full_attention", "conv", "full_attention"],
+            "num_dense_layers": 1,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "routed_scaling_factor": 1.5,
+            "norm_eps": 1e-5,
+        },
+    },
 }
 ARCH_NAMES = tuple(MODEL_SPECS)
 
@@ -788,6 +807,7 @@ _CONFIG_CLASSES = {
     "dots1": (transformers.Dots1Config, transformers.Dots1ForCausalLM),
     "apertus": (transformers.ApertusConfig, transformers.ApertusForCausalLM),
     "lfm2": (transformers.Lfm2Config, transformers.Lfm2ForCausalLM),
+    "lfm2_moe": (transformers.Lfm2MoeConfig, transformers.Lfm2MoeForCausalLM),
     "hunyuan_v1_dense": (
         transformers.HunYuanDenseV1Config,
         transformers.HunYuanDenseV1ForCausalLM,
@@ -866,7 +886,7 @@ def _randomise_(model: torch.nn.Module, seed: int) -> None:
             elif name.endswith(".sinks"):  # gpt-oss's per-head sink logits
                 param.copy_(torch.randn(param.shape, generator=gen))
         for name, buf in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):  # DeepSeek's router (a buffer)
+            if name.endswith(("e_score_correction_bias", "expert_bias")):  # routers' buffers
                 buf.copy_(0.1 * torch.randn(buf.shape, generator=gen))
 
 

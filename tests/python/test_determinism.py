@@ -157,7 +157,8 @@ def needle_in_haystack(
 # Granite's multipliers (granitemoeshared), q/k/v and o biases (seed_oss), DeepSeek's grouped
 # sigmoid routing after a dense layer (glm4_moe), latent attention expanded into the paged
 # cache (deepseek_v3; glm4_moe_lite with its layers' MLPs by name), short convolutions reading
-# their inputs from the paged cache between attention layers (lfm2). Their windows (8–24
+# their inputs from the paged cache between attention layers (lfm2; with experts chosen by a
+# per-expert bias, lfm2_moe). Their windows (8–24
 # keys) are shorter than the haystacks' prompts.
 @pytest.mark.parametrize(
     "name",
@@ -191,6 +192,7 @@ def needle_in_haystack(
         "hunyuan_dense",
         "apertus",
         "lfm2",
+        "lfm2_moe",
     ],
 )
 def test_needle_in_haystack_on_every_decoder_layout(model_zoo, name: str) -> None:

@@ -132,6 +132,12 @@ PARITY_CASES = [
         {"target_modules": ["q_proj", "o_proj", "input_linear", "output_linear"]},
         id="granite4-shared-mlp",
     ),
+    # LFM2: attention on its attention layers, its MLP under its own names on every layer.
+    pytest.param(
+        "lfm2",
+        {"target_modules": ["q_proj", "v_proj", "w1", "w3", "w2"]},
+        id="lfm2-attention-mlp",
+    ),
     # Apertus's ungated MLP: down only (up_proj adapters are refused: test below).
     pytest.param(
         "apertus",
@@ -782,9 +788,10 @@ def test_apertus_refuses_up_proj_adapters_and_keeps_serving(model_zoo, tmp_path)
     _refused_and_serving(case, path, "mlp.up_proj.*down_proj only")
 
 
-def test_lfm2_refuses_adapters_and_keeps_serving(model_zoo, tmp_path):
-    """LFM2's adapters (attention, MLP or convolution modules) have no path in the engine
-    yet: one is refused, naming the field, not loaded and silently skipped."""
+def test_lfm2_refuses_convolution_adapters_and_keeps_serving(model_zoo, tmp_path):
+    """PEFT's `out_proj` target matches LFM2's convolutions' output projections as well as
+    its attention's: the engine adapts no convolution, so such an adapter is refused, naming
+    the tensor, rather than loaded in part."""
     case = model_zoo.get("lfm2")
-    path = _peft_dir(case.model, tmp_path, "lfm2", target_modules=["q_proj", "w1", "in_proj"])
-    _refused_and_serving(case, path, "field `target_modules`.*LFM2")
+    path = _peft_dir(case.model, tmp_path, "lfm2", target_modules=["q_proj", "out_proj"])
+    _refused_and_serving(case, path, "layers.0.conv.out_proj")

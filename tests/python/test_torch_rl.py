@@ -81,6 +81,7 @@ def outputs_bits(llm: detspec.LLM) -> list[tuple[list[int], list[int]]]:
         "hunyuan_dense",
         "apertus",
         "lfm2",
+        "lfm2_moe",
     ],
 )
 def test_update_weights_follows_transformers_and_restores_bit_for_bit(model_zoo, name):
