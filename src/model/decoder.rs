@@ -17,13 +17,14 @@ use crate::kv::{KvPool, LayerCache};
 use crate::ops::{self, AttentionMetadata};
 
 use super::linear::{GemmOptions, Linear, LinearWeight, Projection};
-use super::loader::WeightLoader;
+use super::loader::{host_vector, WeightLoader};
 use super::lora::{LoraAdapter, LoraOutputs, LoraRows, LoraTarget};
 use super::mla::LatentAttention;
 use super::moe::SparseMlp;
-use super::params::ParamHashes;
+use super::param_hash::ParamHashes;
 use super::short_conv::ShortConv;
 use super::weights::Checkpoint;
+use super::xielu::XieluParams;
 
 /// One forward pass's inputs: a flat batch of tokens from one or more sequences.
 #[derive(Debug, Clone, Default)]
@@ -109,62 +110,6 @@ pub(super) enum Mlp {
         down: Linear,
         act: XieluParams,
     },
-}
-
-/// Apertus's xIELU parameters as its checkpoint holds them (`mlp.act_fn.*`: `alpha_p` and
-/// `alpha_n` before their softplus, `beta`, `eps`), so that an update replaces one and the
-/// activation follows.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct XieluParams {
-    pub(super) alpha_p: f32,
-    pub(super) alpha_n: f32,
-    pub(super) beta: f32,
-    pub(super) eps: f32,
-}
-
-impl XieluParams {
-    /// The parameter names under `mlp.act_fn` and their shapes on file.
-    pub(super) const NAMES: [(&'static str, &'static [usize]); 4] = [
-        ("alpha_p", &[1]),
-        ("alpha_n", &[1]),
-        ("beta", &[]),
-        ("eps", &[]),
-    ];
-
-    fn load(ld: &WeightLoader<'_>, prefix: &str) -> Result<Self> {
-        let mut v = [0f32; 4];
-        for (slot, (name, shape)) in v.iter_mut().zip(Self::NAMES) {
-            let t = ld.load_f32(&format!("{prefix}.{name}"), shape)?;
-            *slot = t
-                .flatten_all()?
-                .to_vec1::<f32>()?
-                .first()
-                .copied()
-                .unwrap_or(0.0);
-        }
-        let [alpha_p, alpha_n, beta, eps] = v;
-        Ok(Self {
-            alpha_p,
-            alpha_n,
-            beta,
-            eps,
-        })
-    }
-
-    fn act(&self) -> ops::Xielu {
-        ops::Xielu::from_params(self.alpha_p, self.alpha_n, self.beta, self.eps)
-    }
-
-    /// The parameter `name` (one of [`Self::NAMES`]).
-    pub(super) fn param_mut(&mut self, name: &str) -> Option<&mut f32> {
-        match name {
-            "alpha_p" => Some(&mut self.alpha_p),
-            "alpha_n" => Some(&mut self.alpha_n),
-            "beta" => Some(&mut self.beta),
-            "eps" => Some(&mut self.eps),
-            _ => None,
-        }
-    }
 }
 
 /// A loaded decoder.
@@ -766,16 +711,6 @@ impl Model {
         let rows = Tensor::from_slice(&batch.logit_rows, batch.logit_rows.len(), dev)?;
         Ok(hn.index_select(&rows, 0)?)
     }
-}
-
-/// A parameter (`[heads]` sink logits, a convolution's `[width, 1, kernel]` taps; any dtype
-/// and device) in f32 on the host, flattened, where the CPU kernels read it.
-pub(super) fn host_vector(t: &Tensor) -> Result<Arc<[f32]>> {
-    Ok(t.to_dtype(DType::F32)?
-        .to_device(&Device::Cpu)?
-        .flatten_all()?
-        .to_vec1::<f32>()?
-        .into())
 }
 
 /// `v` as a scalar of `like`'s dtype on its device, to broadcast over it.

@@ -50,7 +50,7 @@ pub fn widen(
     }
 }
 
-/// The parameter hash (`params::tensor_hash`) of the widened matrix held in f32, or rounded to
+/// The parameter hash (`param_hash::tensor_hash`) of the widened matrix held in f32, or rounded to
 /// bf16 (`round_bf16`), without holding it: xxh3 over its values as f32, row by row.
 pub fn widened_hash(
     codes: &[u8],

@@ -14,7 +14,7 @@ use crate::ops::{PackedWeightAbf16, PackedWeightBf16, PackedWeightFp8, PackedWei
 use super::fp8;
 use super::linear::{Linear, LinearWeight, Projection};
 use super::mxfp4;
-use super::params::{bf16_hash, tensor_hash, ParamHashes};
+use super::param_hash::{bf16_hash, tensor_hash, ParamHashes};
 use super::weights::{Checkpoint, StDtype};
 
 /// Whether the engine keeps quantized weights (gpt-oss's MXFP4 experts, FP8 linear layers) as
@@ -471,4 +471,14 @@ pub(super) fn offset_norm(w: &Tensor, offset: f64) -> candle_core::Result<Tensor
         return Ok(w.clone());
     }
     (w.to_dtype(DType::F32)? + offset)?.to_dtype(w.dtype())
+}
+
+/// A parameter (`[heads]` sink logits, a convolution's `[width, 1, kernel]` taps; any dtype
+/// and device) in f32 on the host, flattened, where the CPU kernels read it.
+pub(super) fn host_vector(t: &Tensor) -> Result<Arc<[f32]>> {
+    Ok(t.to_dtype(DType::F32)?
+        .to_device(&Device::Cpu)?
+        .flatten_all()?
+        .to_vec1::<f32>()?
+        .into())
 }

@@ -11,10 +11,12 @@ mod mla;
 mod moe;
 mod moe_names;
 mod mxfp4;
+mod param_hash;
 mod params;
 mod short_conv;
 mod update;
 mod weights;
+mod xielu;
 
 pub use decoder::{ForwardBatch, Model};
 pub use loader::keeps_quantized;

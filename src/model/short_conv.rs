@@ -19,9 +19,8 @@ use crate::config::{ModelConfig, ShortConvConfig};
 use crate::error::Result;
 use crate::ops::{self, AttentionMetadata, ConvTaps};
 
-use super::decoder::host_vector;
 use super::linear::{GemmOptions, Linear};
-use super::loader::WeightLoader;
+use super::loader::{host_vector, WeightLoader};
 
 /// One layer's convolution.
 #[derive(Debug)]

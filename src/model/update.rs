@@ -9,14 +9,15 @@ use crate::error::Result;
 
 use std::sync::Arc;
 
-use super::decoder::{host_vector, Attention, Mixer, Mlp, Model, QkvSource};
+use super::decoder::{Attention, Mixer, Mlp, Model, QkvSource};
 use super::fused_experts::FusedPart;
 use super::linear::{Linear, LinearWeight, Projection};
-use super::loader::offset_norm;
+use super::loader::{host_vector, offset_norm};
 use super::mla::LatentParam;
 use super::moe::{RoutingRule, SparseMlp};
 use super::moe_names::{parse_sparse_linear, router_bias_name, SparseLinear};
-use super::params::{check_update, tensor_hash, unknown};
+use super::param_hash::tensor_hash;
+use super::params::{check_update, unknown};
 
 /// Where a named parameter lives in the model.
 enum Slot<'a> {
