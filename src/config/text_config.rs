@@ -27,7 +27,7 @@ struct Wrapper {
     flat_form: bool,
 }
 
-const WRAPPERS: [Wrapper; 5] = [
+const WRAPPERS: [Wrapper; 7] = [
     Wrapper {
         class: "Gemma3ForConditionalGeneration",
         model_type: "gemma3",
@@ -48,6 +48,24 @@ const WRAPPERS: [Wrapper; 5] = [
         text_type: "qwen2",
         aliases: &[("qwen2_5_vl_text", "qwen2")],
         flat_form: true,
+    },
+    // GLM-4.1V-Thinking: GLM-4-0414's layers. Its multimodal rope pairs neighbours on half of
+    // each head as GLM-4's does, and is the plain one on text.
+    Wrapper {
+        class: "Glm4vForConditionalGeneration",
+        model_type: "glm4v",
+        text_type: "glm4",
+        aliases: &[("glm4v_text", "glm4")],
+        flat_form: false,
+    },
+    // GLM-4.5V and 4.6V: GLM-4.5's layers (without q/k norms), the same rope as GLM-4.5's on
+    // text.
+    Wrapper {
+        class: "Glm4vMoeForConditionalGeneration",
+        model_type: "glm4v_moe",
+        text_type: "glm4_moe",
+        aliases: &[("glm4v_moe_text", "glm4_moe")],
+        flat_form: false,
     },
     Wrapper {
         class: "Lfm2VlForConditionalGeneration",
