@@ -27,7 +27,7 @@ struct Wrapper {
     flat_form: bool,
 }
 
-const WRAPPERS: [Wrapper; 7] = [
+const WRAPPERS: [Wrapper; 10] = [
     Wrapper {
         class: "Gemma3ForConditionalGeneration",
         model_type: "gemma3",
@@ -39,6 +39,30 @@ const WRAPPERS: [Wrapper; 7] = [
         class: "Mistral3ForConditionalGeneration",
         model_type: "mistral3",
         text_type: "mistral",
+        aliases: &[],
+        flat_form: false,
+    },
+    // Qwen2-VL: Qwen2.5-VL's predecessor, the same layers and configs.
+    Wrapper {
+        class: "Qwen2VLForConditionalGeneration",
+        model_type: "qwen2_vl",
+        text_type: "qwen2",
+        aliases: &[("qwen2_vl_text", "qwen2")],
+        flat_form: true,
+    },
+    // LLaVA (1.5, and the wrappers that reuse its class: Pixtral, and others) and InternVL 3 /
+    // 3.5 (the `-hf` checkpoints): whichever language model `text_config` names.
+    Wrapper {
+        class: "LlavaForConditionalGeneration",
+        model_type: "llava",
+        text_type: "llama",
+        aliases: &[],
+        flat_form: false,
+    },
+    Wrapper {
+        class: "InternVLForConditionalGeneration",
+        model_type: "internvl",
+        text_type: "qwen2",
         aliases: &[],
         flat_form: false,
     },

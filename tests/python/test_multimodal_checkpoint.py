@@ -1,10 +1,10 @@
 """A multimodal checkpoint serves its language model, text only: Gemma 3 4B/12B/27B
 (``Gemma3ForConditionalGeneration``), Mistral Small 3.1/3.2 and Ministral 3
-(``Mistral3ForConditionalGeneration``), Qwen2.5-VL, Qwen3-VL, GLM-4.1V, GLM-4.5V/4.6V and
-LFM2-VL. Its config's language-model settings and its weights under either spelling (the
-hub's, and transformers' module names) give the same model as the text-only checkpoint of the
-same weights, bit for bit and under the same fingerprint, and transformers' own text-only
-logits of the wrapper."""
+(``Mistral3ForConditionalGeneration``), Qwen2-VL, Qwen2.5-VL, Qwen3-VL, GLM-4.1V,
+GLM-4.5V/4.6V, LLaVA, InternVL 3.5 and LFM2-VL. Its config's language-model settings and its
+weights under either spelling (the hub's, and transformers' module names) give the same model
+as the text-only checkpoint of the same weights, bit for bit and under the same fingerprint,
+and transformers' own text-only logits of the wrapper."""
 
 from __future__ import annotations
 
@@ -62,10 +62,10 @@ HUB_TO_MODULES = {
     "lm_head.": "lm_head.",
 }
 
-# zoo text model -> (wrapper config class, wrapper class, its own settings, the rope settings
-# its language model needs, the other spelling of each saved prefix): a tiny vision tower
-# each. The wrappers with untied text models untie the LM head as their checkpoints do (the
-# wrapper's own default would tie it).
+# zoo text model (or `TEXT_MODEL`'s key) -> (wrapper config class, wrapper class, its own
+# settings, the rope settings its language model needs, the other spelling of each saved
+# prefix): a tiny vision tower each. The wrappers with untied text models untie the LM head
+# as their checkpoints do (the wrapper's own default would tie it).
 WRAPPERS = {
     "gemma3": (
         "Gemma3Config",
@@ -134,6 +134,60 @@ WRAPPERS = {
             ("glm4_moe_plain", "Glm4vMoeConfig", "Glm4vMoeForConditionalGeneration", [2, 3, 3]),
         ]
     },
+    # Qwen2-VL: Qwen2's layers under the multimodal rope, saved flat as the hub spells it.
+    "qwen2_vl": (
+        "Qwen2VLConfig",
+        "Qwen2VLForConditionalGeneration",
+        {
+            "vision_config": {
+                "depth": 1,
+                "embed_dim": 16,
+                "hidden_size": 64,
+                "num_heads": 2,
+                "mlp_ratio": 2,
+                "patch_size": 4,
+                "spatial_merge_size": 1,
+                "temporal_patch_size": 1,
+            },
+            "tie_word_embeddings": False,
+        },
+        {"mrope_section": [2, 3, 3]},
+        {"model.": "model.language_model.", "visual.": "model.visual.", "lm_head.": "lm_head."},
+    ),
+    # LLaVA (Llama's layers under a CLIP tower) and InternVL 3.5 (Qwen3's under its own):
+    # saved as the hub spells them.
+    "llava": (
+        "LlavaConfig",
+        "LlavaForConditionalGeneration",
+        {
+            "vision_config": {
+                **TINY_VISION,
+                "model_type": "clip_vision_model",
+                "num_hidden_layers": 1,
+                "image_size": 16,
+                "patch_size": 4,
+                "projection_dim": 16,
+            },
+            "tie_word_embeddings": False,
+        },
+        {},
+        HUB_TO_MODULES,
+    ),
+    "internvl": (
+        "InternVLConfig",
+        "InternVLForConditionalGeneration",
+        {
+            "vision_config": {
+                **TINY_VISION,
+                "num_hidden_layers": 1,
+                "image_size": [16, 16],
+                "patch_size": [4, 4],
+            },
+            "tie_word_embeddings": False,
+        },
+        {},
+        HUB_TO_MODULES,
+    ),
     # LFM2-VL: LFM2's layers (short convolutions) beside a SigLIP2 tower; saved as
     # transformers' modules spell it, respelt as the hub's older wrappers spell theirs.
     "lfm2": (
@@ -182,11 +236,15 @@ WRAPPERS = {
 }
 
 
+# The zoo text model of the wrappers not named after theirs.
+TEXT_MODEL = {"qwen2_vl": "qwen2", "llava": "llama", "internvl": "qwen3"}
+
+
 @pytest.fixture(scope="module", params=list(WRAPPERS))
 def wrapped(request, model_zoo, tmp_path_factory):
     """A zoo text model inside its multimodal wrapper with a tiny vision tower, saved in both
     spellings."""
-    text = model_zoo.get(request.param)
+    text = model_zoo.get(TEXT_MODEL.get(request.param, request.param))
     config_class, model_class, settings, rope, respell = WRAPPERS[request.param]
     text_config = text.model.config.to_dict()
     text_config["rope_parameters"] = {**text_config["rope_parameters"], **rope}
