@@ -111,6 +111,10 @@ pub enum Architecture {
     /// per-head q/k norms applied after rope (`query_layernorm`, `key_layernorm`), and its
     /// `"dynamic"` rope with an `alpha` read as a fixed NTK stretch of the base.
     HunYuanDense,
+    /// Hunyuan-A13B (`HunYuanMoEV1ForCausalLM`): Hunyuan dense's attention, and in every layer
+    /// experts `intermediate_size` wide routed by an f32 router (`mlp.gate.wg`: the top k of a
+    /// softmax, renormalised) beside an ungated shared MLP (`mlp.shared_mlp`).
+    HunYuanMoe,
     /// Apertus (8B, 70B; `ApertusForCausalLM`): Llama's attention with per-head q/k norms,
     /// norms named `attention_layernorm` and `feedforward_layernorm`, and an ungated MLP,
     /// `down(xIELU(up(x)))`, whose activation has learned scalars per layer
@@ -140,7 +144,7 @@ pub enum Architecture {
 impl Architecture {
     /// Each architecture's `*ForCausalLM` class (`architectures`) and its `model_type`, the
     /// fallback for a config without `architectures`.
-    const CAUSAL_LM: [(&'static str, &'static str, Architecture); 36] = [
+    const CAUSAL_LM: [(&'static str, &'static str, Architecture); 37] = [
         ("LlamaForCausalLM", "llama", Architecture::Llama),
         ("MistralForCausalLM", "mistral", Architecture::Mistral),
         ("Qwen2ForCausalLM", "qwen2", Architecture::Qwen2),
@@ -196,6 +200,11 @@ impl Architecture {
             "HunYuanDenseV1ForCausalLM",
             "hunyuan_v1_dense",
             Architecture::HunYuanDense,
+        ),
+        (
+            "HunYuanMoEV1ForCausalLM",
+            "hunyuan_v1_moe",
+            Architecture::HunYuanMoe,
         ),
         (
             "Ernie4_5_MoeForCausalLM",
@@ -341,7 +350,9 @@ impl Architecture {
     /// than before it.
     pub fn qk_norms(self) -> (&'static str, &'static str, bool) {
         match self {
-            Architecture::HunYuanDense => ("query_layernorm", "key_layernorm", true),
+            Architecture::HunYuanDense | Architecture::HunYuanMoe => {
+                ("query_layernorm", "key_layernorm", true)
+            }
             Architecture::Lfm2 | Architecture::Lfm2Moe => ("q_layernorm", "k_layernorm", false),
             _ => ("q_norm", "k_norm", false),
         }
@@ -926,6 +937,7 @@ impl ModelConfig {
             | Architecture::Ernie45Moe
             | Architecture::GraniteMoeHybrid
             | Architecture::HunYuanDense
+            | Architecture::HunYuanMoe
             | Architecture::Apertus
             | Architecture::Lfm2
             | Architecture::Lfm2Moe => None,
@@ -973,6 +985,7 @@ impl ModelConfig {
             Architecture::MiniMaxM2 => Some(sparse(ExpertNaming::Mixtral, false, false)),
             Architecture::Ernie45Moe => Some(sparse(ExpertNaming::Ernie, true, true)),
             Architecture::Lfm2Moe => Some(sparse(ExpertNaming::Lfm2, false, true)),
+            Architecture::HunYuanMoe => Some(sparse(ExpertNaming::Hunyuan, true, false)),
             Architecture::Glm4Moe
             | Architecture::DeepseekV3
             | Architecture::DeepseekV2
@@ -1023,7 +1036,10 @@ impl ModelConfig {
             original_max_position_embeddings: raw.original_max_position_embeddings,
             max_position_embeddings,
             rotary_dim,
-            ntk_alpha: architecture == Architecture::HunYuanDense,
+            ntk_alpha: matches!(
+                architecture,
+                Architecture::HunYuanDense | Architecture::HunYuanMoe
+            ),
         };
         let (rope, mut rope_sliding) = RopeConfig::parse_layers(
             raw.rope_parameters.as_ref(),
@@ -1154,6 +1170,7 @@ impl ModelConfig {
                 | Architecture::MiniMaxM2
                 | Architecture::Dots1
                 | Architecture::HunYuanDense
+                | Architecture::HunYuanMoe
                 | Architecture::Apertus
                 | Architecture::Lfm2
                 | Architecture::Lfm2Moe => true,
@@ -1633,6 +1650,47 @@ pub(super) mod tests {
         .unwrap_err();
         assert!(e.to_string().contains("rope_type"), "{e}");
         assert_eq!(Architecture::Qwen3.qk_norms(), ("q_norm", "k_norm", false));
+    }
+
+    /// Hunyuan-A13B's hub config: per-layer lists of one value, its classic `rope_scaling`.
+    #[test]
+    fn hunyuan_a13b_reads_its_per_layer_lists() {
+        let a13b = |topk: &str, shared: &str, cla: bool| {
+            parse(&format!(
+                r#"{{"architectures": ["HunYuanMoEV1ForCausalLM"], "hidden_size": 64,
+                "intermediate_size": 48, "num_hidden_layers": 4, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 100, "num_experts": 8,
+                "moe_topk": {topk}, "moe_intermediate_size": [48, 48, 48, 48],
+                "num_shared_expert": {shared}, "use_cla": {cla}, "use_mixed_mlp_moe": true,
+                "use_qk_norm": true, "rope_theta": 10000.0, "rope_scaling": {{"alpha": 1000.0,
+                "factor": 1.0, "type": "dynamic"}}}}"#
+            ))
+        };
+        let (two, one) = ("[2, 2, 2, 2]", "[1, 1, 1, 1]");
+        let c = a13b(two, one, false).unwrap();
+        assert_eq!(c.architecture, Architecture::HunYuanMoe);
+        let moe = c.moe.as_ref().unwrap();
+        assert_eq!(moe.naming, ExpertNaming::Hunyuan);
+        assert_eq!(
+            (moe.num_experts, moe.top_k, moe.expert_intermediate_size),
+            (8, 2, 48)
+        );
+        assert_eq!(moe.shared_expert_intermediate_size, Some(48));
+        assert!(moe.norm_topk_prob && moe.sparse_layers.iter().all(|&s| s));
+        assert_eq!(
+            c.rope.theta.to_bits(),
+            (10000.0 * 1000f64.powf(16.0 / 14.0)).to_bits()
+        );
+        for (e, field) in [
+            (a13b(two, one, true), "use_cla"),
+            (a13b("[2, 2, 1, 2]", one, false), "moe_topk"),
+            (a13b(two, "2", false), "num_shared_expert"),
+        ] {
+            let e = e.unwrap_err().to_string();
+            assert!(e.contains(field) && !e.contains("duplicate"), "{e}");
+        }
+        // One count for every layer reads as the list does.
+        assert_eq!(a13b("2", "1", false).unwrap().moe.unwrap().top_k, 2);
     }
 
     #[test]

@@ -35,6 +35,9 @@ pub enum ExpertNaming {
     /// LFM2-MoE's: `feed_forward.gate`, `feed_forward.experts.{e}.{w1,w3,w2}`, and the
     /// per-expert bias `feed_forward.expert_bias` its sigmoid scores are chosen with.
     Lfm2,
+    /// Hunyuan-A13B's: Qwen's expert names, an f32 router `mlp.gate.wg`, and an ungated shared
+    /// MLP `mlp.shared_mlp.{gate,up,down}_proj`, every MLP `intermediate_size` wide.
+    Hunyuan,
 }
 
 impl ExpertNaming {
@@ -53,7 +56,10 @@ impl ExpertNaming {
     /// Whether the router's weight is held and applied in f32 whatever the model's dtype
     /// (transformers keeps DeepSeek-V3's `gate.weight` and its bias in f32).
     pub fn router_f32(self) -> bool {
-        matches!(self, ExpertNaming::DeepSeek | ExpertNaming::Ernie)
+        matches!(
+            self,
+            ExpertNaming::DeepSeek | ExpertNaming::Ernie | ExpertNaming::Hunyuan
+        )
     }
 
     /// Whether checkpoints hold each part of every expert in one tensor
@@ -183,7 +189,8 @@ pub(super) struct RawMoe {
     routed_scaling_factor: Option<f64>,
     first_k_dense_replace: Option<usize>,
     num_experts_per_tok: Option<usize>,
-    moe_intermediate_size: Option<usize>,
+    /// Hunyuan's configs write it per layer (its class reads `intermediate_size` instead).
+    moe_intermediate_size: Option<PerLayer>,
     norm_topk_prob: Option<bool>,
     shared_expert_intermediate_size: Option<usize>,
     /// Granite MoE Shared's name for it.
@@ -204,6 +211,31 @@ pub(super) struct RawMoe {
     /// LFM2-MoE's dense first layers and its switch for the experts' bias.
     num_dense_layers: Option<usize>,
     use_expert_bias: Option<bool>,
+    /// Hunyuan's top k and shared MLPs, per layer or one for all; its cross-layer attention.
+    moe_topk: Option<PerLayer>,
+    num_shared_expert: Option<PerLayer>,
+    use_cla: Option<bool>,
+}
+
+/// A count a config gives once or once per layer (Hunyuan's `moe_topk`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged, expecting = "a count or a list of counts, one per layer")]
+pub(super) enum PerLayer {
+    One(usize),
+    Each(Vec<usize>),
+}
+
+impl PerLayer {
+    /// The one value every layer has; the layers' values where they differ.
+    fn uniform(&self) -> std::result::Result<usize, Vec<usize>> {
+        match self {
+            PerLayer::One(v) => Ok(*v),
+            PerLayer::Each(v) => match v.split_first() {
+                Some((&first, rest)) if rest.iter().all(|&x| x == first) => Ok(first),
+                _ => Err(v.clone()),
+            },
+        }
+    }
 }
 
 /// What a sparse architecture's class reads from its config beyond the common fields.
@@ -285,18 +317,35 @@ impl RawMoe {
         if num_experts == 0 {
             return Err(err(field, "must be > 0".into()));
         }
-        let (top_k_field, top_k) = match (self.num_experts_per_tok, self.moe_k) {
-            (Some(k), _) => ("num_experts_per_tok", k),
-            (None, Some(k)) => ("moe_k", k),
-            (None, None) => return Err(err("num_experts_per_tok", "missing".into())),
+        let uniform = |field: &str, v: &PerLayer| {
+            v.uniform().map_err(|each| {
+                err(
+                    field,
+                    format!("{each:?}: layers with different values are not supported"),
+                )
+            })
         };
+        let (top_k_field, top_k) = match (self.num_experts_per_tok, self.moe_k, &self.moe_topk) {
+            (Some(k), ..) => ("num_experts_per_tok", k),
+            (None, Some(k), _) => ("moe_k", k),
+            (None, None, Some(k)) => ("moe_topk", uniform("moe_topk", k)?),
+            (None, None, None) => return Err(err("num_experts_per_tok", "missing".into())),
+        };
+        if naming == ExpertNaming::Hunyuan {
+            self.check_hunyuan(&err)?;
+        }
         if top_k == 0 || top_k > num_experts {
             return Err(err(
                 top_k_field,
                 format!("{top_k} must be in 1..={num_experts} ({field})"),
             ));
         }
-        let expert_intermediate_size = match (own_width, self.moe_intermediate_size) {
+        let own = self
+            .moe_intermediate_size
+            .as_ref()
+            .map(|w| uniform("moe_intermediate_size", w))
+            .transpose()?;
+        let expert_intermediate_size = match (own_width, own) {
             (false, _) => intermediate_size,
             (true, Some(0)) => return Err(err("moe_intermediate_size", "must be > 0".into())),
             (true, Some(n)) => n,
@@ -316,6 +365,8 @@ impl RawMoe {
                 "moe_num_shared_experts",
                 Some(expert_intermediate_size * self.moe_num_shared_experts.unwrap_or(2)),
             ),
+            // One shared MLP as wide as the experts (`check_hunyuan`).
+            ExpertNaming::Hunyuan => ("num_shared_expert", Some(intermediate_size)),
             _ => (
                 "shared_expert_intermediate_size",
                 self.shared_expert_intermediate_size,
@@ -408,12 +459,37 @@ impl RawMoe {
                 // Its router divides by the chosen scores' sum (at least `moe_norm_min`).
                 ExpertNaming::Ernie => true,
                 ExpertNaming::Lfm2 => self.norm_topk_prob.unwrap_or(true),
+                // Its gate divides the top k by their sum.
+                ExpertNaming::Hunyuan => true,
             },
             shared_expert_intermediate_size,
             deepseek_routing,
             sparse_layers,
             naming,
         })
+    }
+
+    /// What transformers' Hunyuan MoE class reads the way detspec does: one shared MLP
+    /// (`num_shared_expert` 1 in every layer), no cross-layer attention (`use_cla`).
+    fn check_hunyuan(&self, err: &dyn Fn(&str, String) -> DetspecError) -> Result<()> {
+        if self.use_cla == Some(true) {
+            return Err(err(
+                "use_cla",
+                "true: cross-layer attention (layers sharing keys and values) is not supported"
+                    .into(),
+            ));
+        }
+        match self.num_shared_expert.as_ref().map(PerLayer::uniform) {
+            None | Some(Ok(1)) => Ok(()),
+            Some(Ok(n)) => Err(err(
+                "num_shared_expert",
+                format!("{n}: one shared MLP per layer is supported"),
+            )),
+            Some(Err(each)) => Err(err(
+                "num_shared_expert",
+                format!("{each:?}: one shared MLP per layer is supported"),
+            )),
+        }
     }
 
     /// LFM2-MoE's routing (`Lfm2MoeTopKRouter`): sigmoid scores chosen with the experts'

@@ -42,7 +42,8 @@ impl FusedPart {
                 | ExpertNaming::Mixtral
                 | ExpertNaming::DeepSeek
                 | ExpertNaming::Ernie
-                | ExpertNaming::Lfm2,
+                | ExpertNaming::Lfm2
+                | ExpertNaming::Hunyuan,
                 _,
             ) => &[],
         }

@@ -123,6 +123,9 @@ fn renorm_epsilon(naming: ExpertNaming) -> f32 {
 pub(super) struct SparseMlp {
     /// `[num_experts, hidden]`: the router's logits.
     pub(super) router: Linear,
+    /// The router reads the hidden state in f32 (its weight is held in f32, or its routing
+    /// runs in f32: [`RoutingRule::Biased`], [`RoutingRule::GroupedSoftmax`]).
+    router_reads_f32: bool,
     pub(super) experts: Vec<Expert>,
     /// The shared expert every row runs (Qwen2-MoE's, Granite MoE Shared's, DeepSeek's).
     pub(super) shared: Option<SharedExpert>,
@@ -187,6 +190,11 @@ impl SparseMlp {
         };
         Ok(Self {
             router,
+            router_reads_f32: moe.naming.router_f32()
+                || matches!(
+                    routing,
+                    RoutingRule::Biased { .. } | RoutingRule::GroupedSoftmax(_)
+                ),
             experts,
             shared,
             top_k: moe.top_k,
@@ -225,11 +233,9 @@ impl SparseMlp {
     ) -> Result<Tensor> {
         let (n, _) = x.dims2()?;
         let dev = x.device();
-        let logits = match self.routing {
-            RoutingRule::Biased { .. } | RoutingRule::GroupedSoftmax(_) => {
-                self.router.apply(&x.to_dtype(DType::F32)?, gemm)?
-            }
-            _ => self.router.apply(x, gemm)?,
+        let logits = match self.router_reads_f32 {
+            true => self.router.apply(&x.to_dtype(DType::F32)?, gemm)?,
+            false => self.router.apply(x, gemm)?,
         };
         let num_experts = self.experts.len();
         let routing = ops::with_f32_values(&logits, |logits| match &self.routing {

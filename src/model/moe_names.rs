@@ -81,7 +81,8 @@ fn block(naming: ExpertNaming) -> &'static str {
         ExpertNaming::Qwen
         | ExpertNaming::GptOss
         | ExpertNaming::DeepSeek
-        | ExpertNaming::Ernie => "mlp",
+        | ExpertNaming::Ernie
+        | ExpertNaming::Hunyuan => "mlp",
         ExpertNaming::Mixtral | ExpertNaming::Granite => "block_sparse_moe",
         ExpertNaming::Lfm2 => "feed_forward",
     }
@@ -101,6 +102,7 @@ fn router(naming: ExpertNaming) -> &'static str {
     match naming {
         ExpertNaming::GptOss => "router",
         ExpertNaming::Granite => "router.layer",
+        ExpertNaming::Hunyuan => "gate.wg",
         ExpertNaming::Qwen
         | ExpertNaming::Mixtral
         | ExpertNaming::DeepSeek
@@ -113,6 +115,7 @@ fn router(naming: ExpertNaming) -> &'static str {
 fn shared(naming: ExpertNaming) -> &'static str {
     match naming {
         ExpertNaming::DeepSeek | ExpertNaming::Ernie => "shared_experts",
+        ExpertNaming::Hunyuan => "shared_mlp",
         _ => "shared_expert",
     }
 }

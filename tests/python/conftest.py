@@ -709,6 +709,16 @@ MODEL_SPECS: dict[str, dict] = {
         "rope": {"rope_type": "dynamic", "alpha": 1000.0, "rope_theta": 10000.0, "factor": 1.0},
         "extra": {},
     },
+    # Hunyuan-A13B: Hunyuan dense's attention (q/k norms after rope, NTK-alpha rope), and in
+    # every layer experts `intermediate_size` wide chosen by an f32 router (`mlp.gate.wg`)
+    # beside an ungated shared MLP.
+    "hunyuan_moe": {
+        "arch": "hunyuan_v1_moe",
+        "seed": 251,
+        "head_dim": 16,
+        "rope": {"rope_type": "dynamic", "alpha": 1000.0, "rope_theta": 10000.0, "factor": 1.0},
+        "extra": {"num_experts": 8, "moe_topk": 2, "intermediate_size": 64},
+    },
     # Apertus: per-head q/k norms, its own norm names, and an ungated MLP through xIELU, whose
     # learned scalars are randomised below; Llama 3's rope as Apertus ships it.
     "apertus": {
@@ -828,6 +838,7 @@ _CONFIG_CLASSES = {
     "dots1": (transformers.Dots1Config, transformers.Dots1ForCausalLM),
     "apertus": (transformers.ApertusConfig, transformers.ApertusForCausalLM),
     "lfm2": (transformers.Lfm2Config, transformers.Lfm2ForCausalLM),
+    "hunyuan_v1_moe": (transformers.HunYuanMoEV1Config, transformers.HunYuanMoEV1ForCausalLM),
     "lfm2_moe": (transformers.Lfm2MoeConfig, transformers.Lfm2MoeForCausalLM),
     "hunyuan_v1_dense": (
         transformers.HunYuanDenseV1Config,

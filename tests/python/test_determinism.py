@@ -193,6 +193,7 @@ def needle_in_haystack(
         "apertus",
         "lfm2",
         "lfm2_moe",
+        "hunyuan_moe",
     ],
 )
 def test_needle_in_haystack_on_every_decoder_layout(model_zoo, name: str) -> None:
