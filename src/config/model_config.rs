@@ -83,6 +83,11 @@ pub enum Architecture {
     /// (`shared_mlp.input_linear`, `shared_mlp.output_linear`: [`DenseMlpNames::GraniteShared`]),
     /// with them Granite MoE Shared's layers.
     GraniteMoeHybrid,
+    /// Granite SWA (`GraniteSWAForCausalLM`, granite-swash): Granite's multipliers, sliding
+    /// and full layers (`layer_types`; by default every fourth from the first full), a learned
+    /// sink logit per head in every softmax (gpt-oss's), and rope by layer
+    /// (`layer_rope_theta`: 0 for none), one theta per layer kind.
+    GraniteSwa,
     /// Seed-OSS: Llama's layers with biases on q/k/v (`attention_bias`, on by default) and on
     /// o_proj only by `attention_out_bias`.
     SeedOss,
@@ -144,7 +149,7 @@ pub enum Architecture {
 impl Architecture {
     /// Each architecture's `*ForCausalLM` class (`architectures`) and its `model_type`, the
     /// fallback for a config without `architectures`.
-    const CAUSAL_LM: [(&'static str, &'static str, Architecture); 37] = [
+    const CAUSAL_LM: [(&'static str, &'static str, Architecture); 38] = [
         ("LlamaForCausalLM", "llama", Architecture::Llama),
         ("MistralForCausalLM", "mistral", Architecture::Mistral),
         ("Qwen2ForCausalLM", "qwen2", Architecture::Qwen2),
@@ -225,6 +230,11 @@ impl Architecture {
             "GraniteMoeHybridForCausalLM",
             "granitemoehybrid",
             Architecture::GraniteMoeHybrid,
+        ),
+        (
+            "GraniteSWAForCausalLM",
+            "granite_swa",
+            Architecture::GraniteSwa,
         ),
     ];
 
@@ -343,7 +353,7 @@ impl Architecture {
     /// Whether each attention head has a learned sink logit (`self_attn.sinks`) that joins its
     /// softmax without a value (gpt-oss).
     pub fn has_attention_sinks(self) -> bool {
-        self == Architecture::GptOss
+        matches!(self, Architecture::GptOss | Architecture::GraniteSwa)
     }
 
     /// The q/k norms' module names, and whether they apply after rope (HunYuan's) rather
@@ -590,6 +600,14 @@ pub struct ModelConfig {
     pub path: PathBuf,
 }
 
+/// Granite SWA's layer kinds and rope by layer ([`ModelConfig::granite_swa_layers`]).
+struct GraniteSwaLayers {
+    sliding: Vec<bool>,
+    rope_full: RopeConfig,
+    rope_sliding: Option<RopeConfig>,
+    rope_layers: Option<Vec<bool>>,
+}
+
 /// `config.json` as written: every field the decoder reads, with serde's types (a wrong type
 /// is an error naming the field, via [`super::json::parse_json`]); the ranges and the fields'
 /// relations are checked in [`ModelConfig::from_json_str`].
@@ -649,6 +667,8 @@ struct RawConfig {
     /// Gemma 3 and EXAONE 4 without `layer_types`: every this-many-th layer attends to every
     /// key (a count, or EXAONE's spelling of it, `"LLLG"`).
     sliding_window_pattern: Option<Value>,
+    /// Granite SWA's rope theta per layer (0: no rope).
+    layer_rope_theta: Option<Vec<f64>>,
     /// Gemma 3's sliding layers' rope theta (classic keys; `rope_theta` is the full layers').
     rope_local_base_freq: Option<f64>,
     /// Gemma's attention scale (`query_pre_attn_scalar^-½`).
@@ -906,7 +926,8 @@ impl ModelConfig {
             | Architecture::Gemma2
             | Architecture::Gemma3
             | Architecture::Exaone4 => raw.sliding_window,
-            Architecture::GptOss => raw.sliding_window.or(Some(128)),
+            // transformers' default where the config has none.
+            Architecture::GptOss | Architecture::GraniteSwa => raw.sliding_window.or(Some(128)),
             // transformers' default where the config has none.
             Architecture::Olmo3 => raw.sliding_window.or(Some(4096)),
             Architecture::Qwen2
@@ -1041,12 +1062,14 @@ impl ModelConfig {
                 Architecture::HunYuanDense | Architecture::HunYuanMoe
             ),
         };
-        let (rope, mut rope_sliding) = RopeConfig::parse_layers(
+        let (mut rope, mut rope_sliding) = RopeConfig::parse_layers(
             raw.rope_parameters.as_ref(),
             raw.rope_scaling.as_ref(),
             &defaults,
             path,
         )?;
+        // Granite SWA's layers without rope (`layer_rope_theta` 0), read with its layer kinds.
+        let mut granite_swa_rope_layers = None;
         let smollm3_rope_layers = (architecture == Architecture::SmolLm3)
             .then(|| Self::parse_rope_layers(&raw, num_hidden_layers, path))
             .transpose()?;
@@ -1066,6 +1089,12 @@ impl ModelConfig {
                 Some(Self::parse_layer_types(&raw, num_hidden_layers, 2, path)?)
             }
             Architecture::Dots1 => Self::dots1_sliding_layers(&raw, num_hidden_layers, path)?,
+            Architecture::GraniteSwa => {
+                let layers = Self::granite_swa_layers(&raw, num_hidden_layers, &rope, path)?;
+                (rope, rope_sliding) = (layers.rope_full, layers.rope_sliding);
+                granite_swa_rope_layers = layers.rope_layers;
+                Some(layers.sliding)
+            }
             Architecture::Gemma3 => {
                 // The classic keys' `rope_scaling` is the full layers'; the sliding ones keep
                 // plain rope of `rope_local_base_freq`.
@@ -1118,6 +1147,7 @@ impl ModelConfig {
                 (raw.position_embedding_type.as_deref() != Some("rope"))
                     .then(|| vec![false; num_hidden_layers])
             }
+            Architecture::GraniteSwa => granite_swa_rope_layers,
             _ => smollm3_rope_layers,
         };
         let torch_dtype = [&raw.torch_dtype, &raw.dtype]
@@ -1206,6 +1236,7 @@ impl ModelConfig {
                     | Architecture::GraniteMoe
                     | Architecture::GraniteMoeShared
                     | Architecture::GraniteMoeHybrid
+                    | Architecture::GraniteSwa
             )
             .then(|| Self::parse_granite(&raw, path))
             .transpose()?,
@@ -1456,6 +1487,71 @@ impl ModelConfig {
             .collect()
     }
 
+    /// Granite SWA's layers: their kinds (`layer_types`, by default full where `i % 4 == 0`),
+    /// and their rope by `layer_rope_theta` (0: none; by default `rope`'s theta everywhere).
+    /// Each kind rotates by one theta, the full layers' `rope` and the sliding layers'
+    /// `rope_sliding` (with `rope`'s scaling, as transformers copies it), so a theta list that
+    /// mixes thetas within a kind is refused, naming the field.
+    fn granite_swa_layers(
+        raw: &RawConfig,
+        layers: usize,
+        rope: &RopeConfig,
+        path: &Path,
+    ) -> Result<GraniteSwaLayers> {
+        let sliding = match raw.layer_types {
+            Some(_) => Self::parse_layer_types(raw, layers, usize::MAX, path)?,
+            None => (0..layers).map(|i| i % 4 != 0).collect(),
+        };
+        let thetas = raw
+            .layer_rope_theta
+            .clone()
+            .unwrap_or_else(|| vec![rope.theta; layers]);
+        let err = |message: String| DetspecError::InvalidConfig {
+            path: path.to_path_buf(),
+            field: "layer_rope_theta".into(),
+            message,
+        };
+        if thetas.len() != layers {
+            return Err(err(format!("{} entries for {layers} layers", thetas.len())));
+        }
+        if let Some(bad) = thetas.iter().find(|t| !(t.is_finite() && **t >= 0.0)) {
+            return Err(err(format!("{bad}: a theta is > 0, or 0 for no rope")));
+        }
+        // The one theta of the layers of a kind that rotate.
+        let theta_of = |slides: bool| -> Result<Option<f64>> {
+            let mut kind = thetas
+                .iter()
+                .zip(&sliding)
+                .filter(|&(&t, &s)| s == slides && t != 0.0)
+                .map(|(&t, _)| t);
+            let first = kind.next();
+            match kind.find(|&t| Some(t) != first) {
+                Some(other) => Err(err(format!(
+                    "the {} layers rotate by {} and {other}: one theta per layer kind is \
+                     supported",
+                    if slides { "sliding" } else { "full" },
+                    first.unwrap_or_default(),
+                ))),
+                None => Ok(first),
+            }
+        };
+        let with_theta = |theta: f64| RopeConfig {
+            theta,
+            scaling: rope.scaling.clone(),
+        };
+        let full = theta_of(false)?.map_or_else(|| rope.clone(), with_theta);
+        let rope_sliding = theta_of(true)?.filter(|&t| t != full.theta).map(with_theta);
+        Ok(GraniteSwaLayers {
+            rope_layers: thetas
+                .iter()
+                .any(|&t| t == 0.0)
+                .then(|| thetas.iter().map(|&t| t != 0.0).collect()),
+            sliding,
+            rope_full: full,
+            rope_sliding,
+        })
+    }
+
     /// Granite's multipliers, each 1 where absent (transformers' defaults); a multiplier that
     /// is not a finite number, or a zero `logits_scaling`, is refused naming it.
     fn parse_granite(raw: &RawConfig, path: &Path) -> Result<GraniteScales> {
@@ -1650,6 +1746,41 @@ pub(super) mod tests {
         .unwrap_err();
         assert!(e.to_string().contains("rope_type"), "{e}");
         assert_eq!(Architecture::Qwen3.qk_norms(), ("q_norm", "k_norm", false));
+    }
+
+    #[test]
+    fn granite_swa_reads_its_layer_kinds_sinks_and_rope_by_layer() {
+        let swa = |extra: &str| {
+            parse(&format!(
+                r#"{{"architectures": ["GraniteSWAForCausalLM"], "hidden_size": 64,
+                "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+                "vocab_size": 100, "rope_theta": 10000.0{extra}}}"#
+            ))
+        };
+        // transformers' defaults: full where i % 4 == 0, a 128-key window, one theta.
+        let c = swa("").unwrap();
+        assert!(c.architecture.has_attention_sinks() && c.granite.is_some());
+        assert_eq!(c.sliding_window, Some(128));
+        let slides: Vec<bool> = (0..4).map(|l| c.layer_slides(l)).collect();
+        assert_eq!(slides, [false, true, true, true]);
+        assert!(c.rope_layers.is_none() && c.rope_sliding.is_none());
+        // Full layers without rope, sliding ones by their own theta.
+        let c = swa(r#", "layer_rope_theta": [0, 5e5, 5e5, 5e5]"#).unwrap();
+        assert_eq!(c.rope_layers, Some(vec![false, true, true, true]));
+        assert_eq!(c.rope.theta, 10000.0);
+        assert_eq!(c.rope_sliding.as_ref().map(|r| r.theta), Some(5e5));
+        // Each kind its own theta.
+        let c = swa(r#", "layer_rope_theta": [3e5, 5e5, 5e5, 5e5]"#).unwrap();
+        assert_eq!((c.rope.theta, c.rope_layers), (3e5, None));
+        assert_eq!(c.rope_sliding.as_ref().map(|r| r.theta), Some(5e5));
+        for (extra, want) in [
+            (r#", "layer_rope_theta": [0, 5e5, 6e5, 5e5]"#, "one theta per layer kind"),
+            (r#", "layer_rope_theta": [0, 5e5]"#, "2 entries for 4 layers"),
+            (r#", "layer_rope_theta": [0, -1, 5e5, 5e5]"#, "for no rope"),
+        ] {
+            let e = swa(extra).unwrap_err().to_string();
+            assert!(e.contains("layer_rope_theta") && e.contains(want), "{e}");
+        }
     }
 
     /// Hunyuan-A13B's hub config: per-layer lists of one value, its classic `rope_scaling`.

@@ -484,6 +484,23 @@ MODEL_SPECS: dict[str, dict] = {
             "logits_scaling": 2.0,
         },
     },
+    # Granite SWA (granite-swash): Granite's multipliers, a full layer then sliding ones
+    # (transformers' default kinds), a sink logit per head (randomised below), and rope by
+    # layer: none on the full layer, theta 10000 on the sliding ones.
+    "granite_swa": {
+        "arch": "granite_swa",
+        "seed": 257,
+        "rope": {"rope_type": "default", "rope_theta": 10000.0},
+        "extra": {
+            "num_hidden_layers": 4,
+            "sliding_window": 8,
+            "layer_rope_theta": [0, 10000.0, 10000.0, 10000.0],
+            "embedding_multiplier": 4.0,
+            "residual_multiplier": 0.5,
+            "attention_multiplier": 0.2,
+            "logits_scaling": 2.0,
+        },
+    },
     # Granite 4.0 Micro / 1B / 350M (GraniteMoeHybrid, attention layers only): no experts, so
     # each layer's MLP is its shared MLP (shared_mlp.input_linear, gate rows first); Granite's
     # multipliers. Its twin with experts beside the shared MLP and no rope anywhere
@@ -828,6 +845,7 @@ _CONFIG_CLASSES = {
         transformers.GraniteMoeSharedConfig,
         transformers.GraniteMoeSharedForCausalLM,
     ),
+    "granite_swa": (transformers.GraniteSWAConfig, transformers.GraniteSWAForCausalLM),
     "seed_oss": (transformers.SeedOssConfig, transformers.SeedOssForCausalLM),
     "glm4_moe": (transformers.Glm4MoeConfig, transformers.Glm4MoeForCausalLM),
     "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),

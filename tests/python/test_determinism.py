@@ -194,6 +194,7 @@ def needle_in_haystack(
         "lfm2",
         "lfm2_moe",
         "hunyuan_moe",
+        "granite_swa",
     ],
 )
 def test_needle_in_haystack_on_every_decoder_layout(model_zoo, name: str) -> None:

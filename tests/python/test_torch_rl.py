@@ -83,6 +83,7 @@ def outputs_bits(llm: detspec.LLM) -> list[tuple[list[int], list[int]]]:
         "lfm2",
         "lfm2_moe",
         "hunyuan_moe",
+        "granite_swa",
     ],
 )
 def test_update_weights_follows_transformers_and_restores_bit_for_bit(model_zoo, name):
