@@ -1543,8 +1543,7 @@ impl ModelConfig {
         let rope_sliding = theta_of(true)?.filter(|&t| t != full.theta).map(with_theta);
         Ok(GraniteSwaLayers {
             rope_layers: thetas
-                .iter()
-                .any(|&t| t == 0.0)
+                .contains(&0.0)
                 .then(|| thetas.iter().map(|&t| t != 0.0).collect()),
             sliding,
             rope_full: full,
@@ -1774,8 +1773,14 @@ pub(super) mod tests {
         assert_eq!((c.rope.theta, c.rope_layers), (3e5, None));
         assert_eq!(c.rope_sliding.as_ref().map(|r| r.theta), Some(5e5));
         for (extra, want) in [
-            (r#", "layer_rope_theta": [0, 5e5, 6e5, 5e5]"#, "one theta per layer kind"),
-            (r#", "layer_rope_theta": [0, 5e5]"#, "2 entries for 4 layers"),
+            (
+                r#", "layer_rope_theta": [0, 5e5, 6e5, 5e5]"#,
+                "one theta per layer kind",
+            ),
+            (
+                r#", "layer_rope_theta": [0, 5e5]"#,
+                "2 entries for 4 layers",
+            ),
             (r#", "layer_rope_theta": [0, -1, 5e5, 5e5]"#, "for no rope"),
         ] {
             let e = swa(extra).unwrap_err().to_string();
