@@ -567,27 +567,6 @@ MODEL_SPECS: dict[str, dict] = {
             "attention_bias": True,
         },
     },
-    # GLM-4.5's layers without q/k norms: the language model of GLM-4.5V and 4.6V, whose
-    # attention has none (test_multimodal_checkpoint.py).
-    "glm4_moe_plain": {
-        "arch": "glm4_moe",
-        "seed": 241,
-        "head_dim": 32,
-        "rope": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
-        "extra": {
-            "num_hidden_layers": 3,
-            "n_routed_experts": 8,
-            "num_experts_per_tok": 2,
-            "moe_intermediate_size": 48,
-            "n_shared_experts": 1,
-            "first_k_dense_replace": 1,
-            "n_group": 4,
-            "topk_group": 2,
-            "routed_scaling_factor": 2.5,
-            "use_qk_norm": False,
-            "attention_bias": True,
-        },
-    },
     # DeepSeek-V3: multi-head latent attention (queries through a rank-48 bottleneck, keys and
     # values from a rank-32 latent, 16 rotated dimensions per head paired as neighbours,
     # values 24 wide), YaRN with DeepSeek's mscale in the softmax scale, and GLM-4.5's experts
@@ -815,6 +794,13 @@ MODEL_SPECS: dict[str, dict] = {
             "norm_eps": 1e-5,
         },
     },
+}
+# GLM-4.5's layers without q/k norms: the language model of GLM-4.5V and 4.6V, whose attention
+# has none (test_multimodal_checkpoint.py).
+MODEL_SPECS["glm4_moe_plain"] = {
+    **MODEL_SPECS["glm4_moe"],
+    "seed": 241,
+    "extra": {**MODEL_SPECS["glm4_moe"]["extra"], "use_qk_norm": False},
 }
 ARCH_NAMES = tuple(MODEL_SPECS)
 
