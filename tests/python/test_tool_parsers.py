@@ -8,6 +8,8 @@ import json
 from collections.abc import Callable
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from detspec.server import protocol as P
 from detspec.server.tool_parsers import (
@@ -16,11 +18,14 @@ from detspec.server.tool_parsers import (
     Glm45ToolParser,
     HermesToolParser,
     KimiK2ToolParser,
+    Lfm2ToolParser,
     Llama3JsonToolParser,
+    Llama4PythonicToolParser,
     MiniMaxM2ToolParser,
     MistralToolParser,
     Parsed,
     ParsedCall,
+    PythonicToolParser,
     Qwen3CoderToolParser,
     ToolParser,
 )
@@ -34,6 +39,18 @@ KIMI_CALLS, KIMI_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end
 KIMI_CALL, KIMI_ARGS, KIMI_CALL_END = (
     "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
 )  # fmt: skip
+# LFM2's markers (special tokens of its tokenizer)
+LFM, LFM_END = "<|tool_call_start|>", "<|tool_call_end|>"
+TIME = ParsedCall("get_time", "{}")
+# Python literals of every kind a pythonic call's argument may be, and their JSON
+LITERALS = (
+    "n=-3, x=-2.5, e=1e3, l=[1, 'a'], d={'k': {'z': None}}, b=True, f=False, none=None, "
+    "t=(1, 2), s='it\\'s \\\\d', j=[null, true, false]"
+)
+LITERALS_JSON = (
+    '{"n": -3, "x": -2.5, "e": 1000.0, "l": [1, "a"], "d": {"k": {"z": null}}, "b": true, '
+    '"f": false, "none": null, "t": [1, 2], "s": "it\'s \\\\d", "j": [null, true, false]}'
+)
 
 
 def chunked(parser: Callable[[], ToolParser], text: str, size: int) -> Parsed:
@@ -87,6 +104,8 @@ CASES = [
     (HermesToolParser, '<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}'
      "</tool_call>", []),  # fmt: skip
     (HermesToolParser, "a <tool_ca", "a <tool_ca", []),
+    # text after a call keeps its trailing whitespace, however the stream is cut
+    (HermesToolParser, '<tool_call>{"name": "get_time"}</tool_call>\nDone. ', "\nDone. ", [TIME]),
     # NaN is Python's, not JSON: a call holding it would give clients unparseable arguments
     (HermesToolParser, '<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>',
      '<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>', []),
@@ -243,6 +262,52 @@ CASES = [
      '<minimax:tool_call><invoke name="f"><parameter name="a">1', []),
     (MiniMaxM2ToolParser, '<minimax:tool_call><invoke name="a b"></invoke></minimax:tool_call>',
      '<minimax:tool_call><invoke name="a b"></invoke></minimax:tool_call>', []),
+    # pythonic: the whole output is a list of calls, keyword arguments of literal values
+    (PythonicToolParser, "Sunny in Paris.", "Sunny in Paris.", []),
+    (PythonicToolParser, '[get_weather(city="Paris")]', "", [WEATHER]),
+    (PythonicToolParser, '  [get_weather(city="Paris"), get_time()]\n', "", [WEATHER, TIME]),
+    (PythonicToolParser, f"[f({LITERALS})]", "", [ParsedCall("f", LITERALS_JSON)]),
+    # an invalid escape Python warns of is the backslash the model wrote
+    (PythonicToolParser, '[f(path="C:\\docs")]', "", [ParsedCall("f", '{"path": "C:\\\\docs"}')]),
+    # not calls: content, as it is -- unclosed, positional or ** arguments, a call or a name
+    # as a value, a dotted name, text after the list, no call, not a call, a set, infinity,
+    # text before the list
+    *[(PythonicToolParser, t, t, []) for t in (
+        '[get_weather(city="Paris")', '[get_weather("Paris")]', "[f(**kw)]", "[f(a=g())]",
+        "[f(a=x)]", '[os.system(cmd="ls")]', "[get_time()] Done.", "[]", "[1, 2]",
+        "[f(a={1, 2})]", "[f(a=1e999)]", "Calling: [get_time()]", "[get_time(), 'x']",
+    )],
+    # Llama 4's: the list between <|python_start|> and <|python_end|>, or bare
+    (Llama4PythonicToolParser, '<|python_start|>[get_weather(city="Paris"), get_time()]'
+     "<|python_end|>", "", [WEATHER, TIME]),
+    (Llama4PythonicToolParser, "[get_time()]", "", [TIME]),
+    (Llama4PythonicToolParser, '<|python_start|>print("x")<|python_end|>',
+     '<|python_start|>print("x")<|python_end|>', []),
+    (Llama4PythonicToolParser, "Hello", "Hello", []),
+    # LFM2: pythonic lists between its markers, among the content (vLLM's example first)
+    (Lfm2ToolParser, f'{LFM}[get_weather(city="Paris")]{LFM_END}The weather in Paris is sunny.',
+     "The weather in Paris is sunny.", [WEATHER]),
+    (Lfm2ToolParser, f'Let me check.\n{LFM}[get_weather(city="Paris"), get_time()]{LFM_END}\n'
+     f"{LFM}[f({LITERALS})]{LFM_END}\nDone.", "Let me check.\n\nDone.",
+     [WEATHER, TIME, ParsedCall("f", LITERALS_JSON)]),
+    (Lfm2ToolParser, "No tools needed.", "No tools needed.", []),
+    (Lfm2ToolParser, f'OK. {LFM}[get_weather(city="Paris")]', "OK. ", [WEATHER]),  # unclosed
+    # LFM2's echo of its call after it, closed by a second end marker (or a lone end marker),
+    # is dropped; a bracket not closed so is content
+    (Lfm2ToolParser, f'{LFM}[get_weather(city="Paris")]{LFM_END} [get_weather(city="Paris")]'
+     f"{LFM_END}Sunny.", "Sunny.", [WEATHER]),
+    (Lfm2ToolParser, f"{LFM}[get_time()]{LFM_END}\n{LFM_END}", "", [TIME]),
+    (Lfm2ToolParser, f"{LFM}[get_time()]{LFM_END}\n[1] A footnote.", "\n[1] A footnote.",
+     [TIME]),
+    (Lfm2ToolParser, f"{LFM}[get_time()]{LFM_END}[1]{LFM}[get_time()]{LFM_END}", "[1]",
+     [TIME, TIME]),
+    # not calls: content, markers and all; the good call still counts
+    (Lfm2ToolParser, f'{LFM}get_weather(city="Paris"){LFM_END} then',
+     f'{LFM}get_weather(city="Paris"){LFM_END} then', []),
+    (Lfm2ToolParser, f'{LFM}[f("x")]{LFM_END}{LFM}[get_weather(city="Paris")]{LFM_END}',
+     f'{LFM}[f("x")]{LFM_END}', [WEATHER]),
+    (Lfm2ToolParser, f"{LFM}[f(a=open())]", f"{LFM}[f(a=open())]", []),
+    (Lfm2ToolParser, "a <|tool_call", "a <|tool_call", []),
 ]  # fmt: skip
 
 
@@ -262,6 +327,45 @@ def test_hermes_streams_content_before_the_call_is_complete() -> None:
     out = p.feed('"arguments": {"city": "Paris"}}</tool_call>')
     assert out.calls == [WEATHER] and out.content == ""
     assert p.finish() == Parsed()
+
+
+PYTHONIC_PIECES = [
+    LFM, LFM_END, "<|python_start|>", "<|python_end|>", "<|tool", f"{LFM}[get_time()]{LFM_END}",
+    '[get_weather(city="Paris")]', "[", "]", "get_weather(", 'city="Paris"', "n=-1", ")",
+    ", ", "get_time()", " ", "\n", "Sunny.", "'", "null",
+]  # fmt: skip
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    parser=st.sampled_from([PythonicToolParser, Llama4PythonicToolParser, Lfm2ToolParser]),
+    pieces=st.lists(st.sampled_from(PYTHONIC_PIECES), max_size=14),
+    cuts=st.lists(st.integers(0, 160), max_size=8),
+)
+def test_any_split_of_pythonic_output_adds_up_to_the_whole(parser, pieces, cuts) -> None:
+    """The pythonic formats' streams (any split into deltas, markers cut anywhere) add up to
+    exactly the non-streamed answer."""
+    text = "".join(pieces)
+    p, out = parser(), Parsed()
+    bounds = sorted({0, len(text), *(min(c, len(text)) for c in cuts)})
+    for a, b in zip(bounds, bounds[1:], strict=False):
+        out.extend(p.feed(text[a:b]))
+    out.extend(p.finish())
+    assert out == parser.parse(text)
+
+
+def test_lfm2_streams_content_and_each_call_as_it_closes() -> None:
+    p = Lfm2ToolParser()
+    assert p.feed("Checking <|tool_ca").content == "Checking "
+    assert p.feed('ll_start|>[get_weather(city="Paris")').content == ""
+    assert p.feed(f"]{LFM_END}") == Parsed("", [WEATHER])
+    assert p.feed(" [get_weather(") == Parsed()  # perhaps its echo: held
+    assert p.feed(f'city="Paris")]{LFM_END}Sunny') == Parsed("Sunny")
+    assert p.finish() == Parsed()
+    # the pythonic formats and LFM2 are vLLM's names; LFM2's markers are special tokens
+    assert PARSERS["pythonic"] is PythonicToolParser and PARSERS["lfm2"] is Lfm2ToolParser
+    assert PARSERS["llama4_pythonic"] is Llama4PythonicToolParser
+    assert Lfm2ToolParser.needs_special_tokens and not PythonicToolParser.needs_special_tokens
 
 
 def test_glm45_reads_values_by_the_tools_schemas() -> None:

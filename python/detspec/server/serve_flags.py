@@ -97,7 +97,9 @@ def add_app_arguments(p: argparse.ArgumentParser) -> None:
         "(GLM-4.5/4.6/4.7's <arg_key>/<arg_value> calls), qwen3_coder / qwen3_xml (Qwen3-Coder's "
         "<function=...><parameter=...> calls), deepseek_v3 / deepseek_v31 (DeepSeek's "
         "<｜tool▁call▁begin｜> calls), kimi_k2 (Kimi K2's, ids kept), minimax_m2 (MiniMax-M2's "
-        "<invoke name=...> calls), openai (gpt-oss's Harmony calls; with "
+        "<invoke name=...> calls), pythonic / llama4_pythonic (a Python list of calls: Llama "
+        "3.2/4, ToolACE), lfm2 (LFM2's <|tool_call_start|>[...] lists), openai (gpt-oss's "
+        "Harmony calls; with "
         "--reasoning-parser openai_gptoss)",
     )
     p.add_argument(

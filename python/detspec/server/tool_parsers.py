@@ -25,6 +25,11 @@ One per output format, chosen by ``detspec serve --tool-call-parser`` (vLLM's na
 * ``minimax_m2`` -- MiniMax-M2's ``<minimax:tool_call>`` with ``<invoke name="f">`` and
   ``<parameter name="k">v</parameter>`` pairs: a value typed by the tool's schema (its
   ``anyOf``/``enum`` types too; ``null`` is null), as vLLM reads it;
+* ``pythonic`` -- the output *is* a Python list of calls with keyword arguments,
+  ``[get_weather(city="Paris"), get_time()]`` (Llama 3.2, Llama 4, ToolACE); ``llama4_pythonic``
+  also reads it between ``<|python_start|>`` and ``<|python_end|>``;
+* ``lfm2`` -- LFM2's and LFM2.5's: such lists between ``<|tool_call_start|>`` and
+  ``<|tool_call_end|>``, any number of them among the content;
 * ``openai`` -- gpt-oss's Harmony messages to ``functions.*``: read with the rest of the
   format by its reasoning parser (``harmony``), so this parser only names it.
 
@@ -38,9 +43,11 @@ returned as content.
 
 from __future__ import annotations
 
+import ast
 import json
 import math
 import re
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -158,7 +165,8 @@ class _TaggedCallParser(ToolParser):
         super().__init__(tools)
         self.buf = ""
         self.in_call = False
-        self.seen_call = False
+        # a call ended and no text followed yet: whitespace here is layout, not content
+        self.after_call = False
 
     def _calls(self, body: str) -> list[ParsedCall]:
         """The calls ``body`` holds; ``ValueError`` if it is not calls."""
@@ -172,9 +180,13 @@ class _TaggedCallParser(ToolParser):
                 return (f.get("parameters") or {}).get("properties") or {}
         return {}
 
+    def _skipped(self) -> int | None:
+        """How much of ``buf`` (outside a call) is neither content nor a call (LFM2's echo of
+        a call); None while that is undecided."""
+        return 0
+
     def _content(self, text: str) -> str:
-        # whitespace between or after calls is layout, not content
-        return "" if self.seen_call and not text.strip() else text
+        return "" if self.after_call and not text.strip() else text
 
     def _close(self, body: str, closed: bool) -> Parsed:
         try:
@@ -195,18 +207,26 @@ class _TaggedCallParser(ToolParser):
                 self.buf = self.buf[i + len(self.END) :]
                 self.in_call = False
                 continue
+            skip = self._skipped()
+            if skip is None:
+                return out
+            if skip:
+                self.buf = self.buf[skip:]
+                continue
             i = self.buf.find(self.START)
             if i < 0:
                 keep = _held_prefix(self.buf, self.START)
                 ready = self.buf[: len(self.buf) - keep]
-                if ready.strip() or not self.seen_call:
+                if ready.strip() or not self.after_call:
                     out.content += ready
                     self.buf = self.buf[len(ready) :]
+                    # text followed the call: whitespace after it is text too, as read whole
+                    self.after_call = False
                 return out
             out.content += self._content(self.buf[:i])
             self.buf = self.buf[i + len(self.START) :]
             self.in_call = True
-            self.seen_call = True
+            self.after_call = True
 
     def finish(self) -> Parsed:
         buf, self.buf = self.buf, ""
@@ -572,30 +592,37 @@ def _json_values(text: str, sep: str) -> list[Any]:
         values.append(value)
 
 
-class Llama3JsonToolParser(_TailParser):
-    name = "llama3_json"
-    MARKER = "<|python_tag|>"
+class _WholeOutputParser(_TailParser):
+    """Formats whose whole output is either calls or content, told by how it starts (after
+    whitespace): calls start with one of ``OPENERS``. Content streams once that is decided."""
+
+    OPENERS: ClassVar[tuple[str, ...]]
 
     def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
         super().__init__(tools)
         self.content_only = False
 
     def feed(self, text: str) -> Parsed:
-        # The whole output is either calls or content, decided by how it starts.
         if self.content_only:
             return Parsed(text)
         self.buf += text
         if self.in_calls:
             return Parsed()
         s = self.buf.lstrip()
-        if s.startswith("{") or s.startswith(self.MARKER):
+        if s.startswith(self.OPENERS):
             self.in_calls = True
             return Parsed()
-        if not s or self.MARKER.startswith(s):
+        if not s or any(o.startswith(s) for o in self.OPENERS):
             return Parsed()  # undecided
         self.content_only = True
         buf, self.buf = self.buf, ""
         return Parsed(buf)
+
+
+class Llama3JsonToolParser(_WholeOutputParser):
+    name = "llama3_json"
+    MARKER = "<|python_tag|>"
+    OPENERS = ("{", MARKER)
 
     def _calls(self, tail: str) -> list[ParsedCall]:
         s = tail.strip()
@@ -632,6 +659,105 @@ class MistralToolParser(_TailParser):
         return calls
 
 
+class _JsonNames(ast.NodeTransformer):
+    """``null``, ``true`` and ``false`` as the constants they name: models trained on JSON
+    write them in Python calls too, and vLLM reads them so."""
+
+    NAMES: ClassVar[dict[str, Any]] = {"null": None, "true": True, "false": False}
+
+    def visit_Name(self, node: ast.Name) -> ast.expr:
+        return ast.Constant(self.NAMES[node.id]) if node.id in self.NAMES else node
+
+
+def _pythonic_calls(text: str) -> list[ParsedCall]:
+    """``[f(a=1, b="x"), g()]`` as calls (``ValueError`` if it is not such a list): only a
+    list of calls of plain names with keyword arguments whose values are literals, read by
+    ``ast`` (never run). An empty list is no calls."""
+    try:
+        with warnings.catch_warnings():  # "\d" in a string: Python warns, the model meant it
+            warnings.simplefilter("ignore")
+            tree = ast.parse(text.strip(), mode="eval").body
+            if not isinstance(tree, ast.List):
+                raise ValueError("not calls: not a list")
+            calls = []
+            for call in tree.elts:
+                if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Name):
+                    raise ValueError("not a call: not NAME(...)")
+                if call.args or any(k.arg is None for k in call.keywords):
+                    raise ValueError("not a call: arguments without names")
+                args = {k.arg: ast.literal_eval(_JsonNames().visit(k.value)) for k in call.keywords}
+                # a value JSON cannot hold (a set, bytes, an infinity) raises: not a call
+                arguments = json.dumps(args, ensure_ascii=False, allow_nan=False)
+                calls.append(ParsedCall(call.func.id, arguments))
+            return calls
+    except (SyntaxError, TypeError, RecursionError, MemoryError) as e:
+        raise ValueError(f"not calls: {e}") from e
+
+
+class PythonicToolParser(_WholeOutputParser):
+    """``[get_weather(city="Paris", days=3), get_time()]``: the whole output is the calls (an
+    empty list, or a list that does not parse as ``_pythonic_calls``, is content)."""
+
+    name = "pythonic"
+    OPENERS = ("[",)
+
+    def _calls(self, tail: str) -> list[ParsedCall]:
+        return _pythonic_calls(tail)
+
+
+class Llama4PythonicToolParser(PythonicToolParser):
+    """Llama 4's: the list may be written between ``<|python_start|>`` and ``<|python_end|>``.
+    They are special tokens of its tokenizer, which, as in vLLM, the decode drops: read here
+    where a tokenizer makes them text."""
+
+    name = "llama4_pythonic"
+    START = "<|python_start|>"
+    OPENERS = ("[", START)
+
+    def _calls(self, tail: str) -> list[ParsedCall]:
+        s = tail.strip()
+        if s.startswith(self.START):
+            s = s[len(self.START) :].replace("<|python_end|>", "")
+        return _pythonic_calls(s)
+
+
+class Lfm2ToolParser(_TaggedCallParser):
+    """LFM2's ``<|tool_call_start|>[get_weather(city="Paris")]<|tool_call_end|>`` (special
+    tokens of its tokenizer), any number among the content; the list is ``_pythonic_calls``.
+    LFM2 often repeats a call's list after it, closed by a second ``<|tool_call_end|>``: as vLLM,
+    that echo (after a call, text from ``[`` to an end marker no start marker opened, or that
+    lone end marker) is dropped."""
+
+    name = "lfm2"
+    START = "<|tool_call_start|>"
+    END = "<|tool_call_end|>"
+    needs_special_tokens = True
+
+    def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
+        super().__init__(tools)
+        self.echo = False  # a call was just read: what follows may be its echo
+
+    def _calls(self, body: str) -> list[ParsedCall]:
+        return _pythonic_calls(body)
+
+    def _close(self, body: str, closed: bool) -> Parsed:
+        out = super()._close(body, closed)
+        self.echo = bool(out.calls)
+        return out
+
+    def _skipped(self) -> int | None:
+        s = self.buf.lstrip()
+        if not self.echo or not s:
+            return 0
+        if len(s) < len(self.END) and self.END.startswith(s):
+            return None  # perhaps a lone end marker
+        start, end = self.buf.find(self.START), self.buf.find(self.END)
+        if not s.startswith(("[", self.END)) or (0 <= start and (end < 0 or start < end)):
+            self.echo = False  # text, or a new call first: content
+            return 0
+        return None if end < 0 else end + len(self.END)
+
+
 class OpenAIToolParser(ToolParser):
     """gpt-oss's calls (``harmony.HarmonyReader`` reads them): the text it would be fed is
     already the answer's content."""
@@ -653,6 +779,9 @@ PARSERS: dict[str, type[ToolParser]] = {
         HermesToolParser,
         Llama3JsonToolParser,
         MistralToolParser,
+        PythonicToolParser,
+        Llama4PythonicToolParser,
+        Lfm2ToolParser,
         Glm45ToolParser,
         Glm47ToolParser,
         Qwen3CoderToolParser,

@@ -1,0 +1,99 @@
+"""LFM2's tool calls through the real ``openai`` client over loopback HTTP
+(``--enable-auto-tool-choice --tool-call-parser lfm2``, as vLLM serves LFM2/LFM2.5), on the
+scripted model (``scripted_model``: it says what its prompt scripts, token for token) with
+LFM2's call markers as special tokens of its tokenizer and a ChatML template like LFM2's.
+
+The properties: ``<|tool_call_start|>[f(k=v), g(...)]<|tool_call_end|>`` is read as the calls
+(Python literals as JSON arguments), the text before and after it is the content, the finish
+reason is ``tool_calls``; a stream's deltas add up to the same content and calls. Negative
+control: without the parser the output is one flat content string, markers dropped.
+"""
+
+# ruff: noqa: F811  (pytest fixtures imported from server_fixtures)
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from scripted_model import write_scripted_model
+from server_fixtures import SERVED_NAME
+from test_server_glm import chat, openai_client, scripted, scripted_server
+from tokenizers import Tokenizer
+
+START, END = "<|tool_call_start|>", "<|tool_call_end|>"
+MARKERS = ["<|im_start|>", START, END]
+STOPS = ["<|im_end|>"]
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SAYS = (
+    f'On it.{START}[book(code="007", seats=-2, tags=["a"], note=None), now()]{END}Done.<|im_end|>'
+)
+CALLS = [("book", {"code": "007", "seats": -2, "tags": ["a"], "note": None}), ("now", {})]
+TOOLS = [
+    {"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
+    for name in ("book", "now")
+]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    out = Path(tmp_path_factory.mktemp("scripted-lfm2")) / "m"
+    return write_scripted_model(out, MARKERS, STOPS, TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir) -> Tokenizer:
+    return Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, model_dir):
+    s = scripted_server(
+        tmp_path_factory, model_dir, "lfm2", "--enable-auto-tool-choice",
+        "--tool-call-parser", "lfm2",
+    )  # fmt: skip
+    yield s
+    assert s.stop() == 0, s.log()
+
+
+def test_calls_and_the_content_around_them_streamed_or_not(server, tok) -> None:
+    client = openai_client(server)
+    ch = chat(client, server, tok, SAYS, tools=TOOLS).choices[0]
+    assert ch.message.content == "On it.Done." and ch.finish_reason == "tool_calls"
+    calls = [(c.function.name, json.loads(c.function.arguments)) for c in ch.message.tool_calls]
+    assert calls == CALLS
+    stream = client.chat.completions.create(
+        model=SERVED_NAME,
+        messages=scripted(server, tok, SAYS),
+        temperature=0.0,
+        max_tokens=120,
+        tools=TOOLS,
+        stream=True,
+        extra_body={"chat_template_kwargs": {}},
+    )
+    content, names, args, finish = "", {}, {}, None
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        c = chunk.choices[0]
+        content += c.delta.content or ""
+        for d in c.delta.tool_calls or []:
+            names[d.index] = names.get(d.index) or d.function.name
+            args[d.index] = args.get(d.index, "") + (d.function.arguments or "")
+        finish = c.finish_reason or finish
+    assert (content, finish) == ("On it.Done.", "tool_calls")
+    assert [(names[i], json.loads(args[i])) for i in sorted(names)] == CALLS
+
+
+def test_without_the_parser_the_output_is_flat_content(tmp_path_factory, model_dir, tok):
+    s = scripted_server(tmp_path_factory, model_dir, "lfm2-flat")
+    try:
+        m = chat(openai_client(s), s, tok, SAYS, tools=None).choices[0].message
+        assert not m.tool_calls
+        assert m.content == 'On it.[book(code="007", seats=-2, tags=["a"], note=None), now()]Done.'
+    finally:
+        assert s.stop() == 0, s.log()
