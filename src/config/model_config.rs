@@ -96,6 +96,11 @@ pub enum Architecture {
     /// head pairing halves (Phi-3's layout), dense MLPs in the first `first_k_dense_replace`
     /// layers and DeepSeek-V3's experts after them ([`ExpertNaming::DeepSeek`]).
     Glm4Moe,
+    /// Solar Open (`SolarOpenForCausalLM`, 100B): Llama's attention (q/k/v biases by
+    /// `attention_bias`, none on o_proj; theta 1e6 by default), and in every layer GLM-4.5's
+    /// experts ([`ExpertNaming::DeepSeek`]: the f32 router, sigmoid scores with a correction
+    /// bias, shared experts).
+    SolarOpen,
     /// DeepSeek-V3 (and R1, V3.1, Kimi K2, Moonlight): multi-head latent attention
     /// ([`MlaConfig`]), dense first layers, then its experts ([`ExpertNaming::DeepSeek`]).
     DeepseekV3,
@@ -149,7 +154,7 @@ pub enum Architecture {
 impl Architecture {
     /// Each architecture's `*ForCausalLM` class (`architectures`) and its `model_type`, the
     /// fallback for a config without `architectures`.
-    const CAUSAL_LM: [(&'static str, &'static str, Architecture); 38] = [
+    const CAUSAL_LM: [(&'static str, &'static str, Architecture); 39] = [
         ("LlamaForCausalLM", "llama", Architecture::Llama),
         ("MistralForCausalLM", "mistral", Architecture::Mistral),
         ("Qwen2ForCausalLM", "qwen2", Architecture::Qwen2),
@@ -177,6 +182,11 @@ impl Architecture {
         ("GptOssForCausalLM", "gpt_oss", Architecture::GptOss),
         ("SeedOssForCausalLM", "seed_oss", Architecture::SeedOss),
         ("Glm4MoeForCausalLM", "glm4_moe", Architecture::Glm4Moe),
+        (
+            "SolarOpenForCausalLM",
+            "solar_open",
+            Architecture::SolarOpen,
+        ),
         (
             "DeepseekV3ForCausalLM",
             "deepseek_v3",
@@ -906,7 +916,7 @@ impl ModelConfig {
             // `attention_bias` (on by default) is q/k/v's; o_proj has none.
             Architecture::Glm | Architecture::Glm4 => (raw.attention_bias.unwrap_or(true), false),
             Architecture::Ernie45 => (use_bias, use_bias),
-            Architecture::Glm4Moe => (attention_bias, false),
+            Architecture::Glm4Moe | Architecture::SolarOpen => (attention_bias, false),
             Architecture::SeedOss => (
                 raw.attention_bias.unwrap_or(true),
                 raw.attention_out_bias.unwrap_or(false),
@@ -951,6 +961,7 @@ impl ModelConfig {
             | Architecture::Ernie45
             | Architecture::SeedOss
             | Architecture::Glm4Moe
+            | Architecture::SolarOpen
             | Architecture::DeepseekV3
             | Architecture::DeepseekV2
             | Architecture::Glm4MoeLite
@@ -988,6 +999,7 @@ impl ModelConfig {
             layer_types: architecture == Architecture::Glm4MoeLite,
             deepseek_defaults: match architecture {
                 Architecture::Dots1 => DeepSeekDefaults::DOTS1,
+                Architecture::SolarOpen => DeepSeekDefaults::SOLAR_OPEN,
                 _ => DeepSeekDefaults::DEEPSEEK,
             },
         };
@@ -1011,7 +1023,8 @@ impl ModelConfig {
             | Architecture::DeepseekV3
             | Architecture::DeepseekV2
             | Architecture::Glm4MoeLite
-            | Architecture::Dots1 => Some(sparse(ExpertNaming::DeepSeek, true, true)),
+            | Architecture::Dots1
+            | Architecture::SolarOpen => Some(sparse(ExpertNaming::DeepSeek, true, true)),
             _ => None,
         }
         .map(|shape| {
@@ -1051,8 +1064,10 @@ impl ModelConfig {
             None => Self::parse_rotary_dim(&raw, architecture, head_dim, path)?,
         };
         let defaults = RopeDefaults {
-            // LFM2's default theta (`Lfm2Config.default_theta`).
-            rope_theta: raw.rope_theta.or(architecture.is_lfm2().then_some(1e6)),
+            // LFM2's and Solar Open's default theta (their configs' `default_theta`).
+            rope_theta: raw.rope_theta.or((architecture.is_lfm2()
+                || architecture == Architecture::SolarOpen)
+                .then_some(1e6)),
             sliding_rope_theta: raw.rope_local_base_freq,
             original_max_position_embeddings: raw.original_max_position_embeddings,
             max_position_embeddings,
@@ -1364,6 +1379,7 @@ impl ModelConfig {
                 | Architecture::Glm
                 | Architecture::Glm4
                 | Architecture::Glm4Moe
+                | Architecture::SolarOpen
                 | Architecture::MiniMaxM2
         ) {
             return Err(err(format!(

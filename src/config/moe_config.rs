@@ -271,6 +271,13 @@ impl DeepSeekDefaults {
         norm_topk_prob: true,
         n_shared_experts: Some(1),
     };
+    /// Solar Open's (`SolarOpenConfig`): every layer sparse (its class reads no
+    /// `first_k_dense_replace`), one shared expert, weights renormalised.
+    pub const SOLAR_OPEN: Self = Self {
+        first_k_dense_replace: 0,
+        norm_topk_prob: true,
+        n_shared_experts: Some(1),
+    };
     /// dots.llm1's (`Dots1Config`): no dense first layer, weights not renormalised, and
     /// `n_shared_experts` must be given.
     pub const DOTS1: Self = Self {

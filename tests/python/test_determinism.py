@@ -195,6 +195,7 @@ def needle_in_haystack(
         "lfm2_moe",
         "hunyuan_moe",
         "granite_swa",
+        "solar_open",
     ],
 )
 def test_needle_in_haystack_on_every_decoder_layout(model_zoo, name: str) -> None:

@@ -84,6 +84,7 @@ def outputs_bits(llm: detspec.LLM) -> list[tuple[list[int], list[int]]]:
         "lfm2_moe",
         "hunyuan_moe",
         "granite_swa",
+        "solar_open",
     ],
 )
 def test_update_weights_follows_transformers_and_restores_bit_for_bit(model_zoo, name):
