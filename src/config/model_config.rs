@@ -56,6 +56,11 @@ pub enum Architecture {
     /// where it has a window, most layers within it and the others without rope
     /// (`layer_types`).
     Exaone4,
+    /// K-EXAONE (236B-A23B; `ExaoneMoeForCausalLM`): EXAONE 4's attention (per-head q/k norms;
+    /// where it has a window, most layers within it and the others without rope) under the
+    /// Llama family's pre-norms (OLMoE's layer), and DeepSeek-V3's experts in the layers
+    /// `mlp_layer_types` names sparse (by default after the first `first_k_dense_replace`).
+    ExaoneMoe,
     /// Gemma 3 (text): each sublayer normed before and after, norms scaling by `1 + w`, GeGLU,
     /// embeddings scaled by √hidden, attention scaled by `query_pre_attn_scalar^-½`, and most
     /// layers within a sliding window with a rope of their own (`layer_types`).
@@ -154,7 +159,7 @@ pub enum Architecture {
 impl Architecture {
     /// Each architecture's `*ForCausalLM` class (`architectures`) and its `model_type`, the
     /// fallback for a config without `architectures`.
-    const CAUSAL_LM: [(&'static str, &'static str, Architecture); 39] = [
+    const CAUSAL_LM: [(&'static str, &'static str, Architecture); 40] = [
         ("LlamaForCausalLM", "llama", Architecture::Llama),
         ("MistralForCausalLM", "mistral", Architecture::Mistral),
         ("Qwen2ForCausalLM", "qwen2", Architecture::Qwen2),
@@ -174,6 +179,11 @@ impl Architecture {
         ("Glm4ForCausalLM", "glm4", Architecture::Glm4),
         ("Ernie4_5ForCausalLM", "ernie4_5", Architecture::Ernie45),
         ("Exaone4ForCausalLM", "exaone4", Architecture::Exaone4),
+        (
+            "ExaoneMoeForCausalLM",
+            "exaone_moe",
+            Architecture::ExaoneMoe,
+        ),
         (
             "Ministral3ForCausalLM",
             "ministral3",
@@ -935,7 +945,8 @@ impl ModelConfig {
             | Architecture::Phi3
             | Architecture::Gemma2
             | Architecture::Gemma3
-            | Architecture::Exaone4 => raw.sliding_window,
+            | Architecture::Exaone4
+            | Architecture::ExaoneMoe => raw.sliding_window,
             // transformers' default where the config has none.
             Architecture::GptOss | Architecture::GraniteSwa => raw.sliding_window.or(Some(128)),
             // transformers' default where the config has none.
@@ -996,9 +1007,14 @@ impl ModelConfig {
             naming,
             shared_expert,
             own_width,
-            layer_types: architecture == Architecture::Glm4MoeLite,
+            layer_types: matches!(
+                architecture,
+                Architecture::Glm4MoeLite | Architecture::ExaoneMoe
+            ),
             deepseek_defaults: match architecture {
                 Architecture::Dots1 => DeepSeekDefaults::DOTS1,
+                Architecture::Glm4MoeLite => DeepSeekDefaults::GLM4_MOE_LITE,
+                Architecture::ExaoneMoe => DeepSeekDefaults::EXAONE_MOE,
                 Architecture::SolarOpen => DeepSeekDefaults::SOLAR_OPEN,
                 _ => DeepSeekDefaults::DEEPSEEK,
             },
@@ -1024,7 +1040,8 @@ impl ModelConfig {
             | Architecture::DeepseekV2
             | Architecture::Glm4MoeLite
             | Architecture::Dots1
-            | Architecture::SolarOpen => Some(sparse(ExpertNaming::DeepSeek, true, true)),
+            | Architecture::SolarOpen
+            | Architecture::ExaoneMoe => Some(sparse(ExpertNaming::DeepSeek, true, true)),
             _ => None,
         }
         .map(|shape| {
@@ -1040,6 +1057,7 @@ impl ModelConfig {
         .map(|m| match architecture {
             Architecture::DeepseekV2 => m.with_softmax_scoring(),
             Architecture::MiniMaxM2 => m.with_biased_sigmoid_routing(),
+            Architecture::ExaoneMoe => m.with_bias_beside_router(),
             _ => m,
         });
         // OLMo 1's clamp of q, k and v (OLMoE's configs have none).
@@ -1128,8 +1146,8 @@ impl ModelConfig {
                 )?)
             }
             // No window, no layer kinds: every layer attends to every key, with rope.
-            Architecture::Exaone4 if raw.sliding_window.is_none() => None,
-            Architecture::Exaone4 => {
+            Architecture::Exaone4 | Architecture::ExaoneMoe if raw.sliding_window.is_none() => None,
+            Architecture::Exaone4 | Architecture::ExaoneMoe => {
                 let every = Self::window_every(&raw, 4, path)?;
                 Some(Self::parse_layer_types(
                     &raw,
@@ -1156,7 +1174,7 @@ impl ModelConfig {
         // EXAONE 4's full-attention layers have no rope (where it has a window at all);
         // Granite 4's layers rotate only where `position_embedding_type` says rope.
         let rope_layers = match architecture {
-            Architecture::Exaone4 => sliding_layers.clone(),
+            Architecture::Exaone4 | Architecture::ExaoneMoe => sliding_layers.clone(),
             Architecture::GraniteMoeHybrid => {
                 Self::check_granite_hybrid_layers(&raw, num_hidden_layers, path)?;
                 (raw.position_embedding_type.as_deref() != Some("rope"))
@@ -1212,6 +1230,7 @@ impl ModelConfig {
                 | Architecture::Olmoe
                 | Architecture::Gemma3
                 | Architecture::Exaone4
+                | Architecture::ExaoneMoe
                 | Architecture::MiniMaxM2
                 | Architecture::Dots1
                 | Architecture::HunYuanDense

@@ -119,6 +119,9 @@ pub struct MoeConfig {
     /// `intermediate_size`; Qwen's `mlp_only_layers` and `decoder_sparse_step`).
     pub sparse_layers: Vec<bool>,
     pub naming: ExpertNaming,
+    /// DeepSeek's correction bias stored beside the router (`mlp.e_score_correction_bias`,
+    /// K-EXAONE's checkpoints) rather than under it.
+    pub bias_beside_router: bool,
 }
 
 /// The derived form, with DeepSeek's routing written only where a model has it, so the
@@ -138,6 +141,9 @@ impl std::fmt::Debug for MoeConfig {
             .field("naming", &self.naming);
         if let Some(r) = &self.deepseek_routing {
             s.field("deepseek_routing", r);
+        }
+        if self.bias_beside_router {
+            s.field("bias_beside_router", &true);
         }
         s.finish()
     }
@@ -169,6 +175,14 @@ impl MoeConfig {
         self
     }
 
+    /// K-EXAONE's: the correction bias beside the router on file.
+    pub(super) fn with_bias_beside_router(self) -> Self {
+        Self {
+            bias_beside_router: true,
+            ..self
+        }
+    }
+
     /// Whether decoder layer `layer`'s MLP is the sparse block.
     pub fn is_sparse(&self, layer: usize) -> bool {
         self.sparse_layers.get(layer).copied().unwrap_or(false)
@@ -188,6 +202,8 @@ pub(super) struct RawMoe {
     topk_group: Option<usize>,
     routed_scaling_factor: Option<f64>,
     first_k_dense_replace: Option<usize>,
+    /// K-EXAONE's name for DeepSeek's `n_shared_experts`.
+    num_shared_experts: Option<usize>,
     num_experts_per_tok: Option<usize>,
     /// Hunyuan's configs write it per layer (its class reads `intermediate_size` instead).
     moe_intermediate_size: Option<PerLayer>,
@@ -258,30 +274,47 @@ pub(super) struct SparseShape {
 /// transformers' defaults for DeepSeek's fields, which its classes set differently.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct DeepSeekDefaults {
-    pub first_k_dense_replace: usize,
+    pub first_dense: FirstDense,
     pub norm_topk_prob: bool,
     /// `None`: the field is required (its class has no usable default).
     pub n_shared_experts: Option<usize>,
 }
 
+/// How many first layers are dense where `mlp_layer_types` does not say.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum FirstDense {
+    /// `first_k_dense_replace`, this many where it is absent.
+    Read(usize),
+    /// This many, whatever the config says (the class reads no `first_k_dense_replace`).
+    Fixed(usize),
+}
+
 impl DeepSeekDefaults {
     /// DeepSeek-V2/V3's, GLM-4.5's.
     pub const DEEPSEEK: Self = Self {
-        first_k_dense_replace: 1,
+        first_dense: FirstDense::Read(1),
         norm_topk_prob: true,
         n_shared_experts: Some(1),
     };
+    /// GLM-4.7-Flash's (`Glm4MoeLiteConfig`): `mlp_layer_types`, by default the first layer
+    /// dense.
+    pub const GLM4_MOE_LITE: Self = Self {
+        first_dense: FirstDense::Fixed(1),
+        ..Self::DEEPSEEK
+    };
+    /// K-EXAONE's (`ExaoneMoeConfig`): `mlp_layer_types`, by default the first
+    /// `first_k_dense_replace` (1) dense.
+    pub const EXAONE_MOE: Self = Self::DEEPSEEK;
     /// Solar Open's (`SolarOpenConfig`): every layer sparse (its class reads no
     /// `first_k_dense_replace`), one shared expert, weights renormalised.
     pub const SOLAR_OPEN: Self = Self {
-        first_k_dense_replace: 0,
-        norm_topk_prob: true,
-        n_shared_experts: Some(1),
+        first_dense: FirstDense::Fixed(0),
+        ..Self::DEEPSEEK
     };
     /// dots.llm1's (`Dots1Config`): no dense first layer, weights not renormalised, and
     /// `n_shared_experts` must be given.
     pub const DOTS1: Self = Self {
-        first_k_dense_replace: 0,
+        first_dense: FirstDense::Read(0),
         norm_topk_prob: false,
         n_shared_experts: None,
     };
@@ -361,9 +394,11 @@ impl RawMoe {
         let (shared_field, shared_width) = match naming {
             ExpertNaming::Granite => ("shared_intermediate_size", self.shared_intermediate_size),
             // transformers' default is one shared expert.
+            // (K-EXAONE's name for it: `num_shared_experts`)
             ExpertNaming::DeepSeek => (
                 "n_shared_experts",
                 self.n_shared_experts
+                    .or(self.num_shared_experts)
                     .or(defaults.n_shared_experts)
                     .map(|n| expert_intermediate_size * n),
             ),
@@ -401,9 +436,10 @@ impl RawMoe {
         // DeepSeek's first layers are dense (transformers' default: one), as ERNIE's are
         // before its start index (default one) and after its end index (-1: the last layer).
         let first_sparse = match naming {
-            ExpertNaming::DeepSeek => self
-                .first_k_dense_replace
-                .unwrap_or(defaults.first_k_dense_replace),
+            ExpertNaming::DeepSeek => match defaults.first_dense {
+                FirstDense::Read(d) => self.first_k_dense_replace.unwrap_or(d),
+                FirstDense::Fixed(d) => d,
+            },
             ExpertNaming::Ernie => self.moe_layer_start_index.unwrap_or(1),
             // transformers' default: two.
             ExpertNaming::Lfm2 => self.num_dense_layers.unwrap_or(2),
@@ -434,8 +470,8 @@ impl RawMoe {
         }
         let sparse_layers = match (layer_types, &self.mlp_layer_types) {
             (true, Some(types)) => Self::sparse_by_type(types, num_layers, &err)?,
-            // transformers' default: the first layer dense, the rest sparse.
-            (true, None) => (0..num_layers).map(|l| l > 0).collect(),
+            // transformers' default: the first layers dense, the rest sparse.
+            (true, None) => (0..num_layers).map(|l| l >= first_sparse).collect(),
             (false, _) => (0..num_layers)
                 .map(|l| {
                     (first_sparse..=last_sparse).contains(&l)
@@ -473,6 +509,7 @@ impl RawMoe {
             deepseek_routing,
             sparse_layers,
             naming,
+            bias_beside_router: false,
         })
     }
 
@@ -614,6 +651,30 @@ mod tests {
             "num_hidden_layers": 4, "num_attention_heads": 4, "vocab_size": 100{extra}}}"#
         );
         ModelConfig::from_json_str(&json, Path::new("/m/config.json"))
+    }
+
+    /// K-EXAONE: `mlp_layer_types`, by default its `first_k_dense_replace` (read, unlike
+    /// GLM-4.7-Flash's class); shared experts by its own field name; the correction bias
+    /// beside the router on file.
+    #[test]
+    fn k_exaone_reads_its_layer_kinds_and_names() {
+        let base = r#", "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+            "num_shared_experts": 2"#;
+        let cfg = |extra: &str| parse("ExaoneMoeForCausalLM", &format!("{base}{extra}")).unwrap();
+        let moe = |extra: &str| cfg(extra).moe.unwrap();
+        let m = moe("");
+        assert_eq!(m.sparse_layers, [false, true, true, true]);
+        assert_eq!(m.shared_expert_intermediate_size, Some(32));
+        let names = crate::model::param_shapes(&cfg(""));
+        assert!(names.contains_key("model.layers.1.mlp.e_score_correction_bias"));
+        assert!(!names.contains_key("model.layers.1.mlp.gate.e_score_correction_bias"));
+        assert_eq!(
+            moe(r#", "first_k_dense_replace": 2"#).sparse_layers,
+            [false, false, true, true]
+        );
+        let listed = r#", "first_k_dense_replace": 2,
+            "mlp_layer_types": ["sparse", "dense", "sparse", "dense"]"#;
+        assert_eq!(moe(listed).sparse_layers, [true, false, true, false]);
     }
 
     #[test]

@@ -136,7 +136,9 @@ pub(super) fn router_bias_name(moe: &MoeConfig, layer: usize) -> Option<String> 
     };
     let root = format!("model.layers.{layer}.{}", block(moe.naming));
     let owner = match moe.naming {
-        ExpertNaming::DeepSeek => SparseLinear::Router.path(moe.naming, layer),
+        ExpertNaming::DeepSeek if !moe.bias_beside_router => {
+            SparseLinear::Router.path(moe.naming, layer)
+        }
         ExpertNaming::Ernie => format!("{root}.moe_statics"),
         _ => root,
     };
@@ -326,12 +328,14 @@ pub fn unfuse_experts(
             "gate.weight" => out.push((weight(SparseLinear::Router), t)),
             // MiniMax-M2's correction bias (`block_sparse_moe.e_score_correction_bias` on
             // file) and ERNIE's (`mlp.moe_statics.e_score_correction_bias`).
-            "e_score_correction_bias" | "gate.moe_statics.e_score_correction_bias" => {
-                match router_bias_name(moe, layer) {
-                    Some(file) => out.push((file, t)),
-                    None => out.push((name, t)),
-                }
-            }
+            // and K-EXAONE's (`mlp.e_score_correction_bias` on file, under the router in
+            // memory).
+            "e_score_correction_bias"
+            | "gate.e_score_correction_bias"
+            | "gate.moe_statics.e_score_correction_bias" => match router_bias_name(moe, layer) {
+                Some(file) => out.push((file, t)),
+                None => out.push((name, t)),
+            },
             "experts.gate_up_proj" => {
                 fused([e, 2 * width, hidden])?;
                 for i in 0..e {

@@ -794,6 +794,29 @@ MODEL_SPECS: dict[str, dict] = {
             "norm_eps": 1e-5,
         },
     },
+    # K-EXAONE: EXAONE 4's attention (per-head q/k norms, a sliding layer and full ones
+    # without rope) under pre-norms, a dense first MLP (its default of `first_k_dense_replace`,
+    # the list left out), then DeepSeek-V3's experts (in 2 groups, the correction bias
+    # randomised below, one shared expert by its name `num_shared_experts`).
+    "exaone_moe": {
+        "arch": "exaone_moe",
+        "seed": 271,
+        "head_dim": 16,
+        "rope": {"rope_type": "default", "rope_theta": 1000000.0},
+        "extra": {
+            "num_hidden_layers": 3,
+            "pad_token_id": 0,
+            "sliding_window": 24,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 48,
+            "num_shared_experts": 1,
+            "n_group": 2,
+            "topk_group": 1,
+            "routed_scaling_factor": 2.5,
+        },
+    },
     # Solar Open: Llama's attention with q/k/v biases, GLM-4.5's experts in every layer (one
     # group, its correction bias randomised below), theta 1e6. Its seed was chosen for the bf16
     # parity check, which asks that bf16 rounding flip no prompt's first token: with seeds 269
@@ -837,6 +860,7 @@ _CONFIG_CLASSES = {
     "glm4": (transformers.Glm4Config, transformers.Glm4ForCausalLM),
     "ernie45": (transformers.Ernie4_5Config, transformers.Ernie4_5ForCausalLM),
     "exaone4": (transformers.Exaone4Config, transformers.Exaone4ForCausalLM),
+    "exaone_moe": (transformers.ExaoneMoeConfig, transformers.ExaoneMoeForCausalLM),
     "olmo3": (transformers.Olmo3Config, transformers.Olmo3ForCausalLM),
     "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM),
     "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM),

@@ -196,6 +196,7 @@ def needle_in_haystack(
         "hunyuan_moe",
         "granite_swa",
         "solar_open",
+        "exaone_moe",
     ],
 )
 def test_needle_in_haystack_on_every_decoder_layout(model_zoo, name: str) -> None:

@@ -85,6 +85,7 @@ def outputs_bits(llm: detspec.LLM) -> list[tuple[list[int], list[int]]]:
         "hunyuan_moe",
         "granite_swa",
         "solar_open",
+        "exaone_moe",
     ],
 )
 def test_update_weights_follows_transformers_and_restores_bit_for_bit(model_zoo, name):
