@@ -141,6 +141,12 @@ pub enum Architecture {
     /// scores, chosen with a correction bias (`block_sparse_moe.e_score_correction_bias`),
     /// renormalised, unscaled.
     MiniMaxM2,
+    /// Mistral 4 (`Mistral4ForCausalLM`): DeepSeek-V3's latent attention with Ministral 3's
+    /// queries scaled by position (`llama_4_scaling_beta`), dense first layers
+    /// (`first_k_dense_replace`, default none), then V3's experts chosen by softmax score
+    /// without a correction bias (its groups by their two best scores), renormalised,
+    /// scaled.
+    Mistral4,
     /// DeepSeek-V2 and V2.5 (V2-Lite): V3's latent attention with rope always pairing
     /// neighbours, and experts routed by softmax scores in groups (`Scoring::Softmax`).
     DeepseekV2,
@@ -159,7 +165,7 @@ pub enum Architecture {
 impl Architecture {
     /// Each architecture's `*ForCausalLM` class (`architectures`) and its `model_type`, the
     /// fallback for a config without `architectures`.
-    const CAUSAL_LM: [(&'static str, &'static str, Architecture); 40] = [
+    const CAUSAL_LM: [(&'static str, &'static str, Architecture); 41] = [
         ("LlamaForCausalLM", "llama", Architecture::Llama),
         ("MistralForCausalLM", "mistral", Architecture::Mistral),
         ("Qwen2ForCausalLM", "qwen2", Architecture::Qwen2),
@@ -190,6 +196,7 @@ impl Architecture {
             Architecture::Ministral3,
         ),
         ("GptOssForCausalLM", "gpt_oss", Architecture::GptOss),
+        ("Mistral4ForCausalLM", "mistral4", Architecture::Mistral4),
         ("SeedOssForCausalLM", "seed_oss", Architecture::SeedOss),
         ("Glm4MoeForCausalLM", "glm4_moe", Architecture::Glm4Moe),
         (
@@ -842,7 +849,10 @@ impl ModelConfig {
         // neighbours (it rotates complex numbers).
         let mla = matches!(
             architecture,
-            Architecture::DeepseekV3 | Architecture::DeepseekV2 | Architecture::Glm4MoeLite
+            Architecture::DeepseekV3
+                | Architecture::DeepseekV2
+                | Architecture::Glm4MoeLite
+                | Architecture::Mistral4
         )
         .then(|| parse_json::<RawMla>(text, path)?.check(path))
         .transpose()?
@@ -973,6 +983,7 @@ impl ModelConfig {
             | Architecture::SeedOss
             | Architecture::Glm4Moe
             | Architecture::SolarOpen
+            | Architecture::Mistral4
             | Architecture::DeepseekV3
             | Architecture::DeepseekV2
             | Architecture::Glm4MoeLite
@@ -1015,6 +1026,7 @@ impl ModelConfig {
                 Architecture::Dots1 => DeepSeekDefaults::DOTS1,
                 Architecture::Glm4MoeLite => DeepSeekDefaults::GLM4_MOE_LITE,
                 Architecture::ExaoneMoe => DeepSeekDefaults::EXAONE_MOE,
+                Architecture::Mistral4 => DeepSeekDefaults::MISTRAL4,
                 Architecture::SolarOpen => DeepSeekDefaults::SOLAR_OPEN,
                 _ => DeepSeekDefaults::DEEPSEEK,
             },
@@ -1041,7 +1053,8 @@ impl ModelConfig {
             | Architecture::Glm4MoeLite
             | Architecture::Dots1
             | Architecture::SolarOpen
-            | Architecture::ExaoneMoe => Some(sparse(ExpertNaming::DeepSeek, true, true)),
+            | Architecture::ExaoneMoe
+            | Architecture::Mistral4 => Some(sparse(ExpertNaming::DeepSeek, true, true)),
             _ => None,
         }
         .map(|shape| {
@@ -1058,6 +1071,7 @@ impl ModelConfig {
             Architecture::DeepseekV2 => m.with_softmax_scoring(),
             Architecture::MiniMaxM2 => m.with_biased_sigmoid_routing(),
             Architecture::ExaoneMoe => m.with_bias_beside_router(),
+            Architecture::Mistral4 => m.with_unbiased_softmax_choice(),
             _ => m,
         });
         // OLMo 1's clamp of q, k and v (OLMoE's configs have none).
@@ -1188,7 +1202,7 @@ impl ModelConfig {
             .find_map(|v| v.as_ref().and_then(Value::as_str))
             .map(str::to_string);
         let query_scale_beta = match architecture {
-            Architecture::Ministral3 => Self::parse_query_scale(
+            Architecture::Ministral3 | Architecture::Mistral4 => Self::parse_query_scale(
                 &raw,
                 rope.original_context()
                     .unwrap_or(max_position_embeddings as f64),

@@ -122,6 +122,10 @@ pub struct MoeConfig {
     /// DeepSeek's correction bias stored beside the router (`mlp.e_score_correction_bias`,
     /// K-EXAONE's checkpoints) rather than under it.
     pub bias_beside_router: bool,
+    /// V3's choosing (groups by their two best scores, weights renormalised) over softmax
+    /// scores with no correction bias, rather than V2's; the router held in the model's dtype,
+    /// as transformers holds Mistral 4's.
+    pub unbiased_choice: bool,
 }
 
 /// The derived form, with DeepSeek's routing written only where a model has it, so the
@@ -144,6 +148,9 @@ impl std::fmt::Debug for MoeConfig {
         }
         if self.bias_beside_router {
             s.field("bias_beside_router", &true);
+        }
+        if self.unbiased_choice {
+            s.field("unbiased_choice", &true);
         }
         s.finish()
     }
@@ -175,12 +182,30 @@ impl MoeConfig {
         self
     }
 
+    /// Mistral 4's routing (`Mistral4TopkRouter`): V3's with softmax scores and no correction
+    /// bias.
+    pub(super) fn with_unbiased_softmax_choice(mut self) -> Self {
+        if let Some(r) = &mut self.deepseek_routing {
+            r.scoring = Scoring::Softmax;
+        }
+        Self {
+            unbiased_choice: true,
+            ..self
+        }
+    }
+
     /// K-EXAONE's: the correction bias beside the router on file.
     pub(super) fn with_bias_beside_router(self) -> Self {
         Self {
             bias_beside_router: true,
             ..self
         }
+    }
+
+    /// Whether the router's weight is held and applied in f32 whatever the model's dtype
+    /// ([`ExpertNaming::router_f32`], but for Mistral 4's router).
+    pub fn router_f32(&self) -> bool {
+        self.naming.router_f32() && !self.unbiased_choice
     }
 
     /// Whether decoder layer `layer`'s MLP is the sparse block.
@@ -300,6 +325,12 @@ impl DeepSeekDefaults {
     /// dense.
     pub const GLM4_MOE_LITE: Self = Self {
         first_dense: FirstDense::Fixed(1),
+        ..Self::DEEPSEEK
+    };
+    /// Mistral 4's (`Mistral4Config`): no dense first layer unless `first_k_dense_replace`
+    /// says, one shared expert, weights renormalised.
+    pub const MISTRAL4: Self = Self {
+        first_dense: FirstDense::Read(0),
         ..Self::DEEPSEEK
     };
     /// K-EXAONE's (`ExaoneMoeConfig`): `mlp_layer_types`, by default the first
@@ -510,6 +541,7 @@ impl RawMoe {
             sparse_layers,
             naming,
             bias_beside_router: false,
+            unbiased_choice: false,
         })
     }
 
@@ -651,6 +683,33 @@ mod tests {
             "num_hidden_layers": 4, "num_attention_heads": 4, "vocab_size": 100{extra}}}"#
         );
         ModelConfig::from_json_str(&json, Path::new("/m/config.json"))
+    }
+
+    /// Mistral 4: V3's choosing over softmax scores, no correction bias, its router in the
+    /// model's dtype, no dense first layer by default; Ministral 3's query scaling.
+    #[test]
+    fn mistral4_routes_by_softmax_without_a_bias() {
+        let c = parse(
+            "Mistral4ForCausalLM",
+            r#", "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+            "n_group": 4, "topk_group": 2, "routed_scaling_factor": 1.5, "kv_lora_rank": 32,
+            "q_lora_rank": 48, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 24,
+            "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+            "llama_4_scaling_beta": 0.1, "original_max_position_embeddings": 64}"#,
+        )
+        .unwrap();
+        let m = c.moe.as_ref().unwrap();
+        let r = m.deepseek_routing.unwrap();
+        assert_eq!(
+            (r.scoring, r.n_group, r.topk_group),
+            (Scoring::Softmax, 4, 2)
+        );
+        assert!(m.unbiased_choice && !m.router_f32() && m.norm_topk_prob);
+        assert_eq!(m.sparse_layers, [true; 4]);
+        assert!(c.mla.is_some());
+        assert_eq!(c.query_scale_beta, Some((0.1, 64.0)));
+        let names = crate::model::param_shapes(&c);
+        assert!(!names.keys().any(|n| n.contains("e_score_correction_bias")));
     }
 
     /// K-EXAONE: `mlp_layer_types`, by default its `first_k_dense_replace` (read, unlike

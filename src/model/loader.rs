@@ -458,6 +458,32 @@ impl<'a> WeightLoader<'a> {
         Ok(t.to_device(self.device)?)
     }
 
+    /// Whether the checkpoint holds `name`.
+    pub(super) fn has(&self, name: &str) -> bool {
+        self.ck.contains(name)
+    }
+
+    /// Matrices a checkpoint stores stacked where the engine holds them apart (transformers 5's
+    /// fused experts, `mlp.experts.gate_up_proj`): the stacked tensor `name`, cut by `cut` into
+    /// named pieces, each in the weights' dtype and hashed under its own name (the one a
+    /// checkpoint of the pieces uses), so that either spelling of a checkpoint or an update
+    /// gives the same fingerprint.
+    pub(super) fn unstacked(
+        &self,
+        name: &str,
+        shape: &[usize],
+        cut: impl Fn(&Tensor) -> Result<Vec<(String, Tensor)>>,
+    ) -> Result<Vec<Tensor>> {
+        let stored = self.ck.load(name, shape, self.dtype, &Device::Cpu)?;
+        let mut pieces = Vec::new();
+        for (piece, t) in cut(&stored.to_dtype(self.dtype)?)? {
+            let t = t.contiguous()?;
+            self.hashes.borrow_mut().insert(piece, tensor_hash(&t)?);
+            pieces.push(t.to_device(self.device)?);
+        }
+        Ok(pieces)
+    }
+
     pub(super) fn into_hashes(self) -> ParamHashes {
         self.hashes.into_inner()
     }

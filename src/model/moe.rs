@@ -27,7 +27,8 @@ use super::fused_experts::FusedPart;
 use super::linear::{GemmOptions, Linear, LinearWeight};
 use super::loader::WeightLoader;
 use super::moe_names::{
-    has_shared_gate, router_bias_name, router_bias_shape, ExpertPart, SparseLinear,
+    fused_expert_names, has_shared_gate, router_bias_name, router_bias_shape, ExpertPart,
+    SparseLinear,
 };
 
 /// One expert: a SwiGLU MLP (gpt-oss's: with biases, gated by the clamped SwiGLU).
@@ -146,9 +147,12 @@ impl SparseMlp {
         let (experts, shared) = if moe.naming.stacked() {
             load_stacked(ld, cfg, moe, layer)?
         } else {
-            let experts = (0..moe.num_experts)
-                .map(|e| Expert::load(ld, cfg, moe, layer, |p| SparseLinear::Expert(e, p)))
-                .collect::<Result<_>>()?;
+            let experts = match load_fused_experts(ld, cfg, moe, layer)? {
+                Some(experts) => experts,
+                None => (0..moe.num_experts)
+                    .map(|e| Expert::load(ld, cfg, moe, layer, |p| SparseLinear::Expert(e, p)))
+                    .collect::<Result<_>>()?,
+            };
             let shared = match moe.shared_expert_intermediate_size {
                 Some(_) => Some(SharedExpert {
                     expert: Expert::load(ld, cfg, moe, layer, SparseLinear::Shared)?,
@@ -160,7 +164,7 @@ impl SparseMlp {
             };
             (experts, shared)
         };
-        let router = if moe.naming.router_f32() {
+        let router = if moe.router_f32() {
             let [out_dim, in_dim] = SparseLinear::Router.shape(cfg, moe);
             let path = SparseLinear::Router.path(moe.naming, layer);
             let w = ld.load_f32(&format!("{path}.weight"), &[out_dim, in_dim])?;
@@ -182,6 +186,12 @@ impl SparseMlp {
                     .to_vec1::<f32>()?
                     .into(),
             },
+            // Mistral 4's: V3's choosing with nothing added to the scores.
+            (Some(rule), None) if moe.unbiased_choice => RoutingRule::Biased {
+                rule,
+                norm: moe.norm_topk_prob.then(|| renorm_epsilon(moe.naming)),
+                bias: vec![0.0; moe.num_experts].into(),
+            },
             (Some(rule), None) => RoutingRule::GroupedSoftmax(rule),
             _ if moe.naming.softmax_over_top_k() => RoutingRule::SoftmaxOverTopK,
             _ => RoutingRule::TopKOfSoftmax {
@@ -190,7 +200,7 @@ impl SparseMlp {
         };
         Ok(Self {
             router,
-            router_reads_f32: moe.naming.router_f32()
+            router_reads_f32: moe.router_f32()
                 || matches!(
                     routing,
                     RoutingRule::Biased { .. } | RoutingRule::GroupedSoftmax(_)
@@ -326,6 +336,65 @@ fn load_linear(
 
 /// The experts (and shared expert) of layer `layer` of a checkpoint that stacks them (gpt-oss,
 /// Granite MoE: `fused_experts`), cut from its tensors.
+/// Layer `layer`'s experts where the checkpoint holds them as transformers 5 does
+/// ([`fused_expert_names`]), each cut into the matrices the engine holds (hashed under their
+/// per-expert names); `None` where it holds each expert's matrices.
+fn load_fused_experts(
+    ld: &WeightLoader<'_>,
+    cfg: &ModelConfig,
+    moe: &MoeConfig,
+    layer: usize,
+) -> Result<Option<Vec<Expert>>> {
+    let [gate_up, down] = fused_expert_names(moe.naming, layer);
+    if !ld.has(&gate_up) {
+        return Ok(None);
+    }
+    let (e, w, h) = (
+        moe.num_experts,
+        moe.expert_intermediate_size,
+        cfg.hidden_size,
+    );
+    let name = |i: usize, part| {
+        format!(
+            "{}.weight",
+            SparseLinear::Expert(i, part).path(moe.naming, layer)
+        )
+    };
+    let gate_ups = ld.unstacked(&gate_up, &[e, 2 * w, h], |t| {
+        let mut out = Vec::with_capacity(2 * e);
+        for i in 0..e {
+            let x = t.get(i)?;
+            out.push((name(i, ExpertPart::Gate), x.narrow(0, 0, w)?));
+            out.push((name(i, ExpertPart::Up), x.narrow(0, w, w)?));
+        }
+        Ok(out)
+    })?;
+    let downs = ld.unstacked(&down, &[e, h, w], |t| {
+        (0..e)
+            .map(|i| Ok((name(i, ExpertPart::Down), t.get(i)?)))
+            .collect()
+    })?;
+    let linear = |t: &Tensor| -> Result<Linear> {
+        Ok(Linear {
+            weight: LinearWeight::new(t, ld.bf16_act())?,
+            bias: None,
+        })
+    };
+    gate_ups
+        .chunks(2)
+        .zip(&downs)
+        .map(|(gu, d)| match gu {
+            [g, u] => Ok(Expert {
+                gate: linear(g)?,
+                up: linear(u)?,
+                down: linear(d)?,
+            }),
+            _ => Err(DetspecError::param("weights", "gate/up are two halves")),
+        })
+        .collect::<Result<Vec<_>>>()
+        .map(Some)
+}
+
 fn load_stacked(
     ld: &WeightLoader<'_>,
     cfg: &ModelConfig,

@@ -75,6 +75,15 @@ impl SparseLinear {
     }
 }
 
+/// transformers 5's names of layer `layer`'s experts held stacked (`{block}.experts.gate_up_proj`
+/// `[experts, 2 × width, hidden]`, gate rows first; `{block}.experts.down_proj`
+/// `[experts, hidden, width]`): its `state_dict()`'s, and the files of models it saves without
+/// converting them (Mistral 4's).
+pub(super) fn fused_expert_names(naming: ExpertNaming, layer: usize) -> [String; 2] {
+    let root = format!("model.layers.{layer}.{}.experts", block(naming));
+    [format!("{root}.gate_up_proj"), format!("{root}.down_proj")]
+}
+
 /// The module under a decoder layer that holds its sparse MLP.
 fn block(naming: ExpertNaming) -> &'static str {
     match naming {
@@ -132,6 +141,7 @@ pub(super) fn has_shared_gate(moe: &MoeConfig) -> bool {
 pub(super) fn router_bias_name(moe: &MoeConfig, layer: usize) -> Option<String> {
     let biased = match moe.naming {
         ExpertNaming::Ernie => true,
+        _ if moe.unbiased_choice => false,
         _ => moe.deepseek_routing.map(|r| r.scoring) == Some(Scoring::Sigmoid),
     };
     let root = format!("model.layers.{layer}.{}", block(moe.naming));

