@@ -91,8 +91,11 @@ pub enum Architecture {
     /// Granite SWA (`GraniteSWAForCausalLM`, granite-swash): Granite's multipliers, sliding
     /// and full layers (`layer_types`; by default every fourth from the first full), a learned
     /// sink logit per head in every softmax (gpt-oss's), and rope by layer
-    /// (`layer_rope_theta`: 0 for none), one theta per layer kind.
+    /// (`layer_rope_theta`: 0 for none), one theta per layer kind. Its mixture of experts
+    /// (`GraniteMoeSWAForCausalLM`) has Granite MoE Shared's MLPs, saved under transformers'
+    /// module names (`experts.gate_up_proj`; `model::Checkpoint` reads them as Granite's).
     GraniteSwa,
+    GraniteMoeSwa,
     /// Seed-OSS: Llama's layers with biases on q/k/v (`attention_bias`, on by default) and on
     /// o_proj only by `attention_out_bias`.
     SeedOss,
@@ -165,7 +168,7 @@ pub enum Architecture {
 impl Architecture {
     /// Each architecture's `*ForCausalLM` class (`architectures`) and its `model_type`, the
     /// fallback for a config without `architectures`.
-    const CAUSAL_LM: [(&'static str, &'static str, Architecture); 41] = [
+    const CAUSAL_LM: [(&'static str, &'static str, Architecture); 42] = [
         ("LlamaForCausalLM", "llama", Architecture::Llama),
         ("MistralForCausalLM", "mistral", Architecture::Mistral),
         ("Qwen2ForCausalLM", "qwen2", Architecture::Qwen2),
@@ -262,6 +265,11 @@ impl Architecture {
             "GraniteSWAForCausalLM",
             "granite_swa",
             Architecture::GraniteSwa,
+        ),
+        (
+            "GraniteMoeSWAForCausalLM",
+            "granitemoe_swa",
+            Architecture::GraniteMoeSwa,
         ),
     ];
 
@@ -380,7 +388,10 @@ impl Architecture {
     /// Whether each attention head has a learned sink logit (`self_attn.sinks`) that joins its
     /// softmax without a value (gpt-oss).
     pub fn has_attention_sinks(self) -> bool {
-        matches!(self, Architecture::GptOss | Architecture::GraniteSwa)
+        matches!(
+            self,
+            Architecture::GptOss | Architecture::GraniteSwa | Architecture::GraniteMoeSwa
+        )
     }
 
     /// The q/k norms' module names, and whether they apply after rope (HunYuan's) rather
@@ -958,7 +969,9 @@ impl ModelConfig {
             | Architecture::Exaone4
             | Architecture::ExaoneMoe => raw.sliding_window,
             // transformers' default where the config has none.
-            Architecture::GptOss | Architecture::GraniteSwa => raw.sliding_window.or(Some(128)),
+            Architecture::GptOss | Architecture::GraniteSwa | Architecture::GraniteMoeSwa => {
+                raw.sliding_window.or(Some(128))
+            }
             // transformers' default where the config has none.
             Architecture::Olmo3 => raw.sliding_window.or(Some(4096)),
             Architecture::Qwen2
@@ -1038,7 +1051,9 @@ impl ModelConfig {
             Architecture::Olmoe => Some(sparse(ExpertNaming::Qwen, false, false)),
             Architecture::GptOss => Some(sparse(ExpertNaming::GptOss, false, false)),
             Architecture::GraniteMoe => Some(sparse(ExpertNaming::Granite, false, false)),
-            Architecture::GraniteMoeShared => Some(sparse(ExpertNaming::Granite, true, false)),
+            Architecture::GraniteMoeShared | Architecture::GraniteMoeSwa => {
+                Some(sparse(ExpertNaming::Granite, true, false))
+            }
             // (transformers' default is 8 experts: a config naming none is read as sparse)
             Architecture::GraniteMoeHybrid if raw.num_local_experts != Some(0) => {
                 Some(sparse(ExpertNaming::Granite, true, false))
@@ -1136,7 +1151,7 @@ impl ModelConfig {
                 Some(Self::parse_layer_types(&raw, num_hidden_layers, 2, path)?)
             }
             Architecture::Dots1 => Self::dots1_sliding_layers(&raw, num_hidden_layers, path)?,
-            Architecture::GraniteSwa => {
+            Architecture::GraniteSwa | Architecture::GraniteMoeSwa => {
                 let layers = Self::granite_swa_layers(&raw, num_hidden_layers, &rope, path)?;
                 (rope, rope_sliding) = (layers.rope_full, layers.rope_sliding);
                 granite_swa_rope_layers = layers.rope_layers;
@@ -1194,7 +1209,7 @@ impl ModelConfig {
                 (raw.position_embedding_type.as_deref() != Some("rope"))
                     .then(|| vec![false; num_hidden_layers])
             }
-            Architecture::GraniteSwa => granite_swa_rope_layers,
+            Architecture::GraniteSwa | Architecture::GraniteMoeSwa => granite_swa_rope_layers,
             _ => smollm3_rope_layers,
         };
         let torch_dtype = [&raw.torch_dtype, &raw.dtype]
@@ -1285,6 +1300,7 @@ impl ModelConfig {
                     | Architecture::GraniteMoeShared
                     | Architecture::GraniteMoeHybrid
                     | Architecture::GraniteSwa
+                    | Architecture::GraniteMoeSwa
             )
             .then(|| Self::parse_granite(&raw, path))
             .transpose()?,

@@ -33,6 +33,24 @@ pub fn language_model_name(name: &str) -> Option<String> {
         .find_map(|(stored, own)| name.strip_prefix(stored).map(|rest| format!("{own}{rest}")))
 }
 
+/// Granite MoE's tensors as transformers 5 names its modules, and the name its checkpoints
+/// (and the engine) use: Granite MoE SWA's files carry the former (transformers converts the
+/// others' names at load, not its).
+const GRANITE_MODULE_NAMES: [(&str, &str); 3] = [
+    (
+        ".block_sparse_moe.experts.gate_up_proj",
+        ".block_sparse_moe.input_linear.weight",
+    ),
+    (
+        ".block_sparse_moe.experts.down_proj",
+        ".block_sparse_moe.output_linear.weight",
+    ),
+    (
+        ".block_sparse_moe.router.weight",
+        ".block_sparse_moe.router.layer.weight",
+    ),
+];
+
 /// Whether `name` is of a multimodal checkpoint's vision side (its vision tower, or the
 /// projector into the language model's embeddings; Qwen's `visual.`), which serving text
 /// never reads.
@@ -109,6 +127,18 @@ impl Checkpoint {
                 .filter_map(|(n, at)| language_model_name(n).map(|c| (c, at.clone())))
                 .collect();
             index.extend(wrapped);
+        }
+        let granite: Vec<(String, Stored)> = index
+            .iter()
+            .filter_map(|(n, at)| {
+                GRANITE_MODULE_NAMES.iter().find_map(|(module, file)| {
+                    n.strip_suffix(module)
+                        .map(|layer| (format!("{layer}{file}"), at.clone()))
+                })
+            })
+            .collect();
+        for (name, at) in granite {
+            index.entry(name).or_insert(at);
         }
         Ok(Self {
             shards,

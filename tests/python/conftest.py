@@ -501,6 +501,33 @@ MODEL_SPECS: dict[str, dict] = {
             "logits_scaling": 2.0,
         },
     },
+    # Granite MoE SWA: Granite SWA's layers with Granite MoE Shared's MLPs, its experts saved
+    # under transformers' module names (`experts.gate_up_proj`); its full layers rotate by
+    # another theta than its sliding ones.
+    "granitemoe_swa": {
+        "arch": "granitemoe_swa",
+        "seed": 263,
+        "rope": {"rope_type": "default", "rope_theta": 10000.0},
+        "extra": {
+            "num_hidden_layers": 4,
+            "sliding_window": 8,
+            "layer_types": [
+                "full_attention",
+                "sliding_attention",
+                "full_attention",
+                "sliding_attention",
+            ],
+            "layer_rope_theta": [500000.0, 10000.0, 500000.0, 10000.0],
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+            "intermediate_size": 48,
+            "shared_intermediate_size": 96,
+            "embedding_multiplier": 3.0,
+            "residual_multiplier": 0.5,
+            "attention_multiplier": 0.2,
+            "logits_scaling": 2.0,
+        },
+    },
     # Granite 4.0 Micro / 1B / 350M (GraniteMoeHybrid, attention layers only): no experts, so
     # each layer's MLP is its shared MLP (shared_mlp.input_linear, gate rows first); Granite's
     # multipliers. Its twin with experts beside the shared MLP and no rope anywhere
@@ -890,6 +917,7 @@ _CONFIG_CLASSES = {
         transformers.GraniteMoeSharedForCausalLM,
     ),
     "granite_swa": (transformers.GraniteSWAConfig, transformers.GraniteSWAForCausalLM),
+    "granitemoe_swa": (transformers.GraniteMoeSWAConfig, transformers.GraniteMoeSWAForCausalLM),
     "seed_oss": (transformers.SeedOssConfig, transformers.SeedOssForCausalLM),
     "glm4_moe": (transformers.Glm4MoeConfig, transformers.Glm4MoeForCausalLM),
     "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),

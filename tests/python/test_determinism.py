@@ -195,6 +195,7 @@ def needle_in_haystack(
         "lfm2_moe",
         "hunyuan_moe",
         "granite_swa",
+        "granitemoe_swa",
         "solar_open",
         "exaone_moe",
         "mistral4",

@@ -84,6 +84,7 @@ def outputs_bits(llm: detspec.LLM) -> list[tuple[list[int], list[int]]]:
         "lfm2_moe",
         "hunyuan_moe",
         "granite_swa",
+        "granitemoe_swa",
         "solar_open",
         "exaone_moe",
         "mistral4",
