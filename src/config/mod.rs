@@ -21,6 +21,7 @@ pub use head::Head;
 pub use mla_config::MlaConfig;
 pub use model_config::{
     Activation, Architecture, ClampedSwiglu, DenseMlpNames, Fused, GraniteScales, ModelConfig,
+    UngatedMlp,
 };
 pub use moe_config::{DeepSeekRouting, ExpertNaming, MoeConfig, Scoring};
 pub use quant::Fp8Weights;

@@ -133,6 +133,9 @@ pub enum Architecture {
     /// experts `intermediate_size` wide routed by an f32 router (`mlp.gate.wg`: the top k of a
     /// softmax, renormalised) beside an ungated shared MLP (`mlp.shared_mlp`).
     HunYuanMoe,
+    /// Arcee AFM (4.5B; `ArceeForCausalLM`): Llama's layers with an ungated MLP,
+    /// `down(relu(up(x))²)`.
+    Arcee,
     /// Apertus (8B, 70B; `ApertusForCausalLM`): Llama's attention with per-head q/k norms,
     /// norms named `attention_layernorm` and `feedforward_layernorm`, and an ungated MLP,
     /// `down(xIELU(up(x)))`, whose activation has learned scalars per layer
@@ -168,7 +171,7 @@ pub enum Architecture {
 impl Architecture {
     /// Each architecture's `*ForCausalLM` class (`architectures`) and its `model_type`, the
     /// fallback for a config without `architectures`.
-    const CAUSAL_LM: [(&'static str, &'static str, Architecture); 42] = [
+    const CAUSAL_LM: [(&'static str, &'static str, Architecture); 43] = [
         ("LlamaForCausalLM", "llama", Architecture::Llama),
         ("MistralForCausalLM", "mistral", Architecture::Mistral),
         ("Qwen2ForCausalLM", "qwen2", Architecture::Qwen2),
@@ -229,6 +232,7 @@ impl Architecture {
         ),
         ("Dots1ForCausalLM", "dots1", Architecture::Dots1),
         ("ApertusForCausalLM", "apertus", Architecture::Apertus),
+        ("ArceeForCausalLM", "arcee", Architecture::Arcee),
         ("Lfm2ForCausalLM", "lfm2", Architecture::Lfm2),
         ("Lfm2MoeForCausalLM", "lfm2_moe", Architecture::Lfm2Moe),
         (
@@ -379,10 +383,14 @@ impl Architecture {
         }
     }
 
-    /// Whether each layer's MLP is ungated, `down(xIELU(up(x)))` with the activation's
-    /// scalars its own parameters (Apertus), rather than `down(act(gate(x)) · up(x))`.
-    pub fn xielu_mlp(self) -> bool {
-        self == Architecture::Apertus
+    /// Whether each layer's MLP is ungated, `down(act(up(x)))`, and by which activation,
+    /// rather than `down(act(gate(x)) · up(x))`.
+    pub fn ungated_mlp(self) -> Option<UngatedMlp> {
+        match self {
+            Architecture::Apertus => Some(UngatedMlp::Xielu),
+            Architecture::Arcee => Some(UngatedMlp::Relu2),
+            _ => None,
+        }
     }
 
     /// Whether each attention head has a learned sink logit (`self_attn.sinks`) that joins its
@@ -534,6 +542,25 @@ impl Activation {
             "silu" | "swish" => Some(Activation::Silu),
             "gelu_pytorch_tanh" | "gelu_new" => Some(Activation::GeluTanh),
             _ => None,
+        }
+    }
+}
+
+/// An ungated MLP's activation ([`Architecture::ungated_mlp`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UngatedMlp {
+    /// Apertus's xIELU, its scalars each layer's parameters (`mlp.act_fn.*`).
+    Xielu,
+    /// Arcee's squared ReLU (`relu2`).
+    Relu2,
+}
+
+impl UngatedMlp {
+    /// Its `hidden_act` name.
+    fn hf_name(self) -> &'static str {
+        match self {
+            UngatedMlp::Xielu => "xielu",
+            UngatedMlp::Relu2 => "relu2",
         }
     }
 }
@@ -815,18 +842,20 @@ impl ModelConfig {
         } else {
             ("hidden_act", raw.hidden_act.as_deref().unwrap_or("silu"))
         };
-        // Apertus's MLP is ungated, its xIELU read from the layers' own scalars; `hidden_act`
-        // (the gate's) is then unused.
-        if architecture.xielu_mlp() && act_name != "xielu" {
-            return Err(err(
-                act_field,
-                format!("`{act_name}`: Apertus's ungated MLP runs xielu only"),
-            ));
-        }
-        let act_name = if architecture.xielu_mlp() {
-            "silu"
-        } else {
-            act_name
+        // An ungated MLP (Apertus's xIELU, Arcee's squared ReLU) runs its own activation;
+        // `hidden_act` (the gate's) is then unused.
+        let act_name = match architecture.ungated_mlp() {
+            Some(u) if act_name != u.hf_name() => {
+                return Err(err(
+                    act_field,
+                    format!(
+                        "`{act_name}`: {architecture:?}'s ungated MLP runs {} only",
+                        u.hf_name()
+                    ),
+                ))
+            }
+            Some(_) => "silu",
+            None => act_name,
         };
         let hidden_act = Activation::from_hf(act_name).ok_or_else(|| {
             err(
@@ -1006,6 +1035,7 @@ impl ModelConfig {
             | Architecture::HunYuanDense
             | Architecture::HunYuanMoe
             | Architecture::Apertus
+            | Architecture::Arcee
             | Architecture::Lfm2
             | Architecture::Lfm2Moe => None,
             // Its window applies to its sliding layers only (below).
@@ -1764,7 +1794,7 @@ pub(super) mod tests {
             ))
         };
         let c = apertus("xielu").unwrap();
-        assert!(c.architecture.xielu_mlp() && c.qk_norm);
+        assert!(c.architecture.ungated_mlp() == Some(UngatedMlp::Xielu) && c.qk_norm);
         assert_eq!(
             c.architecture.sublayer_norms(),
             [

@@ -123,7 +123,7 @@ pub struct EngineCore {
 /// GLM's rotate part of each head); the attention kernel has no sinks and the elementwise
 /// ones no clamped SwiGLU (gpt-oss); there is no short-convolution kernel (LFM2).
 fn cuda_lacks(cfg: &ModelConfig) -> Option<(&'static str, String)> {
-    if cfg.architecture.xielu_mlp() {
+    if cfg.architecture.ungated_mlp() == Some(crate::config::UngatedMlp::Xielu) {
         return Some((
             "hidden_act",
             format!("{:?}'s xielu has no CUDA kernel", cfg.architecture),

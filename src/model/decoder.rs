@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::config::{ActivationDtype, KernelProfile, ModelConfig, RopeConfig};
+use crate::config::{ActivationDtype, KernelProfile, ModelConfig, RopeConfig, UngatedMlp};
 use crate::error::{DetspecError, Result};
 use crate::kv::{KvPool, LayerCache};
 use crate::ops::{self, AttentionMetadata};
@@ -104,12 +104,19 @@ pub(super) enum Mlp {
     },
     /// A mixture of experts (`model::moe`).
     Sparse(Box<SparseMlp>),
-    /// Apertus's ungated MLP: `down(xIELU(up(x)))`.
-    Xielu {
+    /// An ungated MLP, `down(act(up(x)))`: Apertus's xIELU, Arcee's squared ReLU.
+    Ungated {
         up: Linear,
         down: Linear,
-        act: XieluParams,
+        act: UngatedAct,
     },
+}
+
+/// An ungated MLP's activation, with its parameters.
+#[derive(Debug)]
+pub(super) enum UngatedAct {
+    Xielu(XieluParams),
+    Relu2,
 }
 
 /// A loaded decoder.
@@ -217,10 +224,15 @@ impl Model {
                 Some(moe) if moe.is_sparse(i) => {
                     Mlp::Sparse(Box::new(SparseMlp::load(&ld, &cfg, moe, i)?))
                 }
-                _ if cfg.architecture.xielu_mlp() => Mlp::Xielu {
+                _ if let Some(kind) = cfg.architecture.ungated_mlp() => Mlp::Ungated {
                     up: ld.linear(&mlp("up_proj"), hs, is, false)?,
                     down: ld.linear(&mlp("down_proj"), is, hs, false)?,
-                    act: XieluParams::load(&ld, &mlp("act_fn"))?,
+                    act: match kind {
+                        UngatedMlp::Xielu => {
+                            UngatedAct::Xielu(XieluParams::load(&ld, &mlp("act_fn"))?)
+                        }
+                        UngatedMlp::Relu2 => UngatedAct::Relu2,
+                    },
                 },
                 _ if fused.gate_up => Mlp::Dense {
                     gate_up: ld.fused_projection(
@@ -668,8 +680,13 @@ impl Model {
             let down = match &layer.mlp {
                 Mlp::Sparse(moe) => moe.forward(&hn, inv, !batch.fast_experts)?,
                 // (adapters of its up projection are refused at load)
-                Mlp::Xielu { up, down, act } => {
-                    let act = ops::xielu(&up.apply(&hn, inv)?, act.act())?;
+                Mlp::Ungated { up, down, act } => {
+                    let u = up.apply(&hn, inv)?;
+                    // relu(u)² per element: the same bits in any batch.
+                    let act = match act {
+                        UngatedAct::Xielu(p) => ops::xielu(&u, p.act())?,
+                        UngatedAct::Relu2 => u.relu()?.sqr()?,
+                    };
                     one(&act, down.apply(&act, inv)?, &t_down)?
                 }
                 Mlp::Dense { gate_up, down } => {

@@ -394,7 +394,8 @@ fn read_halves(
         );
         // The adapters' MLP group is gate with up (one input, one GEMM pair); an ungated MLP
         // has no gate to stand beside its up.
-        if matches!(targets[0], LoraTarget::Gate | LoraTarget::Up) && cfg.architecture.xielu_mlp() {
+        let ungated = cfg.architecture.ungated_mlp().is_some();
+        if matches!(targets[0], LoraTarget::Gate | LoraTarget::Up) && ungated {
             return Err(bad(format!(
                 "{module}: adapters of {:?}'s ungated MLP are supported on down_proj only",
                 cfg.architecture

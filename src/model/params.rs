@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use candle_core::DType;
 
-use crate::config::ModelConfig;
+use crate::config::{ModelConfig, UngatedMlp};
 use crate::error::{DetspecError, Result};
 
 use super::mla::latent_params;
@@ -65,11 +65,13 @@ pub fn param_shapes(cfg: &ModelConfig) -> BTreeMap<String, Vec<usize>> {
             Some(moe) if moe.is_sparse(i) => {
                 m.extend(sparse_params(cfg, moe, i));
             }
-            _ if cfg.architecture.xielu_mlp() => {
+            _ if cfg.architecture.ungated_mlp().is_some() => {
                 linear(format!("{p}.mlp.up_proj"), hs, is, false);
                 linear(format!("{p}.mlp.down_proj"), is, hs, false);
-                for (name, shape) in XieluParams::NAMES {
-                    m.insert(format!("{p}.mlp.act_fn.{name}"), shape.to_vec());
+                if cfg.architecture.ungated_mlp() == Some(UngatedMlp::Xielu) {
+                    for (name, shape) in XieluParams::NAMES {
+                        m.insert(format!("{p}.mlp.act_fn.{name}"), shape.to_vec());
+                    }
                 }
             }
             _ if fused.gate_up => {

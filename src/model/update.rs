@@ -9,7 +9,7 @@ use crate::error::Result;
 
 use std::sync::Arc;
 
-use super::decoder::{Attention, Mixer, Mlp, Model, QkvSource};
+use super::decoder::{Attention, Mixer, Mlp, Model, QkvSource, UngatedAct};
 use super::fused_experts::FusedPart;
 use super::linear::{Linear, LinearWeight, Projection};
 use super::loader::{host_vector, offset_norm};
@@ -179,10 +179,12 @@ impl Model {
         let (module, kind) = field.rsplit_once('.')?;
         let (gate_up, down) = match &mut layer.mlp {
             Mlp::Dense { gate_up, down } => (Some(gate_up), Some(down)),
-            Mlp::Xielu { up, down, act } => match (module, kind) {
-                ("mlp.up_proj", _) => return linear_slot(up, kind),
-                ("mlp.down_proj", _) => return linear_slot(down, kind),
-                ("mlp.act_fn", name) => return act.param_mut(name).map(Slot::Scalar),
+            Mlp::Ungated { up, down, act } => match (module, kind, act) {
+                ("mlp.up_proj", ..) => return linear_slot(up, kind),
+                ("mlp.down_proj", ..) => return linear_slot(down, kind),
+                ("mlp.act_fn", name, UngatedAct::Xielu(p)) => {
+                    return p.param_mut(name).map(Slot::Scalar)
+                }
                 _ => (None, None),
             },
             Mlp::Sparse(moe) => {

@@ -732,6 +732,18 @@ MODEL_SPECS: dict[str, dict] = {
         "rope": {"rope_type": "dynamic", "alpha": 1000.0, "rope_theta": 10000.0, "factor": 1.0},
         "extra": {},
     },
+    # Arcee AFM: Llama's layers with an ungated MLP, down(relu(up(x))²); YaRN as AFM ships.
+    "arcee": {
+        "arch": "arcee",
+        "seed": 293,
+        "rope": {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+        "extra": {},
+    },
     # Hunyuan-A13B: Hunyuan dense's attention (q/k norms after rope, NTK-alpha rope), and in
     # every layer experts `intermediate_size` wide chosen by an f32 router (`mlp.gate.wg`)
     # beside an ungated shared MLP.
@@ -929,6 +941,7 @@ _CONFIG_CLASSES = {
     "apertus": (transformers.ApertusConfig, transformers.ApertusForCausalLM),
     "lfm2": (transformers.Lfm2Config, transformers.Lfm2ForCausalLM),
     "hunyuan_v1_moe": (transformers.HunYuanMoEV1Config, transformers.HunYuanMoEV1ForCausalLM),
+    "arcee": (transformers.ArceeConfig, transformers.ArceeForCausalLM),
     "solar_open": (transformers.SolarOpenConfig, transformers.SolarOpenForCausalLM),
     "mistral4": (transformers.Mistral4Config, transformers.Mistral4ForCausalLM),
     "lfm2_moe": (transformers.Lfm2MoeConfig, transformers.Lfm2MoeForCausalLM),

@@ -191,6 +191,7 @@ def needle_in_haystack(
         "dots1",
         "hunyuan_dense",
         "apertus",
+        "arcee",
         "lfm2",
         "lfm2_moe",
         "hunyuan_moe",

@@ -80,6 +80,7 @@ def outputs_bits(llm: detspec.LLM) -> list[tuple[list[int], list[int]]]:
         "dots1",
         "hunyuan_dense",
         "apertus",
+        "arcee",
         "lfm2",
         "lfm2_moe",
         "hunyuan_moe",
