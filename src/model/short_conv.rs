@@ -7,8 +7,8 @@
 //! slot, as attention writes its keys and values, and the convolution reads the rows it needs
 //! from there (`ops::short_conv`). DVR's rollback, prefix sharing, preemption and the verifier's
 //! overwrite of a window then hold for these layers with no code of their own, at the cost of
-//! one `hidden`-wide row per token and layer (less than its attention layers' K and V where
-//! `2 · kv_heads · head_dim > hidden`; LFM2-1.2B: 2048 against 1024).
+//! one `hidden`-wide row per token and layer (LFM2-1.2B: 2048 values, where an attention
+//! layer's key and value take 1024; docs/models.md weighs it against per-sequence states).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
