@@ -27,8 +27,7 @@ use super::fused_experts::FusedPart;
 use super::linear::{GemmOptions, Linear, LinearWeight};
 use super::loader::WeightLoader;
 use super::moe_names::{
-    fused_expert_names, has_shared_gate, router_bias_name, router_bias_shape, ExpertPart,
-    SparseLinear,
+    has_shared_gate, router_bias_name, router_bias_shape, ExpertPart, FusedExperts, SparseLinear,
 };
 
 /// One expert: a SwiGLU MLP (gpt-oss's: with biases, gated by the clamped SwiGLU).
@@ -337,7 +336,7 @@ fn load_linear(
 /// The experts (and shared expert) of layer `layer` of a checkpoint that stacks them (gpt-oss,
 /// Granite MoE: `fused_experts`), cut from its tensors.
 /// Layer `layer`'s experts where the checkpoint holds them as transformers 5 does
-/// ([`fused_expert_names`]), each cut into the matrices the engine holds (hashed under their
+/// ([`FusedExperts`]), each cut into the matrices the engine holds (hashed under their
 /// per-expert names); `None` where it holds each expert's matrices.
 fn load_fused_experts(
     ld: &WeightLoader<'_>,
@@ -345,35 +344,17 @@ fn load_fused_experts(
     moe: &MoeConfig,
     layer: usize,
 ) -> Result<Option<Vec<Expert>>> {
-    let [gate_up, down] = fused_expert_names(moe.naming, layer);
-    if !ld.has(&gate_up) {
+    if !ld.has(&FusedExperts::GateUp.name(moe.naming, layer)) {
         return Ok(None);
     }
-    let (e, w, h) = (
-        moe.num_experts,
-        moe.expert_intermediate_size,
-        cfg.hidden_size,
-    );
-    let name = |i: usize, part| {
-        format!(
-            "{}.weight",
-            SparseLinear::Expert(i, part).path(moe.naming, layer)
+    let pieces = |fused: FusedExperts| {
+        ld.unstacked(
+            &fused.name(moe.naming, layer),
+            &fused.shape(cfg, moe),
+            |t| Ok(fused.cut(moe, layer, t)?),
         )
     };
-    let gate_ups = ld.unstacked(&gate_up, &[e, 2 * w, h], |t| {
-        let mut out = Vec::with_capacity(2 * e);
-        for i in 0..e {
-            let x = t.get(i)?;
-            out.push((name(i, ExpertPart::Gate), x.narrow(0, 0, w)?));
-            out.push((name(i, ExpertPart::Up), x.narrow(0, w, w)?));
-        }
-        Ok(out)
-    })?;
-    let downs = ld.unstacked(&down, &[e, h, w], |t| {
-        (0..e)
-            .map(|i| Ok((name(i, ExpertPart::Down), t.get(i)?)))
-            .collect()
-    })?;
+    let (gate_ups, downs) = (pieces(FusedExperts::GateUp)?, pieces(FusedExperts::Down)?);
     let linear = |t: &Tensor| -> Result<Linear> {
         Ok(Linear {
             weight: LinearWeight::new(t, ld.bf16_act())?,

@@ -10,6 +10,7 @@ use crate::config::{ExpertNaming, ModelConfig, MoeConfig, Scoring};
 use crate::error::{DetspecError, Result};
 
 use super::fused_experts::FusedPart;
+use super::weights::granite_file_name;
 
 /// A part of an expert's MLP.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -75,13 +76,65 @@ impl SparseLinear {
     }
 }
 
-/// transformers 5's names of layer `layer`'s experts held stacked (`{block}.experts.gate_up_proj`
-/// `[experts, 2 × width, hidden]`, gate rows first; `{block}.experts.down_proj`
-/// `[experts, hidden, width]`): its `state_dict()`'s, and the files of models it saves without
-/// converting them (Mistral 4's).
-pub(super) fn fused_expert_names(naming: ExpertNaming, layer: usize) -> [String; 2] {
-    let root = format!("model.layers.{layer}.{}.experts", block(naming));
-    [format!("{root}.gate_up_proj"), format!("{root}.down_proj")]
+/// One of transformers 5's tensors of a layer's experts held stacked: its `state_dict()`'s,
+/// and the files of models it saves without converting them (Mistral 4's).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum FusedExperts {
+    /// `{block}.experts.gate_up_proj`, `[experts, 2 × width, hidden]`, gate rows first.
+    GateUp,
+    /// `{block}.experts.down_proj`, `[experts, hidden, width]`.
+    Down,
+}
+
+impl FusedExperts {
+    /// Its name in layer `layer`.
+    pub(super) fn name(self, naming: ExpertNaming, layer: usize) -> String {
+        let leaf = match self {
+            Self::GateUp => "gate_up_proj",
+            Self::Down => "down_proj",
+        };
+        format!("model.layers.{layer}.{}.experts.{leaf}", block(naming))
+    }
+
+    pub(super) fn shape(self, cfg: &ModelConfig, moe: &MoeConfig) -> [usize; 3] {
+        let (e, w, h) = (
+            moe.num_experts,
+            moe.expert_intermediate_size,
+            cfg.hidden_size,
+        );
+        match self {
+            Self::GateUp => [e, 2 * w, h],
+            Self::Down => [e, h, w],
+        }
+    }
+
+    /// Each expert's matrices of `t` (of [`Self::shape`]) under their checkpoint names.
+    pub(super) fn cut(
+        self,
+        moe: &MoeConfig,
+        layer: usize,
+        t: &Tensor,
+    ) -> candle_core::Result<Vec<(String, Tensor)>> {
+        let w = moe.expert_intermediate_size;
+        let name = |i: usize, part| {
+            format!(
+                "{}.weight",
+                SparseLinear::Expert(i, part).path(moe.naming, layer)
+            )
+        };
+        let mut out = Vec::new();
+        for i in 0..moe.num_experts {
+            let x = t.get(i)?;
+            match self {
+                Self::GateUp => {
+                    out.push((name(i, ExpertPart::Gate), x.narrow(0, 0, w)?.contiguous()?));
+                    out.push((name(i, ExpertPart::Up), x.narrow(0, w, w)?.contiguous()?));
+                }
+                Self::Down => out.push((name(i, ExpertPart::Down), x.contiguous()?)),
+            }
+        }
+        Ok(out)
+    }
 }
 
 /// The module under a decoder layer that holds its sparse MLP.
@@ -253,29 +306,9 @@ pub(super) fn parse_sparse_linear(moe: &MoeConfig, module: &str) -> Option<Spars
 /// checkpoints' (`block_sparse_moe.input_linear.weight`, `.output_linear.weight`,
 /// `.router.layer.weight`): the same tensors under other names.
 fn granite_names(updates: Vec<(String, Tensor)>) -> Vec<(String, Tensor)> {
-    const RENAMES: [(&str, &str); 3] = [
-        (
-            ".block_sparse_moe.experts.gate_up_proj",
-            ".block_sparse_moe.input_linear.weight",
-        ),
-        (
-            ".block_sparse_moe.experts.down_proj",
-            ".block_sparse_moe.output_linear.weight",
-        ),
-        (
-            ".block_sparse_moe.router.weight",
-            ".block_sparse_moe.router.layer.weight",
-        ),
-    ];
     updates
         .into_iter()
-        .map(|(name, t)| {
-            let renamed = RENAMES.iter().find_map(|(memory, file)| {
-                name.strip_suffix(memory)
-                    .map(|layer| format!("{layer}{file}"))
-            });
-            (renamed.unwrap_or(name), t)
-        })
+        .map(|(name, t)| (granite_file_name(&name).unwrap_or(name), t))
         .collect()
 }
 
@@ -311,22 +344,7 @@ pub fn unfuse_experts(
             out.push((name, t));
             continue;
         };
-        let (e, width, hidden) = (
-            moe.num_experts,
-            moe.expert_intermediate_size,
-            cfg.hidden_size,
-        );
-        let fused = |want: [usize; 3]| -> Result<()> {
-            if t.dims() != want {
-                return Err(DetspecError::param(
-                    "named_tensors",
-                    format!("`{name}` has shape {:?}; the model's is {want:?}", t.dims()),
-                ));
-            }
-            Ok(())
-        };
         let weight = |which: SparseLinear| format!("{}.weight", which.path(moe.naming, layer));
-        let expert = |i: usize, part: ExpertPart| weight(SparseLinear::Expert(i, part));
         let Some(field) = field
             .strip_prefix(memory_block(moe.naming))
             .and_then(|f| f.strip_prefix('.'))
@@ -334,38 +352,34 @@ pub fn unfuse_experts(
             out.push((name, t));
             continue;
         };
+        let fused = match field {
+            "experts.gate_up_proj" => Some(FusedExperts::GateUp),
+            "experts.down_proj" => Some(FusedExperts::Down),
+            _ => None,
+        };
+        if let Some(fused) = fused {
+            let want = fused.shape(cfg, moe);
+            if t.dims() != want {
+                return Err(DetspecError::param(
+                    "named_tensors",
+                    format!("`{name}` has shape {:?}; the model's is {want:?}", t.dims()),
+                ));
+            }
+            out.extend(fused.cut(moe, layer, &t)?);
+            continue;
+        }
         match field {
             "gate.weight" => out.push((weight(SparseLinear::Router), t)),
-            // MiniMax-M2's correction bias (`block_sparse_moe.e_score_correction_bias` on
-            // file) and ERNIE's (`mlp.moe_statics.e_score_correction_bias`).
-            // and K-EXAONE's (`mlp.e_score_correction_bias` on file, under the router in
-            // memory).
+            // The correction bias where memory and file name it apart: MiniMax-M2's
+            // (`block_sparse_moe.e_score_correction_bias` on file), ERNIE's
+            // (`mlp.moe_statics.e_score_correction_bias`), K-EXAONE's
+            // (`mlp.e_score_correction_bias` on file, under the router in memory).
             "e_score_correction_bias"
             | "gate.e_score_correction_bias"
             | "gate.moe_statics.e_score_correction_bias" => match router_bias_name(moe, layer) {
                 Some(file) => out.push((file, t)),
                 None => out.push((name, t)),
             },
-            "experts.gate_up_proj" => {
-                fused([e, 2 * width, hidden])?;
-                for i in 0..e {
-                    let w = t.get(i)?;
-                    out.push((
-                        expert(i, ExpertPart::Gate),
-                        w.narrow(0, 0, width)?.contiguous()?,
-                    ));
-                    out.push((
-                        expert(i, ExpertPart::Up),
-                        w.narrow(0, width, width)?.contiguous()?,
-                    ));
-                }
-            }
-            "experts.down_proj" => {
-                fused([e, hidden, width])?;
-                for i in 0..e {
-                    out.push((expert(i, ExpertPart::Down), t.get(i)?.contiguous()?));
-                }
-            }
             _ => out.push((name, t)),
         }
     }

@@ -34,8 +34,8 @@ pub fn language_model_name(name: &str) -> Option<String> {
 }
 
 /// Granite MoE's tensors as transformers 5 names its modules, and the name its checkpoints
-/// (and the engine) use: Granite MoE SWA's files carry the former (transformers converts the
-/// others' names at load, not its).
+/// (and the engine) use: a trainer's `state_dict()` carries the former, and Granite MoE SWA's
+/// files too (transformers converts the others' names at load, not its).
 const GRANITE_MODULE_NAMES: [(&str, &str); 3] = [
     (
         ".block_sparse_moe.experts.gate_up_proj",
@@ -50,6 +50,16 @@ const GRANITE_MODULE_NAMES: [(&str, &str); 3] = [
         ".block_sparse_moe.router.layer.weight",
     ),
 ];
+
+/// Granite MoE's checkpoint name for the tensor transformers' modules call `name`
+/// (`…block_sparse_moe.experts.gate_up_proj` → `…block_sparse_moe.input_linear.weight`);
+/// `None` for any other name.
+pub(super) fn granite_file_name(name: &str) -> Option<String> {
+    GRANITE_MODULE_NAMES.iter().find_map(|(module, file)| {
+        name.strip_suffix(module)
+            .map(|layer| format!("{layer}{file}"))
+    })
+}
 
 /// Whether `name` is of a multimodal checkpoint's vision side (its vision tower, or the
 /// projector into the language model's embeddings; Qwen's `visual.`), which serving text
@@ -130,12 +140,7 @@ impl Checkpoint {
         }
         let granite: Vec<(String, Stored)> = index
             .iter()
-            .filter_map(|(n, at)| {
-                GRANITE_MODULE_NAMES.iter().find_map(|(module, file)| {
-                    n.strip_suffix(module)
-                        .map(|layer| (format!("{layer}{file}"), at.clone()))
-                })
-            })
+            .filter_map(|(n, at)| granite_file_name(n).map(|file| (file, at.clone())))
             .collect();
         for (name, at) in granite {
             index.entry(name).or_insert(at);

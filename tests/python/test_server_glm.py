@@ -59,17 +59,6 @@ BOOK = {
 }
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    out = Path(tmp_path_factory.mktemp("scripted-glm")) / "m"
-    return write_scripted_model(out, MARKERS, STOPS, TEMPLATE)
-
-
-@pytest.fixture(scope="module")
-def tok(model_dir) -> Tokenizer:
-    return Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-
-
 def scripted_server(tmp_path_factory, model_dir, name: str, *parsers: str):
     return start_server(
         tmp_path_factory,
@@ -83,17 +72,33 @@ def scripted_server(tmp_path_factory, model_dir, name: str, *parsers: str):
     )  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, model_dir):
-    s = scripted_server(
-        tmp_path_factory,
-        model_dir,
-        "glm",
-        "--reasoning-parser", "glm45",
-        "--enable-auto-tool-choice", "--tool-call-parser", "glm45",
-    )  # fmt: skip
-    yield s
-    assert s.stop() == 0, s.log()
+def scripted_fixtures(name: str, markers, stops, template: str, *parsers: str):
+    """A module's ``model_dir`` (the scripted model with ``markers`` as tokens of their own,
+    ``stops`` and ``template``), ``tok`` (its tokenizer) and ``server`` (served with
+    ``parsers``) fixtures, module-scoped: ``model_dir, tok, server = scripted_fixtures(...)``."""
+
+    @pytest.fixture(scope="module")
+    def model_dir(tmp_path_factory) -> Path:
+        out = Path(tmp_path_factory.mktemp(f"scripted-{name}")) / "m"
+        return write_scripted_model(out, markers, stops, template)
+
+    @pytest.fixture(scope="module")
+    def tok(model_dir) -> Tokenizer:
+        return Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+
+    @pytest.fixture(scope="module")
+    def server(tmp_path_factory, model_dir):
+        s = scripted_server(tmp_path_factory, model_dir, name, *parsers)
+        yield s
+        assert s.stop() == 0, s.log()
+
+    return model_dir, tok, server
+
+
+model_dir, tok, server = scripted_fixtures(
+    "glm", MARKERS, STOPS, TEMPLATE,
+    "--reasoning-parser", "glm45", "--enable-auto-tool-choice", "--tool-call-parser", "glm45",
+)  # fmt: skip
 
 
 def openai_client(server) -> openai.OpenAI:

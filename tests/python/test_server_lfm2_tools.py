@@ -14,13 +14,9 @@ control: without the parser the output is one flat content string, markers dropp
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
-import pytest
-from scripted_model import write_scripted_model
 from server_fixtures import SERVED_NAME
-from test_server_glm import chat, openai_client, scripted, scripted_server
-from tokenizers import Tokenizer
+from test_server_glm import chat, openai_client, scripted, scripted_fixtures, scripted_server
 
 START, END = "<|tool_call_start|>", "<|tool_call_end|>"
 MARKERS = ["<|im_start|>", START, END]
@@ -39,25 +35,9 @@ TOOLS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    out = Path(tmp_path_factory.mktemp("scripted-lfm2")) / "m"
-    return write_scripted_model(out, MARKERS, STOPS, TEMPLATE)
-
-
-@pytest.fixture(scope="module")
-def tok(model_dir) -> Tokenizer:
-    return Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, model_dir):
-    s = scripted_server(
-        tmp_path_factory, model_dir, "lfm2", "--enable-auto-tool-choice",
-        "--tool-call-parser", "lfm2",
-    )  # fmt: skip
-    yield s
-    assert s.stop() == 0, s.log()
+model_dir, tok, server = scripted_fixtures(
+    "lfm2", MARKERS, STOPS, TEMPLATE, "--enable-auto-tool-choice", "--tool-call-parser", "lfm2"
+)
 
 
 def test_calls_and_the_content_around_them_streamed_or_not(server, tok) -> None:

@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import json
 import struct
-from pathlib import Path
 
 import pytest
-from scripted_model import write_scripted_model
 from server_fixtures import SERVED_NAME
 from test_server_glm import (
     chat,
@@ -31,9 +29,9 @@ from test_server_glm import (
     deterministic_call,
     openai_client,
     scripted,
+    scripted_fixtures,
     scripted_server,
 )
-from tokenizers import Tokenizer
 
 DS_CALLS, DS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 DS_CALL, DS_SEP, DS_CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
@@ -76,28 +74,11 @@ BOOK = {
 }
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    out = Path(tmp_path_factory.mktemp("scripted-minimax")) / "m"
-    return write_scripted_model(out, MARKERS, STOPS, TEMPLATE)
-
-
-@pytest.fixture(scope="module")
-def tok(model_dir) -> Tokenizer:
-    return Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, model_dir):
-    s = scripted_server(
-        tmp_path_factory,
-        model_dir,
-        "minimax",
-        "--reasoning-parser", "minimax_m2",
-        "--enable-auto-tool-choice", "--tool-call-parser", "minimax_m2",
-    )  # fmt: skip
-    yield s
-    assert s.stop() == 0, s.log()
+model_dir, tok, server = scripted_fixtures(
+    "minimax", MARKERS, STOPS, TEMPLATE,
+    "--reasoning-parser", "minimax_m2",
+    "--enable-auto-tool-choice", "--tool-call-parser", "minimax_m2",
+)  # fmt: skip
 
 
 def test_reasoning_content_and_a_typed_call(server, tok) -> None:
