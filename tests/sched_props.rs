@@ -33,6 +33,7 @@ fn seq(id: u64, prompt_len: usize, max_tokens: usize, deterministic: bool) -> Se
         constraint: None,
         lora: None,
         cache_salt: 0,
+        states: None,
     }
 }
 

@@ -4,6 +4,7 @@ mod device;
 mod engine_config;
 mod head;
 pub(crate) mod json;
+mod linear_attention;
 mod mla_config;
 mod model_config;
 mod moe_config;
@@ -18,6 +19,7 @@ pub use engine_config::{
     DEFAULT_KV_CACHE_BYTES,
 };
 pub use head::Head;
+pub use linear_attention::LinearAttentionConfig;
 pub use mla_config::MlaConfig;
 pub use model_config::{
     Activation, Architecture, ClampedSwiglu, DenseMlpNames, Fused, GraniteScales, ModelConfig,

@@ -11,6 +11,7 @@ use serde_json::Value;
 
 use super::head::Head;
 use super::json::{parse_json, TokenIds};
+use super::linear_attention::{LinearAttentionConfig, RawLinearAttention};
 use super::mla_config::{MlaConfig, RawMla};
 use super::moe_config::{DeepSeekDefaults, ExpertNaming, MoeConfig, RawMoe, SparseShape};
 use super::quant::{parse_quantization, Fp8Weights, Quantization};
@@ -166,12 +167,18 @@ pub enum Architecture {
     /// `num_dense_layers` sparse ([`ExpertNaming::Lfm2`]): sigmoid scores chosen with a
     /// per-expert bias, renormalised, scaled.
     Lfm2Moe,
+    /// Qwen3.5 (`Qwen3_5ForCausalLM`, the text model of its dense checkpoints): three of every
+    /// four layers gated DeltaNets ([`LinearAttentionConfig`]), whose per-sequence state lives
+    /// outside the pages (`kv::state`); the others attention with per-head q/k norms and an
+    /// output gate (`q_proj` makes each head's query and gate), a quarter of each head
+    /// rotating; every RMSNorm but the DeltaNet's scales by `1 + w`.
+    Qwen3_5,
 }
 
 impl Architecture {
     /// Each architecture's `*ForCausalLM` class (`architectures`) and its `model_type`, the
     /// fallback for a config without `architectures`.
-    const CAUSAL_LM: [(&'static str, &'static str, Architecture); 43] = [
+    const CAUSAL_LM: [(&'static str, &'static str, Architecture); 44] = [
         ("LlamaForCausalLM", "llama", Architecture::Llama),
         ("MistralForCausalLM", "mistral", Architecture::Mistral),
         ("Qwen2ForCausalLM", "qwen2", Architecture::Qwen2),
@@ -235,6 +242,7 @@ impl Architecture {
         ("ArceeForCausalLM", "arcee", Architecture::Arcee),
         ("Lfm2ForCausalLM", "lfm2", Architecture::Lfm2),
         ("Lfm2MoeForCausalLM", "lfm2_moe", Architecture::Lfm2Moe),
+        ("Qwen3_5ForCausalLM", "qwen3_5_text", Architecture::Qwen3_5),
         (
             "HunYuanDenseV1ForCausalLM",
             "hunyuan_v1_dense",
@@ -435,6 +443,12 @@ impl Architecture {
         }
     }
 
+    /// Whether `q_proj` makes each head's query and then its output gate (`2 · head_dim` per
+    /// head), the attention's output multiplied by the gate's sigmoid (Qwen3.5).
+    pub fn attention_output_gate(self) -> bool {
+        self == Architecture::Qwen3_5
+    }
+
     /// Whether q/k are normed over the whole projection (OLMo 2: `q_norm` of
     /// `heads × head_dim`) rather than per head.
     pub fn norms_whole_qk(self) -> bool {
@@ -456,7 +470,7 @@ impl Architecture {
     /// What every RMSNorm's weight is offset by: Gemma's norms scale by `1 + w` (its weights
     /// are stored as the difference from 1).
     pub fn norm_weight_offset(self) -> f64 {
-        if self.is_gemma() {
+        if self.is_gemma() || self == Architecture::Qwen3_5 {
             1.0
         } else {
             0.0
@@ -636,6 +650,8 @@ pub struct ModelConfig {
     pub moe: Option<MoeConfig>,
     /// LFM2's short-convolution layers (`None`: every layer attends).
     pub short_conv: Option<ShortConvConfig>,
+    /// Qwen3.5's linear-attention layers (`None`: every layer attends).
+    pub linear_attention: Option<LinearAttentionConfig>,
     /// DeepSeek's latent attention (`None`: q/k/v projections). With it, `head_dim` is a
     /// head's query/key width, `rotary_dim` its rotated part's, and every head has its own
     /// key and value (`num_key_value_heads` = `num_attention_heads`).
@@ -1037,7 +1053,8 @@ impl ModelConfig {
             | Architecture::Apertus
             | Architecture::Arcee
             | Architecture::Lfm2
-            | Architecture::Lfm2Moe => None,
+            | Architecture::Lfm2Moe
+            | Architecture::Qwen3_5 => None,
             // Its window applies to its sliding layers only (below).
             Architecture::Dots1 => raw.sliding_window,
             // Its window applies to the layers without rope only (below).
@@ -1296,7 +1313,8 @@ impl ModelConfig {
                 | Architecture::HunYuanMoe
                 | Architecture::Apertus
                 | Architecture::Lfm2
-                | Architecture::Lfm2Moe => true,
+                | Architecture::Lfm2Moe
+                | Architecture::Qwen3_5 => true,
                 Architecture::Glm4Moe => raw.use_qk_norm.unwrap_or(false),
                 _ => false,
             },
@@ -1317,6 +1335,11 @@ impl ModelConfig {
                 .transpose()?,
             moe,
             short_conv: lfm2.map(|s| s.conv),
+            linear_attention: (architecture == Architecture::Qwen3_5)
+                .then(|| {
+                    parse_json::<RawLinearAttention>(text, path)?.check(path, num_hidden_layers)
+                })
+                .transpose()?,
             mla,
             // dots.llm1's window only where a layer is sliding.
             sliding_window: sliding_window
@@ -1460,6 +1483,7 @@ impl ModelConfig {
                 | Architecture::Glm4Moe
                 | Architecture::SolarOpen
                 | Architecture::MiniMaxM2
+                | Architecture::Qwen3_5
         ) {
             return Err(err(format!(
                 "{f}: only the Phi-3 and GLM layouts rotate part of each head ({architecture:?} \
@@ -1694,9 +1718,16 @@ impl ModelConfig {
     }
 
     /// The output widths of a layer's q, k and v projections.
+    /// The q/k/v projections' output widths (q's with each head's output gate, where the
+    /// architecture has one).
     pub fn qkv_widths(&self) -> [usize; 3] {
         let kv = self.num_key_value_heads * self.head_dim;
-        [self.num_attention_heads * self.head_dim, kv, kv]
+        let gates = if self.architecture.attention_output_gate() {
+            2
+        } else {
+            1
+        };
+        [gates * self.num_attention_heads * self.head_dim, kv, kv]
     }
 
     /// What attention scores are scaled by: Granite's multiplier, Gemma's

@@ -174,19 +174,29 @@ impl Verifier {
         }
         let preds = predict(sched, &replay.windows, &logits, vocab, eos)?;
         let mut preds = preds.into_iter();
-        for window in replay.windows {
+        // Each window's predictions and first mismatch (forced ones included).
+        let mut verdicts = Vec::with_capacity(replay.windows.len());
+        for window in &replay.windows {
             let window_preds: Vec<_> = preds.by_ref().take(window.n + 1).collect();
             let forced = self.faults.next_window();
-            let Some(seq) = sched.get_mut(window.seq) else {
+            let Some(seq) = sched.get(window.seq) else {
+                verdicts.push(None);
                 continue;
             };
-            let v = seq.verified;
-            let mut mismatch = accept::first_mismatch(&seq.output[v..], &window_preds);
+            let mut mismatch = accept::first_mismatch(&seq.output[seq.verified..], &window_preds);
             if let Some(fault) = forced {
                 if mismatch.is_none() && window.n > 0 {
                     mismatch = Some(fault.index(window.seq, window.n));
                 }
             }
+            verdicts.push(Some((window_preds, mismatch)));
+        }
+        self.settle_states(sched, &replay, &verdicts, forward)?;
+        for (window, verdict) in replay.windows.into_iter().zip(verdicts) {
+            let (Some((window_preds, mismatch)), Some(seq)) = (verdict, sched.get_mut(window.seq))
+            else {
+                continue;
+            };
             let rolled_back =
                 accept::commit(seq, window_preds, mismatch, alloc, self.shape.page_size);
             seq.dvr.padded_rows += self.shape.window - (window.n + 1);
@@ -196,6 +206,44 @@ impl Verifier {
             if let Some(dropped) = rolled_back {
                 self.stats.rollbacks += 1;
                 self.stats.rolled_back_tokens += dropped;
+            }
+        }
+        Ok(())
+    }
+
+    /// Leaves each window's recurrent state (models with linear attention) at its committed
+    /// tokens: the pass advanced the live state by all its rows from the committed one; where
+    /// a window rolled back, the same batch runs again (same shape, so the same bits), its
+    /// state taking in only the accepted rows. Then live becomes committed.
+    fn settle_states(
+        &self,
+        sched: &Scheduler,
+        replay: &replay::ReplayBatch,
+        verdicts: &[Option<(Vec<crate::output::TokenLogprobs>, Option<usize>)>],
+        forward: &mut ForwardFn<'_>,
+    ) -> Result<()> {
+        let seqs: Vec<_> = replay.windows.iter().map(|w| sched.get(w.seq)).collect();
+        if !seqs.iter().flatten().any(|s| s.states.is_some()) {
+            return Ok(());
+        }
+        let rolled_back = verdicts.iter().flatten().any(|(_, m)| m.is_some());
+        if rolled_back {
+            let mut again = replay.batch.clone();
+            again.logit_rows.clear();
+            for (i, (window, verdict)) in replay.windows.iter().zip(verdicts).enumerate() {
+                let accepted = match verdict {
+                    Some((_, Some(m))) => m + 1,
+                    _ => window.n + 1,
+                };
+                if let (Some(Some(s)), Some(slot)) = (seqs.get(i), again.states.get_mut(i)) {
+                    *slot = s.states.as_ref().map(|st| st.replay(accepted));
+                }
+            }
+            forward(&again, &[])?;
+        }
+        for seq in seqs.into_iter().flatten() {
+            if let Some(states) = &seq.states {
+                states.commit()?;
             }
         }
         Ok(())

@@ -169,7 +169,7 @@ impl DeterminismPolicy {
     /// speculative tokens are dropped; committed ones stay (they were emitted) and are
     /// re-verified after the prompt's isolated re-prefill, which rebuilds the exact KV.
     pub fn on_preempt(&self, seq: &mut Sequence) {
-        if !self.speculates(seq) {
+        if !self.speculates(seq.deterministic) {
             return;
         }
         seq.output.truncate(seq.verified);
@@ -229,7 +229,7 @@ impl DeterminismPolicy {
     /// A token was sampled and appended to `seq`: commit it, unless it is speculative (replay,
     /// past the first token, which comes from the isolated prefill and is committed at once).
     pub fn after_sample(&self, seq: &mut Sequence) {
-        if !self.speculates(seq) || seq.output.len() == 1 {
+        if !self.speculates(seq.deterministic) || seq.output.len() == 1 {
             seq.verified = seq.output.len();
         }
     }
@@ -265,7 +265,7 @@ impl DeterminismPolicy {
             seq.verified = idx;
             seq.finish = Some(reason);
             seq.stop_reason = stop;
-        } else if self.speculates(seq) && seq.verified == seq.output.len() {
+        } else if self.speculates(seq.deterministic) && seq.verified == seq.output.len() {
             seq.finish = None;
             seq.stop_reason = None;
         }
@@ -291,8 +291,21 @@ impl DeterminismPolicy {
         }
     }
 
-    /// `seq`'s decode tokens are speculative until a verify pass commits them.
-    fn speculates(&self, seq: &Sequence) -> bool {
-        seq.deterministic && matches!(self.strategy, Strategy::Replay(_))
+    /// Whether a sequence of this `deterministic` flag decodes speculative tokens that a
+    /// verify pass commits.
+    pub fn speculates(&self, deterministic: bool) -> bool {
+        deterministic && matches!(self.strategy, Strategy::Replay(_))
+    }
+
+    /// After a step's forwards and samples: where `seq`'s computed tokens end just before its
+    /// last committed token (its isolated prefill, or the re-prefill after a preemption), its
+    /// live recurrent state is the committed one, which the next verify window replays from.
+    pub fn commit_state(&self, seq: &Sequence) -> Result<()> {
+        match &seq.states {
+            Some(states) if seq.num_computed + 1 == seq.prompt.len() + seq.verified => {
+                states.commit()
+            }
+            _ => Ok(()),
+        }
     }
 }

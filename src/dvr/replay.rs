@@ -86,6 +86,9 @@ pub fn build_replay_batch(
         }
         tables.push(seq.block_table.pages().to_vec());
         batch.adapters.push(seq.lora.clone());
+        batch
+            .states
+            .push(seq.states.as_ref().map(|s| s.replay(n + 1)));
         windows.push(ReplayWindow {
             seq: id,
             n,
@@ -139,6 +142,7 @@ pub fn fixed_shape_passes(
         pass.attention.schedule = AttentionSchedule::Fixed;
         pass.attention.block_tables = tables.clone();
         pass.adapters = batch.adapters.clone();
+        pass.states = batch.states.clone();
         pass.tokens.extend_from_slice(&batch.tokens[start..end]);
         pass.slots.extend_from_slice(&batch.slots[start..end]);
         pass.attention

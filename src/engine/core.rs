@@ -19,7 +19,9 @@ use crate::config::{
 };
 use crate::dvr::DeterminismPolicy;
 use crate::error::{DetspecError, Result};
-use crate::kv::{BlockTable, KvManager, KvPool, KvStats, LayerCacheShape, PageAllocator};
+use crate::kv::{
+    BlockTable, KvManager, KvPool, KvStats, LayerCacheShape, PageAllocator, SequenceStates,
+};
 use crate::model::{ForwardBatch, Model};
 use crate::ops;
 use crate::ops::{AttentionMetadata, AttentionSchedule};
@@ -135,6 +137,12 @@ fn cuda_lacks(cfg: &ModelConfig) -> Option<(&'static str, String)> {
             "LFM2's short convolutions have no CUDA kernel".into(),
         ));
     }
+    if cfg.linear_attention.is_some() {
+        return Some((
+            "layer_types",
+            "Qwen3.5's linear attention (gated DeltaNet) has no CUDA kernel".into(),
+        ));
+    }
     if cfg.mla.is_some() {
         return Some((
             "architectures",
@@ -175,7 +183,7 @@ fn cuda_lacks(cfg: &ModelConfig) -> Option<(&'static str, String)> {
 
 impl EngineCore {
     /// Loads a Hugging Face model directory on `device`.
-    pub fn load(dir: &Path, cfg: EngineConfig, device: &Device) -> Result<Self> {
+    pub fn load(dir: &Path, mut cfg: EngineConfig, device: &Device) -> Result<Self> {
         cfg.validate()?;
         if !dir.is_dir() {
             return Err(DetspecError::io(
@@ -269,6 +277,11 @@ impl EngineCore {
             None => (kv_budget(&cfg, &mc, dtype, device)? / per_page).max(1),
         };
         let kv = KvPool::new(cache_shapes, num_pages, cfg.page_size, kv_dtype, device)?;
+        // A cached prefix hands over KV pages, not the recurrent state that goes with them.
+        if kv.states().is_used() && cfg.enable_prefix_caching {
+            tracing::info!("prefix caching is off: the model's linear-attention layers keep a state per sequence");
+            cfg.enable_prefix_caching = false;
+        }
         let alloc = Arc::new(KvManager::new(
             num_pages,
             cfg.page_size,
@@ -530,6 +543,9 @@ impl EngineCore {
                 constraint: constraint.clone(),
                 lora: req.lora.clone(),
                 cache_salt,
+                states: self.kv.states().is_used().then(|| {
+                    SequenceStates::new(self.kv.states(), self.policy.speculates(deterministic))
+                }),
             });
         }
         Ok(StreamEvent::Accepted {
@@ -769,6 +785,11 @@ impl EngineCore {
             }
             touched.push(*id);
         }
+        for e in plan.entries.iter().chain(&plan.isolated) {
+            if let Some(seq) = self.sched.get(e.seq) {
+                self.policy.commit_state(seq)?;
+            }
+        }
         events.extend(self.verify_and_emit(touched)?);
         Ok(events)
     }
@@ -957,6 +978,9 @@ impl EngineCore {
                 .block_tables
                 .push(seq.block_table.pages().to_vec());
             batch.adapters.push(seq.lora.clone());
+            batch
+                .states
+                .push(seq.states.as_ref().map(SequenceStates::forward));
             if e.sample {
                 batch.logit_rows.push((batch.tokens.len() - 1) as u32);
                 sampled.push(e.seq);

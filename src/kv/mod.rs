@@ -10,6 +10,7 @@ mod block_table;
 mod manager;
 mod pool;
 mod prefix;
+mod state;
 
 pub use allocator::{AtomicAllocator, PageAllocator, PageError, PageId, SimpleAllocator};
 pub use block_table::BlockTable;
@@ -19,3 +20,4 @@ pub use prefix::{
     chain_hash, namespace, root_hash, root_hash_of, salt_hash, FnvHasher, PageClass, PrefixCache,
     PrefixStats,
 };
+pub use state::{SequenceStates, StateData, StatePool, StateRef, StateSlot};

@@ -5,6 +5,10 @@
 //! (its convolution's input, which the next tokens' outputs read). A page is contiguous in
 //! each, so page copies do not care, and every per-token state lives in pages: rollback,
 //! prefix sharing and preemption treat a convolution layer as they treat attention.
+//! A recurrent layer (Qwen3.5's gated DeltaNet) keeps nothing in pages: its state is per
+//! sequence, in the pool's [`StatePool`].
+
+use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 
@@ -12,7 +16,7 @@ use crate::config::ModelConfig;
 use crate::error::{DetspecError, Result};
 use crate::ops::copy_pages;
 
-use super::PageId;
+use super::{PageId, StatePool};
 
 /// What one layer keeps per token.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -21,6 +25,8 @@ pub enum LayerCacheShape {
     Attention { kv_heads: usize, head_dim: usize },
     /// One row of `width` values.
     Rows { width: usize },
+    /// Nothing per token: a state of `values` floats per sequence.
+    Recurrent { values: usize },
 }
 
 impl LayerCacheShape {
@@ -29,15 +35,19 @@ impl LayerCacheShape {
         match self {
             Self::Attention { kv_heads, head_dim } => 2 * kv_heads * head_dim,
             Self::Rows { width } => width,
+            Self::Recurrent { .. } => 0,
         }
     }
 
     /// Each layer's shape for a model: a convolution layer's row is its hidden size.
     pub fn of_model(cfg: &ModelConfig) -> Vec<Self> {
         (0..cfg.num_hidden_layers)
-            .map(|i| match &cfg.short_conv {
-                Some(conv) if conv.is_conv(i) => Self::Rows {
+            .map(|i| match (&cfg.short_conv, &cfg.linear_attention) {
+                (Some(conv), _) if conv.is_conv(i) => Self::Rows {
                     width: cfg.hidden_size,
+                },
+                (_, Some(la)) if la.is_linear(i) => Self::Recurrent {
+                    values: la.state_values(),
                 },
                 _ => Self::Attention {
                     kv_heads: cfg.num_key_value_heads,
@@ -51,17 +61,23 @@ impl LayerCacheShape {
 /// One layer's storage.
 #[derive(Debug)]
 pub enum LayerCache {
-    Attention { k: Tensor, v: Tensor },
+    Attention {
+        k: Tensor,
+        v: Tensor,
+    },
     Rows(Tensor),
+    /// Its state is in [`KvPool::states`].
+    Recurrent,
 }
 
 impl LayerCache {
     fn tensors(&self) -> impl Iterator<Item = &Tensor> {
         let (a, b) = match self {
-            Self::Attention { k, v } => (k, Some(v)),
-            Self::Rows(rows) => (rows, None),
+            Self::Attention { k, v } => (Some(k), Some(v)),
+            Self::Rows(rows) => (Some(rows), None),
+            Self::Recurrent => (None, None),
         };
-        std::iter::once(a).chain(b)
+        a.into_iter().chain(b)
     }
 }
 
@@ -76,6 +92,8 @@ pub struct KvPool {
     num_pages: usize,
     dtype: DType,
     device: Device,
+    /// The recurrent layers' per-sequence states (empty where there are none).
+    states: Arc<StatePool>,
 }
 
 impl KvPool {
@@ -126,8 +144,16 @@ impl KvPool {
         if num_pages == 0 {
             return Err(DetspecError::param("num_kv_pages", "must be > 0"));
         }
+        let per_layer: Vec<usize> = shapes
+            .iter()
+            .map(|s| match *s {
+                LayerCacheShape::Recurrent { values } => values,
+                _ => 0,
+            })
+            .collect();
         let mut pool = Self {
             layers: Vec::new(),
+            states: StatePool::new(&per_layer),
             shapes,
             page_size,
             num_pages,
@@ -163,6 +189,7 @@ impl KvPool {
                     LayerCacheShape::Rows { width } => {
                         LayerCache::Rows(Tensor::zeros((pages, page, 1, width), dtype, device)?)
                     }
+                    LayerCacheShape::Recurrent { .. } => LayerCache::Recurrent,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -181,6 +208,11 @@ impl KvPool {
             .flat_map(LayerCache::tensors)
             .map(|t| t.elem_count() * self.dtype.size_in_bytes())
             .sum()
+    }
+
+    /// The recurrent layers' per-sequence states.
+    pub fn states(&self) -> &Arc<StatePool> {
+        &self.states
     }
 
     /// Layer `i`'s storage.

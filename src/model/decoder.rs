@@ -13,9 +13,10 @@ use candle_core::{DType, Device, Tensor};
 
 use crate::config::{ActivationDtype, KernelProfile, ModelConfig, RopeConfig, UngatedMlp};
 use crate::error::{DetspecError, Result};
-use crate::kv::{KvPool, LayerCache};
+use crate::kv::{KvPool, LayerCache, StateRef};
 use crate::ops::{self, AttentionMetadata};
 
+use super::gated_delta_net::GatedDeltaNet;
 use super::linear::{GemmOptions, Linear, LinearWeight, Projection};
 use super::loader::{host_vector, WeightLoader};
 use super::lora::{LoraAdapter, LoraOutputs, LoraRows, LoraTarget};
@@ -48,6 +49,9 @@ pub struct ForwardBatch {
     /// isolated prefill, scoring) must not let how its other rows were routed change a
     /// row's bits where GEMM bits depend on the row count (`model::moe`).
     pub fast_experts: bool,
+    /// The recurrent state each sequence's rows continue, by sequence index (models with
+    /// linear-attention layers; `None`: padding).
+    pub states: Vec<Option<StateRef>>,
 }
 
 /// One decoder layer's parameters. Its norms say where the residual stream is normed: the
@@ -71,6 +75,7 @@ pub(super) struct Layer {
 pub(super) enum Mixer {
     Attention(Box<Attention>),
     ShortConv(Box<ShortConv>),
+    GatedDeltaNet(Box<GatedDeltaNet>),
 }
 
 /// A layer's attention parameters.
@@ -83,6 +88,8 @@ pub(super) struct Attention {
     pub(super) k_norm: Option<Tensor>,
     /// gpt-oss's per-head sink logits, on the host (the CPU attention kernel reads them).
     pub(super) sinks: Option<Arc<[f32]>>,
+    /// `q_proj` makes each head's query and then its output gate (Qwen3.5).
+    pub(super) output_gate: bool,
 }
 
 /// Where a layer's queries, keys and values come from.
@@ -255,9 +262,12 @@ impl Model {
 
             // o_proj reads every head's value.
             let o_in = cfg.mla.as_ref().map_or(h * d, |m| h * m.v_head_dim);
-            let mixer = match &cfg.short_conv {
-                Some(conv) if conv.is_conv(i) => {
+            let mixer = match (&cfg.short_conv, &cfg.linear_attention) {
+                (Some(conv), _) if conv.is_conv(i) => {
                     Mixer::ShortConv(Box::new(ShortConv::load(&ld, &cfg, conv, &p)?))
+                }
+                (_, Some(la)) if la.is_linear(i) => {
+                    Mixer::GatedDeltaNet(Box::new(GatedDeltaNet::load(&ld, &cfg, la, &p)?))
                 }
                 _ => Mixer::Attention(Box::new(Attention {
                     qkv: match &cfg.mla {
@@ -287,6 +297,7 @@ impl Model {
                         .has_attention_sinks()
                         .then(|| host_vector(&ld.load(&attn("sinks"), &[h])?))
                         .transpose()?,
+                    output_gate: cfg.architecture.attention_output_gate(),
                 })),
             };
             layers.push(Layer {
@@ -566,6 +577,9 @@ impl Model {
                 (Mixer::ShortConv(conv), LayerCache::Rows(rows)) => {
                     conv.forward(&hn, rows, slots.clone(), &full_meta, inv)?
                 }
+                (Mixer::GatedDeltaNet(net), LayerCache::Recurrent) => {
+                    net.forward(&hn, &full_meta, &batch.states, (kv.states(), li), inv)?
+                }
                 (
                     Mixer::Attention(attn),
                     LayerCache::Attention {
@@ -573,21 +587,25 @@ impl Model {
                         v: v_cache,
                     },
                 ) => {
-                    // q, with k and v written into the layer's cache at the rows' slots.
-                    let q = match &attn.qkv {
-                        QkvSource::Latent(latent) => latent.q_into_cache(
-                            &hn,
-                            inv,
-                            cos,
-                            sin,
-                            k_cache,
-                            v_cache,
-                            slots.clone(),
-                        )?,
+                    // q, with k and v written into the layer's cache at the rows' slots, and
+                    // the output gate where `q_proj` makes one.
+                    let (q, gate) = match &attn.qkv {
+                        QkvSource::Latent(latent) => (
+                            latent.q_into_cache(
+                                &hn,
+                                inv,
+                                cos,
+                                sin,
+                                k_cache,
+                                v_cache,
+                                slots.clone(),
+                            )?,
+                            None,
+                        ),
                         QkvSource::Heads(Projection::Stacked { linear, .. }) => {
                             let targets = [t_q[0], t_k[0], t_v[0]];
                             let y = one(&hn, linear.apply(&hn, inv)?, &targets)?;
-                            ops::rope_qkv_into_cache(
+                            let q = ops::rope_qkv_into_cache(
                                 &y,
                                 cos,
                                 sin,
@@ -596,7 +614,8 @@ impl Model {
                                 k_cache,
                                 v_cache,
                                 slots.clone(),
-                            )?
+                            )?;
+                            (q, None)
                         }
                         QkvSource::Heads(Projection::Apart(qkv)) => {
                             let [q, k, v] = qkv.as_slice() else {
@@ -614,6 +633,18 @@ impl Model {
                                 with_lora(&hn, outs)?.try_into().map_err(|_| {
                                     DetspecError::param("weights", "q/k/v are three layers")
                                 })?;
+                            // Each head's query, then its gate.
+                            let (q, gate) = match attn.output_gate {
+                                true => {
+                                    let qg = q.reshape((n, h, 2 * d))?;
+                                    let gate = qg.narrow(2, d, d)?.contiguous()?;
+                                    (
+                                        qg.narrow(2, 0, d)?.contiguous()?.reshape((n, h * d))?,
+                                        Some(gate.reshape((n, h * d))?),
+                                    )
+                                }
+                                false => (q, None),
+                            };
                             // q/k norms apply over the whole projection (OLMo 2) before the split into
                             // heads, or to each head after it (Qwen3).
                             let norms = attn.q_norm.as_ref().zip(attn.k_norm.as_ref());
@@ -643,7 +674,7 @@ impl Model {
                             }
                             ops::write_k(k_cache, &k, slots.clone())?;
                             ops::write_kv(v_cache, &v, slots.clone())?;
-                            q
+                            (q, gate)
                         }
                     };
                     let q = match &query_scale {
@@ -665,6 +696,10 @@ impl Model {
                     let heads = match &attn.qkv {
                         QkvSource::Latent(l) => l.values(&heads)?,
                         QkvSource::Heads(_) => heads.reshape((n, h * d))?,
+                    };
+                    let heads = match &gate {
+                        Some(g) => ops::sigmoid_gate(&heads, g)?,
+                        None => heads,
                     };
                     one(&heads, attn.o.apply(&heads, inv)?, &t_o)?
                 }

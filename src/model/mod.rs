@@ -3,6 +3,7 @@
 mod decoder;
 mod fp8;
 mod fused_experts;
+mod gated_delta_net;
 mod linear;
 mod loader;
 mod lora;

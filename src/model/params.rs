@@ -8,6 +8,7 @@ use candle_core::DType;
 use crate::config::{ModelConfig, UngatedMlp};
 use crate::error::{DetspecError, Result};
 
+use super::gated_delta_net::delta_net_params;
 use super::mla::latent_params;
 use super::moe_names::sparse_params;
 use super::short_conv::conv_params;
@@ -40,9 +41,11 @@ pub fn param_shapes(cfg: &ModelConfig) -> BTreeMap<String, Vec<usize>> {
         };
         let fused = cfg.architecture.fused();
         let conv = cfg.short_conv.as_ref().filter(|c| c.is_conv(i));
+        let delta_net = cfg.linear_attention.as_ref().filter(|la| la.is_linear(i));
         // (Latent attention's projections are listed with the norms below.)
+        let [q_width, ..] = cfg.qkv_widths();
         match (&cfg.mla, fused.qkv) {
-            _ if conv.is_some() => {}
+            _ if conv.is_some() || delta_net.is_some() => {}
             (Some(_), _) => {}
             (None, true) => linear(
                 format!("{p}.self_attn.qkv_proj"),
@@ -51,13 +54,13 @@ pub fn param_shapes(cfg: &ModelConfig) -> BTreeMap<String, Vec<usize>> {
                 false,
             ),
             (None, false) => {
-                linear(format!("{p}.self_attn.q_proj"), hs, h * d, cfg.qkv_bias);
+                linear(format!("{p}.self_attn.q_proj"), hs, q_width, cfg.qkv_bias);
                 linear(format!("{p}.self_attn.k_proj"), hs, kvh * d, cfg.qkv_bias);
                 linear(format!("{p}.self_attn.v_proj"), hs, kvh * d, cfg.qkv_bias);
             }
         }
         let o_in = cfg.mla.as_ref().map_or(h * d, |m| h * m.v_head_dim);
-        if conv.is_none() {
+        if conv.is_none() && delta_net.is_none() {
             let o = cfg.architecture.o_proj_module();
             linear(format!("{p}.{o}"), o_in, hs, cfg.o_bias);
         }
@@ -91,6 +94,12 @@ pub fn param_shapes(cfg: &ModelConfig) -> BTreeMap<String, Vec<usize>> {
         if let Some(conv) = conv {
             for (name, shape) in conv_params(cfg, conv) {
                 m.insert(format!("{p}.conv.{name}"), shape);
+            }
+            continue;
+        }
+        if let Some(la) = delta_net {
+            for (name, shape) in delta_net_params(cfg, la) {
+                m.insert(format!("{p}.linear_attn.{name}"), shape);
             }
             continue;
         }

@@ -23,6 +23,9 @@ use super::params::{check_update, unknown};
 enum Slot<'a> {
     /// An RMSNorm's weight (held offset, `loader::offset_norm`).
     Norm(&'a mut Tensor),
+    /// An RMSNorm's weight held as written whatever the model's offset (the DeltaNet's gated
+    /// norm).
+    PlainNorm(&'a mut Tensor),
     Bias(&'a mut Option<Tensor>),
     Linear(&'a mut LinearWeight),
     /// A linear layer's weight held in f32 whatever the engine's dtype (DeepSeek's router).
@@ -83,6 +86,11 @@ impl Model {
                 Slot::Norm(v) => {
                     let t = t.to_dtype(matrix)?.to_dtype(vector)?;
                     *v = offset_norm(&t, norm_offset)?;
+                    t
+                }
+                Slot::PlainNorm(v) => {
+                    let t = t.to_dtype(matrix)?.to_dtype(vector)?;
+                    *v = t.clone();
                     t
                 }
                 Slot::Bias(b) => {
@@ -226,6 +234,26 @@ impl Model {
                     ("conv.conv", "bias") => return Some(Slot::HostVector(&mut conv.taps.bias)),
                     _ => None,
                 }
+            }
+            Mixer::GatedDeltaNet(net) => {
+                // Its own parameters; the layer's norms and MLP are found below.
+                match (module, kind) {
+                    ("linear_attn", "A_log") => {
+                        return Some(Slot::HostValues(&mut net.params.a_log))
+                    }
+                    ("linear_attn", "dt_bias") => {
+                        return Some(Slot::HostValues(&mut net.params.dt_bias))
+                    }
+                    ("linear_attn.conv1d", "weight") => {
+                        return Some(Slot::HostValues(&mut net.params.conv))
+                    }
+                    ("linear_attn.norm", "weight") => return Some(Slot::PlainNorm(&mut net.norm)),
+                    _ => {}
+                }
+                if let Some(linear) = module.strip_prefix("linear_attn.") {
+                    return linear_slot(net.linear_mut(linear)?, kind);
+                }
+                None
             }
         };
         // Latent attention's own parameters (every `self_attn` one but o_proj).

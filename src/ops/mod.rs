@@ -12,6 +12,7 @@ mod cuda;
 #[cfg(feature = "cuda")]
 mod cuda_attention;
 mod elementwise;
+mod gated_delta;
 mod gemm;
 mod gemm_abf16;
 mod gemm_bf16;
@@ -34,6 +35,7 @@ pub use cuda::multiprocessors as cuda_multiprocessors;
 pub use elementwise::{
     add, clamped_swiglu, gated, gated_halves, softcap, swiglu, swiglu_halves, xielu, Xielu,
 };
+pub use gated_delta::{gated_delta_rule, sigmoid_gate, DeltaNetParams};
 pub use gemm::{
     matmul_packed, matmul_packed_profiled, packed_matmul, packed_matmul_reduced,
     packed_matmul_with, split_k_parts, PackedWeight, Reduction,

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use crate::kv::BlockTable;
+use crate::kv::{BlockTable, SequenceStates};
 use crate::model::LoraAdapter;
 use crate::output::{FinishReason, StopReason, TokenLogprobs};
 use crate::sampling::{SamplingParams, TokenConstraint};
@@ -50,6 +50,8 @@ pub struct Sequence {
     pub lora: Option<Arc<LoraAdapter>>,
     /// Its request's `cache_salt` hashed (`kv::salt_hash`; 0: none).
     pub cache_salt: u64,
+    /// Its recurrent states, where the model has linear-attention layers (freed with it).
+    pub states: Option<SequenceStates>,
 }
 
 /// Decode–verify–rollback counters and state of one sequence (owned by `crate::dvr`).

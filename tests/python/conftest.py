@@ -106,6 +106,19 @@ DEEPSEEK_YARN = {
     "beta_slow": 1.0,
 }
 
+# Qwen3.5's zoo layers: three gated DeltaNets (2 key heads, 4 value heads of 16) and one
+# attention layer.
+_QWEN3_5_LAYERS = {
+    "num_hidden_layers": 4,
+    "layer_types": ["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+}
+
+
 MODEL_SPECS: dict[str, dict] = {
     "llama": {
         "arch": "llama",
@@ -814,6 +827,30 @@ MODEL_SPECS: dict[str, dict] = {
             "norm_eps": 1e-5,
         },
     },
+    # Qwen3.5: gated DeltaNets in three of four layers (their per-sequence recurrent state
+    # outside the pages), gated attention with per-head q/k norms in the others, a quarter of
+    # each head rotating, every norm but the DeltaNet's scaling by 1 + w. Seed 251: at 241
+    # one prompt's first token flips between the engine's bf16 and transformers' (which runs
+    # the delta rule's state and the convolution in bf16: 0.4-0.66 off the rounded model in
+    # f32, where the engine's bf16 is within 1e-4 of it; the flipped prompt's margin was 0.03).
+    "qwen3_5": {
+        "arch": "qwen3_5",
+        "seed": 251,
+        "head_dim": 32,
+        "rope": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        "extra": _QWEN3_5_LAYERS,
+    },
+    # Qwen3.5 stored in bf16, run in bf16 with an f32 KV cache: the bf16 path checked exactly
+    # against the rounded model computed in f32 (the recurrent state is f32 either way).
+    "qwen3_5_bf16": {
+        "arch": "qwen3_5",
+        "seed": 257,
+        "head_dim": 32,
+        "store_dtype": "bfloat16",
+        "llm_kwargs": {"kv_cache_dtype": "float32"},
+        "rope": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        "extra": _QWEN3_5_LAYERS,
+    },
     # LFM2-MoE: LFM2's layers, a dense first MLP (`intermediate_size` as written), then
     # experts under `feed_forward` chosen by sigmoid score plus a per-expert bias
     # (`feed_forward.expert_bias`, randomised), renormalised (sum + 1e-6), scaled by 1.5.
@@ -940,6 +977,7 @@ _CONFIG_CLASSES = {
     "dots1": (transformers.Dots1Config, transformers.Dots1ForCausalLM),
     "apertus": (transformers.ApertusConfig, transformers.ApertusForCausalLM),
     "lfm2": (transformers.Lfm2Config, transformers.Lfm2ForCausalLM),
+    "qwen3_5": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM),
     "hunyuan_v1_moe": (transformers.HunYuanMoEV1Config, transformers.HunYuanMoEV1ForCausalLM),
     "arcee": (transformers.ArceeConfig, transformers.ArceeForCausalLM),
     "solar_open": (transformers.SolarOpenConfig, transformers.SolarOpenForCausalLM),
@@ -1118,10 +1156,22 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
 
 
 def hf_logits(model: torch.nn.Module, ids) -> np.ndarray:
-    """Per-position logits [len, vocab] (float32) of one sequence, no KV cache."""
+    """Per-position logits [len, vocab] (float32) of one sequence, no KV cache.
+
+    A model with linear-attention layers (Qwen3.5) runs token by token through its cache
+    instead: transformers' whole-sequence form of the delta rule reorders its sums into
+    chunks (3e-4 apart from its own token-by-token form on the zoo model), and the
+    token-by-token form is the one it decodes with, and the engine's."""
+    ids = torch.tensor([list(ids)], dtype=torch.long)
     with torch.inference_mode():
-        out = model(torch.tensor([list(ids)], dtype=torch.long), use_cache=False)
-    return out.logits[0].float().numpy()
+        if "linear_attention" not in (getattr(model.config, "layer_types", None) or ()):
+            return model(ids, use_cache=False).logits[0].float().numpy()
+        cache, rows = None, []
+        for t in range(ids.shape[1]):
+            out = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            rows.append(out.logits[0, -1].float())
+        return torch.stack(rows).numpy()
 
 
 def hf_greedy(model: torch.nn.Module, prompt_ids, n: int, process=None, stop_ids=()):

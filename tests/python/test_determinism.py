@@ -200,6 +200,7 @@ def needle_in_haystack(
         "solar_open",
         "exaone_moe",
         "mistral4",
+        "qwen3_5",
     ],
 )
 def test_needle_in_haystack_on_every_decoder_layout(model_zoo, name: str) -> None:

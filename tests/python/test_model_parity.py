@@ -364,14 +364,21 @@ def test_bf16_parity_against_transformers_in_bf16(arch_case, llm_factory, token_
         # Every prompt's first token agrees, and over the agreeing prefix the logprobs are
         # within bf16's resolution of the reference (a wrong kernel gives O(1) differences).
         assert all(r["common_prefix"] >= 1 for r in rows if r["ref"] == label), (label, rows)
-        if is_moe(arch_case):
+        if is_moe(arch_case) or has_linear_attention(arch_case):
             # bf16 rounding flips near-tied routing decisions (transformers' own bf16 leaves its
             # f32 after ~22 of 32 tokens here), and a flipped expert moves a logprob by O(1):
             # no bound over the prefix. The exact check of bf16 MoE weights is the
             # `qwen3_moe_bf16` case (bf16 checkpoint, f32 KV, against the rounded model).
+            # Qwen3.5's random DeltaNets are as sensitive: rounding the weights to bf16 alone
+            # moves transformers' own f32 logprobs by up to 1.2 on the zoo model (its bf16
+            # leaves its f32 after ~7 of 32 tokens); the exact check is `qwen3_5_bf16`.
             continue
         assert s["max_logprob_diff"] is not None and s["max_logprob_diff"] < 0.25, (label, s)
 
 
 def is_moe(case) -> bool:
     return "num_experts_per_tok" in case.spec.get("extra", {})
+
+
+def has_linear_attention(case) -> bool:
+    return "linear_attention" in case.spec.get("extra", {}).get("layer_types", ())

@@ -19,7 +19,7 @@ use std::sync::Arc;
 
 use crate::dvr::{replay::fixed_shape_passes, ScoringShape};
 use crate::error::{DetspecError, Result};
-use crate::kv::{BlockTable, PageClass};
+use crate::kv::{BlockTable, PageClass, SequenceStates};
 use crate::model::{ForwardBatch, LoraAdapter};
 use crate::ops::{self, AttentionMetadata, AttentionSchedule};
 use crate::output::TokenLogprobs;
@@ -215,6 +215,7 @@ impl EngineCore {
             invariant_gemm: fixed,
             ..Default::default()
         };
+        let states = self.fresh_states(seqs.len());
         for (si, ((p, rows), bt)) in seqs.iter().zip(wanted).zip(tables).enumerate() {
             for (pos, &t) in p.iter().enumerate().skip(bt.num_tokens()) {
                 let slot = bt.slot(pos, ps).ok_or_else(|| {
@@ -230,6 +231,9 @@ impl EngineCore {
             }
             batch.attention.block_tables.push(bt.pages().to_vec());
             batch.adapters.push(lora_of(scopes, si));
+            batch
+                .states
+                .push(states.get(si).map(SequenceStates::forward));
         }
         if batch.logit_rows.is_empty() {
             return Ok((0, vec![Vec::new(); seqs.len()]));
@@ -365,12 +369,18 @@ impl EngineCore {
     ) -> Result<()> {
         let ps = self.cfg.page_size;
         let vocab = self.info.config.vocab_size;
+        // Each sequence's recurrent state, carried from its prompt's passes to its
+        // completion's.
+        let states = self.fresh_states(seqs.len());
         // Rows `part(i)` of every sequence `i`, in order, as one batch.
         let rows = |part: &dyn Fn(usize) -> Range<usize>| -> Result<ForwardBatch> {
             let mut batch = ForwardBatch::default();
             batch.attention.sliding_window = self.info.config.sliding_window;
             batch.attention.block_tables = tables.iter().map(|t| t.pages().to_vec()).collect();
             batch.adapters = (0..tables.len()).map(|si| lora_of(scopes, si)).collect();
+            batch.states = (0..tables.len())
+                .map(|si| states.get(si).map(SequenceStates::forward))
+                .collect();
             for (si, (seq, table)) in seqs.iter().zip(tables).enumerate() {
                 for pos in part(si) {
                     let slot = table.slot(pos, ps).ok_or_else(|| {
@@ -417,6 +427,16 @@ impl EngineCore {
             }
         }
         Ok(())
+    }
+
+    /// A fresh recurrent state for each of `n` sequences (none where the model keeps none),
+    /// freed when the forward that holds them is done.
+    fn fresh_states(&self, n: usize) -> Vec<SequenceStates> {
+        let pool = self.kv.states();
+        match pool.is_used() {
+            true => (0..n).map(|_| SequenceStates::new(pool, false)).collect(),
+            false => Vec::new(),
+        }
     }
 
     /// The logits of a batch's logit rows, flattened.

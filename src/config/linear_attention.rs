@@ -1,0 +1,168 @@
+//! The linear-attention part of a Qwen3.5 `config.json`: which layers are gated DeltaNets
+//! rather than attention, and their widths.
+
+use std::path::Path;
+
+use serde::Deserialize;
+
+use crate::error::{DetspecError, Result};
+
+/// Qwen3.5's gated DeltaNet (transformers' `Qwen3_5GatedDeltaNet`): per token, `in_proj_qkv`
+/// makes queries and keys of `key_heads` heads and values of `value_heads` heads, which a
+/// causal depthwise convolution of `kernel` taps (then SiLU) mixes with the tokens before;
+/// each value head keeps a `key_dim × value_dim` state that decays and takes in each token
+/// by the delta rule. The state is a function of the whole prefix (`kv::state`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LinearAttentionConfig {
+    /// The convolution's taps per channel (`linear_conv_kernel_dim`).
+    pub kernel: usize,
+    pub key_heads: usize,
+    pub value_heads: usize,
+    /// A key (and query) head's width.
+    pub key_dim: usize,
+    /// A value head's width.
+    pub value_dim: usize,
+    /// Per layer: linear attention (`true`) or full attention.
+    pub layers: Vec<bool>,
+}
+
+impl LinearAttentionConfig {
+    /// Whether layer `i` is linear attention.
+    pub fn is_linear(&self, i: usize) -> bool {
+        self.layers.get(i).copied().unwrap_or(false)
+    }
+
+    /// Queries, keys and values of one token: the convolution's channels.
+    pub fn conv_dim(&self) -> usize {
+        2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+    }
+
+    /// The values a sequence's state takes in one layer: the convolution's last `kernel - 1`
+    /// inputs, then each value head's `key_dim × value_dim` matrix.
+    pub fn state_values(&self) -> usize {
+        (self.kernel - 1) * self.conv_dim() + self.value_heads * self.key_dim * self.value_dim
+    }
+}
+
+/// `config.json`'s linear-attention fields as written.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+pub(super) struct RawLinearAttention {
+    linear_conv_kernel_dim: Option<usize>,
+    linear_key_head_dim: Option<usize>,
+    linear_value_head_dim: Option<usize>,
+    linear_num_key_heads: Option<usize>,
+    linear_num_value_heads: Option<usize>,
+    layer_types: Option<Vec<String>>,
+    full_attention_interval: Option<usize>,
+}
+
+impl RawLinearAttention {
+    /// The checked fields, with transformers' defaults (`Qwen3NextConfig`'s).
+    pub(super) fn check(&self, path: &Path, num_layers: usize) -> Result<LinearAttentionConfig> {
+        let err = |field: &str, message: String| DetspecError::InvalidConfig {
+            path: path.to_path_buf(),
+            field: field.to_string(),
+            message,
+        };
+        let positive = |field: &str, v: Option<usize>, default: usize| match v.unwrap_or(default) {
+            0 => Err(err(field, "must be > 0".into())),
+            n => Ok(n),
+        };
+        let kernel = positive("linear_conv_kernel_dim", self.linear_conv_kernel_dim, 4)?;
+        let key_dim = positive("linear_key_head_dim", self.linear_key_head_dim, 128)?;
+        let value_dim = positive("linear_value_head_dim", self.linear_value_head_dim, 128)?;
+        let key_heads = positive("linear_num_key_heads", self.linear_num_key_heads, 16)?;
+        let value_heads = positive("linear_num_value_heads", self.linear_num_value_heads, 32)?;
+        if value_heads % key_heads != 0 {
+            return Err(err(
+                "linear_num_value_heads",
+                format!("{value_heads} is not a multiple of linear_num_key_heads={key_heads}"),
+            ));
+        }
+        let layers = match &self.layer_types {
+            Some(types) => {
+                if types.len() != num_layers {
+                    return Err(err(
+                        "layer_types",
+                        format!("{} entries for {num_layers} layers", types.len()),
+                    ));
+                }
+                types
+                    .iter()
+                    .enumerate()
+                    .map(|(i, t)| match t.as_str() {
+                        "linear_attention" => Ok(true),
+                        "full_attention" => Ok(false),
+                        other => Err(err(
+                            "layer_types",
+                            format!(
+                                "layer {i} is {other:?} (Qwen3.5's kinds: \"linear_attention\", \
+                                 \"full_attention\")"
+                            ),
+                        )),
+                    })
+                    .collect::<Result<Vec<_>>>()?
+            }
+            // transformers' default: every `full_attention_interval`-th layer attends.
+            None => {
+                let every = positive("full_attention_interval", self.full_attention_interval, 4)?;
+                (0..num_layers).map(|i| (i + 1) % every != 0).collect()
+            }
+        };
+        Ok(LinearAttentionConfig {
+            kernel,
+            key_heads,
+            value_heads,
+            key_dim,
+            value_dim,
+            layers,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check(json: &str, layers: usize) -> Result<LinearAttentionConfig> {
+        serde_json::from_str::<RawLinearAttention>(json)
+            .unwrap()
+            .check(Path::new("config.json"), layers)
+    }
+
+    #[test]
+    fn defaults_and_layer_kinds() {
+        let c = check("{}", 8).unwrap();
+        assert_eq!((c.kernel, c.key_heads, c.value_heads), (4, 16, 32));
+        assert_eq!(c.layers, [true, true, true, false, true, true, true, false]);
+        assert_eq!(c.conv_dim(), 2 * 16 * 128 + 32 * 128);
+        assert_eq!(c.state_values(), 3 * c.conv_dim() + 32 * 128 * 128);
+        let c = check(
+            r#"{"layer_types": ["full_attention", "linear_attention"],
+                "linear_num_key_heads": 2, "linear_num_value_heads": 4}"#,
+            2,
+        )
+        .unwrap();
+        assert_eq!(c.layers, [false, true]);
+    }
+
+    #[test]
+    fn bad_fields_are_named() {
+        for (json, field) in [
+            (
+                r#"{"linear_num_value_heads": 5, "linear_num_key_heads": 2}"#,
+                "linear_num_value_heads",
+            ),
+            (r#"{"linear_conv_kernel_dim": 0}"#, "linear_conv_kernel_dim"),
+            (r#"{"layer_types": ["full_attention"]}"#, "layer_types"),
+            (
+                r#"{"layer_types": ["mamba", "full_attention"]}"#,
+                "layer_types",
+            ),
+        ] {
+            let e = check(json, 2).unwrap_err().to_string();
+            assert!(e.contains(field), "{json}: {e}");
+        }
+    }
+}

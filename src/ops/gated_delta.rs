@@ -1,0 +1,551 @@
+//! Qwen3.5's gated DeltaNet core on the CPU: the causal convolution (then SiLU) over each
+//! sequence's queries, keys and values, and the gated delta rule over its per-sequence state
+//! (`kv::state`), token after token.
+//!
+//! Per value head `h` and token `t` (queries and keys L2-normed, queries scaled by
+//! `key_dim^-½`, `g = -e^{A_log} · softplus(a + dt_bias)`, `β = σ(b)`):
+//!
+//! ```text
+//! S ← e^g · S;   δ = β · (v − Sᵀk);   S ← S + k δᵀ;   o = Sᵀq
+//! ```
+//!
+//! Every sum runs over the key dimension in order, one scalar chain per output element; a
+//! token's result depends on nothing but its sequence's state and its own inputs. The op is
+//! therefore batch-, position- and thread-invariant by construction, and a prefill gives the
+//! bits of the same tokens decoded one by one (transformers' chunked form of the rule reorders
+//! the sums: it agrees to rounding, not bits).
+
+use std::sync::Arc;
+
+use candle_core::{bail, Tensor};
+use rayon::prelude::*;
+
+use super::math::{exp_nonpositive, sigmoid, silu};
+use super::{to_f32_vec, AttentionMetadata};
+use crate::kv::{StatePool, StateRef};
+
+/// One layer's parameters, on the host.
+#[derive(Debug, Clone)]
+pub struct DeltaNetParams {
+    /// `[conv_dim, kernel]`, row-major (`conv1d.weight` without its middle axis).
+    pub conv: Arc<[f32]>,
+    pub kernel: usize,
+    /// `A_log` per value head (the decay's rate is `-e^{A_log}`, in f32 as transformers
+    /// computes it).
+    pub a_log: Arc<[f32]>,
+    pub dt_bias: Arc<[f32]>,
+    pub key_heads: usize,
+    pub value_heads: usize,
+    pub key_dim: usize,
+    pub value_dim: usize,
+}
+
+impl DeltaNetParams {
+    fn conv_dim(&self) -> usize {
+        2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+    }
+
+    fn conv_state(&self) -> usize {
+        (self.kernel - 1) * self.conv_dim()
+    }
+
+    fn head_state(&self) -> usize {
+        self.key_dim * self.value_dim
+    }
+
+    fn state_len(&self) -> usize {
+        self.conv_state() + self.value_heads * self.head_state()
+    }
+}
+
+/// torch's `softplus` (threshold 20).
+fn softplus(x: f32) -> f32 {
+    if x > 20.0 {
+        x
+    } else {
+        libm::log1pf(libm::expf(x))
+    }
+}
+
+/// `x · (Σx² + 1e-6)^-½ · scale`, in place (the FLA library's L2 norm, as transformers').
+fn l2_normalize(x: &mut [f32], scale: f32) {
+    let sum = x.iter().fold(0f32, |acc, &v| acc + v * v);
+    let inv = 1.0 / (sum + 1e-6).sqrt();
+    for v in x {
+        *v = *v * inv * scale;
+    }
+}
+
+/// The layer's core output `[rows, value_heads · value_dim]` for the rows' pre-convolution
+/// `qkv` (`[rows, conv_dim]`) and gate inputs `a`, `b` (`[rows, value_heads]`). Each
+/// sequence's rows (`meta.row_seq`, consecutive positions in order) continue the state
+/// `states[seq]` names (`StateRef`) in layer `layer` of `pool`; rows of a sequence without
+/// one (padding) output zeros.
+pub fn gated_delta_rule(
+    (qkv, a, b): (&Tensor, &Tensor, &Tensor),
+    p: &DeltaNetParams,
+    meta: &AttentionMetadata,
+    states: &[Option<StateRef>],
+    (pool, layer): (&StatePool, usize),
+) -> candle_core::Result<Tensor> {
+    let (n, conv_dim) = qkv.dims2()?;
+    let hv = p.value_heads;
+    if conv_dim != p.conv_dim() || a.dims() != [n, hv] || b.dims() != [n, hv] {
+        bail!(
+            "gated_delta_rule: qkv {:?}, a {:?}, b {:?} for {conv_dim} channels and {hv} value heads",
+            qkv.dims(),
+            a.dims(),
+            b.dims()
+        );
+    }
+    if p.kernel == 0 || p.conv.len() != conv_dim * p.kernel {
+        bail!(
+            "gated_delta_rule: {} taps for {conv_dim} channels",
+            p.conv.len()
+        );
+    }
+    if p.a_log.len() != hv
+        || p.dt_bias.len() != hv
+        || p.key_heads == 0
+        || !hv.is_multiple_of(p.key_heads)
+    {
+        bail!(
+            "gated_delta_rule: A_log and dt_bias must have one value per value head ({hv}), \
+             and the value heads must share the key heads ({}) evenly",
+            p.key_heads
+        );
+    }
+    let Some((start, len)) = pool.layer_range(layer) else {
+        bail!("gated_delta_rule: layer {layer} keeps no state");
+    };
+    if len != p.state_len() {
+        bail!(
+            "gated_delta_rule: layer {layer}'s state is {len} values, not {}",
+            p.state_len()
+        );
+    }
+    if meta.row_seq.len() != n || meta.positions.len() != n {
+        bail!(
+            "gated_delta_rule: {n} rows, {} sequences",
+            meta.row_seq.len()
+        );
+    }
+    let (qkv, a, b) = (to_f32_vec(qkv)?, to_f32_vec(a)?, to_f32_vec(b)?);
+    // Each sequence's rows, in batch order.
+    let mut by_seq: Vec<Vec<usize>> = vec![Vec::new(); states.len()];
+    for (r, &s) in meta.row_seq.iter().enumerate() {
+        if let Some(rows) = by_seq
+            .get_mut(s as usize)
+            .filter(|_| states[s as usize].is_some())
+        {
+            rows.push(r);
+        }
+    }
+    let width = hv * p.value_dim;
+    let outs: Vec<(Vec<usize>, Vec<f32>)> = by_seq
+        .into_par_iter()
+        .zip(states.par_iter())
+        .filter(|(rows, _)| !rows.is_empty())
+        .map(|(rows, state)| {
+            let Some(state) = state else {
+                return Ok((rows, Vec::new()));
+            };
+            let out = run_sequence(&rows, *state, (&qkv, &a, &b), p, meta, (pool, layer, start))?;
+            Ok((rows, out))
+        })
+        .collect::<candle_core::Result<_>>()?;
+    let mut out = vec![0f32; n * width];
+    for (rows, o) in outs {
+        for (j, &r) in rows.iter().enumerate() {
+            out[r * width..(r + 1) * width].copy_from_slice(&o[j * width..(j + 1) * width]);
+        }
+    }
+    Tensor::from_vec(out, (n, width), &candle_core::Device::Cpu)
+}
+
+/// One sequence's rows: reads its state, runs the convolution and the rule, leaves the state
+/// after `state.advance` rows. Returns the rows' outputs, in order.
+fn run_sequence(
+    rows: &[usize],
+    state: StateRef,
+    (qkv, a, b): (&[f32], &[f32], &[f32]),
+    p: &DeltaNetParams,
+    meta: &AttentionMetadata,
+    (pool, layer, start): (&StatePool, usize, usize),
+) -> candle_core::Result<Vec<f32>> {
+    let err = |m: String| candle_core::Error::Msg(format!("gated_delta_rule: {m}"));
+    let first = meta.positions[rows[0]] as usize;
+    for (j, &r) in rows.iter().enumerate() {
+        if meta.positions[r] as usize != first + j {
+            return Err(err(format!(
+                "row {r} is at position {}, not {} (a sequence's rows run in order)",
+                meta.positions[r],
+                first + j
+            )));
+        }
+    }
+    let len = p.state_len();
+    let mut st = vec![0f32; len];
+    if first > 0 {
+        let slot = pool.get(state.read).map_err(|e| err(e.to_string()))?;
+        let d = slot.lock().unwrap_or_else(|e| e.into_inner());
+        if d.seen[layer] != first {
+            return Err(err(format!(
+                "a row at position {first} continues a state of {} tokens",
+                d.seen[layer]
+            )));
+        }
+        st.copy_from_slice(&d.values[start..start + len]);
+    }
+    let m = rows.len();
+    let advance = (state.advance as usize).min(m);
+    let cd = p.conv_dim();
+    let k = p.kernel;
+    // The convolution over the state's last k - 1 inputs, then the rows'.
+    let (hist, heads) = st.split_at_mut(p.conv_state());
+    let input = |i: isize| -> &[f32] {
+        if i >= 0 {
+            let r = rows[i as usize];
+            &qkv[r * cd..(r + 1) * cd]
+        } else {
+            let h = (k as isize - 1 + i) as usize;
+            &hist[h * cd..(h + 1) * cd]
+        }
+    };
+    let mut post = vec![0f32; m * cd];
+    post.par_chunks_mut(cd).enumerate().for_each(|(j, y)| {
+        let taps: Vec<&[f32]> = (0..k)
+            .map(|t| input(j as isize - (k as isize - 1) + t as isize))
+            .collect();
+        for (c, y) in y.iter_mut().enumerate() {
+            let w = &p.conv[c * k..(c + 1) * k];
+            let mut acc = 0f32;
+            for (wt, x) in w.iter().zip(&taps) {
+                acc += wt * x[c];
+            }
+            *y = silu(acc);
+        }
+    });
+    // The convolution's state after `advance` rows: the last k - 1 of history and rows.
+    let new_hist: Vec<f32> = (0..k - 1)
+        .flat_map(|h| input(advance as isize - (k as isize - 1) + h as isize).to_vec())
+        .collect();
+    hist.copy_from_slice(&new_hist);
+    // Queries and keys normed per key head (queries also scaled), by row.
+    let (hk, dk, dv, hv) = (p.key_heads, p.key_dim, p.value_dim, p.value_heads);
+    let scale = 1.0 / (dk as f32).sqrt();
+    post.par_chunks_mut(cd).for_each(|row| {
+        let (q, rest) = row.split_at_mut(hk * dk);
+        let (kk, _) = rest.split_at_mut(hk * dk);
+        for h in 0..hk {
+            l2_normalize(&mut q[h * dk..(h + 1) * dk], scale);
+            l2_normalize(&mut kk[h * dk..(h + 1) * dk], 1.0);
+        }
+    });
+    let group = hv / hk;
+    let width = hv * dv;
+    let neg_a: Vec<f32> = p.a_log.iter().map(|&x| -libm::expf(x)).collect();
+    // Per value head: its state in place and its outputs `[m, dv]`.
+    let per_head: Vec<Vec<f32>> = heads
+        .par_chunks_mut(dk * dv)
+        .enumerate()
+        .map(|(h, s)| {
+            let kh = h / group;
+            let mut out = vec![0f32; m * dv];
+            let mut kept: Option<Vec<f32>> = (advance == 0).then(|| s.to_vec());
+            let (mut kv_mem, mut delta) = (vec![0f32; dv], vec![0f32; dv]);
+            for (j, &r) in rows.iter().enumerate() {
+                let row = &post[j * cd..(j + 1) * cd];
+                let q = &row[kh * dk..(kh + 1) * dk];
+                let kv = &row[hk * dk + kh * dk..hk * dk + (kh + 1) * dk];
+                let v = &row[2 * hk * dk + h * dv..2 * hk * dk + (h + 1) * dv];
+                let g = neg_a[h] * softplus(a[r * hv + h] + p.dt_bias[h]);
+                let decay = exp_nonpositive(g.min(0.0));
+                let beta = sigmoid(b[r * hv + h]);
+                for x in s.iter_mut() {
+                    *x *= decay;
+                }
+                kv_mem.iter_mut().for_each(|x| *x = 0.0);
+                for (i, &ki) in kv.iter().enumerate() {
+                    for (acc, &sv) in kv_mem.iter_mut().zip(&s[i * dv..(i + 1) * dv]) {
+                        *acc += sv * ki;
+                    }
+                }
+                for (d, (&vc, &mem)) in delta.iter_mut().zip(v.iter().zip(&kv_mem)) {
+                    *d = (vc - mem) * beta;
+                }
+                for (i, &ki) in kv.iter().enumerate() {
+                    for (sv, &d) in s[i * dv..(i + 1) * dv].iter_mut().zip(&delta) {
+                        *sv += ki * d;
+                    }
+                }
+                let o = &mut out[j * dv..(j + 1) * dv];
+                for (i, &qi) in q.iter().enumerate() {
+                    for (oc, &sv) in o.iter_mut().zip(&s[i * dv..(i + 1) * dv]) {
+                        *oc += sv * qi;
+                    }
+                }
+                if j + 1 == advance && advance < m {
+                    kept = Some(s.to_vec());
+                }
+            }
+            if let Some(kept) = kept {
+                s.copy_from_slice(&kept);
+            }
+            out
+        })
+        .collect();
+    let slot = pool.get(state.write).map_err(|e| err(e.to_string()))?;
+    {
+        let mut d = slot.lock().unwrap_or_else(|e| e.into_inner());
+        d.values[start..start + len].copy_from_slice(&st);
+        d.seen[layer] = first + advance;
+    }
+    let mut out = vec![0f32; m * width];
+    for (h, o) in per_head.iter().enumerate() {
+        for j in 0..m {
+            out[j * width + h * dv..j * width + (h + 1) * dv]
+                .copy_from_slice(&o[j * dv..(j + 1) * dv]);
+        }
+    }
+    Ok(out)
+}
+
+/// `x · σ(gate)` per element ([`sigmoid`]): the attention's output gate (Qwen3.5).
+pub fn sigmoid_gate(x: &Tensor, gate: &Tensor) -> candle_core::Result<Tensor> {
+    if x.dims() != gate.dims() {
+        bail!(
+            "sigmoid_gate: shapes {:?} and {:?} differ",
+            x.dims(),
+            gate.dims()
+        );
+    }
+    let (xs, gs) = (to_f32_vec(x)?, to_f32_vec(gate)?);
+    let out: Vec<f32> = xs
+        .par_iter()
+        .zip(gs.par_iter())
+        .map(|(&v, &g)| v * sigmoid(g))
+        .collect();
+    Tensor::from_vec(out, x.shape(), x.device())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kv::SequenceStates;
+    use candle_core::Device;
+
+    /// 2 key heads, 4 value heads of 3, keys of 2, kernel 3: conv_dim 2·2·2 + 4·3 = 20.
+    fn params() -> DeltaNetParams {
+        let conv_dim = 20;
+        DeltaNetParams {
+            conv: (0..conv_dim * 3)
+                .map(|i| ((i * 7 % 11) as f32 - 5.0) * 0.1)
+                .collect::<Vec<_>>()
+                .into(),
+            kernel: 3,
+            a_log: vec![0.1, -0.5, 1.0, 0.3].into(),
+            dt_bias: vec![0.2, -0.1, 0.4, 0.0].into(),
+            key_heads: 2,
+            value_heads: 4,
+            key_dim: 2,
+            value_dim: 3,
+        }
+    }
+
+    fn pool(p: &DeltaNetParams) -> Arc<StatePool> {
+        StatePool::new(&[0, p.state_len()])
+    }
+
+    /// Inputs of `n` rows: qkv `[n, 20]`, a and b `[n, 4]`, from a seed.
+    fn inputs(n: usize, seed: usize) -> (Tensor, Tensor, Tensor) {
+        let v = |w: usize, k: usize| -> Tensor {
+            let data: Vec<f32> = (0..n * w)
+                .map(|i| (((i + seed * 31 + k) * 2654435761usize % 1000) as f32) / 500.0 - 1.0)
+                .collect();
+            Tensor::from_vec(data, (n, w), &Device::Cpu).unwrap()
+        };
+        (v(20, 0), v(4, 1), v(4, 2))
+    }
+
+    fn meta(rows: &[(u32, u32)]) -> AttentionMetadata {
+        AttentionMetadata {
+            positions: rows.iter().map(|r| r.1).collect(),
+            row_seq: rows.iter().map(|r| r.0).collect(),
+            ..AttentionMetadata::default()
+        }
+    }
+
+    fn bits(t: &Tensor) -> Vec<u32> {
+        t.flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+            .iter()
+            .map(|x| x.to_bits())
+            .collect()
+    }
+
+    fn rows(t: &Tensor, from: usize, n: usize) -> Vec<u32> {
+        bits(&t.narrow(0, from, n).unwrap())
+    }
+
+    /// A prefill of 5 rows gives the bits of the same rows run one at a time, each continuing
+    /// the state the one before left (the decode path).
+    #[test]
+    fn a_prefill_is_its_rows_decoded_one_by_one() {
+        let p = params();
+        let pool = pool(&p);
+        let (qkv, a, b) = inputs(5, 1);
+        let whole = SequenceStates::new(&pool, false);
+        let all = gated_delta_rule(
+            (&qkv, &a, &b),
+            &p,
+            &meta(&[(0, 0), (0, 1), (0, 2), (0, 3), (0, 4)]),
+            &[Some(whole.forward())],
+            (&pool, 1),
+        )
+        .unwrap();
+        let one = SequenceStates::new(&pool, false);
+        for r in 0..5 {
+            let pick = |t: &Tensor| t.narrow(0, r, 1).unwrap();
+            let y = gated_delta_rule(
+                (&pick(&qkv), &pick(&a), &pick(&b)),
+                &p,
+                &meta(&[(0, r as u32)]),
+                &[Some(one.forward())],
+                (&pool, 1),
+            )
+            .unwrap();
+            assert_eq!(bits(&y), rows(&all, r, 1), "row {r}");
+        }
+        let state = |s: &SequenceStates| {
+            let d = pool.get(s.forward().read).unwrap();
+            let d = d.lock().unwrap();
+            (
+                d.seen.clone(),
+                d.values.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            )
+        };
+        assert_eq!(state(&whole), state(&one));
+        assert!(all
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+            .iter()
+            .any(|&x| x != 0.0));
+    }
+
+    /// A sequence's rows have the same bits whatever other sequences (and padding) share the
+    /// batch, and wherever they sit in it.
+    #[test]
+    fn a_sequence_is_batch_invariant() {
+        let p = params();
+        let pool = pool(&p);
+        let (qkv, a, b) = inputs(3, 2);
+        let alone = SequenceStates::new(&pool, false);
+        let want = gated_delta_rule(
+            (&qkv, &a, &b),
+            &p,
+            &meta(&[(0, 0), (0, 1), (0, 2)]),
+            &[Some(alone.forward())],
+            (&pool, 1),
+        )
+        .unwrap();
+        let (oq, oa, ob) = inputs(4, 9);
+        let cat = |x: &Tensor, y: &Tensor| {
+            Tensor::cat(
+                &[&x.narrow(0, 0, 2).unwrap(), y, &x.narrow(0, 2, 2).unwrap()],
+                0,
+            )
+            .unwrap()
+        };
+        let (other, mine) = (
+            SequenceStates::new(&pool, false),
+            SequenceStates::new(&pool, false),
+        );
+        // Rows: other 0, other 1, mine 0..3, padding (sequence 2, no state), other 2.
+        let crowd = gated_delta_rule(
+            (&cat(&oq, &qkv), &cat(&oa, &a), &cat(&ob, &b)),
+            &p,
+            &meta(&[(0, 0), (0, 1), (1, 0), (1, 1), (1, 2), (2, 0), (0, 2)]),
+            &[Some(other.forward()), Some(mine.forward()), None],
+            (&pool, 1),
+        )
+        .unwrap();
+        assert_eq!(rows(&crowd, 2, 3), bits(&want));
+        assert!(
+            rows(&crowd, 5, 1).iter().all(|&b| b == 0),
+            "padding outputs zeros"
+        );
+    }
+
+    /// `advance` leaves the state after that many rows: what a run of those rows alone
+    /// leaves (a verify pass re-run with its accepted rows); a replay reads the committed
+    /// state and writes the live one.
+    #[test]
+    fn advance_keeps_the_state_after_the_accepted_rows() {
+        let p = params();
+        let pool = pool(&p);
+        let (qkv, a, b) = inputs(4, 3);
+        let m = meta(&[(0, 0), (0, 1), (0, 2), (0, 3)]);
+        let two = SequenceStates::new(&pool, false);
+        let first_two = |t: &Tensor| t.narrow(0, 0, 2).unwrap();
+        gated_delta_rule(
+            (&first_two(&qkv), &first_two(&a), &first_two(&b)),
+            &p,
+            &meta(&[(0, 0), (0, 1)]),
+            &[Some(two.forward())],
+            (&pool, 1),
+        )
+        .unwrap();
+        let s = SequenceStates::new(&pool, true);
+        gated_delta_rule((&qkv, &a, &b), &p, &m, &[Some(s.replay(2))], (&pool, 1)).unwrap();
+        let values = |id: u32| {
+            let d = pool.get(id).unwrap();
+            let d = d.lock().unwrap();
+            (
+                d.seen[1],
+                d.values.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            )
+        };
+        assert_eq!(values(s.forward().write), values(two.forward().write));
+        assert_eq!(
+            values(s.replay(0).read).0,
+            0,
+            "the committed state is only read"
+        );
+    }
+
+    #[test]
+    fn a_row_that_does_not_continue_its_state_is_an_error() {
+        let p = params();
+        let pool = pool(&p);
+        let (qkv, a, b) = inputs(1, 4);
+        let s = SequenceStates::new(&pool, false);
+        let e = gated_delta_rule(
+            (&qkv, &a, &b),
+            &p,
+            &meta(&[(0, 5)]),
+            &[Some(s.forward())],
+            (&pool, 1),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("position 5 continues a state of 0 tokens"),
+            "{e}"
+        );
+        let e = gated_delta_rule(
+            (&qkv, &a, &b),
+            &p,
+            &meta(&[(0, 0)]),
+            &[Some(s.forward())],
+            (&pool, 0),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("keeps no state"), "{e}");
+    }
+}
