@@ -1486,7 +1486,7 @@ impl ModelConfig {
                 | Architecture::Qwen3_5
         ) {
             return Err(err(format!(
-                "{f}: only the Phi-3 and GLM layouts rotate part of each head ({architecture:?} \
+                "{f}: only the Phi-3, GLM and Qwen3.5 layouts rotate part of each head ({architecture:?} \
                  rotates all of it, as transformers does)"
             )));
         }

@@ -27,7 +27,7 @@ struct Wrapper {
     flat_form: bool,
 }
 
-const WRAPPERS: [Wrapper; 10] = [
+const WRAPPERS: [Wrapper; 11] = [
     Wrapper {
         class: "Gemma3ForConditionalGeneration",
         model_type: "gemma3",
@@ -95,6 +95,15 @@ const WRAPPERS: [Wrapper; 10] = [
         class: "Lfm2VlForConditionalGeneration",
         model_type: "lfm2_vl",
         text_type: "lfm2",
+        aliases: &[],
+        flat_form: false,
+    },
+    // Qwen3.5: every checkpoint of it is this wrapper; its multimodal rope is the plain one
+    // on text.
+    Wrapper {
+        class: "Qwen3_5ForConditionalGeneration",
+        model_type: "qwen3_5",
+        text_type: "qwen3_5_text",
         aliases: &[],
         flat_form: false,
     },

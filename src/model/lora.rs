@@ -105,12 +105,11 @@ impl LoraTarget {
     /// `(in, out)` of the base layer.
     fn dims(self, cfg: &ModelConfig) -> (usize, usize) {
         let (hs, is) = (cfg.hidden_size, cfg.intermediate_size);
-        let (q, kv) = (
-            cfg.num_attention_heads * cfg.head_dim,
-            cfg.num_key_value_heads * cfg.head_dim,
-        );
+        // q_proj's output holds each head's output gate too, where the model has one.
+        let [q_out, kv, _] = cfg.qkv_widths();
+        let q = cfg.num_attention_heads * cfg.head_dim;
         match self {
-            Self::Q => (hs, q),
+            Self::Q => (hs, q_out),
             Self::K | Self::V => (hs, kv),
             Self::O => (q, hs),
             Self::Gate | Self::Up => (hs, is),

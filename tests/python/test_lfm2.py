@@ -9,30 +9,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import log_softmax
+from whole_prompt import bits, params, run, whole_prompt_bits
 
 import detspec
-from detspec import SamplingParams
 
-RNG = np.random.default_rng(5)
-PROMPT = [int(x) for x in RNG.integers(3, 500, size=61)]
-NEW = 12
-
-
-def params(seed: int = 0) -> SamplingParams:
-    return SamplingParams(
-        temperature=0.8 if seed else 0.0,
-        seed=seed or None,
-        max_tokens=NEW,
-        ignore_eos=True,
-        logprobs=0,
-        deterministic=True,
-    )
-
-
-def bits(out: detspec.RequestOutput) -> tuple[list[int], list[int]]:
-    c = out.outputs[0]
-    return list(c.token_ids), [np.float32(x).view(np.uint32).item() for x in c.token_logprobs]
+PROMPT = [int(x) for x in np.random.default_rng(5).integers(3, 500, size=61)]
 
 
 @pytest.fixture(scope="module")
@@ -42,26 +23,7 @@ def lfm2(model_zoo):
 
 @pytest.fixture(scope="module")
 def whole(lfm2):
-    """The whole-prompt run's bits (greedy, seeded), its greedy run checked against
-    transformers: every token its argmax, every logprob within 1e-4."""
-    llm = detspec.LLM(str(lfm2.path), num_kv_pages=256)
-    greedy, seeded = (bits(o) for o in llm.generate([PROMPT] * 2, [params(), params(7)]))
-    llm.shutdown()
-    tokens, lp_bits = greedy
-    rows = log_softmax(lfm2.logits(PROMPT + tokens[:-1])[len(PROMPT) - 1 :])
-    assert [int(t) for t in rows.argmax(axis=-1)] == tokens
-    got = np.array(lp_bits, dtype=np.uint32).view(np.float32)
-    want = rows[np.arange(NEW), tokens]
-    assert np.abs(got - want).max() < 1e-4
-    return greedy, seeded
-
-
-def run(lfm2, prompts, sps, **kw) -> tuple[list[detspec.RequestOutput], dict]:
-    llm = detspec.LLM(str(lfm2.path), **{"num_kv_pages": 256, **kw})
-    outs = llm.generate(prompts, sps, use_tqdm=False)
-    stats = {**llm.stats(), **llm.kv_stats()}
-    llm.shutdown()
-    return outs, stats
+    return whole_prompt_bits(lfm2, PROMPT)
 
 
 def test_chunked_prefill_reads_the_rows_of_earlier_chunks(lfm2, whole):

@@ -139,6 +139,12 @@ PARITY_CASES = [
         {"target_modules": ["q_proj", "v_proj", "w1", "w3", "w2"]},
         id="lfm2-attention-mlp",
     ),
+    # Qwen3.5's gated attention (q_proj's delta covers each head's gate too) and MLPs.
+    pytest.param(
+        "qwen3_5",
+        {"target_modules": ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]},
+        id="qwen3_5-attention-mlp",
+    ),
     # Apertus's ungated MLP: down only (up_proj adapters are refused: test below).
     pytest.param(
         "apertus",
@@ -808,3 +814,11 @@ def test_lfm2_refuses_convolution_adapters_and_keeps_serving(model_zoo, tmp_path
     case = model_zoo.get("lfm2")
     path = _peft_dir(case.model, tmp_path, "lfm2", target_modules=["q_proj", "out_proj"])
     _refused_and_serving(case, path, "layers.0.conv.out_proj")
+
+
+def test_qwen3_5_refuses_delta_net_adapters_and_keeps_serving(model_zoo, tmp_path):
+    """An adapter of Qwen3.5's DeltaNet projections (`in_proj_qkv`, and `out_proj`) is
+    refused, naming the tensor: the engine adapts attention and MLPs only."""
+    case = model_zoo.get("qwen3_5")
+    path = _peft_dir(case.model, tmp_path, "q35", target_modules=["q_proj", "in_proj_qkv"])
+    _refused_and_serving(case, path, "layers.0.linear_attn.in_proj_qkv")

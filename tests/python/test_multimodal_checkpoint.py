@@ -233,6 +233,17 @@ WRAPPERS = {
         {"mrope_section": [4, 6, 6], "mrope_interleaved": True},
         {"model.language_model.": "model.", "model.visual.": "visual.", "lm_head.": "lm_head."},
     ),
+    # Qwen3.5: its DeltaNets and gated attention; a quarter of each 32-wide head rotates.
+    "qwen3_5": (
+        "Qwen3_5Config",
+        "Qwen3_5ForConditionalGeneration",
+        {
+            "vision_config": {**TINY_QWEN_VISION, "num_position_embeddings": 16},
+            "tie_word_embeddings": False,
+        },
+        {"mrope_section": [2, 1, 1], "mrope_interleaved": True},
+        {"model.language_model.": "model.", "model.visual.": "visual.", "lm_head.": "lm_head."},
+    ),
 }
 
 

@@ -11,30 +11,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import log_softmax
+from whole_prompt import bits, params, run, whole_prompt_bits
 
 import detspec
-from detspec import SamplingParams
 
-RNG = np.random.default_rng(11)
-PROMPT = [int(x) for x in RNG.integers(3, 500, size=61)]
-NEW = 12
-
-
-def params(seed: int = 0) -> SamplingParams:
-    return SamplingParams(
-        temperature=0.8 if seed else 0.0,
-        seed=seed or None,
-        max_tokens=NEW,
-        ignore_eos=True,
-        logprobs=0,
-        deterministic=True,
-    )
-
-
-def bits(out: detspec.RequestOutput) -> tuple[list[int], list[int]]:
-    c = out.outputs[0]
-    return list(c.token_ids), [np.float32(x).view(np.uint32).item() for x in c.token_logprobs]
+PROMPT = [int(x) for x in np.random.default_rng(11).integers(3, 500, size=61)]
 
 
 @pytest.fixture(scope="module")
@@ -44,25 +25,7 @@ def qwen(model_zoo):
 
 @pytest.fixture(scope="module")
 def whole(qwen):
-    """The whole-prompt run's bits (greedy, seeded), its greedy run checked against
-    transformers: every token its argmax, every logprob within 1e-4."""
-    llm = detspec.LLM(str(qwen.path), num_kv_pages=256)
-    greedy, seeded = (bits(o) for o in llm.generate([PROMPT] * 2, [params(), params(7)]))
-    llm.shutdown()
-    tokens, lp_bits = greedy
-    rows = log_softmax(qwen.logits(PROMPT + tokens[:-1])[len(PROMPT) - 1 :])
-    assert [int(t) for t in rows.argmax(axis=-1)] == tokens
-    got = np.array(lp_bits, dtype=np.uint32).view(np.float32)
-    assert np.abs(got - rows[np.arange(NEW), tokens]).max() < 1e-4
-    return greedy, seeded
-
-
-def run(qwen, prompts, sps, **kw) -> tuple[list[detspec.RequestOutput], dict]:
-    llm = detspec.LLM(str(qwen.path), **{"num_kv_pages": 256, **kw})
-    outs = llm.generate(prompts, sps, use_tqdm=False)
-    stats = {**llm.stats(), **llm.kv_stats()}
-    llm.shutdown()
-    return outs, stats
+    return whole_prompt_bits(qwen, PROMPT)
 
 
 def test_chunked_prefill_carries_the_state(qwen, whole):
@@ -116,16 +79,16 @@ def test_rollbacks_leave_the_committed_state(qwen, whole):
     assert [bits(o) for o in outs] == list(whole)
 
 
-def test_a_state_left_wrong_by_rollback_would_show(qwen, whole):
-    """Negative control for the test above: without forced faults nothing rolls back, and with
-    them the bits hold only because the state is rewound; so the same run on the
-    shape-dependent profile (real mismatches) still gives one answer alone and crowded."""
+def test_real_mismatches_among_other_requests_keep_the_bits(qwen):
+    """Under the shape-dependent profile the fast path's GEMMs change with the batch, so
+    windows roll back for real; a replayed request gives one answer alone and crowded."""
     kw = dict(kernel_profile="shape_dependent", verify_window=4, verify_group=2)
     alone, _ = run(qwen, [PROMPT], [params(7)], **kw)
     rng = np.random.default_rng(4)
     crowd = [[int(x) for x in rng.integers(3, 500, size=n)] for n in (5, 30, 44)]
     sps = [params(7)] + [params(40 + i) for i in range(3)]
     crowded, stats = run(qwen, [PROMPT, *crowd], sps, **kw)
+    assert stats["num_rollbacks"] > 0, "no window rolled back: this test would be blind"
     assert bits(crowded[0]) == bits(alone[0])
 
 
