@@ -20,7 +20,8 @@
 //! 3. [`DeterminismPolicy::on_preempt`] for each sequence the plan preempted;
 //! 4. [`DeterminismPolicy::prepare_shared_batch`] / [`DeterminismPolicy::isolated_prefill_passes`]
 //!    before the forward passes;
-//! 5. [`DeterminismPolicy::after_sample`] for each sampled row;
+//! 5. [`DeterminismPolicy::after_sample`] for each sampled row, then
+//!    [`DeterminismPolicy::commit_state`] for each planned sequence (recurrent layers' state);
 //! 6. [`DeterminismPolicy::after_step`] (replay: the due verify passes, accept, roll back);
 //! 7. [`DeterminismPolicy::settle_finish`] as committed tokens are emitted (finish-undo).
 //!
