@@ -27,6 +27,31 @@ pub fn parse_json<T: DeserializeOwned>(text: &str, path: &Path) -> Result<T> {
     })
 }
 
+/// A list of one kind per layer (`layer_types`, `mlp_layer_types`) as flags: `true` where a
+/// layer is `kinds[0]`, `false` where it is `kinds[1]`. Errs with the message for the field
+/// (a wrong length, or a kind that is neither).
+pub fn layer_kinds(
+    types: &[String],
+    num_layers: usize,
+    kinds: [&str; 2],
+) -> std::result::Result<Vec<bool>, String> {
+    if types.len() != num_layers {
+        return Err(format!("{} entries for {num_layers} layers", types.len()));
+    }
+    types
+        .iter()
+        .enumerate()
+        .map(|(i, t)| match t.as_str() {
+            t if t == kinds[0] => Ok(true),
+            t if t == kinds[1] => Ok(false),
+            other => Err(format!(
+                "layer {i} is {other:?} (expected {:?} or {:?})",
+                kinds[0], kinds[1]
+            )),
+        })
+        .collect()
+}
+
 /// A token id field (`eos_token_id`, `bos_token_id`): an integer, a list of them, or null.
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(untagged, expecting = "a token id or a list of token ids")]

@@ -5,15 +5,16 @@ use std::path::Path;
 
 use serde::Deserialize;
 
+use super::json::layer_kinds;
 use crate::error::{DetspecError, Result};
 
-/// Qwen3.5's gated DeltaNet (transformers' `Qwen3_5GatedDeltaNet`): per token, `in_proj_qkv`
-/// makes queries and keys of `key_heads` heads and values of `value_heads` heads, which a
-/// causal depthwise convolution of `kernel` taps (then SiLU) mixes with the tokens before;
-/// each value head keeps a `key_dim × value_dim` state that decays and takes in each token
-/// by the delta rule. The state is a function of the whole prefix (`kv::state`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LinearAttentionConfig {
+/// The widths of Qwen3.5's gated DeltaNet (transformers' `Qwen3_5GatedDeltaNet`): per token,
+/// `in_proj_qkv` makes queries and keys of `key_heads` heads and values of `value_heads`
+/// heads, which a causal depthwise convolution of `kernel` taps (then SiLU) mixes with the
+/// tokens before; each value head keeps a `key_dim × value_dim` state that decays and takes
+/// in each token by the delta rule. The state is a function of the whole prefix (`kv::state`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeltaNetDims {
     /// The convolution's taps per channel (`linear_conv_kernel_dim`).
     pub kernel: usize,
     pub key_heads: usize,
@@ -22,6 +23,30 @@ pub struct LinearAttentionConfig {
     pub key_dim: usize,
     /// A value head's width.
     pub value_dim: usize,
+}
+
+impl DeltaNetDims {
+    /// Queries, keys and values of one token: the convolution's channels.
+    pub fn conv_dim(&self) -> usize {
+        2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+    }
+
+    /// The convolution's part of the state: its last `kernel - 1` inputs.
+    pub fn conv_state(&self) -> usize {
+        (self.kernel - 1) * self.conv_dim()
+    }
+
+    /// The values a sequence's state takes in one layer: the convolution's part, then each
+    /// value head's `key_dim × value_dim` matrix.
+    pub fn state_values(&self) -> usize {
+        self.conv_state() + self.value_heads * self.key_dim * self.value_dim
+    }
+}
+
+/// Qwen3.5's linear-attention layers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LinearAttentionConfig {
+    pub dims: DeltaNetDims,
     /// Per layer: linear attention (`true`) or full attention.
     pub layers: Vec<bool>,
 }
@@ -30,17 +55,6 @@ impl LinearAttentionConfig {
     /// Whether layer `i` is linear attention.
     pub fn is_linear(&self, i: usize) -> bool {
         self.layers.get(i).copied().unwrap_or(false)
-    }
-
-    /// Queries, keys and values of one token: the convolution's channels.
-    pub fn conv_dim(&self) -> usize {
-        2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
-    }
-
-    /// The values a sequence's state takes in one layer: the convolution's last `kernel - 1`
-    /// inputs, then each value head's `key_dim × value_dim` matrix.
-    pub fn state_values(&self) -> usize {
-        (self.kernel - 1) * self.conv_dim() + self.value_heads * self.key_dim * self.value_dim
     }
 }
 
@@ -81,29 +95,8 @@ impl RawLinearAttention {
             ));
         }
         let layers = match &self.layer_types {
-            Some(types) => {
-                if types.len() != num_layers {
-                    return Err(err(
-                        "layer_types",
-                        format!("{} entries for {num_layers} layers", types.len()),
-                    ));
-                }
-                types
-                    .iter()
-                    .enumerate()
-                    .map(|(i, t)| match t.as_str() {
-                        "linear_attention" => Ok(true),
-                        "full_attention" => Ok(false),
-                        other => Err(err(
-                            "layer_types",
-                            format!(
-                                "layer {i} is {other:?} (Qwen3.5's kinds: \"linear_attention\", \
-                                 \"full_attention\")"
-                            ),
-                        )),
-                    })
-                    .collect::<Result<Vec<_>>>()?
-            }
+            Some(types) => layer_kinds(types, num_layers, ["linear_attention", "full_attention"])
+                .map_err(|m| err("layer_types", m))?,
             // transformers' default: every `full_attention_interval`-th layer attends.
             None => {
                 let every = positive("full_attention_interval", self.full_attention_interval, 4)?;
@@ -111,11 +104,13 @@ impl RawLinearAttention {
             }
         };
         Ok(LinearAttentionConfig {
-            kernel,
-            key_heads,
-            value_heads,
-            key_dim,
-            value_dim,
+            dims: DeltaNetDims {
+                kernel,
+                key_heads,
+                value_heads,
+                key_dim,
+                value_dim,
+            },
             layers,
         })
     }
@@ -134,10 +129,11 @@ mod tests {
     #[test]
     fn defaults_and_layer_kinds() {
         let c = check("{}", 8).unwrap();
-        assert_eq!((c.kernel, c.key_heads, c.value_heads), (4, 16, 32));
+        let d = c.dims;
+        assert_eq!((d.kernel, d.key_heads, d.value_heads), (4, 16, 32));
         assert_eq!(c.layers, [true, true, true, false, true, true, true, false]);
-        assert_eq!(c.conv_dim(), 2 * 16 * 128 + 32 * 128);
-        assert_eq!(c.state_values(), 3 * c.conv_dim() + 32 * 128 * 128);
+        assert_eq!(d.conv_dim(), 2 * 16 * 128 + 32 * 128);
+        assert_eq!(d.state_values(), 3 * d.conv_dim() + 32 * 128 * 128);
         let c = check(
             r#"{"layer_types": ["full_attention", "linear_attention"],
                 "linear_num_key_heads": 2, "linear_num_value_heads": 4}"#,

@@ -500,7 +500,8 @@ impl RawMoe {
             }
         }
         let sparse_layers = match (layer_types, &self.mlp_layer_types) {
-            (true, Some(types)) => Self::sparse_by_type(types, num_layers, &err)?,
+            (true, Some(types)) => super::json::layer_kinds(types, num_layers, ["sparse", "dense"])
+                .map_err(|m| err("mlp_layer_types", m))?,
             // transformers' default: the first layers dense, the rest sparse.
             (true, None) => (0..num_layers).map(|l| l >= first_sparse).collect(),
             (false, _) => (0..num_layers)
@@ -592,33 +593,6 @@ impl RawMoe {
             topk_group: 1,
             routed_scaling_factor: scale as f32,
         })
-    }
-
-    /// Each layer's MLP as `mlp_layer_types` names it: one of `"dense"` and `"sparse"` for
-    /// every layer.
-    fn sparse_by_type(
-        types: &[String],
-        num_layers: usize,
-        err: &dyn Fn(&str, String) -> DetspecError,
-    ) -> Result<Vec<bool>> {
-        if types.len() != num_layers {
-            return Err(err(
-                "mlp_layer_types",
-                format!("{} entries for {num_layers} layers", types.len()),
-            ));
-        }
-        types
-            .iter()
-            .enumerate()
-            .map(|(l, t)| match t.as_str() {
-                "dense" => Ok(false),
-                "sparse" => Ok(true),
-                other => Err(err(
-                    "mlp_layer_types",
-                    format!("layer {l}: {other:?} (expected \"dense\" or \"sparse\")"),
-                )),
-            })
-            .collect()
     }
 
     /// DeepSeek's routing settings, checked as its router needs them: groups that split the

@@ -8,6 +8,7 @@ use std::path::Path;
 use serde::Deserialize;
 use serde_json::Value;
 
+use super::json::layer_kinds;
 use crate::error::{DetspecError, Result};
 
 /// LFM2's gated short convolution (transformers' `Lfm2ShortConv`): `in_proj` makes three
@@ -88,26 +89,8 @@ impl RawLfm2 {
             k => k,
         };
         let layers = match (&self.layer_types, &self.full_attn_idxs) {
-            (Some(types), _) => {
-                if types.len() != num_layers {
-                    return Err(err(
-                        "layer_types",
-                        format!("{} entries for {num_layers} layers", types.len()),
-                    ));
-                }
-                types
-                    .iter()
-                    .enumerate()
-                    .map(|(i, t)| match t.as_str() {
-                        "conv" => Ok(true),
-                        "full_attention" => Ok(false),
-                        other => Err(err(
-                            "layer_types",
-                            format!("layer {i} is {other:?} (LFM2's kinds: \"conv\", \"full_attention\")"),
-                        )),
-                    })
-                    .collect::<Result<Vec<_>>>()?
-            }
+            (Some(types), _) => layer_kinds(types, num_layers, ["conv", "full_attention"])
+                .map_err(|m| err("layer_types", m))?,
             (None, Some(idxs)) => {
                 if let Some(&bad) = idxs.iter().find(|&&i| i >= num_layers) {
                     return Err(err(

@@ -47,7 +47,7 @@ impl LayerCacheShape {
                     width: cfg.hidden_size,
                 },
                 (_, Some(la)) if la.is_linear(i) => Self::Recurrent {
-                    values: la.state_values(),
+                    values: la.dims.state_values(),
                 },
                 _ => Self::Attention {
                     kv_heads: cfg.num_key_value_heads,

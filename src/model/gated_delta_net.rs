@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 
 use candle_core::Tensor;
 
-use crate::config::{Activation, LinearAttentionConfig, ModelConfig};
+use crate::config::{Activation, DeltaNetDims, ModelConfig};
 use crate::error::Result;
 use crate::kv::{StatePool, StateRef};
 use crate::ops::{self, AttentionMetadata, DeltaNetParams};
@@ -35,16 +35,16 @@ pub(super) struct GatedDeltaNet {
 /// A layer's DeltaNet parameters under `linear_attn.`, by name, with their shapes.
 pub(super) fn delta_net_params(
     cfg: &ModelConfig,
-    la: &LinearAttentionConfig,
+    d: &DeltaNetDims,
 ) -> BTreeMap<String, Vec<usize>> {
     let hs = cfg.hidden_size;
-    let (hv, dv) = (la.value_heads, la.value_dim);
+    let (hv, dv) = (d.value_heads, d.value_dim);
     let mut m = BTreeMap::new();
-    m.insert("in_proj_qkv.weight".into(), vec![la.conv_dim(), hs]);
+    m.insert("in_proj_qkv.weight".into(), vec![d.conv_dim(), hs]);
     m.insert("in_proj_z.weight".into(), vec![hv * dv, hs]);
     m.insert("in_proj_b.weight".into(), vec![hv, hs]);
     m.insert("in_proj_a.weight".into(), vec![hv, hs]);
-    m.insert("conv1d.weight".into(), vec![la.conv_dim(), 1, la.kernel]);
+    m.insert("conv1d.weight".into(), vec![d.conv_dim(), 1, d.kernel]);
     m.insert("A_log".into(), vec![hv]);
     m.insert("dt_bias".into(), vec![hv]);
     m.insert("norm.weight".into(), vec![dv]);
@@ -57,24 +57,20 @@ impl GatedDeltaNet {
     pub(super) fn load(
         ld: &WeightLoader<'_>,
         cfg: &ModelConfig,
-        la: &LinearAttentionConfig,
+        d: &DeltaNetDims,
         prefix: &str,
     ) -> Result<Self> {
         let hs = cfg.hidden_size;
-        let (hv, dv) = (la.value_heads, la.value_dim);
+        let (hv, dv) = (d.value_heads, d.value_dim);
         let name = |n: &str| format!("{prefix}.linear_attn.{n}");
         let params = DeltaNetParams {
-            conv: host_vector(&ld.load(&name("conv1d.weight"), &[la.conv_dim(), 1, la.kernel])?)?,
-            kernel: la.kernel,
+            dims: *d,
+            conv: host_vector(&ld.load(&name("conv1d.weight"), &[d.conv_dim(), 1, d.kernel])?)?,
             a_log: host_vector(&ld.load(&name("A_log"), &[hv])?)?,
             dt_bias: host_vector(&ld.load(&name("dt_bias"), &[hv])?)?,
-            key_heads: la.key_heads,
-            value_heads: hv,
-            key_dim: la.key_dim,
-            value_dim: dv,
         };
         Ok(Self {
-            in_qkv: ld.linear(&name("in_proj_qkv"), hs, la.conv_dim(), false)?,
+            in_qkv: ld.linear(&name("in_proj_qkv"), hs, d.conv_dim(), false)?,
             in_z: ld.linear(&name("in_proj_z"), hs, hv * dv, false)?,
             in_b: ld.linear(&name("in_proj_b"), hs, hv, false)?,
             in_a: ld.linear(&name("in_proj_a"), hs, hv, false)?,
@@ -108,7 +104,7 @@ impl GatedDeltaNet {
         inv: GemmOptions,
     ) -> Result<Tensor> {
         let n = x.dim(0)?;
-        let (hv, dv) = (self.params.value_heads, self.params.value_dim);
+        let (hv, dv) = (self.params.dims.value_heads, self.params.dims.value_dim);
         let qkv = self.in_qkv.apply(x, inv)?;
         let z = self.in_z.apply(x, inv)?;
         let b = self.in_b.apply(x, inv)?;

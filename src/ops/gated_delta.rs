@@ -22,40 +22,19 @@ use rayon::prelude::*;
 
 use super::math::{exp_nonpositive, sigmoid, silu};
 use super::{to_f32_vec, AttentionMetadata};
-use crate::kv::{StatePool, StateRef};
+use crate::config::DeltaNetDims;
+use crate::kv::{StateData, StatePool, StateRef};
 
 /// One layer's parameters, on the host.
 #[derive(Debug, Clone)]
 pub struct DeltaNetParams {
+    pub dims: DeltaNetDims,
     /// `[conv_dim, kernel]`, row-major (`conv1d.weight` without its middle axis).
     pub conv: Arc<[f32]>,
-    pub kernel: usize,
     /// `A_log` per value head (the decay's rate is `-e^{A_log}`, in f32 as transformers
     /// computes it).
     pub a_log: Arc<[f32]>,
     pub dt_bias: Arc<[f32]>,
-    pub key_heads: usize,
-    pub value_heads: usize,
-    pub key_dim: usize,
-    pub value_dim: usize,
-}
-
-impl DeltaNetParams {
-    fn conv_dim(&self) -> usize {
-        2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
-    }
-
-    fn conv_state(&self) -> usize {
-        (self.kernel - 1) * self.conv_dim()
-    }
-
-    fn head_state(&self) -> usize {
-        self.key_dim * self.value_dim
-    }
-
-    fn state_len(&self) -> usize {
-        self.conv_state() + self.value_heads * self.head_state()
-    }
 }
 
 /// torch's `softplus` (threshold 20).
@@ -89,8 +68,8 @@ pub fn gated_delta_rule(
     (pool, layer): (&StatePool, usize),
 ) -> candle_core::Result<Tensor> {
     let (n, conv_dim) = qkv.dims2()?;
-    let hv = p.value_heads;
-    if conv_dim != p.conv_dim() || a.dims() != [n, hv] || b.dims() != [n, hv] {
+    let hv = p.dims.value_heads;
+    if conv_dim != p.dims.conv_dim() || a.dims() != [n, hv] || b.dims() != [n, hv] {
         bail!(
             "gated_delta_rule: qkv {:?}, a {:?}, b {:?} for {conv_dim} channels and {hv} value heads",
             qkv.dims(),
@@ -98,7 +77,7 @@ pub fn gated_delta_rule(
             b.dims()
         );
     }
-    if p.kernel == 0 || p.conv.len() != conv_dim * p.kernel {
+    if p.dims.kernel == 0 || p.conv.len() != conv_dim * p.dims.kernel {
         bail!(
             "gated_delta_rule: {} taps for {conv_dim} channels",
             p.conv.len()
@@ -106,22 +85,22 @@ pub fn gated_delta_rule(
     }
     if p.a_log.len() != hv
         || p.dt_bias.len() != hv
-        || p.key_heads == 0
-        || !hv.is_multiple_of(p.key_heads)
+        || p.dims.key_heads == 0
+        || !hv.is_multiple_of(p.dims.key_heads)
     {
         bail!(
             "gated_delta_rule: A_log and dt_bias must have one value per value head ({hv}), \
              and the value heads must share the key heads ({}) evenly",
-            p.key_heads
+            p.dims.key_heads
         );
     }
     let Some((start, len)) = pool.layer_range(layer) else {
         bail!("gated_delta_rule: layer {layer} keeps no state");
     };
-    if len != p.state_len() {
+    if len != p.dims.state_values() {
         bail!(
             "gated_delta_rule: layer {layer}'s state is {len} values, not {}",
-            p.state_len()
+            p.dims.state_values()
         );
     }
     if meta.row_seq.len() != n || meta.positions.len() != n {
@@ -131,26 +110,27 @@ pub fn gated_delta_rule(
         );
     }
     let (qkv, a, b) = (to_f32_vec(qkv)?, to_f32_vec(a)?, to_f32_vec(b)?);
-    // Each sequence's rows, in batch order.
+    // Each sequence's rows, in batch order (padding's sequences have no state).
     let mut by_seq: Vec<Vec<usize>> = vec![Vec::new(); states.len()];
     for (r, &s) in meta.row_seq.iter().enumerate() {
-        if let Some(rows) = by_seq
-            .get_mut(s as usize)
-            .filter(|_| states[s as usize].is_some())
-        {
+        if let Some(rows) = by_seq.get_mut(s as usize) {
             rows.push(r);
         }
     }
-    let width = hv * p.value_dim;
+    let neg_a: Vec<f32> = p.a_log.iter().map(|&x| -libm::expf(x)).collect();
+    let inputs = Inputs {
+        qkv: &qkv,
+        a: &a,
+        b: &b,
+        neg_a: &neg_a,
+    };
+    let width = hv * p.dims.value_dim;
     let outs: Vec<(Vec<usize>, Vec<f32>)> = by_seq
         .into_par_iter()
         .zip(states.par_iter())
-        .filter(|(rows, _)| !rows.is_empty())
+        .filter_map(|(rows, state)| Some((rows, (*state)?)).filter(|(rows, _)| !rows.is_empty()))
         .map(|(rows, state)| {
-            let Some(state) = state else {
-                return Ok((rows, Vec::new()));
-            };
-            let out = run_sequence(&rows, *state, (&qkv, &a, &b), p, meta, (pool, layer, start))?;
+            let out = run_sequence(&rows, state, &inputs, p, meta, (pool, layer, start))?;
             Ok((rows, out))
         })
         .collect::<candle_core::Result<_>>()?;
@@ -163,12 +143,21 @@ pub fn gated_delta_rule(
     Tensor::from_vec(out, (n, width), &candle_core::Device::Cpu)
 }
 
+/// The batch's inputs to the rule, flattened on the host, and `-e^{A_log}` per value head.
+struct Inputs<'a> {
+    qkv: &'a [f32],
+    a: &'a [f32],
+    b: &'a [f32],
+    neg_a: &'a [f32],
+}
+
 /// One sequence's rows: reads its state, runs the convolution and the rule, leaves the state
-/// after `state.advance` rows. Returns the rows' outputs, in order.
+/// after `state.advance` rows. Returns the rows' outputs, in order. Where it reads and writes
+/// one slot (every forward but a verify pass's) the rule runs on the slot's values in place.
 fn run_sequence(
     rows: &[usize],
     state: StateRef,
-    (qkv, a, b): (&[f32], &[f32], &[f32]),
+    inputs: &Inputs<'_>,
     p: &DeltaNetParams,
     meta: &AttentionMetadata,
     (pool, layer, start): (&StatePool, usize, usize),
@@ -184,25 +173,59 @@ fn run_sequence(
             )));
         }
     }
-    let len = p.state_len();
-    let mut st = vec![0f32; len];
-    if first > 0 {
-        let slot = pool.get(state.read).map_err(|e| err(e.to_string()))?;
-        let d = slot.lock().unwrap_or_else(|e| e.into_inner());
-        if d.seen[layer] != first {
-            return Err(err(format!(
-                "a row at position {first} continues a state of {} tokens",
-                d.seen[layer]
-            )));
+    // A row at position 0 starts from zeros; any other continues its state exactly.
+    let continues = |d: &StateData| match d.seen[layer] {
+        _ if first == 0 => Ok(false),
+        seen if seen == first => Ok(true),
+        seen => Err(err(format!(
+            "a row at position {first} continues a state of {seen} tokens"
+        ))),
+    };
+    let len = p.dims.state_values();
+    let advance = (state.advance as usize).min(rows.len());
+    let slot = |id: u32| pool.get(id).map_err(|e| err(e.to_string()));
+    let write = slot(state.write)?;
+    if state.read == state.write {
+        let mut d = write.lock().unwrap_or_else(|e| e.into_inner());
+        let keep = continues(&d)?;
+        let st = &mut d.values[start..start + len];
+        if !keep {
+            st.fill(0.0);
         }
-        st.copy_from_slice(&d.values[start..start + len]);
+        let out = apply_rule(st, rows, advance, inputs, p);
+        d.seen[layer] = first + advance;
+        return Ok(out);
     }
+    let mut st = vec![0f32; len];
+    {
+        let read = slot(state.read)?;
+        let d = read.lock().unwrap_or_else(|e| e.into_inner());
+        if continues(&d)? {
+            st.copy_from_slice(&d.values[start..start + len]);
+        }
+    }
+    let out = apply_rule(&mut st, rows, advance, inputs, p);
+    let mut d = write.lock().unwrap_or_else(|e| e.into_inner());
+    d.values[start..start + len].copy_from_slice(&st);
+    d.seen[layer] = first + advance;
+    Ok(out)
+}
+
+/// The convolution and the rule over one sequence's `rows` from the state `st` (one layer's),
+/// left at its value after `advance` rows. Returns the rows' outputs, in order.
+fn apply_rule(
+    st: &mut [f32],
+    rows: &[usize],
+    advance: usize,
+    inputs: &Inputs<'_>,
+    p: &DeltaNetParams,
+) -> Vec<f32> {
+    let Inputs { qkv, a, b, neg_a } = *inputs;
     let m = rows.len();
-    let advance = (state.advance as usize).min(m);
-    let cd = p.conv_dim();
-    let k = p.kernel;
+    let cd = p.dims.conv_dim();
+    let k = p.dims.kernel;
     // The convolution over the state's last k - 1 inputs, then the rows'.
-    let (hist, heads) = st.split_at_mut(p.conv_state());
+    let (hist, heads) = st.split_at_mut(p.dims.conv_state());
     let input = |i: isize| -> &[f32] {
         if i >= 0 {
             let r = rows[i as usize];
@@ -232,7 +255,12 @@ fn run_sequence(
         .collect();
     hist.copy_from_slice(&new_hist);
     // Queries and keys normed per key head (queries also scaled), by row.
-    let (hk, dk, dv, hv) = (p.key_heads, p.key_dim, p.value_dim, p.value_heads);
+    let (hk, dk, dv, hv) = (
+        p.dims.key_heads,
+        p.dims.key_dim,
+        p.dims.value_dim,
+        p.dims.value_heads,
+    );
     let scale = 1.0 / (dk as f32).sqrt();
     post.par_chunks_mut(cd).for_each(|row| {
         let (q, rest) = row.split_at_mut(hk * dk);
@@ -244,7 +272,6 @@ fn run_sequence(
     });
     let group = hv / hk;
     let width = hv * dv;
-    let neg_a: Vec<f32> = p.a_log.iter().map(|&x| -libm::expf(x)).collect();
     // Per value head: its state in place and its outputs `[m, dv]`.
     let per_head: Vec<Vec<f32>> = heads
         .par_chunks_mut(dk * dv)
@@ -295,12 +322,6 @@ fn run_sequence(
             out
         })
         .collect();
-    let slot = pool.get(state.write).map_err(|e| err(e.to_string()))?;
-    {
-        let mut d = slot.lock().unwrap_or_else(|e| e.into_inner());
-        d.values[start..start + len].copy_from_slice(&st);
-        d.seen[layer] = first + advance;
-    }
     let mut out = vec![0f32; m * width];
     for (h, o) in per_head.iter().enumerate() {
         for j in 0..m {
@@ -308,7 +329,7 @@ fn run_sequence(
                 .copy_from_slice(&o[j * dv..(j + 1) * dv]);
         }
     }
-    Ok(out)
+    out
 }
 
 /// `x · σ(gate)` per element ([`sigmoid`]): the attention's output gate (Qwen3.5).
@@ -339,22 +360,24 @@ mod tests {
     fn params() -> DeltaNetParams {
         let conv_dim = 20;
         DeltaNetParams {
+            dims: DeltaNetDims {
+                kernel: 3,
+                key_heads: 2,
+                value_heads: 4,
+                key_dim: 2,
+                value_dim: 3,
+            },
             conv: (0..conv_dim * 3)
                 .map(|i| ((i * 7 % 11) as f32 - 5.0) * 0.1)
                 .collect::<Vec<_>>()
                 .into(),
-            kernel: 3,
             a_log: vec![0.1, -0.5, 1.0, 0.3].into(),
             dt_bias: vec![0.2, -0.1, 0.4, 0.0].into(),
-            key_heads: 2,
-            value_heads: 4,
-            key_dim: 2,
-            value_dim: 3,
         }
     }
 
     fn pool(p: &DeltaNetParams) -> Arc<StatePool> {
-        StatePool::new(&[0, p.state_len()])
+        StatePool::new(&[0, p.dims.state_values()])
     }
 
     /// Inputs of `n` rows: qkv `[n, 20]`, a and b `[n, 4]`, from a seed.

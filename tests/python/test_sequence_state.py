@@ -1,0 +1,165 @@
+"""Models whose layers keep state besides keys and values: LFM2's short convolutions (each
+token's `B ⊙ x`, a row in the paged cache beside the keys and values) and Qwen3.5's gated
+DeltaNets (a recurrent state per sequence outside the pages: a live one every forward
+advances, and for a request whose tokens a verifier commits, the state at its last committed
+token). Every way a sequence gets computed must give what one whole-prompt prefill gives, bit
+for bit for a deterministic request: prefill in small chunks (the rows, or the state, carried
+between them), preemption (rebuilt from position 0), rollbacks (LFM2: rows the next pass
+rewrites; Qwen3.5: the verify pass run again with the accepted rows only, then the committed
+state copied over the live one), real mismatches among other requests, scoring. A cached
+prefix carries LFM2's rows, but not Qwen3.5's state, so Qwen3.5 runs without prefix caching.
+The whole-prompt run is checked against transformers first."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import log_softmax
+
+import detspec
+from detspec import SamplingParams
+
+NEW = 12
+# model -> the seed of its prompt.
+PROMPT_SEEDS = {"lfm2": 5, "qwen3_5": 11}
+
+
+def params(seed: int = 0) -> SamplingParams:
+    """Deterministic: greedy (seed 0) or seeded at T = 0.8; NEW tokens with logprobs."""
+    return SamplingParams(
+        temperature=0.8 if seed else 0.0,
+        seed=seed or None,
+        max_tokens=NEW,
+        ignore_eos=True,
+        logprobs=0,
+        deterministic=True,
+    )
+
+
+def bits(out: detspec.RequestOutput) -> tuple[list[int], list[int]]:
+    c = out.outputs[0]
+    return list(c.token_ids), [np.float32(x).view(np.uint32).item() for x in c.token_logprobs]
+
+
+def run(case, prompts, sps, **kw) -> tuple[list[detspec.RequestOutput], dict]:
+    """A fresh engine's outputs of `prompts`, with its stats and KV stats."""
+    llm = detspec.LLM(str(case.path), **{"num_kv_pages": 256, **kw})
+    outs = llm.generate(prompts, sps, use_tqdm=False)
+    stats = {**llm.stats(), **llm.kv_stats()}
+    llm.shutdown()
+    return outs, stats
+
+
+def prompt_of(name: str) -> list[int]:
+    """Model `name`'s 61-token prompt."""
+    rng = np.random.default_rng(PROMPT_SEEDS[name])
+    return [int(x) for x in rng.integers(3, 500, size=61)]
+
+
+@pytest.fixture(scope="module", params=list(PROMPT_SEEDS))
+def model(request, model_zoo):
+    """(the zoo model, its prompt)."""
+    return model_zoo.get(request.param), prompt_of(request.param)
+
+
+@pytest.fixture(scope="module")
+def whole(model):
+    """The whole-prompt run's bits (greedy, seeded), its greedy run checked against
+    transformers: every token its argmax, every logprob within 1e-4."""
+    case, prompt = model
+    llm = detspec.LLM(str(case.path), num_kv_pages=256)
+    greedy, seeded = (bits(o) for o in llm.generate([prompt] * 2, [params(), params(7)]))
+    llm.shutdown()
+    tokens, lp_bits = greedy
+    rows = log_softmax(case.logits(prompt + tokens[:-1])[len(prompt) - 1 :])
+    assert [int(t) for t in rows.argmax(axis=-1)] == tokens
+    got = np.array(lp_bits, dtype=np.uint32).view(np.float32)
+    assert np.abs(got - rows[np.arange(NEW), tokens]).max() < 1e-4
+    return greedy, seeded
+
+
+def test_chunked_prefill_carries_what_earlier_chunks_left(model, whole):
+    # 7-token chunks (inline rows: deterministic prompts are chunked as any other): every
+    # chunk's first tokens read the rows, or the state, the chunk before left.
+    case, prompt = model
+    outs, _ = run(
+        case, [prompt] * 2, [params(), params(7)], max_prefill_chunk=7, max_num_batched_tokens=16
+    )
+    assert [bits(o) for o in outs] == list(whole)
+
+
+def test_a_cached_prefix_is_read_only_where_it_holds_the_state(model, whole):
+    """LFM2's prefix pages hold its convolution rows, and are read; Qwen3.5's would come
+    without the recurrent state, so its engine runs without prefix caching."""
+    case, prompt = model
+    llm = detspec.LLM(str(case.path), num_kv_pages=256)
+    llm.generate([prompt[:48] + [7, 8, 9]], params(3), use_tqdm=False)
+    hits = llm.kv_stats()["prefix_hits"]
+    outs = llm.generate([prompt] * 2, [params(), params(7)], use_tqdm=False)
+    if case.name == "lfm2":
+        assert llm.kv_stats()["prefix_hits"] > hits, "the prefix was not read from the cache"
+    else:
+        assert llm.kv_stats()["prefix_hits"] == 0
+    assert [bits(o) for o in outs] == list(whole)
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("strategy", ["inline", "replay"])
+def test_preempted_sequences_rebuild_what_they_keep(model, whole, strategy):
+    case, prompt = model
+    rng = np.random.default_rng(9)
+    crowd = [[int(x) for x in rng.integers(3, 500, size=50)] for _ in range(6)]
+    sps = [params(), params(7)] + [params(20 + i) for i in range(len(crowd))]
+    # 14 pages of 16 slots for ~600 tokens of work: someone is preempted.
+    outs, _ = run(
+        case,
+        [prompt, prompt, *crowd],
+        sps,
+        num_kv_pages=14,
+        page_size=16,
+        verify_strategy=strategy,
+        verify_window=4,
+    )
+    assert max(o.metrics["num_preemptions"] for o in outs) > 0, "the pool never ran dry"
+    assert [bits(o) for o in outs[:2]] == list(whole)
+
+
+def test_forced_rollbacks_commit_the_whole_prompt_runs_bits(model, whole):
+    # Forced mismatches roll sequences back: the rows past the rollback point are written
+    # again by the next pass (LFM2), the pass runs again taking in the accepted rows only and
+    # the next window replays from there (Qwen3.5).
+    case, prompt = model
+    outs, stats = run(
+        case,
+        [prompt] * 2,
+        [params(), params(7)],
+        verify_strategy="replay",
+        verify_window=4,
+        fault_injection=0.4,
+    )
+    assert stats["num_rollbacks"] > 0, stats
+    assert [bits(o) for o in outs] == list(whole)
+
+
+def test_real_mismatches_among_other_requests_keep_the_bits(model_zoo):
+    """Under the shape-dependent profile the fast path's GEMMs change with the batch, so
+    Qwen3.5's windows roll back for real (LFM2's do not here; its needle test runs this
+    profile); a replayed request gives one answer alone and crowded."""
+    case, prompt = model_zoo.get("qwen3_5"), prompt_of("qwen3_5")
+    kw = dict(kernel_profile="shape_dependent", verify_window=4, verify_group=2)
+    alone, _ = run(case, [prompt], [params(7)], **kw)
+    rng = np.random.default_rng(4)
+    crowd = [[int(x) for x in rng.integers(3, 500, size=n)] for n in (5, 30, 44)]
+    sps = [params(7)] + [params(40 + i) for i in range(3)]
+    crowded, stats = run(case, [prompt, *crowd], sps, **kw)
+    assert stats["num_rollbacks"] > 0, "no window rolled back: this test would be blind"
+    assert bits(crowded[0]) == bits(alone[0])
+
+
+def test_score_equals_the_generation(model, whole):
+    case, prompt = model
+    llm = detspec.LLM(str(case.path), num_kv_pages=256)
+    tokens, lp_bits = whole[0]
+    (scored,) = llm.score([prompt], [tokens])
+    assert [np.float32(x).view(np.uint32).item() for x in scored] == lp_bits
+    llm.shutdown()
