@@ -1,7 +1,8 @@
 //! Property tests of the scheduler's invariants, driven without a model: random arrivals,
-//! aborts and output lengths against a small KV pool.
+//! aborts and output lengths against a small KV pool (and, for a model with recurrent layers,
+//! a small pool of per-sequence states).
 
-use detspec::kv::{BlockTable, PageAllocator, SimpleAllocator};
+use detspec::kv::{BlockTable, PageAllocator, SequenceStates, SimpleAllocator, StatePool};
 use detspec::sched::{Scheduler, SchedulerLimits, Sequence};
 use detspec::SamplingParams;
 use proptest::prelude::*;
@@ -78,6 +79,7 @@ proptest! {
         budget in 8usize..80,
         chunk in 4usize..64,
         defer_shared_prefills in any::<bool>(),
+        state_slots in proptest::option::of(2usize..7),
     ) {
         let page_size = 4;
         let alloc = SimpleAllocator::new(pages);
@@ -85,6 +87,9 @@ proptest! {
         // while another one's prefill runs, and still everything completes.
         let limits = SchedulerLimits { max_num_seqs, max_num_batched_tokens: budget, page_size, max_prefill_chunk: chunk, isolate_deterministic_prefill: true, defer_shared_prefills };
         let mut s = Scheduler::new(limits);
+        // A recurrent model's states: a replayed (deterministic) sequence holds two.
+        let states = StatePool::new(&[3]);
+        states.set_capacity(state_slots.unwrap_or(usize::MAX));
         let mut next = 0u64;
         let mut finished = 0usize;
         let mut failed = 0usize;
@@ -112,6 +117,10 @@ proptest! {
             // Pages held by running sequences plus free pages account for the whole pool.
             let held: usize = s.iter().map(|q| q.block_table.pages().len()).sum();
             prop_assert_eq!(held + alloc.num_free(), pages);
+            // Running sequences, and only they, hold their states, within the capacity.
+            let wanted: usize = s.running().iter().map(|q| 1 + usize::from(q.deterministic)).sum();
+            prop_assert_eq!(states.num_held(), if state_slots.is_some() { wanted } else { 0 });
+            prop_assert!(states.num_held() <= states.capacity());
             s.mark_computed(&plan);
             for e in plan.entries.iter().chain(&plan.isolated).filter(|e| e.sample) {
                 let q = s.get_mut(e.seq).unwrap();
@@ -129,7 +138,10 @@ proptest! {
                 Op::Arrive { prompt_len, max_tokens } => {
                     // The engine rejects prompts that can never fit; mirror that.
                     if (prompt_len + 1).div_ceil(page_size) <= pages {
-                        s.add(seq(next, prompt_len, max_tokens, prompt_len % 3 == 0));
+                        let deterministic = prompt_len % 3 == 0;
+                        let mut q = seq(next, prompt_len, max_tokens, deterministic);
+                        q.states = state_slots.map(|_| SequenceStates::new(&states, deterministic));
+                        s.add(q);
                         next += 1;
                     }
                 }
@@ -147,6 +159,7 @@ proptest! {
         }
         prop_assert_eq!(finished + failed + aborted, next as usize);
         prop_assert_eq!(alloc.num_free(), pages, "every page returned");
+        prop_assert_eq!(states.num_held(), 0, "every state returned");
     }
 }
 

@@ -254,7 +254,9 @@ class _EngineClient:
 
     def kv_stats(self) -> dict[str, float]:
         """KV pool and prefix cache: total/free/used/cached/evictable pages, prefix queries,
-        hits and hit rate."""
+        hits and hit rate; for models with linear-attention layers, the recurrent states
+        running sequences may hold at once (``state_slots``, 0 for other models) and hold
+        now (``states_held``)."""
         return self._engine.kv_stats()
 
     def stats(self) -> dict[str, Any]:

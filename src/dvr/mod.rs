@@ -236,7 +236,11 @@ impl Verifier {
                     _ => window.n + 1,
                 };
                 if let (Some(Some(s)), Some(slot)) = (seqs.get(i), again.states.get_mut(i)) {
-                    *slot = s.states.as_ref().map(|st| st.replay(accepted));
+                    *slot = s
+                        .states
+                        .as_ref()
+                        .map(|st| st.replay(accepted))
+                        .transpose()?;
                 }
             }
             forward(&again, &[])?;

@@ -88,7 +88,7 @@ pub fn build_replay_batch(
         batch.adapters.push(seq.lora.clone());
         batch
             .states
-            .push(seq.states.as_ref().map(|s| s.replay(n + 1)));
+            .push(seq.states.as_ref().map(|s| s.replay(n + 1)).transpose()?);
         windows.push(ReplayWindow {
             seq: id,
             n,

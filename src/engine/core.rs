@@ -21,6 +21,7 @@ use crate::dvr::DeterminismPolicy;
 use crate::error::{DetspecError, Result};
 use crate::kv::{
     BlockTable, KvManager, KvPool, KvStats, LayerCacheShape, PageAllocator, SequenceStates,
+    StatePool,
 };
 use crate::model::{ForwardBatch, Model};
 use crate::ops;
@@ -246,15 +247,19 @@ impl EngineCore {
             ));
         }
         let kv_dtype = cfg.kv_cache_dtype.resolve_kv(device_spec, dtype)?;
-        let kv_bytes =
-            cfg.num_kv_pages
-                .map_or(cfg.kv_cache_bytes.unwrap_or(DEFAULT_KV_CACHE_BYTES), |n| {
-                    n.saturating_mul(KvPool::bytes_per_page(
-                        &LayerCacheShape::of_model(&model_cfg),
-                        cfg.page_size,
-                        kv_dtype,
-                    ))
-                });
+        // Recurrent states come out of the KV budget (at most half of it), pages get the rest.
+        let budget = cfg.kv_cache_bytes.unwrap_or(DEFAULT_KV_CACHE_BYTES);
+        let state_bytes = LayerCacheShape::state_bytes(&LayerCacheShape::of_model(&model_cfg));
+        let state_slots = StatePool::capacity_within(state_bytes, budget, cfg.max_num_seqs)?;
+        let states_total = state_slots * state_bytes;
+        let kv_bytes = cfg.num_kv_pages.map_or(budget, |n| {
+            n.saturating_mul(KvPool::bytes_per_page(
+                &LayerCacheShape::of_model(&model_cfg),
+                cfg.page_size,
+                kv_dtype,
+            ))
+            .saturating_add(states_total)
+        });
         let act = cfg
             .activation_dtype
             .resolve(device_spec, dtype, cfg.kernel_profile)?;
@@ -274,9 +279,21 @@ impl EngineCore {
         let per_page = KvPool::bytes_per_page(&cache_shapes, cfg.page_size, kv_dtype);
         let num_pages = match cfg.num_kv_pages {
             Some(n) => n,
-            None => (kv_budget(&cfg, &mc, dtype, device)? / per_page).max(1),
+            None => {
+                let bytes = kv_budget(&cfg, &mc, dtype, device)?.saturating_sub(states_total);
+                (bytes / per_page).max(1)
+            }
         };
         let kv = KvPool::new(cache_shapes, num_pages, cfg.page_size, kv_dtype, device)?;
+        if state_slots > 0 {
+            kv.states().set_capacity(state_slots);
+            tracing::info!(
+                "recurrent states: {state_slots} of {} each ({} of the KV budget); \
+                 a sequence holds one, two under replay",
+                crate::error::gib(state_bytes as u64),
+                crate::error::gib(states_total as u64)
+            );
+        }
         // A cached prefix hands over KV pages, not the recurrent state that goes with them.
         if kv.states().is_used() && cfg.enable_prefix_caching {
             tracing::info!("prefix caching is off: the model's linear-attention layers keep a state per sequence");
@@ -394,7 +411,12 @@ impl EngineCore {
 
     /// Page pool and prefix-cache statistics.
     pub fn kv_stats(&self) -> KvStats {
-        self.alloc.stats()
+        let states = self.kv.states();
+        KvStats {
+            state_slots: if states.is_used() { states.capacity() } else { 0 },
+            states_held: states.num_held(),
+            ..self.alloc.stats()
+        }
     }
 
     /// Replaces the named parameters (HF names; values in any float dtype) between steps.
@@ -978,9 +1000,12 @@ impl EngineCore {
                 .block_tables
                 .push(seq.block_table.pages().to_vec());
             batch.adapters.push(seq.lora.clone());
-            batch
-                .states
-                .push(seq.states.as_ref().map(SequenceStates::forward));
+            batch.states.push(
+                seq.states
+                    .as_ref()
+                    .map(SequenceStates::forward)
+                    .transpose()?,
+            );
             if e.sample {
                 batch.logit_rows.push((batch.tokens.len() - 1) as u32);
                 sampled.push(e.seq);

@@ -40,6 +40,11 @@ pub struct KvStats {
     pub prefix_hits: u64,
     /// `prefix_hits / prefix_queries` (0 when nothing was queried).
     pub hit_rate: f64,
+    /// Recurrent states running sequences may hold at once (0: the model keeps none; filled
+    /// in by the engine, which owns them).
+    pub state_slots: usize,
+    /// Recurrent states held now.
+    pub states_held: usize,
 }
 
 /// Allocator + prefix cache. See the module docs.
@@ -217,6 +222,8 @@ impl KvManager {
             } else {
                 s.hit_tokens as f64 / s.query_tokens as f64
             },
+            state_slots: 0,
+            states_held: 0,
         }
     }
 

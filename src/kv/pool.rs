@@ -39,6 +39,18 @@ impl LayerCacheShape {
         }
     }
 
+    /// Bytes one sequence's recurrent states take across `shapes` (0: none keeps one).
+    pub fn state_bytes(shapes: &[Self]) -> usize {
+        let values: usize = shapes
+            .iter()
+            .map(|s| match *s {
+                Self::Recurrent { values } => values,
+                _ => 0,
+            })
+            .sum();
+        values * std::mem::size_of::<f32>()
+    }
+
     /// Each layer's shape for a model: a convolution layer's row is its hidden size.
     pub fn of_model(cfg: &ModelConfig) -> Vec<Self> {
         (0..cfg.num_hidden_layers)

@@ -16,6 +16,7 @@
 //! position is an error, never a silent mix of prefixes. Hence no prefix caching for such
 //! models: a cached prefix would hand over KV without the state that goes with it.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::error::{DetspecError, Result};
@@ -31,14 +32,27 @@ pub struct StateData {
 
 type Slot = Arc<Mutex<StateData>>;
 
-/// The states of every running sequence, allocated as sequences take them and freed when they
-/// drop them. Host memory: the layers that keep state run on the CPU.
+/// The pool's slots, and how many of them running sequences hold (bounded by the capacity).
+#[derive(Debug, Default)]
+struct Slots {
+    entries: Vec<Option<Slot>>,
+    bounded: usize,
+}
+
+/// The states of every running sequence, allocated as sequences are admitted and freed when
+/// they are preempted or end. Host memory: the layers that keep state run on the CPU.
+///
+/// A running sequence's states come out of a capacity (a share of the KV budget, set by the
+/// engine) so admission, not the allocator, is what runs out: a sequence that finds no room
+/// waits as one that finds no KV pages does. A standalone forward's states (scoring, audits)
+/// live for that call only and are not counted.
 #[derive(Debug)]
 pub struct StatePool {
     /// Where each layer's state begins in a slot's values, and its length (0: none).
     layers: Vec<(usize, usize)>,
     len: usize,
-    slots: Mutex<Vec<Option<Slot>>>,
+    capacity: AtomicUsize,
+    slots: Mutex<Slots>,
 }
 
 /// Which states a forward's rows of one sequence read and write.
@@ -55,7 +69,7 @@ pub struct StateRef {
 }
 
 impl StatePool {
-    /// A pool for states of `per_layer[i]` values in layer `i`.
+    /// A pool for states of `per_layer[i]` values in layer `i`, without a capacity.
     pub fn new(per_layer: &[usize]) -> Arc<Self> {
         let mut at = 0;
         let layers = per_layer
@@ -69,8 +83,36 @@ impl StatePool {
         Arc::new(Self {
             layers,
             len: at,
-            slots: Mutex::new(Vec::new()),
+            capacity: AtomicUsize::new(usize::MAX),
+            slots: Mutex::new(Slots::default()),
         })
+    }
+
+    /// How many states running sequences may hold within a KV budget of `budget` bytes, for
+    /// states of `bytes_per_state`: two per sequence of `max_num_seqs` (a replayed sequence
+    /// holds two), within half the budget (the pages get the rest), and at least two (one
+    /// replayed sequence), else an error naming `kv_cache_bytes`. 0 where no layer keeps one.
+    pub fn capacity_within(
+        bytes_per_state: usize,
+        budget: usize,
+        max_num_seqs: usize,
+    ) -> Result<usize> {
+        if bytes_per_state == 0 {
+            return Ok(0);
+        }
+        let slots = (budget / 2 / bytes_per_state).min(max_num_seqs.saturating_mul(2));
+        if slots < 2 {
+            return Err(DetspecError::param(
+                "kv_cache_bytes",
+                format!(
+                    "{budget} bytes: the model's linear-attention layers keep {bytes_per_state} \
+                     bytes of state per sequence, and a running sequence may need two, within \
+                     half the KV budget: it needs at least {}",
+                    4 * bytes_per_state
+                ),
+            ));
+        }
+        Ok(slots)
     }
 
     /// Whether any layer keeps a state.
@@ -83,41 +125,65 @@ impl StatePool {
         self.len * std::mem::size_of::<f32>()
     }
 
+    /// At most `slots` states held by running sequences at once.
+    pub fn set_capacity(&self, slots: usize) {
+        self.capacity.store(slots, Ordering::Relaxed);
+    }
+
+    /// States running sequences may hold at once.
+    pub fn capacity(&self) -> usize {
+        self.capacity.load(Ordering::Relaxed)
+    }
+
     /// `(start, len)` of layer `i`'s state in a slot's values.
     pub fn layer_range(&self, layer: usize) -> Option<(usize, usize)> {
         self.layers.get(layer).copied().filter(|&(_, n)| n > 0)
     }
 
-    fn slots(&self) -> MutexGuard<'_, Vec<Option<Slot>>> {
+    fn slots(&self) -> MutexGuard<'_, Slots> {
         self.slots.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// A new zeroed state, freed when the handle drops.
-    pub fn take(self: &Arc<Self>) -> StateSlot {
-        let data = Arc::new(Mutex::new(StateData {
-            seen: vec![0; self.layers.len()],
-            values: vec![0.0; self.len],
-        }));
+    /// `n` new zeroed states, counted against the capacity where `bounded`, or `None` where
+    /// that leaves no room for them. Each is freed when its handle drops.
+    fn take(self: &Arc<Self>, n: usize, bounded: bool) -> Option<Vec<StateSlot>> {
         let mut slots = self.slots();
-        let id = match slots.iter().position(Option::is_none) {
-            Some(i) => {
-                slots[i] = Some(data);
-                i
+        if bounded {
+            if slots.bounded + n > self.capacity() {
+                return None;
             }
-            None => {
-                slots.push(Some(data));
-                slots.len() - 1
-            }
-        };
-        StateSlot {
-            pool: self.clone(),
-            id: id as u32,
+            slots.bounded += n;
         }
+        let taken = (0..n)
+            .map(|_| {
+                let data = Arc::new(Mutex::new(StateData {
+                    seen: vec![0; self.layers.len()],
+                    values: vec![0.0; self.len],
+                }));
+                let id = match slots.entries.iter().position(Option::is_none) {
+                    Some(i) => {
+                        slots.entries[i] = Some(data);
+                        i
+                    }
+                    None => {
+                        slots.entries.push(Some(data));
+                        slots.entries.len() - 1
+                    }
+                };
+                StateSlot {
+                    pool: self.clone(),
+                    id: id as u32,
+                    bounded,
+                }
+            })
+            .collect();
+        Some(taken)
     }
 
     /// The state in slot `id`.
     pub fn get(&self, id: u32) -> Result<Slot> {
         self.slots()
+            .entries
             .get(id as usize)
             .cloned()
             .flatten()
@@ -140,9 +206,9 @@ impl StatePool {
         Ok(())
     }
 
-    /// Slots held now.
+    /// Slots held now (running sequences' and standalone forwards').
     pub fn num_held(&self) -> usize {
-        self.slots().iter().flatten().count()
+        self.slots().entries.iter().flatten().count()
     }
 }
 
@@ -151,63 +217,109 @@ impl StatePool {
 pub struct StateSlot {
     pool: Arc<StatePool>,
     id: u32,
-}
-
-impl StateSlot {
-    pub fn id(&self) -> u32 {
-        self.id
-    }
+    /// Counted against the pool's capacity.
+    bounded: bool,
 }
 
 impl Drop for StateSlot {
     fn drop(&mut self) {
-        if let Some(slot) = self.pool.slots().get_mut(self.id as usize) {
+        let mut slots = self.pool.slots();
+        if let Some(slot) = slots.entries.get_mut(self.id as usize) {
             *slot = None;
+        }
+        if self.bounded {
+            slots.bounded -= 1;
         }
     }
 }
 
 /// A sequence's states: the live one, and the committed one where its tokens are speculative.
+/// A waiting sequence holds none; it takes them when admitted and gives them back when
+/// preempted (its recompute starts from position 0, from zeros).
 #[derive(Debug)]
 pub struct SequenceStates {
-    live: StateSlot,
-    committed: Option<StateSlot>,
+    pool: Arc<StatePool>,
+    speculative: bool,
+    /// `[live]`, or `[live, committed]` where speculative; empty while not held.
+    held: Vec<StateSlot>,
 }
 
 impl SequenceStates {
     /// `speculative`: the sequence's tokens wait for a verifier (replay), which needs the
-    /// state at its last committed token.
+    /// state at its last committed token. Holds nothing until [`SequenceStates::acquire`].
     pub fn new(pool: &Arc<StatePool>, speculative: bool) -> Self {
         Self {
-            live: pool.take(),
-            committed: speculative.then(|| pool.take()),
+            pool: pool.clone(),
+            speculative,
+            held: Vec::new(),
         }
     }
 
-    /// The fast path's (and a prefill's): the live state, advanced by every row.
-    pub fn forward(&self) -> StateRef {
-        StateRef {
-            read: self.live.id,
-            write: self.live.id,
-            advance: u32::MAX,
+    /// A standalone forward's state, held at once and not counted against the capacity.
+    pub fn transient(pool: &Arc<StatePool>) -> Self {
+        let held = pool.take(1, false).unwrap_or_default();
+        Self {
+            pool: pool.clone(),
+            speculative: false,
+            held,
         }
+    }
+
+    /// Takes its states if it does not hold them; false where the pool has no room for them
+    /// now (the sequence waits).
+    pub fn acquire(&mut self) -> bool {
+        if !self.held.is_empty() {
+            return true;
+        }
+        match self.pool.take(1 + usize::from(self.speculative), true) {
+            Some(slots) => {
+                self.held = slots;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Gives its states back (preemption).
+    pub fn release(&mut self) {
+        self.held.clear();
+    }
+
+    fn live(&self) -> Result<&StateSlot> {
+        self.held
+            .first()
+            .ok_or_else(|| DetspecError::InvalidRequest {
+                request_id: None,
+                message: "a sequence runs without its recurrent state (never admitted)".into(),
+            })
+    }
+
+    /// The fast path's (and a prefill's): the live state, advanced by every row.
+    pub fn forward(&self) -> Result<StateRef> {
+        let live = self.live()?.id;
+        Ok(StateRef {
+            read: live,
+            write: live,
+            advance: u32::MAX,
+        })
     }
 
     /// A verify pass's: from the committed state into the live one, advanced by `advance`
     /// rows.
-    pub fn replay(&self, advance: usize) -> StateRef {
-        StateRef {
-            read: self.committed.as_ref().unwrap_or(&self.live).id,
-            write: self.live.id,
+    pub fn replay(&self, advance: usize) -> Result<StateRef> {
+        let live = self.live()?.id;
+        Ok(StateRef {
+            read: self.held.get(1).map_or(live, |c| c.id),
+            write: live,
             advance: u32::try_from(advance).unwrap_or(u32::MAX),
-        }
+        })
     }
 
     /// The live state becomes the committed one (after a verify pass, and after the isolated
     /// prefill whose first token is committed at once).
     pub fn commit(&self) -> Result<()> {
-        match &self.committed {
-            Some(c) => self.live.pool.copy(self.live.id, c.id),
+        match self.held.get(1) {
+            Some(c) => self.pool.copy(self.live()?.id, c.id),
             None => Ok(()),
         }
     }
@@ -217,36 +329,81 @@ impl SequenceStates {
 mod tests {
     use super::*;
 
+    fn admitted(pool: &Arc<StatePool>, speculative: bool) -> SequenceStates {
+        let mut s = SequenceStates::new(pool, speculative);
+        assert!(s.acquire());
+        s
+    }
+
     #[test]
-    fn slots_are_freed_on_drop_and_reused() {
+    fn slots_are_taken_on_admission_freed_on_drop_and_reused() {
         let pool = StatePool::new(&[0, 3, 2]);
         assert_eq!(pool.layer_range(0), None);
         assert_eq!(pool.layer_range(1), Some((0, 3)));
         assert_eq!(pool.layer_range(2), Some((3, 2)));
-        let a = SequenceStates::new(&pool, true);
-        let b = SequenceStates::new(&pool, false);
+        let waiting = SequenceStates::new(&pool, true);
+        assert_eq!(pool.num_held(), 0);
+        assert!(
+            waiting.forward().is_err(),
+            "a waiting sequence holds no state"
+        );
+        let a = admitted(&pool, true);
+        let b = admitted(&pool, false);
         assert_eq!(pool.num_held(), 3);
-        let first = a.forward().read;
+        let first = a.forward().unwrap().read;
         drop(a);
         assert_eq!(pool.num_held(), 1);
         assert!(pool.get(first).is_err());
-        let c = SequenceStates::new(&pool, false);
-        assert_eq!(c.forward().read, first);
+        let c = admitted(&pool, false);
+        assert_eq!(c.forward().unwrap().read, first);
         drop((b, c));
         assert_eq!(pool.num_held(), 0);
     }
 
     #[test]
+    fn the_capacity_bounds_running_sequences_not_standalone_forwards() {
+        let pool = StatePool::new(&[4]);
+        pool.set_capacity(3);
+        let mut replayed = admitted(&pool, true);
+        let mut plain = admitted(&pool, false);
+        let mut next = SequenceStates::new(&pool, false);
+        assert!(!next.acquire(), "three of three slots are held");
+        let scored = SequenceStates::transient(&pool);
+        assert!(
+            scored.forward().is_ok(),
+            "a standalone forward is not counted"
+        );
+        assert_eq!(pool.num_held(), 4);
+        // Preemption gives the slots back; a second acquire holds what it holds.
+        plain.release();
+        assert!(next.acquire() && next.acquire());
+        assert!(!plain.acquire());
+        replayed.release();
+        assert!(plain.acquire());
+        assert_eq!(pool.num_held(), 3);
+    }
+
+    #[test]
+    fn the_capacity_is_half_the_budget_two_per_sequence_at_most() {
+        assert_eq!(StatePool::capacity_within(0, 0, 8).unwrap(), 0);
+        assert_eq!(StatePool::capacity_within(100, 10_000, 256).unwrap(), 50);
+        assert_eq!(StatePool::capacity_within(100, 10_000, 4).unwrap(), 8);
+        let e = StatePool::capacity_within(100, 399, 8).unwrap_err();
+        assert_eq!(e.param_name(), Some("kv_cache_bytes"));
+        assert!(e.to_string().contains("at least 400"), "{e}");
+    }
+
+    #[test]
     fn commit_copies_live_over_committed() {
         let pool = StatePool::new(&[2]);
-        let s = SequenceStates::new(&pool, true);
-        let live = pool.get(s.forward().write).unwrap();
+        let s = admitted(&pool, true);
+        let live = pool.get(s.forward().unwrap().write).unwrap();
         {
             let mut d = live.lock().unwrap();
             d.values.copy_from_slice(&[1.5, -2.0]);
             d.seen[0] = 7;
         }
-        let replay = s.replay(3);
+        let replay = s.replay(3).unwrap();
         assert_ne!(replay.read, replay.write);
         assert_eq!(replay.advance, 3);
         s.commit().unwrap();

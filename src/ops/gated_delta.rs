@@ -420,30 +420,30 @@ mod tests {
         let p = params();
         let pool = pool(&p);
         let (qkv, a, b) = inputs(5, 1);
-        let whole = SequenceStates::new(&pool, false);
+        let whole = SequenceStates::transient(&pool);
         let all = gated_delta_rule(
             (&qkv, &a, &b),
             &p,
             &meta(&[(0, 0), (0, 1), (0, 2), (0, 3), (0, 4)]),
-            &[Some(whole.forward())],
+            &[Some(whole.forward().unwrap())],
             (&pool, 1),
         )
         .unwrap();
-        let one = SequenceStates::new(&pool, false);
+        let one = SequenceStates::transient(&pool);
         for r in 0..5 {
             let pick = |t: &Tensor| t.narrow(0, r, 1).unwrap();
             let y = gated_delta_rule(
                 (&pick(&qkv), &pick(&a), &pick(&b)),
                 &p,
                 &meta(&[(0, r as u32)]),
-                &[Some(one.forward())],
+                &[Some(one.forward().unwrap())],
                 (&pool, 1),
             )
             .unwrap();
             assert_eq!(bits(&y), rows(&all, r, 1), "row {r}");
         }
         let state = |s: &SequenceStates| {
-            let d = pool.get(s.forward().read).unwrap();
+            let d = pool.get(s.forward().unwrap().read).unwrap();
             let d = d.lock().unwrap();
             (
                 d.seen.clone(),
@@ -467,12 +467,12 @@ mod tests {
         let p = params();
         let pool = pool(&p);
         let (qkv, a, b) = inputs(3, 2);
-        let alone = SequenceStates::new(&pool, false);
+        let alone = SequenceStates::transient(&pool);
         let want = gated_delta_rule(
             (&qkv, &a, &b),
             &p,
             &meta(&[(0, 0), (0, 1), (0, 2)]),
-            &[Some(alone.forward())],
+            &[Some(alone.forward().unwrap())],
             (&pool, 1),
         )
         .unwrap();
@@ -485,15 +485,19 @@ mod tests {
             .unwrap()
         };
         let (other, mine) = (
-            SequenceStates::new(&pool, false),
-            SequenceStates::new(&pool, false),
+            SequenceStates::transient(&pool),
+            SequenceStates::transient(&pool),
         );
         // Rows: other 0, other 1, mine 0..3, padding (sequence 2, no state), other 2.
         let crowd = gated_delta_rule(
             (&cat(&oq, &qkv), &cat(&oa, &a), &cat(&ob, &b)),
             &p,
             &meta(&[(0, 0), (0, 1), (1, 0), (1, 1), (1, 2), (2, 0), (0, 2)]),
-            &[Some(other.forward()), Some(mine.forward()), None],
+            &[
+                Some(other.forward().unwrap()),
+                Some(mine.forward().unwrap()),
+                None,
+            ],
             (&pool, 1),
         )
         .unwrap();
@@ -513,18 +517,26 @@ mod tests {
         let pool = pool(&p);
         let (qkv, a, b) = inputs(4, 3);
         let m = meta(&[(0, 0), (0, 1), (0, 2), (0, 3)]);
-        let two = SequenceStates::new(&pool, false);
+        let two = SequenceStates::transient(&pool);
         let first_two = |t: &Tensor| t.narrow(0, 0, 2).unwrap();
         gated_delta_rule(
             (&first_two(&qkv), &first_two(&a), &first_two(&b)),
             &p,
             &meta(&[(0, 0), (0, 1)]),
-            &[Some(two.forward())],
+            &[Some(two.forward().unwrap())],
             (&pool, 1),
         )
         .unwrap();
-        let s = SequenceStates::new(&pool, true);
-        gated_delta_rule((&qkv, &a, &b), &p, &m, &[Some(s.replay(2))], (&pool, 1)).unwrap();
+        let mut s = SequenceStates::new(&pool, true);
+        assert!(s.acquire());
+        gated_delta_rule(
+            (&qkv, &a, &b),
+            &p,
+            &m,
+            &[Some(s.replay(2).unwrap())],
+            (&pool, 1),
+        )
+        .unwrap();
         let values = |id: u32| {
             let d = pool.get(id).unwrap();
             let d = d.lock().unwrap();
@@ -533,9 +545,12 @@ mod tests {
                 d.values.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
             )
         };
-        assert_eq!(values(s.forward().write), values(two.forward().write));
         assert_eq!(
-            values(s.replay(0).read).0,
+            values(s.forward().unwrap().write),
+            values(two.forward().unwrap().write)
+        );
+        assert_eq!(
+            values(s.replay(0).unwrap().read).0,
             0,
             "the committed state is only read"
         );
@@ -546,12 +561,12 @@ mod tests {
         let p = params();
         let pool = pool(&p);
         let (qkv, a, b) = inputs(1, 4);
-        let s = SequenceStates::new(&pool, false);
+        let s = SequenceStates::transient(&pool);
         let e = gated_delta_rule(
             (&qkv, &a, &b),
             &p,
             &meta(&[(0, 5)]),
-            &[Some(s.forward())],
+            &[Some(s.forward().unwrap())],
             (&pool, 1),
         )
         .unwrap_err()
@@ -564,7 +579,7 @@ mod tests {
             (&qkv, &a, &b),
             &p,
             &meta(&[(0, 0)]),
-            &[Some(s.forward())],
+            &[Some(s.forward().unwrap())],
             (&pool, 0),
         )
         .unwrap_err()

@@ -877,6 +877,8 @@ impl PyEngine {
         d.set_item("prefix_queries", s.prefix_queries)?;
         d.set_item("prefix_hits", s.prefix_hits)?;
         d.set_item("hit_rate", s.hit_rate)?;
+        d.set_item("state_slots", s.state_slots)?;
+        d.set_item("states_held", s.states_held)?;
         Ok(d)
     }
 

@@ -134,8 +134,7 @@ impl Scheduler {
     /// Frees `seq`'s pages and requeues it for recomputation.
     fn preempt(&mut self, idx: usize, alloc: &dyn PageAllocator, plan: &mut StepPlan) {
         let mut seq = self.running.remove(idx);
-        seq.block_table.free(alloc);
-        seq.num_computed = 0;
+        seq.restart(alloc);
         seq.num_preemptions += 1;
         tracing::debug!(request_id = %seq.request_id, "preempted (KV pool exhausted)");
         plan.preempted.push(seq.id);
@@ -232,14 +231,17 @@ impl Scheduler {
                         .reserve(prompt_len, l.page_size, alloc)
                         .is_err()
                 {
-                    seq.block_table.free(alloc);
-                    seq.num_computed = 0;
+                    seq.restart(alloc);
                     if !over_budget && self.running.is_empty() {
                         if let Some(seq) = self.waiting.remove(w) {
                             fail_out_of_pages(&mut plan, seq, prompt_len, l.page_size, alloc);
                         }
                         continue;
                     }
+                    break;
+                }
+                if !seq.acquire_states() {
+                    seq.restart(alloc);
                     break;
                 }
                 let Some(seq) = self.waiting.remove(w) else {
@@ -268,14 +270,17 @@ impl Scheduler {
                 .is_err()
             {
                 // Not admitted after all: give back any cached pages it was handed.
-                seq.block_table.free(alloc);
-                seq.num_computed = 0;
+                seq.restart(alloc);
                 if self.running.is_empty() {
                     if let Some(seq) = self.waiting.remove(w) {
                         fail_out_of_pages(&mut plan, seq, len, l.page_size, alloc);
                     }
                     continue;
                 }
+                break;
+            }
+            if !seq.acquire_states() {
+                seq.restart(alloc);
                 break;
             }
             let Some(seq) = self.waiting.remove(w) else {
@@ -385,7 +390,7 @@ fn fail_out_of_pages(
     page_size: usize,
     alloc: &dyn PageAllocator,
 ) {
-    seq.block_table.free(alloc);
+    seq.restart(alloc);
     let err = DetspecError::OutOfPages {
         needed: seq.block_table.pages_needed(tokens, page_size),
         free: alloc.num_free(),

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use crate::kv::{BlockTable, SequenceStates};
+use crate::kv::{BlockTable, PageAllocator, SequenceStates};
 use crate::model::LoraAdapter;
 use crate::output::{FinishReason, StopReason, TokenLogprobs};
 use crate::sampling::{SamplingParams, TokenConstraint};
@@ -50,7 +50,8 @@ pub struct Sequence {
     pub lora: Option<Arc<LoraAdapter>>,
     /// Its request's `cache_salt` hashed (`kv::salt_hash`; 0: none).
     pub cache_salt: u64,
-    /// Its recurrent states, where the model has linear-attention layers (freed with it).
+    /// Its recurrent states, where the model has linear-attention layers: held while it runs,
+    /// given back when it is preempted or ends.
     pub states: Option<SequenceStates>,
 }
 
@@ -71,6 +72,22 @@ pub struct DvrState {
 }
 
 impl Sequence {
+    /// Gives back its pages and recurrent states: it computes from its first token again
+    /// (preempted, or not admitted after all).
+    pub fn restart(&mut self, alloc: &dyn PageAllocator) {
+        self.block_table.free(alloc);
+        self.num_computed = 0;
+        if let Some(states) = &mut self.states {
+            states.release();
+        }
+    }
+
+    /// Takes its recurrent states where the model keeps them (admission); false where the
+    /// pool has no room for them now.
+    pub fn acquire_states(&mut self) -> bool {
+        self.states.as_mut().is_none_or(SequenceStates::acquire)
+    }
+
     /// Prompt plus output tokens.
     pub fn len(&self) -> usize {
         self.prompt.len() + self.output.len()

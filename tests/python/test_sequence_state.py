@@ -163,3 +163,40 @@ def test_score_equals_the_generation(model, whole):
     (scored,) = llm.score([prompt], [tokens])
     assert [np.float32(x).view(np.uint32).item() for x in scored] == lp_bits
     llm.shutdown()
+
+
+# Bytes of the zoo Qwen3.5's state per sequence: 3 DeltaNet layers, each 4 value heads of
+# 16 × 16 plus 3 convolution taps of 2·2·16 + 4·16 channels, in f32.
+QWEN3_5_STATE_BYTES = 3 * (4 * 16 * 16 + 3 * (2 * 2 * 16 + 4 * 16)) * 4
+
+
+def test_running_sequences_share_a_bounded_pool_of_states(model_zoo):
+    """The states come out of the KV budget (at most half of it): with room for three, four
+    deterministic requests (two states each under replay) and four others run a few at a
+    time, the deterministic ones with the bits a roomy engine gives them, and every state is
+    given back."""
+    case, prompt = model_zoo.get("qwen3_5"), prompt_of("qwen3_5")
+    rng = np.random.default_rng(12)
+    others = [[int(x) for x in rng.integers(3, 500, size=n)] for n in (9, 30, 17, 44)]
+    prompts = [prompt, *others[:3], prompt, *others[1:]]
+    sps = [params(7 * i) for i in range(4)] + [
+        SamplingParams(temperature=0.8, seed=60 + i, max_tokens=NEW, ignore_eos=True, logprobs=0)
+        for i in range(4)
+    ]
+    kw = dict(verify_strategy="replay", verify_window=4)
+    roomy, _ = run(case, prompts, sps, **kw)
+    llm = detspec.LLM(
+        str(case.path), num_kv_pages=256, kv_cache_bytes=7 * QWEN3_5_STATE_BYTES, **kw
+    )
+    assert llm.kv_stats()["state_slots"] == 3
+    bounded = llm.generate(prompts, sps, use_tqdm=False)
+    assert llm.kv_stats()["states_held"] == 0
+    llm.shutdown()
+    assert [bits(o) for o in bounded[:4]] == [bits(o) for o in roomy[:4]]
+    assert all(len(o.outputs[0].token_ids) == NEW for o in bounded[4:])
+
+
+def test_a_budget_without_room_for_the_states_is_refused(model_zoo):
+    case = model_zoo.get("qwen3_5")
+    with pytest.raises(ValueError, match=f"kv_cache_bytes.*at least {4 * QWEN3_5_STATE_BYTES}"):
+        detspec.LLM(str(case.path), kv_cache_bytes=3 * QWEN3_5_STATE_BYTES)

@@ -233,7 +233,7 @@ impl EngineCore {
             batch.adapters.push(lora_of(scopes, si));
             batch
                 .states
-                .push(states.get(si).map(SequenceStates::forward));
+                .push(states.get(si).map(SequenceStates::forward).transpose()?);
         }
         if batch.logit_rows.is_empty() {
             return Ok((0, vec![Vec::new(); seqs.len()]));
@@ -379,8 +379,8 @@ impl EngineCore {
             batch.attention.block_tables = tables.iter().map(|t| t.pages().to_vec()).collect();
             batch.adapters = (0..tables.len()).map(|si| lora_of(scopes, si)).collect();
             batch.states = (0..tables.len())
-                .map(|si| states.get(si).map(SequenceStates::forward))
-                .collect();
+                .map(|si| states.get(si).map(SequenceStates::forward).transpose())
+                .collect::<Result<_>>()?;
             for (si, (seq, table)) in seqs.iter().zip(tables).enumerate() {
                 for pos in part(si) {
                     let slot = table.slot(pos, ps).ok_or_else(|| {
@@ -434,7 +434,7 @@ impl EngineCore {
     fn fresh_states(&self, n: usize) -> Vec<SequenceStates> {
         let pool = self.kv.states();
         match pool.is_used() {
-            true => (0..n).map(|_| SequenceStates::new(pool, false)).collect(),
+            true => (0..n).map(|_| SequenceStates::transient(pool)).collect(),
             false => Vec::new(),
         }
     }
