@@ -173,12 +173,17 @@ pub enum Architecture {
     /// output gate (`q_proj` makes each head's query and gate), a quarter of each head
     /// rotating; every RMSNorm but the DeltaNet's scales by `1 + w`.
     Qwen3_5,
+    /// Qwen3.5's mixture of experts (`Qwen3_5MoeForCausalLM`, the text model of
+    /// Qwen3.5-35B-A3B, 122B-A10B, 397B-A17B): Qwen3.5's layers, every MLP sparse (Qwen2-MoE's:
+    /// a softmax router whose top k are always renormalised, experts `moe_intermediate_size`
+    /// wide, a shared expert scaled by its sigmoid gate).
+    Qwen3_5Moe,
 }
 
 impl Architecture {
     /// Each architecture's `*ForCausalLM` class (`architectures`) and its `model_type`, the
     /// fallback for a config without `architectures`.
-    const CAUSAL_LM: [(&'static str, &'static str, Architecture); 44] = [
+    const CAUSAL_LM: [(&'static str, &'static str, Architecture); 45] = [
         ("LlamaForCausalLM", "llama", Architecture::Llama),
         ("MistralForCausalLM", "mistral", Architecture::Mistral),
         ("Qwen2ForCausalLM", "qwen2", Architecture::Qwen2),
@@ -243,6 +248,11 @@ impl Architecture {
         ("Lfm2ForCausalLM", "lfm2", Architecture::Lfm2),
         ("Lfm2MoeForCausalLM", "lfm2_moe", Architecture::Lfm2Moe),
         ("Qwen3_5ForCausalLM", "qwen3_5_text", Architecture::Qwen3_5),
+        (
+            "Qwen3_5MoeForCausalLM",
+            "qwen3_5_moe_text",
+            Architecture::Qwen3_5Moe,
+        ),
         (
             "HunYuanDenseV1ForCausalLM",
             "hunyuan_v1_dense",
@@ -446,7 +456,12 @@ impl Architecture {
     /// Whether `q_proj` makes each head's query and then its output gate (`2 · head_dim` per
     /// head), the attention's output multiplied by the gate's sigmoid (Qwen3.5).
     pub fn attention_output_gate(self) -> bool {
-        self == Architecture::Qwen3_5
+        self.is_qwen3_5()
+    }
+
+    /// Qwen3.5, dense or with experts: gated DeltaNets beside gated attention.
+    pub fn is_qwen3_5(self) -> bool {
+        matches!(self, Architecture::Qwen3_5 | Architecture::Qwen3_5Moe)
     }
 
     /// Whether q/k are normed over the whole projection (OLMo 2: `q_norm` of
@@ -470,7 +485,7 @@ impl Architecture {
     /// What every RMSNorm's weight is offset by: Gemma's norms scale by `1 + w` (its weights
     /// are stored as the difference from 1).
     pub fn norm_weight_offset(self) -> f64 {
-        if self.is_gemma() || self == Architecture::Qwen3_5 {
+        if self.is_gemma() || self.is_qwen3_5() {
             1.0
         } else {
             0.0
@@ -1054,7 +1069,8 @@ impl ModelConfig {
             | Architecture::Arcee
             | Architecture::Lfm2
             | Architecture::Lfm2Moe
-            | Architecture::Qwen3_5 => None,
+            | Architecture::Qwen3_5
+            | Architecture::Qwen3_5Moe => None,
             // Its window applies to its sliding layers only (below).
             Architecture::Dots1 => raw.sliding_window,
             // Its window applies to the layers without rope only (below).
@@ -1069,6 +1085,8 @@ impl ModelConfig {
                 "shared_intermediate_size",
                 raw.shared_intermediate_size.or(Some(1024)),
             )?,
+            // Every MLP sparse: no dense width to read (its class has none).
+            Architecture::Qwen3_5Moe => raw.intermediate_size.unwrap_or(0),
             _ => match &lfm2 {
                 Some(shape) => shape.intermediate_size,
                 None => positive("intermediate_size", raw.intermediate_size)?,
@@ -1093,7 +1111,9 @@ impl ModelConfig {
         };
         let moe = match architecture {
             Architecture::Mixtral => Some(sparse(ExpertNaming::Mixtral, false, false)),
-            Architecture::Qwen2Moe => Some(sparse(ExpertNaming::Qwen, true, true)),
+            Architecture::Qwen2Moe | Architecture::Qwen3_5Moe => {
+                Some(sparse(ExpertNaming::Qwen, true, true))
+            }
             Architecture::Qwen3Moe => Some(sparse(ExpertNaming::Qwen, false, true)),
             Architecture::Olmoe => Some(sparse(ExpertNaming::Qwen, false, false)),
             Architecture::GptOss => Some(sparse(ExpertNaming::GptOss, false, false)),
@@ -1134,6 +1154,7 @@ impl ModelConfig {
             Architecture::MiniMaxM2 => m.with_biased_sigmoid_routing(),
             Architecture::ExaoneMoe => m.with_bias_beside_router(),
             Architecture::Mistral4 => m.with_unbiased_softmax_choice(),
+            Architecture::Qwen3_5Moe => m.with_every_layer_sparse_renormalised(),
             _ => m,
         });
         // OLMo 1's clamp of q, k and v (OLMoE's configs have none).
@@ -1314,7 +1335,8 @@ impl ModelConfig {
                 | Architecture::Apertus
                 | Architecture::Lfm2
                 | Architecture::Lfm2Moe
-                | Architecture::Qwen3_5 => true,
+                | Architecture::Qwen3_5
+                | Architecture::Qwen3_5Moe => true,
                 Architecture::Glm4Moe => raw.use_qk_norm.unwrap_or(false),
                 _ => false,
             },
@@ -1335,7 +1357,8 @@ impl ModelConfig {
                 .transpose()?,
             moe,
             short_conv: lfm2.map(|s| s.conv),
-            linear_attention: (architecture == Architecture::Qwen3_5)
+            linear_attention: architecture
+                .is_qwen3_5()
                 .then(|| {
                     parse_json::<RawLinearAttention>(text, path)?.check(path, num_hidden_layers)
                 })
@@ -1484,6 +1507,7 @@ impl ModelConfig {
                 | Architecture::SolarOpen
                 | Architecture::MiniMaxM2
                 | Architecture::Qwen3_5
+                | Architecture::Qwen3_5Moe
         ) {
             return Err(err(format!(
                 "{f}: only the Phi-3, GLM and Qwen3.5 layouts rotate part of each head ({architecture:?} \
@@ -2348,6 +2372,34 @@ pub(super) mod tests {
         assert_eq!(moe.naming, ExpertNaming::DeepSeek);
         assert!(matches!(c.rope.scaling, RopeScaling::Yarn { .. }));
         assert!(!c.qkv_bias && !c.o_bias && !c.qk_norm);
+    }
+
+    #[test]
+    fn qwen3_5_moe_has_every_mlp_sparse_and_renormalised_whatever_else_it_says() {
+        // Qwen3.5-35B-A3B's text model: no dense width; the Qwen2-MoE fields its class does
+        // not read are ignored.
+        let c = parse(
+            r#"{"architectures": ["Qwen3_5MoeForCausalLM"], "hidden_size": 2048,
+            "num_hidden_layers": 40, "num_attention_heads": 16, "num_key_value_heads": 2,
+            "head_dim": 256, "vocab_size": 248320, "full_attention_interval": 4,
+            "num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
+            "shared_expert_intermediate_size": 512, "norm_topk_prob": false,
+            "decoder_sparse_step": 2, "mlp_only_layers": [0],
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000000,
+                "partial_rotary_factor": 0.25}}"#,
+        )
+        .unwrap();
+        assert!(c.architecture.is_qwen3_5() && c.architecture.attention_output_gate());
+        let moe = c.moe.clone().unwrap();
+        assert_eq!(
+            (moe.num_experts, moe.top_k, moe.expert_intermediate_size),
+            (256, 8, 512)
+        );
+        assert_eq!(moe.shared_expert_intermediate_size, Some(512));
+        assert!(moe.norm_topk_prob && moe.sparse_layers.iter().all(|&s| s));
+        assert_eq!(moe.sparse_layers.len(), 40);
+        let la = c.linear_attention.unwrap();
+        assert_eq!((0..40).filter(|&l| la.is_linear(l)).count(), 30);
     }
 
     #[test]

@@ -172,6 +172,17 @@ impl MoeConfig {
         }
     }
 
+    /// Qwen3.5-MoE's (`Qwen3_5MoeSparseMoeBlock`): every layer sparse and the top k always
+    /// renormalised (its class reads neither `decoder_sparse_step`, `mlp_only_layers` nor
+    /// `norm_topk_prob`).
+    pub(super) fn with_every_layer_sparse_renormalised(self) -> Self {
+        Self {
+            sparse_layers: vec![true; self.sparse_layers.len()],
+            norm_topk_prob: true,
+            ..self
+        }
+    }
+
     /// DeepSeek-V2's routing in place of V3's: softmax scores, groups by their best, and the
     /// top k's weights never renormalised (its router reads no `norm_topk_prob`).
     pub(super) fn with_softmax_scoring(mut self) -> Self {

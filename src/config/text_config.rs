@@ -27,7 +27,7 @@ struct Wrapper {
     flat_form: bool,
 }
 
-const WRAPPERS: [Wrapper; 11] = [
+const WRAPPERS: [Wrapper; 12] = [
     Wrapper {
         class: "Gemma3ForConditionalGeneration",
         model_type: "gemma3",
@@ -104,6 +104,13 @@ const WRAPPERS: [Wrapper; 11] = [
         class: "Qwen3_5ForConditionalGeneration",
         model_type: "qwen3_5",
         text_type: "qwen3_5_text",
+        aliases: &[],
+        flat_form: false,
+    },
+    Wrapper {
+        class: "Qwen3_5MoeForConditionalGeneration",
+        model_type: "qwen3_5_moe",
+        text_type: "qwen3_5_moe_text",
         aliases: &[],
         flat_form: false,
     },

@@ -413,7 +413,11 @@ impl EngineCore {
     pub fn kv_stats(&self) -> KvStats {
         let states = self.kv.states();
         KvStats {
-            state_slots: if states.is_used() { states.capacity() } else { 0 },
+            state_slots: if states.is_used() {
+                states.capacity()
+            } else {
+                0
+            },
             states_held: states.num_held(),
             ..self.alloc.stats()
         }

@@ -851,6 +851,23 @@ MODEL_SPECS: dict[str, dict] = {
         "rope": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
         "extra": _QWEN3_5_LAYERS,
     },
+    # Qwen3.5-MoE: Qwen3.5's layers, every MLP sparse: 8 experts, 2 per token, always
+    # renormalised, and a shared expert under its sigmoid gate (Qwen2-MoE's). Its config has
+    # no dense width; `intermediate_size` (the zoo's default) is left in as transformers keeps
+    # it, unread.
+    "qwen3_5_moe": {
+        "arch": "qwen3_5_moe",
+        "seed": 263,
+        "head_dim": 32,
+        "rope": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        "extra": {
+            **_QWEN3_5_LAYERS,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 48,
+            "shared_expert_intermediate_size": 96,
+        },
+    },
     # LFM2-MoE: LFM2's layers, a dense first MLP (`intermediate_size` as written), then
     # experts under `feed_forward` chosen by sigmoid score plus a per-expert bias
     # (`feed_forward.expert_bias`, randomised), renormalised (sum + 1e-6), scaled by 1.5.
@@ -978,6 +995,7 @@ _CONFIG_CLASSES = {
     "apertus": (transformers.ApertusConfig, transformers.ApertusForCausalLM),
     "lfm2": (transformers.Lfm2Config, transformers.Lfm2ForCausalLM),
     "qwen3_5": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM),
+    "qwen3_5_moe": (transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM),
     "hunyuan_v1_moe": (transformers.HunYuanMoEV1Config, transformers.HunYuanMoEV1ForCausalLM),
     "arcee": (transformers.ArceeConfig, transformers.ArceeForCausalLM),
     "solar_open": (transformers.SolarOpenConfig, transformers.SolarOpenForCausalLM),

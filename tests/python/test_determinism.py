@@ -201,6 +201,7 @@ def needle_in_haystack(
         "exaone_moe",
         "mistral4",
         "qwen3_5",
+        "qwen3_5_moe",
     ],
 )
 def test_needle_in_haystack_on_every_decoder_layout(model_zoo, name: str) -> None:

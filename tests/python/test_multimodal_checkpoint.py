@@ -244,6 +244,17 @@ WRAPPERS = {
         {"mrope_section": [2, 1, 1], "mrope_interleaved": True},
         {"model.language_model.": "model.", "model.visual.": "visual.", "lm_head.": "lm_head."},
     ),
+    # Qwen3.5-MoE: the same wrapper over Qwen3.5's layers with experts.
+    "qwen3_5_moe": (
+        "Qwen3_5MoeConfig",
+        "Qwen3_5MoeForConditionalGeneration",
+        {
+            "vision_config": {**TINY_QWEN_VISION, "num_position_embeddings": 16},
+            "tie_word_embeddings": False,
+        },
+        {"mrope_section": [2, 1, 1], "mrope_interleaved": True},
+        {"model.language_model.": "model.", "model.visual.": "visual.", "lm_head.": "lm_head."},
+    ),
 }
 
 
@@ -333,9 +344,10 @@ def test_a_peft_adapter_of_the_wrapper_adapts_its_language_model(wrapped, tmp_pa
     text, vlm, new, _ = wrapped
     # `qkv`: the Qwen VL vision towers' fused attention, which no language model has. On a
     # mixture of experts PEFT's `down_proj` would also reach the experts' fused tensor, whose
-    # adapters are refused (test_lora.py): there the adapter is of the attention only.
+    # (and Qwen's shared expert's) adapters are refused (test_lora.py): there the adapter is of
+    # the attention only.
     targets = ["q_proj", "v_proj", "down_proj", "qkv"]
-    if text.model.config.to_dict().get("n_routed_experts"):
+    if any(text.model.config.to_dict().get(k) for k in ("n_routed_experts", "num_experts")):
         targets.remove("down_proj")
     torch.manual_seed(9)
     cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)

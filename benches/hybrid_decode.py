@@ -1,0 +1,120 @@
+"""Decode speed of a hybrid model on the CPU (LFM2-1.2B-shaped, or Qwen3.5-2B-shaped), against
+the memory-bandwidth bound.
+
+Writes the model on first use (transformers' class at the geometry below, random N(0, 0.02)
+bf16 weights; no download), loads it with ``auto`` (bf16 weights and cache), and times greedy
+decoding of 32-token prompts at batch 1 and 16 (fast path, and every request deterministic).
+Each decode rate is the difference of a 2-token run and a longer one on fresh prompts, so
+prefill cancels and neither run reads the other's prefix from the cache.
+
+    python benches/hybrid_decode.py /tmp/lfm2-1.2b
+    python benches/hybrid_decode.py --arch qwen3_5 /tmp/qwen3.5-2b
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+from bench_model import bench_model
+from big_model import bandwidth_two_processes
+
+from detspec import LLM, SamplingParams
+
+
+def config(arch: str):
+    """The transformers class and config of `arch`'s bench model: LFM2-1.2B's hub geometry
+    (1.17 B parameters), or a Qwen3.5 of 2 B parameters (Qwen3.5's layer pattern and DeltaNet
+    widths at half the default model's hidden size: 18 DeltaNet layers, 6 attending)."""
+    import transformers
+
+    if arch == "lfm2":
+        return transformers.Lfm2ForCausalLM, transformers.Lfm2Config(
+            vocab_size=65536,
+            hidden_size=2048,
+            intermediate_size=12288,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            full_attn_idxs=[2, 5, 8, 10, 12, 14],
+            norm_eps=1e-5,
+            tie_word_embeddings=True,
+            initializer_range=0.02,
+        )
+    return transformers.Qwen3_5ForCausalLM, transformers.Qwen3_5TextConfig(
+        vocab_size=248320,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=24,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_num_value_heads=16,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        tie_word_embeddings=True,
+        initializer_range=0.02,
+    )
+
+
+def write_model(out: Path, arch: str) -> int:
+    """The random `arch` checkpoint at ``out``; returns its parameter count."""
+    import torch
+
+    torch.manual_seed(0)
+    cls, cfg = config(arch)
+    model = cls._from_config(cfg, dtype=torch.bfloat16)
+    model.save_pretrained(out)
+    tokenizer_dir = bench_model(Path("/tmp/benchmodel"), "bench")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(tokenizer_dir) / name, out / name)
+    return sum(p.numel() for p in model.parameters())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    p.add_argument("model", type=Path)
+    p.add_argument("--arch", choices=["lfm2", "qwen3_5"], default="lfm2")
+    args = p.parse_args()
+    if not (args.model / "config.json").exists():
+        write_model(args.model, args.arch)
+    weight_bytes = sum(f.stat().st_size for f in args.model.glob("*.safetensors"))
+    bandwidth = bandwidth_two_processes()
+    t0 = time.time()
+    llm = LLM(str(args.model), num_kv_pages=512)
+    load = time.time() - t0
+    rng = np.random.default_rng(0)
+
+    def prompts(n: int) -> list[list[int]]:
+        return [[int(x) for x in rng.integers(3, 60000, size=32)] for _ in range(n)]
+
+    def decode_rate(batch: int, tokens: int, deterministic: bool = False) -> float:
+        def run(n: int) -> float:
+            sp = SamplingParams(
+                temperature=0.0, max_tokens=n, ignore_eos=True, deterministic=deterministic
+            )
+            t = time.time()
+            llm.generate(prompts(batch), sp, use_tqdm=False)
+            return time.time() - t
+
+        short = run(2)
+        return batch * tokens / (run(2 + tokens) - short)
+
+    decode_rate(1, 2)  # warm-up
+    b1, b16 = decode_rate(1, 32), decode_rate(16, 16)
+    b16_det = decode_rate(16, 16, deterministic=True)
+    bound = bandwidth / weight_bytes
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    print(f"load {load:.1f} s, peak RSS {peak:.2f} GiB, bandwidth {bandwidth / 1e9:.1f} GB/s")
+    print(f"batch 1: {b1:.2f} tok/s, bound {bound:.2f} ({100 * b1 / bound:.0f} %)")
+    print(f"batch 16: {b16:.1f} tok/s; every request deterministic: {b16_det:.1f} tok/s")
+    print("load average", " ".join(open("/proc/loadavg").read().split()[:3]))
+
+
+if __name__ == "__main__":
+    main()
