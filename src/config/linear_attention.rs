@@ -1,5 +1,5 @@
-//! The linear-attention part of a Qwen3.5 `config.json`: which layers are gated DeltaNets
-//! rather than attention, and their widths.
+//! The linear-attention part of a Qwen3-Next or Qwen3.5 `config.json`: which layers are gated
+//! DeltaNets rather than attention, and their widths.
 
 use std::path::Path;
 
@@ -43,12 +43,25 @@ impl DeltaNetDims {
     }
 }
 
-/// Qwen3.5's linear-attention layers.
+/// How a checkpoint stores a DeltaNet's input projections.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeltaNetProjections {
+    /// Qwen3.5's: `in_proj_qkv` (every query head, then every key head, then every value
+    /// head: the convolution's channels in order), `in_proj_z`, `in_proj_b`, `in_proj_a`.
+    Split,
+    /// Qwen3-Next's: `in_proj_qkvz` holds, per key head, its query, its key, then the values
+    /// and gates of the value heads that share it; `in_proj_ba`, per key head, their `b`s
+    /// then their `a`s. Read into the split form at load.
+    GroupedByKeyHead,
+}
+
+/// Qwen3-Next's and Qwen3.5's linear-attention layers.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LinearAttentionConfig {
     pub dims: DeltaNetDims,
     /// Per layer: linear attention (`true`) or full attention.
     pub layers: Vec<bool>,
+    pub projections: DeltaNetProjections,
 }
 
 impl LinearAttentionConfig {
@@ -73,7 +86,12 @@ pub(super) struct RawLinearAttention {
 
 impl RawLinearAttention {
     /// The checked fields, with transformers' defaults (`Qwen3NextConfig`'s).
-    pub(super) fn check(&self, path: &Path, num_layers: usize) -> Result<LinearAttentionConfig> {
+    pub(super) fn check(
+        &self,
+        path: &Path,
+        num_layers: usize,
+        projections: DeltaNetProjections,
+    ) -> Result<LinearAttentionConfig> {
         let err = |field: &str, message: String| DetspecError::InvalidConfig {
             path: path.to_path_buf(),
             field: field.to_string(),
@@ -112,6 +130,7 @@ impl RawLinearAttention {
                 value_dim,
             },
             layers,
+            projections,
         })
     }
 }
@@ -123,7 +142,7 @@ mod tests {
     fn check(json: &str, layers: usize) -> Result<LinearAttentionConfig> {
         serde_json::from_str::<RawLinearAttention>(json)
             .unwrap()
-            .check(Path::new("config.json"), layers)
+            .check(Path::new("config.json"), layers, DeltaNetProjections::Split)
     }
 
     #[test]

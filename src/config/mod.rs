@@ -19,7 +19,7 @@ pub use engine_config::{
     DEFAULT_KV_CACHE_BYTES,
 };
 pub use head::Head;
-pub use linear_attention::{DeltaNetDims, LinearAttentionConfig};
+pub use linear_attention::{DeltaNetDims, DeltaNetProjections, LinearAttentionConfig};
 pub use mla_config::MlaConfig;
 pub use model_config::{
     Activation, Architecture, ClampedSwiglu, DenseMlpNames, Fused, GraniteScales, ModelConfig,

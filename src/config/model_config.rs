@@ -11,7 +11,7 @@ use serde_json::Value;
 
 use super::head::Head;
 use super::json::{parse_json, TokenIds};
-use super::linear_attention::{LinearAttentionConfig, RawLinearAttention};
+use super::linear_attention::{DeltaNetProjections, LinearAttentionConfig, RawLinearAttention};
 use super::mla_config::{MlaConfig, RawMla};
 use super::moe_config::{DeepSeekDefaults, ExpertNaming, MoeConfig, RawMoe, SparseShape};
 use super::quant::{parse_quantization, Fp8Weights, Quantization};
@@ -167,6 +167,12 @@ pub enum Architecture {
     /// `num_dense_layers` sparse ([`ExpertNaming::Lfm2`]): sigmoid scores chosen with a
     /// per-expert bias, renormalised, scaled.
     Lfm2Moe,
+    /// Qwen3-Next (`Qwen3NextForCausalLM`, 80B-A3B): Qwen3.5's layers (below; Qwen3.5 took
+    /// them over), its DeltaNets' input projections stored grouped by key head
+    /// ([`DeltaNetProjections::GroupedByKeyHead`]); Qwen2-MoE's MLPs (sparse by
+    /// `decoder_sparse_step` and `mlp_only_layers`, the top k renormalised unless
+    /// `norm_topk_prob` is false, a shared expert under its sigmoid gate).
+    Qwen3Next,
     /// Qwen3.5 (`Qwen3_5ForCausalLM`, the text model of its dense checkpoints): three of every
     /// four layers gated DeltaNets ([`LinearAttentionConfig`]), whose per-sequence state lives
     /// outside the pages (`kv::state`); the others attention with per-head q/k norms and an
@@ -183,7 +189,7 @@ pub enum Architecture {
 impl Architecture {
     /// Each architecture's `*ForCausalLM` class (`architectures`) and its `model_type`, the
     /// fallback for a config without `architectures`.
-    const CAUSAL_LM: [(&'static str, &'static str, Architecture); 45] = [
+    const CAUSAL_LM: [(&'static str, &'static str, Architecture); 46] = [
         ("LlamaForCausalLM", "llama", Architecture::Llama),
         ("MistralForCausalLM", "mistral", Architecture::Mistral),
         ("Qwen2ForCausalLM", "qwen2", Architecture::Qwen2),
@@ -247,6 +253,11 @@ impl Architecture {
         ("ArceeForCausalLM", "arcee", Architecture::Arcee),
         ("Lfm2ForCausalLM", "lfm2", Architecture::Lfm2),
         ("Lfm2MoeForCausalLM", "lfm2_moe", Architecture::Lfm2Moe),
+        (
+            "Qwen3NextForCausalLM",
+            "qwen3_next",
+            Architecture::Qwen3Next,
+        ),
         ("Qwen3_5ForCausalLM", "qwen3_5_text", Architecture::Qwen3_5),
         (
             "Qwen3_5MoeForCausalLM",
@@ -456,12 +467,16 @@ impl Architecture {
     /// Whether `q_proj` makes each head's query and then its output gate (`2 · head_dim` per
     /// head), the attention's output multiplied by the gate's sigmoid (Qwen3.5).
     pub fn attention_output_gate(self) -> bool {
-        self.is_qwen3_5()
+        self.has_qwen3_next_layers()
     }
 
-    /// Qwen3.5, dense or with experts: gated DeltaNets beside gated attention.
-    pub fn is_qwen3_5(self) -> bool {
-        matches!(self, Architecture::Qwen3_5 | Architecture::Qwen3_5Moe)
+    /// Qwen3-Next's layer design, which Qwen3.5 (dense or with experts) took over: gated
+    /// DeltaNets beside gated attention, `1 + w` norms, a quarter of each head rotating.
+    pub fn has_qwen3_next_layers(self) -> bool {
+        matches!(
+            self,
+            Architecture::Qwen3Next | Architecture::Qwen3_5 | Architecture::Qwen3_5Moe
+        )
     }
 
     /// Whether q/k are normed over the whole projection (OLMo 2: `q_norm` of
@@ -485,7 +500,7 @@ impl Architecture {
     /// What every RMSNorm's weight is offset by: Gemma's norms scale by `1 + w` (its weights
     /// are stored as the difference from 1).
     pub fn norm_weight_offset(self) -> f64 {
-        if self.is_gemma() || self.is_qwen3_5() {
+        if self.is_gemma() || self.has_qwen3_next_layers() {
             1.0
         } else {
             0.0
@@ -1069,6 +1084,7 @@ impl ModelConfig {
             | Architecture::Arcee
             | Architecture::Lfm2
             | Architecture::Lfm2Moe
+            | Architecture::Qwen3Next
             | Architecture::Qwen3_5
             | Architecture::Qwen3_5Moe => None,
             // Its window applies to its sliding layers only (below).
@@ -1100,6 +1116,8 @@ impl ModelConfig {
                 architecture,
                 Architecture::Glm4MoeLite | Architecture::ExaoneMoe
             ),
+            // Qwen3-Next's config class renormalises by default, Qwen2/3-MoE's do not.
+            norm_topk_default: architecture == Architecture::Qwen3Next,
             deepseek_defaults: match architecture {
                 Architecture::Dots1 => DeepSeekDefaults::DOTS1,
                 Architecture::Glm4MoeLite => DeepSeekDefaults::GLM4_MOE_LITE,
@@ -1111,7 +1129,7 @@ impl ModelConfig {
         };
         let moe = match architecture {
             Architecture::Mixtral => Some(sparse(ExpertNaming::Mixtral, false, false)),
-            Architecture::Qwen2Moe | Architecture::Qwen3_5Moe => {
+            Architecture::Qwen2Moe | Architecture::Qwen3Next | Architecture::Qwen3_5Moe => {
                 Some(sparse(ExpertNaming::Qwen, true, true))
             }
             Architecture::Qwen3Moe => Some(sparse(ExpertNaming::Qwen, false, true)),
@@ -1335,6 +1353,7 @@ impl ModelConfig {
                 | Architecture::Apertus
                 | Architecture::Lfm2
                 | Architecture::Lfm2Moe
+                | Architecture::Qwen3Next
                 | Architecture::Qwen3_5
                 | Architecture::Qwen3_5Moe => true,
                 Architecture::Glm4Moe => raw.use_qk_norm.unwrap_or(false),
@@ -1358,9 +1377,17 @@ impl ModelConfig {
             moe,
             short_conv: lfm2.map(|s| s.conv),
             linear_attention: architecture
-                .is_qwen3_5()
+                .has_qwen3_next_layers()
                 .then(|| {
-                    parse_json::<RawLinearAttention>(text, path)?.check(path, num_hidden_layers)
+                    let projections = match architecture {
+                        Architecture::Qwen3Next => DeltaNetProjections::GroupedByKeyHead,
+                        _ => DeltaNetProjections::Split,
+                    };
+                    parse_json::<RawLinearAttention>(text, path)?.check(
+                        path,
+                        num_hidden_layers,
+                        projections,
+                    )
                 })
                 .transpose()?,
             mla,
@@ -1506,6 +1533,7 @@ impl ModelConfig {
                 | Architecture::Glm4Moe
                 | Architecture::SolarOpen
                 | Architecture::MiniMaxM2
+                | Architecture::Qwen3Next
                 | Architecture::Qwen3_5
                 | Architecture::Qwen3_5Moe
         ) {
@@ -2375,6 +2403,33 @@ pub(super) mod tests {
     }
 
     #[test]
+    fn qwen3_next_reads_its_grouped_projections_and_qwen2_moe_fields() {
+        // Qwen3-Next-80B-A3B's config, `norm_topk_prob` left out (its class's default: true).
+        let next = |extra: &str| {
+            parse(&format!(
+                r#"{{"architectures": ["Qwen3NextForCausalLM"], "hidden_size": 2048,
+                "intermediate_size": 5120, "num_hidden_layers": 48, "num_attention_heads": 16,
+                "num_key_value_heads": 2, "head_dim": 256, "vocab_size": 151936,
+                "full_attention_interval": 4, "linear_num_key_heads": 16,
+                "linear_num_value_heads": 32, "num_experts": 512, "num_experts_per_tok": 10,
+                "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+                "decoder_sparse_step": 1, "partial_rotary_factor": 0.25{extra}}}"#
+            ))
+            .unwrap()
+        };
+        let c = next("");
+        assert!(c.architecture.has_qwen3_next_layers());
+        let la = c.linear_attention.clone().unwrap();
+        assert_eq!(la.projections, DeltaNetProjections::GroupedByKeyHead);
+        assert_eq!((la.dims.key_heads, la.dims.value_heads), (16, 32));
+        let moe = c.moe.unwrap();
+        assert!(moe.norm_topk_prob && moe.sparse_layers.iter().all(|&s| s));
+        let c = next(r#", "norm_topk_prob": false, "mlp_only_layers": [3]"#);
+        let moe = c.moe.unwrap();
+        assert!(!moe.norm_topk_prob && !moe.sparse_layers[3] && moe.sparse_layers[2]);
+    }
+
+    #[test]
     fn qwen3_5_moe_has_every_mlp_sparse_and_renormalised_whatever_else_it_says() {
         // Qwen3.5-35B-A3B's text model: no dense width; the Qwen2-MoE fields its class does
         // not read are ignored.
@@ -2389,7 +2444,7 @@ pub(super) mod tests {
                 "partial_rotary_factor": 0.25}}"#,
         )
         .unwrap();
-        assert!(c.architecture.is_qwen3_5() && c.architecture.attention_output_gate());
+        assert!(c.architecture.has_qwen3_next_layers() && c.architecture.attention_output_gate());
         let moe = c.moe.clone().unwrap();
         assert_eq!(
             (moe.num_experts, moe.top_k, moe.expert_intermediate_size),

@@ -303,6 +303,8 @@ pub(super) struct SparseShape {
     /// Each layer's MLP is named in `mlp_layer_types` (GLM-4.7-Flash's class), in place of
     /// DeepSeek's `first_k_dense_replace`.
     pub layer_types: bool,
+    /// What a Qwen-named config without `norm_topk_prob` means by it.
+    pub norm_topk_default: bool,
     /// What a DeepSeek-named config means by the fields it leaves out.
     pub deepseek_defaults: DeepSeekDefaults,
 }
@@ -377,6 +379,7 @@ impl RawMoe {
             shared_expert,
             own_width,
             layer_types,
+            norm_topk_default,
             deepseek_defaults: defaults,
         } = shape;
         let err = |field: &str, message: String| DetspecError::InvalidConfig {
@@ -540,7 +543,7 @@ impl RawMoe {
             expert_intermediate_size,
             norm_topk_prob: match naming {
                 ExpertNaming::Mixtral | ExpertNaming::GptOss | ExpertNaming::Granite => true,
-                ExpertNaming::Qwen => self.norm_topk_prob.unwrap_or(false),
+                ExpertNaming::Qwen => self.norm_topk_prob.unwrap_or(norm_topk_default),
                 ExpertNaming::DeepSeek => self.norm_topk_prob.unwrap_or(defaults.norm_topk_prob),
                 // Its router divides by the chosen scores' sum (at least `moe_norm_min`).
                 ExpertNaming::Ernie => true,

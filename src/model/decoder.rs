@@ -267,7 +267,7 @@ impl Model {
                     Mixer::ShortConv(Box::new(ShortConv::load(&ld, &cfg, conv, &p)?))
                 }
                 (_, Some(la)) if la.is_linear(i) => {
-                    Mixer::GatedDeltaNet(Box::new(GatedDeltaNet::load(&ld, &cfg, &la.dims, &p)?))
+                    Mixer::GatedDeltaNet(Box::new(GatedDeltaNet::load(&ld, &cfg, la, &p)?))
                 }
                 _ => Mixer::Attention(Box::new(Attention {
                     qkv: match &cfg.mla {

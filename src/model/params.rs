@@ -98,7 +98,7 @@ pub fn param_shapes(cfg: &ModelConfig) -> BTreeMap<String, Vec<usize>> {
             continue;
         }
         if let Some(la) = delta_net {
-            for (name, shape) in delta_net_params(cfg, &la.dims) {
+            for (name, shape) in delta_net_params(cfg, la) {
                 m.insert(format!("{p}.linear_attn.{name}"), shape);
             }
             continue;

@@ -11,6 +11,7 @@ use std::sync::Arc;
 
 use super::decoder::{Attention, Mixer, Mlp, Model, QkvSource, UngatedAct};
 use super::fused_experts::FusedPart;
+use super::gated_delta_net::GatedDeltaNet;
 use super::linear::{Linear, LinearWeight, Projection};
 use super::loader::{host_vector, offset_norm};
 use super::mla::LatentParam;
@@ -45,6 +46,9 @@ enum Slot<'a> {
     HostVector(&'a mut Option<Arc<[f32]>>),
     /// The same, always present: a convolution's taps.
     HostValues(&'a mut Arc<[f32]>),
+    /// A Qwen3-Next DeltaNet's projection stored grouped by key head (`in_proj_qkvz`,
+    /// `in_proj_ba`), which the layer holds as two linear layers each.
+    GroupedDeltaNet(&'a mut GatedDeltaNet, &'static str),
     /// One value (Apertus's xIELU parameters).
     Scalar(&'a mut f32),
     Embedding,
@@ -130,6 +134,11 @@ impl Model {
                 Slot::FusedWeight(p, widths) => {
                     let t = t.to_dtype(matrix)?;
                     p.set_fused_weight(&t, &widths, bf16_act)?;
+                    t
+                }
+                Slot::GroupedDeltaNet(net, module) => {
+                    let t = t.to_dtype(matrix)?;
+                    net.set_grouped(module, &t, bf16_act)?;
                     t
                 }
                 Slot::Stacked(moe, naming, part) => {
@@ -248,6 +257,12 @@ impl Model {
                         return Some(Slot::HostValues(&mut net.params.conv))
                     }
                     ("linear_attn.norm", "weight") => return Some(Slot::PlainNorm(&mut net.norm)),
+                    ("linear_attn.in_proj_qkvz", "weight") => {
+                        return Some(Slot::GroupedDeltaNet(net, "in_proj_qkvz"))
+                    }
+                    ("linear_attn.in_proj_ba", "weight") => {
+                        return Some(Slot::GroupedDeltaNet(net, "in_proj_ba"))
+                    }
                     _ => {}
                 }
                 if let Some(linear) = module.strip_prefix("linear_attn.") {

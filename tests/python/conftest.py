@@ -851,6 +851,41 @@ MODEL_SPECS: dict[str, dict] = {
         "rope": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
         "extra": _QWEN3_5_LAYERS,
     },
+    # Qwen3-Next: Qwen3.5's layers (Qwen3.5 took them over) with the DeltaNets' projections
+    # stored grouped by key head (`in_proj_qkvz`, `in_proj_ba`); Qwen2-MoE's MLPs, here sparse
+    # but on layer 2 (`mlp_only_layers`: a dense MLP after a DeltaNet), renormalised by its
+    # class's default (`norm_topk_prob` left out), with a gated shared expert.
+    "qwen3_next": {
+        "arch": "qwen3_next",
+        "seed": 269,
+        "head_dim": 32,
+        "rope": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        "extra": {
+            **_QWEN3_5_LAYERS,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 48,
+            "shared_expert_intermediate_size": 96,
+            "mlp_only_layers": [2],
+        },
+    },
+    # Qwen3-Next stored in bf16, run in bf16 with an f32 KV cache: the grouped projections read
+    # in bf16, checked exactly against the rounded model computed in f32.
+    "qwen3_next_bf16": {
+        "arch": "qwen3_next",
+        "seed": 283,
+        "head_dim": 32,
+        "store_dtype": "bfloat16",
+        "llm_kwargs": {"kv_cache_dtype": "float32"},
+        "rope": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        "extra": {
+            **_QWEN3_5_LAYERS,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 48,
+            "shared_expert_intermediate_size": 96,
+        },
+    },
     # Qwen3.5-MoE: Qwen3.5's layers, every MLP sparse: 8 experts, 2 per token, always
     # renormalised, and a shared expert under its sigmoid gate (Qwen2-MoE's). Its config has
     # no dense width; `intermediate_size` (the zoo's default) is left in as transformers keeps
@@ -996,6 +1031,7 @@ _CONFIG_CLASSES = {
     "lfm2": (transformers.Lfm2Config, transformers.Lfm2ForCausalLM),
     "qwen3_5": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM),
     "qwen3_5_moe": (transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM),
+    "qwen3_next": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM),
     "hunyuan_v1_moe": (transformers.HunYuanMoEV1Config, transformers.HunYuanMoEV1ForCausalLM),
     "arcee": (transformers.ArceeConfig, transformers.ArceeForCausalLM),
     "solar_open": (transformers.SolarOpenConfig, transformers.SolarOpenForCausalLM),

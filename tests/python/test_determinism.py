@@ -202,6 +202,7 @@ def needle_in_haystack(
         "mistral4",
         "qwen3_5",
         "qwen3_5_moe",
+        "qwen3_next",
     ],
 )
 def test_needle_in_haystack_on_every_decoder_layout(model_zoo, name: str) -> None:

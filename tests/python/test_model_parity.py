@@ -359,11 +359,17 @@ def test_bf16_parity_against_transformers_in_bf16(arch_case, llm_factory, token_
     if os.environ.get(BF16_REPORT_ENV):
         with open(os.environ[BF16_REPORT_ENV], "a") as f:
             f.write(json.dumps(summary) + "\n")
+    # Prompts whose first token transformers' bf16 and f32 agree on (where they do not, the
+    # engine's bf16 can match one of them only).
+    settled = [n >= 1 for n in hf_vs_hf]
+    assert sum(settled) >= len(settled) // 2, ("transformers' bf16 leaves its f32", hf_vs_hf)
     for label in ("hf_bf16", "hf_f32"):
         s = summary[label]
-        # Every prompt's first token agrees, and over the agreeing prefix the logprobs are
-        # within bf16's resolution of the reference (a wrong kernel gives O(1) differences).
-        assert all(r["common_prefix"] >= 1 for r in rows if r["ref"] == label), (label, rows)
+        # Every settled prompt's first token agrees, and over the agreeing prefix the logprobs
+        # are within bf16's resolution of the reference (a wrong kernel gives O(1) differences).
+        mine = [r for r in rows if r["ref"] == label]
+        ok = all(r["common_prefix"] >= 1 for r, k in zip(mine, settled, strict=True) if k)
+        assert ok, (label, rows)
         if is_moe(arch_case) or has_linear_attention(arch_case):
             # bf16 rounding flips near-tied routing decisions (transformers' own bf16 leaves its
             # f32 after ~22 of 32 tokens here), and a flipped expert moves a logprob by O(1):
