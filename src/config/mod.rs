@@ -5,6 +5,7 @@ mod engine_config;
 mod head;
 pub(crate) mod json;
 mod linear_attention;
+mod mamba;
 mod mla_config;
 mod model_config;
 mod moe_config;
@@ -20,6 +21,7 @@ pub use engine_config::{
 };
 pub use head::Head;
 pub use linear_attention::{DeltaNetDims, DeltaNetProjections, LinearAttentionConfig};
+pub use mamba::{MambaConfig, MambaDims};
 pub use mla_config::MlaConfig;
 pub use model_config::{
     Activation, Architecture, ClampedSwiglu, DenseMlpNames, Fused, GraniteScales, ModelConfig,

@@ -12,6 +12,7 @@ use serde_json::Value;
 use super::head::Head;
 use super::json::{parse_json, TokenIds};
 use super::linear_attention::{DeltaNetProjections, LinearAttentionConfig, RawLinearAttention};
+use super::mamba::{MambaConfig, RawMamba};
 use super::mla_config::{MlaConfig, RawMla};
 use super::moe_config::{DeepSeekDefaults, ExpertNaming, MoeConfig, RawMoe, SparseShape};
 use super::quant::{parse_quantization, Fp8Weights, Quantization};
@@ -680,8 +681,10 @@ pub struct ModelConfig {
     pub moe: Option<MoeConfig>,
     /// LFM2's short-convolution layers (`None`: every layer attends).
     pub short_conv: Option<ShortConvConfig>,
-    /// Qwen3.5's linear-attention layers (`None`: every layer attends).
+    /// Qwen3-Next's and Qwen3.5's linear-attention layers (`None`: every layer attends).
     pub linear_attention: Option<LinearAttentionConfig>,
+    /// Granite 4.0-H's Mamba2 layers (`None`: every layer attends).
+    pub mamba: Option<MambaConfig>,
     /// DeepSeek's latent attention (`None`: q/k/v projections). With it, `head_dim` is a
     /// head's query/key width, `rotary_dim` its rotated part's, and every head has its own
     /// key and value (`num_key_value_heads` = `num_attention_heads`).
@@ -984,6 +987,16 @@ impl ModelConfig {
             ));
         }
         let num_hidden_layers = positive("num_hidden_layers", raw.num_hidden_layers)?;
+        // Granite 4.0-H's Mamba2 layers (its attention-only models have none).
+        let mamba = match architecture {
+            Architecture::GraniteMoeHybrid => Some(parse_json::<RawMamba>(text, path)?.check(
+                path,
+                num_hidden_layers,
+                hidden_size,
+            )?)
+            .filter(|m| m.layers.iter().any(|&l| l)),
+            _ => None,
+        };
         let lfm2 = architecture
             .is_lfm2()
             .then(|| {
@@ -1290,11 +1303,9 @@ impl ModelConfig {
         // Granite 4's layers rotate only where `position_embedding_type` says rope.
         let rope_layers = match architecture {
             Architecture::Exaone4 | Architecture::ExaoneMoe => sliding_layers.clone(),
-            Architecture::GraniteMoeHybrid => {
-                Self::check_granite_hybrid_layers(&raw, num_hidden_layers, path)?;
-                (raw.position_embedding_type.as_deref() != Some("rope"))
-                    .then(|| vec![false; num_hidden_layers])
-            }
+            Architecture::GraniteMoeHybrid => (raw.position_embedding_type.as_deref()
+                != Some("rope"))
+            .then(|| vec![false; num_hidden_layers]),
             Architecture::GraniteSwa | Architecture::GraniteMoeSwa => granite_swa_rope_layers,
             _ => smollm3_rope_layers,
         };
@@ -1390,6 +1401,7 @@ impl ModelConfig {
                     )
                 })
                 .transpose()?,
+            mamba,
             mla,
             // dots.llm1's window only where a layer is sliding.
             sliding_window: sliding_window
@@ -1437,42 +1449,6 @@ impl ModelConfig {
         }
     }
 
-    /// How many of each head's `head_dim` dimensions rotate: `partial_rotary_factor` of them
-    /// (rounded down, as transformers' `int(head_dim · factor)`; GLM's default 0.5), which
-    /// only the Phi-3 and GLM layouts read (their attention rotates the first part and passes
-    /// the rest through; Llama's and the others' rotate whole heads).
-    /// Granite 4's `layer_types`, which must name attention layers only (`"attention"`,
-    /// transformers 5's `"full_attention"`): its Mamba layers (`"mamba"`, transformers'
-    /// `"linear_attention"`, every layer where the config names none) carry a recurrent
-    /// state the engine does not hold.
-    fn check_granite_hybrid_layers(raw: &RawConfig, num_layers: usize, path: &Path) -> Result<()> {
-        let err = |message: String| DetspecError::InvalidConfig {
-            path: path.to_path_buf(),
-            field: "layer_types".into(),
-            message,
-        };
-        let Some(types) = &raw.layer_types else {
-            return Err(err(
-                "missing (transformers' default: every layer Mamba, which is not supported)".into(),
-            ));
-        };
-        if types.len() != num_layers {
-            return Err(err(format!(
-                "{} entries for {num_layers} layers",
-                types.len()
-            )));
-        }
-        // Hub configs say "attention"; transformers 5 writes "full_attention".
-        let attention = |t: &str| t == "attention" || t == "full_attention";
-        match types.iter().enumerate().find(|(_, t)| !attention(t)) {
-            Some((l, t)) => Err(err(format!(
-                "layer {l} is {t:?}: only attention layers are supported (Granite 4.0's -H \
-                 models' Mamba layers are not)"
-            ))),
-            None => Ok(()),
-        }
-    }
-
     /// dots.llm1's layer kinds where any layer is sliding: `layer_types`, or transformers'
     /// default, the layers from `max_window_layers` (62) on where there is a window.
     fn dots1_sliding_layers(
@@ -1491,6 +1467,10 @@ impl ModelConfig {
         Ok(sliding.iter().any(|&s| s).then_some(sliding))
     }
 
+    /// How many of each head's `head_dim` dimensions rotate: `partial_rotary_factor` of them
+    /// (rounded down, as transformers' `int(head_dim · factor)`; GLM's default 0.5), which
+    /// only the Phi-3, GLM, MiniMax and Qwen3-Next layouts read (their attention rotates the first part and passes
+    /// the rest through; Llama's and the others' rotate whole heads).
     fn parse_rotary_dim(
         raw: &RawConfig,
         architecture: Architecture,
@@ -1795,6 +1775,24 @@ impl ModelConfig {
         }
     }
 
+    /// What mixes layer `layer`'s tokens where attention does not: LFM2's convolution, a
+    /// gated DeltaNet, a Mamba2 mixer.
+    pub fn non_attention_mixer(&self, layer: usize) -> Option<&'static str> {
+        if self.short_conv.as_ref().is_some_and(|c| c.is_conv(layer)) {
+            Some("a convolution")
+        } else if self
+            .linear_attention
+            .as_ref()
+            .is_some_and(|l| l.is_linear(layer))
+        {
+            Some("a gated DeltaNet")
+        } else if self.mamba.as_ref().is_some_and(|m| m.is_mamba(layer)) {
+            Some("a Mamba2 mixer")
+        } else {
+            None
+        }
+    }
+
     /// Whether layer `layer` rotates q and k.
     pub fn layer_has_rope(&self, layer: usize) -> bool {
         self.rope_layers
@@ -2008,7 +2006,7 @@ pub(super) mod tests {
     }
 
     #[test]
-    fn granite4_runs_attention_layers_with_its_shared_mlp_and_refuses_mamba() {
+    fn granite4_runs_attention_layers_with_its_shared_mlp_and_mamba_layers() {
         let granite = |extra: &str| {
             parse(&format!(
                 r#"{{"architectures": ["GraniteMoeHybridForCausalLM"], {BASE},
@@ -2040,15 +2038,29 @@ pub(super) mod tests {
         // transformers' default is 8 experts: a config naming none is not read as dense.
         let e = granite(r#", "layer_types": ["attention", "attention"]"#).unwrap_err();
         assert!(e.to_string().contains("num_experts"), "{e}");
-        for extra in [
-            r#", "layer_types": ["attention", "mamba"]"#,
-            r#", "layer_types": ["linear_attention", "attention"]"#,
-            r#", "layer_types": ["attention"]"#,
-            "",
+        assert!(c.mamba.is_none(), "attention layers only: no Mamba config");
+        // The -H models: Mamba2 layers by either spelling, every layer where none is named.
+        let mamba = |extra: &str| {
+            granite(&format!(
+                r#", "num_local_experts": 0, "mamba_n_heads": 4, "mamba_d_head": 32{extra}"#
+            ))
+        };
+        for (extra, layers) in [
+            (
+                r#", "layer_types": ["attention", "mamba"]"#,
+                vec![false, true],
+            ),
+            (
+                r#", "layer_types": ["linear_attention", "attention"]"#,
+                vec![true, false],
+            ),
+            ("", vec![true, true]),
         ] {
-            let e = granite(&format!(r#", "num_local_experts": 0{extra}"#)).unwrap_err();
-            assert!(e.to_string().contains("layer_types"), "{extra}: {e}");
+            let c = mamba(extra).unwrap();
+            assert_eq!(c.mamba.unwrap().layers, layers, "{extra}");
         }
+        let e = mamba(r#", "layer_types": ["attention"]"#).unwrap_err();
+        assert!(e.to_string().contains("layer_types"), "{e}");
     }
 
     #[test]

@@ -141,7 +141,14 @@ fn cuda_lacks(cfg: &ModelConfig) -> Option<(&'static str, String)> {
     if cfg.linear_attention.is_some() {
         return Some((
             "layer_types",
-            "Qwen3.5's linear attention (gated DeltaNet) has no CUDA kernel".into(),
+            "the linear attention of Qwen3-Next and Qwen3.5 (gated DeltaNet) has no CUDA kernel"
+                .into(),
+        ));
+    }
+    if cfg.mamba.is_some() {
+        return Some((
+            "layer_types",
+            "Granite 4.0-H's Mamba2 layers have no CUDA kernel".into(),
         ));
     }
     if cfg.mla.is_some() {

@@ -54,18 +54,23 @@ impl LayerCacheShape {
     /// Each layer's shape for a model: a convolution layer's row is its hidden size.
     pub fn of_model(cfg: &ModelConfig) -> Vec<Self> {
         (0..cfg.num_hidden_layers)
-            .map(|i| match (&cfg.short_conv, &cfg.linear_attention) {
-                (Some(conv), _) if conv.is_conv(i) => Self::Rows {
-                    width: cfg.hidden_size,
+            .map(
+                |i| match (&cfg.short_conv, &cfg.linear_attention, &cfg.mamba) {
+                    (Some(conv), ..) if conv.is_conv(i) => Self::Rows {
+                        width: cfg.hidden_size,
+                    },
+                    (_, Some(la), _) if la.is_linear(i) => Self::Recurrent {
+                        values: la.dims.state_values(),
+                    },
+                    (.., Some(m)) if m.is_mamba(i) => Self::Recurrent {
+                        values: m.dims.state_values(),
+                    },
+                    _ => Self::Attention {
+                        kv_heads: cfg.num_key_value_heads,
+                        head_dim: cfg.head_dim,
+                    },
                 },
-                (_, Some(la)) if la.is_linear(i) => Self::Recurrent {
-                    values: la.dims.state_values(),
-                },
-                _ => Self::Attention {
-                    kv_heads: cfg.num_key_value_heads,
-                    head_dim: cfg.head_dim,
-                },
-            })
+            )
             .collect()
     }
 }

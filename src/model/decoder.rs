@@ -20,6 +20,7 @@ use super::gated_delta_net::GatedDeltaNet;
 use super::linear::{GemmOptions, Linear, LinearWeight, Projection};
 use super::loader::{host_vector, WeightLoader};
 use super::lora::{LoraAdapter, LoraOutputs, LoraRows, LoraTarget};
+use super::mamba2::Mamba2Mixer;
 use super::mla::LatentAttention;
 use super::moe::SparseMlp;
 use super::param_hash::ParamHashes;
@@ -70,12 +71,14 @@ pub(super) struct Layer {
     pub(super) mlp: Mlp,
 }
 
-/// What mixes a layer's tokens: attention, or LFM2's short convolution.
+/// What mixes a layer's tokens: attention, LFM2's short convolution, Qwen3-Next's gated
+/// DeltaNet or Granite 4.0-H's Mamba2.
 #[derive(Debug)]
 pub(super) enum Mixer {
     Attention(Box<Attention>),
     ShortConv(Box<ShortConv>),
     GatedDeltaNet(Box<GatedDeltaNet>),
+    Mamba2(Box<Mamba2Mixer>),
 }
 
 /// A layer's attention parameters.
@@ -262,12 +265,15 @@ impl Model {
 
             // o_proj reads every head's value.
             let o_in = cfg.mla.as_ref().map_or(h * d, |m| h * m.v_head_dim);
-            let mixer = match (&cfg.short_conv, &cfg.linear_attention) {
-                (Some(conv), _) if conv.is_conv(i) => {
+            let mixer = match (&cfg.short_conv, &cfg.linear_attention, &cfg.mamba) {
+                (Some(conv), ..) if conv.is_conv(i) => {
                     Mixer::ShortConv(Box::new(ShortConv::load(&ld, &cfg, conv, &p)?))
                 }
-                (_, Some(la)) if la.is_linear(i) => {
+                (_, Some(la), _) if la.is_linear(i) => {
                     Mixer::GatedDeltaNet(Box::new(GatedDeltaNet::load(&ld, &cfg, la, &p)?))
+                }
+                (.., Some(m)) if m.is_mamba(i) => {
+                    Mixer::Mamba2(Box::new(Mamba2Mixer::load(&ld, &cfg, m, &p)?))
                 }
                 _ => Mixer::Attention(Box::new(Attention {
                     qkv: match &cfg.mla {
@@ -579,6 +585,9 @@ impl Model {
                 }
                 (Mixer::GatedDeltaNet(net), LayerCache::Recurrent) => {
                     net.forward(&hn, &full_meta, &batch.states, (kv.states(), li), inv)?
+                }
+                (Mixer::Mamba2(mixer), LayerCache::Recurrent) => {
+                    mixer.forward(&hn, &full_meta, &batch.states, (kv.states(), li), inv)?
                 }
                 (
                     Mixer::Attention(attn),

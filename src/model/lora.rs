@@ -382,9 +382,9 @@ fn read_halves(
             targets[0],
             LoraTarget::Q | LoraTarget::K | LoraTarget::V | LoraTarget::O
         );
-        if attention_target && cfg.short_conv.as_ref().is_some_and(|c| c.is_conv(layer)) {
+        if let Some(mixer) = cfg.non_attention_mixer(layer).filter(|_| attention_target) {
             return Err(bad(format!(
-                "layer {layer} is a convolution, which has no {module}"
+                "layer {layer} is {mixer}, which has no {module}"
             )));
         }
         let mlp_target = matches!(

@@ -7,6 +7,7 @@ mod gated_delta_net;
 mod linear;
 mod loader;
 mod lora;
+mod mamba2;
 mod memory;
 mod mla;
 mod moe;

@@ -9,6 +9,7 @@ use crate::config::{ModelConfig, UngatedMlp};
 use crate::error::{DetspecError, Result};
 
 use super::gated_delta_net::delta_net_params;
+use super::mamba2::mamba_params;
 use super::mla::latent_params;
 use super::moe_names::sparse_params;
 use super::short_conv::conv_params;
@@ -42,10 +43,12 @@ pub fn param_shapes(cfg: &ModelConfig) -> BTreeMap<String, Vec<usize>> {
         let fused = cfg.architecture.fused();
         let conv = cfg.short_conv.as_ref().filter(|c| c.is_conv(i));
         let delta_net = cfg.linear_attention.as_ref().filter(|la| la.is_linear(i));
+        let mamba = cfg.mamba.as_ref().filter(|m| m.is_mamba(i));
+        let attends = conv.is_none() && delta_net.is_none() && mamba.is_none();
         // (Latent attention's projections are listed with the norms below.)
         let [q_width, ..] = cfg.qkv_widths();
         match (&cfg.mla, fused.qkv) {
-            _ if conv.is_some() || delta_net.is_some() => {}
+            _ if !attends => {}
             (Some(_), _) => {}
             (None, true) => linear(
                 format!("{p}.self_attn.qkv_proj"),
@@ -60,7 +63,7 @@ pub fn param_shapes(cfg: &ModelConfig) -> BTreeMap<String, Vec<usize>> {
             }
         }
         let o_in = cfg.mla.as_ref().map_or(h * d, |m| h * m.v_head_dim);
-        if conv.is_none() && delta_net.is_none() {
+        if attends {
             let o = cfg.architecture.o_proj_module();
             linear(format!("{p}.{o}"), o_in, hs, cfg.o_bias);
         }
@@ -100,6 +103,12 @@ pub fn param_shapes(cfg: &ModelConfig) -> BTreeMap<String, Vec<usize>> {
         if let Some(la) = delta_net {
             for (name, shape) in delta_net_params(cfg, la) {
                 m.insert(format!("{p}.linear_attn.{name}"), shape);
+            }
+            continue;
+        }
+        if let Some(mamba) = mamba {
+            for (name, shape) in mamba_params(cfg, mamba) {
+                m.insert(format!("{p}.mamba.{name}"), shape);
             }
             continue;
         }

@@ -270,6 +270,28 @@ impl Model {
                 }
                 None
             }
+            Mixer::Mamba2(mixer) => {
+                // Its own parameters; the layer's norms and MLP are found below.
+                match (module, kind) {
+                    ("mamba", "A_log") => return Some(Slot::HostValues(&mut mixer.params.a_log)),
+                    ("mamba", "dt_bias") => {
+                        return Some(Slot::HostValues(&mut mixer.params.dt_bias))
+                    }
+                    ("mamba", "D") => return Some(Slot::HostValues(&mut mixer.params.d)),
+                    ("mamba.conv1d", "weight") => {
+                        return Some(Slot::HostValues(&mut mixer.params.conv))
+                    }
+                    ("mamba.conv1d", "bias") => {
+                        return Some(Slot::HostVector(&mut mixer.params.conv_bias))
+                    }
+                    ("mamba.norm", "weight") => return Some(Slot::PlainNorm(&mut mixer.norm)),
+                    _ => {}
+                }
+                if let Some(linear) = module.strip_prefix("mamba.") {
+                    return linear_slot(mixer.linear_mut(linear)?, kind);
+                }
+                None
+            }
         };
         // Latent attention's own parameters (every `self_attn` one but o_proj).
         let latent = matches!(attn.as_deref(), Some(a) if matches!(a.qkv, QkvSource::Latent(_)));

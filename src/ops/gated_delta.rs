@@ -20,10 +20,11 @@ use std::sync::Arc;
 use candle_core::{bail, Tensor};
 use rayon::prelude::*;
 
-use super::math::{exp_nonpositive, sigmoid, silu};
+use super::math::{exp_nonpositive, sigmoid, softplus};
+use super::recurrent::{over_sequences, CausalConv};
 use super::{to_f32_vec, AttentionMetadata};
 use crate::config::DeltaNetDims;
-use crate::kv::{StateData, StatePool, StateRef};
+use crate::kv::{StatePool, StateRef};
 
 /// One layer's parameters, on the host.
 #[derive(Debug, Clone)]
@@ -35,15 +36,6 @@ pub struct DeltaNetParams {
     /// computes it).
     pub a_log: Arc<[f32]>,
     pub dt_bias: Arc<[f32]>,
-}
-
-/// torch's `softplus` (threshold 20).
-fn softplus(x: f32) -> f32 {
-    if x > 20.0 {
-        x
-    } else {
-        libm::log1pf(libm::expf(x))
-    }
 }
 
 /// `x · (Σx² + 1e-6)^-½ · scale`, in place (the FLA library's L2 norm, as transformers').
@@ -94,29 +86,13 @@ pub fn gated_delta_rule(
             p.dims.key_heads
         );
     }
-    let Some((start, len)) = pool.layer_range(layer) else {
-        bail!("gated_delta_rule: layer {layer} keeps no state");
-    };
-    if len != p.dims.state_values() {
+    if meta.row_seq.len() != n {
         bail!(
-            "gated_delta_rule: layer {layer}'s state is {len} values, not {}",
-            p.dims.state_values()
-        );
-    }
-    if meta.row_seq.len() != n || meta.positions.len() != n {
-        bail!(
-            "gated_delta_rule: {n} rows, {} sequences",
+            "gated_delta_rule: {n} rows, {} in the metadata",
             meta.row_seq.len()
         );
     }
     let (qkv, a, b) = (to_f32_vec(qkv)?, to_f32_vec(a)?, to_f32_vec(b)?);
-    // Each sequence's rows, in batch order (padding's sequences have no state).
-    let mut by_seq: Vec<Vec<usize>> = vec![Vec::new(); states.len()];
-    for (r, &s) in meta.row_seq.iter().enumerate() {
-        if let Some(rows) = by_seq.get_mut(s as usize) {
-            rows.push(r);
-        }
-    }
     let neg_a: Vec<f32> = p.a_log.iter().map(|&x| -libm::expf(x)).collect();
     let inputs = Inputs {
         qkv: &qkv,
@@ -125,21 +101,14 @@ pub fn gated_delta_rule(
         neg_a: &neg_a,
     };
     let width = hv * p.dims.value_dim;
-    let outs: Vec<(Vec<usize>, Vec<f32>)> = by_seq
-        .into_par_iter()
-        .zip(states.par_iter())
-        .filter_map(|(rows, state)| Some((rows, (*state)?)).filter(|(rows, _)| !rows.is_empty()))
-        .map(|(rows, state)| {
-            let out = run_sequence(&rows, state, &inputs, p, meta, (pool, layer, start))?;
-            Ok((rows, out))
-        })
-        .collect::<candle_core::Result<_>>()?;
-    let mut out = vec![0f32; n * width];
-    for (rows, o) in outs {
-        for (j, &r) in rows.iter().enumerate() {
-            out[r * width..(r + 1) * width].copy_from_slice(&o[j * width..(j + 1) * width]);
-        }
-    }
+    let out = over_sequences(
+        "gated_delta_rule",
+        meta,
+        states,
+        (pool, layer),
+        (p.dims.state_values(), width),
+        |st, rows, advance| apply_rule(st, rows, advance, &inputs, p),
+    )?;
     Tensor::from_vec(out, (n, width), &candle_core::Device::Cpu)
 }
 
@@ -149,66 +118,6 @@ struct Inputs<'a> {
     a: &'a [f32],
     b: &'a [f32],
     neg_a: &'a [f32],
-}
-
-/// One sequence's rows: reads its state, runs the convolution and the rule, leaves the state
-/// after `state.advance` rows. Returns the rows' outputs, in order. Where it reads and writes
-/// one slot (every forward but a verify pass's) the rule runs on the slot's values in place.
-fn run_sequence(
-    rows: &[usize],
-    state: StateRef,
-    inputs: &Inputs<'_>,
-    p: &DeltaNetParams,
-    meta: &AttentionMetadata,
-    (pool, layer, start): (&StatePool, usize, usize),
-) -> candle_core::Result<Vec<f32>> {
-    let err = |m: String| candle_core::Error::Msg(format!("gated_delta_rule: {m}"));
-    let first = meta.positions[rows[0]] as usize;
-    for (j, &r) in rows.iter().enumerate() {
-        if meta.positions[r] as usize != first + j {
-            return Err(err(format!(
-                "row {r} is at position {}, not {} (a sequence's rows run in order)",
-                meta.positions[r],
-                first + j
-            )));
-        }
-    }
-    // A row at position 0 starts from zeros; any other continues its state exactly.
-    let continues = |d: &StateData| match d.seen[layer] {
-        _ if first == 0 => Ok(false),
-        seen if seen == first => Ok(true),
-        seen => Err(err(format!(
-            "a row at position {first} continues a state of {seen} tokens"
-        ))),
-    };
-    let len = p.dims.state_values();
-    let advance = (state.advance as usize).min(rows.len());
-    let slot = |id: u32| pool.get(id).map_err(|e| err(e.to_string()));
-    let write = slot(state.write)?;
-    if state.read == state.write {
-        let mut d = write.lock().unwrap_or_else(|e| e.into_inner());
-        let keep = continues(&d)?;
-        let st = &mut d.values[start..start + len];
-        if !keep {
-            st.fill(0.0);
-        }
-        let out = apply_rule(st, rows, advance, inputs, p);
-        d.seen[layer] = first + advance;
-        return Ok(out);
-    }
-    let mut st = vec![0f32; len];
-    {
-        let read = slot(state.read)?;
-        let d = read.lock().unwrap_or_else(|e| e.into_inner());
-        if continues(&d)? {
-            st.copy_from_slice(&d.values[start..start + len]);
-        }
-    }
-    let out = apply_rule(&mut st, rows, advance, inputs, p);
-    let mut d = write.lock().unwrap_or_else(|e| e.into_inner());
-    d.values[start..start + len].copy_from_slice(&st);
-    d.seen[layer] = first + advance;
-    Ok(out)
 }
 
 /// The convolution and the rule over one sequence's `rows` from the state `st` (one layer's),
@@ -223,37 +132,14 @@ fn apply_rule(
     let Inputs { qkv, a, b, neg_a } = *inputs;
     let m = rows.len();
     let cd = p.dims.conv_dim();
-    let k = p.dims.kernel;
-    // The convolution over the state's last k - 1 inputs, then the rows'.
-    let (hist, heads) = st.split_at_mut(p.dims.conv_state());
-    let input = |i: isize| -> &[f32] {
-        if i >= 0 {
-            let r = rows[i as usize];
-            &qkv[r * cd..(r + 1) * cd]
-        } else {
-            let h = (k as isize - 1 + i) as usize;
-            &hist[h * cd..(h + 1) * cd]
-        }
+    let conv = CausalConv {
+        taps: &p.conv,
+        bias: None,
+        kernel: p.dims.kernel,
+        channels: cd,
     };
-    let mut post = vec![0f32; m * cd];
-    post.par_chunks_mut(cd).enumerate().for_each(|(j, y)| {
-        let taps: Vec<&[f32]> = (0..k)
-            .map(|t| input(j as isize - (k as isize - 1) + t as isize))
-            .collect();
-        for (c, y) in y.iter_mut().enumerate() {
-            let w = &p.conv[c * k..(c + 1) * k];
-            let mut acc = 0f32;
-            for (wt, x) in w.iter().zip(&taps) {
-                acc += wt * x[c];
-            }
-            *y = silu(acc);
-        }
-    });
-    // The convolution's state after `advance` rows: the last k - 1 of history and rows.
-    let new_hist: Vec<f32> = (0..k - 1)
-        .flat_map(|h| input(advance as isize - (k as isize - 1) + h as isize).to_vec())
-        .collect();
-    hist.copy_from_slice(&new_hist);
+    let (hist, heads) = st.split_at_mut(conv.state_len());
+    let mut post = conv.silu(hist, rows, qkv, advance);
     // Queries and keys normed per key head (queries also scaled), by row.
     let (hk, dk, dv, hv) = (
         p.dims.key_heads,

@@ -58,6 +58,15 @@ pub fn silu(x: f32) -> f32 {
     x / (e + 1.0)
 }
 
+/// torch's `softplus` (threshold 20): `ln(1 + eˣ)`, `x` itself above 20.
+pub fn softplus(x: f32) -> f32 {
+    if x > 20.0 {
+        x
+    } else {
+        libm::log1pf(libm::expf(x))
+    }
+}
+
 /// The logistic function `1 / (1 + e^-x)` with the exponential above, taken of `-|x|` only
 /// (`e^x / (1 + e^x)` for negative `x`), so it never overflows. NaN stays NaN.
 #[inline(always)]

@@ -578,6 +578,32 @@ MODEL_SPECS: dict[str, dict] = {
             "logits_scaling": 1.5,
         },
     },
+    # Granite 4.0-H: Mamba2 mixers (4 heads of 32 in 2 groups sharing B and C, a state of 16)
+    # in three of four layers, attention without rope in the other; experts beside the shared
+    # MLP, as Granite-4.0-H-Tiny and -Small have them.
+    "granite4_h": {
+        "arch": "granitemoehybrid",
+        "seed": 293,
+        "rope": {"rope_type": "default", "rope_theta": 10000.0},
+        "extra": {
+            "num_hidden_layers": 4,
+            "layer_types": ["mamba", "attention", "mamba", "mamba"],
+            "mamba_n_heads": 4,
+            "mamba_d_head": 32,
+            "mamba_d_state": 16,
+            "mamba_n_groups": 2,
+            "mamba_d_conv": 4,
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+            "intermediate_size": 48,
+            "shared_intermediate_size": 64,
+            "position_embedding_type": None,
+            "embedding_multiplier": 2.0,
+            "residual_multiplier": 0.7,
+            "attention_multiplier": 0.25,
+            "logits_scaling": 1.5,
+        },
+    },
     "mixtral": {
         "arch": "mixtral",
         "seed": 31,
@@ -1114,6 +1140,8 @@ def _randomise_(model: torch.nn.Module, seed: int) -> None:
                 param.copy_(0.5 * torch.randn(param.shape, generator=gen))
             elif name.endswith(".sinks"):  # gpt-oss's per-head sink logits
                 param.copy_(torch.randn(param.shape, generator=gen))
+            elif name.endswith((".mamba.D", ".mamba.A_log")):  # Mamba2's skip and decay rates
+                param.add_(0.5 * torch.randn(param.shape, generator=gen))
         for name, buf in model.named_buffers():
             if name.endswith(("e_score_correction_bias", "expert_bias")):  # routers' buffers
                 buf.copy_(0.1 * torch.randn(buf.shape, generator=gen))

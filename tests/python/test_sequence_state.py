@@ -1,14 +1,15 @@
 """Models whose layers keep state besides keys and values: LFM2's short convolutions (each
-token's `B ⊙ x`, a row in the paged cache beside the keys and values) and Qwen3.5's gated
-DeltaNets (a recurrent state per sequence outside the pages: a live one every forward
-advances, and for a request whose tokens a verifier commits, the state at its last committed
-token). Every way a sequence gets computed must give what one whole-prompt prefill gives, bit
-for bit for a deterministic request: prefill in small chunks (the rows, or the state, carried
-between them), preemption (rebuilt from position 0), rollbacks (LFM2: rows the next pass
-rewrites; Qwen3.5: the verify pass run again with the accepted rows only, then the committed
-state copied over the live one), real mismatches among other requests, scoring. A cached
-prefix carries LFM2's rows, but not Qwen3.5's state, so Qwen3.5 runs without prefix caching.
-The whole-prompt run is checked against transformers first."""
+token's `B ⊙ x`, a row in the paged cache beside the keys and values), Qwen3.5's gated
+DeltaNets and Granite 4.0-H's Mamba2 mixers (a recurrent state per sequence outside the
+pages: a live one every forward advances, and for a request whose tokens a verifier commits,
+the state at its last committed token). Every way a sequence gets computed must give what one
+whole-prompt prefill gives, bit for bit for a deterministic request: prefill in small chunks
+(the rows, or the state, carried between them), preemption (rebuilt from position 0),
+rollbacks (LFM2: rows the next pass rewrites; the recurrent models: the verify pass run again
+with the accepted rows only, then the committed state copied over the live one), real
+mismatches among other requests, scoring. A cached prefix carries LFM2's rows, but not a
+recurrent state, so the recurrent models run without prefix caching. The whole-prompt run is
+checked against transformers first."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from detspec import SamplingParams
 
 NEW = 12
 # model -> the seed of its prompt.
-PROMPT_SEEDS = {"lfm2": 5, "qwen3_5": 11}
+PROMPT_SEEDS = {"lfm2": 5, "qwen3_5": 11, "granite4_h": 13}
 
 
 def params(seed: int = 0) -> SamplingParams:
@@ -89,8 +90,8 @@ def test_chunked_prefill_carries_what_earlier_chunks_left(model, whole):
 
 
 def test_a_cached_prefix_is_read_only_where_it_holds_the_state(model, whole):
-    """LFM2's prefix pages hold its convolution rows, and are read; Qwen3.5's would come
-    without the recurrent state, so its engine runs without prefix caching."""
+    """LFM2's prefix pages hold its convolution rows, and are read; the recurrent models'
+    would come without their state, so their engines run without prefix caching."""
     case, prompt = model
     llm = detspec.LLM(str(case.path), num_kv_pages=256)
     llm.generate([prompt[:48] + [7, 8, 9]], params(3), use_tqdm=False)
@@ -141,11 +142,12 @@ def test_forced_rollbacks_commit_the_whole_prompt_runs_bits(model, whole):
     assert [bits(o) for o in outs] == list(whole)
 
 
-def test_real_mismatches_among_other_requests_keep_the_bits(model_zoo):
+@pytest.mark.parametrize("name", ["qwen3_5", "granite4_h"])
+def test_real_mismatches_among_other_requests_keep_the_bits(model_zoo, name):
     """Under the shape-dependent profile the fast path's GEMMs change with the batch, so
-    Qwen3.5's windows roll back for real (LFM2's do not here; its needle test runs this
-    profile); a replayed request gives one answer alone and crowded."""
-    case, prompt = model_zoo.get("qwen3_5"), prompt_of("qwen3_5")
+    the recurrent models' windows roll back for real (LFM2's do not here; its needle test runs
+    this profile); a replayed request gives one answer alone and crowded."""
+    case, prompt = model_zoo.get(name), prompt_of(name)
     kw = dict(kernel_profile="shape_dependent", verify_window=4, verify_group=2)
     alone, _ = run(case, [prompt], [params(7)], **kw)
     rng = np.random.default_rng(4)

@@ -1,0 +1,178 @@
+//! What every recurrent layer's CPU op shares (Qwen3.5's gated DeltaNet, Mamba2): running
+//! each sequence's rows, in order, over its per-sequence state (`kv::state`), and the causal
+//! depthwise convolution both put before their recurrence.
+//!
+//! A sequence's first row at position 0 starts from zeros; any other first row must continue
+//! the state exactly (each layer's state counts the tokens it took in), else the op errors
+//! naming both positions. Where a forward reads and writes one slot (every forward but a
+//! verify pass's) the recurrence runs on the slot in place; a verify pass reads the committed
+//! state into a copy and leaves it in the live one. The state taken in stops after
+//! `StateRef::advance` rows; later rows still compute their outputs.
+
+use rayon::prelude::*;
+
+use super::math::silu;
+use super::AttentionMetadata;
+use crate::kv::{StateData, StatePool, StateRef};
+
+/// Runs `step` over each sequence's rows (`meta.row_seq`, consecutive positions in order)
+/// with the state `states[seq]` names in layer `layer` of `pool` (`state_len` values); rows of
+/// a sequence without one (padding) output zeros. `step(state, rows, advance)` leaves the state
+/// after `advance` rows and returns the rows' outputs, `width` each, in order. Returns every
+/// row's output, `[rows · width]`. `op` names the op in errors.
+pub(super) fn over_sequences(
+    op: &str,
+    meta: &AttentionMetadata,
+    states: &[Option<StateRef>],
+    (pool, layer): (&StatePool, usize),
+    (state_len, width): (usize, usize),
+    step: impl Fn(&mut [f32], &[usize], usize) -> Vec<f32> + Sync,
+) -> candle_core::Result<Vec<f32>> {
+    let err = |m: String| candle_core::Error::Msg(format!("{op}: {m}"));
+    let n = meta.row_seq.len();
+    if meta.positions.len() != n {
+        return Err(err(format!("{n} rows, {} positions", meta.positions.len())));
+    }
+    let Some((start, len)) = pool.layer_range(layer) else {
+        return Err(err(format!("layer {layer} keeps no state")));
+    };
+    if len != state_len {
+        return Err(err(format!(
+            "layer {layer}'s state is {len} values, not {state_len}"
+        )));
+    }
+    let mut by_seq: Vec<Vec<usize>> = vec![Vec::new(); states.len()];
+    for (r, &s) in meta.row_seq.iter().enumerate() {
+        if let Some(rows) = by_seq.get_mut(s as usize) {
+            rows.push(r);
+        }
+    }
+    let outs: Vec<(Vec<usize>, Vec<f32>)> = by_seq
+        .into_par_iter()
+        .zip(states.par_iter())
+        .filter_map(|(rows, state)| Some((rows, (*state)?)).filter(|(rows, _)| !rows.is_empty()))
+        .map(|(rows, state)| {
+            let out =
+                run_sequence(&rows, state, meta, (pool, layer, start, len), &step).map_err(&err)?;
+            Ok((rows, out))
+        })
+        .collect::<candle_core::Result<_>>()?;
+    let mut out = vec![0f32; n * width];
+    for (rows, o) in outs {
+        for (j, &r) in rows.iter().enumerate() {
+            out[r * width..(r + 1) * width].copy_from_slice(&o[j * width..(j + 1) * width]);
+        }
+    }
+    Ok(out)
+}
+
+/// One sequence's rows over its state: checks their positions and that they continue the
+/// state, runs `step`, records what the state has taken in.
+fn run_sequence(
+    rows: &[usize],
+    state: StateRef,
+    meta: &AttentionMetadata,
+    (pool, layer, start, len): (&StatePool, usize, usize, usize),
+    step: &(impl Fn(&mut [f32], &[usize], usize) -> Vec<f32> + Sync),
+) -> Result<Vec<f32>, String> {
+    let first = meta.positions[rows[0]] as usize;
+    for (j, &r) in rows.iter().enumerate() {
+        if meta.positions[r] as usize != first + j {
+            return Err(format!(
+                "row {r} is at position {}, not {} (a sequence's rows run in order)",
+                meta.positions[r],
+                first + j
+            ));
+        }
+    }
+    // A row at position 0 starts from zeros; any other continues its state exactly.
+    let continues = |d: &StateData| match d.seen[layer] {
+        _ if first == 0 => Ok(false),
+        seen if seen == first => Ok(true),
+        seen => Err(format!(
+            "a row at position {first} continues a state of {seen} tokens"
+        )),
+    };
+    let advance = (state.advance as usize).min(rows.len());
+    let slot = |id: u32| pool.get(id).map_err(|e| e.to_string());
+    let write = slot(state.write)?;
+    if state.read == state.write {
+        let mut d = write.lock().unwrap_or_else(|e| e.into_inner());
+        let keep = continues(&d)?;
+        let st = &mut d.values[start..start + len];
+        if !keep {
+            st.fill(0.0);
+        }
+        let out = step(st, rows, advance);
+        d.seen[layer] = first + advance;
+        return Ok(out);
+    }
+    let mut st = vec![0f32; len];
+    {
+        let read = slot(state.read)?;
+        let d = read.lock().unwrap_or_else(|e| e.into_inner());
+        if continues(&d)? {
+            st.copy_from_slice(&d.values[start..start + len]);
+        }
+    }
+    let out = step(&mut st, rows, advance);
+    let mut d = write.lock().unwrap_or_else(|e| e.into_inner());
+    d.values[start..start + len].copy_from_slice(&st);
+    d.seen[layer] = first + advance;
+    Ok(out)
+}
+
+/// A causal depthwise convolution of `kernel` taps per channel.
+pub(super) struct CausalConv<'a> {
+    /// `[channels, kernel]`, row-major.
+    pub taps: &'a [f32],
+    /// Per channel, added after the taps' sum.
+    pub bias: Option<&'a [f32]>,
+    pub kernel: usize,
+    pub channels: usize,
+}
+
+impl CausalConv<'_> {
+    /// Values of the state it keeps: its last `kernel - 1` inputs.
+    pub fn state_len(&self) -> usize {
+        (self.kernel - 1) * self.channels
+    }
+
+    /// SiLU of the convolution of one sequence's `rows` of `x` (`channels` wide each) over the
+    /// inputs before them in `hist` (oldest first); `hist` is left holding the last inputs
+    /// after `advance` rows. Each output is one fixed-order sum over the taps.
+    pub fn silu(&self, hist: &mut [f32], rows: &[usize], x: &[f32], advance: usize) -> Vec<f32> {
+        let (cd, k) = (self.channels, self.kernel);
+        let input = |i: isize| -> &[f32] {
+            if i >= 0 {
+                let r = rows[i as usize];
+                &x[r * cd..(r + 1) * cd]
+            } else {
+                let h = (k as isize - 1 + i) as usize;
+                &hist[h * cd..(h + 1) * cd]
+            }
+        };
+        let mut post = vec![0f32; rows.len() * cd];
+        post.par_chunks_mut(cd).enumerate().for_each(|(j, y)| {
+            let taps: Vec<&[f32]> = (0..k)
+                .map(|t| input(j as isize - (k as isize - 1) + t as isize))
+                .collect();
+            for (c, y) in y.iter_mut().enumerate() {
+                let w = &self.taps[c * k..(c + 1) * k];
+                let mut acc = 0f32;
+                for (wt, x) in w.iter().zip(&taps) {
+                    acc += wt * x[c];
+                }
+                if let Some(b) = self.bias {
+                    acc += b[c];
+                }
+                *y = silu(acc);
+            }
+        });
+        let new_hist: Vec<f32> = (0..k - 1)
+            .flat_map(|h| input(advance as isize - (k as isize - 1) + h as isize).to_vec())
+            .collect();
+        hist.copy_from_slice(&new_hist);
+        post
+    }
+}
