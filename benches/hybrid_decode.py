@@ -1,5 +1,5 @@
-"""Decode speed of a hybrid model on the CPU (LFM2-1.2B-shaped, or Qwen3.5-2B-shaped), against
-the memory-bandwidth bound.
+"""Decode speed of a hybrid model on the CPU (LFM2-1.2B-shaped, Qwen3.5-2B-shaped, or a
+Granite-4.0-H of 1.5 B parameters), against the memory-bandwidth bound.
 
 Writes the model on first use (transformers' class at the geometry below, random N(0, 0.02)
 bf16 weights; no download), loads it with ``auto`` (bf16 weights and cache), and times greedy
@@ -9,6 +9,7 @@ prefill cancels and neither run reads the other's prefix from the cache.
 
     python benches/hybrid_decode.py /tmp/lfm2-1.2b
     python benches/hybrid_decode.py --arch qwen3_5 /tmp/qwen3.5-2b
+    python benches/hybrid_decode.py --arch granite4_h /tmp/granite-4.0-h-1.5b
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ from detspec import LLM, SamplingParams
 
 def config(arch: str):
     """The transformers class and config of `arch`'s bench model: LFM2-1.2B's hub geometry
-    (1.17 B parameters), or a Qwen3.5 of 2 B parameters (Qwen3.5's layer pattern and DeltaNet
-    widths at half the default model's hidden size: 18 DeltaNet layers, 6 attending)."""
+    (1.17 B parameters), a Qwen3.5 of 2 B parameters (Qwen3.5's layer pattern and DeltaNet
+    widths at half the default model's hidden size: 18 DeltaNet layers, 6 attending), or a
+    dense Granite 4.0-H of 1.5 B parameters (hidden 1536, 40 layers, 4 of them attending without
+    rope; Mamba2 mixers of 48 heads of 64 with a state of 128, one group)."""
     import transformers
 
     if arch == "lfm2":
@@ -42,6 +45,24 @@ def config(arch: str):
             num_key_value_heads=8,
             full_attn_idxs=[2, 5, 8, 10, 12, 14],
             norm_eps=1e-5,
+            tie_word_embeddings=True,
+            initializer_range=0.02,
+        )
+    if arch == "granite4_h":
+        return transformers.GraniteMoeHybridForCausalLM, transformers.GraniteMoeHybridConfig(
+            vocab_size=100352,
+            hidden_size=1536,
+            num_hidden_layers=40,
+            num_attention_heads=12,
+            num_key_value_heads=4,
+            layer_types=["attention" if i % 10 == 9 else "mamba" for i in range(40)],
+            mamba_n_heads=48,
+            mamba_d_head=64,
+            mamba_d_state=128,
+            mamba_n_groups=1,
+            num_local_experts=0,
+            shared_intermediate_size=4096,
+            position_embedding_type=None,
             tie_word_embeddings=True,
             initializer_range=0.02,
         )
@@ -79,7 +100,7 @@ def write_model(out: Path, arch: str) -> int:
 def main() -> None:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("model", type=Path)
-    p.add_argument("--arch", choices=["lfm2", "qwen3_5"], default="lfm2")
+    p.add_argument("--arch", choices=["lfm2", "qwen3_5", "granite4_h"], default="lfm2")
     args = p.parse_args()
     if not (args.model / "config.json").exists():
         write_model(args.model, args.arch)
