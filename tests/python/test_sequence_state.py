@@ -202,3 +202,21 @@ def test_a_budget_without_room_for_the_states_is_refused(model_zoo):
     case = model_zoo.get("qwen3_5")
     with pytest.raises(ValueError, match=f"kv_cache_bytes.*at least {4 * QWEN3_5_STATE_BYTES}"):
         detspec.LLM(str(case.path), kv_cache_bytes=3 * QWEN3_5_STATE_BYTES)
+
+
+def test_scoring_many_pairs_runs_them_a_few_states_at_a_time(model_zoo):
+    """A standalone forward takes a fresh state per sequence; with room for three, twenty
+    pairs run in groups of at most three, each with the logprobs a roomy engine gives it."""
+    case = model_zoo.get("qwen3_5")
+    rng = np.random.default_rng(21)
+    prompts = [[int(x) for x in rng.integers(3, 500, size=n)] for n in rng.integers(2, 9, size=20)]
+    completions = [[int(x) for x in rng.integers(3, 500, size=3)] for _ in prompts]
+
+    def scored(**kw) -> list[list[int]]:
+        llm = detspec.LLM(str(case.path), num_kv_pages=256, **kw)
+        out = llm.score(prompts, completions)
+        assert llm.kv_stats()["states_held"] == 0
+        llm.shutdown()
+        return [[np.float32(x).view(np.uint32).item() for x in s] for s in out]
+
+    assert scored(kv_cache_bytes=7 * QWEN3_5_STATE_BYTES) == scored()

@@ -79,7 +79,9 @@ impl EngineCore {
 
     /// KV pages for the sequences `seqs[i]`, `i` in `order`, in order: as many as fit
     /// `budget` tokens to compute and the free pages (one at least, else the reason it cannot
-    /// run). A table starts with the cached pages `prefix` lets its sequence read (its
+    /// run), and, where the model keeps recurrent states, no more sequences than running ones
+    /// may hold states (each takes a fresh one for the call: a long list of short pairs must
+    /// not allocate a state for every pair at once). A table starts with the cached pages `prefix` lets its sequence read (its
     /// `num_tokens`: the positions not to compute). [`Self::free_group`] gives them back.
     fn reserve_group(
         &self,
@@ -93,7 +95,12 @@ impl EngineCore {
         let ps = self.cfg.page_size;
         let mut tables: Vec<BlockTable> = Vec::new();
         let mut tokens = 0;
+        let states = self.kv.states();
+        let max_seqs = if states.is_used() { states.capacity().max(1) } else { usize::MAX };
         for &i in order {
+            if tables.len() >= max_seqs {
+                break;
+            }
             let seq = seqs[i];
             // At least the last row is computed, so a wanted row is never a cached one.
             let readable = prefix.readable(i).min(seq.len().saturating_sub(1));
