@@ -11,7 +11,7 @@ use crate::error::{DetspecError, Result};
 /// per token a gate `z` (`inner` wide), the convolution's input `xBC` (`inner` values `x`,
 /// then `groups` × `state` for `B` and as many for `C`) and one time step per head; a causal
 /// depthwise convolution of `kernel` taps (then SiLU) mixes `xBC` with the tokens before; each
-/// head keeps a `head_dim × state` matrix that decays by `e^{Δ·A}` and takes in `Δ · x Bᵀ`.
+/// head keeps a `state × head_dim` matrix that decays by `e^{Δ·A}` and takes in `Δ · B xᵀ`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MambaDims {
     /// The convolution's taps per channel (`mamba_d_conv`).
@@ -48,7 +48,7 @@ impl MambaDims {
     }
 
     /// The values a sequence's state takes in one layer: the convolution's part, then each
-    /// head's `head_dim × state` matrix.
+    /// head's `state × head_dim` matrix.
     pub fn state_values(&self) -> usize {
         self.conv_state() + self.heads * self.head_dim * self.state
     }

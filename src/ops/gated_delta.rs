@@ -21,7 +21,7 @@ use candle_core::{bail, Tensor};
 use rayon::prelude::*;
 
 use super::math::{exp_nonpositive, sigmoid, softplus};
-use super::recurrent::{over_sequences, CausalConv};
+use super::recurrent::{over_heads, over_sequences, CausalConv};
 use super::{to_f32_vec, AttentionMetadata};
 use crate::config::DeltaNetDims;
 use crate::kv::{StatePool, StateRef};
@@ -156,66 +156,44 @@ fn apply_rule(
             l2_normalize(&mut kk[h * dk..(h + 1) * dk], 1.0);
         }
     });
-    let group = hv / hk;
-    let width = hv * dv;
-    // Per value head: its state in place and its outputs `[m, dv]`.
-    let per_head: Vec<Vec<f32>> = heads
-        .par_chunks_mut(dk * dv)
-        .enumerate()
-        .map(|(h, s)| {
-            let kh = h / group;
-            let mut out = vec![0f32; m * dv];
-            let mut kept: Option<Vec<f32>> = (advance == 0).then(|| s.to_vec());
-            let (mut kv_mem, mut delta) = (vec![0f32; dv], vec![0f32; dv]);
-            for (j, &r) in rows.iter().enumerate() {
-                let row = &post[j * cd..(j + 1) * cd];
-                let q = &row[kh * dk..(kh + 1) * dk];
-                let kv = &row[hk * dk + kh * dk..hk * dk + (kh + 1) * dk];
-                let v = &row[2 * hk * dk + h * dv..2 * hk * dk + (h + 1) * dv];
-                let g = neg_a[h] * softplus(a[r * hv + h] + p.dt_bias[h]);
-                let decay = exp_nonpositive(g.min(0.0));
-                let beta = sigmoid(b[r * hv + h]);
-                for x in s.iter_mut() {
-                    *x *= decay;
-                }
-                kv_mem.iter_mut().for_each(|x| *x = 0.0);
-                for (i, &ki) in kv.iter().enumerate() {
-                    for (acc, &sv) in kv_mem.iter_mut().zip(&s[i * dv..(i + 1) * dv]) {
-                        *acc += sv * ki;
-                    }
-                }
-                for (d, (&vc, &mem)) in delta.iter_mut().zip(v.iter().zip(&kv_mem)) {
-                    *d = (vc - mem) * beta;
-                }
-                for (i, &ki) in kv.iter().enumerate() {
-                    for (sv, &d) in s[i * dv..(i + 1) * dv].iter_mut().zip(&delta) {
-                        *sv += ki * d;
-                    }
-                }
-                let o = &mut out[j * dv..(j + 1) * dv];
-                for (i, &qi) in q.iter().enumerate() {
-                    for (oc, &sv) in o.iter_mut().zip(&s[i * dv..(i + 1) * dv]) {
-                        *oc += sv * qi;
-                    }
-                }
-                if j + 1 == advance && advance < m {
-                    kept = Some(s.to_vec());
+    let (group, post) = (hv / hk, &post);
+    // Per value head: its state, advanced row by row.
+    over_heads(heads, dk * dv, (m, advance), dv, |h| {
+        let kh = h / group;
+        let (mut kv_mem, mut delta) = (vec![0f32; dv], vec![0f32; dv]);
+        move |s: &mut [f32], j: usize, o: &mut [f32]| {
+            let r = rows[j];
+            let row = &post[j * cd..(j + 1) * cd];
+            let q = &row[kh * dk..(kh + 1) * dk];
+            let kv = &row[hk * dk + kh * dk..hk * dk + (kh + 1) * dk];
+            let v = &row[2 * hk * dk + h * dv..2 * hk * dk + (h + 1) * dv];
+            let g = neg_a[h] * softplus(a[r * hv + h] + p.dt_bias[h]);
+            let decay = exp_nonpositive(g.min(0.0));
+            let beta = sigmoid(b[r * hv + h]);
+            for x in s.iter_mut() {
+                *x *= decay;
+            }
+            kv_mem.iter_mut().for_each(|x| *x = 0.0);
+            for (i, &ki) in kv.iter().enumerate() {
+                for (acc, &sv) in kv_mem.iter_mut().zip(&s[i * dv..(i + 1) * dv]) {
+                    *acc += sv * ki;
                 }
             }
-            if let Some(kept) = kept {
-                s.copy_from_slice(&kept);
+            for (d, (&vc, &mem)) in delta.iter_mut().zip(v.iter().zip(&kv_mem)) {
+                *d = (vc - mem) * beta;
             }
-            out
-        })
-        .collect();
-    let mut out = vec![0f32; m * width];
-    for (h, o) in per_head.iter().enumerate() {
-        for j in 0..m {
-            out[j * width + h * dv..j * width + (h + 1) * dv]
-                .copy_from_slice(&o[j * dv..(j + 1) * dv]);
+            for (i, &ki) in kv.iter().enumerate() {
+                for (sv, &d) in s[i * dv..(i + 1) * dv].iter_mut().zip(&delta) {
+                    *sv += ki * d;
+                }
+            }
+            for (i, &qi) in q.iter().enumerate() {
+                for (oc, &sv) in o.iter_mut().zip(&s[i * dv..(i + 1) * dv]) {
+                    *oc += sv * qi;
+                }
+            }
         }
-    }
-    out
+    })
 }
 
 /// `x · σ(gate)` per element ([`sigmoid`]): the attention's output gate (Qwen3.5).

@@ -5,7 +5,7 @@
 //! Per head `h` (group `g`, `A = -e^{A_log}`, `Δ = softplus(dt + dt_bias)`) and token:
 //!
 //! ```text
-//! S ← e^{Δ·A} · S + (Δ · B) xᵀ;   y = Sᵀ C + D · x     (S: head_dim × state)
+//! S ← e^{Δ·A} · S + (Δ · B) xᵀ;   y = Sᵀ C + D · x     (S: state × head_dim)
 //! ```
 //!
 //! Each output element is one fixed-order sum over the state dimension; a token's result
@@ -17,10 +17,9 @@
 use std::sync::Arc;
 
 use candle_core::{bail, Tensor};
-use rayon::prelude::*;
 
 use super::math::{exp_nonpositive, softplus};
-use super::recurrent::{over_sequences, CausalConv};
+use super::recurrent::{over_heads, over_sequences, CausalConv};
 use super::{to_f32_vec, AttentionMetadata};
 use crate::config::MambaDims;
 use crate::kv::{StatePool, StateRef};
@@ -115,54 +114,32 @@ fn scan(
     let (hist, heads) = st.split_at_mut(conv.state_len());
     let post = conv.silu(hist, rows, xbc, advance);
     let (hd, ns) = (d.head_dim, d.state);
-    let per_group = d.heads / d.groups;
-    // Per head: its state in place and its outputs `[m, head_dim]`.
-    let per_head: Vec<Vec<f32>> = heads
-        .par_chunks_mut(hd * ns)
-        .enumerate()
-        .map(|(h, s)| {
-            let g = h / per_group;
-            let mut out = vec![0f32; m * hd];
-            let mut kept: Option<Vec<f32>> = (advance == 0).then(|| s.to_vec());
-            let mut db = vec![0f32; ns];
-            for (j, &r) in rows.iter().enumerate() {
-                let row = &post[j * cd..(j + 1) * cd];
-                let x = &row[h * hd..(h + 1) * hd];
-                let b = &row[inner + g * ns..inner + (g + 1) * ns];
-                let c = &row[inner + (d.groups + g) * ns..inner + (d.groups + g + 1) * ns];
-                let step = softplus(dt[r * d.heads + h] + p.dt_bias[h]);
-                let decay = exp_nonpositive((step * neg_a[h]).min(0.0));
-                for (o, &bn) in db.iter_mut().zip(b) {
-                    *o = step * bn;
-                }
-                let y = &mut out[j * hd..(j + 1) * hd];
-                for (pi, (&xp, yp)) in x.iter().zip(y.iter_mut()).enumerate() {
-                    let sp = &mut s[pi * ns..(pi + 1) * ns];
-                    let mut acc = 0f32;
-                    for ((sv, &dbn), &cn) in sp.iter_mut().zip(&db).zip(c) {
-                        *sv = *sv * decay + dbn * xp;
-                        acc += *sv * cn;
-                    }
-                    *yp = acc + p.d[h] * xp;
-                }
-                if j + 1 == advance && advance < m {
-                    kept = Some(s.to_vec());
+    let (per_group, post) = (d.heads / d.groups, &post);
+    // Per head: its state, advanced row by row.
+    // A head's state is held state-index-major (`[state, head_dim]`): each output element's
+    // sum over the state runs in order while the head dimension's lanes run side by side.
+    over_heads(heads, hd * ns, (m, advance), hd, |h| {
+        let g = h / per_group;
+        move |s: &mut [f32], j: usize, y: &mut [f32]| {
+            let r = rows[j];
+            let row = &post[j * cd..(j + 1) * cd];
+            let x = &row[h * hd..(h + 1) * hd];
+            let b = &row[inner + g * ns..inner + (g + 1) * ns];
+            let c = &row[inner + (d.groups + g) * ns..inner + (d.groups + g + 1) * ns];
+            let step = softplus(dt[r * d.heads + h] + p.dt_bias[h]);
+            let decay = exp_nonpositive((step * neg_a[h]).min(0.0));
+            for ((sn, &bn), &cn) in s.chunks_exact_mut(hd).zip(b).zip(c) {
+                let dbn = step * bn;
+                for ((sv, &xp), yp) in sn.iter_mut().zip(x).zip(y.iter_mut()) {
+                    *sv = *sv * decay + dbn * xp;
+                    *yp += *sv * cn;
                 }
             }
-            if let Some(kept) = kept {
-                s.copy_from_slice(&kept);
+            for (yp, &xp) in y.iter_mut().zip(x) {
+                *yp += p.d[h] * xp;
             }
-            out
-        })
-        .collect();
-    let mut out = vec![0f32; m * inner];
-    for (h, o) in per_head.iter().enumerate() {
-        for j in 0..m {
-            out[j * inner + h * hd..j * inner + (h + 1) * hd]
-                .copy_from_slice(&o[j * hd..(j + 1) * hd]);
         }
-    }
-    out
+    })
 }
 
 #[cfg(test)]

@@ -176,3 +176,48 @@ impl CausalConv<'_> {
         post
     }
 }
+
+/// Runs each head's recurrence over one sequence's `rows` rows, heads in parallel: `heads`
+/// holds every head's state, `head_len` values each; `head(h)` makes head `h`'s step, which
+/// `step(state, j, out)` advances its state by row `j` and writes the row's `out_width`
+/// outputs. Each head's state is left after `advance` rows. Returns the rows' outputs,
+/// `[rows, heads · out_width]`, head after head within a row.
+pub(super) fn over_heads<S>(
+    heads: &mut [f32],
+    head_len: usize,
+    (rows, advance): (usize, usize),
+    out_width: usize,
+    head: impl Fn(usize) -> S + Sync,
+) -> Vec<f32>
+where
+    S: FnMut(&mut [f32], usize, &mut [f32]),
+{
+    let per_head: Vec<Vec<f32>> = heads
+        .par_chunks_mut(head_len)
+        .enumerate()
+        .map(|(h, s)| {
+            let mut step = head(h);
+            let mut out = vec![0f32; rows * out_width];
+            let mut kept: Option<Vec<f32>> = (advance == 0).then(|| s.to_vec());
+            for (j, o) in out.chunks_mut(out_width).enumerate() {
+                step(s, j, o);
+                if j + 1 == advance && advance < rows {
+                    kept = Some(s.to_vec());
+                }
+            }
+            if let Some(kept) = kept {
+                s.copy_from_slice(&kept);
+            }
+            out
+        })
+        .collect();
+    let width = per_head.len() * out_width;
+    let mut out = vec![0f32; rows * width];
+    for (h, o) in per_head.iter().enumerate() {
+        for j in 0..rows {
+            out[j * width + h * out_width..j * width + (h + 1) * out_width]
+                .copy_from_slice(&o[j * out_width..(j + 1) * out_width]);
+        }
+    }
+    out
+}

@@ -96,7 +96,11 @@ impl EngineCore {
         let mut tables: Vec<BlockTable> = Vec::new();
         let mut tokens = 0;
         let states = self.kv.states();
-        let max_seqs = if states.is_used() { states.capacity().max(1) } else { usize::MAX };
+        let max_seqs = if states.is_used() {
+            states.capacity().max(1)
+        } else {
+            usize::MAX
+        };
         for &i in order {
             if tables.len() >= max_seqs {
                 break;
