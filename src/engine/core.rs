@@ -303,7 +303,9 @@ impl EngineCore {
         }
         // A cached prefix hands over KV pages, not the recurrent state that goes with them.
         if kv.states().is_used() && cfg.enable_prefix_caching {
-            tracing::info!("prefix caching is off: the model's linear-attention layers keep a state per sequence");
+            tracing::info!(
+                "prefix caching is off: the model's recurrent layers keep a state per sequence"
+            );
             cfg.enable_prefix_caching = false;
         }
         let alloc = Arc::new(KvManager::new(

@@ -1,5 +1,5 @@
-//! Per-sequence recurrent state: what a linear-attention layer (Qwen3.5's gated DeltaNet) keeps
-//! in place of keys and values.
+//! Per-sequence recurrent state: what a recurrent layer (Qwen3-Next's and Qwen3.5's gated
+//! DeltaNet, Granite 4.0-H's Mamba2) keeps in place of keys and values.
 //!
 //! Such a state is a function of the whole prefix, so it cannot live in pages the way keys,
 //! values and LFM2's convolution rows do (a snapshot per page would cost far more than the
@@ -105,7 +105,7 @@ impl StatePool {
             return Err(DetspecError::param(
                 "kv_cache_bytes",
                 format!(
-                    "{budget} bytes: the model's linear-attention layers keep {bytes_per_state} \
+                    "{budget} bytes: the model's recurrent layers keep {bytes_per_state} \
                      bytes of state per sequence, and a running sequence may need two, within \
                      half the KV budget: it needs at least {}",
                     4 * bytes_per_state
