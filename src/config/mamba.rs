@@ -1,5 +1,6 @@
-//! The Mamba2 part of a Granite 4.0-H `config.json` (`GraniteMoeHybridConfig`'s `mamba_*`
-//! fields): which layers are Mamba2 mixers rather than attention, and their widths.
+//! The Mamba2 part of a Granite 4.0-H or Bamba `config.json` (`GraniteMoeHybridConfig`'s and
+//! `BambaConfig`'s `mamba_*` fields): which layers are Mamba2 mixers rather than attention,
+//! and their widths.
 
 use std::path::Path;
 
@@ -78,6 +79,8 @@ impl MambaConfig {
 #[serde(default)]
 pub(super) struct RawMamba {
     layer_types: Option<Vec<String>>,
+    /// Bamba's: the attention layers (every other one Mamba2).
+    attn_layer_indices: Option<Vec<usize>>,
     mamba_n_heads: Option<usize>,
     mamba_n_groups: Option<usize>,
     mamba_d_state: Option<usize>,
@@ -93,9 +96,9 @@ pub(super) struct RawMamba {
 
 impl RawMamba {
     /// The checked fields, with `GraniteMoeHybridConfig`'s defaults, for a model of
-    /// `num_layers` layers of `hidden_size`. Layer kinds: `"mamba"` (transformers 5:
-    /// `"linear_attention"`, every layer where the config names none) or `"attention"`
-    /// (`"full_attention"`).
+    /// `num_layers` layers of `hidden_size`. Layer kinds: Bamba's `attn_layer_indices`, or
+    /// Granite's `layer_types`, `"mamba"` (transformers 5: `"linear_attention"`) or
+    /// `"attention"` (`"full_attention"`); every layer Mamba2 where neither says.
     pub(super) fn check(
         &self,
         path: &Path,
@@ -139,15 +142,27 @@ impl RawMamba {
             ));
         }
         self.check_time_step_limit(&err)?;
-        let layers = match &self.layer_types {
-            None => vec![true; num_layers],
-            Some(types) if types.len() != num_layers => {
+        if let Some(bad) = self
+            .attn_layer_indices
+            .iter()
+            .flatten()
+            .find(|&&l| l >= num_layers)
+        {
+            return Err(err(
+                "attn_layer_indices",
+                format!("layer {bad}, but the model has {num_layers} layers"),
+            ));
+        }
+        let layers = match (&self.layer_types, &self.attn_layer_indices) {
+            (_, Some(attends)) => (0..num_layers).map(|l| !attends.contains(&l)).collect(),
+            (None, None) => vec![true; num_layers],
+            (Some(types), None) if types.len() != num_layers => {
                 return Err(err(
                     "layer_types",
                     format!("{} entries for {num_layers} layers", types.len()),
                 ))
             }
-            Some(types) => types
+            (Some(types), None) => types
                 .iter()
                 .enumerate()
                 .map(|(i, t)| match t.as_str() {
@@ -222,6 +237,8 @@ mod tests {
         assert_eq!((d.inner(), d.conv_dim(), d.in_proj_dim()), (128, 192, 324));
         assert_eq!(d.state_values(), 3 * 192 + 4 * 32 * 16);
         assert!(c.conv_bias && !c.proj_bias);
+        let bamba = check(r#"{"mamba_n_heads": 4, "attn_layer_indices": [0, 2]}"#, 3).unwrap();
+        assert_eq!(bamba.layers, [false, true, false]);
         let auto = check(r#"{"mamba_n_heads": 8, "mamba_d_head": "auto"}"#, 2).unwrap();
         assert_eq!((auto.dims.head_dim, auto.layers), (16, vec![true, true]));
     }
@@ -253,6 +270,10 @@ mod tests {
             (
                 r#"{"mamba_n_heads": 2, "mamba_d_head": 64, "time_step_limit": [0.001, 0.1]}"#,
                 "time_step_limit",
+            ),
+            (
+                r#"{"mamba_n_heads": 2, "attn_layer_indices": [2]}"#,
+                "attn_layer_indices",
             ),
         ] {
             let e = check(json, 2).unwrap_err().to_string();

@@ -180,6 +180,11 @@ pub enum Architecture {
     /// output gate (`q_proj` makes each head's query and gate), a quarter of each head
     /// rotating; every RMSNorm but the DeltaNet's scales by `1 + w`.
     Qwen3_5,
+    /// Bamba (`BambaForCausalLM`, 9B): Granite 4.0-H's Mamba2 mixers in every layer but those
+    /// `attn_layer_indices` names, which attend with half of each head rotating; Llama's MLP
+    /// under `feed_forward`, norms `input_layernorm` and `pre_ff_layernorm`, the final one
+    /// `final_layernorm`.
+    Bamba,
     /// Qwen3.5's mixture of experts (`Qwen3_5MoeForCausalLM`, the text model of
     /// Qwen3.5-35B-A3B, 122B-A10B, 397B-A17B): Qwen3.5's layers, every MLP sparse (Qwen2-MoE's:
     /// a softmax router whose top k are always renormalised, experts `moe_intermediate_size`
@@ -190,7 +195,7 @@ pub enum Architecture {
 impl Architecture {
     /// Each architecture's `*ForCausalLM` class (`architectures`) and its `model_type`, the
     /// fallback for a config without `architectures`.
-    const CAUSAL_LM: [(&'static str, &'static str, Architecture); 46] = [
+    const CAUSAL_LM: [(&'static str, &'static str, Architecture); 47] = [
         ("LlamaForCausalLM", "llama", Architecture::Llama),
         ("MistralForCausalLM", "mistral", Architecture::Mistral),
         ("Qwen2ForCausalLM", "qwen2", Architecture::Qwen2),
@@ -259,6 +264,7 @@ impl Architecture {
             "qwen3_next",
             Architecture::Qwen3Next,
         ),
+        ("BambaForCausalLM", "bamba", Architecture::Bamba),
         ("Qwen3_5ForCausalLM", "qwen3_5_text", Architecture::Qwen3_5),
         (
             "Qwen3_5MoeForCausalLM",
@@ -354,6 +360,10 @@ impl Architecture {
                 mlp: DenseMlpNames::Lfm2,
                 ..Fused::default()
             },
+            Architecture::Bamba => Fused {
+                mlp: DenseMlpNames::FeedForward,
+                ..Fused::default()
+            },
             _ => Fused::default(),
         }
     }
@@ -404,6 +414,12 @@ impl Architecture {
             Architecture::Lfm2 | Architecture::Lfm2Moe => {
                 [Some("operator_norm"), None, Some("ffn_norm"), None]
             }
+            Architecture::Bamba => [
+                Some("input_layernorm"),
+                None,
+                Some("pre_ff_layernorm"),
+                None,
+            ],
             _ => [
                 Some("input_layernorm"),
                 None,
@@ -461,6 +477,7 @@ impl Architecture {
     pub fn final_norm(self) -> &'static str {
         match self {
             Architecture::Lfm2 | Architecture::Lfm2Moe => "model.embedding_norm.weight",
+            Architecture::Bamba => "model.final_layernorm.weight",
             _ => "model.norm.weight",
         }
     }
@@ -540,13 +557,17 @@ pub enum DenseMlpNames {
     GraniteShared,
     /// LFM2's: `feed_forward.w1` (gate), `feed_forward.w3` (up), `feed_forward.w2` (down).
     Lfm2,
+    /// Bamba's: Llama's names under `feed_forward`.
+    FeedForward,
 }
 
 impl Fused {
     /// The module of the fused gate/up matrix (where [`Fused::gate_up`]).
     pub fn gate_up_module(self) -> &'static str {
         match self.mlp {
-            DenseMlpNames::Mlp | DenseMlpNames::Lfm2 => "mlp.gate_up_proj",
+            DenseMlpNames::Mlp | DenseMlpNames::Lfm2 | DenseMlpNames::FeedForward => {
+                "mlp.gate_up_proj"
+            }
             DenseMlpNames::GraniteShared => "shared_mlp.input_linear",
         }
     }
@@ -555,6 +576,7 @@ impl Fused {
     pub fn gate_and_up_modules(self) -> [&'static str; 2] {
         match self.mlp {
             DenseMlpNames::Lfm2 => ["feed_forward.w1", "feed_forward.w3"],
+            DenseMlpNames::FeedForward => ["feed_forward.gate_proj", "feed_forward.up_proj"],
             DenseMlpNames::Mlp | DenseMlpNames::GraniteShared => ["mlp.gate_proj", "mlp.up_proj"],
         }
     }
@@ -565,6 +587,7 @@ impl Fused {
             DenseMlpNames::Mlp => "mlp.down_proj",
             DenseMlpNames::GraniteShared => "shared_mlp.output_linear",
             DenseMlpNames::Lfm2 => "feed_forward.w2",
+            DenseMlpNames::FeedForward => "feed_forward.down_proj",
         }
     }
 }
@@ -989,11 +1012,9 @@ impl ModelConfig {
         let num_hidden_layers = positive("num_hidden_layers", raw.num_hidden_layers)?;
         // Granite 4.0-H's Mamba2 layers (its attention-only models have none).
         let mamba = match architecture {
-            Architecture::GraniteMoeHybrid => Some(parse_json::<RawMamba>(text, path)?.check(
-                path,
-                num_hidden_layers,
-                hidden_size,
-            )?)
+            Architecture::GraniteMoeHybrid | Architecture::Bamba => Some(
+                parse_json::<RawMamba>(text, path)?.check(path, num_hidden_layers, hidden_size)?,
+            )
             .filter(|m| m.layers.iter().any(|&l| l)),
             _ => None,
         };
@@ -1099,7 +1120,8 @@ impl ModelConfig {
             | Architecture::Lfm2Moe
             | Architecture::Qwen3Next
             | Architecture::Qwen3_5
-            | Architecture::Qwen3_5Moe => None,
+            | Architecture::Qwen3_5Moe
+            | Architecture::Bamba => None,
             // Its window applies to its sliding layers only (below).
             Architecture::Dots1 => raw.sliding_window,
             // Its window applies to the layers without rope only (below).
@@ -1516,6 +1538,7 @@ impl ModelConfig {
                 | Architecture::Qwen3Next
                 | Architecture::Qwen3_5
                 | Architecture::Qwen3_5Moe
+                | Architecture::Bamba
         ) {
             return Err(err(format!(
                 "{f}: only the Phi-3, GLM and Qwen3.5 layouts rotate part of each head ({architecture:?} \

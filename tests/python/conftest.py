@@ -604,6 +604,23 @@ MODEL_SPECS: dict[str, dict] = {
             "logits_scaling": 1.5,
         },
     },
+    # Bamba: Granite 4.0-H's Mamba2 mixers but in the layer `attn_layer_indices` names, which
+    # attends with half of each head rotating; Llama's MLP under `feed_forward`.
+    "bamba": {
+        "arch": "bamba",
+        "seed": 307,
+        "head_dim": 32,
+        "rope": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        "extra": {
+            "num_hidden_layers": 3,
+            "attn_layer_indices": [1],
+            "mamba_n_heads": 4,
+            "mamba_d_head": 32,
+            "mamba_d_state": 16,
+            "mamba_n_groups": 2,
+            "mamba_d_conv": 4,
+        },
+    },
     "mixtral": {
         "arch": "mixtral",
         "seed": 31,
@@ -1058,6 +1075,7 @@ _CONFIG_CLASSES = {
     "qwen3_5": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM),
     "qwen3_5_moe": (transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM),
     "qwen3_next": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM),
+    "bamba": (transformers.BambaConfig, transformers.BambaForCausalLM),
     "hunyuan_v1_moe": (transformers.HunYuanMoEV1Config, transformers.HunYuanMoEV1ForCausalLM),
     "arcee": (transformers.ArceeConfig, transformers.ArceeForCausalLM),
     "solar_open": (transformers.SolarOpenConfig, transformers.SolarOpenForCausalLM),
@@ -1240,13 +1258,16 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
 def hf_logits(model: torch.nn.Module, ids) -> np.ndarray:
     """Per-position logits [len, vocab] (float32) of one sequence, no KV cache.
 
-    A model with linear-attention layers (Qwen3.5) runs token by token through its cache
+    A model with gated DeltaNets (Qwen3-Next, Qwen3.5) runs token by token through its cache
     instead: transformers' whole-sequence form of the delta rule reorders its sums into
     chunks (3e-4 apart from its own token-by-token form on the zoo model), and the
-    token-by-token form is the one it decodes with, and the engine's."""
+    token-by-token form is the one it decodes with, and the engine's. (Mamba2's chunked scan
+    agrees with its recurrent form to 2e-6 on Granite 4.0-H's zoo model; Bamba's cached decode
+    in transformers 5.24 is 0.09-0.7 away from its own whole-sequence logits, which the engine
+    matches to 5e-6: the whole-sequence form is the reference there.)"""
     ids = torch.tensor([list(ids)], dtype=torch.long)
     with torch.inference_mode():
-        if "linear_attention" not in (getattr(model.config, "layer_types", None) or ()):
+        if getattr(model.config, "linear_num_value_heads", None) is None:
             return model(ids, use_cache=False).logits[0].float().numpy()
         cache, rows = None, []
         for t in range(ids.shape[1]):

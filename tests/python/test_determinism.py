@@ -204,6 +204,7 @@ def needle_in_haystack(
         "qwen3_5_moe",
         "qwen3_next",
         "granite4_h",
+        "bamba",
     ],
 )
 def test_needle_in_haystack_on_every_decoder_layout(model_zoo, name: str) -> None:
