@@ -702,6 +702,7 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
+    use crate::ops::tensor_bits as bits;
 
     #[test]
     fn fused_models_take_their_fused_module_names_only() {
@@ -763,16 +764,6 @@ mod tests {
 
     fn matrix(seed: u64, rows: usize, cols: usize) -> Tensor {
         Tensor::from_vec(values(seed, rows * cols), (rows, cols), &Device::Cpu).unwrap()
-    }
-
-    fn bits(t: &Tensor) -> Vec<u32> {
-        t.flatten_all()
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap()
-            .iter()
-            .map(|v| v.to_bits())
-            .collect()
     }
 
     fn llama_config() -> ModelConfig {

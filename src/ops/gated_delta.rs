@@ -218,6 +218,7 @@ pub fn sigmoid_gate(x: &Tensor, gate: &Tensor) -> candle_core::Result<Tensor> {
 mod tests {
     use super::*;
     use crate::kv::SequenceStates;
+    use crate::ops::tensor_bits as bits;
     use candle_core::Device;
 
     /// 2 key heads, 4 value heads of 3, keys of 2, kernel 3: conv_dim 2·2·2 + 4·3 = 20.
@@ -261,16 +262,6 @@ mod tests {
             row_seq: rows.iter().map(|r| r.0).collect(),
             ..AttentionMetadata::default()
         }
-    }
-
-    fn bits(t: &Tensor) -> Vec<u32> {
-        t.flatten_all()
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap()
-            .iter()
-            .map(|x| x.to_bits())
-            .collect()
     }
 
     fn rows(t: &Tensor, from: usize, n: usize) -> Vec<u32> {

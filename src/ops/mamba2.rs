@@ -146,6 +146,7 @@ fn scan(
 mod tests {
     use super::*;
     use crate::kv::SequenceStates;
+    use crate::ops::tensor_bits as bits;
     use candle_core::Device;
 
     /// 4 heads of 2 in 2 groups, a state of 3, kernel 3: inner 8, conv_dim 8 + 2·2·3 = 20.
@@ -196,16 +197,6 @@ mod tests {
             }
         }
         m
-    }
-
-    fn bits(t: &Tensor) -> Vec<u32> {
-        t.flatten_all()
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap()
-            .iter()
-            .map(|x| x.to_bits())
-            .collect()
     }
 
     #[test]

@@ -159,3 +159,12 @@ fn contiguous_f32<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> candle_core:
         None => bail!("{what}: expected a contiguous f32 tensor"),
     }
 }
+
+/// An f32 tensor's values as bits, for the tests' bitwise comparisons.
+#[cfg(test)]
+pub(crate) fn tensor_bits(t: &candle_core::Tensor) -> Vec<u32> {
+    t.flatten_all()
+        .and_then(|f| f.to_vec1::<f32>())
+        .map(|v| v.iter().map(|x| x.to_bits()).collect())
+        .unwrap_or_default()
+}
