@@ -50,9 +50,16 @@ def bits(resp) -> tuple:
     )  # fmt: skip
 
 
-async def under_load(base_url: str, kwargs: dict, seed: int, repeats: int = 3) -> list[tuple]:
-    """Sends the target ``repeats`` times while NUM_CLIENTS clients keep streaming random
-    requests; returns the target's bits each time."""
+async def under_load(
+    base_url: str,
+    kwargs: dict,
+    seed: int,
+    repeats: int = 3,
+    clients: int = NUM_CLIENTS,
+    vocab: int = 900,
+) -> list[tuple]:
+    """Sends the target ``repeats`` times while ``clients`` clients keep streaming random
+    requests (token ids below ``vocab``); returns the target's bits each time."""
     client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0)
     stop = asyncio.Event()
     started = asyncio.Semaphore(0)
@@ -64,7 +71,7 @@ async def under_load(base_url: str, kwargs: dict, seed: int, repeats: int = 3) -
         while not stop.is_set():
             stream = await client.completions.create(
                 model=SERVED_NAME,
-                prompt=[rng.randrange(3, 900) for _ in range(rng.randint(1, 90))],
+                prompt=[rng.randrange(3, vocab) for _ in range(rng.randint(1, 90))],
                 max_tokens=rng.randint(4, 40),
                 temperature=rng.choice([0.0, 1.0]),
                 seed=rng.randrange(2**31),
@@ -77,9 +84,9 @@ async def under_load(base_url: str, kwargs: dict, seed: int, repeats: int = 3) -
                     started.release()
                     first = False
 
-    tasks = [asyncio.create_task(load(i)) for i in range(NUM_CLIENTS)]
+    tasks = [asyncio.create_task(load(i)) for i in range(clients)]
     try:
-        for _ in range(NUM_CLIENTS // 2):  # at least half of the clients are streaming
+        for _ in range(clients // 2):  # at least half of the clients are streaming
             await asyncio.wait_for(started.acquire(), 60)
         results = []
         rng = random.Random(seed)
