@@ -145,6 +145,20 @@ PARITY_CASES = [
         {"target_modules": ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]},
         id="qwen3_5-attention-mlp",
     ),
+    # Bamba: attention on its one attending layer, its MLP under `feed_forward` on every layer
+    # (PEFT leaves the Mamba2 mixers' `in_proj` and `out_proj` alone when not named).
+    pytest.param(
+        "bamba",
+        {"target_modules": ["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]},
+        id="bamba-attention-mlp",
+    ),
+    # Granite 4.0-H with experts: its one attending layer's attention (expert adapters are
+    # refused, as on every mixture of experts).
+    pytest.param(
+        "granite4_h",
+        {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]},
+        id="granite4_h-attention",
+    ),
     # Apertus's ungated MLP: down only (up_proj adapters are refused: test below).
     pytest.param(
         "apertus",
@@ -816,9 +830,18 @@ def test_lfm2_refuses_convolution_adapters_and_keeps_serving(model_zoo, tmp_path
     _refused_and_serving(case, path, "layers.0.conv.out_proj")
 
 
-def test_qwen3_5_refuses_delta_net_adapters_and_keeps_serving(model_zoo, tmp_path):
-    """An adapter of Qwen3.5's DeltaNet projections (`in_proj_qkv`, and `out_proj`) is
-    refused, naming the tensor: the engine adapts attention and MLPs only."""
-    case = model_zoo.get("qwen3_5")
-    path = _peft_dir(case.model, tmp_path, "q35", target_modules=["q_proj", "in_proj_qkv"])
-    _refused_and_serving(case, path, "layers.0.linear_attn.in_proj_qkv")
+@pytest.mark.parametrize(
+    "name, module, tensor",
+    [
+        ("qwen3_5", "in_proj_qkv", "layers.0.linear_attn.in_proj_qkv"),
+        ("granite4_h", "in_proj", "layers.0.mamba.in_proj"),
+    ],
+)
+def test_recurrent_mixer_adapters_are_refused_and_the_engine_keeps_serving(
+    model_zoo, tmp_path, name, module, tensor
+):
+    """An adapter of a DeltaNet's or a Mamba2 mixer's projections is refused, naming the
+    tensor: the engine adapts attention and MLPs only."""
+    case = model_zoo.get(name)
+    path = _peft_dir(case.model, tmp_path, name, target_modules=["q_proj", module])
+    _refused_and_serving(case, path, tensor)
