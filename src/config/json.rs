@@ -52,6 +52,32 @@ pub fn layer_kinds(
         .collect()
 }
 
+/// Errors naming a field of one `config.json`, and the positive-integer fields read with a
+/// default (the section checks of `linear_attention.rs`, `mamba.rs`, `short_conv.rs`).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct ConfigFields<'a> {
+    pub path: &'a Path,
+}
+
+impl ConfigFields<'_> {
+    /// [`DetspecError::InvalidConfig`] naming `field`.
+    pub fn err(&self, field: &str, message: impl Into<String>) -> DetspecError {
+        DetspecError::InvalidConfig {
+            path: self.path.to_path_buf(),
+            field: field.to_string(),
+            message: message.into(),
+        }
+    }
+
+    /// `v`, or `default` where the config leaves it out; 0 is an error naming `field`.
+    pub fn positive(&self, field: &str, v: Option<usize>, default: usize) -> Result<usize> {
+        match v.unwrap_or(default) {
+            0 => Err(self.err(field, "must be > 0")),
+            n => Ok(n),
+        }
+    }
+}
+
 /// A token id field (`eos_token_id`, `bos_token_id`): an integer, a list of them, or null.
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(untagged, expecting = "a token id or a list of token ids")]

@@ -5,8 +5,8 @@ use std::path::Path;
 
 use serde::Deserialize;
 
-use super::json::layer_kinds;
-use crate::error::{DetspecError, Result};
+use super::json::{layer_kinds, ConfigFields};
+use crate::error::Result;
 
 /// The widths of Qwen3.5's gated DeltaNet (transformers' `Qwen3_5GatedDeltaNet`): per token,
 /// `in_proj_qkv` makes queries and keys of `key_heads` heads and values of `value_heads`
@@ -92,32 +92,27 @@ impl RawLinearAttention {
         num_layers: usize,
         projections: DeltaNetProjections,
     ) -> Result<LinearAttentionConfig> {
-        let err = |field: &str, message: String| DetspecError::InvalidConfig {
-            path: path.to_path_buf(),
-            field: field.to_string(),
-            message,
-        };
-        let positive = |field: &str, v: Option<usize>, default: usize| match v.unwrap_or(default) {
-            0 => Err(err(field, "must be > 0".into())),
-            n => Ok(n),
-        };
-        let kernel = positive("linear_conv_kernel_dim", self.linear_conv_kernel_dim, 4)?;
-        let key_dim = positive("linear_key_head_dim", self.linear_key_head_dim, 128)?;
-        let value_dim = positive("linear_value_head_dim", self.linear_value_head_dim, 128)?;
-        let key_heads = positive("linear_num_key_heads", self.linear_num_key_heads, 16)?;
-        let value_heads = positive("linear_num_value_heads", self.linear_num_value_heads, 32)?;
+        let fields = ConfigFields { path };
+        let kernel = fields.positive("linear_conv_kernel_dim", self.linear_conv_kernel_dim, 4)?;
+        let key_dim = fields.positive("linear_key_head_dim", self.linear_key_head_dim, 128)?;
+        let value_dim =
+            fields.positive("linear_value_head_dim", self.linear_value_head_dim, 128)?;
+        let key_heads = fields.positive("linear_num_key_heads", self.linear_num_key_heads, 16)?;
+        let value_heads =
+            fields.positive("linear_num_value_heads", self.linear_num_value_heads, 32)?;
         if value_heads % key_heads != 0 {
-            return Err(err(
+            return Err(fields.err(
                 "linear_num_value_heads",
                 format!("{value_heads} is not a multiple of linear_num_key_heads={key_heads}"),
             ));
         }
         let layers = match &self.layer_types {
             Some(types) => layer_kinds(types, num_layers, ["linear_attention", "full_attention"])
-                .map_err(|m| err("layer_types", m))?,
+                .map_err(|m| fields.err("layer_types", m))?,
             // transformers' default: every `full_attention_interval`-th layer attends.
             None => {
-                let every = positive("full_attention_interval", self.full_attention_interval, 4)?;
+                let every =
+                    fields.positive("full_attention_interval", self.full_attention_interval, 4)?;
                 (0..num_layers).map(|i| (i + 1) % every != 0).collect()
             }
         };

@@ -6,7 +6,8 @@ use std::path::Path;
 
 use serde::Deserialize;
 
-use crate::error::{DetspecError, Result};
+use super::json::ConfigFields;
+use crate::error::Result;
 
 /// The widths of a Mamba2 mixer (transformers' `GraniteMoeHybridMambaLayer`): `in_proj` makes
 /// per token a gate `z` (`inner` wide), the convolution's input `xBC` (`inner` values `x`,
@@ -105,30 +106,22 @@ impl RawMamba {
         num_layers: usize,
         hidden_size: usize,
     ) -> Result<MambaConfig> {
-        let err = |field: &str, message: String| DetspecError::InvalidConfig {
-            path: path.to_path_buf(),
-            field: field.to_string(),
-            message,
-        };
-        let positive = |field: &str, v: Option<usize>, default: usize| match v.unwrap_or(default) {
-            0 => Err(err(field, "must be > 0".into())),
-            n => Ok(n),
-        };
-        let heads = positive("mamba_n_heads", self.mamba_n_heads, 128)?;
-        let groups = positive("mamba_n_groups", self.mamba_n_groups, 1)?;
-        let state = positive("mamba_d_state", self.mamba_d_state, 256)?;
-        let kernel = positive("mamba_d_conv", self.mamba_d_conv, 4)?;
-        let inner = positive("mamba_expand", self.mamba_expand, 2)? * hidden_size;
+        let fields = ConfigFields { path };
+        let heads = fields.positive("mamba_n_heads", self.mamba_n_heads, 128)?;
+        let groups = fields.positive("mamba_n_groups", self.mamba_n_groups, 1)?;
+        let state = fields.positive("mamba_d_state", self.mamba_d_state, 256)?;
+        let kernel = fields.positive("mamba_d_conv", self.mamba_d_conv, 4)?;
+        let inner = fields.positive("mamba_expand", self.mamba_expand, 2)? * hidden_size;
         let head_dim = match &self.mamba_d_head {
             None => inner / heads,
             Some(serde_json::Value::String(s)) if s == "auto" => inner / heads,
             Some(v) => match v.as_u64() {
                 Some(n) if n > 0 => n as usize,
-                _ => return Err(err("mamba_d_head", format!("{v}: a width or \"auto\""))),
+                _ => return Err(fields.err("mamba_d_head", format!("{v}: a width or \"auto\""))),
             },
         };
         if heads * head_dim != inner {
-            return Err(err(
+            return Err(fields.err(
                 "mamba_d_head",
                 format!(
                     "{heads} heads of {head_dim} must make mamba_expand × hidden_size = {inner}"
@@ -136,19 +129,19 @@ impl RawMamba {
             ));
         }
         if heads % groups != 0 {
-            return Err(err(
+            return Err(fields.err(
                 "mamba_n_groups",
                 format!("{groups} does not divide mamba_n_heads={heads}"),
             ));
         }
-        self.check_time_step_limit(&err)?;
+        self.check_time_step_limit(fields)?;
         if let Some(bad) = self
             .attn_layer_indices
             .iter()
             .flatten()
             .find(|&&l| l >= num_layers)
         {
-            return Err(err(
+            return Err(fields.err(
                 "attn_layer_indices",
                 format!("layer {bad}, but the model has {num_layers} layers"),
             ));
@@ -157,7 +150,7 @@ impl RawMamba {
             (_, Some(attends)) => (0..num_layers).map(|l| !attends.contains(&l)).collect(),
             (None, None) => vec![true; num_layers],
             (Some(types), None) if types.len() != num_layers => {
-                return Err(err(
+                return Err(fields.err(
                     "layer_types",
                     format!("{} entries for {num_layers} layers", types.len()),
                 ))
@@ -168,7 +161,7 @@ impl RawMamba {
                 .map(|(i, t)| match t.as_str() {
                     "mamba" | "linear_attention" => Ok(true),
                     "attention" | "full_attention" => Ok(false),
-                    other => Err(err(
+                    other => Err(fields.err(
                         "layer_types",
                         format!("layer {i} is {other:?} (expected \"mamba\" or \"attention\")"),
                     )),
@@ -191,7 +184,7 @@ impl RawMamba {
 
     /// The time step is unclamped (`[0, ∞]`, transformers' default): a clamp would apply in
     /// its whole-sequence form only, not in the recurrent one it decodes with.
-    fn check_time_step_limit(&self, err: &dyn Fn(&str, String) -> DetspecError) -> Result<()> {
+    fn check_time_step_limit(&self, fields: ConfigFields<'_>) -> Result<()> {
         let Some(limit) = &self.time_step_limit else {
             return Ok(());
         };
@@ -204,7 +197,7 @@ impl RawMamba {
         };
         match limit.as_slice() {
             [low, high] if value(low) == Some(0.0) && value(high) == Some(f64::INFINITY) => Ok(()),
-            _ => Err(err(
+            _ => Err(fields.err(
                 "time_step_limit",
                 format!("{limit:?}: only the unclamped [0, inf] is supported"),
             )),

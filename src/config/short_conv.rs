@@ -8,7 +8,7 @@ use std::path::Path;
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::json::layer_kinds;
+use super::json::{layer_kinds, ConfigFields};
 use crate::error::{DetspecError, Result};
 
 /// LFM2's gated short convolution (transformers' `Lfm2ShortConv`): `in_proj` makes three
@@ -79,15 +79,9 @@ impl RawLfm2 {
         num_layers: usize,
         adjusts_width: bool,
     ) -> Result<Lfm2Shape> {
-        let err = |field: &str, message: String| DetspecError::InvalidConfig {
-            path: path.to_path_buf(),
-            field: field.to_string(),
-            message,
-        };
-        let kernel = match self.conv_l_cache.unwrap_or(3) {
-            0 => return Err(err("conv_L_cache", "must be > 0".into())),
-            k => k,
-        };
+        let fields = ConfigFields { path };
+        let err = |field: &str, message: String| fields.err(field, message);
+        let kernel = fields.positive("conv_L_cache", self.conv_l_cache, 3)?;
         let layers = match (&self.layer_types, &self.full_attn_idxs) {
             (Some(types), _) => layer_kinds(types, num_layers, ["conv", "full_attention"])
                 .map_err(|m| err("layer_types", m))?,

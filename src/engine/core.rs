@@ -256,16 +256,13 @@ impl EngineCore {
         let kv_dtype = cfg.kv_cache_dtype.resolve_kv(device_spec, dtype)?;
         // Recurrent states come out of the KV budget (at most half of it), pages get the rest.
         let budget = cfg.kv_cache_bytes.unwrap_or(DEFAULT_KV_CACHE_BYTES);
-        let state_bytes = LayerCacheShape::state_bytes(&LayerCacheShape::of_model(&model_cfg));
+        let cache_shapes = LayerCacheShape::of_model(&model_cfg);
+        let per_page = KvPool::bytes_per_page(&cache_shapes, cfg.page_size, kv_dtype);
+        let state_bytes = LayerCacheShape::state_bytes(&cache_shapes);
         let state_slots = StatePool::capacity_within(state_bytes, budget, cfg.max_num_seqs)?;
         let states_total = state_slots * state_bytes;
         let kv_bytes = cfg.num_kv_pages.map_or(budget, |n| {
-            n.saturating_mul(KvPool::bytes_per_page(
-                &LayerCacheShape::of_model(&model_cfg),
-                cfg.page_size,
-                kv_dtype,
-            ))
-            .saturating_add(states_total)
+            n.saturating_mul(per_page).saturating_add(states_total)
         });
         let act = cfg
             .activation_dtype
@@ -282,8 +279,6 @@ impl EngineCore {
         let model = Model::load_with(dir, model_cfg, device, dtype, act)?
             .with_kernel_profile(cfg.kernel_profile);
         let mc = model.config().clone();
-        let cache_shapes = LayerCacheShape::of_model(&mc);
-        let per_page = KvPool::bytes_per_page(&cache_shapes, cfg.page_size, kv_dtype);
         let num_pages = match cfg.num_kv_pages {
             Some(n) => n,
             None => {

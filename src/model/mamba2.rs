@@ -24,6 +24,8 @@ pub(super) struct Mamba2Mixer {
     pub(super) params: Mamba2Params,
     /// The gated norm's weight `[inner]` (plain: it scales by `w`).
     pub(super) norm: Tensor,
+    /// `[inner / groups]` ones: the per-group norm's own weight, the scaling left to `norm`.
+    group_ones: Tensor,
     out_proj: Linear,
     eps: f64,
 }
@@ -73,10 +75,12 @@ impl Mamba2Mixer {
             dt_bias: vector("dt_bias", d.heads)?,
             d: vector("D", d.heads)?,
         };
+        let norm = ld.norm(&name("norm.weight"), &[d.inner()], 0.0)?;
         Ok(Self {
             in_proj: ld.linear(&name("in_proj"), hs, d.in_proj_dim(), m.proj_bias)?,
             params,
-            norm: ld.norm(&name("norm.weight"), &[d.inner()], 0.0)?,
+            group_ones: Tensor::ones(d.inner() / d.groups, norm.dtype(), norm.device())?,
+            norm,
             out_proj: ld.linear(&name("out_proj"), d.inner(), hs, m.proj_bias)?,
             eps: cfg.rms_norm_eps,
         })
@@ -110,9 +114,10 @@ impl Mamba2Mixer {
         let dt = proj.narrow(1, inner + d.conv_dim(), d.heads)?;
         let y = ops::mamba2_scan((&xbc, &dt), &self.params, meta, states, (pool, layer))?
             .to_dtype(x.dtype())?;
-        // y · silu(z), normed over each group of `inner / groups`, times the weight.
+        // y · silu(z), normed over each group of `inner / groups`, then times the weight (as
+        // transformers: normed, rounded to the activations' dtype, scaled).
         let gated = ops::gated(&z.contiguous()?, &y, Activation::Silu)?;
-        let ones = Tensor::ones(inner / groups, gated.dtype(), gated.device())?;
+        let ones = self.group_ones.to_dtype(gated.dtype())?;
         let normed = ops::rms_norm(
             &gated.reshape((n * groups, inner / groups))?,
             &ones,
