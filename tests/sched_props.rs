@@ -3,7 +3,7 @@
 //! a small pool of per-sequence states).
 
 use detspec::kv::{BlockTable, PageAllocator, SequenceStates, SimpleAllocator, StatePool};
-use detspec::sched::{Scheduler, SchedulerLimits, Sequence};
+use detspec::sched::{CachedPrefix, Scheduler, SchedulerLimits, Sequence};
 use detspec::SamplingParams;
 use proptest::prelude::*;
 
@@ -95,7 +95,7 @@ proptest! {
         let mut failed = 0usize;
         let mut aborted = 0usize;
         let run_step = |s: &mut Scheduler, finished: &mut usize, failed: &mut usize| {
-            let plan = s.plan(&alloc, &|_, _| Vec::new());
+            let plan = s.plan(&alloc, &|_, _| CachedPrefix::default());
             *failed += plan.failed.len();
             prop_assert!(plan.num_tokens() <= budget);
             prop_assert!(s.num_running() <= max_num_seqs);
@@ -173,7 +173,7 @@ fn isolated_prefills_share_a_step_within_the_budget() {
         s.add(seq(id, len, 4, true));
     }
     let planned = |s: &mut Scheduler| -> Vec<(u64, usize)> {
-        let plan = s.plan(&alloc, &|_, _| Vec::new());
+        let plan = s.plan(&alloc, &|_, _| CachedPrefix::default());
         s.mark_computed(&plan);
         for e in plan.entries.iter().chain(&plan.isolated) {
             s.get_mut(e.seq)
@@ -212,15 +212,18 @@ fn prompts_sharing_a_prefill_wait_for_it() {
     // The prefix cache, as far as the scheduler sees it: the first sample's four full prompt
     // pages once its prefill is done.
     let cache: RefCell<Vec<u32>> = RefCell::new(Vec::new());
-    let lookup = |_: &Sequence, tokens: &[u32]| -> Vec<u32> {
+    let lookup = |_: &Sequence, tokens: &[u32]| -> CachedPrefix {
         let pages = cache.borrow();
         if pages.is_empty() || tokens.len() < 16 || tokens[..16] != shared[..16] {
-            return Vec::new();
+            return CachedPrefix::default();
         }
         for &p in pages.iter() {
             alloc.share(p);
         }
-        pages.clone()
+        CachedPrefix {
+            pages: pages.clone(),
+            state: None,
+        }
     };
     let planned = |s: &mut Scheduler| -> Vec<(u64, usize)> {
         let plan = s.plan(&alloc, &lookup);
@@ -258,7 +261,7 @@ fn a_prompt_sharing_little_with_a_prefill_does_not_wait() {
     let mut little = seq(2, 20, 4, false);
     little.prompt[4..].fill(9); // shares tokens 0..4 only
     s.add(little);
-    let plan = s.plan(&alloc, &|_, _| Vec::new());
+    let plan = s.plan(&alloc, &|_, _| CachedPrefix::default());
     let planned: Vec<(u64, usize)> = plan.entries.iter().map(|e| (e.seq, e.len)).collect();
     assert_eq!(planned, vec![(0, 16), (2, 16)]);
 }
@@ -281,14 +284,17 @@ fn prompts_whose_shared_part_is_cached_do_not_wait() {
         s.add(chat);
     }
     let cached: Vec<u32> = (0..4).filter_map(|_| alloc.allocate()).collect();
-    let lookup = |_: &Sequence, tokens: &[u32]| -> Vec<u32> {
+    let lookup = |_: &Sequence, tokens: &[u32]| -> CachedPrefix {
         if tokens.len() < 16 || tokens[..16] != system[..] {
-            return Vec::new();
+            return CachedPrefix::default();
         }
         for &p in &cached {
             alloc.share(p);
         }
-        cached.clone()
+        CachedPrefix {
+            pages: cached.clone(),
+            state: None,
+        }
     };
     let plan = s.plan(&alloc, &lookup);
     let planned: Vec<(u64, usize)> = plan.entries.iter().map(|e| (e.seq, e.len)).collect();

@@ -191,7 +191,7 @@ fn cuda_lacks(cfg: &ModelConfig) -> Option<(&'static str, String)> {
 
 impl EngineCore {
     /// Loads a Hugging Face model directory on `device`.
-    pub fn load(dir: &Path, mut cfg: EngineConfig, device: &Device) -> Result<Self> {
+    pub fn load(dir: &Path, cfg: EngineConfig, device: &Device) -> Result<Self> {
         cfg.validate()?;
         if !dir.is_dir() {
             return Err(DetspecError::io(
@@ -295,13 +295,6 @@ impl EngineCore {
                 crate::error::gib(state_bytes as u64),
                 crate::error::gib(states_total as u64)
             );
-        }
-        // A cached prefix hands over KV pages, not the recurrent state that goes with them.
-        if kv.states().is_used() && cfg.enable_prefix_caching {
-            tracing::info!(
-                "prefix caching is off: the model's recurrent layers keep a state per sequence"
-            );
-            cfg.enable_prefix_caching = false;
         }
         let alloc = Arc::new(KvManager::new(
             num_pages,
@@ -423,6 +416,7 @@ impl EngineCore {
                 0
             },
             states_held: states.num_held(),
+            state_snapshots: states.num_snapshots(),
             ..self.alloc.stats()
         }
     }
@@ -444,7 +438,7 @@ impl EngineCore {
             ));
         }
         let hash = self.model.set_params(updates)?;
-        self.alloc.clear_prefix_cache();
+        self.clear_cached_prefixes();
         let mut info = (*self.info).clone();
         info.fingerprint = fingerprint_of(hash, &self.fingerprint_tail);
         info.weight_version += 1;
@@ -657,10 +651,11 @@ impl EngineCore {
 
     /// Runs one step and returns the events it produced.
     pub fn step(&mut self) -> Vec<StreamEvent> {
-        let kv = self.alloc.clone();
+        let (kv, states) = (self.alloc.clone(), self.kv.states().clone());
         let policy = &self.policy;
         let mut plan = self.sched.plan(self.alloc.as_ref(), &|seq, tokens| {
-            kv.lookup_prefix_of(tokens, policy.page_class(seq), seq.cache_namespace())
+            let scope = (policy.page_class(seq), seq.cache_namespace());
+            caching::cached_prefix(&kv, &states, scope, tokens)
         });
         for &id in &plan.preempted {
             if let Some(seq) = self.sched.find_mut(id) {
@@ -730,10 +725,11 @@ impl EngineCore {
 
     fn run_plan(&mut self, plan: &StepPlan) -> Result<Vec<StreamEvent>> {
         let started = Instant::now();
+        let snapshots = self.plan_snapshots(plan);
         let shared = if plan.entries.is_empty() {
             None
         } else {
-            let (mut batch, ids) = self.build_batch(&plan.entries)?;
+            let (mut batch, ids) = self.build_batch(&plan.entries, &snapshots)?;
             let deterministic = plan
                 .entries
                 .iter()
@@ -742,7 +738,7 @@ impl EngineCore {
             Some((batch, ids))
         };
         let isolated = (!plan.isolated.is_empty())
-            .then(|| self.build_batch(&plan.isolated))
+            .then(|| self.build_batch(&plan.isolated, &snapshots))
             .transpose()?;
         let sampling_ids: Vec<SequenceId> = shared
             .iter()
@@ -755,6 +751,7 @@ impl EngineCore {
         self.times.forward_s += started.elapsed().as_secs_f64();
         let sampling_started = Instant::now();
         self.sched.mark_computed(plan);
+        self.keep_snapshots(snapshots);
         self.cache_prompt_pages(plan);
         let eos = self.info.eos_token_ids.clone();
         let sched = &self.sched;
@@ -963,7 +960,11 @@ impl EngineCore {
     }
 
     /// Builds the flat batch for a plan; returns it with the ids of the sampled sequences.
-    fn build_batch(&self, entries: &[PlanEntry]) -> Result<(ForwardBatch, Vec<SequenceId>)> {
+    fn build_batch(
+        &self,
+        entries: &[PlanEntry],
+        snapshots: &[caching::PendingSnapshot],
+    ) -> Result<(ForwardBatch, Vec<SequenceId>)> {
         let ps = self.cfg.page_size;
         let mut batch = ForwardBatch {
             attention: AttentionMetadata {
@@ -1012,7 +1013,8 @@ impl EngineCore {
                 seq.states
                     .as_ref()
                     .map(SequenceStates::forward)
-                    .transpose()?,
+                    .transpose()?
+                    .map(|refs| caching::with_snapshot(refs, e.seq, snapshots)),
             );
             if e.sample {
                 batch.logit_rows.push((batch.tokens.len() - 1) as u32);

@@ -43,8 +43,10 @@ pub struct KvStats {
     /// Recurrent states running sequences may hold at once (0: the model keeps none; filled
     /// in by the engine, which owns them).
     pub state_slots: usize,
-    /// Recurrent states held now.
+    /// Recurrent states held now (running sequences', standalone forwards', snapshots).
     pub states_held: usize,
+    /// Of those, snapshots kept for the prefix cache: the state after a cached prompt page.
+    pub state_snapshots: usize,
 }
 
 /// Allocator + prefix cache. See the module docs.
@@ -121,6 +123,18 @@ impl KvManager {
         self.with_cache(|c, a| c.lookup_class(tokens, ps, class, namespace, a))
     }
 
+    /// [`Self::lookup_prefix_of`] cut after the deepest page whose cache entry `ends` accepts
+    /// (see [`PrefixCache::lookup_ending`]); also returns that page's entry id.
+    pub fn lookup_prefix_ending(
+        &self,
+        tokens: &[u32],
+        scope: (PageClass, u64),
+        ends: &dyn Fn(u64) -> bool,
+    ) -> (Vec<PageId>, Option<u64>) {
+        let ps = self.page_size;
+        self.with_cache(|c, a| c.lookup_ending(tokens, ps, scope, a, ends))
+    }
+
     /// Registers a sequence's full pages (its block table) for the final tokens `tokens`.
     /// Returns how many pages were newly cached. See [`PrefixCache::insert`].
     pub fn insert_prefix(&self, tokens: &[u32], pages: &[PageId]) -> usize {
@@ -137,6 +151,18 @@ impl KvManager {
     ) -> usize {
         let ps = self.page_size;
         self.with_cache(|c, a| c.insert_class(tokens, pages, ps, class, namespace, a))
+    }
+
+    /// [`Self::insert_prefix_of`], returning the id of the entry holding `tokens`' last full
+    /// page where all of them are cached now (see [`PrefixCache::insert_ending`]).
+    pub fn insert_prefix_ending(
+        &self,
+        tokens: &[u32],
+        pages: &[PageId],
+        scope: (PageClass, u64),
+    ) -> Option<u64> {
+        let ps = self.page_size;
+        self.with_cache(|c, a| c.insert_ending(tokens, pages, ps, scope, a))
     }
 
     /// Frees up to `n` evictable cached pages now (normally unnecessary: `allocate` evicts
@@ -224,6 +250,7 @@ impl KvManager {
             },
             state_slots: 0,
             states_held: 0,
+            state_snapshots: 0,
         }
     }
 

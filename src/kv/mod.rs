@@ -20,4 +20,4 @@ pub use prefix::{
     chain_hash, namespace, root_hash, root_hash_of, salt_hash, FnvHasher, PageClass, PrefixCache,
     PrefixStats,
 };
-pub use state::{SequenceStates, StateData, StatePool, StateRef, StateSlot};
+pub use state::{SequenceStates, SnapshotAt, StateData, StatePool, StateRef, StateSeed, StateSlot};

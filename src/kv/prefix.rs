@@ -325,16 +325,34 @@ impl PrefixCache {
         namespace: u64,
         alloc: &dyn PageAllocator,
     ) -> Vec<PageId> {
+        let scope = (class, namespace);
+        self.lookup_ending(tokens, page_size, scope, alloc, &|_| true)
+            .0
+    }
+
+    /// [`Self::lookup_class`] for a request of `class` in `namespace`, the run cut after its
+    /// deepest page whose entry `ends` accepts (by entry id): a model with recurrent layers can
+    /// start only where the state after the prefix was kept. Returns the pages and the id of the
+    /// last one's entry.
+    pub fn lookup_ending(
+        &mut self,
+        tokens: &[u32],
+        page_size: usize,
+        (class, namespace): (PageClass, u64),
+        alloc: &dyn PageAllocator,
+        ends: &dyn Fn(u64) -> bool,
+    ) -> (Vec<PageId>, Option<u64>) {
         if !self.enabled || page_size == 0 {
-            return Vec::new();
+            return (Vec::new(), None);
         }
         self.tick += 1;
         self.lookups += 1;
         self.query_tokens += tokens.len() as u64;
-        let run = self.cached_run(tokens, page_size, class, namespace);
+        let run = self.cached_run(tokens, page_size, class, namespace, ends);
         let mut pages = Vec::with_capacity(run.len());
-        for key in run {
-            let Some(e) = self.entries.get_mut(&key) else {
+        let mut last = None;
+        for link in run {
+            let Some(e) = self.entries.get_mut(&link.key) else {
                 break;
             };
             if alloc.try_share(e.page).is_err() {
@@ -349,28 +367,35 @@ impl PrefixCache {
             }
             e.last_used = self.tick;
             pages.push(e.page);
+            last = Some(e.id);
         }
         self.hit_tokens += (pages.len() * page_size) as u64;
-        pages
+        (pages, last)
     }
 
-    /// The keys of the longest run of cached pages `tokens` starts with that a request of
-    /// `class` may read, in order: an `Invariant` chain, or for `Fast` requests the longest of
-    /// `Invariant` pages followed by `Fast` ones (none of either included).
+    /// The longest run of cached pages `tokens` starts with that a request of `class` may
+    /// read, in order, cut after its deepest entry `ends` accepts: an `Invariant` chain, or for
+    /// `Fast` requests the longest of `Invariant` pages followed by `Fast` ones (none of either
+    /// included).
     fn cached_run(
         &self,
         tokens: &[u32],
         page_size: usize,
         class: PageClass,
         namespace: u64,
-    ) -> Vec<u64> {
+        ends: &dyn Fn(u64) -> bool,
+    ) -> Vec<Link> {
+        let cut = |mut run: Vec<Link>| {
+            let usable = run.iter().rposition(|l| ends(l.id)).map_or(0, |i| i + 1);
+            run.truncate(usable);
+            run
+        };
         let invariant = self.chain(tokens, page_size, None, PageClass::Invariant, namespace);
-        let keys = |links: &[Link]| links.iter().map(|l| l.key).collect::<Vec<u64>>();
         if class == PageClass::Invariant {
-            return keys(&invariant);
+            return cut(invariant);
         }
         // The longest of: the first `split` invariant pages, then fast ones.
-        let mut best = (invariant.len(), Vec::new());
+        let mut best = cut(invariant.clone());
         for split in 0..=invariant.len() {
             let rest = &tokens[split * page_size..];
             let tail = self.chain(
@@ -380,14 +405,15 @@ impl PrefixCache {
                 PageClass::Fast,
                 namespace,
             );
-            if split + tail.len() > best.0 + best.1.len() {
-                best = (split, tail);
+            if split + tail.len() <= best.len() {
+                continue;
+            }
+            let run = cut(invariant[..split].iter().copied().chain(tail).collect());
+            if run.len() > best.len() {
+                best = run;
             }
         }
-        let (split, tail) = best;
-        let mut run = keys(&invariant[..split]);
-        run.extend(keys(&tail));
-        run
+        best
     }
 
     /// The cached pages of `class` that continue `parent` with `tokens`' full pages, in order.
@@ -463,12 +489,43 @@ impl PrefixCache {
         namespace: u64,
         alloc: &dyn PageAllocator,
     ) -> usize {
+        self.insert_chain(tokens, pages, page_size, (class, namespace), alloc)
+            .0
+    }
+
+    /// [`Self::insert_class`], returning the id of the entry that holds `tokens`' last full
+    /// page, where every full page is cached now (a recurrent model's state after `tokens` is
+    /// kept under it).
+    pub fn insert_ending(
+        &mut self,
+        tokens: &[u32],
+        pages: &[PageId],
+        page_size: usize,
+        scope: (PageClass, u64),
+        alloc: &dyn PageAllocator,
+    ) -> Option<u64> {
+        let (_, end, depth) = self.insert_chain(tokens, pages, page_size, scope, alloc);
+        let full = tokens.len() / page_size.max(1);
+        end.filter(|_| full > 0 && depth == full).map(|l| l.id)
+    }
+
+    /// Inserts as [`Self::insert_class`] does; returns how many pages were newly cached, the
+    /// last link of the chain it walked and how many pages deep it went.
+    fn insert_chain(
+        &mut self,
+        tokens: &[u32],
+        pages: &[PageId],
+        page_size: usize,
+        (class, namespace): (PageClass, u64),
+        alloc: &dyn PageAllocator,
+    ) -> (usize, Option<Link>, usize) {
         if !self.enabled || page_size == 0 {
-            return 0;
+            return (0, None, 0);
         }
         self.tick += 1;
         let tick = self.tick;
         let mut added = 0;
+        let mut depth_reached = 0;
         let mut parent: Option<Link> = None;
         for (depth, (chunk, &page)) in tokens.chunks_exact(page_size).zip(pages).enumerate() {
             if let Some(link) = self.cached_child(parent, chunk, page, page_size, class, namespace)
@@ -476,6 +533,7 @@ impl PrefixCache {
                 // Already cached (this page or an identical one): refresh and go deeper.
                 self.touch(link.key, tick);
                 parent = Some(link);
+                depth_reached = depth + 1;
                 continue;
             }
             let key = chain_hash(chain_base(page_size, parent, class, namespace), chunk);
@@ -523,8 +581,9 @@ impl PrefixCache {
             self.on_sole_holder(page, alloc);
             added += 1;
             parent = Some(Link { key, id, class });
+            depth_reached = depth + 1;
         }
-        added
+        (added, parent, depth_reached)
     }
 
     /// The cached page that already holds `chunk` after `parent` for a sequence writing pages of
@@ -769,6 +828,32 @@ mod tests {
         assert!(c
             .lookup_class(&[1, 1, 2, 2, 3], 2, PageClass::Fast, 8, &a)
             .is_empty());
+    }
+
+    /// A lookup cut where `ends` allows: after the deepest page whose entry it accepts,
+    /// whatever lies past it; `insert_ending` names the entry of a prefix's last full page.
+    #[test]
+    fn lookups_end_where_allowed_and_inserts_name_their_last_entry() {
+        let a = AtomicAllocator::new(8);
+        let mut c = PrefixCache::new(8);
+        let toks: Vec<u32> = (0..8).collect();
+        let pages: Vec<PageId> = (0..4).map(|_| a.allocate().unwrap()).collect();
+        let scope = (PageClass::Fast, 0);
+        let second = c.insert_ending(&toks[..4], &pages, 2, scope, &a).unwrap();
+        let fourth = c.insert_ending(&toks, &pages, 2, scope, &a).unwrap();
+        assert_ne!(second, fourth);
+        assert_eq!(c.insert_ending(&toks[..1], &pages, 2, scope, &a), None);
+        let (hit, end) = c.lookup_ending(&toks, 2, scope, &a, &|id| id == second);
+        assert_eq!((hit.as_slice(), end), (&pages[..2], Some(second)));
+        let (hit, end) = c.lookup_ending(&toks[..7], 2, scope, &a, &|_| false);
+        assert_eq!((hit, end), (vec![], None));
+        let (hit, end) = c.lookup_ending(&toks, 2, scope, &a, &|_| true);
+        assert_eq!((hit, end), (pages.clone(), Some(fourth)));
+        assert_eq!(
+            c.stats().hit_tokens,
+            12,
+            "hits count the pages handed out, after the cut"
+        );
     }
 
     #[test]

@@ -13,9 +13,22 @@
 //! A sequence's first row at position 0 starts from zeros (a fresh prefill, or the recompute of
 //! a preempted sequence), and every other first row must continue the state exactly where it
 //! stands: each layer's state records how many tokens it has seen, and a row at any other
-//! position is an error, never a silent mix of prefixes. Hence no prefix caching for such
-//! models: a cached prefix would hand over KV without the state that goes with it.
+//! position is an error, never a silent mix of prefixes.
+//!
+//! # Snapshots for the prefix cache
+//!
+//! Cached KV pages are of no use to such a model without the state after them, so a prompt's
+//! prefill also leaves a *snapshot*: a copy of its state after the prompt's last full page
+//! (where a lookup of the same prompt lands), taken by the op mid-forward
+//! ([`StateRef::snapshot`]) and kept under the id of the prefix-cache entry holding that page.
+//! A later sequence reads cached pages only up to the deepest page with a snapshot, and starts
+//! from a copy of it ([`SequenceStates::seed`]). Prefill and decode give the same bits however
+//! a sequence's rows are split, so the seeded state is the one a fresh prefill would reach.
+//! Snapshots use the capacity the running sequences leave free and are evicted, least
+//! recently used first, when a sequence needs the room: like cached pages, they are what the
+//! pool holds while nothing else wants it.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -31,6 +44,18 @@ pub struct StateData {
 }
 
 type Slot = Arc<Mutex<StateData>>;
+
+/// A kept state a sequence starts from instead of zeros (a prefix-cache hit): a copy is taken
+/// when the sequence takes its states.
+#[derive(Debug, Clone)]
+pub struct StateSeed(Slot);
+
+/// Snapshots kept under the prefix-cache entry after whose page they were taken.
+#[derive(Debug, Default)]
+struct Snapshots {
+    by_entry: HashMap<u64, (StateSlot, u64)>,
+    tick: u64,
+}
 
 /// The pool's slots, and how many of them running sequences hold (bounded by the capacity).
 #[derive(Debug, Default)]
@@ -53,6 +78,8 @@ pub struct StatePool {
     len: usize,
     capacity: AtomicUsize,
     slots: Mutex<Slots>,
+    /// Never locked while `slots` is (a slot's drop locks `slots`).
+    snapshots: Mutex<Snapshots>,
 }
 
 /// Which states a forward's rows of one sequence read and write.
@@ -66,6 +93,16 @@ pub struct StateRef {
     /// later rows still compute their outputs. A verify pass that rolled back runs again with
     /// the accepted rows only here.
     pub advance: u32,
+    /// Where a copy of the state is also left, and after how many tokens: a prompt's prefill
+    /// keeps its state after the prompt's last full page for the prefix cache.
+    pub snapshot: Option<SnapshotAt>,
+}
+
+/// A copy of the state after the tokens before `position`, left in slot `slot`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SnapshotAt {
+    pub position: u32,
+    pub slot: u32,
 }
 
 impl StatePool {
@@ -85,6 +122,7 @@ impl StatePool {
             len: at,
             capacity: AtomicUsize::new(usize::MAX),
             slots: Mutex::new(Slots::default()),
+            snapshots: Mutex::new(Snapshots::default()),
         })
     }
 
@@ -144,9 +182,37 @@ impl StatePool {
         self.slots.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// `n` new zeroed states, counted against the capacity where `bounded`, or `None` where
-    /// that leaves no room for them. Each is freed when its handle drops.
+    fn snapshots(&self) -> MutexGuard<'_, Snapshots> {
+        self.snapshots.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Evicts snapshots, least recently used first, until `n` more bounded slots fit the
+    /// capacity or none is left.
+    fn make_room(&self, n: usize) {
+        while self.slots().bounded + n > self.capacity() {
+            let victim = {
+                let mut snaps = self.snapshots();
+                let oldest = snaps
+                    .by_entry
+                    .iter()
+                    .min_by_key(|(_, (_, used))| *used)
+                    .map(|(&entry, _)| entry);
+                oldest.and_then(|entry| snaps.by_entry.remove(&entry))
+            };
+            // Dropped here, with neither lock held: a slot's drop takes `slots`.
+            if victim.is_none() {
+                return;
+            }
+        }
+    }
+
+    /// `n` new zeroed states, counted against the capacity where `bounded` (evicting
+    /// snapshots for them), or `None` where that leaves no room for them. Each is freed when
+    /// its handle drops.
     fn take(self: &Arc<Self>, n: usize, bounded: bool) -> Option<Vec<StateSlot>> {
+        if bounded {
+            self.make_room(n);
+        }
         let mut slots = self.slots();
         if bounded {
             if slots.bounded + n > self.capacity() {
@@ -206,9 +272,55 @@ impl StatePool {
         Ok(())
     }
 
-    /// Slots held now (running sequences' and standalone forwards').
+    /// Slots held now (running sequences', standalone forwards' and snapshots).
     pub fn num_held(&self) -> usize {
         self.slots().entries.iter().flatten().count()
+    }
+
+    /// A slot for a snapshot a forward is about to take (counted against the capacity,
+    /// evicting older snapshots), or `None` where running sequences hold it all.
+    pub fn snapshot_slot(self: &Arc<Self>) -> Option<StateSlot> {
+        self.take(1, true)?.pop()
+    }
+
+    /// Keeps the snapshot in `slot` under prefix-cache entry `entry`.
+    pub fn keep_snapshot(&self, entry: u64, slot: StateSlot) {
+        let replaced = {
+            let mut snaps = self.snapshots();
+            snaps.tick += 1;
+            let tick = snaps.tick;
+            snaps.by_entry.insert(entry, (slot, tick))
+        };
+        drop(replaced);
+    }
+
+    /// Whether a snapshot is kept under `entry`.
+    pub fn has_snapshot(&self, entry: u64) -> bool {
+        self.snapshots().by_entry.contains_key(&entry)
+    }
+
+    /// The snapshot kept under `entry`, marked used.
+    pub fn snapshot(&self, entry: u64) -> Option<StateSeed> {
+        let id = {
+            let mut snaps = self.snapshots();
+            snaps.tick += 1;
+            let tick = snaps.tick;
+            let (slot, used) = snaps.by_entry.get_mut(&entry)?;
+            *used = tick;
+            slot.id
+        };
+        self.get(id).ok().map(StateSeed)
+    }
+
+    /// Snapshots kept now.
+    pub fn num_snapshots(&self) -> usize {
+        self.snapshots().by_entry.len()
+    }
+
+    /// Drops every snapshot (the prefix cache was cleared: new weights).
+    pub fn clear_snapshots(&self) {
+        let all = std::mem::take(&mut self.snapshots().by_entry);
+        drop(all);
     }
 }
 
@@ -219,6 +331,13 @@ pub struct StateSlot {
     id: u32,
     /// Counted against the pool's capacity.
     bounded: bool,
+}
+
+impl StateSlot {
+    /// The slot's id ([`StateRef`]).
+    pub fn id(&self) -> u32 {
+        self.id
+    }
 }
 
 impl Drop for StateSlot {
@@ -242,6 +361,8 @@ pub struct SequenceStates {
     speculative: bool,
     /// `[live]`, or `[live, committed]` where speculative; empty while not held.
     held: Vec<StateSlot>,
+    /// What its states start from when taken, instead of zeros (a prefix-cache hit).
+    seed: Option<StateSeed>,
 }
 
 impl SequenceStates {
@@ -252,6 +373,7 @@ impl SequenceStates {
             pool: pool.clone(),
             speculative,
             held: Vec::new(),
+            seed: None,
         }
     }
 
@@ -262,27 +384,44 @@ impl SequenceStates {
             pool: pool.clone(),
             speculative: false,
             held,
+            seed: None,
         }
     }
 
-    /// Takes its states if it does not hold them; false where the pool has no room for them
-    /// now (the sequence waits).
+    /// Its states, when taken, start from `seed` (the state after the cached prefix it
+    /// starts from) instead of zeros.
+    pub fn seed(&mut self, seed: StateSeed) {
+        self.seed = Some(seed);
+    }
+
+    /// Takes its states if it does not hold them, starting from its seed where it has one;
+    /// false where the pool has no room for them now (the sequence waits).
     pub fn acquire(&mut self) -> bool {
         if !self.held.is_empty() {
             return true;
         }
-        match self.pool.take(1 + usize::from(self.speculative), true) {
-            Some(slots) => {
-                self.held = slots;
-                true
+        let Some(slots) = self.pool.take(1 + usize::from(self.speculative), true) else {
+            return false;
+        };
+        if let Some(StateSeed(seed)) = self.seed.take() {
+            let seed = seed.lock().unwrap_or_else(|e| e.into_inner());
+            for slot in &slots {
+                if let Ok(dst) = self.pool.get(slot.id) {
+                    let mut dst = dst.lock().unwrap_or_else(|e| e.into_inner());
+                    dst.seen.clone_from(&seed.seen);
+                    dst.values.copy_from_slice(&seed.values);
+                }
             }
-            None => false,
         }
+        self.held = slots;
+        true
     }
 
-    /// Gives its states back (preemption).
+    /// Gives its states back (preemption), and any seed: its recompute starts where its
+    /// next admission's cache lookup says.
     pub fn release(&mut self) {
         self.held.clear();
+        self.seed = None;
     }
 
     fn live(&self) -> Result<&StateSlot> {
@@ -301,6 +440,7 @@ impl SequenceStates {
             read: live,
             write: live,
             advance: u32::MAX,
+            snapshot: None,
         })
     }
 
@@ -312,6 +452,7 @@ impl SequenceStates {
             read: self.held.get(1).map_or(live, |c| c.id),
             write: live,
             advance: u32::try_from(advance).unwrap_or(u32::MAX),
+            snapshot: None,
         })
     }
 
@@ -381,6 +522,36 @@ mod tests {
         replayed.release();
         assert!(plain.acquire());
         assert_eq!(pool.num_held(), 3);
+    }
+
+    /// Snapshots fill the room running sequences leave and give it up, oldest use first,
+    /// when a sequence is admitted; a new snapshot never takes a running sequence's room.
+    #[test]
+    fn snapshots_use_free_room_and_are_evicted_for_sequences() {
+        let pool = StatePool::new(&[2]);
+        pool.set_capacity(3);
+        for entry in [10, 11, 12] {
+            let slot = pool.snapshot_slot().unwrap();
+            pool.keep_snapshot(entry, slot);
+        }
+        assert_eq!(pool.num_snapshots(), 3);
+        assert!(pool.snapshot(10).is_some(), "10 is now the latest used");
+        let _plain = admitted(&pool, false);
+        assert!(!pool.has_snapshot(11), "the least recently used goes first");
+        assert!(pool.has_snapshot(10) && pool.has_snapshot(12));
+        let _replayed = admitted(&pool, true);
+        assert_eq!((pool.num_snapshots(), pool.num_held()), (0, 3));
+        assert!(
+            pool.snapshot_slot().is_none(),
+            "running sequences hold it all"
+        );
+        let mut waiting = SequenceStates::new(&pool, false);
+        assert!(!waiting.acquire());
+        drop(_plain);
+        let slot = pool.snapshot_slot().unwrap();
+        pool.keep_snapshot(13, slot);
+        pool.clear_snapshots();
+        assert_eq!((pool.num_snapshots(), pool.num_held()), (0, 2));
     }
 
     #[test]

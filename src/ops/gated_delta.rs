@@ -217,7 +217,7 @@ pub fn sigmoid_gate(x: &Tensor, gate: &Tensor) -> candle_core::Result<Tensor> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kv::SequenceStates;
+    use crate::kv::{SequenceStates, SnapshotAt};
     use crate::ops::tensor_bits as bits;
     use candle_core::Device;
 
@@ -409,6 +409,93 @@ mod tests {
             0,
             "the committed state is only read"
         );
+    }
+
+    /// A snapshot left mid-forward is the state a run of the rows before it alone leaves,
+    /// and changes no output or live state; a sequence seeded from it continues with the
+    /// bits of the whole run (a prefix-cache hit on a recurrent model).
+    #[test]
+    fn a_snapshot_is_the_state_after_its_rows_and_a_seed_continues_it() {
+        let p = params();
+        let pool = pool(&p);
+        let (qkv, a, b) = inputs(5, 5);
+        let m = meta(&[(0, 0), (0, 1), (0, 2), (0, 3), (0, 4)]);
+        let run = |s: &SequenceStates, snapshot: Option<SnapshotAt>| {
+            let refs = StateRef {
+                snapshot,
+                ..s.forward().unwrap()
+            };
+            gated_delta_rule((&qkv, &a, &b), &p, &m, &[Some(refs)], (&pool, 1)).unwrap()
+        };
+        let state = |id: u32| {
+            let d = pool.get(id).unwrap();
+            let d = d.lock().unwrap();
+            (
+                d.seen.clone(),
+                d.values.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            )
+        };
+        let plain = SequenceStates::transient(&pool);
+        let want = run(&plain, None);
+        let two = SequenceStates::transient(&pool);
+        let first_two = |t: &Tensor| t.narrow(0, 0, 2).unwrap();
+        gated_delta_rule(
+            (&first_two(&qkv), &first_two(&a), &first_two(&b)),
+            &p,
+            &meta(&[(0, 0), (0, 1)]),
+            &[Some(two.forward().unwrap())],
+            (&pool, 1),
+        )
+        .unwrap();
+        for (position, after) in [(2, &two), (5, &plain)] {
+            let (s, snap) = (
+                SequenceStates::transient(&pool),
+                pool.snapshot_slot().unwrap(),
+            );
+            let at = SnapshotAt {
+                position,
+                slot: snap.id(),
+            };
+            assert_eq!(bits(&run(&s, Some(at))), bits(&want));
+            assert_eq!(
+                state(s.forward().unwrap().write),
+                state(plain.forward().unwrap().write)
+            );
+            assert_eq!(state(snap.id()), state(after.forward().unwrap().write));
+            if position == 2 {
+                pool.keep_snapshot(7, snap);
+            }
+        }
+        // A sequence seeded from the snapshot after two rows runs the other three.
+        let mut seeded = SequenceStates::new(&pool, true);
+        seeded.seed(pool.snapshot(7).unwrap());
+        assert!(seeded.acquire());
+        let rest = |t: &Tensor| t.narrow(0, 2, 3).unwrap();
+        let tail = gated_delta_rule(
+            (&rest(&qkv), &rest(&a), &rest(&b)),
+            &p,
+            &meta(&[(0, 2), (0, 3), (0, 4)]),
+            &[Some(seeded.forward().unwrap())],
+            (&pool, 1),
+        )
+        .unwrap();
+        assert_eq!(bits(&tail), rows(&want, 2, 3));
+        assert_eq!(
+            state(seeded.replay(0).unwrap().read),
+            state(two.forward().unwrap().write),
+            "the committed state starts from the seed too"
+        );
+        // A snapshot at the first row's position (nothing before it) is not taken.
+        let (s, snap) = (
+            SequenceStates::transient(&pool),
+            pool.snapshot_slot().unwrap(),
+        );
+        let at = SnapshotAt {
+            position: 0,
+            slot: snap.id(),
+        };
+        run(&s, Some(at));
+        assert_eq!(state(snap.id()).0, vec![0, 0]);
     }
 
     #[test]

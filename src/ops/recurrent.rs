@@ -7,7 +7,9 @@
 //! naming both positions. Where a forward reads and writes one slot (every forward but a
 //! verify pass's) the recurrence runs on the slot in place; a verify pass reads the committed
 //! state into a copy and leaves it in the live one. The state taken in stops after
-//! `StateRef::advance` rows; later rows still compute their outputs.
+//! `StateRef::advance` rows; later rows still compute their outputs. Where the forward asks
+//! for a snapshot (`StateRef::snapshot`), the rows run in two parts, split where the snapshot
+//! is taken: every op here gives the same bits however a sequence's rows are split.
 
 use rayon::prelude::*;
 
@@ -95,6 +97,35 @@ fn run_sequence(
     };
     let advance = (state.advance as usize).min(rows.len());
     let slot = |id: u32| pool.get(id).map_err(|e| e.to_string());
+    // The rows before a snapshot taken within them (after at least one, at most all the state
+    // takes in), and where it goes.
+    let snapshot = state
+        .snapshot
+        .and_then(|s| {
+            let before = (s.position as usize).checked_sub(first)?;
+            (before > 0 && before <= advance).then_some((before, s.slot))
+        })
+        .map(|(before, id)| {
+            if id == state.write || id == state.read {
+                return Err(format!("snapshot slot {id} is the sequence's own state"));
+            }
+            Ok((before, slot(id)?))
+        })
+        .transpose()?;
+    let run = |st: &mut [f32]| -> Vec<f32> {
+        let Some((before, snap)) = &snapshot else {
+            return step(st, rows, advance);
+        };
+        let mut out = step(st, &rows[..*before], *before);
+        let mut d = snap.lock().unwrap_or_else(|e| e.into_inner());
+        d.values[start..start + len].copy_from_slice(st);
+        d.seen[layer] = first + before;
+        drop(d);
+        if *before < rows.len() {
+            out.extend(step(st, &rows[*before..], advance - before));
+        }
+        out
+    };
     let write = slot(state.write)?;
     if state.read == state.write {
         let mut d = write.lock().unwrap_or_else(|e| e.into_inner());
@@ -103,7 +134,7 @@ fn run_sequence(
         if !keep {
             st.fill(0.0);
         }
-        let out = step(st, rows, advance);
+        let out = run(st);
         d.seen[layer] = first + advance;
         return Ok(out);
     }
@@ -115,7 +146,7 @@ fn run_sequence(
             st.copy_from_slice(&d.values[start..start + len]);
         }
     }
-    let out = step(&mut st, rows, advance);
+    let out = run(&mut st);
     let mut d = write.lock().unwrap_or_else(|e| e.into_inner());
     d.values[start..start + len].copy_from_slice(&st);
     d.seen[layer] = first + advance;

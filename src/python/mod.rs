@@ -879,6 +879,7 @@ impl PyEngine {
         d.set_item("hit_rate", s.hit_rate)?;
         d.set_item("state_slots", s.state_slots)?;
         d.set_item("states_held", s.states_held)?;
+        d.set_item("state_snapshots", s.state_snapshots)?;
         Ok(d)
     }
 

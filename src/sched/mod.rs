@@ -16,7 +16,7 @@ pub use sequence::{DvrState, Sequence, SequenceId};
 use std::collections::VecDeque;
 
 use crate::error::DetspecError;
-use crate::kv::{BlockTable, PageAllocator, PageId};
+use crate::kv::{BlockTable, PageAllocator, PageId, StateSeed};
 
 use sharing::SharedPrefills;
 
@@ -30,6 +30,15 @@ pub struct PlanEntry {
     pub len: usize,
     /// Whether the last row's logits are sampled (the chunk reaches the end of the sequence).
     pub sample: bool,
+}
+
+/// What a waiting sequence may start from instead of its first token: the cached pages of its
+/// prefix's longest run it may read (a reference taken on each), and, where the model keeps
+/// recurrent states, the state after them.
+#[derive(Debug, Default)]
+pub struct CachedPrefix {
+    pub pages: Vec<PageId>,
+    pub state: Option<StateSeed>,
 }
 
 /// The work of one engine step.
@@ -141,14 +150,14 @@ impl Scheduler {
         self.waiting.push_front(seq);
     }
 
-    /// Builds the next step. `lookup_prefix(seq, tokens)` returns cached pages (with a
-    /// reference taken) holding the longest cached prefix of `tokens` that `seq` may read.
+    /// Builds the next step. `lookup_prefix(seq, tokens)` returns what `seq` may start from of
+    /// `tokens`' longest cached prefix.
     /// Sequences it preempts are listed in the plan; what they keep of their output is the
     /// determinism policy's call.
     pub fn plan(
         &mut self,
         alloc: &dyn PageAllocator,
-        lookup_prefix: &dyn Fn(&Sequence, &[u32]) -> Vec<PageId>,
+        lookup_prefix: &dyn Fn(&Sequence, &[u32]) -> CachedPrefix,
     ) -> StepPlan {
         let l = self.limits;
         let mut plan = StepPlan::default();
@@ -365,20 +374,25 @@ impl Scheduler {
 }
 
 /// Starts `seq` (holding no pages) from the cached pages of `tokens`' longest cached prefix
-/// that it may read, keeping at least the last token to compute so its row yields logits.
+/// that it may read, keeping at least the last token to compute so its row yields logits, and
+/// from the state after them where it keeps recurrent states.
 fn adopt_cached_prefix(
     seq: &mut Sequence,
     tokens: &[u32],
-    lookup_prefix: &dyn Fn(&Sequence, &[u32]) -> Vec<PageId>,
+    lookup_prefix: &dyn Fn(&Sequence, &[u32]) -> CachedPrefix,
     page_size: usize,
 ) {
-    let pages = lookup_prefix(seq, &tokens[..tokens.len().saturating_sub(1)]);
+    let CachedPrefix { pages, state } =
+        lookup_prefix(seq, &tokens[..tokens.len().saturating_sub(1)]);
     if seq.num_preemptions == 0 {
         seq.num_cached_tokens = pages.len() * page_size;
     }
     if !pages.is_empty() {
         seq.num_computed = pages.len() * page_size;
         seq.block_table = BlockTable::from_shared_pages(pages, page_size);
+        if let (Some(states), Some(seed)) = (&mut seq.states, state) {
+            states.seed(seed);
+        }
     }
 }
 

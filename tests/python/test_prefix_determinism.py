@@ -96,25 +96,35 @@ def test_prefix_prefilled_by_anyone_gives_fresh_bits(flat_model: str, profile) -
         assert turn2.num_cached_tokens == len(PREFIX) // PAGE * PAGE
 
 
+@pytest.fixture(scope="module", params=["tiny", "qwen3_5"])
+def sampled_model(request, flat_model: str, model_zoo) -> tuple[str, list[int]]:
+    """(a model, a 100-token prompt for it): the tiny Llama, and Qwen3.5's zoo model, whose
+    DeltaNet layers keep a state per sequence (its vocabulary is 512)."""
+    if request.param == "tiny":
+        return flat_model, PREFIX
+    return str(model_zoo.get(request.param).path), [t % 500 + 3 for t in PREFIX]
+
+
 @pytest.mark.parametrize("profile", PROFILES)
 @pytest.mark.parametrize("deterministic", [True, False])
-def test_n_samples_of_one_prompt_prefill_it_once(flat_model: str, profile, deterministic) -> None:
+def test_n_samples_of_one_prompt_prefill_it_once(sampled_model, profile, deterministic) -> None:
     """The first sample computes the prompt; the other seven wait for its prefill and read its
-    pages (they would otherwise be admitted beside it and compute it too). Every
-    deterministic sample equals, bit for bit, the same sample on an engine without a prefix
-    cache."""
+    pages (they would otherwise be admitted beside it and compute it too), and on Qwen3.5 the
+    state its prefill kept after those pages. Every deterministic sample equals, bit for bit,
+    the same sample on an engine without a prefix cache."""
+    model, prompt = sampled_model
     sp = params(deterministic=deterministic, seed=21)
     sp.n = 8
-    llm = engine(flat_model, profile)
-    out = llm.generate([PREFIX], sp, use_tqdm=False)[0]
+    llm = engine(model, profile)
+    out = llm.generate([prompt], sp, use_tqdm=False)[0]
     stats = llm.kv_stats()
-    full = (len(PREFIX) - 1) // PAGE * PAGE
+    full = (len(prompt) - 1) // PAGE * PAGE
     assert stats["prefix_hits"] == 7 * full, stats
     assert out.num_cached_tokens == full
     if not deterministic:
         return  # a plain sample's bits depend on what it ran beside
-    uncached = uncached_engine(flat_model, profile)
-    ref = uncached.generate([PREFIX], sp, use_tqdm=False)[0]
+    uncached = uncached_engine(model, profile)
+    ref = uncached.generate([prompt], sp, use_tqdm=False)[0]
     assert uncached.kv_stats()["prefix_hits"] == 0
     for i in range(8):
         assert bits_of(out.outputs[i]) == bits_of(ref.outputs[i]), f"sample {i}"

@@ -7,9 +7,9 @@ whole-prompt prefill gives, bit for bit for a deterministic request: prefill in 
 (the rows, or the state, carried between them), preemption (rebuilt from position 0),
 rollbacks (LFM2: rows the next pass rewrites; the recurrent models: the verify pass run again
 with the accepted rows only, then the committed state copied over the live one), real
-mismatches among other requests, scoring. A cached prefix carries LFM2's rows, but not a
-recurrent state, so the recurrent models run without prefix caching. The whole-prompt run is
-checked against transformers first."""
+mismatches among other requests, scoring, and a prefix read from the cache (LFM2's pages hold
+its rows; the recurrent models start from the state an earlier prefill kept after its
+prompt's last full page). The whole-prompt run is checked against transformers first."""
 
 from __future__ import annotations
 
@@ -89,19 +89,28 @@ def test_chunked_prefill_carries_what_earlier_chunks_left(model, whole):
     assert [bits(o) for o in outs] == list(whole)
 
 
-def test_a_cached_prefix_is_read_only_where_it_holds_the_state(model, whole):
-    """LFM2's prefix pages hold its convolution rows, and are read; the recurrent models'
-    would come without their state, so their engines run without prefix caching."""
+@pytest.mark.parametrize("strategy", ["inline", "replay"])
+def test_a_cached_prefix_gives_the_whole_prompt_runs_bits(model, whole, strategy):
+    """A prompt whose first 48 tokens an earlier prompt of 51 had reads them from the cache
+    (LFM2: its pages hold the convolution rows; the recurrent models: the earlier prefill
+    kept its state after its last full page, 48 tokens), as do both samples of it, with the
+    whole-prompt run's bits. After a longer prompt (its state kept after 64 tokens) the
+    recurrent models read nothing: pages without the state after them are of no use."""
     case, prompt = model
-    llm = detspec.LLM(str(case.path), num_kv_pages=256)
+    recurrent = case.name != "lfm2"
+    kw = dict(verify_strategy=strategy, verify_window=4)
+    llm = detspec.LLM(str(case.path), num_kv_pages=256, **kw)
     llm.generate([prompt[:48] + [7, 8, 9]], params(3), use_tqdm=False)
-    hits = llm.kv_stats()["prefix_hits"]
     outs = llm.generate([prompt] * 2, [params(), params(7)], use_tqdm=False)
-    if case.name == "lfm2":
-        assert llm.kv_stats()["prefix_hits"] > hits, "the prefix was not read from the cache"
-    else:
-        assert llm.kv_stats()["prefix_hits"] == 0
+    assert [o.metrics["num_cached_tokens"] for o in outs] == [48, 48]
     assert [bits(o) for o in outs] == list(whole)
+    assert llm.kv_stats()["state_snapshots"] == (1 if recurrent else 0)
+    llm.shutdown()
+    llm = detspec.LLM(str(case.path), num_kv_pages=256, **kw)
+    llm.generate([prompt + [7] * 20], params(3), use_tqdm=False)
+    outs = llm.generate([prompt], [params()], use_tqdm=False)
+    assert outs[0].metrics["num_cached_tokens"] == (0 if recurrent else 48)
+    assert bits(outs[0]) == whole[0]
     llm.shutdown()
 
 
@@ -156,6 +165,18 @@ def test_real_mismatches_among_other_requests_keep_the_bits(model_zoo, name):
     crowded, stats = run(case, [prompt, *crowd], sps, **kw)
     assert stats["num_rollbacks"] > 0, "no window rolled back: this test would be blind"
     assert bits(crowded[0]) == bits(alone[0])
+    # Behind a deterministic prompt sharing its first 48 tokens, it starts from the state
+    # that prefill kept (computed on the invariant kernels) with the same bits; behind a
+    # plain one it reads nothing (that state came from the fast path).
+    for det, hit in [(True, 48), (False, 0)]:
+        first = SamplingParams(max_tokens=2, seed=3, temperature=0.8, deterministic=det)
+        llm = detspec.LLM(str(case.path), num_kv_pages=256, **kw)
+        llm.generate([prompt[:48] + [7, 8, 9], *crowd], [first, *sps[1:]], use_tqdm=False)
+        (behind,) = llm.generate([prompt], [params(7)], use_tqdm=False)
+        assert llm.kv_stats()["state_snapshots"] > 0
+        llm.shutdown()
+        assert behind.metrics["num_cached_tokens"] == hit
+        assert bits(behind) == bits(alone[0])
 
 
 def test_score_equals_the_generation(model, whole):
@@ -192,7 +213,8 @@ def test_running_sequences_share_a_bounded_pool_of_states(model_zoo):
     )
     assert llm.kv_stats()["state_slots"] == 3
     bounded = llm.generate(prompts, sps, use_tqdm=False)
-    assert llm.kv_stats()["states_held"] == 0
+    kv = llm.kv_stats()
+    assert kv["states_held"] == kv["state_snapshots"] <= 3, "a running sequence's state was kept"
     llm.shutdown()
     assert [bits(o) for o in bounded[:4]] == [bits(o) for o in roomy[:4]]
     assert all(len(o.outputs[0].token_ids) == NEW for o in bounded[4:])
@@ -215,7 +237,8 @@ def test_scoring_many_pairs_runs_them_a_few_states_at_a_time(model_zoo):
     def scored(**kw) -> list[list[int]]:
         llm = detspec.LLM(str(case.path), num_kv_pages=256, **kw)
         out = llm.score(prompts, completions)
-        assert llm.kv_stats()["states_held"] == 0
+        kv = llm.kv_stats()
+        assert kv["states_held"] == kv["state_snapshots"]
         llm.shutdown()
         return [[np.float32(x).view(np.uint32).item() for x in s] for s in out]
 

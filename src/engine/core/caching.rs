@@ -1,12 +1,124 @@
 //! What a step leaves in the prefix cache: the prompt pages of sequences whose prefill
 //! completed, and the answer pages of sequences that finished, each as the class the
-//! determinism policy gives them.
+//! determinism policy gives them; for a model with recurrent layers, the state after a
+//! prompt's last full page (a snapshot, `kv::state`) and what a waiting sequence may start
+//! from: cached pages only as deep as a snapshot, and the snapshot.
 
-use crate::sched::StepPlan;
+use crate::kv::{KvManager, PageAllocator, PageClass, SnapshotAt, StatePool, StateRef, StateSlot};
+use crate::sched::{CachedPrefix, PlanEntry, SequenceId, StepPlan};
 
 use super::EngineCore;
 
+/// What a sequence reading the cache as `scope` (page class, namespace) may start from of
+/// `tokens`' longest cached prefix: where the model keeps recurrent states, the pages up to the
+/// deepest one after which a snapshot was kept, and that snapshot.
+pub(super) fn cached_prefix(
+    kv: &KvManager,
+    states: &StatePool,
+    scope: (PageClass, u64),
+    tokens: &[u32],
+) -> CachedPrefix {
+    if !states.is_used() {
+        return CachedPrefix {
+            pages: kv.lookup_prefix_of(tokens, scope.0, scope.1),
+            state: None,
+        };
+    }
+    let (pages, end) = kv.lookup_prefix_ending(tokens, scope, &|entry| states.has_snapshot(entry));
+    match end.and_then(|entry| states.snapshot(entry)) {
+        Some(state) => CachedPrefix {
+            pages,
+            state: Some(state),
+        },
+        None => {
+            for page in pages {
+                kv.release(page);
+            }
+            CachedPrefix::default()
+        }
+    }
+}
+
+/// A snapshot a step's forward takes: of sequence `seq`'s state after its first `position`
+/// tokens (its prompt's last full page), into `slot`.
+pub(super) struct PendingSnapshot {
+    seq: SequenceId,
+    position: usize,
+    slot: StateSlot,
+}
+
+/// Where `refs`, the state a forward's rows of sequence `seq` use, also leaves a snapshot.
+pub(super) fn with_snapshot(
+    refs: StateRef,
+    seq: SequenceId,
+    pending: &[PendingSnapshot],
+) -> StateRef {
+    let snapshot = pending.iter().find(|p| p.seq == seq).map(|p| SnapshotAt {
+        position: u32::try_from(p.position).unwrap_or(u32::MAX),
+        slot: p.slot.id(),
+    });
+    StateRef { snapshot, ..refs }
+}
+
 impl EngineCore {
+    /// Drops every cached prefix and every kept state snapshot (new weights, or the cache
+    /// reset); returns how many cached pages it let go.
+    pub(super) fn clear_cached_prefixes(&self) -> usize {
+        self.kv.states().clear_snapshots();
+        self.alloc.clear_prefix_cache()
+    }
+
+    /// The snapshots the plan's forwards take: one for each prefill chunk that computes the
+    /// end of its prompt's last full page before the prompt's last token (where a lookup of
+    /// the same prompt lands), where the state pool has room for it.
+    pub(super) fn plan_snapshots(&self, plan: &StepPlan) -> Vec<PendingSnapshot> {
+        let states = self.kv.states();
+        if !self.cfg.enable_prefix_caching || !states.is_used() {
+            return Vec::new();
+        }
+        let ps = self.cfg.page_size;
+        let mut pending = Vec::new();
+        for e in plan.entries.iter().chain(&plan.isolated) {
+            let Some(seq) = self.sched.get(e.seq) else {
+                continue;
+            };
+            let end = seq.prompt.len().saturating_sub(1) / ps * ps;
+            if !snapshot_within(e, end, ps) {
+                continue;
+            }
+            let Some(slot) = states.snapshot_slot() else {
+                break;
+            };
+            pending.push(PendingSnapshot {
+                seq: e.seq,
+                position: end,
+                slot,
+            });
+        }
+        pending
+    }
+
+    /// Keeps each snapshot a step's forwards took under the prefix-cache entry of the page it
+    /// follows (registering the prompt's pages up to there).
+    pub(super) fn keep_snapshots(&self, pending: Vec<PendingSnapshot>) {
+        let ps = self.cfg.page_size;
+        for p in pending {
+            let Some(seq) = self.sched.get(p.seq) else {
+                continue;
+            };
+            let (Some(tokens), Some(pages)) = (
+                seq.prompt.get(..p.position),
+                seq.block_table.pages().get(..p.position / ps),
+            ) else {
+                continue;
+            };
+            let scope = (self.policy.page_class(seq), seq.cache_namespace());
+            if let Some(entry) = self.alloc.insert_prefix_ending(tokens, pages, scope) {
+                self.kv.states().keep_snapshot(entry, p.slot);
+            }
+        }
+    }
+
     /// Registers the full prompt pages of sequences whose prefill completed this step in the
     /// prefix cache. Prompt KV is never rewritten (verification and rollback only touch
     /// positions past the prompt), so sharing it is safe.
@@ -69,4 +181,10 @@ impl EngineCore {
                 .insert_prefix_of(&tokens, pages, class, seq.cache_namespace());
         }
     }
+}
+
+/// Whether prefill chunk `e` computes position `end - 1` (a page boundary past the first page),
+/// so its forward can leave the state after `end` tokens.
+fn snapshot_within(e: &PlanEntry, end: usize, page_size: usize) -> bool {
+    end >= page_size && e.start < end && end <= e.start + e.len
 }

@@ -9,7 +9,7 @@ impl EngineCore {
     /// Drops every prefix-cache entry (pages held by running sequences stay theirs); returns
     /// the number of cached pages it let go.
     pub fn reset_prefix_cache(&mut self) -> usize {
-        self.alloc.clear_prefix_cache()
+        self.clear_cached_prefixes()
     }
 
     /// Frees the KV pool's memory (the prefix cache goes with it). Only with no request in
@@ -22,7 +22,7 @@ impl EngineCore {
                  generation with mode \"abort\" or \"wait\" first)",
             ));
         }
-        self.alloc.clear_prefix_cache();
+        self.clear_cached_prefixes();
         self.kv.release();
         Ok(())
     }

@@ -106,9 +106,11 @@ impl EngineCore {
                 break;
             }
             let seq = seqs[i];
-            // At least the last row is computed, so a wanted row is never a cached one.
+            // At least the last row is computed, so a wanted row is never a cached one. A
+            // model with recurrent layers computes from the first token: its fresh states are
+            // not seeded from the cache's snapshots.
             let readable = prefix.readable(i).min(seq.len().saturating_sub(1));
-            let cached = match readable >= ps {
+            let cached = match readable >= ps && !states.is_used() {
                 true => self.alloc.lookup_prefix_of(
                     &seq[..readable],
                     prefix.class,
