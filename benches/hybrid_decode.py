@@ -10,6 +10,11 @@ prefill cancels and neither run reads the other's prefix from the cache.
     python benches/hybrid_decode.py /tmp/lfm2-1.2b
     python benches/hybrid_decode.py --arch qwen3_5 /tmp/qwen3.5-2b
     python benches/hybrid_decode.py --arch granite4_h /tmp/granite-4.0-h-1.5b
+
+``--group`` times a GRPO group instead: ``n`` = 8 samples (T = 1, seeded) of one 512-token
+prompt, 16 tokens each, on an engine with the prefix cache and on one without, alternating,
+two rounds: with it the first sample's prefill keeps its state after the prompt's last full
+page and the other seven start from there.
 """
 
 from __future__ import annotations
@@ -97,13 +102,45 @@ def write_model(out: Path, arch: str) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def group_sampling(model: Path, rounds: int = 2) -> None:
+    """Seconds for a group of 8 samples of one 512-token prompt, with and without the prefix
+    cache, on fresh prompts, alternating."""
+    rng = np.random.default_rng(1)
+    sp = SamplingParams(temperature=1.0, seed=5, n=8, max_tokens=16, ignore_eos=True)
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(rounds):
+        for caching in (True, False):
+            llm = LLM(str(model), num_kv_pages=512, enable_prefix_caching=caching)
+            llm.generate([[5] * 40], SamplingParams(max_tokens=2), use_tqdm=False)
+            prompt = [int(x) for x in rng.integers(3, 60000, size=512)]
+            t = time.time()
+            llm.generate([prompt], sp, use_tqdm=False)
+            times[caching].append(time.time() - t)
+            hits = llm.kv_stats()["prefix_hits"]
+            llm.shutdown()
+            print(
+                f"prefix cache {'on ' if caching else 'off'}: {times[caching][-1]:.2f} s, "
+                f"{hits} prompt tokens read from it"
+            )
+    on, off = min(times[True]), min(times[False])
+    print(
+        f"group of 8 x 512 prompt tokens + 16: {on:.2f} s with the cache, {off:.2f} s "
+        f"without ({off / on:.2f}x)"
+    )
+    print("load average", " ".join(open("/proc/loadavg").read().split()[:3]))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("model", type=Path)
     p.add_argument("--arch", choices=["lfm2", "qwen3_5", "granite4_h"], default="lfm2")
+    p.add_argument("--group", action="store_true", help="time a GRPO group (see above)")
     args = p.parse_args()
     if not (args.model / "config.json").exists():
         write_model(args.model, args.arch)
+    if args.group:
+        group_sampling(args.model)
+        return
     weight_bytes = sum(f.stat().st_size for f in args.model.glob("*.safetensors"))
     bandwidth = bandwidth_two_processes()
     t0 = time.time()
