@@ -105,6 +105,16 @@ pub struct SnapshotAt {
     pub slot: u32,
 }
 
+impl SnapshotAt {
+    /// The state after `position` tokens, into `slot`.
+    pub fn of(position: usize, slot: &StateSlot) -> Self {
+        Self {
+            position: u32::try_from(position).unwrap_or(u32::MAX),
+            slot: slot.id,
+        }
+    }
+}
+
 impl StatePool {
     /// A pool for states of `per_layer[i]` values in layer `i`, without a capacity.
     pub fn new(per_layer: &[usize]) -> Arc<Self> {
@@ -377,14 +387,31 @@ impl SequenceStates {
         }
     }
 
-    /// A standalone forward's state, held at once and not counted against the capacity.
-    pub fn transient(pool: &Arc<StatePool>) -> Self {
+    /// A standalone forward's state, held at once and not counted against the capacity,
+    /// starting from `seed` where it reads a cached prefix.
+    pub fn transient(pool: &Arc<StatePool>, seed: Option<StateSeed>) -> Self {
         let held = pool.take(1, false).unwrap_or_default();
-        Self {
+        let states = Self {
             pool: pool.clone(),
             speculative: false,
             held,
             seed: None,
+        };
+        if let Some(seed) = seed {
+            states.start_from(&seed);
+        }
+        states
+    }
+
+    /// Copies `seed` into every state it holds.
+    fn start_from(&self, StateSeed(seed): &StateSeed) {
+        let seed = seed.lock().unwrap_or_else(|e| e.into_inner());
+        for slot in &self.held {
+            if let Ok(dst) = self.pool.get(slot.id) {
+                let mut dst = dst.lock().unwrap_or_else(|e| e.into_inner());
+                dst.seen.clone_from(&seed.seen);
+                dst.values.copy_from_slice(&seed.values);
+            }
         }
     }
 
@@ -403,17 +430,10 @@ impl SequenceStates {
         let Some(slots) = self.pool.take(1 + usize::from(self.speculative), true) else {
             return false;
         };
-        if let Some(StateSeed(seed)) = self.seed.take() {
-            let seed = seed.lock().unwrap_or_else(|e| e.into_inner());
-            for slot in &slots {
-                if let Ok(dst) = self.pool.get(slot.id) {
-                    let mut dst = dst.lock().unwrap_or_else(|e| e.into_inner());
-                    dst.seen.clone_from(&seed.seen);
-                    dst.values.copy_from_slice(&seed.values);
-                }
-            }
-        }
         self.held = slots;
+        if let Some(seed) = self.seed.take() {
+            self.start_from(&seed);
+        }
         true
     }
 
@@ -509,7 +529,7 @@ mod tests {
         let mut plain = admitted(&pool, false);
         let mut next = SequenceStates::new(&pool, false);
         assert!(!next.acquire(), "three of three slots are held");
-        let scored = SequenceStates::transient(&pool);
+        let scored = SequenceStates::transient(&pool, None);
         assert!(
             scored.forward().is_ok(),
             "a standalone forward is not counted"

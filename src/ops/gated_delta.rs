@@ -275,7 +275,7 @@ mod tests {
         let p = params();
         let pool = pool(&p);
         let (qkv, a, b) = inputs(5, 1);
-        let whole = SequenceStates::transient(&pool);
+        let whole = SequenceStates::transient(&pool, None);
         let all = gated_delta_rule(
             (&qkv, &a, &b),
             &p,
@@ -284,7 +284,7 @@ mod tests {
             (&pool, 1),
         )
         .unwrap();
-        let one = SequenceStates::transient(&pool);
+        let one = SequenceStates::transient(&pool, None);
         for r in 0..5 {
             let pick = |t: &Tensor| t.narrow(0, r, 1).unwrap();
             let y = gated_delta_rule(
@@ -322,7 +322,7 @@ mod tests {
         let p = params();
         let pool = pool(&p);
         let (qkv, a, b) = inputs(3, 2);
-        let alone = SequenceStates::transient(&pool);
+        let alone = SequenceStates::transient(&pool, None);
         let want = gated_delta_rule(
             (&qkv, &a, &b),
             &p,
@@ -340,8 +340,8 @@ mod tests {
             .unwrap()
         };
         let (other, mine) = (
-            SequenceStates::transient(&pool),
-            SequenceStates::transient(&pool),
+            SequenceStates::transient(&pool, None),
+            SequenceStates::transient(&pool, None),
         );
         // Rows: other 0, other 1, mine 0..3, padding (sequence 2, no state), other 2.
         let crowd = gated_delta_rule(
@@ -372,7 +372,7 @@ mod tests {
         let pool = pool(&p);
         let (qkv, a, b) = inputs(4, 3);
         let m = meta(&[(0, 0), (0, 1), (0, 2), (0, 3)]);
-        let two = SequenceStates::transient(&pool);
+        let two = SequenceStates::transient(&pool, None);
         let first_two = |t: &Tensor| t.narrow(0, 0, 2).unwrap();
         gated_delta_rule(
             (&first_two(&qkv), &first_two(&a), &first_two(&b)),
@@ -435,9 +435,9 @@ mod tests {
                 d.values.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
             )
         };
-        let plain = SequenceStates::transient(&pool);
+        let plain = SequenceStates::transient(&pool, None);
         let want = run(&plain, None);
-        let two = SequenceStates::transient(&pool);
+        let two = SequenceStates::transient(&pool, None);
         let first_two = |t: &Tensor| t.narrow(0, 0, 2).unwrap();
         gated_delta_rule(
             (&first_two(&qkv), &first_two(&a), &first_two(&b)),
@@ -449,7 +449,7 @@ mod tests {
         .unwrap();
         for (position, after) in [(2, &two), (5, &plain)] {
             let (s, snap) = (
-                SequenceStates::transient(&pool),
+                SequenceStates::transient(&pool, None),
                 pool.snapshot_slot().unwrap(),
             );
             let at = SnapshotAt {
@@ -487,7 +487,7 @@ mod tests {
         );
         // A snapshot at the first row's position (nothing before it) is not taken.
         let (s, snap) = (
-            SequenceStates::transient(&pool),
+            SequenceStates::transient(&pool, None),
             pool.snapshot_slot().unwrap(),
         );
         let at = SnapshotAt {
@@ -503,7 +503,7 @@ mod tests {
         let p = params();
         let pool = pool(&p);
         let (qkv, a, b) = inputs(1, 4);
-        let s = SequenceStates::transient(&pool);
+        let s = SequenceStates::transient(&pool, None);
         let e = gated_delta_rule(
             (&qkv, &a, &b),
             &p,

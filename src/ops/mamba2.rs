@@ -204,7 +204,7 @@ mod tests {
         let p = params();
         let pool = StatePool::new(&[p.dims.state_values()]);
         let (xbc, dt) = inputs(7, 1, &p);
-        let whole = SequenceStates::transient(&pool);
+        let whole = SequenceStates::transient(&pool, None);
         let all = mamba2_scan(
             (&xbc, &dt),
             &p,
@@ -213,7 +213,7 @@ mod tests {
             (&pool, 0),
         )
         .unwrap();
-        let one = SequenceStates::transient(&pool);
+        let one = SequenceStates::transient(&pool, None);
         for t in 0..7 {
             let row = mamba2_scan(
                 (&xbc.narrow(0, t, 1).unwrap(), &dt.narrow(0, t, 1).unwrap()),
@@ -248,7 +248,7 @@ mod tests {
         let p = params();
         let pool = StatePool::new(&[p.dims.state_values()]);
         let (xbc, dt) = inputs(5, 2, &p);
-        let alone = SequenceStates::transient(&pool);
+        let alone = SequenceStates::transient(&pool, None);
         let want = mamba2_scan(
             (&xbc, &dt),
             &p,
@@ -263,8 +263,8 @@ mod tests {
         let xs = Tensor::cat(&[&other_x, &xbc, &pad_x], 0).unwrap();
         let dts = Tensor::cat(&[&other_dt, &dt, &pad_dt], 0).unwrap();
         let (other, mine) = (
-            SequenceStates::transient(&pool),
-            SequenceStates::transient(&pool),
+            SequenceStates::transient(&pool, None),
+            SequenceStates::transient(&pool, None),
         );
         let got = mamba2_scan(
             (&xs, &dts),
@@ -287,7 +287,7 @@ mod tests {
         let p = params();
         let pool = StatePool::new(&[p.dims.state_values()]);
         let (xbc, dt) = inputs(5, 3, &p);
-        let two = SequenceStates::transient(&pool);
+        let two = SequenceStates::transient(&pool, None);
         mamba2_scan(
             (&xbc.narrow(0, 0, 2).unwrap(), &dt.narrow(0, 0, 2).unwrap()),
             &p,

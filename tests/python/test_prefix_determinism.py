@@ -7,6 +7,7 @@ same bits as on a fresh engine, on both kernel profiles."""
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -97,22 +98,24 @@ def test_prefix_prefilled_by_anyone_gives_fresh_bits(flat_model: str, profile) -
 
 
 @pytest.fixture(scope="module", params=["tiny", "qwen3_5"])
-def sampled_model(request, flat_model: str, model_zoo) -> tuple[str, list[int]]:
-    """(a model, a 100-token prompt for it): the tiny Llama, and Qwen3.5's zoo model, whose
-    DeltaNet layers keep a state per sequence (its vocabulary is 512)."""
+def any_model(request, flat_model: str, model_zoo) -> tuple[str, Callable[[list[int]], list[int]]]:
+    """(a model, what makes the module's token lists its tokens): the tiny Llama, and
+    Qwen3.5's zoo model, whose DeltaNet layers keep a state per sequence (a cached prefix is
+    read from the state its prefill kept after its last full page; its vocabulary is 512)."""
     if request.param == "tiny":
-        return flat_model, PREFIX
-    return str(model_zoo.get(request.param).path), [t % 500 + 3 for t in PREFIX]
+        return flat_model, lambda tokens: tokens
+    return str(model_zoo.get(request.param).path), lambda tokens: [t % 500 + 3 for t in tokens]
 
 
 @pytest.mark.parametrize("profile", PROFILES)
 @pytest.mark.parametrize("deterministic", [True, False])
-def test_n_samples_of_one_prompt_prefill_it_once(sampled_model, profile, deterministic) -> None:
+def test_n_samples_of_one_prompt_prefill_it_once(any_model, profile, deterministic) -> None:
     """The first sample computes the prompt; the other seven wait for its prefill and read its
     pages (they would otherwise be admitted beside it and compute it too), and on Qwen3.5 the
     state its prefill kept after those pages. Every deterministic sample equals, bit for bit,
     the same sample on an engine without a prefix cache."""
-    model, prompt = sampled_model
+    model, fit = any_model
+    prompt = fit(PREFIX)
     sp = params(deterministic=deterministic, seed=21)
     sp.n = 8
     llm = engine(model, profile)
@@ -155,13 +158,14 @@ def lp_bits(entries) -> list[tuple[int, str]]:
 
 
 @pytest.mark.parametrize("profile", PROFILES)
-def test_a_scored_prompt_is_not_computed_again_by_its_generation(flat_model: str, profile) -> None:
+def test_a_scored_prompt_is_not_computed_again_by_its_generation(any_model, profile) -> None:
     """Prompt logprobs (what eval harnesses ask with `max_tokens` 1) are computed as a
-    deterministic prefill computes the prompt and leave its pages in the prefix cache: the
-    generation after them reads every full page of its prompt, and its tokens, logprobs and
-    prompt logprobs equal an engine's without a prefix cache, bit for bit. A plain request
-    reads those pages too."""
-    prompt = PREFIX + SUFFIX
+    deterministic prefill computes the prompt and leave its pages in the prefix cache (and on
+    Qwen3.5 the state after them): the generation after them reads every full page of its
+    prompt, and its tokens, logprobs and prompt logprobs equal an engine's without a prefix
+    cache, bit for bit. A plain request reads those pages too."""
+    flat_model, fit = any_model
+    prompt = fit(PREFIX + SUFFIX)
     sp = params()
     sp.prompt_logprobs = 2
     sp.max_tokens = 1
@@ -230,11 +234,12 @@ def test_logits_and_hidden_states_leave_only_pages_a_prefill_would_compute(
 
 
 @pytest.mark.parametrize("profile", PROFILES)
-def test_score_reads_the_pages_of_the_prompt_it_generated_from(flat_model: str, profile) -> None:
+def test_score_reads_the_pages_of_the_prompt_it_generated_from(any_model, profile) -> None:
     """An RL step scores the completions it just sampled: `score` reads the prompt pages the
     deterministic generation left in the cache, and still equals the sampler's logprobs and an
     uncached engine's scores bit for bit. Pages of a plain generation are never read by it."""
-    prompt = PREFIX + SUFFIX
+    flat_model, fit = any_model
+    prompt = fit(PREFIX + SUFFIX)
     llm = engine(flat_model, profile)
     out = gen(llm, prompt, params())
     completion = list(out.outputs[0].token_ids)
@@ -253,18 +258,19 @@ def test_score_reads_the_pages_of_the_prompt_it_generated_from(flat_model: str, 
 
 
 @pytest.mark.parametrize("profile", PROFILES)
-def test_completions_of_one_prompt_scored_together_compute_it_once(flat_model: str, profile):
+def test_completions_of_one_prompt_scored_together_compute_it_once(any_model, profile):
     """GRPO's group of completions, DPO's chosen and rejected: pairs of one `score` call
     that share a prompt compute it once (the first pair of each prompt runs first, the
-    others read its pages), interleaved or not, and every score equals an uncached engine's
-    bit for bit."""
-    other = OTHER * 4
-    prompts = [PREFIX, other, PREFIX, PREFIX, other]
+    others read its pages, and on Qwen3.5 the state it kept after them), interleaved or not,
+    and every score equals an uncached engine's bit for bit."""
+    flat_model, fit = any_model
+    other = fit(OTHER * 4)
+    prompts = [fit(PREFIX), other, fit(PREFIX), fit(PREFIX), other]
     completions = [[5 + i, 7, 9 + i] for i in range(len(prompts))]
     llm = engine(flat_model, profile)
     scored, hits = hits_of(llm, lambda: llm.score(prompts, completions, deterministic=True))
     pages = lambda p: (len(p) - 1) // PAGE * PAGE  # noqa: E731
-    assert hits == 2 * pages(PREFIX) + pages(other), "a shared prompt was computed again"
+    assert hits == 2 * pages(prompts[0]) + pages(other), "a shared prompt was computed again"
     ref = uncached_engine(flat_model, profile).score(prompts, completions, deterministic=True)
     as_bits = lambda xs: [struct.pack("<f", x).hex() for x in xs]  # noqa: E731
     assert [as_bits(x) for x in scored] == [as_bits(x) for x in ref]

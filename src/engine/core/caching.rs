@@ -53,10 +53,10 @@ pub(super) fn with_snapshot(
     seq: SequenceId,
     pending: &[PendingSnapshot],
 ) -> StateRef {
-    let snapshot = pending.iter().find(|p| p.seq == seq).map(|p| SnapshotAt {
-        position: u32::try_from(p.position).unwrap_or(u32::MAX),
-        slot: p.slot.id(),
-    });
+    let snapshot = pending
+        .iter()
+        .find(|p| p.seq == seq)
+        .map(|p| SnapshotAt::of(p.position, &p.slot));
     StateRef { snapshot, ..refs }
 }
 

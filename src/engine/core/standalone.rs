@@ -19,7 +19,7 @@ use std::sync::Arc;
 
 use crate::dvr::{replay::fixed_shape_passes, ScoringShape};
 use crate::error::{DetspecError, Result};
-use crate::kv::{BlockTable, PageClass, SequenceStates};
+use crate::kv::{BlockTable, PageClass};
 use crate::model::{ForwardBatch, LoraAdapter};
 use crate::ops::{self, AttentionMetadata, AttentionSchedule};
 use crate::output::TokenLogprobs;
@@ -32,7 +32,7 @@ mod groups;
 mod pooling;
 
 pub use classify::Classification;
-use groups::PrefixUse;
+use groups::{GroupSeq, PrefixUse};
 pub use pooling::{EmbedOptions, Pooling};
 
 /// What a standalone forward returns for each wanted row.
@@ -141,25 +141,19 @@ impl EngineCore {
             (true, ScoringShape::Generation { .. }) => PrefixUse::NONE,
         };
         let budget = self.cfg.max_num_batched_tokens.max(1);
-        self.in_groups(
-            &refs,
-            &prefix,
-            scopes,
-            budget,
-            &mut |core, group, tables| {
-                let seqs: Vec<&[u32]> = group.iter().map(|&i| refs[i]).collect();
-                let wanted: Vec<Range<usize>> = group.iter().map(|&i| wanted[i].clone()).collect();
-                let group_scopes: Vec<_> = group.iter().map(|&i| scope_of(scopes, i)).collect();
-                let (width, rows) =
-                    core.forward_group(&seqs, &wanted, tables, (kind, fixed), &group_scopes)?;
-                for (&i, flat) in group.iter().zip(rows) {
-                    for row in flat.chunks_exact(width.max(1)) {
-                        visit(i, row)?;
-                    }
+        self.in_groups(&refs, &prefix, scopes, budget, &mut |core, group, kv| {
+            let seqs: Vec<&[u32]> = group.iter().map(|&i| refs[i]).collect();
+            let wanted: Vec<Range<usize>> = group.iter().map(|&i| wanted[i].clone()).collect();
+            let group_scopes: Vec<_> = group.iter().map(|&i| scope_of(scopes, i)).collect();
+            let (width, rows) =
+                core.forward_group(&seqs, &wanted, kv, (kind, fixed), &group_scopes)?;
+            for (&i, flat) in group.iter().zip(rows) {
+                for row in flat.chunks_exact(width.max(1)) {
+                    visit(i, row)?;
                 }
-                Ok(())
-            },
-        )
+            }
+            Ok(())
+        })
     }
 
     /// Every sequence fits the context and the vocabulary.
@@ -178,13 +172,13 @@ impl EngineCore {
         Ok(())
     }
 
-    /// One group's forward on the pages `tables` holds: the width of a row (vocab or hidden)
-    /// and, per sequence, its wanted rows flattened.
+    /// One group's forward on the pages (and states) `kv` holds: the width of a row (vocab or
+    /// hidden) and, per sequence, its wanted rows flattened.
     fn forward_group(
         &self,
         seqs: &[&[u32]],
         wanted: &[Range<usize>],
-        tables: &[BlockTable],
+        kv: &[GroupSeq],
         (kind, fixed): (ForwardKind, bool),
         scopes: Scopes<'_>,
     ) -> Result<(usize, Vec<Vec<f32>>)> {
@@ -196,8 +190,8 @@ impl EngineCore {
             AttentionSchedule::split_kv_for_batch(
                 seqs.len(),
                 seqs.iter()
-                    .zip(tables)
-                    .map(|(s, t)| s.len() - t.num_tokens())
+                    .zip(kv)
+                    .map(|(s, g)| s.len() - g.table.num_tokens())
                     .sum(),
                 (
                     self.info.config.num_attention_heads,
@@ -215,8 +209,8 @@ impl EngineCore {
             invariant_gemm: fixed,
             ..Default::default()
         };
-        let states = self.fresh_states(seqs.len());
-        for (si, ((p, rows), bt)) in seqs.iter().zip(wanted).zip(tables).enumerate() {
+        for (si, ((p, rows), g)) in seqs.iter().zip(wanted).zip(kv).enumerate() {
+            let bt = &g.table;
             for (pos, &t) in p.iter().enumerate().skip(bt.num_tokens()) {
                 let slot = bt.slot(pos, ps).ok_or_else(|| {
                     DetspecError::param("page_size", "slot missing after reserve")
@@ -231,9 +225,7 @@ impl EngineCore {
             }
             batch.attention.block_tables.push(bt.pages().to_vec());
             batch.adapters.push(lora_of(scopes, si));
-            batch
-                .states
-                .push(states.get(si).map(SequenceStates::forward).transpose()?);
+            batch.states.push(g.state_ref()?);
         }
         if batch.logit_rows.is_empty() {
             return Ok((0, vec![Vec::new(); seqs.len()]));
@@ -341,14 +333,14 @@ impl EngineCore {
     ) -> Result<()> {
         let prefix = PrefixUse::new(PageClass::Invariant, first_wanted, prompt_lens);
         let budget = self.cfg.max_num_batched_tokens.max(shapes.1);
-        self.in_groups(seqs, &prefix, scopes, budget, &mut |core, group, tables| {
+        self.in_groups(seqs, &prefix, scopes, budget, &mut |core, group, kv| {
             let pick = |of: &[usize]| group.iter().map(|&i| of[i]).collect::<Vec<_>>();
             let group_seqs: Vec<&[u32]> = group.iter().map(|&i| seqs[i]).collect();
             let group_scopes: Vec<_> = group.iter().map(|&i| scope_of(scopes, i)).collect();
             core.packed_logits(
                 &group_seqs,
                 (&pick(prompt_lens), &pick(first_wanted)),
-                (tables, &group_scopes),
+                (kv, &group_scopes),
                 shapes,
                 pad_page,
                 &mut |k, row| visit(group[k], row),
@@ -356,32 +348,31 @@ impl EngineCore {
         })
     }
 
-    /// [`Self::logits_as_generated`] of sequences whose KV pages `tables` holds, in one group;
+    /// [`Self::logits_as_generated`] of sequences whose KV pages (and states) `kv` holds, in
+    /// one group;
     /// each pass's rows are handed over before the next pass runs.
     fn packed_logits(
         &self,
         seqs: &[&[u32]],
         (prompt_lens, first_wanted): (&[usize], &[usize]),
-        (tables, scopes): (&[BlockTable], Scopes<'_>),
+        (kv, scopes): (&[GroupSeq], Scopes<'_>),
         (prefill_rows, verify_rows): (usize, usize),
         pad_page: u32,
         visit: RowVisitor<'_>,
     ) -> Result<()> {
         let ps = self.cfg.page_size;
         let vocab = self.info.config.vocab_size;
-        // Each sequence's recurrent state, carried from its prompt's passes to its
+        // Each sequence's recurrent state (in `kv`) is carried from its prompt's passes to its
         // completion's.
-        let states = self.fresh_states(seqs.len());
+        let tables: Vec<&BlockTable> = kv.iter().map(|g| &g.table).collect();
         // Rows `part(i)` of every sequence `i`, in order, as one batch.
         let rows = |part: &dyn Fn(usize) -> Range<usize>| -> Result<ForwardBatch> {
             let mut batch = ForwardBatch::default();
             batch.attention.sliding_window = self.info.config.sliding_window;
             batch.attention.block_tables = tables.iter().map(|t| t.pages().to_vec()).collect();
             batch.adapters = (0..tables.len()).map(|si| lora_of(scopes, si)).collect();
-            batch.states = (0..tables.len())
-                .map(|si| states.get(si).map(SequenceStates::forward).transpose())
-                .collect::<Result<_>>()?;
-            for (si, (seq, table)) in seqs.iter().zip(tables).enumerate() {
+            batch.states = kv.iter().map(GroupSeq::state_ref).collect::<Result<_>>()?;
+            for (si, (seq, table)) in seqs.iter().zip(&tables).enumerate() {
                 for pos in part(si) {
                     let slot = table.slot(pos, ps).ok_or_else(|| {
                         DetspecError::param("page_size", "slot missing after reserve")
@@ -427,16 +418,6 @@ impl EngineCore {
             }
         }
         Ok(())
-    }
-
-    /// A fresh recurrent state for each of `n` sequences (none where the model keeps none),
-    /// freed when the forward that holds them is done.
-    fn fresh_states(&self, n: usize) -> Vec<SequenceStates> {
-        let pool = self.kv.states();
-        match pool.is_used() {
-            true => (0..n).map(|_| SequenceStates::transient(pool)).collect(),
-            false => Vec::new(),
-        }
     }
 
     /// The logits of a batch's logit rows, flattened.

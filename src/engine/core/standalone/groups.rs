@@ -1,15 +1,40 @@
 //! Where a standalone forward's KV pages come from: its sequences run in groups that fit the
 //! token budget and the free pages; each sequence reads the cached pages before its first
 //! wanted row, and the pages a group computed are registered in the prefix cache before they
-//! are given back ([`PrefixUse`] says which, and as which class).
+//! are given back ([`PrefixUse`] says which, and as which class). On a model with recurrent
+//! layers each sequence has a state of its own for the call, starting from the snapshot after
+//! the cached pages it reads, and leaves one where a later sequence like it would start.
 
 use std::collections::HashSet;
 
 use crate::error::Result;
-use crate::kv::{BlockTable, PageClass};
+use crate::kv::{BlockTable, PageClass, SequenceStates, SnapshotAt, StateRef, StateSlot};
 
+use super::super::caching::cached_prefix;
 use super::super::EngineCore;
 use super::{namespace_of, Scopes};
+
+/// One sequence of a group: its KV pages and, where the model keeps recurrent states, its
+/// state for the call and the snapshot its forward leaves (after how many tokens, where).
+pub(super) struct GroupSeq {
+    pub table: BlockTable,
+    states: Option<SequenceStates>,
+    snapshot: Option<(usize, StateSlot)>,
+}
+
+impl GroupSeq {
+    /// The state its rows run on (none where the model keeps none).
+    pub fn state_ref(&self) -> Result<Option<StateRef>> {
+        let Some(states) = &self.states else {
+            return Ok(None);
+        };
+        let snapshot = self.snapshot.as_ref().map(|(at, s)| SnapshotAt::of(*at, s));
+        Ok(Some(StateRef {
+            snapshot,
+            ..states.forward()?
+        }))
+    }
+}
 
 impl EngineCore {
     /// Runs `run` on groups of `seqs` (their indices), each with KV pages reserved for its
@@ -29,23 +54,21 @@ impl EngineCore {
         for order in self.sharing_order(seqs, prefix, scopes) {
             let mut start = 0;
             while start < order.len() {
-                let tables = self.reserve_group(seqs, &order[start..], prefix, scopes, budget)?;
-                let group = &order[start..start + tables.len()];
-                let result = run(self, group, &tables);
+                let mut kv = self.reserve_group(seqs, &order[start..], prefix, scopes, budget)?;
+                let group = &order[start..start + kv.len()];
+                let result = run(self, group, &kv);
                 if result.is_ok() {
-                    for (&i, table) in group.iter().zip(&tables) {
+                    for (&i, g) in group.iter().zip(&kv) {
                         if let Some(&keep) = prefix.cacheable.get(i) {
                             let tokens = &seqs[i][..keep.min(seqs[i].len())];
-                            self.alloc.insert_prefix_of(
-                                tokens,
-                                table.pages(),
-                                prefix.class,
-                                namespace_of(scopes, i),
-                            );
+                            let scope = (prefix.class, namespace_of(scopes, i));
+                            self.alloc
+                                .insert_prefix_of(tokens, g.table.pages(), scope.0, scope.1);
                         }
                     }
+                    self.keep_group_snapshots(seqs, group, kv.as_mut_slice(), prefix, scopes);
                 }
-                self.free_group(tables);
+                self.free_group(kv);
                 result?;
                 start += group.len();
             }
@@ -90,10 +113,10 @@ impl EngineCore {
         prefix: &PrefixUse<'_>,
         scopes: Scopes<'_>,
         budget: usize,
-    ) -> Result<Vec<BlockTable>> {
+    ) -> Result<Vec<GroupSeq>> {
         let alloc = self.alloc.as_ref();
         let ps = self.cfg.page_size;
-        let mut tables: Vec<BlockTable> = Vec::new();
+        let mut group: Vec<GroupSeq> = Vec::new();
         let mut tokens = 0;
         let states = self.kv.states();
         let max_seqs = if states.is_used() {
@@ -102,44 +125,88 @@ impl EngineCore {
             usize::MAX
         };
         for &i in order {
-            if tables.len() >= max_seqs {
+            if group.len() >= max_seqs {
                 break;
             }
             let seq = seqs[i];
-            // At least the last row is computed, so a wanted row is never a cached one. A
-            // model with recurrent layers computes from the first token: its fresh states are
-            // not seeded from the cache's snapshots.
+            // At least the last row is computed, so a wanted row is never a cached one.
             let readable = prefix.readable(i).min(seq.len().saturating_sub(1));
-            let cached = match readable >= ps && !states.is_used() {
-                true => self.alloc.lookup_prefix_of(
-                    &seq[..readable],
-                    prefix.class,
-                    namespace_of(scopes, i),
-                ),
-                false => Vec::new(),
+            let cached = match readable >= ps {
+                true => {
+                    let scope = (prefix.class, namespace_of(scopes, i));
+                    cached_prefix(&self.alloc, states, scope, &seq[..readable])
+                }
+                false => Default::default(),
             };
-            let mut table = BlockTable::from_shared_pages(cached, ps);
+            let mut table = BlockTable::from_shared_pages(cached.pages, ps);
             let computed = seq.len() - table.num_tokens();
-            if !tables.is_empty() && tokens + computed > budget {
+            if !group.is_empty() && tokens + computed > budget {
                 table.free(alloc);
                 break;
             }
             if let Err(e) = table.reserve(seq.len(), ps, alloc) {
                 table.free(alloc);
-                if tables.is_empty() {
+                if group.is_empty() {
                     return Err(e);
                 }
                 break;
             }
-            tables.push(table);
+            // Where a later sequence like this one would start: the last full page of the
+            // tokens whose pages are registered, before the last of them (a generation of
+            // them reads that far), and before its first wanted row where that is past a page
+            // (another completion of its prompt reads that far).
+            let registered = prefix.cacheable.get(i).map_or(0, |&c| c.min(seq.len()));
+            let mut end = registered.saturating_sub(1);
+            if readable >= ps {
+                end = end.min(readable);
+            }
+            let end = end / ps * ps;
+            let snapshot = (states.is_used() && end >= ps && end > table.num_tokens())
+                .then(|| states.snapshot_slot().map(|slot| (end, slot)))
+                .flatten();
+            let states = states
+                .is_used()
+                .then(|| SequenceStates::transient(states, cached.state));
+            group.push(GroupSeq {
+                table,
+                states,
+                snapshot,
+            });
             tokens += computed;
         }
-        Ok(tables)
+        Ok(group)
     }
 
-    fn free_group(&self, tables: Vec<BlockTable>) {
-        for mut table in tables {
-            table.free(self.alloc.as_ref());
+    /// Keeps the snapshots a group's forward left under the prefix-cache entries of the pages
+    /// they follow (registering those pages).
+    fn keep_group_snapshots(
+        &self,
+        seqs: &[&[u32]],
+        order: &[usize],
+        group: &mut [GroupSeq],
+        prefix: &PrefixUse<'_>,
+        scopes: Scopes<'_>,
+    ) {
+        for (&i, g) in order.iter().zip(group) {
+            let Some((end, slot)) = g.snapshot.take() else {
+                continue;
+            };
+            let (Some(tokens), Some(pages)) = (
+                seqs[i].get(..end),
+                g.table.pages().get(..end / self.cfg.page_size),
+            ) else {
+                continue;
+            };
+            let scope = (prefix.class, namespace_of(scopes, i));
+            if let Some(entry) = self.alloc.insert_prefix_ending(tokens, pages, scope) {
+                self.kv.states().keep_snapshot(entry, slot);
+            }
+        }
+    }
+
+    fn free_group(&self, group: Vec<GroupSeq>) {
+        for mut g in group {
+            g.table.free(self.alloc.as_ref());
         }
     }
 }
@@ -176,6 +243,6 @@ impl<'a> PrefixUse<'a> {
     }
 }
 
-/// What runs one group of sequences: `(engine, the group's sequence indices, their pages)`.
-pub(super) type GroupRun<'a> =
-    &'a mut dyn FnMut(&EngineCore, &[usize], &[BlockTable]) -> Result<()>;
+/// What runs one group of sequences: `(engine, the group's sequence indices, their pages and
+/// states)`.
+pub(super) type GroupRun<'a> = &'a mut dyn FnMut(&EngineCore, &[usize], &[GroupSeq]) -> Result<()>;
