@@ -104,7 +104,9 @@ def test_a_cached_prefix_gives_the_whole_prompt_runs_bits(model, whole, strategy
     outs = llm.generate([prompt] * 2, [params(), params(7)], use_tqdm=False)
     assert [o.metrics["num_cached_tokens"] for o in outs] == [48, 48]
     assert [bits(o) for o in outs] == list(whole)
-    assert llm.kv_stats()["state_snapshots"] == (1 if recurrent else 0)
+    # The first prompt's, and under inline each sample's after its answer completed page 4.
+    snapshots = 0 if not recurrent else 3 if strategy == "inline" else 1
+    assert llm.kv_stats()["state_snapshots"] == snapshots
     llm.shutdown()
     llm = detspec.LLM(str(case.path), num_kv_pages=256, **kw)
     llm.generate([prompt + [7] * 20], params(3), use_tqdm=False)
@@ -112,6 +114,26 @@ def test_a_cached_prefix_gives_the_whole_prompt_runs_bits(model, whole, strategy
     assert outs[0].metrics["num_cached_tokens"] == (0 if recurrent else 48)
     assert bits(outs[0]) == whole[0]
     llm.shutdown()
+
+
+@pytest.mark.parametrize("strategy", ["inline", "replay"])
+def test_a_conversations_next_turn_reads_the_answer_too(model, whole, strategy):
+    """Turn 2 (turn 1's prompt and answer, then a new message) reads turn 1 up to the answer's
+    last full page, 64 of its 73 tokens: LFM2 from the answer's pages, the recurrent models
+    also from the state kept when the answer's decode completed that page. Under replay the
+    recurrent models' answers are speculative when decoded, so turn 2 reads up to the
+    prompt's snapshot (48). Either way its bits are a fresh engine's."""
+    case, prompt = model
+    kw = dict(verify_strategy=strategy, verify_window=4)
+    turn2 = prompt + whole[1][0] + [7, 8, 9]
+    (fresh,), _ = run(case, [turn2], [params(5)], **kw)
+    llm = detspec.LLM(str(case.path), num_kv_pages=256, **kw)
+    llm.generate([prompt], params(7), use_tqdm=False)
+    (second,) = llm.generate([turn2], params(5), use_tqdm=False)
+    llm.shutdown()
+    reads_answer = strategy == "inline" or case.name == "lfm2"
+    assert second.metrics["num_cached_tokens"] == (64 if reads_answer else 48)
+    assert bits(second) == bits(fresh)
 
 
 @pytest.mark.parametrize("strategy", ["inline", "replay"])

@@ -5,7 +5,7 @@
 //! from: cached pages only as deep as a snapshot, and the snapshot.
 
 use crate::kv::{KvManager, PageAllocator, PageClass, SnapshotAt, StatePool, StateRef, StateSlot};
-use crate::sched::{CachedPrefix, PlanEntry, SequenceId, StepPlan};
+use crate::sched::{CachedPrefix, PlanEntry, Sequence, SequenceId, StepPlan};
 
 use super::EngineCore;
 
@@ -68,24 +68,22 @@ impl EngineCore {
         self.alloc.clear_prefix_cache()
     }
 
-    /// The snapshots the plan's forwards take: one for each prefill chunk that computes the
-    /// end of its prompt's last full page before the prompt's last token (where a lookup of
-    /// the same prompt lands), where the state pool has room for it.
+    /// The snapshots the plan's forwards take ([`Self::snapshot_point`]), as far as the state
+    /// pool has room for them.
     pub(super) fn plan_snapshots(&self, plan: &StepPlan) -> Vec<PendingSnapshot> {
         let states = self.kv.states();
         if !self.cfg.enable_prefix_caching || !states.is_used() {
             return Vec::new();
         }
-        let ps = self.cfg.page_size;
         let mut pending = Vec::new();
         for e in plan.entries.iter().chain(&plan.isolated) {
-            let Some(seq) = self.sched.get(e.seq) else {
+            let Some(end) = self
+                .sched
+                .get(e.seq)
+                .and_then(|s| self.snapshot_point(s, e))
+            else {
                 continue;
             };
-            let end = seq.prompt.len().saturating_sub(1) / ps * ps;
-            if !snapshot_within(e, end, ps) {
-                continue;
-            }
             let Some(slot) = states.snapshot_slot() else {
                 break;
             };
@@ -98,23 +96,52 @@ impl EngineCore {
         pending
     }
 
+    /// Where chunk `e` of `seq` leaves a snapshot, if anywhere: after its prompt's last full
+    /// page before the prompt's last token, where a lookup of the same prompt lands (`n`
+    /// samples, the prompt sent again); else, for a sequence whose computed tokens are final
+    /// (no verifier behind it), after the last page the chunk completes past there, where the
+    /// next turn of a conversation (sent whole) can start. A speculative answer's state is
+    /// not kept: its rows may yet roll back.
+    fn snapshot_point(&self, seq: &Sequence, e: &PlanEntry) -> Option<usize> {
+        let ps = self.cfg.page_size;
+        let prompt_end = seq.prompt.len().saturating_sub(1) / ps * ps;
+        let done = e.start + e.len;
+        if prompt_end >= ps && e.start < prompt_end && prompt_end <= done {
+            return Some(prompt_end);
+        }
+        let last = done / ps * ps;
+        let final_rows = !self.policy.speculates(seq.deterministic);
+        (final_rows && last > e.start && last > prompt_end).then_some(last)
+    }
+
     /// Keeps each snapshot a step's forwards took under the prefix-cache entry of the page it
-    /// follows (registering the prompt's pages up to there).
+    /// follows, registering the pages up to there (of the class the policy gives the prompt's
+    /// pages, or an answer's past the prompt).
     pub(super) fn keep_snapshots(&self, pending: Vec<PendingSnapshot>) {
         let ps = self.cfg.page_size;
         for p in pending {
             let Some(seq) = self.sched.get(p.seq) else {
                 continue;
             };
-            let (Some(tokens), Some(pages)) = (
-                seq.prompt.get(..p.position),
-                seq.block_table.pages().get(..p.position / ps),
-            ) else {
+            let tokens: Vec<u32> = seq
+                .prompt
+                .iter()
+                .chain(&seq.output)
+                .take(p.position)
+                .copied()
+                .collect();
+            let Some(pages) = seq.block_table.pages().get(..p.position / ps) else {
                 continue;
             };
-            let scope = (self.policy.page_class(seq), seq.cache_namespace());
-            if let Some(entry) = self.alloc.insert_prefix_ending(tokens, pages, scope) {
-                self.kv.states().keep_snapshot(entry, p.slot);
+            let class = match p.position <= seq.prompt.len() {
+                true => self.policy.page_class(seq),
+                false => self.policy.output_page_class(seq),
+            };
+            let scope = (class, seq.cache_namespace());
+            if tokens.len() == p.position {
+                if let Some(entry) = self.alloc.insert_prefix_ending(&tokens, pages, scope) {
+                    self.kv.states().keep_snapshot(entry, p.slot);
+                }
             }
         }
     }
@@ -181,10 +208,4 @@ impl EngineCore {
                 .insert_prefix_of(&tokens, pages, class, seq.cache_namespace());
         }
     }
-}
-
-/// Whether prefill chunk `e` computes position `end - 1` (a page boundary past the first page),
-/// so its forward can leave the state after `end` tokens.
-fn snapshot_within(e: &PlanEntry, end: usize, page_size: usize) -> bool {
-    end >= page_size && e.start < end && end <= e.start + e.len
 }
