@@ -69,6 +69,10 @@ fn prefill_key(seq: &Sequence, page_size: usize) -> Option<PrefillKey> {
 struct Leader {
     prompt: Vec<u32>,
     cached: usize,
+    /// The model keeps recurrent states: the prefill leaves a state only after its prompt's
+    /// last full page (`kv::state`), so a prompt gains from waiting only if it shares that
+    /// whole run.
+    recurrent: bool,
 }
 
 /// [`prefill_key`] and [`Leader`] of a sequence whose prefill computes prompt pages others
@@ -81,6 +85,7 @@ fn leader_entry(seq: &Sequence, page_size: usize) -> Option<(PrefillKey, Leader)
     let leader = Leader {
         prompt: seq.prompt.clone(),
         cached: seq.num_cached_tokens,
+        recurrent: seq.states.is_some(),
     };
     prefill_key(seq, page_size).map(|k| (k, leader))
 }
@@ -95,6 +100,36 @@ fn worth_waiting_for(prompt: &[u32], leader: &Leader, page_size: usize) -> bool 
         .zip(&leader.prompt)
         .take_while(|(a, b)| a == b)
         .count();
-    let pages = common.min(prompt.len().saturating_sub(1)) / page_size * page_size;
+    let mut pages = common.min(prompt.len().saturating_sub(1)) / page_size * page_size;
+    if leader.recurrent {
+        let kept = leader.prompt.len().saturating_sub(1) / page_size * page_size;
+        pages = if pages >= kept { kept } else { 0 };
+    }
     2 * pages.saturating_sub(leader.cached) >= prompt.len()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A prompt waits for a prefill sharing at least half of it; on a recurrent model only
+    /// where it shares the leader's whole run up to its state snapshot.
+    #[test]
+    fn a_recurrent_models_prompt_waits_only_for_the_whole_snapshotted_run() {
+        let leader = |recurrent| Leader {
+            prompt: (0..100).collect(),
+            cached: 0,
+            recurrent,
+        };
+        let same: Vec<u32> = (0..100).collect();
+        let first_70: Vec<u32> = (0..70).chain(500..530).collect();
+        for recurrent in [false, true] {
+            assert!(worth_waiting_for(&same, &leader(recurrent), 16));
+        }
+        assert!(worth_waiting_for(&first_70, &leader(false), 16));
+        assert!(
+            !worth_waiting_for(&first_70, &leader(true), 16),
+            "the leader's state is kept after 96 tokens, past the 70 they share"
+        );
+    }
 }
