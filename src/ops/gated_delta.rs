@@ -268,6 +268,37 @@ mod tests {
         bits(&t.narrow(0, from, n).unwrap())
     }
 
+    /// A state after the first `n` rows of `inputs` run alone.
+    fn after_rows(
+        p: &DeltaNetParams,
+        pool: &Arc<StatePool>,
+        (qkv, a, b): &(Tensor, Tensor, Tensor),
+        n: usize,
+    ) -> SequenceStates {
+        let s = SequenceStates::transient(pool, None);
+        let first = |t: &Tensor| t.narrow(0, 0, n).unwrap();
+        let positions: Vec<(u32, u32)> = (0..n as u32).map(|i| (0, i)).collect();
+        gated_delta_rule(
+            (&first(qkv), &first(a), &first(b)),
+            p,
+            &meta(&positions),
+            &[Some(s.forward().unwrap())],
+            (pool, 1),
+        )
+        .unwrap();
+        s
+    }
+
+    /// Slot `id`'s tokens taken in per layer and its values' bits.
+    fn slot_bits(pool: &StatePool, id: u32) -> (Vec<usize>, Vec<u32>) {
+        let d = pool.get(id).unwrap();
+        let d = d.lock().unwrap();
+        (
+            d.seen.clone(),
+            d.values.iter().map(|x| x.to_bits()).collect(),
+        )
+    }
+
     /// A prefill of 5 rows gives the bits of the same rows run one at a time, each continuing
     /// the state the one before left (the decode path).
     #[test]
@@ -297,14 +328,7 @@ mod tests {
             .unwrap();
             assert_eq!(bits(&y), rows(&all, r, 1), "row {r}");
         }
-        let state = |s: &SequenceStates| {
-            let d = pool.get(s.forward().unwrap().read).unwrap();
-            let d = d.lock().unwrap();
-            (
-                d.seen.clone(),
-                d.values.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-            )
-        };
+        let state = |s: &SequenceStates| slot_bits(&pool, s.forward().unwrap().read);
         assert_eq!(state(&whole), state(&one));
         assert!(all
             .flatten_all()
@@ -370,42 +394,26 @@ mod tests {
     fn advance_keeps_the_state_after_the_accepted_rows() {
         let p = params();
         let pool = pool(&p);
-        let (qkv, a, b) = inputs(4, 3);
+        let input = inputs(4, 3);
+        let (qkv, a, b) = &input;
         let m = meta(&[(0, 0), (0, 1), (0, 2), (0, 3)]);
-        let two = SequenceStates::transient(&pool, None);
-        let first_two = |t: &Tensor| t.narrow(0, 0, 2).unwrap();
-        gated_delta_rule(
-            (&first_two(&qkv), &first_two(&a), &first_two(&b)),
-            &p,
-            &meta(&[(0, 0), (0, 1)]),
-            &[Some(two.forward().unwrap())],
-            (&pool, 1),
-        )
-        .unwrap();
+        let two = after_rows(&p, &pool, &input, 2);
         let mut s = SequenceStates::new(&pool, true);
         assert!(s.acquire());
         gated_delta_rule(
-            (&qkv, &a, &b),
+            (qkv, a, b),
             &p,
             &m,
             &[Some(s.replay(2).unwrap())],
             (&pool, 1),
         )
         .unwrap();
-        let values = |id: u32| {
-            let d = pool.get(id).unwrap();
-            let d = d.lock().unwrap();
-            (
-                d.seen[1],
-                d.values.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-            )
-        };
         assert_eq!(
-            values(s.forward().unwrap().write),
-            values(two.forward().unwrap().write)
+            slot_bits(&pool, s.forward().unwrap().write),
+            slot_bits(&pool, two.forward().unwrap().write)
         );
         assert_eq!(
-            values(s.replay(0).unwrap().read).0,
+            slot_bits(&pool, s.replay(0).unwrap().read).0[1],
             0,
             "the committed state is only read"
         );
@@ -418,35 +426,20 @@ mod tests {
     fn a_snapshot_is_the_state_after_its_rows_and_a_seed_continues_it() {
         let p = params();
         let pool = pool(&p);
-        let (qkv, a, b) = inputs(5, 5);
+        let input = inputs(5, 5);
+        let (qkv, a, b) = &input;
         let m = meta(&[(0, 0), (0, 1), (0, 2), (0, 3), (0, 4)]);
         let run = |s: &SequenceStates, snapshot: Option<SnapshotAt>| {
             let refs = StateRef {
                 snapshot,
                 ..s.forward().unwrap()
             };
-            gated_delta_rule((&qkv, &a, &b), &p, &m, &[Some(refs)], (&pool, 1)).unwrap()
+            gated_delta_rule((qkv, a, b), &p, &m, &[Some(refs)], (&pool, 1)).unwrap()
         };
-        let state = |id: u32| {
-            let d = pool.get(id).unwrap();
-            let d = d.lock().unwrap();
-            (
-                d.seen.clone(),
-                d.values.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-            )
-        };
+        let state = |id: u32| slot_bits(&pool, id);
         let plain = SequenceStates::transient(&pool, None);
         let want = run(&plain, None);
-        let two = SequenceStates::transient(&pool, None);
-        let first_two = |t: &Tensor| t.narrow(0, 0, 2).unwrap();
-        gated_delta_rule(
-            (&first_two(&qkv), &first_two(&a), &first_two(&b)),
-            &p,
-            &meta(&[(0, 0), (0, 1)]),
-            &[Some(two.forward().unwrap())],
-            (&pool, 1),
-        )
-        .unwrap();
+        let two = after_rows(&p, &pool, &input, 2);
         for (position, after) in [(2, &two), (5, &plain)] {
             let (s, snap) = (
                 SequenceStates::transient(&pool, None),
@@ -472,7 +465,7 @@ mod tests {
         assert!(seeded.acquire());
         let rest = |t: &Tensor| t.narrow(0, 2, 3).unwrap();
         let tail = gated_delta_rule(
-            (&rest(&qkv), &rest(&a), &rest(&b)),
+            (&rest(qkv), &rest(a), &rest(b)),
             &p,
             &meta(&[(0, 2), (0, 3), (0, 4)]),
             &[Some(seeded.forward().unwrap())],
