@@ -20,7 +20,9 @@
 //! Cached KV pages are of no use to such a model without the state after them, so a prompt's
 //! prefill also leaves a *snapshot*: a copy of its state after the prompt's last full page
 //! (where a lookup of the same prompt lands), taken by the op mid-forward
-//! ([`StateRef::snapshot`]) and kept under the id of the prefix-cache entry holding that page.
+//! ([`StateRef::snapshot`]) and kept under the id of the prefix-cache entry holding that page;
+//! an answer whose tokens are final as decoded leaves one after each page it completes (where
+//! a conversation's next turn starts reading).
 //! A later sequence reads cached pages only up to the deepest page with a snapshot, and starts
 //! from a copy of it ([`SequenceStates::seed`]). Prefill and decode give the same bits however
 //! a sequence's rows are split, so the seeded state is the one a fresh prefill would reach.
@@ -93,8 +95,8 @@ pub struct StateRef {
     /// later rows still compute their outputs. A verify pass that rolled back runs again with
     /// the accepted rows only here.
     pub advance: u32,
-    /// Where a copy of the state is also left, and after how many tokens: a prompt's prefill
-    /// keeps its state after the prompt's last full page for the prefix cache.
+    /// Where a copy of the state is also left, and after how many tokens: the prefix cache
+    /// keeps the state after a prompt's last full page, and after an answer's pages.
     pub snapshot: Option<SnapshotAt>,
 }
 

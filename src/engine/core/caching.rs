@@ -1,10 +1,13 @@
 //! What a step leaves in the prefix cache: the prompt pages of sequences whose prefill
 //! completed, and the answer pages of sequences that finished, each as the class the
 //! determinism policy gives them; for a model with recurrent layers, the state after a
-//! prompt's last full page (a snapshot, `kv::state`) and what a waiting sequence may start
-//! from: cached pages only as deep as a snapshot, and the snapshot.
+//! prompt's last full page and after each page an answer completes (snapshots, `kv::state`),
+//! and what a waiting sequence may start from: cached pages only as deep as a snapshot, and
+//! the snapshot.
 
-use crate::kv::{KvManager, PageAllocator, PageClass, SnapshotAt, StatePool, StateRef, StateSlot};
+use crate::kv::{
+    KvManager, PageAllocator, PageClass, PageId, SnapshotAt, StatePool, StateRef, StateSlot,
+};
 use crate::sched::{CachedPrefix, PlanEntry, Sequence, SequenceId, StepPlan};
 
 use super::EngineCore;
@@ -40,7 +43,7 @@ pub(super) fn cached_prefix(
 }
 
 /// A snapshot a step's forward takes: of sequence `seq`'s state after its first `position`
-/// tokens (its prompt's last full page), into `slot`.
+/// tokens (a page boundary, [`EngineCore::snapshot_point`]), into `slot`.
 pub(super) struct PendingSnapshot {
     seq: SequenceId,
     position: usize,
@@ -137,12 +140,23 @@ impl EngineCore {
                 true => self.policy.page_class(seq),
                 false => self.policy.output_page_class(seq),
             };
-            let scope = (class, seq.cache_namespace());
             if tokens.len() == p.position {
-                if let Some(entry) = self.alloc.insert_prefix_ending(&tokens, pages, scope) {
-                    self.kv.states().keep_snapshot(entry, p.slot);
-                }
+                self.keep_snapshot(&tokens, pages, (class, seq.cache_namespace()), p.slot);
             }
+        }
+    }
+
+    /// Keeps the snapshot in `slot`, the state after `tokens`, under the prefix-cache entry of
+    /// their last page, registering their pages (`pages`, one per full page) as `scope`.
+    pub(super) fn keep_snapshot(
+        &self,
+        tokens: &[u32],
+        pages: &[PageId],
+        scope: (PageClass, u64),
+        slot: StateSlot,
+    ) {
+        if let Some(entry) = self.alloc.insert_prefix_ending(tokens, pages, scope) {
+            self.kv.states().keep_snapshot(entry, slot);
         }
     }
 

@@ -197,10 +197,7 @@ impl EngineCore {
             ) else {
                 continue;
             };
-            let scope = (prefix.class, namespace_of(scopes, i));
-            if let Some(entry) = self.alloc.insert_prefix_ending(tokens, pages, scope) {
-                self.kv.states().keep_snapshot(entry, slot);
-            }
+            self.keep_snapshot(tokens, pages, (prefix.class, namespace_of(scopes, i)), slot);
         }
     }
 
