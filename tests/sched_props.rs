@@ -35,6 +35,7 @@ fn seq(id: u64, prompt_len: usize, max_tokens: usize, deterministic: bool) -> Se
         lora: None,
         cache_salt: 0,
         states: None,
+        shared_prefix: 0,
     }
 }
 
@@ -222,7 +223,7 @@ fn prompts_sharing_a_prefill_wait_for_it() {
         }
         CachedPrefix {
             pages: pages.clone(),
-            state: None,
+            ..Default::default()
         }
     };
     let planned = |s: &mut Scheduler| -> Vec<(u64, usize)> {
@@ -293,7 +294,7 @@ fn prompts_whose_shared_part_is_cached_do_not_wait() {
         }
         CachedPrefix {
             pages: cached.clone(),
-            state: None,
+            ..Default::default()
         }
     };
     let plan = s.plan(&alloc, &lookup);

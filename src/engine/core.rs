@@ -570,6 +570,7 @@ impl EngineCore {
                 states: self.kv.states().is_used().then(|| {
                     SequenceStates::new(self.kv.states(), self.policy.speculates(deterministic))
                 }),
+                shared_prefix: 0,
             });
         }
         Ok(StreamEvent::Accepted {
@@ -1014,7 +1015,7 @@ impl EngineCore {
                     .as_ref()
                     .map(SequenceStates::forward)
                     .transpose()?
-                    .map(|refs| caching::with_snapshot(refs, e.seq, snapshots)),
+                    .map(|refs| caching::with_snapshots(refs, e.seq, snapshots)),
             );
             if e.sample {
                 batch.logit_rows.push((batch.tokens.len() - 1) as u32);

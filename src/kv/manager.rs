@@ -14,7 +14,7 @@ use serde::Serialize;
 
 use crate::error::{DetspecError, Result};
 
-use super::{AtomicAllocator, PageAllocator, PageClass, PageError, PageId, PrefixCache};
+use super::{AtomicAllocator, EndingHit, PageAllocator, PageClass, PageError, PageId, PrefixCache};
 
 /// Snapshot of the KV pool, as reported by the engine's `kv_stats()`.
 ///
@@ -124,13 +124,13 @@ impl KvManager {
     }
 
     /// [`Self::lookup_prefix_of`] cut after the deepest page whose cache entry `ends` accepts
-    /// (see [`PrefixCache::lookup_ending`]); also returns that page's entry id.
+    /// (see [`PrefixCache::lookup_ending`]).
     pub fn lookup_prefix_ending(
         &self,
         tokens: &[u32],
         scope: (PageClass, u64),
         ends: &dyn Fn(u64) -> bool,
-    ) -> (Vec<PageId>, Option<u64>) {
+    ) -> EndingHit {
         let ps = self.page_size;
         self.with_cache(|c, a| c.lookup_ending(tokens, ps, scope, a, ends))
     }

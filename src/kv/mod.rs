@@ -17,7 +17,7 @@ pub use block_table::BlockTable;
 pub use manager::{KvManager, KvStats};
 pub use pool::{KvPool, LayerCache, LayerCacheShape};
 pub use prefix::{
-    chain_hash, namespace, root_hash, root_hash_of, salt_hash, FnvHasher, PageClass, PrefixCache,
-    PrefixStats,
+    chain_hash, namespace, root_hash, root_hash_of, salt_hash, EndingHit, FnvHasher, PageClass,
+    PrefixCache, PrefixStats,
 };
 pub use state::{SequenceStates, SnapshotAt, StateData, StatePool, StateRef, StateSeed, StateSlot};

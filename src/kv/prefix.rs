@@ -222,6 +222,18 @@ pub struct PrefixStats {
     pub hit_tokens: u64,
 }
 
+/// What [`PrefixCache::lookup_ending`] found.
+#[derive(Debug, Default)]
+pub struct EndingHit {
+    /// The pages handed out (a reference taken on each), up to the cut.
+    pub pages: Vec<PageId>,
+    /// The entry id of the last of them.
+    pub end: Option<u64>,
+    /// Pages of the prefix cached for the request before the cut (at least `pages.len()`):
+    /// where it shares more with earlier prompts than it can read.
+    pub cached: usize,
+}
+
 /// Full KV pages keyed by chain hash, with an LRU of evictable ones. See the module docs.
 #[derive(Debug)]
 pub struct PrefixCache {
@@ -327,13 +339,12 @@ impl PrefixCache {
     ) -> Vec<PageId> {
         let scope = (class, namespace);
         self.lookup_ending(tokens, page_size, scope, alloc, &|_| true)
-            .0
+            .pages
     }
 
     /// [`Self::lookup_class`] for a request of `class` in `namespace`, the run cut after its
     /// deepest page whose entry `ends` accepts (by entry id): a model with recurrent layers can
-    /// start only where the state after the prefix was kept. Returns the pages and the id of the
-    /// last one's entry.
+    /// start only where the state after the prefix was kept.
     pub fn lookup_ending(
         &mut self,
         tokens: &[u32],
@@ -341,14 +352,14 @@ impl PrefixCache {
         (class, namespace): (PageClass, u64),
         alloc: &dyn PageAllocator,
         ends: &dyn Fn(u64) -> bool,
-    ) -> (Vec<PageId>, Option<u64>) {
+    ) -> EndingHit {
         if !self.enabled || page_size == 0 {
-            return (Vec::new(), None);
+            return EndingHit::default();
         }
         self.tick += 1;
         self.lookups += 1;
         self.query_tokens += tokens.len() as u64;
-        let run = self.cached_run(tokens, page_size, class, namespace, ends);
+        let (run, cached) = self.cached_run(tokens, page_size, class, namespace, ends);
         let mut pages = Vec::with_capacity(run.len());
         let mut last = None;
         for link in run {
@@ -370,13 +381,17 @@ impl PrefixCache {
             last = Some(e.id);
         }
         self.hit_tokens += (pages.len() * page_size) as u64;
-        (pages, last)
+        EndingHit {
+            pages,
+            end: last,
+            cached,
+        }
     }
 
     /// The longest run of cached pages `tokens` starts with that a request of `class` may
     /// read, in order, cut after its deepest entry `ends` accepts: an `Invariant` chain, or for
     /// `Fast` requests the longest of `Invariant` pages followed by `Fast` ones (none of either
-    /// included).
+    /// included); and how many pages the longest run held before its cut.
     fn cached_run(
         &self,
         tokens: &[u32],
@@ -384,15 +399,16 @@ impl PrefixCache {
         class: PageClass,
         namespace: u64,
         ends: &dyn Fn(u64) -> bool,
-    ) -> Vec<Link> {
+    ) -> (Vec<Link>, usize) {
         let cut = |mut run: Vec<Link>| {
             let usable = run.iter().rposition(|l| ends(l.id)).map_or(0, |i| i + 1);
             run.truncate(usable);
             run
         };
         let invariant = self.chain(tokens, page_size, None, PageClass::Invariant, namespace);
+        let mut cached = invariant.len();
         if class == PageClass::Invariant {
-            return cut(invariant);
+            return (cut(invariant), cached);
         }
         // The longest of: the first `split` invariant pages, then fast ones.
         let mut best = cut(invariant.clone());
@@ -405,6 +421,7 @@ impl PrefixCache {
                 PageClass::Fast,
                 namespace,
             );
+            cached = cached.max(split + tail.len());
             if split + tail.len() <= best.len() {
                 continue;
             }
@@ -413,7 +430,7 @@ impl PrefixCache {
                 best = run;
             }
         }
-        best
+        (best, cached)
     }
 
     /// The cached pages of `class` that continue `parent` with `tokens`' full pages, in order.
@@ -494,8 +511,9 @@ impl PrefixCache {
     }
 
     /// [`Self::insert_class`], returning the id of the entry that holds `tokens`' last full
-    /// page, where every full page is cached now (a recurrent model's state after `tokens` is
-    /// kept under it).
+    /// page, where every full page is cached now and that entry is of `scope`'s class (a
+    /// recurrent model's state after `tokens` is kept under it: a state computed on the fast
+    /// path never under an `Invariant` page a `Fast` sequence passed through).
     pub fn insert_ending(
         &mut self,
         tokens: &[u32],
@@ -506,7 +524,8 @@ impl PrefixCache {
     ) -> Option<u64> {
         let (_, end, depth) = self.insert_chain(tokens, pages, page_size, scope, alloc);
         let full = tokens.len() / page_size.max(1);
-        end.filter(|_| full > 0 && depth == full).map(|l| l.id)
+        end.filter(|l| full > 0 && depth == full && l.class == scope.0)
+            .map(|l| l.id)
     }
 
     /// Inserts as [`Self::insert_class`] does; returns how many pages were newly cached, the
@@ -843,12 +862,20 @@ mod tests {
         let fourth = c.insert_ending(&toks, &pages, 2, scope, &a).unwrap();
         assert_ne!(second, fourth);
         assert_eq!(c.insert_ending(&toks[..1], &pages, 2, scope, &a), None);
-        let (hit, end) = c.lookup_ending(&toks, 2, scope, &a, &|id| id == second);
-        assert_eq!((hit.as_slice(), end), (&pages[..2], Some(second)));
-        let (hit, end) = c.lookup_ending(&toks[..7], 2, scope, &a, &|_| false);
-        assert_eq!((hit, end), (vec![], None));
-        let (hit, end) = c.lookup_ending(&toks, 2, scope, &a, &|_| true);
-        assert_eq!((hit, end), (pages.clone(), Some(fourth)));
+        // A `Fast` sequence's state is never kept under an `Invariant` page it passed through.
+        let inv: Vec<PageId> = (0..2).map(|_| a.allocate().unwrap()).collect();
+        let (other, invariant) = ([9, 9, 8, 8], (PageClass::Invariant, 0));
+        assert!(c.insert_ending(&other, &inv, 2, invariant, &a).is_some());
+        assert_eq!(c.insert_ending(&other, &inv, 2, scope, &a), None);
+        let hit = c.lookup_ending(&toks, 2, scope, &a, &|id| id == second);
+        assert_eq!(
+            (hit.pages.as_slice(), hit.end, hit.cached),
+            (&pages[..2], Some(second), 4)
+        );
+        let hit = c.lookup_ending(&toks[..7], 2, scope, &a, &|_| false);
+        assert_eq!((hit.pages, hit.end, hit.cached), (vec![], None, 3));
+        let hit = c.lookup_ending(&toks, 2, scope, &a, &|_| true);
+        assert_eq!((hit.pages, hit.end), (pages.clone(), Some(fourth)));
         assert_eq!(
             c.stats().hit_tokens,
             12,

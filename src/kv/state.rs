@@ -20,9 +20,11 @@
 //! Cached KV pages are of no use to such a model without the state after them, so a prompt's
 //! prefill also leaves a *snapshot*: a copy of its state after the prompt's last full page
 //! (where a lookup of the same prompt lands), taken by the op mid-forward
-//! ([`StateRef::snapshot`]) and kept under the id of the prefix-cache entry holding that page;
-//! an answer whose tokens are final as decoded leaves one after each page it completes (where
-//! a conversation's next turn starts reading).
+//! ([`StateRef::snapshots`]) and kept under the id of the prefix-cache entry holding that
+//! page; a prompt that shares more cached pages with earlier ones than it can read leaves one
+//! where the shared run ends (a system prompt, an eval's few-shot examples: the prompts after
+//! it read that far); an answer whose tokens are final as decoded leaves one after each page
+//! it completes (where a conversation's next turn starts reading).
 //! A later sequence reads cached pages only up to the deepest page with a snapshot, and starts
 //! from a copy of it ([`SequenceStates::seed`]). Prefill and decode give the same bits however
 //! a sequence's rows are split, so the seeded state is the one a fresh prefill would reach.
@@ -95,9 +97,10 @@ pub struct StateRef {
     /// later rows still compute their outputs. A verify pass that rolled back runs again with
     /// the accepted rows only here.
     pub advance: u32,
-    /// Where a copy of the state is also left, and after how many tokens: the prefix cache
-    /// keeps the state after a prompt's last full page, and after an answer's pages.
-    pub snapshot: Option<SnapshotAt>,
+    /// Where copies of the state are also left, and after how many tokens: the prefix cache
+    /// keeps the state after a prompt's last full page, where its shared run ends, and after
+    /// an answer's pages.
+    pub snapshots: [Option<SnapshotAt>; 2],
 }
 
 /// A copy of the state after the tokens before `position`, left in slot `slot`.
@@ -462,7 +465,7 @@ impl SequenceStates {
             read: live,
             write: live,
             advance: u32::MAX,
-            snapshot: None,
+            snapshots: [None; 2],
         })
     }
 
@@ -474,7 +477,7 @@ impl SequenceStates {
             read: self.held.get(1).map_or(live, |c| c.id),
             write: live,
             advance: u32::try_from(advance).unwrap_or(u32::MAX),
-            snapshot: None,
+            snapshots: [None; 2],
         })
     }
 

@@ -429,34 +429,45 @@ mod tests {
         let input = inputs(5, 5);
         let (qkv, a, b) = &input;
         let m = meta(&[(0, 0), (0, 1), (0, 2), (0, 3), (0, 4)]);
-        let run = |s: &SequenceStates, snapshot: Option<SnapshotAt>| {
+        let run = |s: &SequenceStates, snapshots: [Option<SnapshotAt>; 2]| {
             let refs = StateRef {
-                snapshot,
+                snapshots,
                 ..s.forward().unwrap()
             };
             gated_delta_rule((qkv, a, b), &p, &m, &[Some(refs)], (&pool, 1)).unwrap()
         };
         let state = |id: u32| slot_bits(&pool, id);
         let plain = SequenceStates::transient(&pool, None);
-        let want = run(&plain, None);
-        let two = after_rows(&p, &pool, &input, 2);
-        for (position, after) in [(2, &two), (5, &plain)] {
-            let (s, snap) = (
-                SequenceStates::transient(&pool, None),
-                pool.snapshot_slot().unwrap(),
-            );
-            let at = SnapshotAt {
-                position,
-                slot: snap.id(),
-            };
-            assert_eq!(bits(&run(&s, Some(at))), bits(&want));
+        let want = run(&plain, [None; 2]);
+        let (two, four) = (
+            after_rows(&p, &pool, &input, 2),
+            after_rows(&p, &pool, &input, 4),
+        );
+        // One snapshot within the rows, one after all of them, two at once (in either order).
+        for positions in [
+            vec![(2, &two)],
+            vec![(5, &plain)],
+            vec![(4, &four), (2, &two)],
+        ] {
+            let s = SequenceStates::transient(&pool, None);
+            let snaps: Vec<_> = positions
+                .iter()
+                .map(|_| pool.snapshot_slot().unwrap())
+                .collect();
+            let mut at = [None; 2];
+            for ((slot, (position, _)), at) in snaps.iter().zip(&positions).zip(&mut at) {
+                *at = Some(SnapshotAt::of(*position, slot));
+            }
+            assert_eq!(bits(&run(&s, at)), bits(&want));
             assert_eq!(
                 state(s.forward().unwrap().write),
                 state(plain.forward().unwrap().write)
             );
-            assert_eq!(state(snap.id()), state(after.forward().unwrap().write));
-            if position == 2 {
-                pool.keep_snapshot(7, snap);
+            for (slot, (_, after)) in snaps.iter().zip(&positions) {
+                assert_eq!(state(slot.id()), state(after.forward().unwrap().write));
+            }
+            if positions.len() == 1 && positions[0].0 == 2 {
+                pool.keep_snapshot(7, snaps.into_iter().next().unwrap());
             }
         }
         // A sequence seeded from the snapshot after two rows runs the other three.
@@ -483,11 +494,7 @@ mod tests {
             SequenceStates::transient(&pool, None),
             pool.snapshot_slot().unwrap(),
         );
-        let at = SnapshotAt {
-            position: 0,
-            slot: snap.id(),
-        };
-        run(&s, Some(at));
+        run(&s, [Some(SnapshotAt::of(0, &snap)), None]);
         assert_eq!(state(snap.id()).0, vec![0, 0]);
     }
 

@@ -8,8 +8,8 @@
 //! verify pass's) the recurrence runs on the slot in place; a verify pass reads the committed
 //! state into a copy and leaves it in the live one. The state taken in stops after
 //! `StateRef::advance` rows; later rows still compute their outputs. Where the forward asks
-//! for a snapshot (`StateRef::snapshot`), the rows run in two parts, split where the snapshot
-//! is taken: every op here gives the same bits however a sequence's rows are split.
+//! for snapshots (`StateRef::snapshots`), the rows run in parts, split where each is taken:
+//! every op here gives the same bits however a sequence's rows are split.
 
 use rayon::prelude::*;
 
@@ -97,11 +97,13 @@ fn run_sequence(
     };
     let advance = (state.advance as usize).min(rows.len());
     let slot = |id: u32| pool.get(id).map_err(|e| e.to_string());
-    // The rows before a snapshot taken within them (after at least one, at most all the state
-    // takes in), and where it goes.
-    let snapshot = state
-        .snapshot
-        .and_then(|s| {
+    // For each snapshot taken within the rows (after at least one, at most all the state
+    // takes in): the rows before it, and where it goes; in order.
+    let mut snapshots = state
+        .snapshots
+        .iter()
+        .flatten()
+        .filter_map(|s| {
             let before = (s.position as usize).checked_sub(first)?;
             (before > 0 && before <= advance).then_some((before, s.slot))
         })
@@ -111,18 +113,22 @@ fn run_sequence(
             }
             Ok((before, slot(id)?))
         })
-        .transpose()?;
+        .collect::<Result<Vec<_>, String>>()?;
+    snapshots.sort_by_key(|(before, _)| *before);
     let run = |st: &mut [f32]| -> Vec<f32> {
-        let Some((before, snap)) = &snapshot else {
-            return step(st, rows, advance);
-        };
-        let mut out = step(st, &rows[..*before], *before);
-        let mut d = snap.lock().unwrap_or_else(|e| e.into_inner());
-        d.values[start..start + len].copy_from_slice(st);
-        d.seen[layer] = first + before;
-        drop(d);
-        if *before < rows.len() {
-            out.extend(step(st, &rows[*before..], advance - before));
+        let mut out = Vec::new();
+        let mut done = 0;
+        for (before, snap) in &snapshots {
+            if *before > done {
+                out.extend(step(st, &rows[done..*before], before - done));
+                done = *before;
+            }
+            let mut d = snap.lock().unwrap_or_else(|e| e.into_inner());
+            d.values[start..start + len].copy_from_slice(st);
+            d.seen[layer] = first + before;
+        }
+        if done < rows.len() {
+            out.extend(step(st, &rows[done..], advance - done));
         }
         out
     };

@@ -39,6 +39,9 @@ pub struct PlanEntry {
 pub struct CachedPrefix {
     pub pages: Vec<PageId>,
     pub state: Option<StateSeed>,
+    /// Tokens of the prefix held in the cache, read or not (a recurrent model reads only as
+    /// far as a state was kept).
+    pub cached_tokens: usize,
 }
 
 /// The work of one engine step.
@@ -382,8 +385,12 @@ fn adopt_cached_prefix(
     lookup_prefix: &dyn Fn(&Sequence, &[u32]) -> CachedPrefix,
     page_size: usize,
 ) {
-    let CachedPrefix { pages, state } =
-        lookup_prefix(seq, &tokens[..tokens.len().saturating_sub(1)]);
+    let CachedPrefix {
+        pages,
+        state,
+        cached_tokens,
+    } = lookup_prefix(seq, &tokens[..tokens.len().saturating_sub(1)]);
+    seq.shared_prefix = cached_tokens.max(pages.len() * page_size);
     if seq.num_preemptions == 0 {
         seq.num_cached_tokens = pages.len() * page_size;
     }

@@ -53,6 +53,10 @@ pub struct Sequence {
     /// Its recurrent states, where the model has linear-attention layers: held while it runs,
     /// given back when it is preempted or ends.
     pub states: Option<SequenceStates>,
+    /// Tokens of its prefix the prefix cache held when it was last admitted, read or not: on
+    /// a recurrent model, where its prefill keeps a state for the prompts after it that share
+    /// as much (`engine::core::caching`).
+    pub shared_prefix: usize,
 }
 
 /// Decode–verify–rollback counters and state of one sequence (owned by `crate::dvr`).

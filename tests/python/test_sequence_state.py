@@ -136,6 +136,55 @@ def test_a_conversations_next_turn_reads_the_answer_too(model, whole, strategy):
     assert bits(second) == bits(fresh)
 
 
+def system_prompted(prompt: list[int], lengths: tuple[int, ...], seed: int) -> list[list[int]]:
+    """Prompts sharing `prompt`'s first 48 tokens (a system prompt, an eval's few-shot
+    examples), each going on with random tokens of its own."""
+    rng = np.random.default_rng(seed)
+    return [prompt[:48] + [int(x) for x in rng.integers(3, 500, size=n)] for n in lengths]
+
+
+@pytest.mark.parametrize("strategy", ["inline", "replay"])
+def test_prompts_sharing_a_system_prompt_read_it(model, strategy):
+    """The first prompt computes the shared 48 tokens; the second finds their pages cached
+    but, on a recurrent model, no state after them (the first kept its own after 64), so it
+    computes them too and keeps the state where the shared run ends; from the third on they
+    are read. LFM2's pages alone serve from the second. Every answer has a fresh engine's
+    bits."""
+    case, prompt = model
+    kw = dict(verify_strategy=strategy, verify_window=4)
+    prompts = system_prompted(prompt, (20, 25, 30, 22), seed=31)
+    llm = detspec.LLM(str(case.path), num_kv_pages=256, **kw)
+    outs = [llm.generate([p], params(7), use_tqdm=False)[0] for p in prompts]
+    llm.shutdown()
+    cached = [o.metrics["num_cached_tokens"] for o in outs]
+    assert cached == ([0, 48, 48, 48] if case.name == "lfm2" else [0, 0, 48, 48])
+    fresh = [run(case, [p], [params(7)], **kw)[0][0] for p in prompts]
+    assert [bits(o) for o in outs] == [bits(f) for f in fresh]
+
+
+def test_scoring_calls_sharing_few_shot_examples_read_them(model):
+    """lm-eval's loglikelihood requests share their few-shot examples: the first `score`
+    call computes them (on a recurrent model its later pairs keep the state where the shared
+    run ends), the next reads them; the scores equal an engine's without a prefix cache."""
+    case, prompt = model
+    first, second = (system_prompted(prompt, (20, 25, 30), seed=s) for s in (41, 43))
+    completions = [[5, 7, 9], [11, 13], [17]]
+
+    def scored(llm: detspec.LLM, prompts: list[list[int]]) -> tuple[list[list[int]], int]:
+        before = llm.kv_stats()["prefix_hits"]
+        out = llm.score(prompts, completions, deterministic=True)
+        as_bits = [[np.float32(x).view(np.uint32).item() for x in s] for s in out]
+        return as_bits, llm.kv_stats()["prefix_hits"] - before
+
+    llm = detspec.LLM(str(case.path), num_kv_pages=256)
+    got = [scored(llm, first), scored(llm, second)]
+    llm.shutdown()
+    assert got[1][1] == 3 * 48, "the next call computed the shared examples again"
+    uncached = detspec.LLM(str(case.path), num_kv_pages=256, enable_prefix_caching=False)
+    assert [g[0] for g in got] == [scored(uncached, p)[0] for p in (first, second)]
+    uncached.shutdown()
+
+
 @pytest.mark.parametrize("strategy", ["inline", "replay"])
 def test_preempted_sequences_rebuild_what_they_keep(model, whole, strategy):
     case, prompt = model

@@ -22,22 +22,30 @@ pub(super) fn cached_prefix(
     tokens: &[u32],
 ) -> CachedPrefix {
     if !states.is_used() {
+        let pages = kv.lookup_prefix_of(tokens, scope.0, scope.1);
+        let cached_tokens = pages.len() * kv.page_size();
         return CachedPrefix {
-            pages: kv.lookup_prefix_of(tokens, scope.0, scope.1),
+            pages,
             state: None,
+            cached_tokens,
         };
     }
-    let (pages, end) = kv.lookup_prefix_ending(tokens, scope, &|entry| states.has_snapshot(entry));
-    match end.and_then(|entry| states.snapshot(entry)) {
+    let hit = kv.lookup_prefix_ending(tokens, scope, &|entry| states.has_snapshot(entry));
+    let cached_tokens = hit.cached * kv.page_size();
+    match hit.end.and_then(|entry| states.snapshot(entry)) {
         Some(state) => CachedPrefix {
-            pages,
+            pages: hit.pages,
             state: Some(state),
+            cached_tokens,
         },
         None => {
-            for page in pages {
+            for page in hit.pages {
                 kv.release(page);
             }
-            CachedPrefix::default()
+            CachedPrefix {
+                cached_tokens,
+                ..Default::default()
+            }
         }
     }
 }
@@ -50,17 +58,18 @@ pub(super) struct PendingSnapshot {
     slot: StateSlot,
 }
 
-/// Where `refs`, the state a forward's rows of sequence `seq` use, also leaves a snapshot.
-pub(super) fn with_snapshot(
+/// Where `refs`, the state a forward's rows of sequence `seq` use, also leaves snapshots.
+pub(super) fn with_snapshots(
     refs: StateRef,
     seq: SequenceId,
     pending: &[PendingSnapshot],
 ) -> StateRef {
-    let snapshot = pending
-        .iter()
-        .find(|p| p.seq == seq)
-        .map(|p| SnapshotAt::of(p.position, &p.slot));
-    StateRef { snapshot, ..refs }
+    let mut snapshots = [None; 2];
+    let mine = pending.iter().filter(|p| p.seq == seq);
+    for (at, p) in snapshots.iter_mut().zip(mine) {
+        *at = Some(SnapshotAt::of(p.position, &p.slot));
+    }
+    StateRef { snapshots, ..refs }
 }
 
 impl EngineCore {
@@ -80,21 +89,27 @@ impl EngineCore {
         }
         let mut pending = Vec::new();
         for e in plan.entries.iter().chain(&plan.isolated) {
-            let Some(end) = self
-                .sched
-                .get(e.seq)
-                .and_then(|s| self.snapshot_point(s, e))
-            else {
+            let Some(seq) = self.sched.get(e.seq) else {
                 continue;
             };
-            let Some(slot) = states.snapshot_slot() else {
-                break;
-            };
-            pending.push(PendingSnapshot {
-                seq: e.seq,
-                position: end,
-                slot,
-            });
+            let ps = self.cfg.page_size;
+            // Where the prefix it shares with earlier prompts ends, past what it could read.
+            let shared = seq.shared_prefix;
+            let branch =
+                (shared >= ps && e.start < shared && shared <= e.start + e.len).then_some(shared);
+            for end in [branch, self.snapshot_point(seq, e)] {
+                let Some(end) = end.filter(|&end| pending_at(&pending, e.seq) != Some(end)) else {
+                    continue;
+                };
+                let Some(slot) = states.snapshot_slot() else {
+                    return pending;
+                };
+                pending.push(PendingSnapshot {
+                    seq: e.seq,
+                    position: end,
+                    slot,
+                });
+            }
         }
         pending
     }
@@ -222,4 +237,9 @@ impl EngineCore {
                 .insert_prefix_of(&tokens, pages, class, seq.cache_namespace());
         }
     }
+}
+
+/// The position of the snapshot already pending for `seq`, if any.
+fn pending_at(pending: &[PendingSnapshot], seq: SequenceId) -> Option<usize> {
+    pending.iter().find(|p| p.seq == seq).map(|p| p.position)
 }

@@ -15,11 +15,11 @@ use super::super::EngineCore;
 use super::{namespace_of, Scopes};
 
 /// One sequence of a group: its KV pages and, where the model keeps recurrent states, its
-/// state for the call and the snapshot its forward leaves (after how many tokens, where).
+/// state for the call and the snapshots its forward leaves (after how many tokens, where).
 pub(super) struct GroupSeq {
     pub table: BlockTable,
     states: Option<SequenceStates>,
-    snapshot: Option<(usize, StateSlot)>,
+    snapshots: Vec<(usize, StateSlot)>,
 }
 
 impl GroupSeq {
@@ -28,9 +28,12 @@ impl GroupSeq {
         let Some(states) = &self.states else {
             return Ok(None);
         };
-        let snapshot = self.snapshot.as_ref().map(|(at, s)| SnapshotAt::of(*at, s));
+        let mut snapshots = [None; 2];
+        for (at, (end, slot)) in snapshots.iter_mut().zip(&self.snapshots) {
+            *at = Some(SnapshotAt::of(*end, slot));
+        }
         Ok(Some(StateRef {
-            snapshot,
+            snapshots,
             ..states.forward()?
         }))
     }
@@ -161,16 +164,22 @@ impl EngineCore {
                 end = end.min(readable);
             }
             let end = end / ps * ps;
-            let snapshot = (states.is_used() && end >= ps && end > table.num_tokens())
-                .then(|| states.snapshot_slot().map(|slot| (end, slot)))
-                .flatten();
+            // And where the prefix it shares with earlier sequences ends, past what it read.
+            let shared = cached.cached_tokens;
+            let mut snapshots = Vec::new();
+            for at in [shared, end] {
+                let new = at >= ps && at > table.num_tokens();
+                if states.is_used() && new && snapshots.iter().all(|(e, _)| *e != at) {
+                    snapshots.extend(states.snapshot_slot().map(|slot| (at, slot)));
+                }
+            }
             let states = states
                 .is_used()
                 .then(|| SequenceStates::transient(states, cached.state));
             group.push(GroupSeq {
                 table,
                 states,
-                snapshot,
+                snapshots,
             });
             tokens += computed;
         }
@@ -188,16 +197,16 @@ impl EngineCore {
         scopes: Scopes<'_>,
     ) {
         for (&i, g) in order.iter().zip(group) {
-            let Some((end, slot)) = g.snapshot.take() else {
-                continue;
-            };
-            let (Some(tokens), Some(pages)) = (
-                seqs[i].get(..end),
-                g.table.pages().get(..end / self.cfg.page_size),
-            ) else {
-                continue;
-            };
-            self.keep_snapshot(tokens, pages, (prefix.class, namespace_of(scopes, i)), slot);
+            for (end, slot) in g.snapshots.drain(..) {
+                let (Some(tokens), Some(pages)) = (
+                    seqs[i].get(..end),
+                    g.table.pages().get(..end / self.cfg.page_size),
+                ) else {
+                    continue;
+                };
+                let scope = (prefix.class, namespace_of(scopes, i));
+                self.keep_snapshot(tokens, pages, scope, slot);
+            }
         }
     }
 
