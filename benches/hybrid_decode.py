@@ -14,7 +14,8 @@ prefill cancels and neither run reads the other's prefix from the cache.
 ``--group`` times a GRPO group instead: ``n`` = 8 samples (T = 1, seeded) of one 512-token
 prompt, 16 tokens each, on an engine with the prefix cache and on one without, alternating,
 two rounds: with it the first sample's prefill keeps its state after the prompt's last full
-page and the other seven start from there.
+page and the other seven start from there. ``--few-shot`` times 16 prompts sent together that
+share 448 tokens (an eval's few-shot examples), the same way.
 """
 
 from __future__ import annotations
@@ -102,19 +103,17 @@ def write_model(out: Path, arch: str) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def group_sampling(model: Path, rounds: int = 2) -> None:
-    """Seconds for a group of 8 samples of one 512-token prompt, with and without the prefix
-    cache, on fresh prompts, alternating."""
+def with_and_without_cache(model: Path, what: str, work, rounds: int = 2) -> None:
+    """Times `work(llm, rng)` on an engine with the prefix cache and on one without,
+    alternating, on fresh prompts; prints each run and the best of each."""
     rng = np.random.default_rng(1)
-    sp = SamplingParams(temperature=1.0, seed=5, n=8, max_tokens=16, ignore_eos=True)
     times: dict[bool, list[float]] = {True: [], False: []}
     for _ in range(rounds):
         for caching in (True, False):
             llm = LLM(str(model), num_kv_pages=512, enable_prefix_caching=caching)
             llm.generate([[5] * 40], SamplingParams(max_tokens=2), use_tqdm=False)
-            prompt = [int(x) for x in rng.integers(3, 60000, size=512)]
             t = time.time()
-            llm.generate([prompt], sp, use_tqdm=False)
+            work(llm, rng)
             times[caching].append(time.time() - t)
             hits = llm.kv_stats()["prefix_hits"]
             llm.shutdown()
@@ -123,11 +122,23 @@ def group_sampling(model: Path, rounds: int = 2) -> None:
                 f"{hits} prompt tokens read from it"
             )
     on, off = min(times[True]), min(times[False])
-    print(
-        f"group of 8 x 512 prompt tokens + 16: {on:.2f} s with the cache, {off:.2f} s "
-        f"without ({off / on:.2f}x)"
-    )
+    print(f"{what}: {on:.2f} s with the cache, {off:.2f} s without ({off / on:.2f}x)")
     print("load average", " ".join(open("/proc/loadavg").read().split()[:3]))
+
+
+def group_sampling(llm: LLM, rng: np.random.Generator) -> None:
+    """A group of 8 samples of one 512-token prompt, 16 tokens each."""
+    sp = SamplingParams(temperature=1.0, seed=5, n=8, max_tokens=16, ignore_eos=True)
+    llm.generate([[int(x) for x in rng.integers(3, 60000, size=512)]], sp, use_tqdm=False)
+
+
+def few_shot(llm: LLM, rng: np.random.Generator) -> None:
+    """16 prompts of 448 shared tokens (an eval's few-shot examples) and 64 of their own,
+    sent together, 4 greedy tokens each."""
+    shared = [int(x) for x in rng.integers(3, 60000, size=448)]
+    prompts = [shared + [int(x) for x in rng.integers(3, 60000, size=64)] for _ in range(16)]
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    llm.generate(prompts, sp, use_tqdm=False)
 
 
 def main() -> None:
@@ -135,11 +146,15 @@ def main() -> None:
     p.add_argument("model", type=Path)
     p.add_argument("--arch", choices=["lfm2", "qwen3_5", "granite4_h"], default="lfm2")
     p.add_argument("--group", action="store_true", help="time a GRPO group (see above)")
+    p.add_argument("--few-shot", action="store_true", help="time shared few-shot prompts")
     args = p.parse_args()
     if not (args.model / "config.json").exists():
         write_model(args.model, args.arch)
     if args.group:
-        group_sampling(args.model)
+        with_and_without_cache(args.model, "group of 8 x 512 prompt tokens + 16", group_sampling)
+        return
+    if args.few_shot:
+        with_and_without_cache(args.model, "16 x (448 shared + 64) prompt tokens + 4", few_shot)
         return
     weight_bytes = sum(f.stat().st_size for f in args.model.glob("*.safetensors"))
     bandwidth = bandwidth_two_processes()
