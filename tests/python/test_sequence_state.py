@@ -145,11 +145,11 @@ def system_prompted(prompt: list[int], lengths: tuple[int, ...], seed: int) -> l
 
 @pytest.mark.parametrize("strategy", ["inline", "replay"])
 def test_prompts_sharing_a_system_prompt_read_it(model, strategy):
-    """The first prompt computes the shared 48 tokens; the second finds their pages cached
-    but, on a recurrent model, no state after them (the first kept its own after 64), so it
-    computes them too and keeps the state where the shared run ends; from the third on they
-    are read. LFM2's pages alone serve from the second. Every answer has a fresh engine's
-    bits."""
+    """Sent one by one: the first prompt computes the shared 48 tokens; the second finds
+    their pages cached but, on a recurrent model, no state after them (the first kept its own
+    after 64), so it computes them too and keeps the state where the shared run ends; from the
+    third on they are read. LFM2's pages alone serve from the second. Sent together: the
+    others wait for the first. Every answer has a fresh engine's bits."""
     case, prompt = model
     kw = dict(verify_strategy=strategy, verify_window=4)
     prompts = system_prompted(prompt, (20, 25, 30, 22), seed=31)
@@ -160,6 +160,11 @@ def test_prompts_sharing_a_system_prompt_read_it(model, strategy):
     assert cached == ([0, 48, 48, 48] if case.name == "lfm2" else [0, 0, 48, 48])
     fresh = [run(case, [p], [params(7)], **kw)[0][0] for p in prompts]
     assert [bits(o) for o in outs] == [bits(f) for f in fresh]
+    # Sent together, the others wait for the first one's prefill, which (on a recurrent
+    # model, asked to) keeps its state where the shared run ends.
+    together, _ = run(case, prompts, [params(7)] * len(prompts), **kw)
+    assert [o.metrics["num_cached_tokens"] for o in together] == [0, 48, 48, 48]
+    assert [bits(o) for o in together] == [bits(f) for f in fresh]
 
 
 def test_scoring_calls_sharing_few_shot_examples_read_them(model):
