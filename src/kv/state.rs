@@ -120,6 +120,20 @@ impl SnapshotAt {
     }
 }
 
+impl StateRef {
+    /// These rows also leave a copy of the state after each `(position, slot)` (the first two).
+    pub fn leaving<'a>(self, snapshots: impl IntoIterator<Item = (usize, &'a StateSlot)>) -> Self {
+        let mut at = [None; 2];
+        for (at, (position, slot)) in at.iter_mut().zip(snapshots) {
+            *at = Some(SnapshotAt::of(position, slot));
+        }
+        Self {
+            snapshots: at,
+            ..self
+        }
+    }
+}
+
 impl StatePool {
     /// A pool for states of `per_layer[i]` values in layer `i`, without a capacity.
     pub fn new(per_layer: &[usize]) -> Arc<Self> {

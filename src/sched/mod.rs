@@ -308,13 +308,10 @@ impl Scheduler {
             prefilling.admitted(&seq);
             self.running.push(seq);
         }
-        // Prefills that prompts wait on keep their state where those share their runs: the
-        // prompts this step had no room to look at too, so they can read it next step.
-        for seq in self.waiting.iter().take(l.max_num_seqs) {
-            prefilling.holds_back(seq);
-        }
-        for (id, at) in prefilling.snapshots() {
-            if let Some(leader) = self.running.iter_mut().find(|s| s.id == id) {
+        // Prefills that prompts wait on keep their state where those share their runs.
+        let asked = prefilling.snapshots(self.waiting.iter().take(l.max_num_seqs));
+        for (id, &at) in asked {
+            if let Some(leader) = self.running.iter_mut().find(|s| s.id == *id) {
                 leader.shared_prefix = leader.shared_prefix.max(at);
             }
         }

@@ -61,9 +61,23 @@ impl SharedPrefills {
         *self.snapshots.entry(leader.id).or_insert(read) == read
     }
 
-    /// Where each leader asked to ([`Self::holds_back`]) keeps its state.
-    pub(super) fn snapshots(&self) -> impl Iterator<Item = (SequenceId, usize)> + '_ {
-        self.snapshots.iter().map(|(&id, &at)| (id, at))
+    /// Where each leader is to keep its state ([`Self::holds_back`]) for the prompts that
+    /// wait on it, `waiting` included (those the step had no room to look at, which can then
+    /// read it next step). Only prefills on recurrent models are asked.
+    pub(super) fn snapshots<'a>(
+        &mut self,
+        waiting: impl Iterator<Item = &'a Sequence>,
+    ) -> &HashMap<SequenceId, usize> {
+        let recurrent = self
+            .leaders
+            .as_ref()
+            .is_some_and(|l| l.values().any(|l| l.recurrent));
+        if recurrent {
+            for seq in waiting {
+                self.holds_back(seq);
+            }
+        }
+        &self.snapshots
     }
 
     /// `seq` was admitted: the prompts behind it may wait for its prefill.

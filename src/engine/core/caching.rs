@@ -5,9 +5,7 @@
 //! and what a waiting sequence may start from: cached pages only as deep as a snapshot, and
 //! the snapshot.
 
-use crate::kv::{
-    KvManager, PageAllocator, PageClass, PageId, SnapshotAt, StatePool, StateRef, StateSlot,
-};
+use crate::kv::{KvManager, PageAllocator, PageClass, PageId, StatePool, StateRef, StateSlot};
 use crate::sched::{CachedPrefix, PlanEntry, Sequence, SequenceId, StepPlan};
 
 use super::EngineCore;
@@ -64,12 +62,8 @@ pub(super) fn with_snapshots(
     seq: SequenceId,
     pending: &[PendingSnapshot],
 ) -> StateRef {
-    let mut snapshots = [None; 2];
     let mine = pending.iter().filter(|p| p.seq == seq);
-    for (at, p) in snapshots.iter_mut().zip(mine) {
-        *at = Some(SnapshotAt::of(p.position, &p.slot));
-    }
-    StateRef { snapshots, ..refs }
+    refs.leaving(mine.map(|p| (p.position, &p.slot)))
 }
 
 impl EngineCore {

@@ -8,7 +8,7 @@
 use std::collections::HashSet;
 
 use crate::error::Result;
-use crate::kv::{BlockTable, PageClass, SequenceStates, SnapshotAt, StateRef, StateSlot};
+use crate::kv::{BlockTable, PageClass, SequenceStates, StateRef, StateSlot};
 
 use super::super::caching::cached_prefix;
 use super::super::EngineCore;
@@ -28,14 +28,8 @@ impl GroupSeq {
         let Some(states) = &self.states else {
             return Ok(None);
         };
-        let mut snapshots = [None; 2];
-        for (at, (end, slot)) in snapshots.iter_mut().zip(&self.snapshots) {
-            *at = Some(SnapshotAt::of(*end, slot));
-        }
-        Ok(Some(StateRef {
-            snapshots,
-            ..states.forward()?
-        }))
+        let snapshots = self.snapshots.iter().map(|(end, slot)| (*end, slot));
+        Ok(Some(states.forward()?.leaving(snapshots)))
     }
 }
 
