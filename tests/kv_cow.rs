@@ -250,7 +250,9 @@ fn pool_copy_pages_covers_every_layer() {
                 write_kv(v, &row(10 + l), Arc::new(vec![2])).unwrap();
             }
             LayerCache::Rows(r) => write_kv(r, &row(10 + l), Arc::new(vec![2])).unwrap(),
-            LayerCache::Recurrent => unreachable!("no recurrent layer in this pool"),
+            LayerCache::Recurrent | LayerCache::Stateless => {
+                unreachable!("no recurrent or stateless layer in this pool")
+            }
         }
     }
     pool.copy_pages(&[(0, 5)]).unwrap();
@@ -268,7 +270,7 @@ fn pool_copy_pages_covers_every_layer() {
                 v
             }
             LayerCache::Rows(r) => r,
-            LayerCache::Recurrent => unreachable!("no recurrent layer in this pool"),
+            LayerCache::Recurrent | LayerCache::Stateless => unreachable!("no such layer here"),
         };
         assert_eq!(at(v, 5 * PS as u32 + 2), bits(&row(10 + l)));
     }

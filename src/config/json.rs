@@ -10,8 +10,10 @@ use crate::error::{DetspecError, Result};
 /// Parses `text` (the contents of `path`) as `T`. Malformed JSON is
 /// [`DetspecError::InvalidFile`]; a value of the wrong type is [`DetspecError::InvalidConfig`]
 /// naming the field by its path (`rope_scaling.factor`, `chat_template[1].template`).
+/// Python's literals for non-finite floats are read ([`with_nonfinite_spelled`]).
 pub fn parse_json<T: DeserializeOwned>(text: &str, path: &Path) -> Result<T> {
-    let de = &mut serde_json::Deserializer::from_str(text);
+    let text = with_nonfinite_spelled(text);
+    let de = &mut serde_json::Deserializer::from_str(&text);
     serde_path_to_error::deserialize(de).map_err(|e| {
         let field = e.path().to_string();
         let inner = e.into_inner();
@@ -78,6 +80,44 @@ impl ConfigFields<'_> {
     }
 }
 
+/// `text` with the literals Python's `json` writes for non-finite floats (`NaN`, `Infinity`,
+/// `-Infinity`: not JSON, but in many hub configs, e.g. Mamba2's `time_step_limit`) spelled as
+/// transformers 5 spells them, `{"__float__": "Infinity"}`; the fields that take one read that
+/// form, the others name themselves in a type error rather than failing the whole file.
+fn with_nonfinite_spelled(text: &str) -> std::borrow::Cow<'_, str> {
+    const LITERALS: [(&str, &str); 3] = [
+        ("-Infinity", "-Infinity"),
+        ("Infinity", "Infinity"),
+        ("NaN", "NaN"),
+    ];
+    let bytes = text.as_bytes();
+    let (mut out, mut copied) = (String::new(), 0);
+    let (mut i, mut in_string) = (0, false);
+    while i < bytes.len() {
+        match bytes[i] {
+            b'\\' if in_string => i += 1,
+            b'"' => in_string = !in_string,
+            b'-' | b'I' | b'N' if !in_string => {
+                if let Some((lit, value)) = LITERALS.iter().find(|(l, _)| text[i..].starts_with(l))
+                {
+                    out.push_str(&text[copied..i]);
+                    out.push_str(&format!("{{\"__float__\": \"{value}\"}}"));
+                    i += lit.len();
+                    copied = i;
+                    continue;
+                }
+            }
+            _ => {}
+        }
+        i += 1;
+    }
+    if copied == 0 {
+        return std::borrow::Cow::Borrowed(text);
+    }
+    out.push_str(&text[copied..]);
+    std::borrow::Cow::Owned(out)
+}
+
 /// A token id field (`eos_token_id`, `bos_token_id`): an integer, a list of them, or null.
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(untagged, expecting = "a token id or a list of token ids")]
@@ -112,6 +152,21 @@ mod tests {
     #[derive(Debug, Deserialize)]
     struct Inner {
         factor: f64,
+    }
+
+    #[test]
+    fn python_nonfinite_literals_are_spelled_as_transformers_5_does() {
+        let text = r#"{"a": [0.0, Infinity], "b": -Infinity, "c": NaN, "s": "NaN \" Infinity"}"#;
+        let v: serde_json::Value = serde_json::from_str(&with_nonfinite_spelled(text)).unwrap();
+        assert_eq!(v["a"][1]["__float__"], "Infinity");
+        assert_eq!(v["b"]["__float__"], "-Infinity");
+        assert_eq!(v["c"]["__float__"], "NaN");
+        assert_eq!(v["s"], "NaN \" Infinity");
+        let plain = r#"{"x": -1.5}"#;
+        assert!(matches!(
+            with_nonfinite_spelled(plain),
+            std::borrow::Cow::Borrowed(_)
+        ));
     }
 
     #[test]

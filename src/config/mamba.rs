@@ -91,7 +91,7 @@ pub(super) struct RawMamba {
     mamba_expand: Option<usize>,
     mamba_conv_bias: Option<bool>,
     mamba_proj_bias: Option<bool>,
-    /// `[low, high]`; transformers 5 writes infinity as `{"__float__": "Infinity"}`.
+    /// `[low, high]` ([`time_step_unclamped`]).
     time_step_limit: Option<Vec<serde_json::Value>>,
 }
 
@@ -134,7 +134,7 @@ impl RawMamba {
                 format!("{groups} does not divide mamba_n_heads={heads}"),
             ));
         }
-        self.check_time_step_limit(fields)?;
+        time_step_unclamped(fields, "time_step_limit", self.time_step_limit.as_ref())?;
         if let Some(bad) = self
             .attn_layer_indices
             .iter()
@@ -181,27 +181,33 @@ impl RawMamba {
             proj_bias: self.mamba_proj_bias.unwrap_or(false),
         })
     }
+}
 
-    /// The time step is unclamped (`[0, ∞]`, transformers' default): a clamp would apply in
-    /// its whole-sequence form only, not in the recurrent one it decodes with.
-    fn check_time_step_limit(&self, fields: ConfigFields<'_>) -> Result<()> {
-        let Some(limit) = &self.time_step_limit else {
-            return Ok(());
-        };
-        let value = |v: &serde_json::Value| match v {
-            serde_json::Value::Object(o) => o
-                .get("__float__")
-                .and_then(|s| s.as_str())
-                .and_then(|s| s.parse::<f64>().ok()),
-            v => v.as_f64(),
-        };
-        match limit.as_slice() {
-            [low, high] if value(low) == Some(0.0) && value(high) == Some(f64::INFINITY) => Ok(()),
-            _ => Err(fields.err(
-                "time_step_limit",
-                format!("{limit:?}: only the unclamped [0, inf] is supported"),
-            )),
-        }
+/// Checks that a Mamba2 mixer's time step is unclamped (`limit` `[0, ∞]`, transformers'
+/// default, where a config names one as `field`): a clamp would apply in transformers' whole-sequence
+/// form only, not in the recurrent one it decodes with.
+pub(super) fn time_step_unclamped(
+    fields: ConfigFields<'_>,
+    field: &str,
+    limit: Option<&Vec<serde_json::Value>>,
+) -> Result<()> {
+    let Some(limit) = limit else {
+        return Ok(());
+    };
+    // transformers 5 writes infinity as `{"__float__": "Infinity"}`.
+    let value = |v: &serde_json::Value| match v {
+        serde_json::Value::Object(o) => o
+            .get("__float__")
+            .and_then(|s| s.as_str())
+            .and_then(|s| s.parse::<f64>().ok()),
+        v => v.as_f64(),
+    };
+    match limit.as_slice() {
+        [low, high] if value(low) == Some(0.0) && value(high) == Some(f64::INFINITY) => Ok(()),
+        _ => Err(fields.err(
+            field,
+            format!("{limit:?}: only the unclamped [0, inf] is supported"),
+        )),
     }
 }
 

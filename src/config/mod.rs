@@ -9,6 +9,7 @@ mod mamba;
 mod mla_config;
 mod model_config;
 mod moe_config;
+mod nemotron_h;
 mod quant;
 mod rope;
 mod short_conv;
@@ -28,6 +29,7 @@ pub use model_config::{
     UngatedMlp,
 };
 pub use moe_config::{DeepSeekRouting, ExpertNaming, MoeConfig, Scoring};
+pub use nemotron_h::Sublayer;
 pub use quant::Fp8Weights;
 pub use rope::{RopeConfig, RopeScaling};
 pub use short_conv::ShortConvConfig;

@@ -15,6 +15,7 @@ use super::linear_attention::{DeltaNetProjections, LinearAttentionConfig, RawLin
 use super::mamba::{MambaConfig, RawMamba};
 use super::mla_config::{MlaConfig, RawMla};
 use super::moe_config::{DeepSeekDefaults, ExpertNaming, MoeConfig, RawMoe, SparseShape};
+use super::nemotron_h::{RawNemotronH, Sublayer};
 use super::quant::{parse_quantization, Fp8Weights, Quantization};
 use super::rope::{self, RawRope, RopeConfig, RopeDefaults, RopeScaling};
 use super::short_conv::{Lfm2Shape, RawLfm2, ShortConvConfig};
@@ -190,12 +191,17 @@ pub enum Architecture {
     /// a softmax router whose top k are always renormalised, experts `moe_intermediate_size`
     /// wide, a shared expert scaled by its sigmoid gate).
     Qwen3_5Moe,
+    /// Nemotron-H (`NemotronHForCausalLM`: Nemotron-H 4B/8B/47B/56B, Nemotron Nano 2): each
+    /// layer a norm and one sublayer — Granite 4.0-H's Mamba2 mixer, attention without rope,
+    /// or an ungated squared-ReLU MLP (`config::nemotron_h`); its checkpoints name every
+    /// sublayer `mixer` (`model::nemotron_h_names`).
+    NemotronH,
 }
 
 impl Architecture {
     /// Each architecture's `*ForCausalLM` class (`architectures`) and its `model_type`, the
     /// fallback for a config without `architectures`.
-    const CAUSAL_LM: [(&'static str, &'static str, Architecture); 47] = [
+    const CAUSAL_LM: [(&'static str, &'static str, Architecture); 48] = [
         ("LlamaForCausalLM", "llama", Architecture::Llama),
         ("MistralForCausalLM", "mistral", Architecture::Mistral),
         ("Qwen2ForCausalLM", "qwen2", Architecture::Qwen2),
@@ -265,6 +271,11 @@ impl Architecture {
             Architecture::Qwen3Next,
         ),
         ("BambaForCausalLM", "bamba", Architecture::Bamba),
+        (
+            "NemotronHForCausalLM",
+            "nemotron_h",
+            Architecture::NemotronH,
+        ),
         ("Qwen3_5ForCausalLM", "qwen3_5_text", Architecture::Qwen3_5),
         (
             "Qwen3_5MoeForCausalLM",
@@ -434,7 +445,7 @@ impl Architecture {
     pub fn ungated_mlp(self) -> Option<UngatedMlp> {
         match self {
             Architecture::Apertus => Some(UngatedMlp::Xielu),
-            Architecture::Arcee => Some(UngatedMlp::Relu2),
+            Architecture::Arcee | Architecture::NemotronH => Some(UngatedMlp::Relu2),
             _ => None,
         }
     }
@@ -708,6 +719,9 @@ pub struct ModelConfig {
     pub linear_attention: Option<LinearAttentionConfig>,
     /// Granite 4.0-H's Mamba2 layers (`None`: every layer attends).
     pub mamba: Option<MambaConfig>,
+    /// Nemotron-H's layers each hold one sublayer, a mixer (Mamba2 or attention) or an MLP
+    /// (`None`: every layer holds both).
+    pub sublayers: Option<Vec<Sublayer>>,
     /// DeepSeek's latent attention (`None`: q/k/v projections). With it, `head_dim` is a
     /// head's query/key width, `rotary_dim` its rotated part's, and every head has its own
     /// key and value (`num_key_value_heads` = `num_attention_heads`).
@@ -835,6 +849,9 @@ struct RawConfig {
     /// implement is refused rather than run as another.
     hidden_act: Option<String>,
     hidden_activation: Option<String>,
+    /// Nemotron-H's names for `hidden_act` and `rms_norm_eps`.
+    mlp_hidden_act: Option<String>,
+    layer_norm_epsilon: Option<f64>,
 }
 
 impl ModelConfig {
@@ -883,6 +900,20 @@ impl ModelConfig {
         };
 
         let (architecture, head) = Self::parse_architecture(&raw, path)?;
+        let nemotron_h = (architecture == Architecture::NemotronH)
+            .then(|| parse_json::<RawNemotronH>(text, path)?.check(path))
+            .transpose()?;
+        if let Some(layer) = nemotron_h
+            .as_ref()
+            .and_then(|n| n.sparse.iter().position(|&s| s))
+        {
+            return Err(err(
+                "layers_block_type",
+                format!(
+                    "layer {layer} is \"moe\": Nemotron-H's mixtures of experts are not supported"
+                ),
+            ));
+        }
         // A quantized checkpoint is read in the formats `super::quant` names (FP8 weights,
         // gpt-oss's MXFP4 experts) and refused otherwise, naming the method, rather than
         // failing on the first tensor.
@@ -910,6 +941,11 @@ impl ModelConfig {
             (
                 "hidden_activation",
                 name.ok_or_else(|| err("hidden_activation", "missing".into()))?,
+            )
+        } else if nemotron_h.is_some() {
+            (
+                "mlp_hidden_act",
+                raw.mlp_hidden_act.as_deref().unwrap_or("relu2"),
             )
         } else {
             ("hidden_act", raw.hidden_act.as_deref().unwrap_or("silu"))
@@ -1009,13 +1045,22 @@ impl ModelConfig {
                 format!("rotary embeddings need an even head_dim, got {head_dim}"),
             ));
         }
-        let num_hidden_layers = positive("num_hidden_layers", raw.num_hidden_layers)?;
+        // Nemotron-H's layer count is its list of blocks' length (transformers ignores
+        // `num_hidden_layers` beside it).
+        let num_hidden_layers = match &nemotron_h {
+            Some(n) => n.sublayers.len(),
+            None => positive("num_hidden_layers", raw.num_hidden_layers)?,
+        };
         // Granite 4.0-H's Mamba2 layers (its attention-only models have none).
         let mamba = match architecture {
             Architecture::GraniteMoeHybrid | Architecture::Bamba => Some(
                 parse_json::<RawMamba>(text, path)?.check(path, num_hidden_layers, hidden_size)?,
             )
             .filter(|m| m.layers.iter().any(|&l| l)),
+            Architecture::NemotronH => nemotron_h
+                .as_ref()
+                .map(|n| n.mamba.clone())
+                .filter(|m| m.layers.iter().any(|&l| l)),
             _ => None,
         };
         let lfm2 = architecture
@@ -1028,6 +1073,9 @@ impl ModelConfig {
             .transpose()?;
         let (eps_field, eps) = match &lfm2 {
             Some(Lfm2Shape { norm_eps, .. }) => ("norm_eps", *norm_eps),
+            None if nemotron_h.is_some() => {
+                ("layer_norm_epsilon", raw.layer_norm_epsilon.or(Some(1e-5)))
+            }
             None => ("rms_norm_eps", raw.rms_norm_eps),
         };
         let rms_norm_eps = eps.unwrap_or(1e-6);
@@ -1121,7 +1169,8 @@ impl ModelConfig {
             | Architecture::Qwen3Next
             | Architecture::Qwen3_5
             | Architecture::Qwen3_5Moe
-            | Architecture::Bamba => None,
+            | Architecture::Bamba
+            | Architecture::NemotronH => None,
             // Its window applies to its sliding layers only (below).
             Architecture::Dots1 => raw.sliding_window,
             // Its window applies to the layers without rope only (below).
@@ -1329,6 +1378,8 @@ impl ModelConfig {
                 != Some("rope"))
             .then(|| vec![false; num_hidden_layers]),
             Architecture::GraniteSwa | Architecture::GraniteMoeSwa => granite_swa_rope_layers,
+            // Its attention has no positions at all (Jamba's).
+            Architecture::NemotronH => Some(vec![false; num_hidden_layers]),
             _ => smollm3_rope_layers,
         };
         let torch_dtype = [&raw.torch_dtype, &raw.dtype]
@@ -1424,6 +1475,7 @@ impl ModelConfig {
                 })
                 .transpose()?,
             mamba,
+            sublayers: nemotron_h.map(|n| n.sublayers),
             mla,
             // dots.llm1's window only where a layer is sliding.
             sliding_window: sliding_window
@@ -1821,6 +1873,33 @@ impl ModelConfig {
         self.rope_layers
             .as_ref()
             .is_none_or(|r| r.get(layer).copied().unwrap_or(true))
+    }
+
+    /// Whether layer `layer` mixes tokens (a Nemotron-H MLP block does not).
+    pub fn has_mixer(&self, layer: usize) -> bool {
+        self.sublayer(layer) != Some(Sublayer::Mlp)
+    }
+
+    /// Whether layer `layer` has an MLP (a Nemotron-H mixer block does not).
+    pub fn has_mlp(&self, layer: usize) -> bool {
+        self.sublayer(layer) != Some(Sublayer::Mixer)
+    }
+
+    /// Layer `layer`'s norms ([`Architecture::sublayer_norms`]), those of a sublayer it does
+    /// not have left out.
+    pub fn layer_norms(&self, layer: usize) -> [Option<&'static str>; 4] {
+        let (mixer, mlp) = (self.has_mixer(layer), self.has_mlp(layer));
+        let mut names = self.architecture.sublayer_norms();
+        for (name, present) in names.iter_mut().zip([mixer, mixer, mlp, mlp]) {
+            if !present {
+                *name = None;
+            }
+        }
+        names
+    }
+
+    fn sublayer(&self, layer: usize) -> Option<Sublayer> {
+        self.sublayers.as_ref()?.get(layer).copied()
     }
 
     /// Whether layer `layer` attends within `sliding_window`.

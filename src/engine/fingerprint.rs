@@ -86,6 +86,17 @@ pub fn model_digest(cfg: &ModelConfig, dir: &Path, eos: &[u32]) -> Result<u64> {
     if let Some(conv) = &cfg.short_conv {
         h.update(format!("|conv{conv:?}").as_bytes());
     }
+    // Likewise the recurrent layers (Qwen3.5's DeltaNets, Mamba2 mixers) and Nemotron-H's
+    // one-sublayer layers.
+    if let Some(la) = &cfg.linear_attention {
+        h.update(format!("|delta{la:?}").as_bytes());
+    }
+    if let Some(m) = &cfg.mamba {
+        h.update(format!("|mamba{m:?}").as_bytes());
+    }
+    if let Some(sublayers) = &cfg.sublayers {
+        h.update(format!("|sublayers{sublayers:?}").as_bytes());
+    }
     // Likewise models whose layers are of two kinds (which slide, and their rope).
     if let Some(sliding) = &cfg.sliding_layers {
         h.update(format!("|slides{sliding:?}|rope_sliding{:?}", cfg.rope_sliding).as_bytes());

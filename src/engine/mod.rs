@@ -367,18 +367,19 @@ impl Engine {
     /// submitted meanwhile wait for the update) or are aborted (`InFlight::Abort`).
     /// A sparse model's experts may come fused, as a transformers `state_dict()` holds them
     /// ([`crate::model::unfuse_experts`]); a multimodal model's language model under its own
-    /// prefix ([`crate::model::language_model_name`]).
+    /// prefix, Nemotron-H's under its own names ([`crate::model::engine_name`]).
     pub fn update_weights(&self, updates: Updates, in_flight: InFlight) -> Result<Arc<ModelInfo>> {
+        let info = self.info();
         let updates = updates
             .into_iter()
-            .map(|(n, t)| (crate::model::language_model_name(&n).unwrap_or(n), t))
+            .map(|(n, t)| (crate::model::engine_name(&info.config, n), t))
             .collect();
-        let updates = crate::model::unfuse_experts(&self.info().config, updates)?;
+        let updates = crate::model::unfuse_experts(&info.config, updates)?;
         let shapes: Vec<_> = updates
             .iter()
             .map(|(n, t)| (n.clone(), t.dims().to_vec(), t.dtype()))
             .collect();
-        crate::model::check_update(&self.info().config, &shapes)?;
+        crate::model::check_update(&info.config, &shapes)?;
         let (tx, rx) = unbounded();
         self.send(Command::UpdateWeights {
             updates,
@@ -395,7 +396,7 @@ impl Engine {
         dir: &Path,
         in_flight: InFlight,
     ) -> Result<Arc<ModelInfo>> {
-        let ck = crate::model::Checkpoint::open(dir)?;
+        let ck = crate::model::Checkpoint::open_for(dir, &self.info().config)?;
         let device = candle_core::Device::Cpu;
         let mut updates = Vec::new();
         for (name, shape) in crate::model::param_shapes(&self.info().config) {
@@ -423,9 +424,9 @@ impl Engine {
         complete: bool,
     ) -> Result<Arc<ModelInfo>> {
         if complete {
-            let ck = crate::model::Checkpoint::open(dir)?;
             let info = self.info();
             let cfg = &info.config;
+            let ck = crate::model::Checkpoint::open_for(dir, cfg)?;
             for name in crate::model::param_shapes(cfg).keys() {
                 let optional = name == "lm_head.weight" && cfg.tie_word_embeddings;
                 if !optional && !ck.contains(name) {

@@ -27,6 +27,8 @@ pub enum LayerCacheShape {
     Rows { width: usize },
     /// Nothing per token: a state of `values` floats per sequence.
     Recurrent { values: usize },
+    /// Nothing at all: a layer without a token mixer (Nemotron-H's MLP blocks).
+    Stateless,
 }
 
 impl LayerCacheShape {
@@ -35,7 +37,7 @@ impl LayerCacheShape {
         match self {
             Self::Attention { kv_heads, head_dim } => 2 * kv_heads * head_dim,
             Self::Rows { width } => width,
-            Self::Recurrent { .. } => 0,
+            Self::Recurrent { .. } | Self::Stateless => 0,
         }
     }
 
@@ -56,6 +58,7 @@ impl LayerCacheShape {
         (0..cfg.num_hidden_layers)
             .map(
                 |i| match (&cfg.short_conv, &cfg.linear_attention, &cfg.mamba) {
+                    _ if !cfg.has_mixer(i) => Self::Stateless,
                     (Some(conv), ..) if conv.is_conv(i) => Self::Rows {
                         width: cfg.hidden_size,
                     },
@@ -85,6 +88,8 @@ pub enum LayerCache {
     Rows(Tensor),
     /// Its state is in [`KvPool::states`].
     Recurrent,
+    /// The layer mixes no tokens.
+    Stateless,
 }
 
 impl LayerCache {
@@ -92,7 +97,7 @@ impl LayerCache {
         let (a, b) = match self {
             Self::Attention { k, v } => (Some(k), Some(v)),
             Self::Rows(rows) => (Some(rows), None),
-            Self::Recurrent => (None, None),
+            Self::Recurrent | Self::Stateless => (None, None),
         };
         a.into_iter().chain(b)
     }
@@ -207,6 +212,7 @@ impl KvPool {
                         LayerCache::Rows(Tensor::zeros((pages, page, 1, width), dtype, device)?)
                     }
                     LayerCacheShape::Recurrent { .. } => LayerCache::Recurrent,
+                    LayerCacheShape::Stateless => LayerCache::Stateless,
                 })
             })
             .collect::<Result<Vec<_>>>()?;

@@ -62,13 +62,14 @@ pub struct ForwardBatch {
 /// Every norm weight is held as the kernels multiply by it (Gemma's `1 + w`,
 /// `loader::offset_norm`).
 #[derive(Debug)]
+/// A Nemotron-H layer holds one sublayer: a mixer or an MLP, the other `None` with its norms.
 pub(super) struct Layer {
     pub(super) input_norm: Option<Tensor>,
-    pub(super) mixer: Mixer,
+    pub(super) mixer: Option<Mixer>,
     pub(super) attn_out_norm: Option<Tensor>,
     pub(super) mlp_norm: Option<Tensor>,
     pub(super) mlp_out_norm: Option<Tensor>,
-    pub(super) mlp: Mlp,
+    pub(super) mlp: Option<Mlp>,
 }
 
 /// What mixes a layer's tokens: attention, LFM2's short convolution, Qwen3-Next's gated
@@ -184,7 +185,7 @@ impl Model {
                 "\"bfloat16\" runs on the CPU with bf16 weights",
             ));
         }
-        let ck = Checkpoint::open(dir)?;
+        let ck = Checkpoint::open_for(dir, &cfg)?;
         let act_dtype = if device.is_cpu() { DType::F32 } else { dtype };
         let ld = WeightLoader::new(&ck, device, dtype, act_dtype, act, cfg.fp8_weights);
         let (h, kvh, d) = (
@@ -218,8 +219,9 @@ impl Model {
                     .then(|| ld.norm(&name, &[width], norm_offset))
                     .transpose()
             };
+            let (has_mixer, has_mlp) = (cfg.has_mixer(i), cfg.has_mlp(i));
             let [input_norm, attn_out_norm, mlp_norm, mlp_out_norm] =
-                cfg.architecture.sublayer_norms().map(|name| {
+                cfg.layer_norms(i).map(|name| {
                     name.map(|n| ld.norm(&format!("{p}.{n}.weight"), &[hs], norm_offset))
                         .transpose()
                 });
@@ -231,20 +233,21 @@ impl Model {
             ];
             let fused = cfg.architecture.fused();
             let mlp = match &cfg.moe {
+                _ if !has_mlp => None,
                 Some(moe) if moe.is_sparse(i) => {
-                    Mlp::Sparse(Box::new(SparseMlp::load(&ld, &cfg, moe, i)?))
+                    Some(Mlp::Sparse(Box::new(SparseMlp::load(&ld, &cfg, moe, i)?)))
                 }
-                _ if let Some(kind) = cfg.architecture.ungated_mlp() => Mlp::Ungated {
-                    up: ld.linear(&mlp("up_proj"), hs, is, false)?,
-                    down: ld.linear(&mlp("down_proj"), is, hs, false)?,
+                _ if let Some(kind) = cfg.architecture.ungated_mlp() => Some(Mlp::Ungated {
+                    up: ld.linear(&mlp("up_proj"), hs, is, cfg.mlp_bias)?,
+                    down: ld.linear(&mlp("down_proj"), is, hs, cfg.mlp_bias)?,
                     act: match kind {
                         UngatedMlp::Xielu => {
                             UngatedAct::Xielu(XieluParams::load(&ld, &mlp("act_fn"))?)
                         }
                         UngatedMlp::Relu2 => UngatedAct::Relu2,
                     },
-                },
-                _ if fused.gate_up => Mlp::Dense {
+                }),
+                _ if fused.gate_up => Some(Mlp::Dense {
                     gate_up: ld.fused_projection(
                         &format!("{p}.{}", fused.gate_up_module()),
                         &[is, is],
@@ -252,30 +255,31 @@ impl Model {
                         stack,
                     )?,
                     down: ld.linear(&format!("{p}.{}", fused.down_module()), is, hs, false)?,
-                },
+                }),
                 _ => {
                     let module = |m: &str| format!("{p}.{m}");
                     let [gate, up] = fused.gate_and_up_modules().map(module);
-                    Mlp::Dense {
+                    Some(Mlp::Dense {
                         gate_up: ld.projection(&[(gate, is), (up, is)], hs, cfg.mlp_bias, stack)?,
                         down: ld.linear(&module(fused.down_module()), is, hs, cfg.mlp_bias)?,
-                    }
+                    })
                 }
             };
 
             // o_proj reads every head's value.
             let o_in = cfg.mla.as_ref().map_or(h * d, |m| h * m.v_head_dim);
             let mixer = match (&cfg.short_conv, &cfg.linear_attention, &cfg.mamba) {
-                (Some(conv), ..) if conv.is_conv(i) => {
-                    Mixer::ShortConv(Box::new(ShortConv::load(&ld, &cfg, conv, &p)?))
-                }
-                (_, Some(la), _) if la.is_linear(i) => {
-                    Mixer::GatedDeltaNet(Box::new(GatedDeltaNet::load(&ld, &cfg, la, &p)?))
-                }
-                (.., Some(m)) if m.is_mamba(i) => {
-                    Mixer::Mamba2(Box::new(Mamba2Mixer::load(&ld, &cfg, m, &p)?))
-                }
-                _ => Mixer::Attention(Box::new(Attention {
+                _ if !has_mixer => None,
+                (Some(conv), ..) if conv.is_conv(i) => Some(Mixer::ShortConv(Box::new(
+                    ShortConv::load(&ld, &cfg, conv, &p)?,
+                ))),
+                (_, Some(la), _) if la.is_linear(i) => Some(Mixer::GatedDeltaNet(Box::new(
+                    GatedDeltaNet::load(&ld, &cfg, la, &p)?,
+                ))),
+                (.., Some(m)) if m.is_mamba(i) => Some(Mixer::Mamba2(Box::new(Mamba2Mixer::load(
+                    &ld, &cfg, m, &p,
+                )?))),
+                _ => Some(Mixer::Attention(Box::new(Attention {
                     qkv: match &cfg.mla {
                         Some(m) => {
                             QkvSource::Latent(Box::new(LatentAttention::load(&ld, &cfg, m, i)?))
@@ -304,7 +308,7 @@ impl Model {
                         .then(|| host_vector(&ld.load(&attn("sinks"), &[h])?))
                         .transpose()?,
                     output_gate: cfg.architecture.attention_output_gate(),
-                })),
+                }))),
             };
             layers.push(Layer {
                 input_norm: input_norm?,
@@ -539,10 +543,11 @@ impl Model {
         if let Some(s) = &self.embed_scale {
             x = x.broadcast_mul(s)?;
         }
-        let input_norm = |li: usize| {
-            self.layers
-                .get(li)
-                .map_or(Some(&self.norm), |l| l.input_norm.as_ref())
+        // The norm of layer `li`'s first sublayer's input (the final norm after the last).
+        let input_norm = |li: usize| match self.layers.get(li) {
+            None => Some(&self.norm),
+            Some(l) if l.mixer.is_some() => l.input_norm.as_ref(),
+            Some(l) => l.mlp_norm.as_ref(),
         };
         let mut hn = match input_norm(0) {
             Some(w) => ops::rms_norm(&x, w, eps)?,
@@ -580,17 +585,18 @@ impl Model {
                     .ok_or_else(|| candle_core::Error::Msg("LoRA returned no output".into()))
             };
             let o = match (&layer.mixer, cache) {
-                (Mixer::ShortConv(conv), LayerCache::Rows(rows)) => {
-                    conv.forward(&hn, rows, slots.clone(), &full_meta, inv)?
+                (None, LayerCache::Stateless) => None,
+                (Some(Mixer::ShortConv(conv)), LayerCache::Rows(rows)) => {
+                    Some(conv.forward(&hn, rows, slots.clone(), &full_meta, inv)?)
                 }
-                (Mixer::GatedDeltaNet(net), LayerCache::Recurrent) => {
-                    net.forward(&hn, &full_meta, &batch.states, (kv.states(), li), inv)?
+                (Some(Mixer::GatedDeltaNet(net)), LayerCache::Recurrent) => {
+                    Some(net.forward(&hn, &full_meta, &batch.states, (kv.states(), li), inv)?)
                 }
-                (Mixer::Mamba2(mixer), LayerCache::Recurrent) => {
-                    mixer.forward(&hn, &full_meta, &batch.states, (kv.states(), li), inv)?
+                (Some(Mixer::Mamba2(mixer)), LayerCache::Recurrent) => {
+                    Some(mixer.forward(&hn, &full_meta, &batch.states, (kv.states(), li), inv)?)
                 }
                 (
-                    Mixer::Attention(attn),
+                    Some(Mixer::Attention(attn)),
                     LayerCache::Attention {
                         k: k_cache,
                         v: v_cache,
@@ -710,7 +716,7 @@ impl Model {
                         Some(g) => ops::sigmoid_gate(&heads, g)?,
                         None => heads,
                     };
-                    one(&heads, attn.o.apply(&heads, inv)?, &t_o)?
+                    Some(one(&heads, attn.o.apply(&heads, inv)?, &t_o)?)
                 }
                 _ => {
                     return Err(DetspecError::param(
@@ -719,9 +725,16 @@ impl Model {
                     ))
                 }
             };
-            let o = residual_scale(out_norm(o, &layer.attn_out_norm)?)?;
-            (x, hn) = add_then_norm(&x, &o, layer.mlp_norm.as_ref())?;
-            let down = match &layer.mlp {
+            if let Some(o) = o {
+                let o = residual_scale(out_norm(o, &layer.attn_out_norm)?)?;
+                let next = match layer.mlp {
+                    Some(_) => layer.mlp_norm.as_ref(),
+                    None => input_norm(li + 1),
+                };
+                (x, hn) = add_then_norm(&x, &o, next)?;
+            }
+            let Some(mlp) = &layer.mlp else { continue };
+            let down = match mlp {
                 Mlp::Sparse(moe) => moe.forward(&hn, inv, !batch.fast_experts)?,
                 // (adapters of its up projection are refused at load)
                 Mlp::Ungated { up, down, act } => {

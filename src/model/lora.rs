@@ -228,6 +228,15 @@ impl LoraAdapter {
                     .into(),
             });
         }
+        if cfg.architecture == crate::config::Architecture::NemotronH {
+            return Err(DetspecError::InvalidConfig {
+                path: weights_path.to_path_buf(),
+                field: "target_modules".into(),
+                message: "LoRA adapters are not supported on Nemotron-H (its checkpoints name \
+                          every sublayer `mixer`)"
+                    .into(),
+            });
+        }
         let halves = read_halves(bytes, weights_path, cfg, max_rank)?;
         let mut hash = Xxh3::new();
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);

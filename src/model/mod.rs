@@ -13,6 +13,7 @@ mod mla;
 mod moe;
 mod moe_names;
 mod mxfp4;
+mod nemotron_h_names;
 mod param_hash;
 mod params;
 mod short_conv;
@@ -28,4 +29,4 @@ pub use memory::{
 };
 pub use moe_names::unfuse_experts;
 pub use params::{check_update, param_shapes};
-pub use weights::{language_model_name, Checkpoint};
+pub use weights::{engine_name, Checkpoint};

@@ -44,7 +44,8 @@ pub fn param_shapes(cfg: &ModelConfig) -> BTreeMap<String, Vec<usize>> {
         let conv = cfg.short_conv.as_ref().filter(|c| c.is_conv(i));
         let delta_net = cfg.linear_attention.as_ref().filter(|la| la.is_linear(i));
         let mamba = cfg.mamba.as_ref().filter(|m| m.is_mamba(i));
-        let attends = conv.is_none() && delta_net.is_none() && mamba.is_none();
+        let (has_mixer, has_mlp) = (cfg.has_mixer(i), cfg.has_mlp(i));
+        let attends = has_mixer && conv.is_none() && delta_net.is_none() && mamba.is_none();
         // (Latent attention's projections are listed with the norms below.)
         let [q_width, ..] = cfg.qkv_widths();
         match (&cfg.mla, fused.qkv) {
@@ -68,12 +69,13 @@ pub fn param_shapes(cfg: &ModelConfig) -> BTreeMap<String, Vec<usize>> {
             linear(format!("{p}.{o}"), o_in, hs, cfg.o_bias);
         }
         match &cfg.moe {
+            _ if !has_mlp => {}
             Some(moe) if moe.is_sparse(i) => {
                 m.extend(sparse_params(cfg, moe, i));
             }
             _ if cfg.architecture.ungated_mlp().is_some() => {
-                linear(format!("{p}.mlp.up_proj"), hs, is, false);
-                linear(format!("{p}.mlp.down_proj"), is, hs, false);
+                linear(format!("{p}.mlp.up_proj"), hs, is, cfg.mlp_bias);
+                linear(format!("{p}.mlp.down_proj"), is, hs, cfg.mlp_bias);
                 if cfg.architecture.ungated_mlp() == Some(UngatedMlp::Xielu) {
                     for (name, shape) in XieluParams::NAMES {
                         m.insert(format!("{p}.mlp.act_fn.{name}"), shape.to_vec());
@@ -91,8 +93,11 @@ pub fn param_shapes(cfg: &ModelConfig) -> BTreeMap<String, Vec<usize>> {
                 linear(format!("{p}.{}", fused.down_module()), is, hs, cfg.mlp_bias);
             }
         }
-        for norm in cfg.architecture.sublayer_norms().into_iter().flatten() {
+        for norm in cfg.layer_norms(i).into_iter().flatten() {
             m.insert(format!("{p}.{norm}.weight"), vec![hs]);
+        }
+        if !has_mixer {
+            continue;
         }
         if let Some(conv) = conv {
             for (name, shape) in conv_params(cfg, conv) {

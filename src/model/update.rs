@@ -195,8 +195,9 @@ impl Model {
         let layer = self.layers.get_mut(layer_index)?;
         let (module, kind) = field.rsplit_once('.')?;
         let (gate_up, down) = match &mut layer.mlp {
-            Mlp::Dense { gate_up, down } => (Some(gate_up), Some(down)),
-            Mlp::Ungated { up, down, act } => match (module, kind, act) {
+            None => (None, None),
+            Some(Mlp::Dense { gate_up, down }) => (Some(gate_up), Some(down)),
+            Some(Mlp::Ungated { up, down, act }) => match (module, kind, act) {
                 ("mlp.up_proj", ..) => return linear_slot(up, kind),
                 ("mlp.down_proj", ..) => return linear_slot(down, kind),
                 ("mlp.act_fn", name, UngatedAct::Xielu(p)) => {
@@ -204,7 +205,7 @@ impl Model {
                 }
                 _ => (None, None),
             },
-            Mlp::Sparse(moe) => {
+            Some(Mlp::Sparse(moe)) => {
                 if let Some(m) = self.cfg.moe.as_ref() {
                     let shared = m.shared_expert_intermediate_size.is_some();
                     if let Some(part) = FusedPart::parse(m.naming, shared, layer_index, name) {
@@ -231,8 +232,9 @@ impl Model {
             }
         };
         let attn: Option<&mut Attention> = match &mut layer.mixer {
-            Mixer::Attention(a) => Some(a),
-            Mixer::ShortConv(conv) => {
+            None => None,
+            Some(Mixer::Attention(a)) => Some(a),
+            Some(Mixer::ShortConv(conv)) => {
                 // A convolution layer's own parameters.
                 match (module, kind) {
                     ("conv.in_proj", _) => return linear_slot(&mut conv.in_proj, kind),
@@ -244,7 +246,7 @@ impl Model {
                     _ => None,
                 }
             }
-            Mixer::GatedDeltaNet(net) => {
+            Some(Mixer::GatedDeltaNet(net)) => {
                 // Its own parameters; the layer's norms and MLP are found below.
                 match (module, kind) {
                     ("linear_attn", "A_log") => {
@@ -270,7 +272,7 @@ impl Model {
                 }
                 None
             }
-            Mixer::Mamba2(mixer) => {
+            Some(Mixer::Mamba2(mixer)) => {
                 // Its own parameters; the layer's norms and MLP are found below.
                 match (module, kind) {
                     ("mamba", "A_log") => return Some(Slot::HostValues(&mut mixer.params.a_log)),
@@ -311,7 +313,7 @@ impl Model {
         }
         // The same name is a different norm by layout (`post_attention_layernorm`: the MLP's
         // input in the Llama family, the attention's output in OLMo 2 and Gemma).
-        let names = self.cfg.architecture.sublayer_norms();
+        let names = self.cfg.layer_norms(layer_index);
         if let Some(at) = names.iter().position(|n| *n == Some(module)) {
             let norms = [
                 &mut layer.input_norm,

@@ -12,7 +12,10 @@ use memmap2::Mmap;
 pub use safetensors::Dtype as StDtype;
 use safetensors::SafeTensors;
 
+use crate::config::ModelConfig;
 use crate::error::{DetspecError, Result};
+
+use super::nemotron_h_names;
 
 /// Where multimodal checkpoints keep their language model: each prefix its names carry, and
 /// the decoder checkpoint's prefix in its place. transformers' modules name the decoder
@@ -31,6 +34,15 @@ pub fn language_model_name(name: &str) -> Option<String> {
     LANGUAGE_MODEL_PREFIXES
         .iter()
         .find_map(|(stored, own)| name.strip_prefix(stored).map(|rest| format!("{own}{rest}")))
+}
+
+/// The engine's name for a parameter of a model of `cfg` that a trainer or a checkpoint calls
+/// `name`: a multimodal checkpoint's language model's ([`language_model_name`]), Nemotron-H's
+/// (`nemotron_h_names`), or `name` itself.
+pub fn engine_name(cfg: &ModelConfig, name: String) -> String {
+    language_model_name(&name)
+        .or_else(|| nemotron_h_names::engine_name(cfg, &name))
+        .unwrap_or(name)
 }
 
 /// Granite MoE's tensors as transformers 5 names its modules, and the name its checkpoints
@@ -92,6 +104,21 @@ struct Stored {
 }
 
 impl Checkpoint {
+    /// [`Self::open`] for a model of `cfg`: its tensors also found under the engine's names
+    /// where its checkpoints name them otherwise (Nemotron-H's, [`engine_name`]).
+    pub fn open_for(dir: &Path, cfg: &ModelConfig) -> Result<Self> {
+        let mut ck = Self::open(dir)?;
+        let renamed: Vec<(String, Stored)> = ck
+            .index
+            .iter()
+            .filter_map(|(n, at)| nemotron_h_names::engine_name(cfg, n).map(|e| (e, at.clone())))
+            .collect();
+        for (name, at) in renamed {
+            ck.index.entry(name).or_insert(at);
+        }
+        Ok(ck)
+    }
+
     /// Opens `model.safetensors` or the shards listed in `model.safetensors.index.json`.
     pub fn open(dir: &Path) -> Result<Self> {
         let index_path = dir.join("model.safetensors.index.json");

@@ -621,6 +621,34 @@ MODEL_SPECS: dict[str, dict] = {
             "mamba_d_conv": 4,
         },
     },
+    # Nemotron-H: each layer one sublayer — Mamba2 mixers (4 heads of 16 in 2 groups, a state
+    # of 16), attention without rope, squared-ReLU MLPs — in the hub's pattern's order. Its
+    # time steps stay above `time_step_min` (transformers 5.24 clamps them there in its
+    # whole-sequence form only; the configs' `time_step_limit` is unclamped).
+    "nemotron_h": {
+        "arch": "nemotron_h",
+        "seed": 311,
+        "head_dim": 16,
+        "rope": {"rope_type": "default", "rope_theta": 10000.0},
+        "extra": {
+            "layers_block_type": [
+                "linear_attention",
+                "mlp",
+                "linear_attention",
+                "full_attention",
+                "mlp",
+                "linear_attention",
+                "mlp",
+            ],
+            "mamba_num_heads": 4,
+            "mamba_head_dim": 16,
+            "ssm_state_size": 16,
+            "n_groups": 2,
+            "conv_kernel": 4,
+            "time_step_min": 1e-6,
+            "layer_norm_epsilon": 1e-5,
+        },
+    },
     "mixtral": {
         "arch": "mixtral",
         "seed": 31,
@@ -1076,6 +1104,7 @@ _CONFIG_CLASSES = {
     "qwen3_5_moe": (transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM),
     "qwen3_next": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM),
     "bamba": (transformers.BambaConfig, transformers.BambaForCausalLM),
+    "nemotron_h": (transformers.NemotronHConfig, transformers.NemotronHForCausalLM),
     "hunyuan_v1_moe": (transformers.HunYuanMoEV1Config, transformers.HunYuanMoEV1ForCausalLM),
     "arcee": (transformers.ArceeConfig, transformers.ArceeForCausalLM),
     "solar_open": (transformers.SolarOpenConfig, transformers.SolarOpenForCausalLM),
@@ -1150,7 +1179,7 @@ def _randomise_(model: torch.nn.Module, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed + 1000)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):  # input/post-attn/final norm, q_norm, k_norm
+            if name.endswith(("norm.weight", "norm_f.weight")):  # every norm, q_norm, k_norm
                 param.copy_(0.5 + torch.rand(param.shape, generator=gen))
             elif name.endswith((".bias", "_bias")):  # gpt-oss's experts': `gate_up_proj_bias`
                 param.copy_(0.5 * torch.randn(param.shape, generator=gen))
@@ -1158,7 +1187,8 @@ def _randomise_(model: torch.nn.Module, seed: int) -> None:
                 param.copy_(0.5 * torch.randn(param.shape, generator=gen))
             elif name.endswith(".sinks"):  # gpt-oss's per-head sink logits
                 param.copy_(torch.randn(param.shape, generator=gen))
-            elif name.endswith((".mamba.D", ".mamba.A_log")):  # Mamba2's skip and decay rates
+            # Mamba2's skip and decay rates (Nemotron-H's mixers are `mixer`)
+            elif name.endswith((".mamba.D", ".mamba.A_log", ".mixer.D", ".mixer.A_log")):
                 param.add_(0.5 * torch.randn(param.shape, generator=gen))
         for name, buf in model.named_buffers():
             if name.endswith(("e_score_correction_bias", "expert_bias")):  # routers' buffers

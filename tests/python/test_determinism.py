@@ -205,6 +205,7 @@ def needle_in_haystack(
         "qwen3_next",
         "granite4_h",
         "bamba",
+        "nemotron_h",
     ],
 )
 def test_needle_in_haystack_on_every_decoder_layout(model_zoo, name: str) -> None:

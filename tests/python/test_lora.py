@@ -830,6 +830,14 @@ def test_lfm2_refuses_convolution_adapters_and_keeps_serving(model_zoo, tmp_path
     _refused_and_serving(case, path, "layers.0.conv.out_proj")
 
 
+def test_nemotron_h_refuses_adapters_and_keeps_serving(model_zoo, tmp_path):
+    """Nemotron-H's checkpoints name every sublayer `mixer`: adapters on it are refused,
+    naming the field, rather than matched to the wrong sublayer."""
+    case = model_zoo.get("nemotron_h")
+    path = _peft_dir(case.model, tmp_path, "nemotron_h", target_modules=["q_proj", "up_proj"])
+    _refused_and_serving(case, path, "field `target_modules`.*Nemotron-H")
+
+
 @pytest.mark.parametrize(
     "name, module, tensor",
     [

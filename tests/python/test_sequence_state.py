@@ -22,7 +22,7 @@ from detspec import SamplingParams
 
 NEW = 12
 # model -> the seed of its prompt.
-PROMPT_SEEDS = {"lfm2": 5, "qwen3_5": 11, "granite4_h": 13, "bamba": 17}
+PROMPT_SEEDS = {"lfm2": 5, "qwen3_5": 11, "granite4_h": 13, "bamba": 17, "nemotron_h": 19}
 
 
 def params(seed: int = 0) -> SamplingParams:

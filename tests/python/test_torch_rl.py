@@ -94,6 +94,7 @@ def outputs_bits(llm: detspec.LLM) -> list[tuple[list[int], list[int]]]:
         "qwen3_next",
         "granite4_h",
         "bamba",
+        "nemotron_h",
     ],
 )
 def test_update_weights_follows_transformers_and_restores_bit_for_bit(model_zoo, name):
