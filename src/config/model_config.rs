@@ -903,17 +903,6 @@ impl ModelConfig {
         let nemotron_h = (architecture == Architecture::NemotronH)
             .then(|| parse_json::<RawNemotronH>(text, path)?.check(path))
             .transpose()?;
-        if let Some(layer) = nemotron_h
-            .as_ref()
-            .and_then(|n| n.sparse.iter().position(|&s| s))
-        {
-            return Err(err(
-                "layers_block_type",
-                format!(
-                    "layer {layer} is \"moe\": Nemotron-H's mixtures of experts are not supported"
-                ),
-            ));
-        }
         // A quantized checkpoint is read in the formats `super::quant` names (FP8 weights,
         // gpt-oss's MXFP4 experts) and refused otherwise, naming the method, rather than
         // failing on the first tensor.
@@ -1239,6 +1228,14 @@ impl ModelConfig {
             | Architecture::SolarOpen
             | Architecture::ExaoneMoe
             | Architecture::Mistral4 => Some(sparse(ExpertNaming::DeepSeek, true, true)),
+            // Nemotron 3's `moe` layers.
+            Architecture::NemotronH
+                if nemotron_h
+                    .as_ref()
+                    .is_some_and(|n| n.sparse.contains(&true)) =>
+            {
+                Some(sparse(ExpertNaming::DeepSeek, true, true))
+            }
             _ => None,
         }
         .map(|shape| {
@@ -1257,6 +1254,10 @@ impl ModelConfig {
             Architecture::ExaoneMoe => m.with_bias_beside_router(),
             Architecture::Mistral4 => m.with_unbiased_softmax_choice(),
             Architecture::Qwen3_5Moe => m.with_every_layer_sparse_renormalised(),
+            Architecture::NemotronH => match &nemotron_h {
+                Some(n) => m.with_nemotron_h(&n.sparse, n.shared_width),
+                None => m,
+            },
             _ => m,
         });
         // OLMo 1's clamp of q, k and v (OLMoE's configs have none).

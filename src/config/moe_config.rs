@@ -126,6 +126,9 @@ pub struct MoeConfig {
     /// scores with no correction bias, rather than V2's; the router held in the model's dtype,
     /// as transformers holds Mistral 4's.
     pub unbiased_choice: bool,
+    /// The experts and the shared expert are ungated, `down(relu(up(x))²)` (Nemotron-H's),
+    /// rather than SwiGLU MLPs.
+    pub ungated: bool,
 }
 
 /// The derived form, with DeepSeek's routing written only where a model has it, so the
@@ -151,6 +154,9 @@ impl std::fmt::Debug for MoeConfig {
         }
         if self.unbiased_choice {
             s.field("unbiased_choice", &true);
+        }
+        if self.ungated {
+            s.field("ungated", &true);
         }
         s.finish()
     }
@@ -201,6 +207,17 @@ impl MoeConfig {
         }
         Self {
             unbiased_choice: true,
+            ..self
+        }
+    }
+
+    /// Nemotron-H's (`NemotronHMoE`): DeepSeek-V3's routing over ungated squared-ReLU
+    /// experts, in the layers `sparse` names, beside one shared expert `shared_width` wide.
+    pub(super) fn with_nemotron_h(self, sparse: &[bool], shared_width: usize) -> Self {
+        Self {
+            sparse_layers: sparse.to_vec(),
+            shared_expert_intermediate_size: Some(shared_width),
+            ungated: true,
             ..self
         }
     }
@@ -557,6 +574,7 @@ impl RawMoe {
             naming,
             bias_beside_router: false,
             unbiased_choice: false,
+            ungated: false,
         })
     }
 

@@ -30,6 +30,8 @@ pub(super) struct NemotronHShape {
     pub mamba: MambaConfig,
     /// Which layers' MLPs are mixtures of experts (the `E` blocks).
     pub sparse: Vec<bool>,
+    /// Their shared expert's width (`moe_shared_expert_intermediate_size`).
+    pub shared_width: usize,
 }
 
 /// `config.json`'s Nemotron-H fields as written (transformers' `NemotronHConfig` reads the
@@ -53,6 +55,9 @@ pub(super) struct RawNemotronH {
     mamba_hidden_act: Option<String>,
     time_step_limit: Option<Vec<serde_json::Value>>,
     mamba_dt_limit: Option<Vec<serde_json::Value>>,
+    moe_shared_expert_intermediate_size: Option<usize>,
+    /// Nemotron 3 Super's experts in a narrower latent space (`fc1_latent_proj`).
+    moe_latent_size: Option<usize>,
 }
 
 impl RawNemotronH {
@@ -116,6 +121,12 @@ impl RawNemotronH {
                 format!("{groups} does not divide mamba_num_heads={heads}"),
             ));
         }
+        if let Some(latent) = self.moe_latent_size.filter(|_| sparse.contains(&true)) {
+            return Err(fields.err(
+                "moe_latent_size",
+                format!("{latent}: experts in a latent space are not supported (only null)"),
+            ));
+        }
         let limit = self
             .time_step_limit
             .as_ref()
@@ -140,6 +151,11 @@ impl RawNemotronH {
                 proj_bias: self.use_bias.unwrap_or(false),
             },
             sparse,
+            shared_width: fields.positive(
+                "moe_shared_expert_intermediate_size",
+                self.moe_shared_expert_intermediate_size,
+                7688,
+            )?,
         })
     }
 }
@@ -181,6 +197,32 @@ mod tests {
         );
     }
 
+    /// Nemotron 3's: DeepSeek-V3's routing over ungated experts in the `E` layers, one shared
+    /// expert as wide as `moe_shared_expert_intermediate_size` says.
+    #[test]
+    fn mixtures_of_experts_where_the_pattern_says() {
+        let json = r#"{"architectures": ["NemotronHForCausalLM"], "hidden_size": 64,
+            "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 16, "vocab_size": 100, "hybrid_override_pattern": "ME*-E",
+            "mamba_num_heads": 4, "mamba_head_dim": 16, "ssm_state_size": 8, "n_groups": 2,
+            "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+            "moe_shared_expert_intermediate_size": 48, "n_shared_experts": 1, "n_group": 2,
+            "topk_group": 1, "routed_scaling_factor": 2.5, "time_step_limit": [0.0, Infinity]}"#;
+        let cfg =
+            crate::config::ModelConfig::from_json_str(json, Path::new("config.json")).unwrap();
+        let moe = cfg.moe.as_ref().unwrap();
+        assert_eq!(moe.sparse_layers, [false, true, false, false, true]);
+        assert!(moe.ungated && moe.norm_topk_prob && moe.router_f32());
+        assert_eq!(moe.shared_expert_intermediate_size, Some(48));
+        assert_eq!(moe.expert_intermediate_size, 32);
+        let r = moe.deepseek_routing.unwrap();
+        assert_eq!(
+            (r.n_group, r.topk_group, r.routed_scaling_factor),
+            (2, 1, 2.5)
+        );
+        assert!(cfg.has_mlp(1) && !cfg.has_mixer(1) && cfg.has_mixer(2) && !cfg.has_mlp(2));
+    }
+
     #[test]
     fn bad_fields_are_named() {
         for (json, field) in [
@@ -206,6 +248,10 @@ mod tests {
             (
                 r#"{"hybrid_override_pattern": "M", "ssm_state_size": 0}"#,
                 "ssm_state_size",
+            ),
+            (
+                r#"{"hybrid_override_pattern": "ME", "moe_latent_size": 32}"#,
+                "moe_latent_size",
             ),
         ] {
             let e = check(json).unwrap_err().to_string();

@@ -396,10 +396,16 @@ impl Engine {
         dir: &Path,
         in_flight: InFlight,
     ) -> Result<Arc<ModelInfo>> {
-        let ck = crate::model::Checkpoint::open_for(dir, &self.info().config)?;
+        let info = self.info();
+        let ck = crate::model::Checkpoint::open_for(dir, &info.config)?;
         let device = candle_core::Device::Cpu;
         let mut updates = Vec::new();
-        for (name, shape) in crate::model::param_shapes(&self.info().config) {
+        // Each parameter, or the stacked experts a checkpoint holds in their place.
+        let stacked = crate::model::fused_expert_shapes(&info.config);
+        for (name, shape) in crate::model::param_shapes(&info.config)
+            .into_iter()
+            .chain(stacked)
+        {
             if ck.contains(&name) {
                 let t = ck.load(&name, &shape, candle_core::DType::F32, &device)?;
                 updates.push((name, t));
@@ -427,8 +433,23 @@ impl Engine {
             let info = self.info();
             let cfg = &info.config;
             let ck = crate::model::Checkpoint::open_for(dir, cfg)?;
+            // A layer's experts are there where all its stacked tensors are (`…experts.up_proj`
+            // and `…experts.down_proj` for `…experts.3.up_proj.weight`).
+            let fused = crate::model::fused_expert_shapes(cfg);
+            let layer_of = |name: &str| Some(format!("{}.", name.rsplit_once('.')?.0));
+            let stacked: Vec<String> = fused
+                .iter()
+                .filter_map(|(name, _)| layer_of(name))
+                .filter(|p| {
+                    fused
+                        .iter()
+                        .filter(|(n, _)| n.starts_with(p.as_str()))
+                        .all(|(n, _)| ck.contains(n))
+                })
+                .collect();
             for name in crate::model::param_shapes(cfg).keys() {
-                let optional = name == "lm_head.weight" && cfg.tie_word_embeddings;
+                let optional = (name == "lm_head.weight" && cfg.tie_word_embeddings)
+                    || stacked.iter().any(|p| name.starts_with(p.as_str()));
                 if !optional && !ck.contains(name) {
                     return Err(DetspecError::MissingTensor {
                         name: name.clone(),

@@ -30,10 +30,11 @@ use super::moe_names::{
     has_shared_gate, router_bias_name, router_bias_shape, ExpertPart, FusedExperts, SparseLinear,
 };
 
-/// One expert: a SwiGLU MLP (gpt-oss's: with biases, gated by the clamped SwiGLU).
+/// One expert: a SwiGLU MLP (gpt-oss's: with biases, gated by the clamped SwiGLU), or an
+/// ungated squared-ReLU one without `gate` (Nemotron-H's).
 #[derive(Debug)]
 pub(super) struct Expert {
-    pub(super) gate: Linear,
+    pub(super) gate: Option<Linear>,
     pub(super) up: Linear,
     pub(super) down: Linear,
 }
@@ -49,32 +50,38 @@ impl Expert {
     ) -> Result<Self> {
         let linear = |part| load_linear(ld, cfg, moe, layer, which(part));
         Ok(Self {
-            gate: linear(ExpertPart::Gate)?,
+            gate: (!moe.ungated)
+                .then(|| linear(ExpertPart::Gate))
+                .transpose()?,
             up: linear(ExpertPart::Up)?,
             down: linear(ExpertPart::Down)?,
         })
     }
 
-    /// `clamped`: gpt-oss's `(alpha, limit)` ([`ops::clamped_swiglu`]), else SwiGLU.
+    /// `clamped`: gpt-oss's `(alpha, limit)` ([`ops::clamped_swiglu`]), else SwiGLU; an
+    /// ungated expert's `relu(up(x))²` (per element: the same bits in any batch).
     fn forward(
         &self,
         x: &Tensor,
         gemm: GemmOptions,
         clamped: Option<(f32, f32)>,
     ) -> candle_core::Result<Tensor> {
-        let (gate, up) = (self.gate.apply(x, gemm)?, self.up.apply(x, gemm)?);
-        let act = match clamped {
-            Some((alpha, limit)) => ops::clamped_swiglu(&gate, &up, alpha, limit)?,
-            None => ops::swiglu(&gate, &up)?,
+        let up = self.up.apply(x, gemm)?;
+        let act = match (&self.gate, clamped) {
+            (None, _) => up.relu()?.sqr()?,
+            (Some(gate), Some((alpha, limit))) => {
+                ops::clamped_swiglu(&gate.apply(x, gemm)?, &up, alpha, limit)?
+            }
+            (Some(gate), None) => ops::swiglu(&gate.apply(x, gemm)?, &up)?,
         };
         self.down.apply(&act, gemm)
     }
 
-    pub(super) fn part_mut(&mut self, part: ExpertPart) -> &mut Linear {
+    pub(super) fn part_mut(&mut self, part: ExpertPart) -> Option<&mut Linear> {
         match part {
-            ExpertPart::Gate => &mut self.gate,
-            ExpertPart::Up => &mut self.up,
-            ExpertPart::Down => &mut self.down,
+            ExpertPart::Gate => self.gate.as_mut(),
+            ExpertPart::Up => Some(&mut self.up),
+            ExpertPart::Down => Some(&mut self.down),
         }
     }
 }
@@ -344,7 +351,12 @@ fn load_fused_experts(
     moe: &MoeConfig,
     layer: usize,
 ) -> Result<Option<Vec<Expert>>> {
-    if !ld.has(&FusedExperts::GateUp.name(moe.naming, layer)) {
+    // Ungated experts stack their up projections alone.
+    let first = match moe.ungated {
+        true => FusedExperts::Up,
+        false => FusedExperts::GateUp,
+    };
+    if !ld.has(&first.name(moe.naming, layer)) {
         return Ok(None);
     }
     let pieces = |fused: FusedExperts| {
@@ -354,7 +366,7 @@ fn load_fused_experts(
             |t| Ok(fused.cut(moe, layer, t)?),
         )
     };
-    let (gate_ups, downs) = (pieces(FusedExperts::GateUp)?, pieces(FusedExperts::Down)?);
+    let (gate_ups, downs) = (pieces(first)?, pieces(FusedExperts::Down)?);
     let linear = |t: &Tensor| -> Result<Linear> {
         Ok(Linear {
             weight: LinearWeight::new(t, ld.bf16_act())?,
@@ -362,11 +374,16 @@ fn load_fused_experts(
         })
     };
     gate_ups
-        .chunks(2)
+        .chunks(if moe.ungated { 1 } else { 2 })
         .zip(&downs)
         .map(|(gu, d)| match gu {
             [g, u] => Ok(Expert {
-                gate: linear(g)?,
+                gate: Some(linear(g)?),
+                up: linear(u)?,
+                down: linear(d)?,
+            }),
+            [u] => Ok(Expert {
+                gate: None,
                 up: linear(u)?,
                 down: linear(d)?,
             }),
@@ -419,7 +436,7 @@ fn load_stacked(
                 .map_err(|_| DetspecError::param("weights", "down is one matrix"))?;
             let linear = |weight| Linear { weight, bias: None };
             experts.push(Expert {
-                gate: linear(gate),
+                gate: Some(linear(gate)),
                 up: linear(up),
                 down: linear(down),
             });
@@ -461,7 +478,12 @@ fn put(
     };
     for (expert, pieces) in targets.into_iter().zip(pieces) {
         for (&p, piece) in halves.iter().zip(pieces) {
-            let linear = expert.part_mut(p);
+            let Some(linear) = expert.part_mut(p) else {
+                return Err(DetspecError::param(
+                    "weights",
+                    "an ungated expert has no gate",
+                ));
+            };
             if part.is_matrix() {
                 linear.weight = LinearWeight::new(&piece, bf16_act)?;
             } else {
@@ -729,8 +751,8 @@ impl SparseMlp {
     pub(super) fn linear_mut(&mut self, which: SparseLinear) -> Option<&mut Linear> {
         match which {
             SparseLinear::Router => Some(&mut self.router),
-            SparseLinear::Expert(e, part) => Some(self.experts.get_mut(e)?.part_mut(part)),
-            SparseLinear::Shared(part) => Some(self.shared.as_mut()?.expert.part_mut(part)),
+            SparseLinear::Expert(e, part) => self.experts.get_mut(e)?.part_mut(part),
+            SparseLinear::Shared(part) => self.shared.as_mut()?.expert.part_mut(part),
             SparseLinear::SharedGate => self.shared.as_mut()?.gate.as_mut(),
         }
     }

@@ -21,7 +21,13 @@ pub(super) enum ExpertPart {
 }
 
 impl ExpertPart {
-    const ALL: [ExpertPart; 3] = [ExpertPart::Gate, ExpertPart::Up, ExpertPart::Down];
+    /// The parts of `moe`'s experts: an ungated one's (Nemotron-H's) have no gate.
+    fn all(moe: &MoeConfig) -> &'static [ExpertPart] {
+        match moe.ungated {
+            true => &[ExpertPart::Up, ExpertPart::Down],
+            false => &[ExpertPart::Gate, ExpertPart::Up, ExpertPart::Down],
+        }
+    }
 
     fn name(self, naming: ExpertNaming) -> &'static str {
         match (naming, self) {
@@ -82,6 +88,8 @@ impl SparseLinear {
 pub(super) enum FusedExperts {
     /// `{block}.experts.gate_up_proj`, `[experts, 2 × width, hidden]`, gate rows first.
     GateUp,
+    /// `{block}.experts.up_proj`, `[experts, width, hidden]`: ungated experts' (Nemotron-H's).
+    Up,
     /// `{block}.experts.down_proj`, `[experts, hidden, width]`.
     Down,
 }
@@ -91,6 +99,7 @@ impl FusedExperts {
     pub(super) fn name(self, naming: ExpertNaming, layer: usize) -> String {
         let leaf = match self {
             Self::GateUp => "gate_up_proj",
+            Self::Up => "up_proj",
             Self::Down => "down_proj",
         };
         format!("model.layers.{layer}.{}.experts.{leaf}", block(naming))
@@ -104,6 +113,7 @@ impl FusedExperts {
         );
         match self {
             Self::GateUp => [e, 2 * w, h],
+            Self::Up => [e, w, h],
             Self::Down => [e, h, w],
         }
     }
@@ -130,6 +140,7 @@ impl FusedExperts {
                     out.push((name(i, ExpertPart::Gate), x.narrow(0, 0, w)?.contiguous()?));
                     out.push((name(i, ExpertPart::Up), x.narrow(0, w, w)?.contiguous()?));
                 }
+                Self::Up => out.push((name(i, ExpertPart::Up), x.contiguous()?)),
                 Self::Down => out.push((name(i, ExpertPart::Down), x.contiguous()?)),
             }
         }
@@ -223,11 +234,12 @@ pub(super) fn router_bias_shape(moe: &MoeConfig) -> Vec<usize> {
 /// Every linear layer of a sparse MLP, in checkpoint order.
 fn sparse_parts(moe: &MoeConfig) -> Vec<SparseLinear> {
     let mut out = vec![SparseLinear::Router];
+    let parts = ExpertPart::all(moe);
     for e in 0..moe.num_experts {
-        out.extend(ExpertPart::ALL.map(|p| SparseLinear::Expert(e, p)));
+        out.extend(parts.iter().map(|&p| SparseLinear::Expert(e, p)));
     }
     if moe.shared_expert_intermediate_size.is_some() {
-        out.extend(ExpertPart::ALL.map(SparseLinear::Shared));
+        out.extend(parts.iter().map(|&p| SparseLinear::Shared(p)));
     }
     if has_shared_gate(moe) {
         out.push(SparseLinear::SharedGate);
@@ -272,13 +284,30 @@ pub(super) fn sparse_params(
     out
 }
 
+/// The stacked expert tensors a checkpoint of `cfg` may hold in place of each expert's
+/// matrices ([`FusedExperts`]: transformers 5 writes some models' so), with their shapes.
+pub fn fused_expert_shapes(cfg: &ModelConfig) -> Vec<(String, Vec<usize>)> {
+    let Some(moe) = cfg.moe.as_ref().filter(|m| !m.naming.stacked()) else {
+        return Vec::new();
+    };
+    let parts = match moe.ungated {
+        true => [FusedExperts::Up, FusedExperts::Down],
+        false => [FusedExperts::GateUp, FusedExperts::Down],
+    };
+    (0..cfg.num_hidden_layers)
+        .filter(|&l| moe.is_sparse(l))
+        .flat_map(|l| parts.map(|p| (p.name(moe.naming, l), p.shape(cfg, moe).to_vec())))
+        .collect()
+}
+
 /// Which linear layer of a sparse MLP the module path `module` (relative to its decoder
 /// layer: `mlp.experts.3.up_proj`) names, if any.
 pub(super) fn parse_sparse_linear(moe: &MoeConfig, module: &str) -> Option<SparseLinear> {
     let rest = module.strip_prefix(block(moe.naming))?.strip_prefix('.')?;
     let part = |name: &str| {
-        ExpertPart::ALL
-            .into_iter()
+        ExpertPart::all(moe)
+            .iter()
+            .copied()
             .find(|p| p.name(moe.naming) == name)
     };
     match rest {
@@ -345,15 +374,17 @@ pub fn unfuse_experts(
             continue;
         };
         let weight = |which: SparseLinear| format!("{}.weight", which.path(moe.naming, layer));
-        let Some(field) = field
-            .strip_prefix(memory_block(moe.naming))
-            .and_then(|f| f.strip_prefix('.'))
+        // (the file's block name too: a checkpoint that stacks them, read for an update)
+        let Some(field) = [memory_block(moe.naming), block(moe.naming)]
+            .iter()
+            .find_map(|b| field.strip_prefix(b)?.strip_prefix('.'))
         else {
             out.push((name, t));
             continue;
         };
         let fused = match field {
             "experts.gate_up_proj" => Some(FusedExperts::GateUp),
+            "experts.up_proj" if moe.ungated => Some(FusedExperts::Up),
             "experts.down_proj" => Some(FusedExperts::Down),
             _ => None,
         };

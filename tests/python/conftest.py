@@ -649,6 +649,38 @@ MODEL_SPECS: dict[str, dict] = {
             "layer_norm_epsilon": 1e-5,
         },
     },
+    # Nemotron 3's layers: Nemotron-H's with mixtures of experts in place of its MLPs — 8
+    # ungated squared-ReLU experts in 2 groups (1 kept), chosen by sigmoid score plus a
+    # correction bias, renormalised and scaled, beside a shared expert of its own width.
+    "nemotron_h_moe": {
+        "arch": "nemotron_h",
+        "seed": 313,
+        "head_dim": 16,
+        "rope": {"rope_type": "default", "rope_theta": 10000.0},
+        "extra": {
+            "layers_block_type": [
+                "linear_attention",
+                "moe",
+                "full_attention",
+                "moe",
+                "linear_attention",
+                "mlp",
+            ],
+            "mamba_num_heads": 4,
+            "mamba_head_dim": 16,
+            "ssm_state_size": 16,
+            "n_groups": 2,
+            "time_step_min": 1e-6,
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "moe_shared_expert_intermediate_size": 48,
+            "n_group": 2,
+            "topk_group": 1,
+            "routed_scaling_factor": 2.5,
+            "norm_topk_prob": True,
+        },
+    },
     "mixtral": {
         "arch": "mixtral",
         "seed": 31,

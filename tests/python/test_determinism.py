@@ -206,6 +206,7 @@ def needle_in_haystack(
         "granite4_h",
         "bamba",
         "nemotron_h",
+        "nemotron_h_moe",
     ],
 )
 def test_needle_in_haystack_on_every_decoder_layout(model_zoo, name: str) -> None:

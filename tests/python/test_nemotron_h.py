@@ -1,12 +1,14 @@
-"""Nemotron-H's two spellings: the hub's files (NVIDIA's configs and `backbone.` tensor names)
-and transformers 5's (`layers_block_type`, `model.` names) are one model, bit for bit, for
-loading, updates and the fingerprint; what it does not run is refused, naming the field.
+"""Nemotron-H's two spellings: the hub's files (`backbone.` tensor names, each expert's
+matrices apart; NVIDIA's configs) and transformers 5's in-memory form (`model.` names, each
+layer's experts stacked; `layers_block_type`) are one model, bit for bit, for loading, updates
+and the fingerprint; what it does not run is refused, naming the field.
 
 Parity with transformers, the needle test, updates following transformers and the recurrent
-state's tests run it as a zoo model (`nemotron_h` in conftest's specs)."""
+state's tests run it as zoo models (`nemotron_h`, `nemotron_h_moe` in conftest's specs)."""
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 from pathlib import Path
@@ -38,72 +40,81 @@ def greedy_bits(llm: detspec.LLM) -> list[tuple[list[int], list[int]]]:
     ]
 
 
-def hub_spelling(model_dir: Path, out: Path) -> Path:
-    """``model_dir``'s checkpoint as the hub's Nemotron-H files spell it: `backbone.` names,
-    the layer kinds as `hybrid_override_pattern`, the Mamba2 fields' older names."""
-    shutil.copytree(model_dir, out)
+def other_spelling(case, out: Path) -> Path:
+    """``case``'s checkpoint spelled the other way: transformers saves the hub's spelling
+    (`backbone.` names, each expert's matrices apart); this writes its ``state_dict()``'s
+    (`model.` names, each layer's experts stacked), with the hub config's
+    `hybrid_override_pattern` and the Mamba2 fields' older names."""
+    shutil.copytree(case.path, out)
+    on_file = load_file(out / "model.safetensors")
+    assert any(n.startswith("backbone.") for n in on_file)
+    state = {k: v.contiguous() for k, v in case.model.state_dict().items()}
+    assert not any(n.startswith("backbone.") for n in state)
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
     cfg = json.loads((out / "config.json").read_text())
     cfg["hybrid_override_pattern"] = "".join(PATTERN[k] for k in cfg.pop("layers_block_type"))
     cfg["num_hidden_layers"] = len(cfg["hybrid_override_pattern"])
     cfg["mamba_n_groups"] = cfg.pop("n_groups")
     cfg["mamba_d_conv"] = cfg.pop("conv_kernel")
-    cfg["time_step_limit"] = [0.0, float("inf")]
+    cfg["time_step_limit"] = [0.0, float("inf")]  # Python's `Infinity`, as hub configs have it
     (out / "config.json").write_text(json.dumps(cfg))
-    tensors = load_file(out / "model.safetensors")
-    renamed = {
-        name.replace("model.", "backbone.", 1) if name.startswith("model.") else name: t
-        for name, t in tensors.items()
-    }
-    assert any(n.startswith("backbone.") for n in renamed)
-    save_file(renamed, out / "model.safetensors", metadata={"format": "pt"})
     return out
 
 
-@pytest.fixture(scope="module")
-def spellings(model_zoo, tmp_path_factory):
-    case = model_zoo.get("nemotron_h")
-    hub = hub_spelling(case.path, tmp_path_factory.mktemp("nemotron_h") / "hub")
-    return case, hub
+@pytest.fixture(scope="module", params=["nemotron_h", "nemotron_h_moe"])
+def spellings(request, model_zoo, tmp_path_factory):
+    case = model_zoo.get(request.param)
+    other = other_spelling(case, tmp_path_factory.mktemp(request.param) / "other")
+    return case, other
 
 
-def test_the_hub_spelling_is_the_same_model_bit_for_bit(spellings):
-    case, hub = spellings
+def test_both_spellings_are_the_same_model_bit_for_bit(spellings):
+    case, other = spellings
     ours = detspec.LLM(str(case.path), num_kv_pages=256)
-    theirs = detspec.LLM(str(hub), num_kv_pages=256)
+    theirs = detspec.LLM(str(other), num_kv_pages=256)
     assert theirs.fingerprint == ours.fingerprint
     assert greedy_bits(theirs) == greedy_bits(ours)
 
 
-def test_updates_by_either_spelling_are_one_update(spellings):
-    case, hub = spellings
+def test_updates_by_either_spelling_are_one_update(spellings, tmp_path):
+    case, other = spellings
     g = torch.Generator().manual_seed(7)
     new = {
         k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in case.model.state_dict().items()
     }
     by_module = detspec.LLM(str(case.path), num_kv_pages=256)
-    by_file = detspec.LLM(str(hub), num_kv_pages=256)
+    by_file = detspec.LLM(str(other), num_kv_pages=256)
     fp0, before = by_module.fingerprint, greedy_bits(by_module)
     by_module.update_weights(new)
-    by_file.update_weights({k.replace("model.", "backbone.", 1): v for k, v in new.items()})
+    # The hub's spelling of the same tensors, as transformers saves them.
+    perturbed = copy.deepcopy(case.model)
+    perturbed.load_state_dict(new)
+    perturbed.save_pretrained(tmp_path / "saved")
+    hub_names = load_file(tmp_path / "saved" / "model.safetensors")
+    assert any(n.startswith("backbone.") for n in hub_names)
+    by_file.update_weights(hub_names)
     assert by_module.fingerprint == by_file.fingerprint != fp0
     assert greedy_bits(by_module) == greedy_bits(by_file) != before
-    # The hub's files as an update from disk restore the original weights.
-    by_module.update_weights_from_disk(hub)
-    assert by_module.fingerprint == fp0 and greedy_bits(by_module) == before
+    # Either spelling's files as an update from disk restore the original weights (each
+    # holds every parameter: the stacked experts stand for each expert's matrices).
+    by_module.update_weights_from_disk(case.path, complete=True)
+    by_file.update_weights_from_disk(other, complete=True)
+    assert by_module.fingerprint == by_file.fingerprint == fp0
+    assert greedy_bits(by_module) == greedy_bits(by_file) == before
 
 
 @pytest.mark.parametrize(
     "change, field",
     [
-        ({"layers_block_type": ["linear_attention", "moe"]}, "layers_block_type"),
+        ({"moe_latent_size": 16}, "moe_latent_size"),
         ({"layers_block_type": ["linear_attention", "mamba2"]}, "layers_block_type"),
         ({"time_step_limit": [0.001, 0.1]}, "time_step_limit"),
         ({"mamba_hidden_act": "gelu"}, "mamba_hidden_act"),
         ({"mlp_hidden_act": "silu"}, "mlp_hidden_act"),
     ],
 )
-def test_what_it_does_not_run_is_refused_naming_the_field(spellings, tmp_path, change, field):
-    case, _ = spellings
+def test_what_it_does_not_run_is_refused_naming_the_field(model_zoo, tmp_path, change, field):
+    case = model_zoo.get("nemotron_h_moe")
     bad = tmp_path / "bad"
     shutil.copytree(case.path, bad)
     cfg = json.loads((bad / "config.json").read_text())

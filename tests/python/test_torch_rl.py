@@ -95,6 +95,7 @@ def outputs_bits(llm: detspec.LLM) -> list[tuple[list[int], list[int]]]:
         "granite4_h",
         "bamba",
         "nemotron_h",
+        "nemotron_h_moe",
     ],
 )
 def test_update_weights_follows_transformers_and_restores_bit_for_bit(model_zoo, name):
