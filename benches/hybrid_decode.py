@@ -1,5 +1,5 @@
 """Decode speed of a hybrid model on the CPU (LFM2-1.2B-shaped, Qwen3.5-2B-shaped, or a
-Granite-4.0-H of 1.5 B parameters), against the memory-bandwidth bound.
+Granite-4.0-H or Nemotron-H of 1.5 B parameters), against the memory-bandwidth bound.
 
 Writes the model on first use (transformers' class at the geometry below, random N(0, 0.02)
 bf16 weights; no download), loads it with ``auto`` (bf16 weights and cache), and times greedy
@@ -10,6 +10,7 @@ prefill cancels and neither run reads the other's prefix from the cache.
     python benches/hybrid_decode.py /tmp/lfm2-1.2b
     python benches/hybrid_decode.py --arch qwen3_5 /tmp/qwen3.5-2b
     python benches/hybrid_decode.py --arch granite4_h /tmp/granite-4.0-h-1.5b
+    python benches/hybrid_decode.py --arch nemotron_h /tmp/nemotron-h-1.5b
 
 ``--group`` times a GRPO group instead: ``n`` = 8 samples (T = 1, seeded) of one 512-token
 prompt, 16 tokens each, on an engine with the prefix cache and on one without, alternating,
@@ -38,8 +39,29 @@ def config(arch: str):
     (1.17 B parameters), a Qwen3.5 of 2 B parameters (Qwen3.5's layer pattern and DeltaNet
     widths at half the default model's hidden size: 18 DeltaNet layers, 6 attending), or a
     dense Granite 4.0-H of 1.5 B parameters (hidden 1536, 40 layers, 4 of them attending without
-    rope; Mamba2 mixers of 48 heads of 64 with a state of 128, one group)."""
+    rope; Mamba2 mixers of 48 heads of 64 with a state of 128, one group), or a Nemotron-H of
+    1.5 B parameters (Nemotron-H-8B's layer pattern and Mamba2 widths at hidden 2048: 31 layers
+    of one sublayer each, 14 Mamba2 mixers of 64 heads of 64 with a state of 128 in 8 groups,
+    14 squared-ReLU MLPs 8192 wide, 3 attending without positions)."""
     import transformers
+
+    if arch == "nemotron_h":
+        pattern = "M-M-M-M*-M-M-M-M*-M-M-M-M*-M-M-"
+        kinds = {"M": "linear_attention", "-": "mlp", "*": "full_attention"}
+        return transformers.NemotronHForCausalLM, transformers.NemotronHConfig(
+            vocab_size=131072,
+            hidden_size=2048,
+            intermediate_size=8192,
+            layers_block_type=[kinds[c] for c in pattern],
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            mamba_num_heads=64,
+            mamba_head_dim=64,
+            ssm_state_size=128,
+            n_groups=8,
+            initializer_range=0.02,
+        )
 
     if arch == "lfm2":
         return transformers.Lfm2ForCausalLM, transformers.Lfm2Config(
@@ -144,7 +166,9 @@ def few_shot(llm: LLM, rng: np.random.Generator) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("model", type=Path)
-    p.add_argument("--arch", choices=["lfm2", "qwen3_5", "granite4_h"], default="lfm2")
+    p.add_argument(
+        "--arch", choices=["lfm2", "qwen3_5", "granite4_h", "nemotron_h"], default="lfm2"
+    )
     p.add_argument("--group", action="store_true", help="time a GRPO group (see above)")
     p.add_argument("--few-shot", action="store_true", help="time shared few-shot prompts")
     args = p.parse_args()

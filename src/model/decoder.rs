@@ -60,9 +60,9 @@ pub struct ForwardBatch {
 /// sublayer's output before it is added (`attn_out_norm`, `mlp_out_norm`), Gemma both
 /// ([`crate::config::Architecture::sublayer_norms`]).
 /// Every norm weight is held as the kernels multiply by it (Gemma's `1 + w`,
-/// `loader::offset_norm`).
+/// `loader::offset_norm`). A Nemotron-H layer holds one sublayer, a mixer or an MLP: the
+/// other is `None`, with its norms.
 #[derive(Debug)]
-/// A Nemotron-H layer holds one sublayer: a mixer or an MLP, the other `None` with its norms.
 pub(super) struct Layer {
     pub(super) input_norm: Option<Tensor>,
     pub(super) mixer: Option<Mixer>,

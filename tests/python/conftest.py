@@ -119,6 +119,18 @@ _QWEN3_5_LAYERS = {
 }
 
 
+# Nemotron-H's zoo models' Mamba2 mixers: 4 heads of 16 in 2 groups, a state of 16. Their time
+# steps stay above `time_step_min` (transformers 5.24 clamps them there in its whole-sequence
+# form only; the configs' `time_step_limit` is unclamped).
+NEMOTRON_H_MAMBA = {
+    "mamba_num_heads": 4,
+    "mamba_head_dim": 16,
+    "ssm_state_size": 16,
+    "n_groups": 2,
+    "conv_kernel": 4,
+    "time_step_min": 1e-6,
+}
+
 MODEL_SPECS: dict[str, dict] = {
     "llama": {
         "arch": "llama",
@@ -621,10 +633,8 @@ MODEL_SPECS: dict[str, dict] = {
             "mamba_d_conv": 4,
         },
     },
-    # Nemotron-H: each layer one sublayer — Mamba2 mixers (4 heads of 16 in 2 groups, a state
-    # of 16), attention without rope, squared-ReLU MLPs — in the hub's pattern's order. Its
-    # time steps stay above `time_step_min` (transformers 5.24 clamps them there in its
-    # whole-sequence form only; the configs' `time_step_limit` is unclamped).
+    # Nemotron-H: each layer one sublayer — Mamba2 mixers, attention without rope,
+    # squared-ReLU MLPs — in the hub's pattern's order.
     "nemotron_h": {
         "arch": "nemotron_h",
         "seed": 311,
@@ -640,12 +650,7 @@ MODEL_SPECS: dict[str, dict] = {
                 "linear_attention",
                 "mlp",
             ],
-            "mamba_num_heads": 4,
-            "mamba_head_dim": 16,
-            "ssm_state_size": 16,
-            "n_groups": 2,
-            "conv_kernel": 4,
-            "time_step_min": 1e-6,
+            **NEMOTRON_H_MAMBA,
             "layer_norm_epsilon": 1e-5,
         },
     },
@@ -666,11 +671,7 @@ MODEL_SPECS: dict[str, dict] = {
                 "linear_attention",
                 "mlp",
             ],
-            "mamba_num_heads": 4,
-            "mamba_head_dim": 16,
-            "ssm_state_size": 16,
-            "n_groups": 2,
-            "time_step_min": 1e-6,
+            **NEMOTRON_H_MAMBA,
             "n_routed_experts": 8,
             "num_experts_per_tok": 2,
             "moe_intermediate_size": 32,
