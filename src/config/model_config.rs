@@ -1851,8 +1851,8 @@ impl ModelConfig {
         }
     }
 
-    /// What mixes layer `layer`'s tokens where attention does not: LFM2's convolution, a
-    /// gated DeltaNet, a Mamba2 mixer.
+    /// What layer `layer` holds where it does not attend: LFM2's convolution, a gated
+    /// DeltaNet, a Mamba2 mixer, or only an MLP (a Nemotron-H MLP block).
     pub fn non_attention_mixer(&self, layer: usize) -> Option<&'static str> {
         if self.short_conv.as_ref().is_some_and(|c| c.is_conv(layer)) {
             Some("a convolution")
@@ -1864,6 +1864,8 @@ impl ModelConfig {
             Some("a gated DeltaNet")
         } else if self.mamba.as_ref().is_some_and(|m| m.is_mamba(layer)) {
             Some("a Mamba2 mixer")
+        } else if !self.has_mixer(layer) {
+            Some("an MLP block")
         } else {
             None
         }

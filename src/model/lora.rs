@@ -228,15 +228,6 @@ impl LoraAdapter {
                     .into(),
             });
         }
-        if cfg.architecture == crate::config::Architecture::NemotronH {
-            return Err(DetspecError::InvalidConfig {
-                path: weights_path.to_path_buf(),
-                field: "target_modules".into(),
-                message: "LoRA adapters are not supported on Nemotron-H (its checkpoints name \
-                          every sublayer `mixer`)"
-                    .into(),
-            });
-        }
         let halves = read_halves(bytes, weights_path, cfg, max_rank)?;
         let mut hash = Xxh3::new();
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
@@ -385,8 +376,13 @@ fn read_halves(
             path: path.to_path_buf(),
             message,
         };
-        let (layer, module, targets, is_a) =
-            parse_name(name, cfg.num_hidden_layers, cfg.architecture).map_err(bad)?;
+        let own = engine_module_name(cfg, name);
+        let (layer, module, targets, is_a) = parse_name(
+            own.as_deref().unwrap_or(name),
+            cfg.num_hidden_layers,
+            cfg.architecture,
+        )
+        .map_err(bad)?;
         let attention_target = matches!(
             targets[0],
             LoraTarget::Q | LoraTarget::K | LoraTarget::V | LoraTarget::O
@@ -407,6 +403,12 @@ fn read_halves(
             return Err(bad(format!(
                 "{module}: adapters of {:?}'s ungated MLP are supported on down_proj only",
                 cfg.architecture
+            )));
+        }
+        if mlp_target && !cfg.has_mlp(layer) {
+            return Err(bad(format!(
+                "layer {layer} holds a mixer and no MLP (Nemotron-H's layers hold one), so no \
+                 {module}"
             )));
         }
         if mlp_target && cfg.moe.as_ref().is_some_and(|m| m.is_sparse(layer)) {
@@ -536,6 +538,16 @@ fn check_config(c: &AdapterConfig, path: &Path, max_rank: usize) -> Result<()> {
 /// `(layer, module, its targets, is lora_A)` of a PEFT tensor name
 /// (`base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight`) on a model that stores
 /// q/k/v and gate/up as `arch` does ([`LoraTarget::of_module`]), or why not.
+/// An adapter tensor's name with its layer's module as the engine names it, where the model's
+/// checkpoints name it otherwise (Nemotron-H's `layers.3.mixer.q_proj` →
+/// `layers.3.self_attn.q_proj`); `None` where they do not.
+fn engine_module_name(cfg: &ModelConfig, name: &str) -> Option<String> {
+    let (before, rest) = name.split_once("layers.")?;
+    let (layer, field) = rest.split_once('.')?;
+    let own = super::nemotron_h_names::field_in_layer(cfg, layer.parse().ok()?, field)?;
+    Some(format!("{before}layers.{layer}.{own}"))
+}
+
 fn parse_name(
     name: &str,
     num_layers: usize,

@@ -26,24 +26,30 @@ pub fn engine_name(cfg: &ModelConfig, name: &str) -> Option<String> {
     }
     let (index, field) = rest.strip_prefix("layers.")?.split_once('.')?;
     let layer: usize = index.parse().ok()?;
-    if layer >= cfg.num_hidden_layers {
+    let own = field_in_layer(cfg, layer, field)?;
+    Some(format!("model.layers.{layer}.{own}"))
+}
+
+/// The engine's name, under its decoder layer, of the field Nemotron-H's checkpoints call
+/// `field` in layer `layer` (`mixer.q_proj.weight` → `self_attn.q_proj.weight`); `None` for
+/// another model or a field it does not name so (`layer` past the last: none).
+pub(super) fn field_in_layer(cfg: &ModelConfig, layer: usize, field: &str) -> Option<String> {
+    if cfg.architecture != Architecture::NemotronH || layer >= cfg.num_hidden_layers {
         return None;
     }
-    let own = if field == "norm.weight" {
-        match cfg.has_mixer(layer) {
+    if field == "norm.weight" {
+        return Some(match cfg.has_mixer(layer) {
             true => "input_layernorm.weight".to_string(),
             false => "post_attention_layernorm.weight".to_string(),
-        }
-    } else {
-        let field = field.strip_prefix("mixer.")?;
-        let module = match () {
-            _ if !cfg.has_mixer(layer) => "mlp",
-            _ if cfg.mamba.as_ref().is_some_and(|m| m.is_mamba(layer)) => "mamba",
-            _ => "self_attn",
-        };
-        format!("{module}.{field}")
+        });
+    }
+    let field = field.strip_prefix("mixer.")?;
+    let module = match () {
+        _ if !cfg.has_mixer(layer) => "mlp",
+        _ if cfg.mamba.as_ref().is_some_and(|m| m.is_mamba(layer)) => "mamba",
+        _ => "self_attn",
     };
-    Some(format!("model.layers.{layer}.{own}"))
+    Some(format!("{module}.{field}"))
 }
 
 #[cfg(test)]

@@ -152,6 +152,13 @@ PARITY_CASES = [
         {"target_modules": ["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]},
         id="bamba-attention-mlp",
     ),
+    # Nemotron-H: its attending layer's attention and its MLP blocks' down projections
+    # (every sublayer is `mixer` on file; the ungated MLP's up_proj adapters are refused).
+    pytest.param(
+        "nemotron_h",
+        {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"]},
+        id="nemotron_h-attention-down",
+    ),
     # Granite 4.0-H with experts: its one attending layer's attention (expert adapters are
     # refused, as on every mixture of experts).
     pytest.param(
@@ -813,10 +820,12 @@ def test_latent_attention_models_refuse_adapters_and_keep_serving(model_zoo, tmp
     _refused_and_serving(case, path, "field `target_modules`.*latent-attention")
 
 
-def test_apertus_refuses_up_proj_adapters_and_keeps_serving(model_zoo, tmp_path):
-    """Apertus's MLP is ungated: an adapter of its up projection (which the engine's adapter
-    groups pair with a gate) is refused, naming the module, not applied in part."""
-    case = model_zoo.get("apertus")
+@pytest.mark.parametrize("name", ["apertus", "nemotron_h"])
+def test_ungated_mlps_refuse_up_proj_adapters_and_keep_serving(model_zoo, tmp_path, name):
+    """Apertus's and Nemotron-H's MLPs are ungated: an adapter of the up projection (which
+    the engine's adapter groups pair with a gate) is refused, naming the module, not applied in
+    part."""
+    case = model_zoo.get(name)
     path = _peft_dir(case.model, tmp_path, "up", target_modules=["q_proj", "up_proj"])
     _refused_and_serving(case, path, "mlp.up_proj.*down_proj only")
 
@@ -830,19 +839,12 @@ def test_lfm2_refuses_convolution_adapters_and_keeps_serving(model_zoo, tmp_path
     _refused_and_serving(case, path, "layers.0.conv.out_proj")
 
 
-def test_nemotron_h_refuses_adapters_and_keeps_serving(model_zoo, tmp_path):
-    """Nemotron-H's checkpoints name every sublayer `mixer`: adapters on it are refused,
-    naming the field, rather than matched to the wrong sublayer."""
-    case = model_zoo.get("nemotron_h")
-    path = _peft_dir(case.model, tmp_path, "nemotron_h", target_modules=["q_proj", "up_proj"])
-    _refused_and_serving(case, path, "field `target_modules`.*Nemotron-H")
-
-
 @pytest.mark.parametrize(
     "name, module, tensor",
     [
         ("qwen3_5", "in_proj_qkv", "layers.0.linear_attn.in_proj_qkv"),
         ("granite4_h", "in_proj", "layers.0.mamba.in_proj"),
+        ("nemotron_h", "in_proj", "layers.0.mixer.in_proj"),
     ],
 )
 def test_recurrent_mixer_adapters_are_refused_and_the_engine_keeps_serving(
