@@ -1,8 +1,10 @@
 //! Nemotron-H's `config.json` (`NemotronHConfig`: Nemotron-H 4B/8B/47B/56B, Nemotron Nano 2
-//! 9B/12B): each layer is one block, a norm and one sublayer added to the residual stream —
-//! a Mamba2 mixer, attention, or an MLP — named by `layers_block_type` (or the older
-//! `hybrid_override_pattern`, one letter a layer: `M`, `*`, `-`, `E`). The Mamba2 mixers are
-//! Granite 4.0-H's ([`super::MambaConfig`]) under Nemotron-H's own field names.
+//! 9B/12B, Nemotron 3 Nano): each layer is one block, a norm and one sublayer added to the
+//! residual stream — a Mamba2 mixer, attention, an MLP or (Nemotron 3) a mixture of experts —
+//! named by `layers_block_type` (or the older `hybrid_override_pattern`, one letter a layer:
+//! `M`, `*`, `-`, `E`). The Mamba2 mixers are Granite 4.0-H's ([`super::MambaConfig`]) under
+//! Nemotron-H's own field names; the experts' fields are read with DeepSeek-V3's
+//! (`super::moe_config`).
 
 use std::path::Path;
 

@@ -433,23 +433,10 @@ impl Engine {
             let info = self.info();
             let cfg = &info.config;
             let ck = crate::model::Checkpoint::open_for(dir, cfg)?;
-            // A layer's experts are there where all its stacked tensors are (`…experts.up_proj`
-            // and `…experts.down_proj` for `…experts.3.up_proj.weight`).
-            let fused = crate::model::fused_expert_shapes(cfg);
-            let layer_of = |name: &str| Some(format!("{}.", name.rsplit_once('.')?.0));
-            let stacked: Vec<String> = fused
-                .iter()
-                .filter_map(|(name, _)| layer_of(name))
-                .filter(|p| {
-                    fused
-                        .iter()
-                        .filter(|(n, _)| n.starts_with(p.as_str()))
-                        .all(|(n, _)| ck.contains(n))
-                })
-                .collect();
+            let has = |name: &str| ck.contains(name);
             for name in crate::model::param_shapes(cfg).keys() {
                 let optional = (name == "lm_head.weight" && cfg.tie_word_embeddings)
-                    || stacked.iter().any(|p| name.starts_with(p.as_str()));
+                    || crate::model::held_stacked(cfg, &has, name);
                 if !optional && !ck.contains(name) {
                     return Err(DetspecError::MissingTensor {
                         name: name.clone(),

@@ -27,6 +27,6 @@ pub use lora::{LoraAdapter, LoraBase};
 pub use memory::{
     available_memory, check_fits, forward_headroom, kv_bytes_for_utilization, weight_bytes,
 };
-pub use moe_names::{fused_expert_shapes, unfuse_experts};
+pub use moe_names::{fused_expert_shapes, held_stacked, unfuse_experts};
 pub use params::{check_update, param_shapes};
 pub use weights::{engine_name, Checkpoint};

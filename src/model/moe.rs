@@ -352,10 +352,7 @@ fn load_fused_experts(
     layer: usize,
 ) -> Result<Option<Vec<Expert>>> {
     // Ungated experts stack their up projections alone.
-    let first = match moe.ungated {
-        true => FusedExperts::Up,
-        false => FusedExperts::GateUp,
-    };
+    let [first, down] = FusedExperts::of(moe);
     if !ld.has(&first.name(moe.naming, layer)) {
         return Ok(None);
     }
@@ -366,7 +363,7 @@ fn load_fused_experts(
             |t| Ok(fused.cut(moe, layer, t)?),
         )
     };
-    let (gate_ups, downs) = (pieces(first)?, pieces(FusedExperts::Down)?);
+    let (gate_ups, downs) = (pieces(first)?, pieces(down)?);
     let linear = |t: &Tensor| -> Result<Linear> {
         Ok(Linear {
             weight: LinearWeight::new(t, ld.bf16_act())?,

@@ -95,6 +95,14 @@ pub(super) enum FusedExperts {
 }
 
 impl FusedExperts {
+    /// The stacked tensors of one layer of `moe`'s experts.
+    pub(super) fn of(moe: &MoeConfig) -> [Self; 2] {
+        match moe.ungated {
+            true => [Self::Up, Self::Down],
+            false => [Self::GateUp, Self::Down],
+        }
+    }
+
     /// Its name in layer `layer`.
     pub(super) fn name(self, naming: ExpertNaming, layer: usize) -> String {
         let leaf = match self {
@@ -290,14 +298,33 @@ pub fn fused_expert_shapes(cfg: &ModelConfig) -> Vec<(String, Vec<usize>)> {
     let Some(moe) = cfg.moe.as_ref().filter(|m| !m.naming.stacked()) else {
         return Vec::new();
     };
-    let parts = match moe.ungated {
-        true => [FusedExperts::Up, FusedExperts::Down],
-        false => [FusedExperts::GateUp, FusedExperts::Down],
-    };
+    let parts = FusedExperts::of(moe);
     (0..cfg.num_hidden_layers)
         .filter(|&l| moe.is_sparse(l))
         .flat_map(|l| parts.map(|p| (p.name(moe.naming, l), p.shape(cfg, moe).to_vec())))
         .collect()
+}
+
+/// Whether `name`, an expert's matrix, is held in a checkpoint (whose tensors `has` tells)
+/// by its layer's stacked tensors ([`fused_expert_shapes`]: all of that layer's there).
+pub fn held_stacked(cfg: &ModelConfig, has: &dyn Fn(&str) -> bool, name: &str) -> bool {
+    let Some(moe) = cfg.moe.as_ref().filter(|m| !m.naming.stacked()) else {
+        return false;
+    };
+    let Some((layer, module)) = name
+        .strip_prefix("model.layers.")
+        .and_then(|r| r.strip_suffix(".weight"))
+        .and_then(|r| r.split_once('.'))
+        .and_then(|(l, m)| Some((l.parse::<usize>().ok()?, m)))
+    else {
+        return false;
+    };
+    let expert = matches!(
+        parse_sparse_linear(moe, module),
+        Some(SparseLinear::Expert(..))
+    );
+    let parts = FusedExperts::of(moe);
+    expert && moe.is_sparse(layer) && parts.iter().all(|p| has(&p.name(moe.naming, layer)))
 }
 
 /// Which linear layer of a sparse MLP the module path `module` (relative to its decoder
