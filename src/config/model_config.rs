@@ -1088,8 +1088,9 @@ impl ModelConfig {
         let (qkv_bias, o_bias) = match architecture {
             Architecture::Qwen2 => (true, false),
             Architecture::Qwen2Moe => (raw.qkv_bias.unwrap_or(true), false),
-            // Its fused matrices have no biases (transformers' `Phi3Attention`, `Phi3MLP`).
-            Architecture::Phi3 => (false, false),
+            // Its fused matrices have no biases (transformers' `Phi3Attention`, `Phi3MLP`);
+            // Nemotron-H's attention (Jamba's) has none whatever `attention_bias` says.
+            Architecture::Phi3 | Architecture::NemotronH => (false, false),
             // `attention_bias` (on by default) is q/k/v's; o_proj has none.
             Architecture::Glm | Architecture::Glm4 => (raw.attention_bias.unwrap_or(true), false),
             Architecture::Ernie45 => (use_bias, use_bias),
@@ -1260,6 +1261,13 @@ impl ModelConfig {
             },
             _ => m,
         });
+        // Nemotron-H's shared experts would carry the MLPs' biases; no checkpoint has them.
+        if architecture == Architecture::NemotronH && moe.is_some() && raw.mlp_bias == Some(true) {
+            return Err(err(
+                "mlp_bias",
+                "true: biases on Nemotron-H's shared experts are not supported".into(),
+            ));
+        }
         // OLMo 1's clamp of q, k and v (OLMoE's configs have none).
         if let Some(clip) = raw.clip_qkv {
             return Err(err(

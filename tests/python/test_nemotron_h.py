@@ -107,6 +107,7 @@ def test_updates_by_either_spelling_are_one_update(spellings, tmp_path):
     "change, field",
     [
         ({"moe_latent_size": 16}, "moe_latent_size"),
+        ({"mlp_bias": True}, "mlp_bias"),
         ({"layers_block_type": ["linear_attention", "mamba2"]}, "layers_block_type"),
         ({"time_step_limit": [0.001, 0.1]}, "time_step_limit"),
         ({"mamba_hidden_act": "gelu"}, "mamba_hidden_act"),
