@@ -23,6 +23,7 @@ from detspec.server.tool_parsers import (
     Llama4PythonicToolParser,
     MiniMaxM2ToolParser,
     MistralToolParser,
+    NemotronJsonToolParser,
     Parsed,
     ParsedCall,
     PythonicToolParser,
@@ -39,6 +40,8 @@ KIMI_CALLS, KIMI_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end
 KIMI_CALL, KIMI_ARGS, KIMI_CALL_END = (
     "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
 )  # fmt: skip
+# Nemotron Nano 2's markers (special tokens of its tokenizer)
+NEM, NEM_END = "<TOOLCALL>", "</TOOLCALL>"
 # LFM2's markers (special tokens of its tokenizer)
 LFM, LFM_END = "<|tool_call_start|>", "<|tool_call_end|>"
 TIME = ParsedCall("get_time", "{}")
@@ -308,6 +311,21 @@ CASES = [
      f'{LFM}[f("x")]{LFM_END}', [WEATHER]),
     (Lfm2ToolParser, f"{LFM}[f(a=open())]", f"{LFM}[f(a=open())]", []),
     (Lfm2ToolParser, "a <|tool_call", "a <|tool_call", []),
+    # Nemotron Nano 2: a list of calls a block, any number of blocks
+    (NemotronJsonToolParser,
+     f'Let me check.{NEM}[{{"name": "get_weather", "arguments": {{"city": "Paris"}}}}, '
+     f'{{"name": "get_time", "arguments": {{}}}}]{NEM_END}', "Let me check.", [WEATHER, TIME]),
+    (NemotronJsonToolParser,
+     f'{NEM}{{"name": "get_time", "arguments": {{}}}}{NEM_END}\n'
+     f'{NEM}[{{"name": "get_weather", "arguments": "{{\\"city\\": \\"Paris\\"}}"}}]{NEM_END}',
+     "", [TIME, ParsedCall("get_weather", '{"city": "Paris"}')]),
+    (NemotronJsonToolParser, "No tools needed.", "No tools needed.", []),
+    (NemotronJsonToolParser, f'OK. {NEM}[{{"name": "get_time"}}]', "OK. ", [TIME]),  # unclosed
+    # not calls: content, markers and all
+    (NemotronJsonToolParser, f"{NEM}[]{NEM_END} then", f"{NEM}[]{NEM_END} then", []),
+    (NemotronJsonToolParser, f'{NEM}[{{"name": "f", "arguments": [1]}}]{NEM_END}',
+     f'{NEM}[{{"name": "f", "arguments": [1]}}]{NEM_END}', []),
+    (NemotronJsonToolParser, "a <TOOL", "a <TOOL", []),
 ]  # fmt: skip
 
 

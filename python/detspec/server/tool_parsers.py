@@ -8,6 +8,8 @@ One per output format, chosen by ``detspec serve --tool-call-parser`` (vLLM's na
   optionally after ``<|python_tag|>``, several separated by ``;`` (Llama 3.1+);
 * ``mistral`` -- content, then ``[TOOL_CALLS]`` and a JSON array of calls
   (``[{"name": ..., "arguments": {...}}]``), or the newer ``[TOOL_CALLS]name[ARGS]{...}``;
+* ``nemotron_json`` -- Nemotron Nano 2's ``<TOOLCALL>[{"name": ..., "arguments": {...}},
+  ...]</TOOLCALL>``, any number of blocks among the content (the name of NVIDIA's vLLM plugin);
 * ``glm45`` (and ``glm47``) -- GLM-4.5/4.6/4.7's ``<tool_call>name`` then
   ``<arg_key>k</arg_key><arg_value>v</arg_value>`` pairs, ``</tool_call>``: a value is the
   argument's text where the tool's schema says ``string``, else JSON (text where it does not
@@ -241,6 +243,24 @@ class HermesToolParser(_TaggedCallParser):
 
     def _calls(self, body: str) -> list[ParsedCall]:
         return [call_from_json(strict_json(body))]
+
+
+class NemotronJsonToolParser(_TaggedCallParser):
+    """Nemotron Nano 2's ``<TOOLCALL>[{"name": "get_weather", "arguments": {"city": "Paris"}}]
+    </TOOLCALL>`` (special tokens of its tokenizer): a JSON list of calls in each block (one
+    object alone is a list of one), any number of blocks among the content."""
+
+    name = "nemotron_json"
+    START = "<TOOLCALL>"
+    END = "</TOOLCALL>"
+    needs_special_tokens = True
+
+    def _calls(self, body: str) -> list[ParsedCall]:
+        obj = strict_json(body)
+        calls = obj if isinstance(obj, list) else [obj]
+        if not calls:
+            raise ValueError("not a call: an empty list")
+        return [call_from_json(c) for c in calls]
 
 
 class Glm45ToolParser(_TaggedCallParser):
@@ -777,6 +797,7 @@ PARSERS: dict[str, type[ToolParser]] = {
     p.name: p
     for p in (
         HermesToolParser,
+        NemotronJsonToolParser,
         Llama3JsonToolParser,
         MistralToolParser,
         PythonicToolParser,
