@@ -146,6 +146,36 @@ def collect_stream(stream) -> tuple[str, str, str | None, str, str | None, list[
     return reasoning, content, name, args, finish, lps
 
 
+def calls_streamed_or_not(server, tok, script: str, tools: list[dict]) -> list[tuple]:
+    """A chat answer's (content, finish reason, calls as (name, arguments)), not streamed and
+    streamed (its deltas added up, any number of calls)."""
+    client = openai_client(server)
+    ch = chat(client, server, tok, script, tools=tools).choices[0]
+    calls = [(c.function.name, json.loads(c.function.arguments)) for c in ch.message.tool_calls]
+    whole = (ch.message.content, ch.finish_reason, calls)
+    stream = client.chat.completions.create(
+        model=SERVED_NAME,
+        messages=scripted(server, tok, script),
+        temperature=0.0,
+        max_tokens=120,
+        tools=tools,
+        stream=True,
+        extra_body={"chat_template_kwargs": {}},
+    )
+    content, names, args, finish = "", {}, {}, None
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        c = chunk.choices[0]
+        content += c.delta.content or ""
+        for d in c.delta.tool_calls or []:
+            names[d.index] = names.get(d.index) or d.function.name
+            args[d.index] = args.get(d.index, "") + (d.function.arguments or "")
+        finish = c.finish_reason or finish
+    streamed = (content, finish, [(names[i], json.loads(args[i])) for i in sorted(names)])
+    return [whole, streamed]
+
+
 def deterministic_call(client, server, tok, script: str, tools: list[dict]) -> tuple:
     """One sampled deterministic chat answer's token ids, logprob bits and calls."""
     r = chat(

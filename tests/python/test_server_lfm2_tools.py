@@ -13,10 +13,13 @@ control: without the parser the output is one flat content string, markers dropp
 
 from __future__ import annotations
 
-import json
-
-from server_fixtures import SERVED_NAME
-from test_server_glm import chat, openai_client, scripted, scripted_fixtures, scripted_server
+from test_server_glm import (
+    calls_streamed_or_not,
+    chat,
+    openai_client,
+    scripted_fixtures,
+    scripted_server,
+)
 
 START, END = "<|tool_call_start|>", "<|tool_call_end|>"
 MARKERS = ["<|im_start|>", START, END]
@@ -41,32 +44,8 @@ model_dir, tok, server = scripted_fixtures(
 
 
 def test_calls_and_the_content_around_them_streamed_or_not(server, tok) -> None:
-    client = openai_client(server)
-    ch = chat(client, server, tok, SAYS, tools=TOOLS).choices[0]
-    assert ch.message.content == "On it.Done." and ch.finish_reason == "tool_calls"
-    calls = [(c.function.name, json.loads(c.function.arguments)) for c in ch.message.tool_calls]
-    assert calls == CALLS
-    stream = client.chat.completions.create(
-        model=SERVED_NAME,
-        messages=scripted(server, tok, SAYS),
-        temperature=0.0,
-        max_tokens=120,
-        tools=TOOLS,
-        stream=True,
-        extra_body={"chat_template_kwargs": {}},
-    )
-    content, names, args, finish = "", {}, {}, None
-    for chunk in stream:
-        if not chunk.choices:
-            continue
-        c = chunk.choices[0]
-        content += c.delta.content or ""
-        for d in c.delta.tool_calls or []:
-            names[d.index] = names.get(d.index) or d.function.name
-            args[d.index] = args.get(d.index, "") + (d.function.arguments or "")
-        finish = c.finish_reason or finish
-    assert (content, finish) == ("On it.Done.", "tool_calls")
-    assert [(names[i], json.loads(args[i])) for i in sorted(names)] == CALLS
+    want = ("On it.Done.", "tool_calls", CALLS)
+    assert calls_streamed_or_not(server, tok, SAYS, TOOLS) == [want, want]
 
 
 def test_without_the_parser_the_output_is_flat_content(tmp_path_factory, model_dir, tok):
