@@ -40,7 +40,7 @@ def config(arch: str):
     widths at half the default model's hidden size: 18 DeltaNet layers, 6 attending), or a
     dense Granite 4.0-H of 1.5 B parameters (hidden 1536, 40 layers, 4 of them attending without
     rope; Mamba2 mixers of 48 heads of 64 with a state of 128, one group), or a Nemotron-H of
-    1.5 B parameters (Nemotron-H-8B's layer pattern and Mamba2 widths at hidden 2048: 31 layers
+    1.5 B parameters (laid out as Nemotron-H-8B, with its Mamba2 widths, at hidden 2048: 31 layers
     of one sublayer each, 14 Mamba2 mixers of 64 heads of 64 with a state of 128 in 8 groups,
     14 squared-ReLU MLPs 8192 wide, 3 attending without positions)."""
     import transformers
