@@ -443,3 +443,71 @@ pub fn unfuse_experts(
     }
     Ok(out)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A Nemotron 3 layout: experts in layers 1 and 3, ungated.
+    fn nemotron_moe() -> ModelConfig {
+        let json = r#"{"architectures": ["NemotronHForCausalLM"], "hidden_size": 16,
+            "intermediate_size": 32, "num_attention_heads": 2, "num_key_value_heads": 1,
+            "head_dim": 8, "vocab_size": 50, "hybrid_override_pattern": "ME*E",
+            "mamba_num_heads": 2, "mamba_head_dim": 8, "ssm_state_size": 4, "n_groups": 1,
+            "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8,
+            "moe_shared_expert_intermediate_size": 12}"#;
+        ModelConfig::from_json_str(json, std::path::Path::new("config.json")).unwrap()
+    }
+
+    #[test]
+    fn ungated_experts_have_no_gate_and_stack_their_up_projections_alone() {
+        let cfg = nemotron_moe();
+        let shapes = crate::model::param_shapes(&cfg);
+        let e = "model.layers.1.mlp.experts.2";
+        assert_eq!(shapes[&format!("{e}.up_proj.weight")], vec![8, 16]);
+        assert_eq!(shapes[&format!("{e}.down_proj.weight")], vec![16, 8]);
+        assert!(!shapes.contains_key(&format!("{e}.gate_proj.weight")));
+        let shared = "model.layers.3.mlp.shared_experts";
+        assert_eq!(shapes[&format!("{shared}.up_proj.weight")], vec![12, 16]);
+        assert!(shapes.contains_key("model.layers.3.mlp.gate.e_score_correction_bias"));
+        let stacked = fused_expert_shapes(&cfg);
+        assert_eq!(
+            stacked,
+            [1, 3]
+                .into_iter()
+                .flat_map(|l| [
+                    (
+                        format!("model.layers.{l}.mlp.experts.up_proj"),
+                        vec![4, 8, 16]
+                    ),
+                    (
+                        format!("model.layers.{l}.mlp.experts.down_proj"),
+                        vec![4, 16, 8]
+                    ),
+                ])
+                .collect::<Vec<_>>()
+        );
+    }
+
+    /// An expert's matrix is held by its layer's stacked tensors only where all of them are
+    /// there; the router, the shared expert and other layers' experts never are.
+    #[test]
+    fn stacked_tensors_hold_their_layers_experts_only() {
+        let cfg = nemotron_moe();
+        let up = "model.layers.1.mlp.experts.up_proj";
+        let down = "model.layers.1.mlp.experts.down_proj";
+        let both = |n: &str| n == up || n == down;
+        let only_up = |n: &str| n == up;
+        let expert = "model.layers.1.mlp.experts.3.down_proj.weight";
+        assert!(held_stacked(&cfg, &both, expert));
+        assert!(!held_stacked(&cfg, &only_up, expert));
+        for other in [
+            "model.layers.3.mlp.experts.3.down_proj.weight",
+            "model.layers.1.mlp.shared_experts.up_proj.weight",
+            "model.layers.1.mlp.gate.weight",
+            "model.layers.1.mlp.experts.9.up_proj.weight",
+        ] {
+            assert!(!held_stacked(&cfg, &both, other), "{other}");
+        }
+    }
+}
