@@ -52,6 +52,27 @@ pub(super) fn field_in_layer(cfg: &ModelConfig, layer: usize, field: &str) -> Op
     Some(format!("{module}.{field}"))
 }
 
+/// Nemotron-H's name, under `prefix` (`backbone.` or `model.`), for the engine's parameter
+/// `name` ([`engine_name`] the other way; the layer kinds are in the engine's name); `None`
+/// where the engine's name is the checkpoint's (`lm_head.weight`).
+pub(super) fn file_name(prefix: &str, name: &str) -> Option<String> {
+    let rest = name.strip_prefix("model.")?;
+    match rest {
+        "embed_tokens.weight" => return Some(format!("{prefix}embeddings.weight")),
+        "norm.weight" => return Some(format!("{prefix}norm_f.weight")),
+        _ => {}
+    }
+    let (index, field) = rest.strip_prefix("layers.")?.split_once('.')?;
+    let theirs = match field {
+        "input_layernorm.weight" | "post_attention_layernorm.weight" => "norm.weight".to_string(),
+        _ => {
+            let (_, inner) = field.split_once('.')?;
+            format!("mixer.{inner}")
+        }
+    };
+    Some(format!("{prefix}layers.{index}.{theirs}"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -104,5 +125,33 @@ mod tests {
         ] {
             assert_eq!(engine_name(&cfg, same), None, "{same}");
         }
+        // ... and back: each of the checkpoint's names is the file's name of its engine name.
+        for (theirs, ours) in [
+            ("backbone.embeddings.weight", "model.embed_tokens.weight"),
+            (
+                "backbone.layers.0.norm.weight",
+                "model.layers.0.input_layernorm.weight",
+            ),
+            (
+                "backbone.layers.0.mixer.A_log",
+                "model.layers.0.mamba.A_log",
+            ),
+            (
+                "backbone.layers.1.norm.weight",
+                "model.layers.1.post_attention_layernorm.weight",
+            ),
+            (
+                "backbone.layers.2.mixer.o_proj.weight",
+                "model.layers.2.self_attn.o_proj.weight",
+            ),
+            ("backbone.norm_f.weight", "model.norm.weight"),
+        ] {
+            assert_eq!(
+                file_name("backbone.", ours).as_deref(),
+                Some(theirs),
+                "{ours}"
+            );
+        }
+        assert_eq!(file_name("backbone.", "lm_head.weight"), None);
     }
 }

@@ -91,6 +91,9 @@ pub struct Checkpoint {
     index: HashMap<String, Stored>,
     /// The file users would look at to find a tensor (index json or the single file).
     manifest: PathBuf,
+    /// Where the checkpoint spells its names otherwise (Nemotron-H's, under this prefix), a
+    /// missing tensor is named as it would be spelled on file.
+    nemotron_h_prefix: Option<&'static str>,
 }
 
 /// Where a tensor is, and its layout, as its shard's header says (read once, at open).
@@ -113,6 +116,10 @@ impl Checkpoint {
             .iter()
             .filter_map(|(n, at)| nemotron_h_names::engine_name(cfg, n).map(|e| (e, at.clone())))
             .collect();
+        if cfg.architecture == crate::config::Architecture::NemotronH {
+            let hub = ck.index.keys().any(|n| n.starts_with("backbone."));
+            ck.nemotron_h_prefix = Some(if hub { "backbone." } else { "model." });
+        }
         for (name, at) in renamed {
             ck.index.entry(name).or_insert(at);
         }
@@ -176,6 +183,7 @@ impl Checkpoint {
             shards,
             index,
             manifest,
+            nemotron_h_prefix: None,
         })
     }
 
@@ -290,12 +298,15 @@ impl Checkpoint {
     }
 
     fn locate(&self, name: &str) -> Result<&Stored> {
-        self.index
-            .get(name)
-            .ok_or_else(|| DetspecError::MissingTensor {
-                name: name.to_string(),
+        self.index.get(name).ok_or_else(|| {
+            let on_file = self
+                .nemotron_h_prefix
+                .and_then(|prefix| nemotron_h_names::file_name(prefix, name));
+            DetspecError::MissingTensor {
+                name: on_file.unwrap_or_else(|| name.to_string()),
                 path: self.manifest.clone(),
-            })
+            }
+        })
     }
 
     /// [`Self::with_raw`] for a tensor of any stored dtype.

@@ -123,3 +123,18 @@ def test_what_it_does_not_run_is_refused_naming_the_field(model_zoo, tmp_path, c
     (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(detspec.DetspecError, match=field):
         detspec.LLM(str(bad), num_kv_pages=64)
+
+
+@pytest.mark.parametrize("spelling", ["hub", "state_dict"])
+def test_a_missing_tensor_is_named_as_its_checkpoint_spells_it(spellings, tmp_path, spelling):
+    case, other = spellings
+    source = case.path if spelling == "hub" else other
+    broken = tmp_path / "broken"
+    shutil.copytree(source, broken)
+    tensors = load_file(broken / "model.safetensors")
+    prefix = "backbone." if spelling == "hub" else "model."
+    gone = f"{prefix}layers.0.mixer.in_proj.weight"
+    del tensors[gone]
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(detspec.DetspecError, match=f"missing tensor `{gone}`"):
+        detspec.LLM(str(broken), num_kv_pages=64)
