@@ -161,9 +161,13 @@ def test_prompts_sharing_a_system_prompt_read_it(model, strategy):
     fresh = [run(case, [p], [params(7)], **kw)[0][0] for p in prompts]
     assert [bits(o) for o in outs] == [bits(f) for f in fresh]
     # Sent together, the others wait for the first one's prefill, which (on a recurrent
-    # model, asked to) keeps its state where the shared run ends.
+    # model, asked to) keeps its state where the shared run ends. `generate` submits its
+    # prompts one by one to the engine's thread: one that arrives after the first's prefill
+    # is done finds no state at 48 and computes the shared part as the second one-by-one
+    # prompt does (the scheduler's rule itself: `sched::sharing`'s unit tests).
     together, _ = run(case, prompts, [params(7)] * len(prompts), **kw)
-    assert [o.metrics["num_cached_tokens"] for o in together] == [0, 48, 48, 48]
+    cached = [o.metrics["num_cached_tokens"] for o in together]
+    assert cached[0] == 0 and cached[1] in (0, 48) and cached[2:] == [48, 48], cached
     assert [bits(o) for o in together] == [bits(f) for f in fresh]
 
 
