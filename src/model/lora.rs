@@ -535,9 +535,6 @@ fn check_config(c: &AdapterConfig, path: &Path, max_rank: usize) -> Result<()> {
     Ok(())
 }
 
-/// `(layer, module, its targets, is lora_A)` of a PEFT tensor name
-/// (`base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight`) on a model that stores
-/// q/k/v and gate/up as `arch` does ([`LoraTarget::of_module`]), or why not.
 /// An adapter tensor's name with its layer's module as the engine names it, where the model's
 /// checkpoints name it otherwise (Nemotron-H's `layers.3.mixer.q_proj` →
 /// `layers.3.self_attn.q_proj`); `None` where they do not.
@@ -548,6 +545,9 @@ fn engine_module_name(cfg: &ModelConfig, name: &str) -> Option<String> {
     Some(format!("{before}layers.{layer}.{own}"))
 }
 
+/// `(layer, module, its targets, is lora_A)` of a PEFT tensor name
+/// (`base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight`) on a model that stores
+/// q/k/v and gate/up as `arch` does ([`LoraTarget::of_module`]), or why not.
 fn parse_name(
     name: &str,
     num_layers: usize,
