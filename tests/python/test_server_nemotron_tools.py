@@ -23,14 +23,10 @@ from test_server_glm import (
     scripted_fixtures,
     scripted_server,
 )
+from test_server_lfm2_tools import STOPS, TEMPLATE  # the same ChatML-like template
 
 START, END = "<TOOLCALL>", "</TOOLCALL>"
 MARKERS = ["<|im_start|>", START, END]
-STOPS = ["<|im_end|>"]
-TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 CALLS = [("book", {"code": "007", "seats": -2, "note": None}), ("now", {})]
 SAYS = f"On it.{START}{json.dumps([{'name': n, 'arguments': a} for n, a in CALLS])}{END}<|im_end|>"
 TOOLS = [
